@@ -1,0 +1,36 @@
+"""The router <-> worker wire contract: typed messages and their msgpack codec.
+
+Imports neither ``router`` nor ``worker``; both import it.
+"""
+
+from protocol.codec import ProtocolError, decode, encode
+from protocol.messages import (
+    FINISH_REASONS,
+    MAX_FRAME_BYTES,
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    ApplyTemplate,
+    ApplyTemplateResult,
+    Cancel,
+    Detokenize,
+    DetokenizeResult,
+    Done,
+    Error,
+    Generate,
+    Hello,
+    Message,
+    Ping,
+    Pong,
+    Ready,
+    Shutdown,
+    Token,
+    Tokenize,
+    TokenizeResult,
+)
+
+__all__ = [
+    "FINISH_REASONS", "MAX_FRAME_BYTES", "MESSAGE_TYPES", "PROTOCOL_VERSION",
+    "ApplyTemplate", "ApplyTemplateResult", "Cancel", "Detokenize", "DetokenizeResult", "Done",
+    "Error", "Generate", "Hello", "Message", "Ping", "Pong", "ProtocolError", "Ready", "Shutdown",
+    "Token", "Tokenize", "TokenizeResult", "decode", "encode",
+]

@@ -1,0 +1,238 @@
+"""Router <-> worker message types: small typed records, one per frame.
+
+Every frame on the wire is one msgpack map::
+
+    {"v": PROTOCOL_VERSION, "type": "<tag>", "id": "<request id>", ...fields}
+
+``id`` is the request id the message belongs to (a Generate and all its Token /
+Done / Error frames share it; worker-level messages such as Hello, Ready, Ping
+use their own id). Field names follow OpenAI's and llama.cpp's wire names
+(max_tokens, n_probs, finish_reason, prompt_n, ...).
+
+Direction:
+
+* worker -> router: Hello, Ready, Token, Done, Error, Pong, TokenizeResult,
+  DetokenizeResult, ApplyTemplateResult
+* router -> worker: Generate, Cancel, Ping, Shutdown, Tokenize, Detokenize,
+  ApplyTemplate
+
+This module only declares the records; ``protocol.codec`` encodes, decodes and
+validates them. It imports neither the router nor the worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+#: Bumped on any incompatible change; a frame with another version is rejected.
+PROTOCOL_VERSION = 1
+
+#: Largest frame either side accepts, in bytes (a 100 KB prompt as token ids is < 1 MiB).
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+
+#: finish_reason values carried by Done.
+FINISH_REASONS = ("stop", "length", "cancelled")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Message:
+    """Base of every frame. ``id``: request id (str, 1..128 chars)."""
+
+    TYPE: ClassVar[str] = ""
+    id: str
+
+
+# --------------------------------------------------------------------- worker -> router
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hello(Message):
+    """Sent once right after the worker connects, before it loads its model."""
+
+    TYPE: ClassVar[str] = "hello"
+    model: str  # configured model name
+    pid: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ready(Message):
+    """Sent once the model is loaded: the worker's model identity."""
+
+    TYPE: ClassVar[str] = "ready"
+    model: str  # configured model name
+    architecture: str  # general.architecture, e.g. "llama", "gemma3"
+    gguf_path: str
+    file_size: int  # bytes
+    fingerprint: str  # content fingerprint of the GGUF file (hex)
+    n_ctx: int  # KV cache size, tokens
+    n_ctx_train: int
+    n_vocab: int
+    has_chat_template: bool
+    pid: int
+    load_ms: float
+    max_jobs: int = 1  # generations run at once (1: the depth-one job queue)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Token(Message):
+    """One generated token. ``text`` is the safe text delta (UTF-8 complete, no
+    possible stop-string prefix); it may be empty and is never retracted."""
+
+    TYPE: ClassVar[str] = "token"
+    text: str
+    token_id: int
+    piece: bytes  # the token's raw bytes (may end mid UTF-8 character)
+    logprob: float | None = None  # of token_id under the raw distribution
+    top_logprobs: list[list[Any]] = field(default_factory=list)  # [[id, logprob], ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Done(Message):
+    """The final frame of a generation."""
+
+    TYPE: ClassVar[str] = "done"
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    stop_type: str  # "eos" | "word" | "limit" | "cancelled"
+    stopping_word: str = ""
+    text: str = ""  # text held back until the end (not yet sent in a Token)
+    prompt_tokens: int  # usage
+    completion_tokens: int  # usage
+    prompt_n: int  # timings: prompt tokens evaluated (after KV cache reuse)
+    prompt_ms: float
+    predicted_n: int
+    predicted_ms: float
+    cache_n: int  # prompt tokens reused from the KV cache
+
+
+@dataclass(frozen=True, kw_only=True)
+class Error(Message):
+    """A request failed (or, with the worker's own id, the worker failed to load).
+
+    ``code`` is machine-readable: "invalid_request", "invalid_token",
+    "context_length_exceeded", "invalid_params", "empty_prompt",
+    "no_chat_template", "template_error", "busy", "protocol_error",
+    "load_failed", "internal_error", ...
+    """
+
+    TYPE: ClassVar[str] = "error"
+    code: str
+    message: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pong(Message):
+    """Health answer; sent even mid-generation."""
+
+    TYPE: ClassVar[str] = "pong"
+    busy: bool
+    queue_len: int  # Generate requests waiting behind the running one
+    running_id: str | None = None
+    pid: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizeResult(Message):
+    TYPE: ClassVar[str] = "tokenize_result"
+    tokens: list[int]
+    pieces: list[bytes] = field(default_factory=list)  # filled when with_pieces was asked
+
+
+@dataclass(frozen=True, kw_only=True)
+class DetokenizeResult(Message):
+    TYPE: ClassVar[str] = "detokenize_result"
+    content: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ApplyTemplateResult(Message):
+    TYPE: ClassVar[str] = "apply_template_result"
+    prompt: str
+
+
+# --------------------------------------------------------------------- router -> worker
+
+
+@dataclass(frozen=True, kw_only=True)
+class Generate(Message):
+    """Run one generation. Exactly one of ``prompt`` (text or token ids) and
+    ``messages`` (chat, rendered with the model's template by the worker) is set.
+
+    Sampling fields use llama.cpp's names and defaults; temperature <= 0 is greedy.
+    ``max_tokens`` None means until the context (n_ctx) is full.
+    ``logit_bias`` is a list of [token_id, bias] pairs.
+    """
+
+    TYPE: ClassVar[str] = "generate"
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special: bool = True
+    parse_special: bool = True
+    max_tokens: int | None = None
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logit_bias: list[list[Any]] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    n_probs: int = 0  # top-N logprobs per token, 0 = none
+    ignore_eos: bool = False
+    cache_prompt: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cancel(Message):
+    """Cancel request ``id``: a queued one is dropped, a running one stops within
+    a token (or a prefill chunk) and answers Done(finish_reason="cancelled")."""
+
+    TYPE: ClassVar[str] = "cancel"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ping(Message):
+    TYPE: ClassVar[str] = "ping"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shutdown(Message):
+    """Ask the worker to cancel its work and exit."""
+
+    TYPE: ClassVar[str] = "shutdown"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tokenize(Message):
+    TYPE: ClassVar[str] = "tokenize"
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Detokenize(Message):
+    TYPE: ClassVar[str] = "detokenize"
+    tokens: list[int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ApplyTemplate(Message):
+    TYPE: ClassVar[str] = "apply_template"
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool = True
+
+
+#: Every message type by its wire tag.
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (
+        Hello, Ready, Token, Done, Error, Pong, TokenizeResult, DetokenizeResult,
+        ApplyTemplateResult, Generate, Cancel, Ping, Shutdown, Tokenize, Detokenize,
+        ApplyTemplate,
+    )
+}

