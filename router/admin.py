@@ -1,0 +1,54 @@
+"""Operator routes: ``GET /admin/models``, ``POST /admin/models/load``, ``POST /admin/models/unload``.
+
+``load`` answers 200 once the worker is ready (with its load time, ms); ``unload``
+drains — the running request finishes, waiting and new requests get 503 — then
+stops the worker (Shutdown, grace period, kill) and answers 200.
+"""
+
+from __future__ import annotations
+
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from router.params import get_str, read_json
+from router.pool import Pool
+from router.sse import until_disconnect
+
+
+def _pool(request: Request) -> Pool:
+    pool: Pool = request.app.state.pool
+    return pool
+
+
+async def list_models(request: Request) -> Response:
+    """Every configured model: state, pid, queue depth, in-flight ids, load time, last use, last error."""
+    pool = _pool(request)
+    return JSONResponse({"object": "list", "data": [s.describe() for s in pool.slots.values()]})
+
+
+async def load(request: Request) -> Response:
+    body = await read_json(request)
+    slot = _pool(request).get(get_str(body, "model"))
+    t0 = time.monotonic()
+    load_ms = await until_disconnect(request.receive, slot.load())
+    return JSONResponse({"model": slot.model.name, "state": slot.state.value, "load_ms": load_ms,
+                         "wait_ms": (time.monotonic() - t0) * 1000, "pid": slot.describe()["pid"]})
+
+
+async def unload(request: Request) -> Response:
+    body = await read_json(request)
+    slot = _pool(request).get(get_str(body, "model"))
+    t0 = time.monotonic()
+    await slot.unload()  # not cancelled by the client leaving: an unload, once asked, completes
+    return JSONResponse({"model": slot.model.name, "state": slot.state.value,
+                         "unload_ms": (time.monotonic() - t0) * 1000})
+
+
+routes = [
+    Route("/admin/models", list_models, methods=["GET"]),
+    Route("/admin/models/load", load, methods=["POST"]),
+    Route("/admin/models/unload", unload, methods=["POST"]),
+]

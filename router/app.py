@@ -1,0 +1,82 @@
+"""The Starlette application: routes, the one error mapping, and the worker pool's lifetime.
+
+``create_app(config)`` builds it; the pool is created at startup (lifespan) and
+closed at shutdown, which stops every worker. Errors: an :class:`ApiError`
+anywhere becomes its OpenAI-shaped body and status; an unknown route or method
+too; anything else is a true bug and becomes a 500 with the same shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from router import admin, llamacpp_api, openai_api
+from router.auth import BearerAuth
+from router.config import Config
+from router.errors import ApiError, InternalError, MethodNotAllowed, NotFound, error_response
+from router.pool import Pool
+
+log = logging.getLogger("modelyard.app")
+
+
+async def health(request: Request) -> Response:
+    """Liveness of the router itself (never loads a model, never needs a key)."""
+    pool: Pool = request.app.state.pool
+    return JSONResponse({"status": "ok", "models": {n: s.state.value for n, s in pool.slots.items()}})
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return error_response(NotFound(f"no route {request.method} {request.url.path}", code="not_found"))
+    if exc.status_code == 405:
+        resp = error_response(MethodNotAllowed(f"method {request.method} not allowed on {request.url.path}"))
+        if exc.headers:
+            resp.headers.update(exc.headers)
+        return resp
+    err = ApiError(str(exc.detail), code=None)
+    err.status = exc.status_code  # type: ignore[misc]
+    return error_response(err)
+
+
+async def _bug(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(InternalError(f"internal error: {type(exc).__name__}"))
+
+
+def create_app(config: Config, *, worker_module: str | None = None) -> Starlette:
+    """The router app for ``config``. ``worker_module`` overrides ``python -m worker``
+    (also settable with the MODELYARD_WORKER_MODULE environment variable)."""
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        app.state.pool = Pool(config, worker_module=worker_module)
+        try:
+            yield
+        finally:
+            await app.state.pool.close()
+
+    routes = [Route("/health", health, methods=["GET"]),
+              *openai_api.routes, *llamacpp_api.routes, *admin.routes]
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(BearerAuth, server=config.server)],
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _bug},
+        lifespan=lifespan,
+    )
+    app.state.config = config
+    return app

@@ -1,0 +1,49 @@
+"""Bearer-key checks, as pure ASGI middleware (does not wrap ``receive``, so
+client-disconnect detection downstream keeps working).
+
+* ``server.api_key`` set: every route but ``/health`` needs ``Authorization: Bearer <api_key>``.
+* ``server.admin_key`` set: ``/admin/*`` needs ``Authorization: Bearer <admin_key>``
+  (without an admin_key, ``/admin/*`` is guarded by the api_key like the rest).
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from router.config import ServerConfig
+from router.errors import Unauthorized, error_response
+
+
+class BearerAuth:
+    def __init__(self, app: ASGIApp, server: ServerConfig) -> None:
+        self.app = app
+        self.api_key = server.api_key
+        self.admin_key = server.admin_key
+
+    def _required(self, path: str) -> str | None:
+        if path == "/health":
+            return None
+        if path == "/admin" or path.startswith("/admin/"):
+            return self.admin_key or self.api_key
+        return self.api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        key = self._required(scope.get("path", ""))
+        if key is not None:
+            given = None
+            for name, value in scope.get("headers", []):
+                if name == b"authorization":
+                    scheme, _, token = value.decode("latin-1").partition(" ")
+                    if scheme.lower() == "bearer":
+                        given = token.strip()
+                    break
+            if given is None or not hmac.compare_digest(given.encode(), key.encode()):
+                err = Unauthorized("missing or invalid API key (expected 'Authorization: Bearer <key>')")
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,303 @@
+"""``config.toml``: read once with :mod:`tomllib`, validated into typed, frozen records.
+
+Layout::
+
+    [server]            host, port, api_key, admin_key, models_dir, transport,
+                        shutdown_timeout_s
+    [defaults]          any per-model key below except path/aliases; applies to every model
+    [models.NAME]       path (required), aliases, n_ctx, chat_template, max_queue,
+                        load_timeout_s, cancel_timeout_s, drain_timeout_s,
+                        shutdown_grace_s, ping_interval_s, ping_timeout_s,
+                        and default sampling values (temperature, top_p, top_k, min_p,
+                        repeat_penalty, repeat_last_n, presence_penalty,
+                        frequency_penalty, seed)
+
+Every defect raises :class:`ConfigError` whose message starts with the key path
+(``models.smollm2.max_queue: ...``); unknown keys are defects too (a typo must not
+silently fall back to a default). ``models_dir`` is relative to the config file's
+directory; each model ``path`` is relative to ``models_dir``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Sampling keys a model (or [defaults]) may preset. A request's own value wins;
+#: these win over the API's built-in defaults (OpenAI's for /v1/*, llama.cpp's for /completion).
+SAMPLING_KEYS: dict[str, tuple[type, float | None, float | None]] = {
+    # key: (type, minimum, maximum)
+    "temperature": (float, 0.0, 100.0),
+    "top_p": (float, 0.0, 1.0),
+    "top_k": (int, 0, None),
+    "min_p": (float, 0.0, 1.0),
+    "repeat_penalty": (float, 0.0, None),
+    "repeat_last_n": (int, -1, None),
+    "presence_penalty": (float, -2.0, 2.0),
+    "frequency_penalty": (float, -2.0, 2.0),
+    "seed": (int, None, None),
+}
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid. ``key`` is the dotted key path at fault."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}" if key else message)
+        self.key = key
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """One served model.
+
+    ``n_ctx`` in tokens (None: the worker's choice, min(n_ctx_train, 8192));
+    ``chat_template`` a known template name ("chatml", "gemma") or template text
+    (None: the GGUF's own); ``max_queue``: requests allowed to wait (for the
+    load or for the running request) beyond the one running. Times in seconds.
+    """
+
+    name: str
+    path: Path  # absolute
+    aliases: tuple[str, ...] = ()
+    n_ctx: int | None = None
+    chat_template: str | None = None
+    max_queue: int = 8
+    load_timeout_s: float = 120.0
+    cancel_timeout_s: float = 10.0  # Cancel sent -> no Done within this: the worker is killed
+    drain_timeout_s: float = 600.0  # unload waits this long for running requests, then cancels them
+    shutdown_grace_s: float = 5.0  # Shutdown sent -> still alive after this: SIGKILL
+    ping_interval_s: float = 5.0  # liveness ping of a ready worker; 0 turns it off
+    ping_timeout_s: float = 30.0  # no Pong within this: the worker is declared hung and killed
+    sampling: dict[str, float | int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """``[server]``. ``transport``: "ipc" (a socket file in a private temp
+    directory) or "tcp" (127.0.0.1, an ephemeral port) for the worker sockets."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    admin_key: str | None = None
+    models_dir: Path = Path("models")
+    transport: str = "ipc"
+    shutdown_timeout_s: float = 10.0  # uvicorn's graceful-shutdown bound for open HTTP requests
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    server: ServerConfig
+    models: dict[str, ModelConfig]  # by canonical name, in file order
+    source: Path | None = None
+
+    def resolve(self, name: str) -> ModelConfig | None:
+        """The model called ``name`` (canonical name or alias), else None."""
+        if name in self.models:
+            return self.models[name]
+        for m in self.models.values():
+            if name in m.aliases:
+                return m
+        return None
+
+    def ids(self) -> list[str]:
+        """Every name a client may use: canonical names and aliases."""
+        out: list[str] = []
+        for m in self.models.values():
+            out.append(m.name)
+            out.extend(m.aliases)
+        return out
+
+
+_MODEL_KEYS = {
+    "path", "aliases", "n_ctx", "chat_template", "max_queue", "load_timeout_s",
+    "cancel_timeout_s", "drain_timeout_s", "shutdown_grace_s", "ping_interval_s",
+    "ping_timeout_s", *SAMPLING_KEYS,
+}
+_DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases"}
+_SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport", "shutdown_timeout_s"}
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate ``path``. Raises ConfigError (naming the key) on any defect,
+    including an unreadable file or malformed TOML."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError("", f"cannot read config file {p}: {e.strerror or e}") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError("", f"{p}: invalid TOML: {e}") from None
+    return parse_config(data, base_dir=p.resolve().parent, source=p.resolve())
+
+
+def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = None) -> Config:
+    """Validate an already-parsed TOML document. Raises ConfigError."""
+    _no_unknown(data, {"server", "defaults", "models"}, "")
+    server_raw = _table(data, "server", "server")
+    _no_unknown(server_raw, _SERVER_KEYS, "server")
+    host = _str(server_raw, "host", "server", "127.0.0.1")
+    port = _int(server_raw, "port", "server", 8080, 0, 65535)
+    api_key = _opt_str(server_raw, "api_key", "server")
+    admin_key = _opt_str(server_raw, "admin_key", "server")
+    models_dir = Path(_str(server_raw, "models_dir", "server", "models"))
+    if not models_dir.is_absolute():
+        models_dir = base_dir / models_dir
+    transport = _str(server_raw, "transport", "server", "ipc")
+    if transport not in ("ipc", "tcp"):
+        raise ConfigError("server.transport", f'expected "ipc" or "tcp", got {transport!r}')
+    server = ServerConfig(
+        host=host, port=port, api_key=api_key, admin_key=admin_key, models_dir=models_dir,
+        transport=transport,
+        shutdown_timeout_s=_float(server_raw, "shutdown_timeout_s", "server", 10.0, 0.0),
+    )
+    check_public_bind(server)
+
+    defaults = _table(data, "defaults", "defaults")
+    _no_unknown(defaults, _DEFAULTS_KEYS, "defaults")
+    models_raw = _table(data, "models", "models")
+    if not models_raw:
+        raise ConfigError("models", "at least one [models.NAME] table is required")
+    models: dict[str, ModelConfig] = {}
+    seen_ids: dict[str, str] = {}
+    for name, table in models_raw.items():
+        where = f"models.{name}"
+        if not isinstance(table, dict):
+            raise ConfigError(where, f"expected a table, got {type(table).__name__}")
+        _no_unknown(table, _MODEL_KEYS, where)
+        _check_id(name, where)
+        merged = {**defaults, **table}
+
+        def src(key: str) -> str:
+            return where if key in table else "defaults"
+
+        if "path" not in table:
+            raise ConfigError(f"{where}.path", "required (the GGUF file, relative to server.models_dir)")
+        rel = _str(table, "path", where, "")
+        gguf = Path(rel) if Path(rel).is_absolute() else models_dir / rel
+        if not gguf.is_file():
+            raise ConfigError(f"{where}.path", f"no such file: {gguf}")
+        aliases_raw = table.get("aliases", [])
+        if not isinstance(aliases_raw, list) or not all(isinstance(a, str) for a in aliases_raw):
+            raise ConfigError(f"{where}.aliases", "expected a list of strings")
+        for ident in [name, *aliases_raw]:
+            _check_id(ident, f"{where}.aliases")
+            if ident in seen_ids:
+                raise ConfigError(f"{where}.aliases" if ident != name else where,
+                                  f"name {ident!r} is already used by model {seen_ids[ident]!r}")
+            seen_ids[ident] = name
+        n_ctx_raw = merged.get("n_ctx")
+        n_ctx = None if n_ctx_raw is None else _int(merged, "n_ctx", src("n_ctx"), 0, 16, 1 << 20)
+        sampling: dict[str, float | int] = {}
+        for key, (tp, lo, hi) in SAMPLING_KEYS.items():
+            if key in merged:
+                if tp is int:
+                    sampling[key] = _int(merged, key, src(key), 0, lo, hi)
+                else:
+                    sampling[key] = _float(merged, key, src(key), 0.0, lo, hi)
+        ping_interval = _float(merged, "ping_interval_s", src("ping_interval_s"), 5.0, 0.0)
+        models[name] = ModelConfig(
+            name=name,
+            path=gguf.resolve(),
+            aliases=tuple(aliases_raw),
+            n_ctx=n_ctx,
+            chat_template=_opt_str(merged, "chat_template", src("chat_template")),
+            max_queue=_int(merged, "max_queue", src("max_queue"), 8, 0, 100_000),
+            load_timeout_s=_float(merged, "load_timeout_s", src("load_timeout_s"), 120.0, 0.001),
+            cancel_timeout_s=_float(merged, "cancel_timeout_s", src("cancel_timeout_s"), 10.0, 0.001),
+            drain_timeout_s=_float(merged, "drain_timeout_s", src("drain_timeout_s"), 600.0, 0.0),
+            shutdown_grace_s=_float(merged, "shutdown_grace_s", src("shutdown_grace_s"), 5.0, 0.0),
+            ping_interval_s=ping_interval,
+            ping_timeout_s=_float(merged, "ping_timeout_s", src("ping_timeout_s"), 30.0, 0.001),
+            sampling=sampling,
+        )
+    return Config(server=server, models=models, source=source)
+
+
+def is_loopback(host: str) -> bool:
+    """True for "localhost" and loopback addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_public_bind(server: ServerConfig) -> None:
+    """Binding a non-loopback host is an explicit choice that needs an api_key.
+    Raises ConfigError("server.api_key") otherwise."""
+    if not is_loopback(server.host) and not server.api_key:
+        raise ConfigError(
+            "server.api_key",
+            f"binding the non-loopback host {server.host!r} requires server.api_key "
+            "(every route but /health then needs 'Authorization: Bearer <api_key>')",
+        )
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _no_unknown(table: dict[str, Any], allowed: set[str], where: str) -> None:
+    for key in table:
+        if key not in allowed:
+            path = f"{where}.{key}" if where else key
+            raise ConfigError(path, f"unknown key (allowed: {', '.join(sorted(allowed))})")
+
+
+def _table(data: dict[str, Any], key: str, where: str) -> dict[str, Any]:
+    value = data.get(key, {})
+    if not isinstance(value, dict):
+        raise ConfigError(where, f"expected a table, got {type(value).__name__}")
+    return value
+
+
+def _check_id(ident: str, where: str) -> None:
+    if not ident or len(ident) > 128 or any(c.isspace() for c in ident):
+        raise ConfigError(where, f"invalid model id {ident!r} (1..128 characters, no whitespace)")
+
+
+def _str(t: dict[str, Any], key: str, where: str, default: str) -> str:
+    v = t.get(key, default)
+    if not isinstance(v, str):
+        raise ConfigError(f"{where}.{key}", f"expected a string, got {type(v).__name__}")
+    return v
+
+
+def _opt_str(t: dict[str, Any], key: str, where: str) -> str | None:
+    if key not in t:
+        return None
+    v = _str(t, key, where, "")
+    return v or None
+
+
+def _int(t: dict[str, Any], key: str, where: str, default: int, lo: float | None = None,
+         hi: float | None = None) -> int:
+    v = t.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"{where}.{key}", f"expected an integer, got {type(v).__name__}")
+    _range(v, f"{where}.{key}", lo, hi)
+    return v
+
+
+def _float(t: dict[str, Any], key: str, where: str, default: float, lo: float | None = None,
+           hi: float | None = None) -> float:
+    v = t.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ConfigError(f"{where}.{key}", f"expected a finite number, got {v!r}")
+    _range(v, f"{where}.{key}", lo, hi)
+    return float(v)
+
+
+def _range(v: float, path: str, lo: float | None, hi: float | None) -> None:
+    if lo is not None and v < lo:
+        raise ConfigError(path, f"must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise ConfigError(path, f"must be <= {hi}, got {v}")

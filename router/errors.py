@@ -1,0 +1,144 @@
+"""Every error the router answers, and the one place they become HTTP.
+
+Handlers and the pool *raise* an :class:`ApiError` subclass; the app turns it
+into an OpenAI-shaped body (``{"error": {"message", "type", "param", "code"}}``)
+with the class's status (:func:`error_response`), or, once a stream has started,
+into an SSE ``data: {"error": ...}`` event (:func:`error_payload`). Worker
+``Error`` frames map to these classes in :func:`from_worker_error` — nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from starlette.responses import JSONResponse
+
+
+class ApiError(Exception):
+    """Base class. ``status`` (HTTP), ``type`` (OpenAI error type), ``code`` (machine-readable)."""
+
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "server_error"
+    default_code: ClassVar[str | None] = None
+    retry_after_s: ClassVar[int | None] = None
+
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code if code is not None else self.default_code
+        self.param = param
+
+    def payload(self) -> dict[str, Any]:
+        return error_payload(self)
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
+
+
+class BadRequest(ApiError):
+    """400: malformed JSON, invalid values, input the model cannot take."""
+
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextLengthExceeded(BadRequest):
+    """400: prompt + max_tokens beyond n_ctx (message contains "maximum context length")."""
+
+    default_code = "context_length_exceeded"
+
+
+class Unauthorized(ApiError):
+    status = 401
+    type = "invalid_request_error"
+    default_code = "invalid_api_key"
+
+
+class NotFound(ApiError):
+    status = 404
+    type = "invalid_request_error"
+    default_code = "model_not_found"
+
+
+class MethodNotAllowed(ApiError):
+    status = 405
+    type = "invalid_request_error"
+    default_code = "method_not_allowed"
+
+
+class Conflict(ApiError):
+    status = 409
+    type = "invalid_request_error"
+    default_code = "conflict"
+
+
+class Unavailable(ApiError):
+    """503: try again later (Retry-After)."""
+
+    status = 503
+    type = "server_error"
+    default_code = "unavailable"
+    retry_after_s = 1
+
+
+class QueueFull(Unavailable):
+    default_code = "queue_full"
+
+
+class ModelUnloading(Unavailable):
+    default_code = "model_unloading"
+
+
+class ModelLoadFailed(Unavailable):
+    default_code = "model_load_failed"
+    retry_after_s = 5
+
+
+class WorkerCrashed(Unavailable):
+    """The worker process died (or was killed as hung) while the request was queued."""
+
+    default_code = "worker_crashed"
+
+
+class BadGateway(ApiError):
+    """502: the worker failed during this request (crash mid-request, protocol error)."""
+
+    status = 502
+    type = "server_error"
+    default_code = "worker_error"
+
+
+class InternalError(ApiError):
+    status = 500
+    type = "server_error"
+    default_code = "internal_error"
+
+
+#: Worker Error.code -> the ApiError class it becomes. Codes not listed: BadGateway (502).
+_WORKER_CODES: dict[str, type[ApiError]] = {
+    "context_length_exceeded": ContextLengthExceeded,
+    "invalid_request": BadRequest,
+    "invalid_token": BadRequest,
+    "invalid_params": BadRequest,
+    "empty_prompt": BadRequest,
+    "no_chat_template": BadRequest,
+    "template_error": BadRequest,
+    "busy": Unavailable,
+    "load_failed": ModelLoadFailed,
+    "internal_error": InternalError,
+}
+
+
+def from_worker_error(code: str, message: str) -> ApiError:
+    """The ApiError for a worker ``Error`` frame (keeps the worker's code and message)."""
+    cls = _WORKER_CODES.get(code, BadGateway)
+    return cls(message, code=code)
+
+
+def error_payload(err: ApiError) -> dict[str, Any]:
+    """``{"error": {...}}`` as OpenAI shapes it."""
+    return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(error_payload(err), status_code=err.status, headers=err.headers())

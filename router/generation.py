@@ -1,0 +1,208 @@
+"""What the OpenAI and llama.cpp generation endpoints share.
+
+* :func:`read_sampling` — sampling fields of a request body, layered over the
+  API's defaults and the model's configured defaults;
+* :func:`begin` — admit, wait for the worker, send Generate, and wait for the
+  first frame *before* any response byte, so an error there (context overflow,
+  bad token, load failure) still gets its precise HTTP status;
+* :func:`collect` / :func:`stream` — drive the rest for a JSON answer or an SSE
+  stream (a failure after the first byte becomes one ``data: {"error": ...}``
+  event, then the stream closes);
+* :func:`timings_of` / :func:`usage_of` / :class:`TokenProb` — llama.cpp
+  ``timings``, OpenAI ``usage``, per-token log-probabilities.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+
+from protocol import Done, Generate, Token
+from router.errors import ApiError, Unavailable, error_payload
+from router.params import get_float, get_int, get_logit_bias, get_stop
+from router.pool import ModelSlot
+from router.process import WorkerProcess
+from router.run import Run
+from router.sse import until_disconnect
+
+#: Built-in defaults when neither the request nor the model config says: OpenAI's for /v1/*.
+OPENAI_DEFAULTS: dict[str, Any] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0,
+    "repeat_last_n": 64, "presence_penalty": 0.0, "frequency_penalty": 0.0, "seed": None,
+}
+#: llama.cpp server's defaults, for /completion.
+LLAMACPP_DEFAULTS: dict[str, Any] = {
+    "temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05, "repeat_penalty": 1.0,
+    "repeat_last_n": 64, "presence_penalty": 0.0, "frequency_penalty": 0.0, "seed": None,
+}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def read_sampling(body: dict[str, Any], api_defaults: dict[str, Any], slot: ModelSlot,
+                  *, openai: bool) -> dict[str, Any]:
+    """Sampling fields for Generate (llama.cpp names). Raises BadRequest naming the field."""
+    d = {**api_defaults, **slot.model.sampling}
+    t_lo, t_hi = (0.0, 2.0) if openai else (None, None)
+    seed = get_int(body, "seed", d["seed"])
+    if seed is not None and seed < 0:
+        seed = None  # llama.cpp: -1 is "random"
+    top_k = get_int(body, "top_k", d["top_k"])
+    return {
+        "temperature": get_float(body, "temperature", d["temperature"], t_lo, t_hi),
+        "top_p": get_float(body, "top_p", d["top_p"], 0.0, 1.0),
+        "top_k": max(0, top_k),
+        "min_p": get_float(body, "min_p", d["min_p"], 0.0, 1.0),
+        "repeat_penalty": get_float(body, "repeat_penalty", d["repeat_penalty"], 0.0),
+        "repeat_last_n": get_int(body, "repeat_last_n", d["repeat_last_n"], -1),
+        "presence_penalty": get_float(body, "presence_penalty", d["presence_penalty"], -2.0, 2.0),
+        "frequency_penalty": get_float(body, "frequency_penalty", d["frequency_penalty"], -2.0, 2.0),
+        "seed": seed,
+        "logit_bias": get_logit_bias(body),
+        "stop": get_stop(body),
+    }
+
+
+async def begin(request: Request, slot: ModelSlot, msg: Generate) -> tuple[Run, Token | Done]:
+    """Admit ``msg``'s request (503 if full), wait its turn, send it, and return the
+    run with its first frame. A client that leaves meanwhile cancels it
+    (ClientDisconnected). Raises the ApiError of a worker Error frame."""
+    run = Run(slot, msg.id)
+    try:
+        await until_disconnect(request.receive, run.start(msg))
+        first = await until_disconnect(request.receive, run.next())
+    except BaseException:
+        run.close()
+        raise
+    return run, first
+
+
+async def collect(request: Request, run: Run, first: Token | Done) -> tuple[list[Token], Done]:
+    """Every Token and the Done of a run (non-streaming). The client leaving cancels it."""
+
+    async def go() -> tuple[list[Token], Done]:
+        tokens: list[Token] = []
+        item = first
+        while isinstance(item, Token):
+            tokens.append(item)
+            item = await run.next()
+        return tokens, item
+
+    try:
+        tokens, done = await until_disconnect(request.receive, go())
+    finally:
+        run.close()
+    check_not_cancelled(done)
+    return tokens, done
+
+
+def check_not_cancelled(done: Done) -> None:
+    """A Done(cancelled) reaching a live client means the worker was stopped under it."""
+    if done.finish_reason == "cancelled":
+        raise Unavailable("the generation was cancelled by the server (model unloading or shutting down)",
+                          code="cancelled")
+
+
+Formatter = Callable[[Token | Done], Awaitable[list[bytes]]]
+
+
+async def stream(run: Run, first: Token | Done, on_frame: Formatter,
+                 on_error: Callable[[ApiError], bytes]) -> AsyncIterator[bytes]:
+    """SSE events for every frame of ``run`` (``on_frame`` formats; may return none).
+    An ApiError mid-stream becomes ``on_error(err)`` and ends the stream."""
+    try:
+        item: Token | Done = first
+        while True:
+            if isinstance(item, Done):
+                check_not_cancelled(item)
+            for ev in await on_frame(item):
+                yield ev
+            if isinstance(item, Done):
+                return
+            item = await run.next()
+    except ApiError as err:
+        yield on_error(err)
+    finally:
+        run.close()
+
+
+def error_event_payload(err: ApiError) -> dict[str, Any]:
+    return error_payload(err)
+
+
+def timings_of(done: Done) -> dict[str, Any]:
+    """llama.cpp's ``timings`` object (ms, tokens, tokens/s)."""
+    def per_tok(ms: float, n: int) -> float:
+        return ms / n if n else 0.0
+
+    def per_s(ms: float, n: int) -> float:
+        return 1000.0 * n / ms if ms > 0 else 0.0
+
+    return {
+        "cache_n": done.cache_n,
+        "prompt_n": done.prompt_n,
+        "prompt_ms": done.prompt_ms,
+        "prompt_per_token_ms": per_tok(done.prompt_ms, done.prompt_n),
+        "prompt_per_second": per_s(done.prompt_ms, done.prompt_n),
+        "predicted_n": done.predicted_n,
+        "predicted_ms": done.predicted_ms,
+        "predicted_per_token_ms": per_tok(done.predicted_ms, done.predicted_n),
+        "predicted_per_second": per_s(done.predicted_ms, done.predicted_n),
+    }
+
+
+def usage_of(done: Done) -> dict[str, Any]:
+    """OpenAI's ``usage`` (tokens)."""
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens,
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": done.cache_n},
+    }
+
+
+@dataclass(frozen=True)
+class TokenProb:
+    """One generated token with its log-probability and the top alternatives
+    (``top``: (id, piece bytes, logprob), best first)."""
+
+    id: int
+    piece: bytes
+    logprob: float
+    top: list[tuple[int, bytes, float]]
+
+    @property
+    def text(self) -> str:
+        return self.piece.decode("utf-8", errors="replace")
+
+
+async def token_probs(worker: WorkerProcess, tokens: list[Token], n_top: int) -> list[TokenProb]:
+    """TokenProb for each token (``n_top`` alternatives kept). Pieces of alternatives come
+    with the frame ([id, logprob, piece]) or from the worker (Detokenize, cached)."""
+    need: list[int] = []
+    for t in tokens:
+        for alt in t.top_logprobs[:n_top]:
+            if len(alt) < 3 or not isinstance(alt[2], bytes):
+                need.append(int(alt[0]))
+    pieces = await worker.token_pieces(need) if need else {}
+    out: list[TokenProb] = []
+    for t in tokens:
+        top: list[tuple[int, bytes, float]] = []
+        for alt in t.top_logprobs[:n_top]:
+            tid = int(alt[0])
+            piece = alt[2] if len(alt) >= 3 and isinstance(alt[2], bytes) else pieces.get(tid, b"")
+            top.append((tid, piece, float(alt[1])))
+        lp = t.logprob if t.logprob is not None else 0.0
+        out.append(TokenProb(t.token_id, t.piece, float(lp), top))
+    return out
+
+
+def now_s() -> int:
+    return int(time.time())

@@ -1,0 +1,225 @@
+"""llama.cpp's native routes, with ``model`` in the body (optional when only one
+model is configured): ``/completion``, ``/tokenize``, ``/detokenize``, ``/apply-template``.
+
+``/completion`` uses llama.cpp's names and defaults (``n_predict``, ``n_probs``,
+temperature 0.8, top_k 40, top_p 0.95, min_p 0.05; temperature 0 is greedy) and
+answers ``content``, ``tokens``, ``stop_type``, ``timings`` and
+``completion_probabilities`` — exactly one entry per generated token, also for a
+token ending inside a UTF-8 character (its ``bytes`` are exact).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from protocol import (
+    ApplyTemplate,
+    ApplyTemplateResult,
+    Detokenize,
+    DetokenizeResult,
+    Done,
+    Error,
+    Generate,
+    Message,
+    Token,
+    Tokenize,
+    TokenizeResult,
+)
+from router.errors import ApiError, BadGateway, BadRequest, error_payload, from_worker_error
+from router.generation import (
+    LLAMACPP_DEFAULTS,
+    TokenProb,
+    begin,
+    collect,
+    new_id,
+    read_sampling,
+    stream,
+    timings_of,
+    token_probs,
+)
+from router.openai_api import parse_messages
+from router.params import get_bool, get_int, get_str, get_token_list, read_json
+from router.pool import ModelSlot, Pool
+from router.process import WorkerUnreachable
+from router.sse import SSEResponse, sse_event, until_disconnect
+
+#: How long a tokenize / detokenize / apply-template call may take, s.
+CALL_TIMEOUT_S = 120.0
+MAX_N_PROBS = 100
+
+
+def _slot(request: Request, body: dict[str, Any]) -> tuple[str, ModelSlot]:
+    pool: Pool = request.app.state.pool
+    name = get_str(body, "model", None)
+    if name is None:
+        if len(pool.slots) == 1:
+            name = next(iter(pool.slots))
+        else:
+            raise BadRequest(f"'model' is required; available models: {', '.join(pool.config.ids())}",
+                             param="model")
+    return name, pool.get(name)
+
+
+def _prob_entry(p: TokenProb, n: int) -> dict[str, Any]:
+    return {
+        "id": p.id, "token": p.text, "bytes": list(p.piece), "logprob": p.logprob,
+        "top_logprobs": [{"id": tid, "token": pc.decode("utf-8", errors="replace"), "bytes": list(pc),
+                          "logprob": lp} for tid, pc, lp in p.top[:n]],
+    }
+
+
+def _prompt(body: dict[str, Any]) -> str | list[int]:
+    p = body.get("prompt")
+    if isinstance(p, str):
+        return p
+    ids = get_token_list(p, "prompt")
+    if ids is not None:
+        return ids
+    if isinstance(p, list) and len(p) == 1:
+        if isinstance(p[0], str):
+            return p[0]
+        inner = get_token_list(p[0], "prompt")
+        if inner is not None:
+            return inner
+    raise BadRequest("'prompt' must be a string or a non-empty list of token ids", param="prompt")
+
+
+async def completion(request: Request) -> Response:
+    body = await read_json(request)
+    name, slot = _slot(request, body)
+    prompt = _prompt(body)
+    n_predict = get_int(body, "n_predict", None)
+    if n_predict is None:
+        n_predict = get_int(body, "max_tokens", None)
+    max_tokens = None if n_predict is None or n_predict < 0 else n_predict
+    n_probs = get_int(body, "n_probs", 0, 0, MAX_N_PROBS)
+    return_tokens = get_bool(body, "return_tokens", False)
+    streaming = get_bool(body, "stream", False)
+    msg = Generate(
+        id=new_id("cmpl"), prompt=prompt, max_tokens=max_tokens, n_probs=n_probs,
+        cache_prompt=get_bool(body, "cache_prompt", True), ignore_eos=get_bool(body, "ignore_eos", False),
+        **read_sampling(body, LLAMACPP_DEFAULTS, slot, openai=False),
+    )
+    run, first = await begin(request, slot, msg)
+    worker = run.worker
+    assert worker is not None
+
+    def summary(done: Done, tokens: list[int], content: str) -> dict[str, Any]:
+        return {
+            "index": 0, "content": content, "tokens": tokens if return_tokens else [], "id_slot": 0,
+            "stop": True, "model": name, "tokens_predicted": done.completion_tokens,
+            "tokens_evaluated": done.prompt_tokens, "has_new_line": "\n" in content, "truncated": False,
+            "stop_type": done.stop_type if done.stop_type in ("eos", "word", "limit") else "none",
+            "stopping_word": done.stopping_word,
+            "tokens_cached": done.prompt_tokens + done.completion_tokens,
+            "timings": timings_of(done),
+        }
+
+    if not streaming:
+        tokens, done = await collect(request, run, first)
+        text = "".join(t.text for t in tokens) + done.text
+        out = summary(done, [t.token_id for t in tokens], text)
+        if n_probs > 0:
+            out["completion_probabilities"] = [_prob_entry(p, n_probs)
+                                               for p in await token_probs(worker, tokens, n_probs)]
+        return JSONResponse(out)
+
+    count = 0
+
+    async def on_frame(item: Token | Done) -> list[bytes]:
+        nonlocal count
+        if isinstance(item, Token):
+            count += 1
+            chunk: dict[str, Any] = {"index": 0, "content": item.text,
+                                     "tokens": [item.token_id] if return_tokens else [],
+                                     "stop": False, "id_slot": 0, "tokens_predicted": count}
+            if n_probs > 0:
+                chunk["completion_probabilities"] = [
+                    _prob_entry(p, n_probs) for p in await token_probs(worker, [item], n_probs)]
+            return [sse_event(chunk)]
+        return [sse_event(summary(item, [], item.text))]
+
+    def on_error(err: ApiError) -> bytes:
+        return sse_event(error_payload(err))
+
+    return SSEResponse(stream(run, first, on_frame, on_error), run.close)
+
+
+async def _call(request: Request, slot: ModelSlot, make: Any) -> Message:
+    """Send a one-shot request to the model's (loaded) worker; its answer, or the mapped ApiError."""
+    worker = await until_disconnect(request.receive, slot.ready_worker())
+    msg = make(worker.new_call_id("call"))
+    try:
+        ans = await until_disconnect(request.receive, worker.call(msg, CALL_TIMEOUT_S))
+    except WorkerUnreachable as e:
+        raise BadGateway(f"model '{slot.model.name}' worker is unreachable: {e}", code="worker_crashed") from None
+    except TimeoutError:
+        raise BadGateway(f"model '{slot.model.name}' worker did not answer within {CALL_TIMEOUT_S:g} s",
+                         code="worker_timeout") from None
+    if isinstance(ans, Error):
+        if ans.code == "worker_gone":
+            raise BadGateway(f"model '{slot.model.name}' worker failed: {ans.message}", code="worker_crashed")
+        raise from_worker_error(ans.code, ans.message)
+    return ans
+
+
+def _piece(p: bytes) -> str | list[int]:
+    try:
+        return p.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(p)
+
+
+async def tokenize(request: Request) -> Response:
+    body = await read_json(request)
+    _, slot = _slot(request, body)
+    content = get_str(body, "content")
+    with_pieces = get_bool(body, "with_pieces", False)
+    add_special = get_bool(body, "add_special", False)
+    parse_special = get_bool(body, "parse_special", True)
+    ans = await _call(request, slot, lambda i: Tokenize(id=i, content=content, add_special=add_special,
+                                                         parse_special=parse_special, with_pieces=with_pieces))
+    if not isinstance(ans, TokenizeResult):
+        raise BadGateway(f"unexpected {ans.TYPE} answer to tokenize")
+    if with_pieces:
+        return JSONResponse({"tokens": [{"id": t, "piece": _piece(p)} for t, p in zip(ans.tokens, ans.pieces)]})
+    return JSONResponse({"tokens": ans.tokens})
+
+
+async def detokenize(request: Request) -> Response:
+    body = await read_json(request)
+    _, slot = _slot(request, body)
+    raw = body.get("tokens")
+    if raw == []:
+        return JSONResponse({"content": ""})
+    tokens = get_token_list(raw, "tokens")
+    if tokens is None:
+        raise BadRequest("'tokens' must be a list of token ids", param="tokens")
+    ans = await _call(request, slot, lambda i: Detokenize(id=i, tokens=tokens))
+    if not isinstance(ans, DetokenizeResult):
+        raise BadGateway(f"unexpected {ans.TYPE} answer to detokenize")
+    return JSONResponse({"content": ans.content})
+
+
+async def apply_template(request: Request) -> Response:
+    body = await read_json(request)
+    _, slot = _slot(request, body)
+    messages = parse_messages(body)
+    add_gen = get_bool(body, "add_generation_prompt", True)
+    ans = await _call(request, slot, lambda i: ApplyTemplate(id=i, messages=messages, add_generation_prompt=add_gen))
+    if not isinstance(ans, ApplyTemplateResult):
+        raise BadGateway(f"unexpected {ans.TYPE} answer to apply-template")
+    return JSONResponse({"prompt": ans.prompt})
+
+
+routes = [
+    Route("/completion", completion, methods=["POST"]),
+    Route("/completions", completion, methods=["POST"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/detokenize", detokenize, methods=["POST"]),
+    Route("/apply-template", apply_template, methods=["POST"]),
+]

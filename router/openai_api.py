@@ -1,0 +1,377 @@
+"""OpenAI-compatible routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
+
+Request and response shapes follow OpenAI's; responses also carry llama.cpp's
+``timings``. Unknown request fields are ignored. ``n`` other than 1, ``echo``,
+``best_of`` > 1, a non-empty ``suffix`` and non-text content parts are a clear
+400 (not supported), never silently wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from protocol import Done, Generate, Token
+from router.errors import ApiError, BadRequest, NotFound, error_payload
+from router.generation import (
+    OPENAI_DEFAULTS,
+    TokenProb,
+    begin,
+    collect,
+    new_id,
+    now_s,
+    read_sampling,
+    stream,
+    timings_of,
+    token_probs,
+    usage_of,
+)
+from router.params import get_bool, get_int, get_str, get_token_list, read_json
+from router.pool import ModelSlot, Pool
+from router.process import WorkerProcess
+from router.sse import SSEResponse, sse_event
+
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+              "tool": "tool"}
+MAX_TOP_LOGPROBS = 20
+
+
+def _pool(request: Request) -> Pool:
+    pool: Pool = request.app.state.pool
+    return pool
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def _model_object(pool: Pool, ident: str) -> dict[str, Any]:
+    m = pool.config.resolve(ident)
+    assert m is not None
+    slot = pool.slots[m.name]
+    created = int(m.path.stat().st_mtime) if m.path.exists() else 0
+    return {
+        "id": ident,
+        "object": "model",
+        "created": created,
+        "owned_by": "modelyard",
+        "root": m.name,
+        "aliases": list(m.aliases) if ident == m.name else [],
+        "state": slot.state.value,
+    }
+
+
+async def list_models(request: Request) -> Response:
+    """Every configured name and alias. Never loads a model."""
+    pool = _pool(request)
+    return JSONResponse({"object": "list", "data": [_model_object(pool, i) for i in pool.config.ids()]})
+
+
+async def get_model(request: Request) -> Response:
+    pool = _pool(request)
+    ident = request.path_params["model_id"]
+    if pool.config.resolve(ident) is None:
+        raise NotFound(f"model '{ident}' not found; available models: {', '.join(pool.config.ids())}",
+                       param="model")
+    return JSONResponse(_model_object(pool, ident))
+
+
+# ----------------------------------------------------------------------------- shared parsing
+
+
+def _common(body: dict[str, Any], slot: ModelSlot, prefix: str) -> dict[str, Any]:
+    n = get_int(body, "n", 1)
+    if n != 1:
+        raise BadRequest("only n=1 is supported", param="n")
+    max_tokens = get_int(body, "max_completion_tokens", None, 1)
+    if max_tokens is None:
+        max_tokens = get_int(body, "max_tokens", None, 1)
+    return {"id": new_id(prefix), "max_tokens": max_tokens,
+            **read_sampling(body, OPENAI_DEFAULTS, slot, openai=True)}
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict):
+        raise BadRequest("'stream_options' must be an object", param="stream_options")
+    return get_bool(opts, "include_usage", False)
+
+
+def _fingerprint(worker: WorkerProcess | None) -> str | None:
+    if worker is None or worker.ready is None:
+        return None
+    return f"fp_{worker.ready.fingerprint[:12]}"
+
+
+def _error_event(err: ApiError) -> bytes:
+    return sse_event(error_payload(err))
+
+
+def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """``messages`` as [{"role", "content": str}] for the worker's template.
+    Content parts of type "text" are joined with newlines; ``developer`` becomes
+    ``system``. Raises BadRequest."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRequest("'messages' must be a non-empty array", param="messages")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BadRequest(f"'{where}' must be an object", param=where)
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise BadRequest(f"'{where}.role' must be one of {sorted(CHAT_ROLES)}, got {role!r}",
+                             param=f"{where}.role")
+        content = m.get("content")
+        if content is None:
+            if role not in ("assistant", "tool"):
+                raise BadRequest(f"'{where}.content' is required", param=f"{where}.content")
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        elif isinstance(content, list):
+            texts: list[str] = []
+            for j, part in enumerate(content):
+                pw = f"{where}.content[{j}]"
+                if isinstance(part, str):
+                    texts.append(part)
+                    continue
+                if not isinstance(part, dict):
+                    raise BadRequest(f"'{pw}' must be an object", param=pw)
+                ptype = part.get("type")
+                if ptype in ("text", "input_text"):
+                    t = part.get("text")
+                    if not isinstance(t, str):
+                        raise BadRequest(f"'{pw}.text' must be a string", param=f"{pw}.text")
+                    texts.append(t)
+                else:
+                    raise BadRequest(f"'{pw}': content parts of type {ptype!r} are not supported "
+                                     "(text only)", param=pw)
+            text = "\n".join(texts)
+        else:
+            raise BadRequest(f"'{where}.content' must be a string or an array of content parts",
+                             param=f"{where}.content")
+        out.append({"role": CHAT_ROLES[role], "content": text})
+    return out
+
+
+# ----------------------------------------------------------------------------- chat
+
+
+def _chat_logprob(tp: TokenProb, n_top: int) -> dict[str, Any]:
+    return {
+        "token": tp.text,
+        "logprob": tp.logprob,
+        "bytes": list(tp.piece),
+        "top_logprobs": [
+            {"token": p.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(p)}
+            for _, p, lp in tp.top[:n_top]
+        ],
+    }
+
+
+async def chat_completions(request: Request) -> Response:
+    body = await read_json(request)
+    pool = _pool(request)
+    model_name = get_str(body, "model")
+    slot = pool.get(model_name)
+    messages = parse_messages(body)
+    common = _common(body, slot, "chatcmpl")
+    want_logprobs = get_bool(body, "logprobs", False)
+    top_n = get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top_n is not None and not want_logprobs:
+        raise BadRequest("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+    top_n = top_n or 0
+    streaming = get_bool(body, "stream", False)
+    include_usage = _include_usage(body)
+    msg = Generate(messages=messages, n_probs=max(top_n, 1) if want_logprobs else 0, **common)
+
+    run, first = await begin(request, slot, msg)
+    worker = run.worker
+    assert worker is not None
+    rid, created, fp = msg.id, now_s(), _fingerprint(worker)
+
+    if not streaming:
+        tokens, done = await collect(request, run, first)
+        text = "".join(t.text for t in tokens) + done.text
+        logprobs = None
+        if want_logprobs:
+            probs = await token_probs(worker, tokens, top_n)
+            logprobs = {"content": [_chat_logprob(p, top_n) for p in probs], "refusal": None}
+        return JSONResponse({
+            "id": rid, "object": "chat.completion", "created": created, "model": model_name,
+            "system_fingerprint": fp,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                         "logprobs": logprobs, "finish_reason": done.finish_reason}],
+            "usage": usage_of(done), "timings": timings_of(done),
+        })
+
+    def chunk(delta: dict[str, Any], finish: str | None = None,
+              lp: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                "system_fingerprint": fp,
+                "choices": [{"index": 0, "delta": delta,
+                             "logprobs": {"content": lp, "refusal": None} if lp is not None else None,
+                             "finish_reason": finish}]}
+
+    pending: list[Token] = []
+    started = False
+
+    async def on_frame(item: Token | Done) -> list[bytes]:
+        nonlocal started
+        out: list[bytes] = []
+        if not started:
+            started = True
+            out.append(sse_event(chunk({"role": "assistant", "content": ""})))
+        if isinstance(item, Token):
+            pending.append(item)
+            if not item.text:
+                return out
+            lp = [_chat_logprob(p, top_n) for p in await token_probs(worker, pending, top_n)] \
+                if want_logprobs else None
+            pending.clear()
+            out.append(sse_event(chunk({"content": item.text}, lp=lp)))
+            return out
+        lp = [_chat_logprob(p, top_n) for p in await token_probs(worker, pending, top_n)] \
+            if want_logprobs and pending else ([] if want_logprobs else None)
+        pending.clear()
+        if item.text:
+            out.append(sse_event(chunk({"content": item.text}, lp=lp)))
+            lp = [] if want_logprobs else None
+        final = chunk({}, item.finish_reason, lp)
+        final["timings"] = timings_of(item)
+        out.append(sse_event(final))
+        if include_usage:
+            out.append(sse_event({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                  "model": model_name, "system_fingerprint": fp, "choices": [],
+                                  "usage": usage_of(item), "timings": timings_of(item)}))
+        out.append(sse_event("[DONE]"))
+        return out
+
+    return SSEResponse(stream(run, first, on_frame, _error_event), run.close)
+
+
+# ----------------------------------------------------------------------------- completions
+
+
+def _completion_prompt(body: dict[str, Any]) -> str | list[int]:
+    if "prompt" not in body or body["prompt"] is None:
+        raise BadRequest("'prompt' is required", param="prompt")
+    p = body["prompt"]
+    if isinstance(p, str):
+        return p
+    ids = get_token_list(p, "prompt")
+    if ids is not None:
+        return ids
+    if isinstance(p, list) and len(p) == 1:
+        if isinstance(p[0], str):
+            return p[0]
+        inner = get_token_list(p[0], "prompt")
+        if inner is not None:
+            return inner
+    if isinstance(p, list) and len(p) > 1:
+        raise BadRequest("only one prompt per request is supported (a string or a list of token ids)",
+                         param="prompt")
+    raise BadRequest("'prompt' must be a string or a non-empty list of token ids", param="prompt")
+
+
+def _legacy_logprobs(probs: list[TokenProb], n_top: int, offset0: int) -> dict[str, Any]:
+    offsets, off = [], offset0
+    for p in probs:
+        offsets.append(off)
+        off += len(p.text)
+    return {
+        "tokens": [p.text for p in probs],
+        "token_logprobs": [p.logprob for p in probs],
+        "top_logprobs": [{pc.decode("utf-8", errors="replace"): lp for _, pc, lp in p.top[:n_top]}
+                         for p in probs],
+        "text_offset": offsets,
+    }
+
+
+async def completions(request: Request) -> Response:
+    body = await read_json(request)
+    pool = _pool(request)
+    model_name = get_str(body, "model")
+    slot = pool.get(model_name)
+    prompt = _completion_prompt(body)
+    common = _common(body, slot, "cmpl")
+    if get_bool(body, "echo", False):
+        raise BadRequest("'echo' is not supported", param="echo")
+    if get_int(body, "best_of", 1, 1) != 1:
+        raise BadRequest("only best_of=1 is supported", param="best_of")
+    if get_str(body, "suffix", ""):
+        raise BadRequest("'suffix' is not supported", param="suffix")
+    n_lp = get_int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    streaming = get_bool(body, "stream", False)
+    include_usage = _include_usage(body)
+    msg = Generate(prompt=prompt, n_probs=max(n_lp, 1) if n_lp is not None else 0, **common)
+
+    run, first = await begin(request, slot, msg)
+    worker = run.worker
+    assert worker is not None
+    rid, created, fp = msg.id, now_s(), _fingerprint(worker)
+    top_n = n_lp or 0
+
+    if not streaming:
+        tokens, done = await collect(request, run, first)
+        text = "".join(t.text for t in tokens) + done.text
+        logprobs = _legacy_logprobs(await token_probs(worker, tokens, top_n), top_n, 0) \
+            if n_lp is not None else None
+        return JSONResponse({
+            "id": rid, "object": "text_completion", "created": created, "model": model_name,
+            "system_fingerprint": fp,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": done.finish_reason}],
+            "usage": usage_of(done), "timings": timings_of(done),
+        })
+
+    def chunk(text: str, finish: str | None = None, lp: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                "system_fingerprint": fp,
+                "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
+
+    pending: list[Token] = []
+    sent_chars = 0
+
+    async def flush_lp() -> dict[str, Any] | None:
+        if n_lp is None:
+            return None
+        lp = _legacy_logprobs(await token_probs(worker, pending, top_n), top_n, sent_chars)
+        pending.clear()
+        return lp
+
+    async def on_frame(item: Token | Done) -> list[bytes]:
+        nonlocal sent_chars
+        if isinstance(item, Token):
+            pending.append(item)
+            if not item.text:
+                return []
+            lp = await flush_lp()
+            sent_chars += len(item.text)
+            return [sse_event(chunk(item.text, lp=lp))]
+        out: list[bytes] = []
+        lp = await flush_lp()
+        final = chunk(item.text, item.finish_reason, lp)
+        final["timings"] = timings_of(item)
+        out.append(sse_event(final))
+        if include_usage:
+            out.append(sse_event({"id": rid, "object": "text_completion", "created": created,
+                                  "model": model_name, "system_fingerprint": fp, "choices": [],
+                                  "usage": usage_of(item), "timings": timings_of(item)}))
+        out.append(sse_event("[DONE]"))
+        return out
+
+    return SSEResponse(stream(run, first, on_frame, _error_event), run.close)
+
+
+routes = [
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+]

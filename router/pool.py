@@ -1,0 +1,379 @@
+"""The one owner of scheduling state: a :class:`ModelSlot` per configured model.
+
+A slot's methods are the only writers of its state (worker state machine,
+waiting queue, running set, current worker). All run on the event loop and
+never ``await`` between reading a fact and acting on it, so no decision uses a
+stale snapshot.
+
+Admission: one running request per worker job slot (``Ready.max_jobs``, 1
+today) plus at most ``max_queue`` waiting — requests waiting for the model to
+load count too. Beyond that :meth:`ModelSlot.admit` raises QueueFull (503) at
+once. Waiting is FIFO. A run's job slot is given back only when the worker has
+finished with it (Done/Error, or the worker is gone), never when the client
+merely left, so the worker is never handed two generations at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq.asyncio
+
+from router.config import Config, ModelConfig
+from router.errors import (
+    ApiError,
+    Conflict,
+    ModelLoadFailed,
+    ModelUnloading,
+    NotFound,
+    QueueFull,
+    WorkerCrashed,
+)
+from router.process import (
+    TRANSITIONS,
+    LoadFailed,
+    WorkerProcess,
+    WorkerState,
+    _spawn,
+)
+
+log = logging.getLogger("modelyard.pool")
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One admitted request's place: waiting, then running on one worker."""
+
+    id: str
+    admitted_at: float = field(default_factory=time.monotonic)
+    granted: asyncio.Future[WorkerProcess] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
+    worker: WorkerProcess | None = None
+
+
+class ModelSlot:
+    """One configured model: its worker's state machine, queue and running requests."""
+
+    def __init__(self, model: ModelConfig, pool: Pool) -> None:
+        self.model = model
+        self._pool = pool
+        self.state = WorkerState.UNLOADED
+        self.worker: WorkerProcess | None = None
+        self.last_error: str | None = None
+        self.last_exit_code: int | None = None
+        self.load_ms: float | None = None  # worker-reported model load time
+        self.loaded_at: float | None = None  # unix time
+        self.last_used: float | None = None  # unix time a request last finished
+        self.spawn_count = 0
+        self._waiting: deque[Ticket] = deque()
+        self._running: dict[str, Ticket] = {}
+        self._load_task: asyncio.Task[None] | None = None
+        self._loading_worker: WorkerProcess | None = None
+        self._unload_task: asyncio.Task[None] | None = None
+        self._ping_task: asyncio.Task[None] | None = None
+        self._changed = asyncio.Event()  # set whenever running/state changes (drain waits on it)
+
+    # ------------------------------------------------------------------ facts
+
+    @property
+    def capacity(self) -> int:
+        jobs = self.worker.max_jobs if self.worker is not None else 1
+        return jobs + self.model.max_queue
+
+    @property
+    def queue_depth(self) -> int:
+        return sum(1 for t in self._waiting if not t.granted.done())
+
+    @property
+    def running_ids(self) -> list[str]:
+        return list(self._running)
+
+    def describe(self) -> dict[str, Any]:
+        """The admin view of this model (times: unix seconds; load_ms: ms)."""
+        w = self.worker or self._loading_worker
+        ready = self.worker.ready if self.worker is not None else None
+        return {
+            "id": self.model.name,
+            "aliases": list(self.model.aliases),
+            "state": self.state.value,
+            "pid": w.pid if w is not None and w.alive else None,
+            "queue_depth": self.queue_depth,
+            "in_flight": self.running_ids,
+            "max_queue": self.model.max_queue,
+            "load_ms": self.load_ms,
+            "loaded_at": self.loaded_at,
+            "last_used": self.last_used,
+            "last_error": self.last_error,
+            "last_exit_code": self.last_exit_code,
+            "spawn_count": self.spawn_count,
+            "rss_bytes": w.rss_bytes() if w is not None else None,
+            "n_ctx": ready.n_ctx if ready else self.model.n_ctx,
+            "architecture": ready.architecture if ready else None,
+            "path": str(self.model.path),
+        }
+
+    # ------------------------------------------------------------------ state machine
+
+    def _set_state(self, new: WorkerState, error: str | None = None) -> None:
+        if new not in TRANSITIONS[self.state]:
+            raise RuntimeError(f"{self.model.name}: illegal transition {self.state} -> {new}")
+        log.info("model %s: %s -> %s%s", self.model.name, self.state, new, f" ({error})" if error else "")
+        self.state = new
+        if error is not None:
+            self.last_error = error
+        self._changed.set()
+
+    # ------------------------------------------------------------------ admission
+
+    def admit(self, request_id: str) -> Ticket:
+        """Take a place in this model's queue, starting its worker if needed.
+
+        Raises ModelUnloading (503) while draining, QueueFull (503) when
+        ``1 + max_queue`` requests are already admitted.
+        """
+        if self.state is WorkerState.DRAINING or self._pool.closing:
+            raise ModelUnloading(f"model '{self.model.name}' is being unloaded; retry shortly")
+        admitted = self.queue_depth + len(self._running)
+        if admitted >= self.capacity:
+            raise QueueFull(
+                f"model '{self.model.name}' is busy: {len(self._running)} running and "
+                f"{self.queue_depth} waiting (max_queue={self.model.max_queue}); retry shortly")
+        ticket = Ticket(id=request_id)
+        self._waiting.append(ticket)
+        if self.state in (WorkerState.UNLOADED, WorkerState.FAILED):
+            self._begin_load()
+        self._pump()
+        return ticket
+
+    async def wait_turn(self, ticket: Ticket) -> WorkerProcess:
+        """The worker this ticket runs on, once it is its turn. Raises ApiError
+        (load failed, crashed, unloading) if it will never be."""
+        return await ticket.granted
+
+    def withdraw(self, ticket: Ticket) -> None:
+        """A waiting request leaves (its client went away). No-op once running."""
+        if not ticket.granted.done():
+            ticket.granted.cancel()
+        try:
+            self._waiting.remove(ticket)
+        except ValueError:
+            pass
+        self._changed.set()
+
+    def release(self, ticket: Ticket) -> None:
+        """The worker is done with this ticket's request (Done/Error/gone)."""
+        if self._running.get(ticket.id) is ticket:
+            del self._running[ticket.id]
+            self.last_used = time.time()
+        self._changed.set()
+        self._pump()
+
+    def _pump(self) -> None:
+        """Hand free job slots of a ready worker to waiting tickets, FIFO."""
+        while self._waiting and self._waiting[0].granted.done():
+            self._waiting.popleft()
+        while (self.state is WorkerState.READY and self.worker is not None and self._waiting
+               and len(self._running) < self.worker.max_jobs):
+            t = self._waiting.popleft()
+            if t.granted.done():
+                continue
+            t.worker = self.worker
+            self._running[t.id] = t
+            t.granted.set_result(self.worker)
+
+    def _fail_waiting(self, err: ApiError) -> None:
+        while self._waiting:
+            t = self._waiting.popleft()
+            if not t.granted.done():
+                t.granted.set_exception(err)
+                t.granted.exception()  # mark retrieved: a withdrawn waiter may never look
+
+    # ------------------------------------------------------------------ loading
+
+    def _begin_load(self) -> None:
+        self._set_state(WorkerState.LOADING)
+        self._load_task = asyncio.create_task(self._load(), name=f"load-{self.model.name}")
+
+    async def _load(self) -> None:
+        wp = self._pool.new_worker(self.model)
+        self._loading_worker = wp
+        self.spawn_count += 1
+        wp.on_exit(self._on_worker_exit)
+        t0 = time.monotonic()
+        try:
+            ready = await wp.start(self.model.load_timeout_s)
+        except LoadFailed as e:
+            if self._loading_worker is wp:
+                self._loading_worker = None
+                self.last_exit_code = e.exit_code
+                if self.state is WorkerState.LOADING:
+                    self._set_state(WorkerState.FAILED, f"load failed: {e.reason}")
+                    self._fail_waiting(ModelLoadFailed(
+                        f"model '{self.model.name}' failed to load: {e.reason}"))
+            await wp.stop(0)
+            return
+        except asyncio.CancelledError:
+            wp.kill("load cancelled")
+            raise
+        if self._loading_worker is not wp or self.state is not WorkerState.LOADING:
+            await wp.stop(self.model.shutdown_grace_s)  # unloaded while loading
+            return
+        self._loading_worker = None
+        self.worker = wp
+        self.load_ms = ready.load_ms
+        self.loaded_at = time.time()
+        self.last_exit_code = None
+        self._set_state(WorkerState.READY)
+        log.info("model %s ready in %.0f ms (worker load_ms %.0f, pid %s, n_ctx %d)", self.model.name,
+                 (time.monotonic() - t0) * 1000, ready.load_ms, wp.pid, ready.n_ctx)
+        if self.model.ping_interval_s > 0:
+            self._ping_task = asyncio.create_task(self._ping_loop(wp), name=f"ping-{self.model.name}")
+        self._pump()
+
+    async def _ping_loop(self, wp: WorkerProcess) -> None:
+        while wp.alive:
+            await asyncio.sleep(self.model.ping_interval_s)
+            if not wp.alive:
+                return
+            if await wp.ping(self.model.ping_timeout_s) is None and wp.alive:
+                wp.kill(f"worker hung: no Pong within ping_timeout_s={self.model.ping_timeout_s:g} s; killed")
+
+    def _on_worker_exit(self, wp: WorkerProcess) -> None:
+        """The process of ``wp`` exited (any reason). Runs in the event loop."""
+        if wp is not self.worker:
+            return  # a loading worker: start() reports it
+        reason = wp.exit_description()
+        self.last_exit_code = wp.exit_code
+        # Its requests got WorkerGone in their queues; free their job slots now so a
+        # new worker is never blocked by a dead one's bookkeeping.
+        for tid in [tid for tid, t in self._running.items() if t.worker is wp]:
+            del self._running[tid]
+        if self._ping_task is not None:
+            self._ping_task.cancel()
+            self._ping_task = None
+        if self.state is WorkerState.READY:
+            self.worker = None
+            self._set_state(WorkerState.FAILED, f"worker crashed: {reason}")
+            self._fail_waiting(WorkerCrashed(
+                f"model '{self.model.name}' worker crashed ({reason}); retry to restart it"))
+        else:
+            self._changed.set()  # draining: the unload task finishes the job
+
+    async def ready_worker(self) -> WorkerProcess:
+        """The ready worker, starting it and waiting for its load if needed (for
+        requests that do not take a job slot: tokenize, detokenize, apply-template,
+        admin load). Raises ModelUnloading (draining), ModelLoadFailed."""
+        if self.state is WorkerState.DRAINING or self._pool.closing:
+            raise ModelUnloading(f"model '{self.model.name}' is being unloaded; retry shortly")
+        if self.state in (WorkerState.UNLOADED, WorkerState.FAILED):
+            self._begin_load()
+        if self.state is WorkerState.LOADING and self._load_task is not None:
+            await asyncio.shield(self._load_task)
+        if self.state is not WorkerState.READY or self.worker is None:
+            raise ModelLoadFailed(f"model '{self.model.name}' is not loaded: {self.last_error or self.state}")
+        return self.worker
+
+    async def load(self) -> float:
+        """Admin load: start the worker if needed and wait until it is ready.
+        Returns the worker's load time, ms. Raises ModelLoadFailed, Conflict (draining)."""
+        if self.state is WorkerState.DRAINING:
+            raise Conflict(f"model '{self.model.name}' is being unloaded", code="model_unloading")
+        await self.ready_worker()
+        return self.load_ms or 0.0
+
+    # ------------------------------------------------------------------ unloading
+
+    async def unload(self, *, drain: bool = True) -> None:
+        """Stop this model's worker. With ``drain`` the running requests finish first
+        (up to drain_timeout_s, then they are cancelled); waiting ones get 503 at once.
+        Concurrent calls share one unload. Ends in ``unloaded``."""
+        if self._unload_task is None or self._unload_task.done():
+            self._unload_task = asyncio.create_task(self._unload(drain), name=f"unload-{self.model.name}")
+        await asyncio.shield(self._unload_task)
+
+    async def _unload(self, drain: bool) -> None:
+        if self.state is WorkerState.UNLOADED:
+            return
+        if self.state is WorkerState.FAILED:
+            self._set_state(WorkerState.UNLOADED)
+            return
+        if self.state is WorkerState.LOADING:
+            wp = self._loading_worker
+            self._loading_worker = None
+            self._set_state(WorkerState.UNLOADED)
+            self._fail_waiting(ModelUnloading(f"model '{self.model.name}' was unloaded while loading"))
+            if wp is not None:
+                await wp.stop(self.model.shutdown_grace_s)
+            return
+        if self.state is WorkerState.DRAINING:  # pragma: no cover - guarded by the shared task
+            return
+        wp = self.worker
+        assert wp is not None
+        self._set_state(WorkerState.DRAINING)
+        self._fail_waiting(ModelUnloading(f"model '{self.model.name}' is being unloaded"))
+        deadline = time.monotonic() + (self.model.drain_timeout_s if drain else 0.0)
+        while self._running and wp.alive:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except TimeoutError:
+                break
+        for tid in list(self._running):
+            wp.cancel(tid)
+        await wp.stop(self.model.shutdown_grace_s)
+        self._running.clear()
+        if self._ping_task is not None:
+            self._ping_task.cancel()
+            self._ping_task = None
+        self.worker = None
+        self._set_state(WorkerState.UNLOADED)
+
+
+class Pool:
+    """Every configured model's slot, name/alias resolution, and the shared zmq context."""
+
+    def __init__(self, config: Config, *, worker_module: str | None = None) -> None:
+        self.config = config
+        self.worker_module = worker_module
+        self.closing = False
+        self._ctx = zmq.asyncio.Context()
+        self._tmp = tempfile.TemporaryDirectory(prefix="modelyard-")
+        Path(self._tmp.name).chmod(0o700)
+        self._endpoints = 0
+        self.slots: dict[str, ModelSlot] = {name: ModelSlot(m, self) for name, m in config.models.items()}
+
+    def get(self, name: str) -> ModelSlot:
+        """The slot for a model name or alias. Raises NotFound listing the ids."""
+        m = self.config.resolve(name) if isinstance(name, str) else None
+        if m is None:
+            raise NotFound(f"model '{name}' not found; available models: {', '.join(self.config.ids())}",
+                           param="model")
+        return self.slots[m.name]
+
+    def new_worker(self, model: ModelConfig) -> WorkerProcess:
+        self._endpoints += 1
+        if self.config.server.transport == "tcp":
+            endpoint = "tcp://127.0.0.1:0"
+        else:
+            endpoint = f"ipc://{self._tmp.name}/w{self._endpoints}.sock"
+        return WorkerProcess(model, endpoint, self._ctx, self.worker_module)
+
+    async def close(self) -> None:
+        """Stop every worker (Shutdown, grace, kill) without draining. Idempotent."""
+        self.closing = True
+        await asyncio.gather(*(s.unload(drain=False) for s in self.slots.values()), return_exceptions=True)
+        self._ctx.destroy(linger=0)
+        self._tmp.cleanup()
+
+
+__all__ = ["ModelSlot", "Pool", "Ticket", "_spawn"]

@@ -1,0 +1,471 @@
+"""One worker OS process, its ZeroMQ socket, and the worker state machine.
+
+States of a model's worker (held and changed only by ``pool.ModelSlot``)::
+
+    unloaded --first request / admin load--> loading
+    loading  --Ready--> ready
+    loading  --Error(load_failed) / exit / load_timeout_s--> failed
+    loading  --admin unload / router shutdown--> unloaded
+    ready    --admin unload / router shutdown--> draining
+    ready    --process exit / killed as hung--> failed
+    draining --running requests done, worker stopped--> unloaded
+    failed   --next request / admin load--> loading
+    failed   --admin unload--> unloaded
+
+``failed`` keeps the reason and the exit code; it is distinct from ``unloaded``
+(the operator's choice). :class:`WorkerProcess` is the mechanism underneath: it
+binds a ROUTER socket, spawns the exact worker command, accepts the Hello of
+its own child only, routes frames to per-request queues by request id, and
+watches the process (a thread blocked in ``Popen.wait``, plus psutil for
+identity and metrics). When the process exits every open request queue
+receives a :class:`WorkerGone` at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import zmq
+import zmq.asyncio
+
+from protocol import (
+    Cancel,
+    Detokenize,
+    DetokenizeResult,
+    Error,
+    Hello,
+    Message,
+    Ping,
+    Pong,
+    ProtocolError,
+    Ready,
+    Shutdown,
+    Token,
+    decode,
+    encode,
+)
+from router.config import ModelConfig
+
+log = logging.getLogger("modelyard.worker")
+
+
+class WorkerState(enum.StrEnum):
+    UNLOADED = "unloaded"
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
+
+
+#: Allowed transitions (see the module docstring).
+TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
+    WorkerState.UNLOADED: frozenset({WorkerState.LOADING}),
+    WorkerState.LOADING: frozenset({WorkerState.READY, WorkerState.FAILED, WorkerState.UNLOADED}),
+    WorkerState.READY: frozenset({WorkerState.DRAINING, WorkerState.FAILED}),
+    WorkerState.DRAINING: frozenset({WorkerState.UNLOADED}),
+    WorkerState.FAILED: frozenset({WorkerState.LOADING, WorkerState.UNLOADED}),
+}
+
+
+class LoadFailed(Exception):
+    """The worker did not become ready. ``exit_code`` is set when the process exited."""
+
+    def __init__(self, reason: str, exit_code: int | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.exit_code = exit_code
+
+
+@dataclass(frozen=True)
+class WorkerGone:
+    """Put into every open request queue when the worker process is gone."""
+
+    reason: str
+    exit_code: int | None
+
+
+class WorkerUnreachable(Exception):
+    """A frame could not be sent: the worker is gone or not connected."""
+
+
+#: The worker module run as ``python -m MODULE``; tests point it at the fake worker.
+WORKER_MODULE_ENV = "MODELYARD_WORKER_MODULE"
+
+
+def worker_command(model: ModelConfig, endpoint: str, module: str | None = None) -> list[str]:
+    """The exact command line of ``model``'s worker (argument list, no shell)."""
+    cmd = [sys.executable, "-m", module or os.environ.get(WORKER_MODULE_ENV) or "worker",
+           "--model", model.name, "--gguf", str(model.path), "--endpoint", endpoint]
+    if model.n_ctx is not None:
+        cmd += ["--n-ctx", str(model.n_ctx)]
+    if model.chat_template is not None:
+        cmd += ["--chat-template", model.chat_template]
+    cmd += ["--max-queue", str(model.max_queue), "--parent-pid", str(os.getpid())]
+    return cmd
+
+
+_ids = itertools.count(1)
+
+
+class WorkerProcess:
+    """One spawned worker. Create, ``await start()``, use, ``await stop()``.
+
+    Not a state owner: ``pool.ModelSlot`` decides; this object executes.
+    """
+
+    def __init__(self, model: ModelConfig, endpoint: str, ctx: zmq.asyncio.Context,
+                 module: str | None = None) -> None:
+        self.model = model
+        self.endpoint = endpoint  # "tcp://127.0.0.1:0" binds an ephemeral port (known after start)
+        self._module = module
+        self.command: list[str] = []
+        self.serial = next(_ids)
+        self._ctx = ctx
+        self._sock: zmq.asyncio.Socket | None = None
+        self._identity: bytes | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._ps: psutil.Process | None = None
+        self._streams: dict[str, asyncio.Queue[Message | WorkerGone]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._hello = asyncio.Event()
+        self._ready: asyncio.Future[Ready] = asyncio.get_running_loop().create_future()
+        self.exited = asyncio.Event()
+        self.exit_code: int | None = None
+        self.kill_reason: str | None = None  # set when we killed it (hung, stop)
+        self.ready: Ready | None = None
+        self.started_at = time.time()
+        self.pieces: dict[int, bytes] = {}  # token id -> raw bytes, learned from frames
+        self._exit_callbacks: list[Callable[[WorkerProcess], None]] = []
+        self._call_ids = itertools.count(1)
+
+    # ------------------------------------------------------------------ facts
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and not self.exited.is_set()
+
+    @property
+    def max_jobs(self) -> int:
+        """Generations the worker runs at once (1: the depth-one job queue)."""
+        return max(1, self.ready.max_jobs) if self.ready is not None else 1
+
+    def rss_bytes(self) -> int | None:
+        """Resident memory of the worker process, bytes (None if gone)."""
+        try:
+            return int(self._ps.memory_info().rss) if self._ps is not None and self.alive else None
+        except (psutil.Error, OSError):
+            return None
+
+    def exit_description(self) -> str:
+        if self.kill_reason:
+            return self.kill_reason
+        code = self.exit_code
+        if code is None:
+            return "worker process is gone"
+        if code < 0:
+            return f"worker process was killed by signal {-code}"
+        return f"worker process exited with code {code}"
+
+    def on_exit(self, callback: Callable[[WorkerProcess], None]) -> None:
+        """Call ``callback(self)`` (in the event loop) once the process has exited."""
+        self._exit_callbacks.append(callback)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, timeout_s: float) -> Ready:
+        """Bind, spawn, and wait for Hello then Ready.
+
+        Raises LoadFailed on Error(load_failed), process exit, or no Ready
+        within ``timeout_s`` seconds (the process is then killed).
+        """
+        loop = asyncio.get_running_loop()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, 17 * 1024 * 1024)
+        sock.bind(self.endpoint)
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.command = worker_command(self.model, self.endpoint, self._module)
+        self._sock = sock
+        self._reader = asyncio.create_task(self._read_loop(), name=f"worker-reader-{self.model.name}")
+        log.info("spawning worker for %s: %s", self.model.name, " ".join(self.command))
+        try:
+            self._proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as e:
+            self._close_socket()
+            self.exited.set()
+            raise LoadFailed(f"cannot spawn worker: {e}") from None
+        try:
+            self._ps = psutil.Process(self._proc.pid)
+        except psutil.Error:
+            self._ps = None
+        threading.Thread(target=self._wait_thread, args=(loop,), daemon=True,
+                         name=f"worker-wait-{self._proc.pid}").start()
+        exited = asyncio.ensure_future(self.exited.wait())
+        try:
+            done, _ = await asyncio.wait({self._ready, exited}, timeout=timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            exited.cancel()
+        if self._ready.done() and not self._ready.cancelled() and self._ready.exception() is None:
+            self.ready = self._ready.result()
+            return self.ready
+        if self._ready.done() and not self._ready.cancelled():
+            err = self._ready.exception()
+            self.kill("load failed")
+            await self._wait_exited(5.0)
+            raise LoadFailed(str(err), self.exit_code)
+        if self.exited.is_set():
+            raise LoadFailed(f"{self.exit_description()} before it was ready", self.exit_code)
+        self.kill(f"not ready within load_timeout_s={timeout_s:g}")
+        await self._wait_exited(5.0)
+        raise LoadFailed(f"worker was not ready within load_timeout_s={timeout_s:g} s; killed", self.exit_code)
+
+    def _wait_thread(self, loop: asyncio.AbstractEventLoop) -> None:
+        assert self._proc is not None
+        code = self._proc.wait()
+        try:
+            loop.call_soon_threadsafe(self._on_exit, code)
+        except RuntimeError:  # loop closed: the router is going away
+            pass
+
+    def _on_exit(self, code: int) -> None:
+        self.exit_code = code
+        self.exited.set()
+        # Frames the worker sent before it died are delivered before the news of its death.
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._sock is not None:
+            raw = zmq.Socket.shadow(self._sock.underlying)
+            while True:
+                try:
+                    parts = raw.recv_multipart(zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    break
+                self._handle(parts)
+        gone = WorkerGone(self.exit_description(), code)
+        log.warning("worker %s (pid %s) for %s: %s", self.serial, self.pid, self.model.name, gone.reason)
+        for q in self._streams.values():
+            q.put_nowait(gone)
+        for cb in self._exit_callbacks:
+            try:
+                cb(self)
+            except Exception:  # pragma: no cover - a bug in a callback must not stop the others
+                log.exception("worker exit callback failed")
+        self._close_socket()
+
+    def kill(self, reason: str | None = None) -> None:
+        """SIGKILL the process now (no-op if gone). ``reason`` becomes its exit description."""
+        if reason and not self.kill_reason and not self.exited.is_set():
+            self.kill_reason = reason
+        if self._proc is not None and self._proc.returncode is None:
+            try:
+                self._proc.kill()
+            except OSError:
+                pass
+
+    async def stop(self, grace_s: float) -> None:
+        """Shutdown frame, up to ``grace_s`` seconds to exit, then SIGKILL. Idempotent."""
+        if self._proc is None:
+            self._close_socket()
+            return
+        if not self.exited.is_set():
+            if self._identity is None:  # not connected (still starting): nothing to ask
+                self.kill("stopped before it connected")
+            try:
+                await self.send(Shutdown(id=f"shutdown-{self.serial}"))
+            except WorkerUnreachable:
+                pass
+            if not await self._wait_exited(grace_s):
+                log.warning("worker %s for %s ignored Shutdown for %.1f s; killing", self.pid,
+                            self.model.name, grace_s)
+                self.kill(f"killed after ignoring Shutdown for {grace_s:g} s")
+                await self._wait_exited(10.0)
+        self._close_socket()
+
+    async def _wait_exited(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self.exited.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    def _close_socket(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self.endpoint.startswith("ipc://"):
+            try:
+                os.unlink(self.endpoint[len("ipc://"):])
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------------ frames
+
+    async def _read_loop(self) -> None:
+        assert self._sock is not None
+        sock = self._sock
+        while True:
+            try:
+                parts = await sock.recv_multipart(copy=True)
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            self._handle(parts)
+
+    def _handle(self, parts: list[bytes]) -> None:
+        if len(parts) != 2:
+            log.warning("dropping a %d-part frame from %s's worker", len(parts), self.model.name)
+            return
+        ident, payload = parts
+        try:
+            msg = decode(payload)
+        except ProtocolError as e:
+            log.warning("bad frame from %s's worker: %s", self.model.name, e.reason)
+            if e.msg_id is not None and e.msg_id in self._streams and ident == self._identity:
+                self._streams[e.msg_id].put_nowait(
+                    Error(id=e.msg_id, code="protocol_error", message=f"bad frame from worker: {e.reason}"))
+            return
+        self._dispatch(ident, msg)
+
+    def _dispatch(self, ident: bytes, msg: Message) -> None:
+        if isinstance(msg, Hello):
+            if self._identity is None and self._is_own(msg.pid):
+                self._identity = ident
+                self._hello.set()
+            elif ident != self._identity:
+                log.warning("ignoring Hello from pid %s (not %s's worker %s)", msg.pid, self.model.name, self.pid)
+            return
+        if ident != self._identity:
+            log.warning("ignoring %s from an unknown peer on %s's socket", msg.TYPE, self.model.name)
+            return
+        if isinstance(msg, Token) and msg.token_id not in self.pieces:
+            self.pieces[msg.token_id] = msg.piece
+        q = self._streams.get(msg.id)
+        if q is not None:
+            q.put_nowait(msg)
+            return
+        if isinstance(msg, Ready):
+            if not self._ready.done():
+                self._ready.set_result(msg)
+            return
+        if isinstance(msg, Error) and not self._ready.done():
+            self._ready.set_exception(LoadFailed(f"{msg.code}: {msg.message}"))
+            return
+        log.debug("frame %s for unknown request %s from %s's worker", msg.TYPE, msg.id, self.model.name)
+
+    def _is_own(self, pid: int) -> bool:
+        if self._proc is None:
+            return False
+        if pid == self._proc.pid:
+            return True
+        try:
+            return any(c.pid == pid for c in psutil.Process(self._proc.pid).children(recursive=True))
+        except psutil.Error:
+            return False
+
+    def open_stream(self, request_id: str) -> asyncio.Queue[Message | WorkerGone]:
+        """Start collecting frames for ``request_id``. A gone worker yields WorkerGone at once."""
+        q: asyncio.Queue[Message | WorkerGone] = asyncio.Queue()
+        if request_id in self._streams:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        self._streams[request_id] = q
+        if self.exited.is_set():
+            q.put_nowait(WorkerGone(self.exit_description(), self.exit_code))
+        return q
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    async def send(self, msg: Message) -> None:
+        """Send one frame. Raises WorkerUnreachable if the worker is gone or not connected."""
+        if self._sock is None or self._identity is None or self.exited.is_set():
+            raise WorkerUnreachable(self.exit_description() if self.exited.is_set() else "worker not connected")
+        try:
+            await self._sock.send_multipart([self._identity, encode(msg)])
+        except zmq.ZMQError as e:
+            raise WorkerUnreachable(f"cannot reach worker: {e}") from None
+
+    def send_nowait(self, msg: Message) -> None:
+        """Fire-and-forget send (for cleanup paths that must not await)."""
+        async def _go() -> None:
+            try:
+                await self.send(msg)
+            except WorkerUnreachable:
+                pass
+        _spawn(_go())
+
+    async def call(self, msg: Message, timeout_s: float) -> Message:
+        """Send ``msg`` and return the first frame answering its id (a result or an Error).
+
+        Raises WorkerUnreachable (not sent), TimeoutError, or returns a WorkerGone-derived
+        Error(code="worker_gone") if the process died meanwhile.
+        """
+        q = self.open_stream(msg.id)
+        try:
+            await self.send(msg)
+            answer = await asyncio.wait_for(q.get(), timeout_s)
+        finally:
+            self.close_stream(msg.id)
+        if isinstance(answer, WorkerGone):
+            return Error(id=msg.id, code="worker_gone", message=answer.reason)
+        return answer
+
+    def new_call_id(self, kind: str) -> str:
+        return f"{kind}-{self.serial}-{next(self._call_ids)}"
+
+    async def ping(self, timeout_s: float) -> Pong | None:
+        """A Pong, or None if none came within ``timeout_s`` seconds."""
+        try:
+            ans = await self.call(Ping(id=self.new_call_id("ping")), timeout_s)
+        except (TimeoutError, WorkerUnreachable):
+            return None
+        return ans if isinstance(ans, Pong) else None
+
+    async def token_pieces(self, ids: list[int], timeout_s: float = 30.0) -> dict[int, bytes]:
+        """Raw bytes of each token id, from frames seen so far; the rest by Detokenize
+        (exact for whole-character pieces; a lone partial UTF-8 byte comes back as U+FFFD)."""
+        missing = [i for i in dict.fromkeys(ids) if i not in self.pieces]
+
+        async def one(tid: int) -> None:
+            try:
+                ans = await self.call(Detokenize(id=self.new_call_id("piece"), tokens=[tid]), timeout_s)
+            except (TimeoutError, WorkerUnreachable):
+                return
+            if isinstance(ans, DetokenizeResult):
+                self.pieces.setdefault(tid, ans.content.encode("utf-8"))
+
+        if missing:
+            await asyncio.gather(*(one(t) for t in missing))
+        return {i: self.pieces.get(i, b"") for i in ids}
+
+    def cancel(self, request_id: str) -> None:
+        self.send_nowait(Cancel(id=request_id))
+
+
+_background: set[asyncio.Task[Any]] = set()
+
+
+def _spawn(coro: Any) -> asyncio.Task[Any]:
+    """Run ``coro`` in the background, keeping a reference until it ends."""
+    task = asyncio.ensure_future(coro)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+    return task

@@ -1,0 +1,124 @@
+"""One generation request's passage through a model: admitted, run on ONE worker, released.
+
+A :class:`Run` holds the worker it was granted for its whole life, and reads
+frames only from that worker's queue for its own request id, so nothing ever
+splices two workers into one answer. :meth:`Run.close` is synchronous and
+idempotent (safe in ``finally`` blocks and under cancellation): a request that
+never reached the worker simply leaves the queue; one that did gets ``Cancel``
+and its job slot is released only once the worker answers (Done/Error) or is
+gone — a worker that ignores Cancel for ``cancel_timeout_s`` is killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from protocol import Done, Error, Generate, Message, Token
+from router.errors import ApiError, BadGateway, from_worker_error
+from router.pool import ModelSlot, Ticket
+from router.process import WorkerGone, WorkerProcess, WorkerUnreachable, _spawn
+
+log = logging.getLogger("modelyard.run")
+
+
+class Run:
+    """Create (admits; raises QueueFull / ModelUnloading), ``await start(msg)``,
+    ``await next()`` until a Done, ``close()`` always."""
+
+    def __init__(self, slot: ModelSlot, request_id: str) -> None:
+        self.slot = slot
+        self.id = request_id
+        self.ticket: Ticket = slot.admit(request_id)
+        self.worker: WorkerProcess | None = None
+        self._q: asyncio.Queue[Message | WorkerGone] | None = None
+        self._sent = False
+        self.finished = False
+        self.started_at = time.monotonic()
+
+    async def wait_worker(self) -> WorkerProcess:
+        """Wait for this request's turn (and the model's load). Raises ApiError
+        (ModelLoadFailed, WorkerCrashed, ModelUnloading) if it will never come."""
+        self.worker = await self.slot.wait_turn(self.ticket)
+        return self.worker
+
+    async def start(self, msg: Generate) -> None:
+        """Send the Generate to this run's worker. Raises BadGateway if unreachable."""
+        worker = self.worker or await self.wait_worker()
+        self._q = worker.open_stream(self.id)
+        self._sent = True
+        try:
+            await worker.send(msg)
+        except WorkerUnreachable as e:
+            self._finish()
+            raise BadGateway(f"model '{self.slot.model.name}' worker is unreachable: {e}",
+                             code="worker_crashed") from None
+
+    async def next(self) -> Token | Done:
+        """The next Token, or the final Done. Raises the mapped ApiError for a
+        worker Error frame, BadGateway(code="worker_crashed") if the worker died."""
+        assert self._q is not None, "start() first"
+        while True:
+            item = await self._q.get()
+            if isinstance(item, WorkerGone):
+                self._finish()
+                raise BadGateway(f"model '{self.slot.model.name}' worker failed during the request: "
+                                 f"{item.reason}", code="worker_crashed")
+            if isinstance(item, Error):
+                self._finish()
+                raise from_worker_error(item.code, item.message)
+            if isinstance(item, Done):
+                self._finish()
+                return item
+            if isinstance(item, Token):
+                return item
+            log.warning("unexpected %s frame for request %s", item.TYPE, self.id)
+
+    def _finish(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        if self.worker is not None:
+            self.worker.close_stream(self.id)
+        self.slot.release(self.ticket)
+
+    def close(self) -> None:
+        """End this run now, whatever its stage (see the module docstring)."""
+        if self.finished:
+            return
+        if self.worker is None or not self._sent:
+            self.finished = True
+            if self.ticket.worker is not None:  # granted, but nothing was sent
+                if self.worker is not None:
+                    self.worker.close_stream(self.id)
+                self.slot.release(self.ticket)
+            else:
+                self.slot.withdraw(self.ticket)
+            return
+        self.finished = True
+        _spawn(self._reap(self.worker, self._q))
+
+    async def _reap(self, worker: WorkerProcess, q: asyncio.Queue[Message | WorkerGone] | None) -> None:
+        timeout = self.slot.model.cancel_timeout_s
+        t0 = time.monotonic()
+        try:
+            worker.cancel(self.id)
+            if q is None:
+                return
+            while True:
+                left = timeout - (time.monotonic() - t0)
+                if left <= 0:
+                    raise TimeoutError
+                item = await asyncio.wait_for(q.get(), left)
+                if isinstance(item, (Done, Error, WorkerGone)):
+                    break
+            log.info("request %s cancelled; worker free after %.1f ms", self.id, (time.monotonic() - t0) * 1000)
+        except TimeoutError:
+            worker.kill(f"worker hung: no answer to Cancel within cancel_timeout_s={timeout:g} s; killed")
+        finally:
+            worker.close_stream(self.id)
+            self.slot.release(self.ticket)
+
+
+__all__ = ["Run", "ApiError"]

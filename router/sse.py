@@ -1,0 +1,118 @@
+"""Server-sent events and client-disconnect watching.
+
+* :func:`until_disconnect` runs a coroutine while listening for the ASGI
+  ``http.disconnect`` message; if the client leaves first the coroutine is
+  cancelled and :class:`ClientDisconnected` raised. Used while a request waits
+  in the queue, during prefill, and for whole non-streaming generations.
+* :class:`SSEResponse` sends ``data: <json>\\n\\n`` events (no ``id:`` or
+  ``retry:`` fields) from an async iterator, and stops — closing the iterator,
+  whose ``finally`` cancels the generation — as soon as the client disconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from starlette.types import Receive, Scope, Send
+
+from router.errors import ApiError
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(ApiError):
+    """The client closed the connection; nobody will read the answer (nginx's 499)."""
+
+    status = 499
+    type = "invalid_request_error"
+    default_code = "client_disconnected"
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    """Return once the client has disconnected (call only after the body is read)."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(receive: Receive, aw: Awaitable[T]) -> T:
+    """Await ``aw``; if the client disconnects first, cancel it and raise ClientDisconnected."""
+    task = asyncio.ensure_future(aw)
+    watcher = asyncio.ensure_future(wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task.done():
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientDisconnected("client disconnected")
+
+
+def sse_event(obj: Any) -> bytes:
+    """One ``data:`` event carrying ``obj`` as compact JSON (or a literal such as ``[DONE]``)."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class SSEResponse:
+    """A ``text/event-stream`` ASGI response fed by ``events`` (already-encoded bytes).
+
+    ``on_close()`` (synchronous) is called exactly once when the stream ends for any
+    reason: finished, client gone, server shutting down.
+    """
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None],
+                 headers: dict[str, str] | None = None) -> None:
+        self.events = events
+        self.on_close = on_close
+        self.headers = headers or {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+            *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()),
+        ]
+        pump = asyncio.ensure_future(self._pump(send, headers))
+        watcher = asyncio.ensure_future(wait_disconnect(receive))
+        try:
+            await asyncio.wait({pump, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not pump.done():
+                pump.cancel()
+                with contextlib.suppress(asyncio.CancelledError, OSError):
+                    await pump
+            else:
+                with contextlib.suppress(OSError):
+                    pump.result()
+        finally:
+            watcher.cancel()
+            if not pump.done():
+                pump.cancel()
+            try:
+                await self._aclose()
+            finally:
+                self.on_close()
+
+    async def _aclose(self) -> None:
+        aclose = getattr(self.events, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await aclose()
+
+    async def _pump(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        async for chunk in self.events:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

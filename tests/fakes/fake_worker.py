@@ -1,0 +1,330 @@
+"""A fake worker speaking the real protocol, so the router's lifecycle is testable without a model.
+
+Run exactly like the real one: ``python -m tests.fakes.fake_worker --model NAME --gguf PATH
+--endpoint EP [--n-ctx N] [--chat-template T] --max-queue N --parent-pid PID``
+(the router runs it when ``MODELYARD_WORKER_MODULE=tests.fakes.fake_worker``).
+
+Model-level switches: the JSON file named by ``MODELYARD_FAKE_FILE`` (re-read at
+every spawn, so a test can change behaviour between spawns), a map of model name
+(or "*") to any of:
+
+    load_delay_s      float  sleep before Ready
+    crash_at_load     bool   exit 3 before Ready
+    load_error        bool   Error(code="load_failed") then exit 1
+    hang_at_load      bool   send Hello, never Ready
+    token_delay_s     float  sleep before each token (default 0.005)
+    ignore_cancel     bool   keep generating after Cancel
+    ignore_shutdown   bool   do not exit on Shutdown
+    no_template       bool   has_chat_template False (chat -> no_chat_template)
+    n_ctx             int    context size (default --n-ctx or 256)
+    length            int    tokens before EOS (default 12)
+
+Per-request directives inside the prompt (or any message content):
+``[crash]`` exit 9 after the first token; ``[hang]`` freeze the whole process
+(no Pong, no Cancel); ``[slow=S]`` S seconds per token; ``[len=N]`` N tokens
+before EOS; ``[utf8]`` a two-token "é" (first token ends mid-character).
+
+Generated token k has id 100+k and piece " w<id>"; Detokenize([i]) gives " w<i>".
+Every event is appended as a JSON line to ``MODELYARD_FAKE_LOG`` if set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import sys
+import time
+import zlib
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from protocol import (
+    ApplyTemplate,
+    ApplyTemplateResult,
+    Cancel,
+    Detokenize,
+    DetokenizeResult,
+    Done,
+    Error,
+    Generate,
+    Hello,
+    Message,
+    Ping,
+    Pong,
+    Ready,
+    Shutdown,
+    Token,
+    Tokenize,
+    TokenizeResult,
+    decode,
+    encode,
+)
+
+N_VOCAB = 50_000
+BOS, EOS = 1, 2
+
+
+def _switches(model: str) -> dict[str, Any]:
+    path = os.environ.get("MODELYARD_FAKE_FILE")
+    if not path or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    return {**data.get("*", {}), **data.get(model, {})}
+
+
+def _log(event: str, **kw: Any) -> None:
+    path = os.environ.get("MODELYARD_FAKE_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"t": time.time(), "pid": os.getpid(), "event": event, **kw}) + "\n")
+
+
+def tokenize(text: str, add_special: bool) -> list[int]:
+    ids = [10 + zlib.crc32(w.encode()) % 5000 for w in text.split()]
+    return ([BOS] if add_special else []) + ids
+
+
+def piece(tid: int) -> bytes:
+    return f" w{tid}".encode()
+
+
+def render(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    out = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+class FakeWorker:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.sw = _switches(args.model)
+        self.n_ctx = int(self.sw.get("n_ctx", args.n_ctx or 256))
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.running: str | None = None
+        self.cancelled: set[str] = set()
+        self.task: asyncio.Task[None] | None = None
+
+    async def send(self, msg: Message) -> None:
+        await self.sock.send(encode(msg))
+
+    async def main(self) -> int:
+        self.sock.connect(self.args.endpoint)
+        asyncio.get_running_loop().create_task(self.watch_parent())
+        await self.send(Hello(id="hello", model=self.args.model, pid=os.getpid()))
+        _log("hello", model=self.args.model)
+        t0 = time.monotonic()
+        await asyncio.sleep(float(self.sw.get("load_delay_s", 0.0)))
+        if self.sw.get("crash_at_load"):
+            _log("crash_at_load")
+            os._exit(3)
+        if self.sw.get("load_error"):
+            await self.send(Error(id="load", code="load_failed", message="fake load failure: bad GGUF"))
+            await asyncio.sleep(0.05)
+            return 1
+        if self.sw.get("hang_at_load"):
+            await asyncio.sleep(3600)
+        await self.send(Ready(
+            id="ready", model=self.args.model, architecture="fake", gguf_path=self.args.gguf,
+            file_size=os.path.getsize(self.args.gguf), fingerprint="f" * 64, n_ctx=self.n_ctx,
+            n_ctx_train=4096, n_vocab=N_VOCAB, has_chat_template=not self.sw.get("no_template"),
+            pid=os.getpid(), load_ms=(time.monotonic() - t0) * 1000))
+        _log("ready", model=self.args.model)
+        while True:
+            msg = decode(await self.sock.recv())
+            if isinstance(msg, Shutdown):
+                _log("shutdown")
+                if self.sw.get("ignore_shutdown"):
+                    continue
+                return 0
+            await self.handle(msg)
+
+    async def watch_parent(self) -> None:
+        parent = self.args.parent_pid
+        while True:
+            await asyncio.sleep(0.2)
+            try:
+                os.kill(parent, 0)
+            except ProcessLookupError:
+                _log("parent_gone")
+                os._exit(0)
+            if os.getppid() != parent:
+                _log("parent_gone")
+                os._exit(0)
+
+    async def handle(self, msg: Message) -> None:
+        if isinstance(msg, Ping):
+            await self.send(Pong(id=msg.id, busy=self.running is not None, queue_len=0,
+                                 running_id=self.running, pid=os.getpid()))
+        elif isinstance(msg, Cancel):
+            _log("cancel", id=msg.id)
+            if not self.sw.get("ignore_cancel"):
+                self.cancelled.add(msg.id)
+        elif isinstance(msg, Generate):
+            _log("generate", id=msg.id, busy=self.running is not None, max_tokens=msg.max_tokens,
+                 temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, min_p=msg.min_p,
+                 seed=msg.seed, stop=msg.stop, n_probs=msg.n_probs, messages=msg.messages,
+                 prompt=msg.prompt, logit_bias=msg.logit_bias)
+            if self.running is not None:
+                await self.send(Error(id=msg.id, code="busy", message="a generation is already running"))
+                return
+            self.running = msg.id
+            self.task = asyncio.get_running_loop().create_task(self.generate(msg))
+        elif isinstance(msg, Tokenize):
+            ids = tokenize(msg.content, msg.add_special)
+            await self.send(TokenizeResult(id=msg.id, tokens=ids,
+                                           pieces=[piece(i) for i in ids] if msg.with_pieces else []))
+        elif isinstance(msg, Detokenize):
+            bad = [t for t in msg.tokens if not 0 <= t < N_VOCAB]
+            if bad:
+                await self.send(Error(id=msg.id, code="invalid_token", message=f"invalid token id {bad[0]}"))
+            else:
+                await self.send(DetokenizeResult(id=msg.id, content=b"".join(piece(t) for t in msg.tokens)
+                                                 .decode("utf-8", "replace")))
+        elif isinstance(msg, ApplyTemplate):
+            if self.sw.get("no_template"):
+                await self.send(Error(id=msg.id, code="no_chat_template", message="model has no chat template"))
+            else:
+                await self.send(ApplyTemplateResult(id=msg.id, prompt=render(msg.messages, msg.add_generation_prompt)))
+
+    async def generate(self, g: Generate) -> None:
+        try:
+            await self._generate(g)
+        finally:
+            self.running = None
+            self.cancelled.discard(g.id)
+
+    async def _generate(self, g: Generate) -> None:
+        if g.messages is not None:
+            if self.sw.get("no_template"):
+                await self.send(Error(id=g.id, code="no_chat_template",
+                                      message="this model has no chat template; configure chat_template"))
+                return
+            text = render(g.messages)
+            prompt_ids = tokenize(text, False)
+        elif isinstance(g.prompt, str):
+            text = g.prompt
+            prompt_ids = tokenize(text, g.add_special)
+        else:
+            text = ""
+            prompt_ids = list(g.prompt or [])
+            bad = [t for t in prompt_ids if not 0 <= t < N_VOCAB]
+            if bad:
+                await self.send(Error(id=g.id, code="invalid_token", message=f"invalid token id {bad[0]}"))
+                return
+        if not prompt_ids:
+            await self.send(Error(id=g.id, code="empty_prompt", message="the prompt is empty"))
+            return
+        need = len(prompt_ids) + (g.max_tokens or 0)
+        if need > self.n_ctx or len(prompt_ids) >= self.n_ctx:
+            await self.send(Error(id=g.id, code="context_length_exceeded", message=(
+                f"This model's maximum context length is {self.n_ctx} tokens. However, you requested "
+                f"{need} tokens ({len(prompt_ids)} in the prompt, {g.max_tokens or 0} for the completion).")))
+            return
+        delay = float(self.sw.get("token_delay_s", 0.005))
+        m = re.search(r"\[slow=([0-9.]+)\]", text)
+        if m:
+            delay = float(m.group(1))
+        length = int(self.sw.get("length", 12))
+        m = re.search(r"\[len=(\d+)\]", text)
+        if m:
+            length = int(m.group(1))
+        crash = "[crash]" in text
+        hang = "[hang]" in text
+        utf8 = "[utf8]" in text
+        t0 = time.monotonic()
+        await asyncio.sleep(0.01)  # "prefill"
+        prompt_ms = (time.monotonic() - t0) * 1000
+        t1 = time.monotonic()
+        limit = g.max_tokens if g.max_tokens is not None else self.n_ctx - len(prompt_ids)
+        pieces: list[bytes] = []
+        if utf8:
+            pieces += [b" \xc3", b"\xa9"]
+        k = 0
+        while len(pieces) < length:
+            pieces.append(piece(100 + k))
+            k += 1
+        full = b""
+        sent = 0  # chars of the decoded text already sent
+        n = 0
+        finish, stop_type, stopping_word = "stop", "eos", ""
+        for i, pc in enumerate(pieces):
+            if n >= limit:
+                finish, stop_type = "length", "limit"
+                break
+            if g.id in self.cancelled:
+                finish, stop_type = "cancelled", "cancelled"
+                break
+            await asyncio.sleep(delay)
+            if g.id in self.cancelled:
+                finish, stop_type = "cancelled", "cancelled"
+                break
+            tid = (200 + i) if utf8 and i < 2 else 100 + (i - (2 if utf8 else 0))
+            full += pc
+            n += 1
+            try:
+                text_now = full.decode("utf-8")
+            except UnicodeDecodeError:
+                text_now = None
+            delta = ""
+            hit = None
+            if text_now is not None:
+                for s in g.stop:
+                    pos = text_now.find(s)
+                    if pos >= 0 and (hit is None or pos < hit[0]):
+                        hit = (pos, s)
+                if hit is not None:
+                    delta = text_now[sent:hit[0]]
+                else:
+                    safe = len(text_now)
+                    for s in g.stop:
+                        for j in range(min(len(s) - 1, len(text_now)), 0, -1):
+                            if text_now.endswith(s[:j]):
+                                safe = min(safe, len(text_now) - j)
+                                break
+                    delta = text_now[sent:safe]
+                sent += len(delta)
+            top = [[tid + j, -0.5 - j] for j in range(g.n_probs)]
+            await self.send(Token(id=g.id, text=delta, token_id=tid, piece=pc,
+                                  logprob=-0.5 if g.n_probs else None, top_logprobs=top))
+            if crash:
+                _log("crash", id=g.id)
+                os._exit(9)
+            if hang:
+                _log("hang", id=g.id)
+                time.sleep(3600)
+            if hit is not None:
+                finish, stop_type, stopping_word = "stop", "word", hit[1]
+                break
+        tail = ""
+        if stop_type != "word":
+            tail = full.decode("utf-8", "replace")[sent:]
+        _log("done", id=g.id, finish_reason=finish, n=n)
+        await self.send(Done(id=g.id, finish_reason=finish, stop_type=stop_type, stopping_word=stopping_word,
+                             text=tail, prompt_tokens=len(prompt_ids), completion_tokens=n,
+                             prompt_n=len(prompt_ids), prompt_ms=prompt_ms, predicted_n=n,
+                             predicted_ms=(time.monotonic() - t1) * 1000, cache_n=0))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--gguf", required=True)
+    p.add_argument("--endpoint", required=True)
+    p.add_argument("--n-ctx", type=int, default=None)
+    p.add_argument("--chat-template", default=None)
+    p.add_argument("--max-queue", type=int, default=8)
+    p.add_argument("--parent-pid", type=int, required=True)
+    args = p.parse_args(argv)
+    _log("start", argv=sys.argv[1:])
+    return asyncio.run(FakeWorker(args).main())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
