@@ -1,0 +1,164 @@
+"""A live router on loopback for tests: ``python -m router serve`` as a subprocess.
+
+``LiveRouter`` writes a config, starts the router (with the fake worker unless
+``real=True``), waits for /health, and offers an OpenAI SDK client, the fake
+worker's switches and event log, and the process tree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+from openai import OpenAI
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ROOT / "models"
+SMOLLM2 = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA = MODELS / "gemma-3-270m-q4_k_m.gguf"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LiveRouter:
+    def __init__(self, tmp: Path, config: str, *, real: bool = False, env: dict[str, str] | None = None) -> None:
+        self.tmp = tmp
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config_path = tmp / "config.toml"
+        self.config_path.write_text(config)
+        self.fake_file = tmp / "fake.json"
+        self.fake_log = tmp / "fake.log"
+        self.log_path = tmp / "router.log"
+        self.set_fake({})
+        e = dict(os.environ)
+        e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+        e["MODELYARD_FAKE_FILE"] = str(self.fake_file)
+        e["MODELYARD_FAKE_LOG"] = str(self.fake_log)
+        if real:
+            e.pop("MODELYARD_WORKER_MODULE", None)
+        else:
+            e["MODELYARD_WORKER_MODULE"] = "tests.fakes.fake_worker"
+        e.update(env or {})
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "router", "serve", "--config", str(self.config_path), "--port", str(self.port)],
+            cwd=ROOT, env=e, stdout=self._log, stderr=subprocess.STDOUT)
+        self.seen: dict[int, psutil.Process] = {}
+        deadline = time.monotonic() + 30
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"router did not come up:\n{self.log()}")
+            time.sleep(0.05)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def client(self, timeout: float = 60, api_key: str = "unused") -> OpenAI:
+        return OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=timeout)
+
+    def http(self, timeout: float = 60, **kw: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=timeout, **kw)
+
+    def set_fake(self, switches: dict[str, Any]) -> None:
+        self.fake_file.write_text(json.dumps(switches))
+
+    def fake_events(self, event: str | None = None, **match: Any) -> list[dict[str, Any]]:
+        if not self.fake_log.exists():
+            return []
+        out = []
+        for line in self.fake_log.read_text().splitlines():
+            try:
+                ev = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if (event is None or ev["event"] == event) and all(ev.get(k) == v for k, v in match.items()):
+                out.append(ev)
+        return out
+
+    def admin(self, model: str) -> dict[str, Any]:
+        data = httpx.get(f"{self.url}/admin/models", timeout=10).json()["data"]
+        return next(m for m in data if m["id"] == model)
+
+    def workers(self) -> list[psutil.Process]:
+        try:
+            kids = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        for k in kids:
+            self.seen[k.pid] = k
+        return kids
+
+    def wait_for(self, cond: Any, timeout: float = 10.0, what: str = "condition") -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            v = cond()
+            if v:
+                return v
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}\n{self.log()}")
+            time.sleep(0.02)
+
+    def stop(self, timeout: float = 30) -> int:
+        self.workers()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        for p in self.seen.values():
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
+
+def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def dummy_gguf(tmp: Path, *names: str) -> None:
+    for n in names:
+        (tmp / n).write_bytes(b"GGUF fake")
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    return tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])

@@ -1,0 +1,330 @@
+"""The HTTP API against fake workers: shapes, streaming rules, validation, error mapping.
+
+One live router (subprocess, loopback) for the whole module; the fake worker
+speaks the real protocol (tests/fakes/fake_worker.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.router.conftest import LiveRouter, dummy_gguf
+
+CONFIG = """
+[server]
+models_dir = "."
+[defaults]
+max_queue = 4
+[models.alpha]
+path = "alpha.gguf"
+aliases = ["a", "org/alpha:q4"]
+[models.beta]
+path = "beta.gguf"
+[models.gamma]
+path = "gamma.gguf"
+temperature = 0.25
+top_k = 7
+"""
+
+
+@pytest.fixture(scope="module")
+def router(module_tmp: Path) -> Iterator[LiveRouter]:
+    dummy_gguf(module_tmp, "alpha.gguf", "beta.gguf", "gamma.gguf")
+    r = LiveRouter(module_tmp, CONFIG)
+    r.set_fake({"beta": {"no_template": True}})
+    yield r
+    r.stop()
+
+
+def sse_lines(router: LiveRouter, path: str, body: dict[str, Any]) -> list[str]:
+    with httpx.stream("POST", router.url + path, json=body, timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return [line for line in r.iter_lines()]
+
+
+def sse_data(lines: list[str]) -> list[Any]:
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def test_models_listing_never_loads(router: LiveRouter) -> None:
+    ids = [m.id for m in router.client().models.list().data]
+    assert ids == ["alpha", "a", "org/alpha:q4", "beta", "gamma"]
+    assert router.admin("gamma")["state"] == "unloaded"
+    assert router.fake_events("start") == [] or all("gamma" not in e["argv"] for e in router.fake_events("start"))
+
+
+def test_model_by_id_with_slash_and_colon(router: LiveRouter) -> None:
+    m = router.client().models.retrieve("org/alpha:q4")
+    assert m.id == "org/alpha:q4"
+    with pytest.raises(openai.NotFoundError) as e:
+        router.client().models.retrieve("nope")
+    assert "alpha" in str(e.value)
+
+
+def test_health_and_unknown_route(router: LiveRouter) -> None:
+    assert httpx.get(router.url + "/health").json()["status"] == "ok"
+    r = httpx.get(router.url + "/v2/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(router.url + "/v1/chat/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+# ----------------------------------------------------------------------------- chat
+
+
+def test_chat_non_streaming(router: LiveRouter) -> None:
+    out = router.client().chat.completions.create(
+        model="a", messages=[{"role": "user", "content": "hello"}], max_tokens=4)
+    assert out.object == "chat.completion"
+    assert out.model == "a"
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == " w100 w101 w102 w103"
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage is not None and out.usage.completion_tokens == 4 and out.usage.prompt_tokens > 0
+    timings = out.model_extra["timings"]  # type: ignore[index]
+    assert timings["predicted_n"] == 4 and set(timings) >= {"prompt_n", "prompt_ms", "predicted_ms", "cache_n"}
+
+
+def test_chat_streaming_shape(router: LiveRouter) -> None:
+    lines = sse_lines(router, "/v1/chat/completions", {
+        "model": "alpha", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert not any(line.startswith(("id:", "retry:", "event:")) for line in lines)
+    data = sse_data(lines)
+    assert data[-1] == "[DONE]"
+    chunks = data[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == " w100 w101 w102"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_stream_without_include_usage_has_no_usage_chunk(router: LiveRouter) -> None:
+    data = sse_data(sse_lines(router, "/v1/chat/completions", {
+        "model": "alpha", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}))
+    assert all(c == "[DONE]" or c["choices"] for c in data)
+
+
+def test_streamed_text_equals_non_streamed_via_sdk(router: LiveRouter) -> None:
+    c = router.client()
+    msgs: Any = [{"role": "system", "content": "be brief"},
+                 {"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "two"}]}]
+    full = c.chat.completions.create(model="alpha", messages=msgs, max_tokens=6, temperature=0)
+    pieces = [ch.choices[0].delta.content or "" for ch in
+              c.chat.completions.create(model="alpha", messages=msgs, max_tokens=6, temperature=0, stream=True)
+              if ch.choices]
+    assert "".join(pieces) == full.choices[0].message.content
+    gen = router.fake_events("generate")[-1]
+    assert gen["messages"][1]["content"] == "part one\ntwo"
+
+
+def test_utf8_character_split_across_tokens_is_never_sent_half(router: LiveRouter) -> None:
+    data = sse_data(sse_lines(router, "/v1/chat/completions", {
+        "model": "alpha", "messages": [{"role": "user", "content": "[utf8]"}], "max_tokens": 3, "stream": True}))
+    contents = [c["choices"][0]["delta"].get("content") for c in data[:-1] if c["choices"]]
+    assert " é" in contents
+    assert all("\ufffd" not in (x or "") for x in contents)
+
+
+def test_stop_string_prefix_is_held_back_not_retracted(router: LiveRouter) -> None:
+    # output " w100 w101 w102 ..."; the stop string " w102" is preceded by the possible prefix " w10"
+    data = sse_data(sse_lines(router, "/v1/chat/completions", {
+        "model": "alpha", "messages": [{"role": "user", "content": "x"}], "max_tokens": 8, "stream": True,
+        "stop": [" w102", "zz"]}))
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in data[:-1] if c["choices"])
+    assert text == " w100 w101"
+    assert [c["choices"][0]["finish_reason"] for c in data[:-1] if c["choices"]][-1] == "stop"
+
+
+def test_chat_logprobs(router: LiveRouter) -> None:
+    out = router.client().chat.completions.create(
+        model="alpha", messages=[{"role": "user", "content": "x"}], max_tokens=2, logprobs=True, top_logprobs=3)
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.content is not None and len(lp.content) == 2
+    first = lp.content[0]
+    assert first.token == " w100" and first.bytes == list(b" w100") and first.logprob == -0.5
+    assert [t.token for t in first.top_logprobs] == [" w100", " w101", " w102"]
+
+
+def test_chat_to_model_without_template_is_400(router: LiveRouter) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        router.client().chat.completions.create(model="beta", messages=[{"role": "user", "content": "x"}],
+                                                max_tokens=2)
+    assert e.value.code == "no_chat_template"
+
+
+def test_unknown_fields_are_ignored(router: LiveRouter) -> None:
+    r = httpx.post(router.url + "/v1/chat/completions", json={
+        "model": "alpha", "messages": [{"role": "developer", "content": "x", "name": "n"}], "max_tokens": 1,
+        "some_future_field": {"a": 1}, "parallel_tool_calls": False, "tools": [], "user": "u"}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert router.fake_events("generate")[-1]["messages"][0]["role"] == "system"
+
+
+def test_sampling_defaults(router: LiveRouter) -> None:
+    c = router.client()
+    c.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    g = router.fake_events("generate")[-1]
+    assert (g["temperature"], g["top_p"], g["top_k"], g["min_p"]) == (1.0, 1.0, 0, 0.0)
+    httpx.post(router.url + "/completion", json={"model": "alpha", "prompt": "x", "n_predict": 1}, timeout=30)
+    g = router.fake_events("generate")[-1]
+    assert (g["temperature"], g["top_p"], g["top_k"], g["min_p"]) == (0.8, 0.95, 40, 0.05)
+    c.completions.create(model="gamma", prompt="x", max_tokens=1)
+    g = router.fake_events("generate")[-1]
+    assert (g["temperature"], g["top_k"]) == (0.25, 7)
+    c.completions.create(model="gamma", prompt="x", max_tokens=1, temperature=0.5, seed=3,
+                         logit_bias={"5": -100}, stop="q", extra_body={"min_p": 0.1})
+    g = router.fake_events("generate")[-1]
+    assert (g["temperature"], g["seed"], g["logit_bias"], g["stop"], g["min_p"]) == (0.5, 3, [[5, -100.0]], ["q"], 0.1)
+
+
+# ----------------------------------------------------------------------------- completions
+
+
+def test_completions_prompt_forms(router: LiveRouter) -> None:
+    c = router.client()
+    out = c.completions.create(model="beta", prompt="The capital", max_tokens=2)
+    assert out.object == "text_completion" and out.choices[0].text == " w100 w101"
+    assert out.usage is not None and out.usage.prompt_tokens == 3  # BOS + 2 words
+    c.completions.create(model="beta", prompt=[5, 6, 7], max_tokens=1)
+    assert router.fake_events("generate")[-1]["prompt"] == [5, 6, 7]
+    c.completions.create(model="beta", prompt=["only one"], max_tokens=1)
+    assert router.fake_events("generate")[-1]["prompt"] == "only one"
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model="beta", prompt=["one", "two"], max_tokens=1)
+
+
+def test_completions_streaming_and_logprobs(router: LiveRouter) -> None:
+    chunks = list(router.client().completions.create(model="beta", prompt="x", max_tokens=3, stream=True,
+                                                     logprobs=2, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == " w100 w101 w102"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+    toks = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens or []]
+    assert toks == [" w100", " w101", " w102"]
+
+
+# ----------------------------------------------------------------------------- llama.cpp native
+
+
+def test_native_completion_probabilities_one_per_token(router: LiveRouter) -> None:
+    r = httpx.post(router.url + "/completion", json={
+        "model": "alpha", "prompt": "[utf8] x", "n_predict": 4, "n_probs": 2, "return_tokens": True,
+        "temperature": 0}, timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["content"] == " é w100 w101"
+    assert body["tokens"] == [200, 201, 100, 101]
+    assert body["stop_type"] == "limit" and body["timings"]["predicted_n"] == 4
+    probs = body["completion_probabilities"]
+    assert len(probs) == 4
+    assert probs[0]["bytes"] == [0x20, 0xC3] and probs[1]["bytes"] == [0xA9]
+    assert set(probs[0]) == {"id", "token", "bytes", "logprob", "top_logprobs"}
+    assert all(len(p["top_logprobs"]) == 2 and "id" in p["top_logprobs"][0] for p in probs)
+
+
+def test_native_completion_stream(router: LiveRouter) -> None:
+    data = sse_data(sse_lines(router, "/completion", {"model": "alpha", "prompt": [3, 4], "n_predict": 3,
+                                                      "n_probs": 1, "stream": True}))
+    assert all(d != "[DONE]" for d in data)
+    assert [d["stop"] for d in data] == [False, False, False, True]
+    assert sum(len(d.get("completion_probabilities", [])) for d in data) == 3
+    assert data[-1]["stop_type"] == "limit" and "timings" in data[-1]
+
+
+def test_tokenize_detokenize_apply_template(router: LiveRouter) -> None:
+    h = router.http()
+    toks = h.post("/tokenize", json={"model": "alpha", "content": "a b", "add_special": True}).json()["tokens"]
+    assert len(toks) == 3 and toks[0] == 1
+    pieces = h.post("/tokenize", json={"model": "alpha", "content": "a", "with_pieces": True}).json()["tokens"]
+    assert set(pieces[0]) == {"id", "piece"}
+    assert h.post("/detokenize", json={"model": "alpha", "tokens": [7, 8]}).json() == {"content": " w7 w8"}
+    r = h.post("/detokenize", json={"model": "alpha", "tokens": [10**9]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_token"
+    prompt = h.post("/apply-template", json={"model": "alpha", "messages": [{"role": "user", "content": "q"}]}).json()
+    assert prompt["prompt"].endswith("<|im_start|>assistant\n")
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", None, None),
+    ("/v1/chat/completions", "[1, 2]", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, "model"),
+    ("/v1/chat/completions", {"model": "alpha"}, "messages"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": []}, "messages"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "wizard", "content": "x"}]},
+     "messages[0].role"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": 5}]},
+     "messages[0].content"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages[0].content[0]"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": "x"}],
+                              "temperature": "hot"}, "temperature"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": "x"}],
+                              "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": "x"}],
+                              "top_p": 3}, "top_p"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": "x"}],
+                              "stop": [1]}, "stop"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": "x"}],
+                              "stream": "yes"}, "stream"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": "x"}],
+                              "logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/completions", {"model": "alpha"}, "prompt"),
+    ("/v1/completions", {"model": "alpha", "prompt": {"a": 1}}, "prompt"),
+    ("/v1/completions", {"model": "alpha", "prompt": [-1]}, "prompt"),
+    ("/v1/completions", {"model": "alpha", "prompt": "x", "echo": True}, "echo"),
+    ("/completion", {"model": "alpha", "prompt": 5}, "prompt"),
+    ("/completion", {"model": "alpha", "prompt": "x", "n_probs": -1}, "n_probs"),
+    ("/tokenize", {"model": "alpha"}, "content"),
+    ("/admin/models/load", {"model": 3}, "model"),
+])
+def test_malformed_bodies_get_400(router: LiveRouter, path: str, body: Any, param: str | None) -> None:
+    if body is None:
+        r = httpx.post(router.url + path, content=b"{not json", timeout=30)
+    elif isinstance(body, str):
+        r = httpx.post(router.url + path, content=body.encode(), timeout=30)
+    else:
+        r = httpx.post(router.url + path, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    assert err["param"] == param
+
+
+def test_unknown_model_is_404_listing_ids(router: LiveRouter) -> None:
+    with pytest.raises(openai.NotFoundError) as e:
+        router.client().chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert "alpha" in str(e.value) and "org/alpha:q4" in str(e.value)
+
+
+def test_context_overflow_is_400(router: LiveRouter) -> None:
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            res = router.client().completions.create(model="alpha", prompt="x " * 300, max_tokens=4, stream=stream)
+            list(res) if stream else None  # type: ignore[call-overload]
+        assert e.value.code == "context_length_exceeded"
+        assert "maximum context length" in str(e.value)
