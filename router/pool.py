@@ -336,7 +336,8 @@ class ModelSlot:
             self._ping_task.cancel()
             self._ping_task = None
         self.worker = None
-        self._set_state(WorkerState.UNLOADED)
+        self.last_exit_code = wp.exit_code
+        self._set_state(WorkerState.UNLOADED, wp.kill_reason)
 
 
 class Pool:

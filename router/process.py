@@ -228,8 +228,9 @@ class WorkerProcess:
             return self.ready
         if self._ready.done() and not self._ready.cancelled():
             err = self._ready.exception()
-            self.kill("load failed")
-            await self._wait_exited(5.0)
+            if not await self._wait_exited(2.0):  # the worker exits 1 after Error(load_failed)
+                self.kill("load failed")
+                await self._wait_exited(5.0)
             raise LoadFailed(str(err), self.exit_code)
         if self.exited.is_set():
             raise LoadFailed(f"{self.exit_description()} before it was ready", self.exit_code)

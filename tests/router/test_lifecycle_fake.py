@@ -1,0 +1,320 @@
+"""Worker lifecycle, admission and cancellation against fake workers (one live router).
+
+Covers: one spawn per burst of first requests, 503 queue_full with Retry-After,
+cancel on disconnect (queued, prefill, mid-stream, non-streaming), worker crash
+and SIGKILL mid-stream, load failure / timeout, hung workers, unload draining,
+and that a worker is never handed two generations at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from tests.router.conftest import LiveRouter, alive, dummy_gguf
+
+MODELS = ["burst", "q2", "dc", "crash", "broken", "slowload", "hang", "deaf", "drain", "stubborn", "plain"]
+
+SWITCHES: dict[str, Any] = {
+    "burst": {"load_delay_s": 0.5},
+    "q2": {"load_delay_s": 0.3, "token_delay_s": 0.05, "length": 20},
+    "dc": {"token_delay_s": 0.05, "length": 200},
+    "crash": {"token_delay_s": 0.02, "length": 100},
+    "hang": {"token_delay_s": 0.02},
+    "deaf": {"ignore_cancel": True, "token_delay_s": 0.05, "length": 200},
+    "drain": {"token_delay_s": 0.05, "length": 20},
+    "stubborn": {"ignore_shutdown": True},
+}
+
+
+def _config() -> str:
+    lines = ["[server]", 'models_dir = "."', "[defaults]", "max_queue = 4", "ping_interval_s = 0.2",
+             "ping_timeout_s = 1.0", "cancel_timeout_s = 5.0", "shutdown_grace_s = 1.0"]
+    extra = {"burst": ["max_queue = 30"], "q2": ["max_queue = 2"], "deaf": ["cancel_timeout_s = 0.5"],
+             "slowload": ["load_timeout_s = 0.5"], "hang": ["ping_timeout_s = 0.5"],
+             "stubborn": ["shutdown_grace_s = 0.3"]}
+    for m in MODELS:
+        lines += [f"[models.{m}]", 'path = "m.gguf"', *extra.get(m, [])]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def router(module_tmp: Path) -> Iterator[LiveRouter]:
+    dummy_gguf(module_tmp, "m.gguf")
+    r = LiveRouter(module_tmp, _config())
+    r.set_fake(SWITCHES)
+    yield r
+    # never two generations at once on any worker, across the whole module
+    assert [e for e in r.fake_events("generate") if e["busy"]] == []
+    r.stop()
+
+
+def chat(model: str, content: str = "hi", **kw: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": content}], **kw}
+
+
+def worker_pid(router: LiveRouter, model: str) -> int:
+    return int(router.wait_for(lambda: router.admin(model)["pid"], what=f"{model} pid"))
+
+
+def spawns(router: LiveRouter, model: str) -> int:
+    return sum(1 for e in router.fake_events("start") if e["argv"][1] == model)
+
+
+async def _post(client: httpx.AsyncClient, body: dict[str, Any], path: str = "/v1/chat/completions") -> httpx.Response:
+    return await client.post(path, json=body)
+
+
+def test_burst_of_first_requests_spawns_one_worker(router: LiveRouter) -> None:
+    async def go() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
+            return await asyncio.gather(*(_post(c, chat("burst", max_tokens=2)) for _ in range(20)))
+
+    rs = asyncio.run(go())
+    assert [r.status_code for r in rs] == [200] * 20
+    assert spawns(router, "burst") == 1
+    assert router.admin("burst")["spawn_count"] == 1
+
+
+def test_queue_full_gets_503_at_once_counting_those_waiting_for_load(router: LiveRouter) -> None:
+    # max_queue 2: one running + two waiting (here: all waiting for the 0.3 s load); the 4th is refused
+    async def go() -> tuple[list[httpx.Response], float]:
+        async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
+            first = [asyncio.create_task(_post(c, chat("q2", max_tokens=5))) for _ in range(3)]
+            await asyncio.sleep(0.1)
+            t0 = time.monotonic()
+            fourth = await _post(c, chat("q2", max_tokens=5))
+            dt = time.monotonic() - t0
+            return [*(await asyncio.gather(*first)), fourth], dt
+
+    rs, dt = asyncio.run(go())
+    assert [r.status_code for r in rs[:3]] == [200, 200, 200]
+    r = rs[3]
+    assert r.status_code == 503
+    assert r.headers["retry-after"] == "1"
+    assert r.json()["error"] == {"message": r.json()["error"]["message"], "type": "server_error",
+                                 "param": None, "code": "queue_full"}
+    print(f"\n503 queue_full answered in {dt * 1000:.1f} ms")
+    assert dt < 2.0
+
+
+def test_queue_full_while_ready(router: LiveRouter) -> None:
+    async def go() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
+            first = [asyncio.create_task(_post(c, chat("q2", max_tokens=10))) for _ in range(3)]
+            await asyncio.sleep(0.15)
+            fourth = await _post(c, chat("q2", max_tokens=1))
+            return [*(await asyncio.gather(*first)), fourth]
+
+    codes = [r.status_code for r in asyncio.run(go())]
+    assert codes == [200, 200, 200, 503]
+
+
+def test_streaming_disconnect_mid_generation_frees_the_worker(router: LiveRouter) -> None:
+    with httpx.Client(base_url=router.url, timeout=30) as c:
+        with c.stream("POST", "/v1/chat/completions", json=chat("dc", stream=True)) as r:
+            n = 0
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    n += 1
+                if n == 4:
+                    break
+        t0 = time.monotonic()
+        r2 = c.post("/v1/chat/completions", json=chat("dc", max_tokens=1))
+        dt = time.monotonic() - t0
+    assert r2.status_code == 200
+    print(f"\nnext request after a mid-stream disconnect done in {dt * 1000:.1f} ms")
+    assert dt < 2.0
+    cancelled = router.fake_events("done", finish_reason="cancelled")
+    assert cancelled and cancelled[-1]["n"] < 50
+
+
+def test_non_streaming_disconnect_cancels(router: LiveRouter) -> None:
+    with httpx.Client(base_url=router.url, timeout=0.4) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/chat/completions", json=chat("dc", "nonstream"))
+    router.wait_for(lambda: len(router.fake_events("cancel")) >= 2, what="cancel")
+    router.wait_for(lambda: router.admin("dc")["in_flight"] == [], what="worker free")
+
+
+def test_disconnect_while_queued_leaves_the_queue(router: LiveRouter) -> None:
+    async def go() -> tuple[httpx.Response, list[int]]:
+        async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
+            a = asyncio.create_task(_post(c, chat("dc", "A", max_tokens=20)))
+            await asyncio.sleep(0.2)
+            b = asyncio.create_task(_post(c, chat("dc", "B-queued", max_tokens=2)))
+            await asyncio.sleep(0.2)
+            depth = [router.admin("dc")["queue_depth"]]
+            b.cancel()  # closes B's connection while it waits
+            await asyncio.sleep(0.2)
+            depth.append(router.admin("dc")["queue_depth"])
+            return await a, depth
+
+    ra, depth = asyncio.run(go())
+    assert ra.status_code == 200
+    assert depth == [1, 0]
+    assert not [e for e in router.fake_events("generate") if e["messages"][0]["content"] == "B-queued"]
+
+
+def test_sigkill_mid_stream_gives_sse_error_and_next_request_succeeds(router: LiveRouter) -> None:
+    with httpx.Client(base_url=router.url, timeout=30) as c:
+        c.post("/admin/models/load", json={"model": "crash"}).raise_for_status()
+        pid = worker_pid(router, "crash")
+        events: list[Any] = []
+        with c.stream("POST", "/v1/chat/completions", json=chat("crash", stream=True)) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 2:
+                    os.kill(pid, signal.SIGKILL)
+        last = json.loads(events[-1])
+        assert last["error"]["code"] == "worker_crashed"
+        assert "signal 9" in last["error"]["message"]
+        state = router.admin("crash")
+        assert state["state"] == "failed" and state["last_exit_code"] == -9
+        r2 = c.post("/v1/chat/completions", json=chat("crash", max_tokens=2))
+        assert r2.status_code == 200 and r2.json()["choices"][0]["message"]["content"] == " w100 w101"
+        assert worker_pid(router, "crash") != pid
+
+
+def test_crash_mid_request_fails_it_and_answers_waiting_ones(router: LiveRouter) -> None:
+    async def go() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
+            a = asyncio.create_task(_post(c, chat("crash", "[slow=0.3] [crash]", max_tokens=5)))
+            await asyncio.sleep(0.15)
+            b = asyncio.create_task(_post(c, chat("crash", "waiting", max_tokens=5)))
+            return list(await asyncio.gather(a, b))
+
+    ra, rb = asyncio.run(go())
+    assert ra.status_code == 502 and ra.json()["error"]["code"] == "worker_crashed"
+    assert rb.status_code == 503 and rb.json()["error"]["code"] == "worker_crashed"
+    assert "retry-after" in rb.headers
+    assert router.admin("crash")["last_exit_code"] == 9
+    r = httpx.post(router.url + "/v1/chat/completions", json=chat("crash", max_tokens=1), timeout=30)
+    assert r.status_code == 200
+
+
+def test_load_failure_is_503_and_kept_as_failed_then_recovers(router: LiveRouter) -> None:
+    router.set_fake({**SWITCHES, "broken": {"load_error": True}})
+    r = httpx.post(router.url + "/v1/completions", json={"model": "broken", "prompt": "x"}, timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_failed"
+    assert "fake load failure" in r.json()["error"]["message"]
+    st = router.admin("broken")
+    assert st["state"] == "failed" and "fake load failure" in st["last_error"] and st["last_exit_code"] == 1
+    router.set_fake({**SWITCHES, "broken": {"crash_at_load": True}})
+    r = httpx.post(router.url + "/admin/models/load", json={"model": "broken"}, timeout=30)
+    assert r.status_code == 503 and router.admin("broken")["last_exit_code"] == 3
+    router.set_fake(SWITCHES)
+    r = httpx.post(router.url + "/v1/completions", json={"model": "broken", "prompt": "x", "max_tokens": 1}, timeout=30)
+    assert r.status_code == 200
+    assert router.admin("broken")["state"] == "ready"
+
+
+def test_load_timeout(router: LiveRouter) -> None:
+    router.set_fake({**SWITCHES, "slowload": {"hang_at_load": True}})
+    t0 = time.monotonic()
+    r = httpx.post(router.url + "/v1/completions", json={"model": "slowload", "prompt": "x"}, timeout=30)
+    assert r.status_code == 503 and "load_timeout_s" in r.json()["error"]["message"]
+    assert time.monotonic() - t0 < 5
+    st = router.admin("slowload")
+    assert st["state"] == "failed" and st["pid"] is None
+    router.set_fake(SWITCHES)
+
+
+def test_hung_worker_is_killed_and_the_stream_gets_an_error(router: LiveRouter) -> None:
+    with httpx.Client(base_url=router.url, timeout=30) as c:
+        with c.stream("POST", "/v1/chat/completions", json=chat("hang", "[hang]", stream=True)) as r:
+            data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    err = json.loads(data[-1])["error"]
+    assert err["code"] == "worker_crashed" and "hung" in err["message"]
+    assert router.admin("hang")["state"] == "failed"
+    r2 = httpx.post(router.url + "/v1/chat/completions", json=chat("hang", max_tokens=1), timeout=30)
+    assert r2.status_code == 200
+
+
+def test_worker_ignoring_cancel_is_killed_after_cancel_timeout(router: LiveRouter) -> None:
+    with httpx.Client(base_url=router.url, timeout=30) as c:
+        c.post("/admin/models/load", json={"model": "deaf"}).raise_for_status()
+        pid = worker_pid(router, "deaf")
+        with c.stream("POST", "/v1/chat/completions", json=chat("deaf", stream=True)) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i > 3:
+                    break
+        router.wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+                        timeout=5, what="deaf worker killed")
+        assert "Cancel" in (router.admin("deaf")["last_error"] or "")
+        assert c.post("/v1/chat/completions", json=chat("deaf", max_tokens=1)).status_code == 200
+
+
+def test_unload_while_running_lets_it_finish(router: LiveRouter) -> None:
+    with httpx.Client(base_url=router.url, timeout=30) as c:
+        c.post("/admin/models/load", json={"model": "drain"}).raise_for_status()
+        pid = worker_pid(router, "drain")
+        result: dict[str, Any] = {}
+
+        def unload() -> None:
+            time.sleep(0.2)
+            result["unload"] = httpx.post(router.url + "/admin/models/unload", json={"model": "drain"}, timeout=30)
+
+        def during() -> None:
+            time.sleep(0.4)
+            result["during"] = httpx.post(router.url + "/v1/chat/completions", json=chat("drain"), timeout=30)
+
+        texts: list[str] = []
+        finish = None
+        states: list[str] = []
+        with c.stream("POST", "/v1/chat/completions", json=chat("drain", stream=True)) as r:
+            threads = [threading.Thread(target=unload), threading.Thread(target=during)]
+            for t in threads:
+                t.start()
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    d = json.loads(line[6:])
+                    if len(texts) == 8:
+                        states.append(router.admin("drain")["state"])
+                    texts.append(d["choices"][0]["delta"].get("content") or "")
+                    finish = d["choices"][0]["finish_reason"] or finish
+            for t in threads:
+                t.join()
+    assert "".join(texts) == "".join(f" w{100 + i}" for i in range(20))
+    assert finish == "stop"
+    assert states == ["draining"]
+    assert result["unload"].status_code == 200 and result["unload"].json()["state"] == "unloaded"
+    # an unload started while the stream ran: new requests meanwhile got 503
+    during = result["during"]
+    assert during.status_code == 503 and during.json()["error"]["code"] == "model_unloading"
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert router.admin("drain")["state"] == "unloaded"
+
+
+def test_unload_kills_a_worker_ignoring_shutdown(router: LiveRouter) -> None:
+    r = httpx.post(router.url + "/admin/models/load", json={"model": "stubborn"}, timeout=30)
+    assert r.status_code == 200 and r.json()["load_ms"] >= 0 and r.json()["pid"]
+    pid = r.json()["pid"]
+    t0 = time.monotonic()
+    r = httpx.post(router.url + "/admin/models/unload", json={"model": "stubborn"}, timeout=30)
+    assert r.status_code == 200 and time.monotonic() - t0 < 5
+    assert alive([psutil.Process(pid)] if psutil.pid_exists(pid) else []) == []
+    assert "Shutdown" in (router.admin("stubborn")["last_error"] or "")
+
+
+def test_admin_listing(router: LiveRouter) -> None:
+    httpx.post(router.url + "/v1/completions", json={"model": "plain", "prompt": "x", "max_tokens": 1}, timeout=30)
+    data = httpx.get(router.url + "/admin/models", timeout=10).json()["data"]
+    assert [m["id"] for m in data] == MODELS
+    plain = next(m for m in data if m["id"] == "plain")
+    assert plain["state"] == "ready" and plain["pid"] and plain["queue_depth"] == 0 and plain["in_flight"] == []
+    assert plain["load_ms"] is not None and plain["last_used"] is not None and plain["last_error"] is None
