@@ -1,0 +1,145 @@
+"""The router as a process: config validation, CLI exit codes, auth, and no orphan workers
+after SIGTERM or even SIGKILL of the router (fake workers)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from router.config import ConfigError, load_config
+from tests.router.conftest import ROOT, LiveRouter, alive, dummy_gguf
+
+MINI = """
+[server]
+models_dir = "."
+[models.one]
+path = "m.gguf"
+[models.two]
+path = "m.gguf"
+"""
+
+
+def write(tmp: Path, text: str) -> Path:
+    dummy_gguf(tmp, "m.gguf")
+    p = tmp / "c.toml"
+    p.write_text(text)
+    return p
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_config_defaults_and_paths(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, MINI + '[defaults]\nmax_queue = 3\ntemperature = 0.5\n'))
+    assert cfg.server.host == "127.0.0.1" and cfg.server.port == 8080
+    one = cfg.models["one"]
+    assert one.path == (tmp_path / "m.gguf").resolve()
+    assert one.max_queue == 3 and one.sampling == {"temperature": 0.5} and one.n_ctx is None
+
+
+@pytest.mark.parametrize("extra,key", [
+    ("[server]\nport = 'x'\n", "server.port"),
+    ("[models.one]\nmax_queue = -1\n", "models.one.max_queue"),
+    ("[models.one]\nmax_qeue = 1\n", "models.one.max_qeue"),
+    ("[defaults]\ntemperature = 'hot'\n", "defaults.temperature"),
+    ("[models.three]\naliases = ['x']\n", "models.three.path"),
+    ("[models.three]\npath = 'missing.gguf'\n", "models.three.path"),
+    ("[models.three]\npath = 'm.gguf'\naliases = ['one']\n", "models.three.aliases"),
+    ("[server]\nhost = '0.0.0.0'\n", "server.api_key"),
+    ("[server]\ntransport = 'udp'\n", "server.transport"),
+])
+def test_config_errors_name_the_key(tmp_path: Path, extra: str, key: str) -> None:
+    base = MINI.replace("[server]\nmodels_dir = \".\"\n", "")
+    server = 'models_dir = "."\n'
+    if extra.startswith("[server]"):
+        text = "[server]\n" + server + extra[len("[server]\n"):] + base
+    elif extra.startswith("[models.one]"):
+        text = "[server]\n" + server + base.replace('[models.one]\npath = "m.gguf"\n',
+                                                    '[models.one]\npath = "m.gguf"\n' + extra[len("[models.one]\n"):])
+    else:
+        text = "[server]\n" + server + base + extra
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, text))
+    assert e.value.key == key and str(e.value).startswith(key)
+
+
+def test_cli_config_error_exits_1_naming_the_key(tmp_path: Path) -> None:
+    p = write(tmp_path, MINI + "[defaults]\nmax_queue = 'many'\n")
+    r = subprocess.run([sys.executable, "-m", "router", "serve", "--config", str(p)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "defaults.max_queue" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "router", "--config", str(tmp_path / "nope.toml")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "nope.toml" in r.stderr
+
+
+def test_cli_refuses_public_host_without_api_key(tmp_path: Path) -> None:
+    p = write(tmp_path, MINI)
+    r = subprocess.run([sys.executable, "-m", "router", "serve", "--config", str(p), "--host", "0.0.0.0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "server.api_key" in r.stderr
+
+
+# ----------------------------------------------------------------------------- auth
+
+
+def test_api_key_and_admin_key(tmp_path: Path) -> None:
+    dummy_gguf(tmp_path, "m.gguf")
+    r = LiveRouter(tmp_path, MINI.replace('models_dir = "."', 'models_dir = "."\napi_key = "k1"\nadmin_key = "k2"'))
+    try:
+        assert httpx.get(r.url + "/health").status_code == 200
+        res = httpx.get(r.url + "/v1/models")
+        assert res.status_code == 401 and res.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            r.client(api_key="wrong").models.list()
+        assert [m.id for m in r.client(api_key="k1").models.list().data] == ["one", "two"]
+        assert httpx.get(r.url + "/admin/models", headers={"Authorization": "Bearer k1"}).status_code == 401
+        assert httpx.get(r.url + "/admin/models", headers={"Authorization": "Bearer k2"}).status_code == 200
+        out = r.client(api_key="k1").completions.create(model="one", prompt="x", max_tokens=1)
+        assert out.choices[0].text == " w100"
+    finally:
+        r.stop()
+
+
+# ----------------------------------------------------------------------------- no orphans
+
+
+def test_sigterm_stops_every_worker(tmp_path: Path) -> None:
+    dummy_gguf(tmp_path, "m.gguf")
+    r = LiveRouter(tmp_path, MINI)
+    for m in ("one", "two"):
+        httpx.post(r.url + "/v1/completions", json={"model": m, "prompt": "x", "max_tokens": 1}, timeout=30)
+    workers = r.workers()
+    assert len(workers) == 2
+    assert r.stop() in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a clean shutdown
+    deadline = time.monotonic() + 10
+    while alive(workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert alive(workers) == []
+    assert len(r.fake_events("shutdown")) == 2  # asked politely first
+
+
+def test_sigkill_of_the_router_leaves_no_orphans(tmp_path: Path) -> None:
+    dummy_gguf(tmp_path, "m.gguf")
+    r = LiveRouter(tmp_path, MINI)
+    for m in ("one", "two"):
+        httpx.post(r.url + "/v1/completions", json={"model": m, "prompt": "x", "max_tokens": 1}, timeout=30)
+    workers = r.workers()
+    assert len(workers) == 2
+    os.kill(r.proc.pid, signal.SIGKILL)
+    r.proc.wait(10)
+    t0 = time.monotonic()
+    while alive(workers) and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
+    assert alive(workers) == []
+    print(f"\nworkers gone {time.monotonic() - t0:.2f} s after the router was SIGKILLed")
+    r.stop()
