@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,12 +24,14 @@ from typing import Any
 from starlette.requests import Request
 
 from protocol import Done, Generate, Token
-from router.errors import ApiError, Unavailable, error_payload
+from router.errors import ApiError, InternalError, Unavailable, error_payload
 from router.params import get_float, get_int, get_logit_bias, get_stop
 from router.pool import ModelSlot
 from router.process import WorkerProcess
 from router.run import Run
 from router.sse import until_disconnect
+
+log = logging.getLogger("modelyard.generation")
 
 #: Built-in defaults when neither the request nor the model config says: OpenAI's for /v1/*.
 OPENAI_DEFAULTS: dict[str, Any] = {
@@ -129,6 +132,9 @@ async def stream(run: Run, first: Token | Done, on_frame: Formatter,
             item = await run.next()
     except ApiError as err:
         yield on_error(err)
+    except Exception as exc:  # a bug: still end the stream with an error event, not a cut connection
+        log.exception("stream of request %s failed", run.id)
+        yield on_error(InternalError(f"internal error: {type(exc).__name__}"))
     finally:
         run.close()
 

@@ -144,6 +144,7 @@ class WorkerProcess:
         self.exited = asyncio.Event()
         self.exit_code: int | None = None
         self.kill_reason: str | None = None  # set when we killed it (hung, stop)
+        self._stop_requested = False
         self.ready: Ready | None = None
         self.started_at = time.time()
         self.pieces: dict[int, bytes] = {}  # token id -> raw bytes, learned from frames
@@ -261,7 +262,8 @@ class WorkerProcess:
                     break
                 self._handle(parts)
         gone = WorkerGone(self.exit_description(), code)
-        log.warning("worker %s (pid %s) for %s: %s", self.serial, self.pid, self.model.name, gone.reason)
+        log.log(logging.INFO if self._stop_requested else logging.WARNING, "worker %s (pid %s) for %s: %s",
+                self.serial, self.pid, self.model.name, gone.reason)
         for q in self._streams.values():
             q.put_nowait(gone)
         for cb in self._exit_callbacks:
@@ -283,6 +285,7 @@ class WorkerProcess:
 
     async def stop(self, grace_s: float) -> None:
         """Shutdown frame, up to ``grace_s`` seconds to exit, then SIGKILL. Idempotent."""
+        self._stop_requested = True
         if self._proc is None:
             self._close_socket()
             return
