@@ -89,6 +89,7 @@ def _common(body: dict[str, Any], slot: ModelSlot, prefix: str) -> dict[str, Any
     if max_tokens is None:
         max_tokens = get_int(body, "max_tokens", None, 1)
     return {"id": new_id(prefix), "max_tokens": max_tokens,
+            "ignore_eos": get_bool(body, "ignore_eos", False),  # llama.cpp extension
             **read_sampling(body, OPENAI_DEFAULTS, slot, openai=True)}
 
 

@@ -1,0 +1,259 @@
+"""Acceptance against real workers (``python -m worker``) on SmolLM2-135M and Gemma 3 270M,
+with the official ``openai`` SDK as the client and one live router for the module.
+
+Extra config entries point at the same SmolLM2 file under other names so the
+lifecycle tests start from a fresh (unloaded) model without restarting the router.
+The module ends by SIGKILLing the router and checking its real workers exit by
+themselves (they watch --parent-pid).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.router.conftest import GEMMA, MODELS, ROOT, SMOLLM2, LiveRouter, alive
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (ROOT / "worker" / "__main__.py").exists(), reason="the real worker has not landed"),
+    pytest.mark.skipif(not (SMOLLM2.exists() and GEMMA.exists()), reason="models not fetched"),
+]
+
+CONFIG = f"""
+[server]
+models_dir = "{MODELS}"
+[defaults]
+n_ctx = 512
+load_timeout_s = 300
+[models.SmolLM2-135M-Instruct]
+path = "{SMOLLM2.name}"
+aliases = ["smollm2"]
+[models.gemma-3-270m]
+path = "{GEMMA.name}"
+aliases = ["gemma3"]
+chat_template = "gemma"
+[models.smol-burst]
+path = "{SMOLLM2.name}"
+max_queue = 30
+[models.smol-q2]
+path = "{SMOLLM2.name}"
+max_queue = 2
+[models.smol-kill]
+path = "{SMOLLM2.name}"
+"""
+
+MSG = [{"role": "user", "content": "Name three colours of the rainbow."}]
+
+
+@pytest.fixture(scope="module")
+def router(module_tmp: Path) -> Iterator[LiveRouter]:
+    r = LiveRouter(module_tmp, CONFIG, real=True)
+    yield r
+    r.stop(timeout=60)
+    r.kill()
+
+
+@pytest.fixture(scope="module")
+def client(router: LiveRouter) -> openai.OpenAI:
+    return router.client(timeout=300)
+
+
+def test_chat_streamed_equals_non_streamed(client: openai.OpenAI) -> None:
+    full = client.chat.completions.create(model="smollm2", messages=MSG, temperature=0, max_tokens=24)  # type: ignore[arg-type]
+    text = full.choices[0].message.content or ""
+    assert text.strip() and full.usage is not None and full.usage.completion_tokens > 0
+    assert full.model_extra and full.model_extra["timings"]["predicted_n"] == full.usage.completion_tokens
+    roles, pieces = [], []
+    for ch in client.chat.completions.create(model="smollm2", messages=MSG, temperature=0, max_tokens=24,  # type: ignore[arg-type]
+                                             stream=True, stream_options={"include_usage": True}):
+        assert ch.object == "chat.completion.chunk"
+        for c in ch.choices:
+            if c.delta.role:
+                roles.append(c.delta.role)
+            pieces.append(c.delta.content or "")
+    assert roles[:1] == ["assistant"]
+    assert "".join(pieces) == text
+
+
+def test_completions_streamed_and_not_on_gemma(client: openai.OpenAI) -> None:
+    out = client.completions.create(model="gemma3", prompt="The capital of France is", temperature=0, max_tokens=8)
+    assert out.choices[0].text.strip() and out.usage is not None and out.usage.prompt_tokens > 0
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+        model="gemma3", prompt="The capital of France is", temperature=0, max_tokens=8, stream=True) if ch.choices)
+    assert streamed == out.choices[0].text
+
+
+def test_two_models_at_once(router: LiveRouter, client: openai.OpenAI) -> None:
+    results: dict[str, str] = {}
+
+    def ask(model: str) -> None:
+        r = client.chat.completions.create(model=model, messages=MSG, temperature=0, max_tokens=12)  # type: ignore[arg-type]
+        results[model] = r.choices[0].message.content or ""
+
+    threads = [threading.Thread(target=ask, args=(m,)) for m in ("smollm2", "gemma3")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(results.get(m) for m in ("smollm2", "gemma3")), results
+    pids = {router.admin(m)["pid"] for m in ("SmolLM2-135M-Instruct", "gemma-3-270m")}
+    assert len(pids) == 2 and None not in pids
+
+
+def test_native_completion_probabilities(router: LiveRouter) -> None:
+    r = httpx.post(router.url + "/completion", json={
+        "model": "smollm2", "prompt": "Hello, my name is", "n_predict": 6, "n_probs": 3, "temperature": 0,
+        "return_tokens": True}, timeout=300)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    probs = body["completion_probabilities"]
+    assert len(probs) == len(body["tokens"]) == body["timings"]["predicted_n"]
+    for p, tid in zip(probs, body["tokens"]):
+        assert p["id"] == tid and len(p["top_logprobs"]) == 3
+        assert p["top_logprobs"][0]["id"] == tid  # greedy: the chosen token is the most likely
+
+
+def test_burst_of_20_first_requests_spawns_one_worker(router: LiveRouter) -> None:
+    assert router.admin("smol-burst")["state"] == "unloaded"
+
+    async def go() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=router.url, timeout=300) as c:
+            return await asyncio.gather(*(c.post("/v1/completions", json={
+                "model": "smol-burst", "prompt": f"Count: {i}", "max_tokens": 1}) for i in range(20)))
+
+    rs = asyncio.run(go())
+    assert [r.status_code for r in rs] == [200] * 20
+    st = router.admin("smol-burst")
+    assert st["spawn_count"] == 1 and st["state"] == "ready"
+    kids = [p for p in router.workers() if "smol-burst" in p.cmdline()]
+    assert len(kids) == 1
+    httpx.post(router.url + "/admin/models/unload", json={"model": "smol-burst"}, timeout=60).raise_for_status()
+
+
+def test_fourth_request_gets_503_with_max_queue_2(router: LiveRouter) -> None:
+    httpx.post(router.url + "/admin/models/load", json={"model": "smol-q2"}, timeout=300).raise_for_status()
+
+    async def go() -> tuple[list[httpx.Response], float]:
+        async with httpx.AsyncClient(base_url=router.url, timeout=300) as c:
+            body = {"model": "smol-q2", "prompt": "Once upon a time", "max_tokens": 16}
+            first = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(3)]
+            await asyncio.sleep(0.3)
+            t0 = time.monotonic()
+            fourth = await c.post("/v1/completions", json=body)
+            dt = time.monotonic() - t0
+            return [*(await asyncio.gather(*first)), fourth], dt
+
+    rs, dt = asyncio.run(go())
+    assert [r.status_code for r in rs] == [200, 200, 200, 503]
+    assert rs[3].headers["retry-after"] and rs[3].json()["error"]["code"] == "queue_full"
+    print(f"\n[real] 4th request: 503 in {dt * 1000:.1f} ms")
+    assert dt < 2.0
+    httpx.post(router.url + "/admin/models/unload", json={"model": "smol-q2"}, timeout=60).raise_for_status()
+
+
+def test_disconnect_mid_stream_frees_the_worker(router: LiveRouter, client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(model="smollm2", messages=MSG, max_tokens=400, stream=True,  # type: ignore[arg-type]
+                                            extra_body={"ignore_eos": True})
+    got = 0
+    for ch in stream:
+        got += 1
+        if got == 5:
+            break
+    stream.close()
+    t0 = time.monotonic()
+    first_token_at = None
+    for ch in client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
+                                             max_tokens=4, stream=True):
+        if ch.choices and ch.choices[0].delta.content and first_token_at is None:
+            first_token_at = time.monotonic()
+    assert first_token_at is not None
+    dt = first_token_at - t0
+    print(f"\n[real] next request's first token {dt * 1000:.0f} ms after a mid-stream disconnect")
+    assert router.admin("SmolLM2-135M-Instruct")["in_flight"] == []
+    assert dt < 30
+
+
+def test_sigkill_worker_mid_stream(router: LiveRouter) -> None:
+    httpx.post(router.url + "/admin/models/load", json={"model": "smol-kill"}, timeout=300).raise_for_status()
+    pid = router.admin("smol-kill")["pid"]
+    events: list[dict[str, Any]] = []
+    with httpx.stream("POST", router.url + "/v1/chat/completions", timeout=300, json={
+            "model": "smol-kill", "messages": MSG, "max_tokens": 200, "stream": True, "ignore_eos": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+                if len(events) == 3:
+                    os.kill(pid, signal.SIGKILL)
+    assert "error" in events[-1] and events[-1]["error"]["code"] == "worker_crashed"
+    out = router.client(timeout=300).chat.completions.create(model="smol-kill", messages=MSG, max_tokens=4)  # type: ignore[arg-type]
+    assert out.choices[0].message.content
+    assert router.admin("smol-kill")["pid"] != pid
+    httpx.post(router.url + "/admin/models/unload", json={"model": "smol-kill"}, timeout=60).raise_for_status()
+
+
+def test_unload_while_running_lets_it_finish(router: LiveRouter) -> None:
+    httpx.post(router.url + "/admin/models/load", json={"model": "gemma3"}, timeout=300).raise_for_status()
+    result: dict[str, httpx.Response] = {}
+
+    def unload() -> None:
+        result["unload"] = httpx.post(router.url + "/admin/models/unload", json={"model": "gemma3"}, timeout=300)
+
+    texts, finish, n = [], None, 0
+    with httpx.stream("POST", router.url + "/v1/completions", timeout=300, json={
+            "model": "gemma3", "prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True,
+            "stream": True}) as r:
+        t = threading.Thread(target=unload)
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                d = json.loads(line[6:])
+                assert "error" not in d, d
+                n += 1
+                if n == 2:
+                    t.start()
+                texts.append(d["choices"][0]["text"])
+                finish = d["choices"][0]["finish_reason"] or finish
+    t.join()
+    assert finish == "length" and "".join(texts)
+    assert result["unload"].status_code == 200 and router.admin("gemma-3-270m")["state"] == "unloaded"
+
+
+def test_malformed_bodies_and_context_overflow(router: LiveRouter, client: openai.OpenAI) -> None:
+    r = httpx.post(router.url + "/v1/chat/completions", content=b"{", timeout=30)
+    assert r.status_code == 400
+    r = httpx.post(router.url + "/v1/chat/completions", json={"model": "smollm2", "messages": "hi"}, timeout=30)
+    assert r.status_code == 400
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2", messages=MSG, max_tokens=5000)  # type: ignore[arg-type]
+    assert e.value.code == "context_length_exceeded" and "maximum context length" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smollm2", prompt="word " * 2000, max_tokens=4)
+    assert e.value.code == "context_length_exceeded"
+
+
+def test_router_sigkill_leaves_no_orphan_workers(router: LiveRouter) -> None:
+    client = router.client(timeout=300)
+    client.completions.create(model="smollm2", prompt="Hi", max_tokens=1)
+    workers = router.workers()
+    assert workers
+    os.kill(router.proc.pid, signal.SIGKILL)
+    router.proc.wait(10)
+    t0 = time.monotonic()
+    while alive(workers) and time.monotonic() - t0 < 15:
+        time.sleep(0.1)
+    assert alive(workers) == [], [p.cmdline() for p in alive(workers)]
+    print(f"\n[real] workers exited {time.monotonic() - t0:.2f} s after the router was SIGKILLed")
+    assert not psutil.pid_exists(router.proc.pid)
