@@ -143,3 +143,11 @@ def test_sigkill_of_the_router_leaves_no_orphans(tmp_path: Path) -> None:
     assert alive(workers) == []
     print(f"\nworkers gone {time.monotonic() - t0:.2f} s after the router was SIGKILLed")
     r.stop()
+
+
+def test_router_never_imports_numpy_or_the_worker() -> None:
+    code = ("import sys, router.app, router.cli; "
+            "bad = [m for m in sys.modules if m == 'numpy' or m.split('.')[0] == 'worker']; "
+            "assert not bad, bad")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
