@@ -31,12 +31,16 @@ async def read_json(request: Request) -> dict[str, Any]:
     if not body.strip():
         raise BadRequest("request body is empty; expected a JSON object")
     try:
-        data = json.loads(bytes(body))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        data = json.loads(bytes(body), parse_constant=_reject_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError) as e:
         raise BadRequest(f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(data).__name__}")
     return data
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
 
 
 def _present(body: dict[str, Any], key: str) -> bool:

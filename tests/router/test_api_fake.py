@@ -328,3 +328,49 @@ def test_context_overflow_is_400(router: LiveRouter) -> None:
             list(res) if stream else None  # type: ignore[call-overload]
         assert e.value.code == "context_length_exceeded"
         assert "maximum context length" in str(e.value)
+
+
+# ----------------------------------------------------------------------------- fuzz: never a 500
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_json_scalar = st.one_of(st.none(), st.booleans(), st.integers(-10, 10**6), st.floats(allow_nan=False, allow_infinity=False),
+                         st.text(max_size=8))
+_json = st.recursive(_json_scalar, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                           st.dictionaries(st.text(max_size=5), inner, max_size=3)),
+                     max_leaves=6)
+_fields = {
+    "model": st.one_of(st.sampled_from(["alpha", "a", "nope"]), _json),
+    "messages": st.one_of(_json, st.lists(st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant", "bot"]), "content": _json}), max_size=2)),
+    "prompt": st.one_of(st.text(max_size=10), st.lists(st.integers(-2, 60000), max_size=4), _json),
+    "max_tokens": st.one_of(st.integers(-2, 3), _json),
+    "temperature": _json, "top_p": _json, "top_k": _json, "min_p": _json, "seed": _json, "stop": _json,
+    "n": st.one_of(st.just(1), _json), "logprobs": _json, "top_logprobs": _json, "logit_bias": _json,
+    "presence_penalty": _json, "n_predict": st.one_of(st.integers(-1, 3), _json), "n_probs": _json,
+    "stream_options": _json, "whatever": _json,
+}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/completion", "/tokenize",
+                             "/detokenize", "/apply-template"]),
+       body=st.fixed_dictionaries({}, optional=_fields))
+def test_random_bodies_never_get_a_500(router: LiveRouter, path: str, body: dict[str, Any]) -> None:
+    body.pop("stream", None)
+    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 3:
+        body["max_tokens"] = 3
+    body.setdefault("max_tokens", 2)
+    body.setdefault("n_predict", 2)
+    r = httpx.post(router.url + path, json=body, timeout=30)
+    assert r.status_code in (200, 400, 404), (r.status_code, r.text)
+    if r.status_code != 200:
+        err = r.json()["error"]
+        assert err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_non_standard_json_constants_are_400(router: LiveRouter) -> None:
+    r = httpx.post(router.url + "/v1/completions", content=b'{"model": "alpha", "prompt": "x", "temperature": NaN}',
+                   timeout=30)
+    assert r.status_code == 400 and "NaN" in r.json()["error"]["message"]
