@@ -24,7 +24,7 @@ import pytest
 
 from tests.router.conftest import LiveRouter, alive, dummy_gguf
 
-MODELS = ["burst", "q2", "dc", "crash", "broken", "slowload", "hang", "deaf", "drain", "stubborn", "plain"]
+MODELS = ["burst", "q2", "dc", "crash", "broken", "slowload", "hang", "deaf", "drain", "stubborn", "lazy", "plain"]
 
 SWITCHES: dict[str, Any] = {
     "burst": {"load_delay_s": 0.5},
@@ -35,6 +35,7 @@ SWITCHES: dict[str, Any] = {
     "deaf": {"ignore_cancel": True, "token_delay_s": 0.05, "length": 200},
     "drain": {"token_delay_s": 0.05, "length": 20},
     "stubborn": {"ignore_shutdown": True},
+    "lazy": {"load_delay_s": 1.0},
 }
 
 
@@ -318,3 +319,22 @@ def test_admin_listing(router: LiveRouter) -> None:
     plain = next(m for m in data if m["id"] == "plain")
     assert plain["state"] == "ready" and plain["pid"] and plain["queue_depth"] == 0 and plain["in_flight"] == []
     assert plain["load_ms"] is not None and plain["last_used"] is not None and plain["last_error"] is None
+
+
+def test_unload_while_loading_answers_the_waiting_requests(router: LiveRouter) -> None:
+    async def go() -> tuple[httpx.Response, httpx.Response, dict[str, Any]]:
+        async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
+            waiting = asyncio.create_task(_post(c, chat("lazy", max_tokens=1)))
+            await asyncio.sleep(0.3)
+            during = router.admin("lazy")
+            unload = await c.post("/admin/models/unload", json={"model": "lazy"})
+            return await waiting, unload, during
+
+    waiting, unload, during = asyncio.run(go())
+    assert during["state"] == "loading" and during["queue_depth"] == 1 and during["pid"]
+    assert unload.status_code == 200 and unload.json()["state"] == "unloaded"
+    assert waiting.status_code == 503 and waiting.json()["error"]["code"] == "model_unloading"
+    assert not psutil.pid_exists(during["pid"]) or psutil.Process(during["pid"]).status() == psutil.STATUS_ZOMBIE
+    # and it loads again on demand
+    r = httpx.post(router.url + "/v1/chat/completions", json=chat("lazy", max_tokens=1), timeout=30)
+    assert r.status_code == 200 and router.admin("lazy")["spawn_count"] == 2
