@@ -28,12 +28,12 @@ MODELS = ["burst", "q2", "dc", "crash", "broken", "slowload", "hang", "deaf", "d
 
 SWITCHES: dict[str, Any] = {
     "burst": {"load_delay_s": 0.5},
-    "q2": {"load_delay_s": 0.3, "token_delay_s": 0.05, "length": 20},
+    "q2": {"load_delay_s": 1.0, "token_delay_s": 0.05, "length": 40},
     "dc": {"token_delay_s": 0.05, "length": 200},
     "crash": {"token_delay_s": 0.02, "length": 100},
     "hang": {"token_delay_s": 0.02},
     "deaf": {"ignore_cancel": True, "token_delay_s": 0.05, "length": 200},
-    "drain": {"token_delay_s": 0.05, "length": 20},
+    "drain": {"token_delay_s": 0.05, "length": 40},
     "stubborn": {"ignore_shutdown": True},
     "lazy": {"load_delay_s": 1.0},
 }
@@ -93,7 +93,7 @@ def test_queue_full_gets_503_at_once_counting_those_waiting_for_load(router: Liv
     async def go() -> tuple[list[httpx.Response], float]:
         async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
             first = [asyncio.create_task(_post(c, chat("q2", max_tokens=5))) for _ in range(3)]
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.4)
             t0 = time.monotonic()
             fourth = await _post(c, chat("q2", max_tokens=5))
             dt = time.monotonic() - t0
@@ -113,8 +113,8 @@ def test_queue_full_gets_503_at_once_counting_those_waiting_for_load(router: Liv
 def test_queue_full_while_ready(router: LiveRouter) -> None:
     async def go() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
-            first = [asyncio.create_task(_post(c, chat("q2", max_tokens=10))) for _ in range(3)]
-            await asyncio.sleep(0.15)
+            first = [asyncio.create_task(_post(c, chat("q2", max_tokens=20))) for _ in range(3)]
+            await asyncio.sleep(0.3)
             fourth = await _post(c, chat("q2", max_tokens=1))
             return [*(await asyncio.gather(*first)), fourth]
 
@@ -152,7 +152,7 @@ def test_non_streaming_disconnect_cancels(router: LiveRouter) -> None:
 def test_disconnect_while_queued_leaves_the_queue(router: LiveRouter) -> None:
     async def go() -> tuple[httpx.Response, list[int]]:
         async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
-            a = asyncio.create_task(_post(c, chat("dc", "A", max_tokens=20)))
+            a = asyncio.create_task(_post(c, chat("dc", "A", max_tokens=40)))
             await asyncio.sleep(0.2)
             b = asyncio.create_task(_post(c, chat("dc", "B-queued", max_tokens=2)))
             await asyncio.sleep(0.2)
@@ -267,11 +267,11 @@ def test_unload_while_running_lets_it_finish(router: LiveRouter) -> None:
         result: dict[str, Any] = {}
 
         def unload() -> None:
-            time.sleep(0.2)
+            time.sleep(0.3)
             result["unload"] = httpx.post(router.url + "/admin/models/unload", json={"model": "drain"}, timeout=30)
 
         def during() -> None:
-            time.sleep(0.4)
+            time.sleep(0.6)
             result["during"] = httpx.post(router.url + "/v1/chat/completions", json=chat("drain"), timeout=30)
 
         texts: list[str] = []
@@ -284,13 +284,13 @@ def test_unload_while_running_lets_it_finish(router: LiveRouter) -> None:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     d = json.loads(line[6:])
-                    if len(texts) == 8:
+                    if len(texts) == 25:
                         states.append(router.admin("drain")["state"])
                     texts.append(d["choices"][0]["delta"].get("content") or "")
                     finish = d["choices"][0]["finish_reason"] or finish
             for t in threads:
                 t.join()
-    assert "".join(texts) == "".join(f" w{100 + i}" for i in range(20))
+    assert "".join(texts) == "".join(f" w{100 + i}" for i in range(40))
     assert finish == "stop"
     assert states == ["draining"]
     assert result["unload"].status_code == 200 and result["unload"].json()["state"] == "unloaded"
