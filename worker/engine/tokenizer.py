@@ -1,0 +1,829 @@
+"""Tokenizer built from a GGUF file's ``tokenizer.ggml.*`` metadata alone.
+
+Reproduces llama.cpp's ``src/llama-vocab.cpp`` (``llama_vocab::impl::load``,
+``tokenize``, ``tokenizer_st_partition``, ``token_to_piece``) for the two
+vocabulary types this project serves:
+
+* ``tokenizer.ggml.model == "gpt2"`` -- byte-level BPE (SmolLM2, Qwen2, Llama 3,
+  ...). The BPE core is Hugging Face ``tokenizers`` (a ``BPE`` model assembled
+  from the GGUF vocab and merges), fed by the pre-tokenizer regexes that
+  llama.cpp uses for the ``tokenizer.ggml.pre`` name (``_PRE_TOKENIZERS``),
+  then the GPT-2 byte -> unicode map.
+* ``tokenizer.ggml.model == "llama"`` -- SentencePiece-style merges by token
+  score with ``<0xXX>`` byte fallback (Gemma). Implemented here (see
+  ``Tokenizer._spm_word``), not with ``tokenizers``: the GGUF has no merge
+  list, only per-token scores, and llama.cpp's ``llm_tokenizer_spm`` merges the
+  adjacent pair whose *concatenation* has the highest score (leftmost on ties).
+  A ``tokenizers`` BPE model ranks merges per (left, right) *pair*, so a
+  derived merge list orders two overlapping splits of one token differently
+  from llama.cpp, and deriving ~all splits of 262,144 tokens costs seconds at
+  load. The own implementation is exact and, with a per-word memo (words are
+  split only where no vocabulary token can span the boundary), fast enough:
+  see ``scripts/bench_tokenizer.py``.
+
+Special tokens (control, user-defined and unknown token types) are split out
+of the text before the model runs, longest text first, exactly like llama.cpp's
+``tokenizer_st_partition``; with ``parse_special=False`` only user-defined
+tokens are split out (Gemma has 165: runs of newlines, spaces, tabs, HTML tags).
+
+Token attributes follow llama.cpp's ``llama_token_attr`` bit flags, including
+its load-time fix-ups: tokens whose text is on llama.cpp's end-of-turn /
+end-of-generation / fill-in-the-middle lists become control tokens (that is why
+Gemma's user-defined ``</s>`` behaves as control), control tokens whose text
+contains ``unused`` also get the unused flag.
+
+Not reproduced: the per-model LSTRIP/RSTRIP attributes llama.cpp sets by model
+name (phi-3, jina, modern-bert), and the other vocabulary types (WPM, UGM,
+RWKV, PLaMo-2) -- loading such a file raises ``EngineError("unsupported_tokenizer")``.
+"""
+
+from __future__ import annotations
+
+import codecs
+import heapq
+import numbers
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import EngineError
+
+__all__ = [
+    "ATTR_UNDEFINED",
+    "ATTR_UNKNOWN",
+    "ATTR_UNUSED",
+    "ATTR_NORMAL",
+    "ATTR_CONTROL",
+    "ATTR_USER_DEFINED",
+    "ATTR_BYTE",
+    "IncrementalUTF8Decoder",
+    "Tokenizer",
+]
+
+# llama.h: enum llama_token_attr (bit flags)
+ATTR_UNDEFINED = 0
+ATTR_UNKNOWN = 1 << 0
+ATTR_UNUSED = 1 << 1
+ATTR_NORMAL = 1 << 2
+ATTR_CONTROL = 1 << 3
+ATTR_USER_DEFINED = 1 << 4
+ATTR_BYTE = 1 << 5
+
+# llama.h: enum llama_token_type (the values stored in tokenizer.ggml.token_type)
+_TYPE_TO_ATTR = {
+    0: ATTR_UNDEFINED,  # LLAMA_TOKEN_TYPE_UNDEFINED
+    1: ATTR_NORMAL,
+    2: ATTR_UNKNOWN,
+    3: ATTR_CONTROL,
+    4: ATTR_USER_DEFINED,
+    5: ATTR_UNUSED,
+    6: ATTR_BYTE,
+}
+
+_SPECIAL_ATTRS = ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN
+_PARSE_ONLY_ATTRS = ATTR_CONTROL | ATTR_UNKNOWN  # split out only with parse_special
+
+_SPM_SPACE = "\u2581"  # LOWER ONE EIGHTH BLOCK, SentencePiece's escaped space
+
+# --- pre-tokenizer regexes (llama-vocab.cpp, llm_tokenizer_bpe constructor) ---------------
+
+_RE_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_RE_LLAMA3 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_RE_QWEN2 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass(frozen=True)
+class _PreTokenizer:
+    """One row of llama.cpp's pre-tokenizer table.
+
+    ``regexes`` are applied in order, each splitting the pieces of the previous
+    one (llama.cpp ``unicode_regex_split``); unmatched text stays a piece.
+    """
+
+    regexes: tuple[str, ...]
+    ignore_merges: bool = False  # a piece that is already a token is emitted whole (llama3)
+    add_bos: bool = False  # default of add_bos_token when the GGUF lacks the key
+
+
+_PRE_DEFAULT = _PreTokenizer(
+    (r"[\p{P}\$\+<=>\^~\|]+", _RE_GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
+)
+_PRE_GPT2 = _PreTokenizer((_RE_GPT2,))
+_PRE_SMOLLM = _PreTokenizer((r"\p{N}", _RE_GPT2))  # every digit isolated, then GPT-2
+_PRE_LLAMA3 = _PreTokenizer((_RE_LLAMA3,), ignore_merges=True, add_bos=True)
+_PRE_QWEN2 = _PreTokenizer((_RE_QWEN2,))
+
+# tokenizer.ggml.pre -> pre-tokenizer (llama-vocab.cpp, llama_vocab::impl::load)
+_PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
+    "default": _PRE_DEFAULT,
+    **dict.fromkeys(
+        ["gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de",
+         "a.x-4.0", "mellum", "modern-bert", "exaone4", "mpt", "olmo", "jais", "trillion",
+         "granite-docling", "jina-v1-en", "jina-v2-code", "roberta-bpe"],
+        _PRE_GPT2,
+    ),
+    **dict.fromkeys(
+        ["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b",
+         "mellum2"],
+        _PRE_SMOLLM,
+    ),
+    **dict.fromkeys(
+        ["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
+         "lfm2", "jina-v5-nano", "dbrx", "smaug-bpe"],
+        _PRE_LLAMA3,
+    ),
+    **dict.fromkeys(
+        ["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan",
+         "solar-open"],
+        _PRE_QWEN2,
+    ),
+}
+# dbrx/smaug use the llama3 regex but not ignore_merges/add_bos in llama.cpp
+_PRE_TOKENIZERS["dbrx"] = _PRE_TOKENIZERS["smaug-bpe"] = _PreTokenizer((_RE_LLAMA3,))
+
+# --- llama.cpp's text-based special-token detection (llama_vocab::impl::load) -------------
+
+_EOT_TEXTS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+    "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>",
+)
+_EOM_TEXTS = ("<|eom_id|>",)
+_FIM_PRE_TEXTS = ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>",
+                  "▁<PRE>", "<|code_prefix|>", "<|prefix|>")
+_FIM_SUF_TEXTS = ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>",
+                  "▁<SUF>", "<|code_suffix|>", "<|suffix|>")
+_FIM_MID_TEXTS = ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
+                  "▁<MID>", "<|code_middle|>", "<|middle|>")
+_FIM_PAD_TEXTS = ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]")
+_FIM_REP_TEXTS = ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")
+_FIM_SEP_TEXTS = ("<|file_sep|>",)
+# Texts that end generation (special_eog_ids), besides eos/eot/eom and fim pad/rep/sep.
+EOG_TEXTS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<｜end▁of▁sentence｜>", "[e~[",
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode character map (``unicode.cpp``)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1)
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+_BYTE_TO_UNICODE = _bytes_to_unicode()
+_UNICODE_TO_BYTE = {c: b for b, c in _BYTE_TO_UNICODE.items()}
+
+
+def _trie_regex(strings: Iterable[str]) -> str:
+    """A regex matching the longest of ``strings`` that starts at the current position.
+
+    The alternation is built as a character trie with the "stop here" branch
+    last, so backtracking returns the longest string (two branches of one node
+    cannot both match: they start with different characters).
+    """
+    trie: dict[str, Any] = {}
+    for s in strings:
+        node = trie
+        for ch in s:
+            node = node.setdefault(ch, {})
+        node[""] = True
+
+    def build(node: dict[str, Any]) -> str:
+        alts = [re.escape(ch) + build(child) for ch, child in sorted(node.items()) if ch != ""]
+        terminal = "" in node
+        if not alts:
+            return ""
+        if len(alts) == 1 and not terminal:
+            return alts[0]
+        return "(?:" + "|".join(alts) + ("|" if terminal else "") + ")"
+
+    return build(trie)
+
+
+class _Fragment:
+    __slots__ = ("text", "token")
+
+    def __init__(self, text: str | None, token: int) -> None:
+        self.text = text
+        self.token = token
+
+
+class Tokenizer:
+    """Text <-> token ids for one GGUF vocabulary (see the module docstring).
+
+    Build with :meth:`from_metadata`. Token ids are ``int`` in ``[0, n_vocab)``.
+    """
+
+    _MEMO_LIMIT = 200_000  # SPM word memo entries before the memo is cleared
+
+    def __init__(self) -> None:  # use from_metadata
+        self.model: str = ""
+        self.pre: str = ""
+        self.tokens: list[str] = []
+        self.scores: list[float] = []
+        self.attrs: list[int] = []
+        self.n_vocab: int = 0
+        self.bos_id: int | None = None
+        self.eos_id: int | None = None
+        self.eot_id: int | None = None
+        self.eom_id: int | None = None
+        self.unk_id: int | None = None
+        self.pad_id: int | None = None
+        self.eog_ids: frozenset[int] = frozenset()
+        self.add_bos: bool = False
+        self.add_eos: bool = False
+        self.add_space_prefix: bool = False
+        self._tok2id: dict[str, int] = {}
+        self._special_rank: dict[int, int] = {}
+        self._special_len: dict[int, int] = {}
+        self._re_all: re.Pattern[str] | None = None
+        self._re_ud: re.Pattern[str] | None = None
+        self._prefix_cache: dict[tuple[int, bool], tuple[int, ...]] = {}
+        self._piece_cache: dict[tuple[int, bool], bytes] = {}
+        # gpt2
+        self._hf: Any = None
+        # llama (SPM)
+        self._byte_ids: list[int] = []
+        self._cross_re: re.Pattern[str] | None = None
+        self._cross_unbounded = False
+        self._memo: dict[str, tuple[int, ...]] = {}
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+        """Build the tokenizer from GGUF metadata (plain Python values).
+
+        Reads ``tokenizer.ggml.{model, pre, tokens, scores, token_type, merges,
+        bos_token_id, eos_token_id, eot_token_id, eom_token_id, unknown_token_id,
+        padding_token_id, add_bos_token, add_eos_token, add_space_prefix}``.
+
+        Raises:
+            EngineError("invalid_gguf"): missing/ill-typed vocabulary keys,
+                duplicate token texts.
+            EngineError("unsupported_tokenizer"): a tokenizer model other than
+                ``gpt2``/``llama``, or an unknown ``gpt2`` pre-tokenizer name.
+        """
+        self = cls()
+        model = metadata.get("tokenizer.ggml.model")
+        if not isinstance(model, str):
+            raise EngineError("invalid_gguf", "GGUF has no tokenizer.ggml.model")
+        if model not in ("gpt2", "llama"):
+            raise EngineError("unsupported_tokenizer", f"tokenizer model {model!r} is not supported "
+                              "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)")
+        self.model = model
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+            raise EngineError("invalid_gguf", "tokenizer.ggml.tokens must be a non-empty list of strings")
+        n = len(tokens)
+        tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        tok2id: dict[str, int] = {}
+        for i, t in enumerate(tokens):
+            if tok2id.setdefault(t, i) != i:
+                raise EngineError("invalid_gguf", f"duplicate token in vocabulary: {t!r} has ids "
+                                  f"{tok2id[t]} and {i}")
+        self.tokens, self._tok2id, self.n_vocab = tokens, tok2id, n
+
+        scores = metadata.get("tokenizer.ggml.scores")
+        if scores is None:
+            self.scores = [0.0] * n
+        elif isinstance(scores, list) and len(scores) >= n:
+            self.scores = [float(s) for s in scores[:n]]
+        else:
+            raise EngineError("invalid_gguf", "tokenizer.ggml.scores is shorter than the vocabulary")
+        types = metadata.get("tokenizer.ggml.token_type")
+        if types is None:
+            attrs = [ATTR_NORMAL] * n
+        elif isinstance(types, list) and len(types) >= n:
+            attrs = [_TYPE_TO_ATTR.get(int(t), ATTR_UNDEFINED) for t in types[:n]]
+        else:
+            raise EngineError("invalid_gguf", "tokenizer.ggml.token_type is shorter than the vocabulary")
+
+        # defaults per vocabulary type, then the GGUF's keys (llama_vocab::impl::load)
+        if model == "llama":
+            bos, eos, unk, pad = 1, 2, 0, None
+            add_bos, add_space_prefix = True, True
+            pre = _PRE_DEFAULT
+            self.pre = "default"
+        else:
+            bos, eos, unk, pad = 11, 11, None, None
+            add_space_prefix = False
+            pre_name = metadata.get("tokenizer.ggml.pre") or "default"
+            if not isinstance(pre_name, str) or pre_name not in _PRE_TOKENIZERS:
+                raise EngineError("unsupported_tokenizer",
+                                  f"unknown pre-tokenizer type {pre_name!r} (known: "
+                                  f"{', '.join(sorted(_PRE_TOKENIZERS))})")
+            self.pre = pre_name
+            pre = _PRE_TOKENIZERS[pre_name]
+            add_bos = pre.add_bos
+        add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", add_space_prefix))
+
+        def special(key: str, default: int | None) -> int | None:
+            if default is not None and default >= n:
+                default = None
+            v = metadata.get(key)
+            if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < n:
+                return v
+            return default
+
+        self.bos_id = special("tokenizer.ggml.bos_token_id", bos)
+        self.eos_id = special("tokenizer.ggml.eos_token_id", eos)
+        self.eot_id = special("tokenizer.ggml.eot_token_id", None)
+        self.eom_id = special("tokenizer.ggml.eom_token_id", None)
+        self.unk_id = special("tokenizer.ggml.unknown_token_id", unk)
+        self.pad_id = special("tokenizer.ggml.padding_token_id", pad)
+        fim = {k: special(f"tokenizer.ggml.fim_{k}_token_id", None)
+               for k in ("pre", "suf", "mid", "pad", "rep", "sep")}
+        self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos))
+        self.add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+        self.add_space_prefix = add_space_prefix
+        if self.add_bos and self.bos_id is None:
+            raise EngineError("invalid_gguf", "add_bos_token is true but the BOS token is not set")
+        if self.add_eos and self.eos_id is None:
+            raise EngineError("invalid_gguf", "add_eos_token is true but the EOS token is not set")
+
+        # text-based detection of eot/eom/fim tokens; each found one becomes control
+        def detect(current: int | None, texts: tuple[str, ...]) -> int | None:
+            if current is not None:
+                return current
+            for t in texts:
+                tid = tok2id.get(t)
+                if tid is not None:
+                    attrs[tid] |= ATTR_CONTROL
+                    return tid
+            return None
+
+        self.eot_id = detect(self.eot_id, _EOT_TEXTS)
+        self.eom_id = detect(self.eom_id, _EOM_TEXTS)
+        fim["pre"] = detect(fim["pre"], _FIM_PRE_TEXTS)
+        fim["suf"] = detect(fim["suf"], _FIM_SUF_TEXTS)
+        fim["mid"] = detect(fim["mid"], _FIM_MID_TEXTS)
+        fim["pad"] = detect(fim["pad"], _FIM_PAD_TEXTS)
+        fim["rep"] = detect(fim["rep"], _FIM_REP_TEXTS)
+        fim["sep"] = detect(fim["sep"], _FIM_SEP_TEXTS)
+        for i, t in enumerate(tokens):
+            if attrs[i] & ATTR_CONTROL and "unused" in t:
+                attrs[i] |= ATTR_UNUSED
+
+        eog: set[int] = {x for x in (fim["pad"], fim["rep"], fim["sep"]) if x is not None}
+        for t in EOG_TEXTS:
+            tid = tok2id.get(t)
+            if tid is not None:
+                eog.add(tid)
+                attrs[tid] |= ATTR_CONTROL
+        for tid in (self.eos_id, self.eot_id, self.eom_id):
+            if tid is not None:
+                eog.add(tid)
+        texts = {tokens[i]: i for i in eog}
+        # o200k_harmony / solar-open: "<|end|>" is not end-of-generation there
+        if "<|end|>" in texts and (("<|return|>" in texts and ("<|call|>" in texts or "<|calls|>" in texts))
+                                   or (("<|call|>" in texts or "<|calls|>" in texts) and "<|flush|>" in texts)):
+            eog.discard(texts["<|end|>"])
+            attrs[texts["<|end|>"]] = ATTR_USER_DEFINED
+        # gemma4 / paddleocr: "</s>" is not end-of-generation there
+        if "<|tool_response>" in texts and "</s>" in texts:
+            eog.discard(texts["</s>"])
+            attrs[texts["</s>"]] = ATTR_NORMAL
+        self.eog_ids = frozenset(eog)
+        self.attrs = attrs
+
+        # special-token partition: longest text first (llama.cpp sorts by byte length)
+        specials = [i for i in range(n) if attrs[i] & _SPECIAL_ATTRS]
+        specials.sort(key=lambda i: (-len(tokens[i].encode("utf-8")), i))
+        self._special_rank = {tid: r for r, tid in enumerate(specials)}
+        self._special_len = {tid: len(tokens[tid]) for tid in specials}
+        if specials:
+            self._re_all = re.compile("(?=(" + _trie_regex(tokens[i] for i in specials) + "))")
+        ud = [i for i in specials if not attrs[i] & _PARSE_ONLY_ATTRS]
+        if ud:
+            self._re_ud = re.compile("(?=(" + _trie_regex(tokens[i] for i in ud) + "))")
+
+        if model == "gpt2":
+            self._init_bpe(metadata, pre)
+        else:
+            self._init_spm()
+        return self
+
+    def _init_bpe(self, metadata: Mapping[str, Any], pre: _PreTokenizer) -> None:
+        from tokenizers import Regex
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import models, pre_tokenizers
+
+        merges_raw = metadata.get("tokenizer.ggml.merges")
+        if not isinstance(merges_raw, list):
+            raise EngineError("invalid_gguf", "gpt2 tokenizer without tokenizer.ggml.merges")
+        merges: list[tuple[str, str]] = []
+        for m in merges_raw:
+            if not isinstance(m, str):
+                raise EngineError("invalid_gguf", "tokenizer.ggml.merges must hold strings")
+            pos = m.find(" ", 1)  # llama.cpp: word.find(' ', 1)
+            if pos < 0:
+                continue
+            merges.append((m[:pos], m[pos + 1:]))
+        try:
+            bpe = models.BPE(vocab=dict(self._tok2id), merges=merges, ignore_merges=pre.ignore_merges)
+            hf = HFTokenizer(bpe)
+            hf.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
+                + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False, trim_offsets=False)]
+            )
+        except Exception as e:  # tokenizers raises plain Exception on bad merges
+            raise EngineError("invalid_gguf", f"cannot build the BPE tokenizer: {e}") from e
+        self._hf = hf
+
+    def _init_spm(self) -> None:
+        byte_ids = []
+        for b in range(256):
+            tid = self._tok2id.get(f"<0x{b:02X}>")
+            if tid is None:
+                tid = self._tok2id.get(chr(b)) if b < 128 else None
+            if tid is None:
+                tid = self.unk_id if self.unk_id is not None else -1
+            byte_ids.append(tid)
+        self._byte_ids = byte_ids
+        # Tokens that contain an escaped space after their first character can
+        # join two words; only boundaries they can span are kept together.
+        cross = [t for t in self.tokens if _SPM_SPACE in t[1:]]
+        if len(cross) > 512:
+            self._cross_unbounded = True
+        elif cross:
+            self._cross_re = re.compile("(?=(" + _trie_regex(cross) + "))")
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def bos_token(self) -> str | None:
+        """Text of the BOS token (as a chat template's ``bos_token``), or None."""
+        return None if self.bos_id is None else self.tokens[self.bos_id]
+
+    @property
+    def eos_token(self) -> str | None:
+        """Text of the EOS token (as a chat template's ``eos_token``), or None."""
+        return None if self.eos_id is None else self.tokens[self.eos_id]
+
+    def is_eog(self, token_id: int) -> bool:
+        """True if ``token_id`` ends generation (llama.cpp ``llama_vocab_is_eog``)."""
+        return token_id in self.eog_ids
+
+    def token_id(self, text: str) -> int | None:
+        """Id of the token whose text is exactly ``text``, else None."""
+        return self._tok2id.get(text)
+
+    # ------------------------------------------------------------------ tokenize
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Token ids of ``text`` as llama.cpp's ``llama_tokenize`` gives them.
+
+        Args:
+            text: any ``str``.
+            add_special: prepend BOS (and append EOS) when the GGUF's
+                ``add_bos_token`` / ``add_eos_token`` say so.
+            parse_special: split out control/unknown token texts (e.g.
+                ``<|im_start|>``); user-defined token texts are split out always.
+
+        Returns:
+            list of ids, each in ``[0, n_vocab)``.
+
+        Raises:
+            EngineError("invalid_params"): ``text`` is not a ``str``.
+        """
+        if not isinstance(text, str):
+            raise EngineError("invalid_params", f"text to tokenize must be a string, not {type(text).__name__}")
+        return self.tokenize_pieces([(text, parse_special)], add_special=add_special)
+
+    def tokenize_pieces(self, pieces: Sequence[tuple[str, bool]], add_special: bool = True) -> list[int]:
+        """Tokenize the concatenation of ``pieces`` as one text.
+
+        Each piece is ``(text, parse_special)``: control/unknown token texts are
+        split out only where they lie entirely inside pieces with
+        ``parse_special=True`` (template markup), never inside or across pieces
+        with ``parse_special=False`` (user content). Everything else is
+        identical to ``tokenize("".join(texts), add_special, ...)``: piece
+        boundaries do not split words, so ordinary text tokenizes the same.
+        """
+        text = "".join(p[0] for p in pieces)
+        flags = {bool(p[1]) for p in pieces if p[0]}
+        protected: bytearray | None = None
+        if flags == {False}:
+            parse_special = False
+        else:
+            parse_special = True
+            if False in flags:
+                protected = bytearray(len(text))
+                pos = 0
+                for t, ps in pieces:
+                    if not ps:
+                        protected[pos:pos + len(t)] = b"\x01" * len(t)
+                    pos += len(t)
+        fragments = self._partition(text, parse_special, protected) if text else []
+
+        out: list[int] = []
+        if add_special and self.add_bos:
+            assert self.bos_id is not None
+            out.append(self.bos_id)
+        if self.model == "gpt2":
+            raw = [f.text for f in fragments if f.text is not None]
+            encoded = iter(self._hf.encode_batch(raw, add_special_tokens=False)) if raw else iter(())
+            for f in fragments:
+                if f.text is None:
+                    out.append(f.token)
+                else:
+                    out.extend(next(encoded).ids)
+        else:
+            is_prev_special = True
+            for f in fragments:
+                if f.text is None:
+                    out.append(f.token)
+                    is_prev_special = True
+                else:
+                    t = f.text
+                    if self.add_space_prefix and is_prev_special:
+                        t = " " + t
+                    out.extend(self._spm_fragment(t))
+                    is_prev_special = False
+        if add_special and self.add_eos:
+            assert self.eos_id is not None
+            out.append(self.eos_id)
+        return out
+
+    def _prefix_chain(self, tid: int, parse_special: bool) -> tuple[int, ...]:
+        """Special tokens (usable in this mode) whose text is a proper prefix of ``tid``'s, longest first."""
+        key = (tid, parse_special)
+        chain = self._prefix_cache.get(key)
+        if chain is None:
+            t = self.tokens[tid]
+            found = []
+            for k in range(len(t) - 1, 0, -1):
+                p = self._tok2id.get(t[:k])
+                if p is not None and p in self._special_rank and (
+                    parse_special or not self.attrs[p] & _PARSE_ONLY_ATTRS
+                ):
+                    found.append(p)
+            chain = tuple(found)
+            self._prefix_cache[key] = chain
+        return chain
+
+    def _partition(self, text: str, parse_special: bool, protected: bytearray | None) -> list[_Fragment]:
+        """Split special-token texts out of ``text`` (llama.cpp ``tokenizer_st_partition``).
+
+        llama.cpp walks the special tokens longest first and, for each, splits
+        every non-overlapping occurrence (left to right) that lies inside a
+        still-raw fragment. Equivalently: candidate (token, position) pairs are
+        taken in (token order, position) order when they overlap nothing taken
+        before. Candidates come from one regex scan giving the longest special
+        text at each position; a shorter special prefix at that position is
+        queued only when the longer one is refused.
+        """
+        regex = self._re_all if parse_special else self._re_ud
+        if regex is None:
+            return [_Fragment(text, -1)]
+        rank, tok2id, attrs, lens = self._special_rank, self._tok2id, self.attrs, self._special_len
+        heap = [(rank[tid], m.start(), tid) for m in regex.finditer(text) for tid in (tok2id[m.group(1)],)]
+        if not heap:
+            return [_Fragment(text, -1)]
+        heapq.heapify(heap)
+        claimed = bytearray(len(text))
+        taken: list[tuple[int, int, int]] = []
+        while heap:
+            _, s, tid = heapq.heappop(heap)
+            e = s + lens[tid]
+            q = claimed.find(1, s, e)
+            if q == -1:
+                if protected is not None and attrs[tid] & _PARSE_ONLY_ATTRS and protected.find(1, s, e) != -1:
+                    q = e  # refused inside user content: a shorter special prefix may still fit
+                else:
+                    claimed[s:e] = b"\x01" * (e - s)
+                    taken.append((s, e, tid))
+                    continue
+            if q == s:
+                continue
+            for p in self._prefix_chain(tid, parse_special):
+                if s + lens[p] <= q:
+                    heapq.heappush(heap, (rank[p], s, p))
+                    break
+        taken.sort()
+        out: list[_Fragment] = []
+        pos = 0
+        for s, e, tid in taken:
+            if s > pos:
+                out.append(_Fragment(text[pos:s], -1))
+            out.append(_Fragment(None, tid))
+            pos = e
+        if pos < len(text):
+            out.append(_Fragment(text[pos:], -1))
+        return out
+
+    # --- SentencePiece-style (llama.cpp llm_tokenizer_spm) ---
+
+    def _spm_fragment(self, text: str) -> list[int]:
+        text = text.replace(" ", _SPM_SPACE)
+        out: list[int] = []
+        memo = self._memo
+        for word in self._spm_words(text):
+            ids = memo.get(word)
+            if ids is None:
+                ids = self._spm_word(word)
+                if len(memo) >= self._MEMO_LIMIT:
+                    memo.clear()
+                memo[word] = ids
+            out.extend(ids)
+        return out
+
+    def _spm_words(self, text: str) -> list[str]:
+        """Split at escaped spaces where no vocabulary token can span the boundary.
+
+        A merge joining the characters at ``p-1`` and ``p`` (text[p] == U+2581)
+        yields a token with U+2581 after its first character, occurring in the
+        text across ``p``; where no such occurrence exists the merge process on
+        either side is independent, so words can be tokenized (and memoized)
+        separately with identical results.
+        """
+        if self._cross_unbounded:
+            return [text]
+        if _SPM_SPACE not in text[1:]:
+            return [text]
+        parts = text.split(_SPM_SPACE)
+        words = [parts[0]] if parts[0] else []
+        words.extend(_SPM_SPACE + p for p in parts[1:])
+        if self._cross_re is None:
+            return words
+        spans = [(m.start(), m.start() + len(m.group(1))) for m in self._cross_re.finditer(text)]
+        if not spans:
+            return words
+        unsafe = bytearray(len(text) + 1)
+        for s, e in spans:
+            unsafe[s + 1:e] = b"\x01" * (e - s - 1)
+        merged: list[str] = []
+        pos = 0
+        for w in words:
+            if merged and unsafe[pos]:
+                merged[-1] += w
+            else:
+                merged.append(w)
+            pos += len(w)
+        return merged
+
+    def _spm_word(self, word: str) -> tuple[int, ...]:
+        """llama.cpp ``llm_tokenizer_spm_session::tokenize`` on one word.
+
+        Symbols start as single characters; the adjacent pair whose
+        concatenation is a vocabulary token with the highest score is merged
+        first, leftmost on equal scores; left-over symbols that are not tokens
+        become ``<0xXX>`` byte tokens of their UTF-8 bytes.
+        """
+        tok2id, scores = self._tok2id, self.scores
+        n = len(word)
+        if n == 1:
+            tid = tok2id.get(word)
+            return (tid,) if tid is not None else self._byte_fallback(word)
+        length = [1] * n
+        prev = list(range(-1, n - 1))
+        nxt = list(range(1, n + 1))
+        nxt[-1] = -1
+        heap = []
+        for i in range(n - 1):
+            tid = tok2id.get(word[i:i + 2])
+            if tid is not None:
+                heap.append((-scores[tid], i, i + 1, 2))
+        heapq.heapify(heap)
+        pop, push = heapq.heappop, heapq.heappush
+        while heap:
+            _, left, right, size = pop(heap)
+            ll, rl = length[left], length[right]
+            if ll == 0 or rl == 0 or ll + rl != size:
+                continue
+            length[left] = size
+            length[right] = 0
+            r2 = nxt[right]
+            nxt[left] = r2
+            if r2 >= 0:
+                prev[r2] = left
+            p = prev[left]
+            if p >= 0:
+                sz = length[p] + size
+                tid = tok2id.get(word[p:p + sz])
+                if tid is not None:
+                    push(heap, (-scores[tid], p, left, sz))
+            if r2 >= 0:
+                sz = size + length[r2]
+                tid = tok2id.get(word[left:left + sz])
+                if tid is not None:
+                    push(heap, (-scores[tid], left, r2, sz))
+        out: list[int] = []
+        i = 0
+        while i != -1:
+            piece = word[i:i + length[i]]
+            tid = tok2id.get(piece)
+            if tid is not None:
+                out.append(tid)
+            else:
+                out.extend(self._byte_fallback(piece))
+            i = nxt[i]
+        return tuple(out)
+
+    def _byte_fallback(self, piece: str) -> tuple[int, ...]:
+        return tuple(t for t in (self._byte_ids[b] for b in piece.encode("utf-8")) if t >= 0)
+
+    # ------------------------------------------------------------------ detokenize
+
+    def check_ids(self, ids: Iterable[Any]) -> list[int]:
+        """Validate token ids; returns them as a list of ``int``.
+
+        Raises:
+            EngineError("invalid_token"): an id that is not an int in ``[0, n_vocab)``.
+        """
+        out = []
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < self.n_vocab:
+                raise EngineError("invalid_token", f"token id {t!r} is out of the vocabulary "
+                                  f"[0, {self.n_vocab})")
+            out.append(int(t))
+        return out
+
+    def token_bytes(self, token_id: int, special: bool = True) -> bytes:
+        """Raw bytes of one token's piece (llama.cpp ``token_to_piece``, lstrip 0).
+
+        Control and unknown tokens render their text when ``special`` is True
+        and nothing when False (llama-server emits generated tokens with
+        special=False); user-defined tokens always render their text. Byte-level
+        BPE text goes back through the GPT-2 unicode -> byte map (a character
+        outside the map is kept as its UTF-8 bytes, where llama.cpp writes an
+        ``[UNK_BYTE_...]`` marker); SentencePiece U+2581 becomes a space and
+        ``<0xXX>`` tokens become that byte.
+
+        Raises:
+            EngineError("invalid_token"): id out of ``[0, n_vocab)``.
+        """
+        key = (token_id, special)
+        b = self._piece_cache.get(key)
+        if b is not None:
+            return b
+        (token_id,) = self.check_ids([token_id])
+        attr = self.attrs[token_id]
+        text = self.tokens[token_id]
+        if not special and attr & (ATTR_UNKNOWN | ATTR_CONTROL):
+            b = b""
+        elif attr & (ATTR_UNKNOWN | ATTR_CONTROL | ATTR_USER_DEFINED):
+            b = text.encode("utf-8")
+        elif attr & ATTR_NORMAL:
+            if self.model == "llama":
+                b = text.replace(_SPM_SPACE, " ").encode("utf-8")
+            else:
+                u2b = _UNICODE_TO_BYTE
+                b = b"".join(bytes((u2b[c],)) if c in u2b else c.encode("utf-8") for c in text)
+        elif attr & ATTR_BYTE:
+            try:
+                b = bytes((int(text[3:5], 16),))
+            except ValueError:
+                b = b""
+        else:
+            b = b""  # unused / undefined types render nothing in llama.cpp
+        self._piece_cache[key] = b
+        return b
+
+    def detokenize(self, ids: Sequence[int], special: bool = True) -> str:
+        """Concatenated pieces of ``ids`` decoded as UTF-8 (invalid bytes -> U+FFFD).
+
+        Like llama-server's ``/detokenize`` (pieces joined, nothing stripped).
+
+        Raises:
+            EngineError("invalid_token"): an id out of ``[0, n_vocab)``.
+        """
+        ids = self.check_ids(ids)
+        return b"".join(self.token_bytes(t, special) for t in ids).decode("utf-8", errors="replace")
+
+
+class IncrementalUTF8Decoder:
+    """Bytes -> text, never emitting half of a multi-byte character.
+
+    ``feed`` returns the text completed so far; an incomplete trailing UTF-8
+    sequence is held until the next call. Invalid bytes become U+FFFD.
+    """
+
+    def __init__(self) -> None:
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, data: bytes) -> str:
+        return self._dec.decode(data, final=False)
+
+    def flush(self) -> str:
+        """Text of any held incomplete sequence (as U+FFFD) at end of stream."""
+        return self._dec.decode(b"", final=True)
