@@ -1,0 +1,298 @@
+"""Chat templates rendered the way Hugging Face ``transformers`` renders them.
+
+``transformers`` (``utils/chat_template_utils.py``) compiles
+``tokenizer.chat_template`` in a Jinja2 ``ImmutableSandboxedEnvironment`` with
+``trim_blocks=True, lstrip_blocks=True`` and the ``loopcontrols`` extension, a
+``tojson`` filter that does not HTML-escape, and the globals
+``raise_exception`` and ``strftime_now``; it renders with ``messages``,
+``tools``, ``add_generation_prompt``, ``bos_token`` and ``eos_token``. With
+these settings SmolLM2's template renders byte-for-byte what llama.cpp's
+``/apply-template`` renders.
+
+Like llama.cpp (``common/chat.cpp``), a rendered prompt that starts with the
+BOS text has it removed when the tokenizer adds BOS itself (and a trailing EOS
+text when it adds EOS), so a template writing ``{{ bos_token }}`` still gives
+exactly one BOS.
+
+:meth:`ChatTemplate.render_segments` tells template markup from message
+content, so that ``Engine.tokenize_chat`` can parse special-token texts in the
+markup only: a user who types ``<|im_end|>`` cannot close a turn.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .errors import EngineError
+
+__all__ = ["KNOWN_TEMPLATES", "ChatTemplate", "normalize_messages", "resolve_template"]
+
+# ChatML as llama.cpp's built-in "chatml" template writes it.
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] if message['content'] is string else '')"
+    " + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Gemma 3 instruction-tuned format: BOS, an optional system message folded into
+# the first user turn, roles user/model alternating, turns closed by
+# <end_of_turn>, message text trimmed (as Google's published template does).
+GEMMA_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{ '<start_of_turn>model\\n' }}
+{%- endif -%}
+"""
+
+KNOWN_TEMPLATES: dict[str, str] = {
+    "chatml": CHATML_TEMPLATE,
+    "gemma": GEMMA_TEMPLATE,
+    "gemma3": GEMMA_TEMPLATE,
+}
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def resolve_template(name_or_text: str) -> str:
+    """A known template name (``"chatml"``, ``"gemma"``, ``"gemma3"``) -> its text; any other string is a template text."""
+    return KNOWN_TEMPLATES.get(name_or_text.strip().lower(), name_or_text)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # transformers' tojson: json.dumps without Jinja's HTML escaping
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def normalize_messages(messages: Any, developer_known: bool) -> list[dict[str, Any]]:
+    """Validate OpenAI-style chat messages and bring them to the form templates expect.
+
+    Each message is a mapping with ``role`` (system, developer, user,
+    assistant, tool) and ``content``: a string, None, or a list of content
+    parts ``{"type": "text", "text": ...}`` which are joined with ``"\\n"``
+    (as llama.cpp's server does for templates without typed content). Role
+    ``developer`` becomes ``system`` when the template does not mention
+    ``developer``. Other keys (``name``, ``tool_calls``, ``tool_call_id``)
+    are passed through.
+
+    Raises:
+        EngineError("invalid_params"): not a non-empty list of such messages,
+            or a content part that is not text.
+    """
+    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
+        raise EngineError("invalid_params", "messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise EngineError("invalid_params", f"messages[{i}] must be an object")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise EngineError("invalid_params", f"messages[{i}].role must be one of {', '.join(_ROLES)}")
+        content = m.get("content")
+        if isinstance(content, Sequence) and not isinstance(content, str):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                    raise EngineError("invalid_params", f"messages[{i}].content[{j}]: only text content parts "
+                                      f"are supported, got {kind!r}")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        elif content is not None and not isinstance(content, str):
+            raise EngineError("invalid_params", f"messages[{i}].content must be a string, a list of text "
+                              "parts or null")
+        msg = dict(m)
+        msg["content"] = content
+        if role == "developer" and not developer_known:
+            msg["role"] = "system"
+        out.append(msg)
+    return out
+
+
+_MARK_RE = re.compile("\U000F0000(\\d+)\U000F0001")
+
+
+class ChatTemplate:
+    """A compiled chat template.
+
+    Args:
+        source: Jinja2 template text (see :func:`resolve_template` for names).
+        bos_token / eos_token: token texts passed to the template.
+        strip_bos / strip_eos: remove a leading BOS / trailing EOS text from the
+            rendering (set when the tokenizer adds them itself).
+
+    Raises:
+        EngineError("template_error"): the template does not compile.
+    """
+
+    def __init__(self, source: str, bos_token: str | None = None, eos_token: str | None = None,
+                 strip_bos: bool = False, strip_eos: bool = False) -> None:
+        if not isinstance(source, str) or not source.strip():
+            raise EngineError("template_error", "chat template is empty")
+        self.source = source
+        self.bos_token = bos_token or ""
+        self.eos_token = eos_token or ""
+        self.strip_bos = strip_bos and bool(self.bos_token)
+        self.strip_eos = strip_eos and bool(self.eos_token)
+        self.developer_known = "developer" in source
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateError as e:
+            raise EngineError("template_error", f"chat template does not compile: {e}") from e
+
+    def _render_raw(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    tools: list[Any] | None) -> str:
+        try:
+            return self._template.render(messages=messages, tools=tools,
+                                         add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token, eos_token=self.eos_token)
+        except jinja2.TemplateError as e:
+            raise EngineError("template_error", f"chat template error: {e}") from e
+        except Exception as e:  # a template can fail in many ways (TypeError, ...)
+            raise EngineError("template_error", f"chat template error: {type(e).__name__}: {e}") from e
+
+    def render(self, messages: Any, add_generation_prompt: bool = True, tools: list[Any] | None = None) -> str:
+        """The prompt text for ``messages`` (BOS/EOS text stripped as configured).
+
+        Raises:
+            EngineError("invalid_params"): malformed messages.
+            EngineError("template_error"): the template raised while rendering.
+        """
+        return "".join(t for t, _ in self.render_segments(messages, add_generation_prompt, tools))
+
+    def render_segments(self, messages: Any, add_generation_prompt: bool = True,
+                        tools: list[Any] | None = None) -> list[tuple[str, bool]]:
+        """The prompt as ``(text, is_markup)`` pieces whose concatenation is :meth:`render`'s text.
+
+        Message contents are located by rendering once more with each content
+        string replaced by a unique marker; the marker rendering is aligned
+        with the real one (accepting a content that the template trimmed).
+        When a template transforms content beyond that, contents are searched
+        for in the real rendering in order; a content not found verbatim stays
+        markup (and so can't be protected) -- the rendering itself is always
+        the real one.
+        """
+        msgs = normalize_messages(messages, self.developer_known)
+        real = self._render_raw(msgs, add_generation_prompt, tools)
+        contents = [m["content"] if isinstance(m["content"], str) else None for m in msgs]
+        segments = self._align(msgs, contents, real, add_generation_prompt, tools)
+        return self._strip_special(segments)
+
+    def _align(self, msgs: list[dict[str, Any]], contents: list[str | None], real: str,
+               add_generation_prompt: bool, tools: list[Any] | None) -> list[tuple[str, bool]]:
+        if not any(contents):
+            return [(real, True)]
+        marked = [dict(m) for m in msgs]
+        for i, c in enumerate(contents):
+            if c:
+                marked[i]["content"] = f"\U000F0000{i}\U000F0001"
+        try:
+            skeleton = self._render_raw(marked, add_generation_prompt, tools)
+        except EngineError:
+            skeleton = None
+        if skeleton is not None:
+            parts = _MARK_RE.split(skeleton)  # markup, index, markup, index, ..., markup
+            segs: list[tuple[str, bool]] = []
+            pos = 0
+            ok = True
+            for k, part in enumerate(parts):
+                if k % 2 == 0:
+                    if not real.startswith(part, pos):
+                        ok = False
+                        break
+                    segs.append((part, True))
+                    pos += len(part)
+                    continue
+                c = contents[int(part)] or ""
+                following = parts[k + 1]
+                for cand in dict.fromkeys((c, c.strip(), c.lstrip(), c.rstrip())):
+                    if real.startswith(cand, pos) and real.startswith(following, pos + len(cand)):
+                        segs.append((cand, False))
+                        pos += len(cand)
+                        break
+                else:
+                    ok = False
+                    break
+            if ok and pos == len(real):
+                return [s for s in segs if s[0]]
+        # fallback: find each content (as is, else trimmed) in order
+        segs = []
+        pos = 0
+        for c in contents:
+            if not c:
+                continue
+            for cand in dict.fromkeys((c, c.strip())):
+                if not cand:
+                    continue
+                at = real.find(cand, pos)
+                if at >= 0:
+                    segs.append((real[pos:at], True))
+                    segs.append((cand, False))
+                    pos = at + len(cand)
+                    break
+        segs.append((real[pos:], True))
+        return [s for s in segs if s[0]]
+
+    def _strip_special(self, segs: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+        if self.strip_bos and segs and segs[0][1] and segs[0][0].startswith(self.bos_token):
+            segs[0] = (segs[0][0][len(self.bos_token):], True)
+        if self.strip_eos and segs and segs[-1][1] and segs[-1][0].endswith(self.eos_token):
+            segs[-1] = (segs[-1][0][: len(segs[-1][0]) - len(self.eos_token)], True)
+        return [s for s in segs if s[0]]
