@@ -1,0 +1,356 @@
+"""The generate loop on a scripted model: stops, hold-back, UTF-8, limits, cancel, cache reuse.
+
+``ScriptModel`` implements the model interface the loop uses (forward /
+truncate / reset / n_past) over a plain list standing for the KV cache; its
+next-token choice is a function of the whole cached context, so any cache
+mistake (stale or missing tokens) changes the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from tests.worker.test_tokenizer import bpe_metadata
+from worker.engine.errors import EngineError
+from worker.engine.generate import CacheState, GenerationResult, TokenEvent, check_context, generate
+from worker.engine.sampling import SamplingParams
+from worker.engine.tokenizer import _BYTE_TO_UNICODE, Tokenizer
+
+TOK = Tokenizer.from_metadata(bpe_metadata())
+EOS = TOK.token_id("<|im_end|>")
+
+
+class ScriptModel:
+    """Deterministic stand-in for ``worker.engine.model.Model``."""
+
+    def __init__(self, script: Callable[[list[int]], int], n_ctx: int = 512, fail_at: int | None = None) -> None:
+        self.script = script
+        self.n_ctx = n_ctx
+        self.n_vocab = TOK.n_vocab
+        self.kv: list[int] = []
+        self.calls: list[int] = []  # tokens per forward call
+        self.fail_at = fail_at  # raise when a forward would make the cache this long
+
+    @property
+    def n_past(self) -> int:
+        return len(self.kv)
+
+    def forward(self, tokens: list[int], all_logits: bool = False) -> np.ndarray:
+        assert len(self.kv) + len(tokens) <= self.n_ctx
+        if self.fail_at is not None and len(self.kv) + len(tokens) >= self.fail_at:
+            self.kv.extend(tokens[:1])  # a partial write, as a crash mid-forward could leave
+            raise RuntimeError("boom")
+        self.calls.append(len(tokens))
+        self.kv.extend(int(t) for t in tokens)
+        logits = np.zeros(self.n_vocab, np.float32)
+        logits[self.script(self.kv)] = 20.0
+        return logits
+
+    def truncate(self, n: int) -> None:
+        del self.kv[n:]
+
+    def reset(self) -> None:
+        self.kv.clear()
+
+
+def ids(text: str) -> list[int]:
+    return TOK.tokenize(text, add_special=False, parse_special=True)
+
+
+def chars(text: str) -> list[int]:
+    """One token per UTF-8 byte (the vocabulary's byte tokens)."""
+    return [TOK.token_id(_BYTE_TO_UNICODE[b]) for b in text.encode()]
+
+
+def say(reply: list[int], n_prompt: int) -> Callable[[list[int]], int]:
+    """A script continuing with ``reply`` after an ``n_prompt``-token prompt, then EOS."""
+
+    def script(kv: list[int]) -> int:
+        i = len(kv) - n_prompt
+        return reply[i] if 0 <= i < len(reply) else EOS
+
+    return script
+
+
+def run(model: ScriptModel, prompt: list[int], cache: CacheState | None = None,
+        should_stop: Callable[[], bool] | None = None, on_token: Callable[[TokenEvent], object] | None = None,
+        chunk: int = 256, **kw: object) -> tuple[GenerationResult, list[TokenEvent]]:
+    events: list[TokenEvent] = []
+
+    def cb(e: TokenEvent) -> object:
+        events.append(e)
+        return on_token(e) if on_token else True
+
+    params = SamplingParams(**{"temperature": 0.0, **kw}).validated(TOK.n_vocab)  # type: ignore[arg-type]
+    check_context(model.n_ctx, len(prompt), params.max_tokens)
+    res = generate(model, TOK, cache if cache is not None else CacheState(), prompt, params, cb, should_stop,
+                   prefill_chunk=chunk)
+    return res, events
+
+
+def delivered(res: GenerationResult, events: list[TokenEvent]) -> str:
+    return "".join(e.text for e in events) + res.tail
+
+
+PROMPT = ids("<|im_start|>hello")
+
+
+# ------------------------------------------------------------------ basic decode
+
+
+def test_greedy_until_eos_not_in_text() -> None:
+    reply = ids("hello world")
+    res, events = run(ScriptModel(say(reply, len(PROMPT))), PROMPT, n_probs=2)
+    assert res.text == "hello world"
+    assert (res.finish_reason, res.stop_type) == ("stop", "eos")
+    assert res.tokens == reply + [EOS] and res.predicted_n == len(reply) + 1
+    assert [e.id for e in events] == reply  # no event for the end-of-generation token
+    assert delivered(res, events) == res.text
+    assert res.prompt_tokens == res.prompt_n == len(PROMPT) and res.cache_n == 0
+    assert res.prompt_ms >= 0 and res.predicted_ms >= 0
+    assert all(e.logprob is not None and len(e.top_logprobs) == 2 and e.top_logprobs[0][0] == e.id for e in events)
+
+
+def test_ignore_eos_runs_to_max_tokens() -> None:
+    res, events = run(ScriptModel(say([], len(PROMPT))), PROMPT, ignore_eos=True, max_tokens=5)
+    assert (res.finish_reason, res.stop_type) == ("length", "limit")
+    assert len(res.tokens) == 5 and EOS not in res.tokens
+
+
+def test_max_tokens_limit_and_zero() -> None:
+    reply = ids("hello world hello world")
+    model = ScriptModel(say(reply, len(PROMPT)))
+    res, events = run(model, PROMPT, max_tokens=3)
+    assert (res.finish_reason, res.stop_type) == ("length", "limit") and len(res.tokens) == 3
+    assert model.calls == [len(PROMPT), 1, 1]  # the last token is not fed back
+    res, events = run(ScriptModel(say(reply, len(PROMPT))), PROMPT, max_tokens=0)
+    assert res.tokens == [] and res.text == "" and res.finish_reason == "length"
+
+
+def test_generation_stops_when_context_is_full() -> None:
+    model = ScriptModel(say([], len(PROMPT)), n_ctx=len(PROMPT) + 4)
+    res, _ = run(model, PROMPT, ignore_eos=True)
+    assert res.finish_reason == "length" and len(res.tokens) == 4
+
+
+def test_control_token_generated_mid_text_emits_nothing() -> None:
+    reply = ids("he") + [TOK.token_id("<|im_start|>")] + ids("llo")
+    res, events = run(ScriptModel(say(reply, len(PROMPT))), PROMPT)
+    assert res.text == "hello"
+    assert events[1].text == "" and events[1].piece == b""
+
+
+# ------------------------------------------------------------------ UTF-8 and stop strings
+
+
+def test_split_utf8_character_never_emitted_half_way() -> None:
+    # each byte of "é" and "😀" is its own token in this vocabulary
+    reply = ids("aé😀b")
+    assert len(reply) == 8
+    res, events = run(ScriptModel(say(reply, len(PROMPT))), PROMPT)
+    texts = [e.text for e in events]
+    assert texts == ["a", "", "é", "", "", "", "😀", "b"]
+    assert not any("\ufffd" in t for t in texts)
+    assert res.text == "aé😀b"
+
+
+def test_incomplete_utf8_at_the_end_is_flushed_as_replacement() -> None:
+    reply = ids("a😀")[:3]  # "a" + two of four bytes
+    res, events = run(ScriptModel(say(reply, len(PROMPT))), PROMPT)
+    assert "".join(e.text for e in events) == "a"
+    assert res.text == "a\ufffd" and res.tail == "\ufffd"
+
+
+@pytest.mark.parametrize("stop", ["wor", "o w", "hello world"])
+def test_stop_string_split_across_tokens(stop: str) -> None:
+    reply = chars("hello world!")  # one token per character
+    res, events = run(ScriptModel(say(reply, len(PROMPT))), PROMPT, stop=["zzz", stop])
+    expected = "hello world!"[: "hello world!".index(stop)]
+    assert res.text == expected
+    assert (res.finish_reason, res.stop_type, res.stopping_word) == ("stop", "word", stop)
+    assert delivered(res, events) == expected
+    sent = ""
+    for e in events:  # never emitted then retracted: every prefix stays a prefix of the result
+        sent += e.text
+        assert expected.startswith(sent)
+    # the token that completes the stop string is part of the tokens
+    assert len(res.tokens) == len(expected) + len(stop)
+
+
+def test_partial_stop_prefix_is_held_then_released() -> None:
+    reply = chars("ab wox")
+    res, events = run(ScriptModel(say(reply, len(PROMPT))), PROMPT, stop=["world"])
+    assert [e.text for e in events] == ["a", "b", " ", "", "", "wox"]
+    assert res.text == "ab wox" and res.stop_type == "eos"
+
+
+def test_held_back_prefix_goes_to_tail_at_limit() -> None:
+    reply = chars("abwor")
+    res, events = run(ScriptModel(say(reply, len(PROMPT))), PROMPT, stop=["world"], max_tokens=5)
+    assert "".join(e.text for e in events) == "ab" and res.tail == "wor" and res.text == "abwor"
+
+
+def test_stop_string_inside_one_token_and_earliest_wins() -> None:
+    reply = ids("hello world")
+    res, events = run(ScriptModel(say(reply, len(PROMPT))), PROMPT, stop=["orl", "ell"])
+    assert res.text == "h" and res.stopping_word == "ell"
+    assert delivered(res, events) == "h"
+
+
+# ------------------------------------------------------------------ cancellation
+
+
+def test_cancel_via_on_token() -> None:
+    reply = ids("hello world hello")
+    seen: list[int] = []
+    res, events = run(ScriptModel(say(reply, len(PROMPT))), PROMPT, on_token=lambda e: seen.append(e.id) or len(seen) < 2)
+    assert (res.finish_reason, res.stop_type) == ("cancelled", "cancelled")
+    assert len(res.tokens) == 2 and delivered(res, events) == res.text
+
+
+def test_on_token_returning_none_continues() -> None:
+    reply = ids("hello")
+    res, _ = run(ScriptModel(say(reply, len(PROMPT))), PROMPT, on_token=lambda e: None)
+    assert res.finish_reason == "stop"
+
+
+def test_cancel_via_should_stop_between_tokens() -> None:
+    reply = ids("hello world hello")
+    polls = iter([False, False, True])
+    res, events = run(ScriptModel(say(reply, len(PROMPT))), PROMPT, should_stop=lambda: next(polls, True))
+    # polled once before prefill's single chunk, then before each token
+    assert res.finish_reason == "cancelled" and len(res.tokens) == 1
+
+
+def test_cancel_during_prefill_keeps_only_evaluated_chunks_in_cache() -> None:
+    prompt = chars("abcdefghij" * 3)  # 30 tokens, chunks of 8
+    model = ScriptModel(say(ids("ok"), len(prompt)))
+    cache = CacheState()
+    polls = iter([False, False, True])
+    res, events = run(model, prompt, cache=cache, chunk=8, should_stop=lambda: next(polls, True))
+    assert res.finish_reason == "cancelled" and res.tokens == [] and events == []
+    assert res.prompt_n == 16 and model.calls == [8, 8]
+    assert cache.tokens == prompt[:16] and model.kv == prompt[:16]
+    # the next identical request reuses the 16 evaluated tokens and finishes normally
+    res2, _ = run(model, prompt, cache=cache, chunk=8)
+    assert res2.cache_n == 16 and res2.prompt_n == 14 and res2.text == "ok"
+
+
+# ------------------------------------------------------------------ cache reuse
+
+
+def context_script(kv: list[int]) -> int:
+    """Next token depends on the whole context (a cache error changes it)."""
+    letters = chars("abcdefghijklmnop ")
+    if len(kv) > 60:
+        return EOS
+    return letters[(sum((i + 1) * t for i, t in enumerate(kv)) * 7919) % len(letters)]
+
+
+def test_cache_reuse_matches_fresh_and_reevaluates_last_token() -> None:
+    prompt_a = ids("hello world") + chars("xyz")
+    prompt_b = prompt_a[:-1] + [TOK.token_id("q")]
+    fresh = {tuple(p): run(ScriptModel(context_script), p)[0].text for p in (prompt_a, prompt_b)}
+
+    model, cache = ScriptModel(context_script), CacheState()
+    r1, _ = run(model, prompt_a, cache=cache)
+    assert r1.text == fresh[tuple(prompt_a)] and r1.cache_n == 0
+    # same prompt again: all but the last prompt token reused
+    r2, _ = run(model, prompt_a, cache=cache)
+    assert r2.text == r1.text and r2.cache_n == len(prompt_a) - 1 and r2.prompt_n == 1
+    # prompt diverging at its last token
+    r3, _ = run(model, prompt_b, cache=cache)
+    assert r3.text == fresh[tuple(prompt_b)] and r3.cache_n == len(prompt_b) - 1
+    # continuing the conversation: prompt = previous prompt + reply + more
+    prompt_c = prompt_b + r3.tokens[:-1] + [TOK.token_id("z")]
+    r4, _ = run(model, prompt_c, cache=cache)
+    assert r4.text == run(ScriptModel(context_script), prompt_c)[0].text
+    assert r4.cache_n == len(prompt_b) + len(r3.tokens) - 1  # every reply token but EOS was fed
+    # cache_prompt=False evaluates everything
+    r5, _ = run(model, prompt_a, cache=cache, cache_prompt=False)
+    assert r5.cache_n == 0 and r5.prompt_n == len(prompt_a) and r5.text == r1.text
+
+
+def test_cancelled_request_then_greedy_equals_fresh() -> None:
+    prompt = ids("hello world")
+    model, cache = ScriptModel(context_script), CacheState()
+    run(model, prompt, cache=cache, on_token=lambda e: False)
+    other = prompt[:3] + [TOK.token_id("k")]
+    res, _ = run(model, other, cache=cache)
+    assert res.text == run(ScriptModel(context_script), other)[0].text
+
+
+def test_model_failure_leaves_only_verified_cache() -> None:
+    prompt = chars("abcdefghij" * 2)  # 20 tokens
+    model, cache = ScriptModel(context_script, fail_at=19), CacheState()
+    with pytest.raises(RuntimeError):
+        run(model, prompt, cache=cache, chunk=8)
+    assert cache.tokens == prompt[:16] and model.kv == prompt[:16]
+    model.fail_at = None
+    res, _ = run(model, prompt, cache=cache, chunk=8)
+    assert res.cache_n == 16 and res.text == run(ScriptModel(context_script), prompt)[0].text
+
+
+def test_failure_during_decode_and_in_callback() -> None:
+    prompt = ids("hello")
+    model, cache = ScriptModel(context_script, fail_at=len(prompt) + 3), CacheState()
+    with pytest.raises(RuntimeError):
+        run(model, prompt, cache=cache)
+    assert model.kv == cache.tokens and len(cache.tokens) == len(prompt) + 2
+
+    def boom(e: TokenEvent) -> bool:
+        raise ValueError("client went away")
+
+    model2, cache2 = ScriptModel(context_script), CacheState()
+    with pytest.raises(ValueError):
+        run(model2, prompt, cache=cache2, on_token=boom)
+    assert model2.kv == cache2.tokens == prompt
+
+
+def test_inconsistent_model_cache_is_not_trusted() -> None:
+    prompt = ids("hello world")
+    model, cache = ScriptModel(context_script), CacheState()
+    run(model, prompt, cache=cache)
+    model.kv.append(5)  # someone touched the model behind the engine's back
+    res, _ = run(model, prompt, cache=cache)
+    assert res.cache_n == 0 and res.text == run(ScriptModel(context_script), prompt)[0].text
+
+
+# ------------------------------------------------------------------ sampling through the loop
+
+
+def test_seeded_sampling_deterministic_through_loop() -> None:
+    def flat(kv: list[int]) -> int:
+        return EOS
+
+    class Flat(ScriptModel):
+        def forward(self, tokens: list[int], all_logits: bool = False) -> np.ndarray:
+            super().forward(tokens)
+            return np.zeros(self.n_vocab, np.float32)
+
+    def sample(seed: int) -> list[int]:
+        return run(Flat(flat), PROMPT, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed,
+                   max_tokens=12, ignore_eos=True)[0].tokens
+
+    assert sample(1) == sample(1)
+    assert sample(1) != sample(2)
+
+
+# ------------------------------------------------------------------ context check
+
+
+def test_context_length_exceeded_message() -> None:
+    with pytest.raises(EngineError) as ei:
+        check_context(100, 90, 20)
+    assert ei.value.code == "context_length_exceeded"
+    assert ei.value.message == (
+        "This model's maximum context length is 100 tokens. However, you requested 110 tokens "
+        "(90 in the prompt, 20 for the completion)."
+    )
+    check_context(100, 90, 10)
+    check_context(100, 99, None)
+    with pytest.raises(EngineError):
+        check_context(100, 100, None)
