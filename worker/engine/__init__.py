@@ -1,0 +1,11 @@
+"""NumPy inference engine on GGUF files; the worker uses only what is exported here.
+
+Contract: docs/ENGINE-API.md.
+"""
+
+from .engine import Engine, EngineInfo
+from .errors import EngineError
+from .generate import GenerationResult, TokenEvent
+from .sampling import SamplingParams
+
+__all__ = ["Engine", "EngineError", "EngineInfo", "GenerationResult", "SamplingParams", "TokenEvent"]
