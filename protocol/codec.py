@@ -34,7 +34,12 @@ class ProtocolError(ValueError):
     """A frame was rejected. ``msg_id`` is the frame's id when it could be read
     (so the peer can answer an Error for that request), else None."""
 
+    #: Longer reasons are cut (a reason quotes offending values, which may be huge).
+    MAX_REASON_CHARS = 500
+
     def __init__(self, reason: str, msg_id: str | None = None) -> None:
+        if len(reason) > self.MAX_REASON_CHARS:
+            reason = reason[: self.MAX_REASON_CHARS] + "..."
         super().__init__(reason)
         self.reason = reason
         self.msg_id = msg_id
@@ -76,7 +81,7 @@ def decode(frame: bytes) -> Message:
         raise ProtocolError(f"malformed msgpack: {type(e).__name__}: {e}") from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"frame must be a map, got {type(obj).__name__}")
-    msg_id = obj.get("id") if isinstance(obj.get("id"), str) else None
+    msg_id = _readable_id(obj.get("id"))
     if obj.get("v") != PROTOCOL_VERSION or type(obj.get("v")) is not int:
         raise ProtocolError(f"unsupported protocol version {obj.get('v')!r} (expected {PROTOCOL_VERSION})", msg_id)
     tag = obj.get("type")
@@ -88,6 +93,14 @@ def decode(frame: bytes) -> Message:
         return cls(**values)
     except Exception as e:  # pragma: no cover - validation above should make this unreachable
         raise ProtocolError(f"cannot build {tag}: {e}", msg_id) from None
+
+
+def _readable_id(ident: Any) -> str | None:
+    """``ident`` if it is a valid request id (a str of 1..MAX_ID_LEN chars), else None:
+    ProtocolError.msg_id must be usable as the id of an Error answer."""
+    if isinstance(ident, str) and 1 <= len(ident) <= MAX_ID_LEN:
+        return ident
+    return None
 
 
 def _reject_ext(code: int, data: bytes) -> Any:
