@@ -1,0 +1,150 @@
+"""The router's side of the wire, for worker tests: a bound ROUTER socket speaking the protocol.
+
+Also runnable as the worker's *parent* process (the "router" a test kills)::
+
+    python -m tests.worker.router_stub --gguf PATH --endpoint ENDPOINT [--prompt TEXT]
+
+binds ENDPOINT, spawns ``python -m worker`` as its child, waits for Ready, sends
+one long Generate, waits for its first Token, prints one JSON line
+``{"worker_pid": N, "endpoint": ...}`` and then sleeps until killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import zmq
+
+from protocol import Done, Error, Generate, Hello, Message, Ready, Token, decode, encode
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class RouterStub:
+    """A bound ROUTER socket; learns the worker's identity from its Hello.
+
+    ``received`` lists every decoded frame in arrival order (for ordering checks).
+    """
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.ident: bytes | None = None
+        self.received: list[tuple[float, Message]] = []  # (monotonic s, frame)
+        self._unread: list[Message] = []
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+    # ---------------------------------------------------------------- receive
+
+    def _recv_one(self, timeout_s: float) -> Message | None:
+        if not self.sock.poll(int(max(timeout_s, 0) * 1000)):
+            return None
+        parts = self.sock.recv_multipart()
+        assert len(parts) == 2, f"expected [identity, payload], got {len(parts)} parts"
+        ident, payload = parts
+        msg = decode(payload)
+        if isinstance(msg, Hello):
+            self.ident = ident
+        else:
+            assert ident == self.ident, "frame from an identity that sent no Hello"
+        self.received.append((time.monotonic(), msg))
+        return msg
+
+    def next(self, pred: Callable[[Message], bool] = lambda m: True, timeout_s: float = 30.0) -> Message:
+        """The first (unread or new) frame satisfying ``pred``; others stay unread, in order.
+        Raises TimeoutError after ``timeout_s`` seconds."""
+        for i, m in enumerate(self._unread):
+            if pred(m):
+                return self._unread.pop(i)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = self._recv_one(deadline - time.monotonic())
+            if m is None:
+                raise TimeoutError(f"no matching frame within {timeout_s} s; unread: {self._unread[-5:]!r}")
+            if pred(m):
+                return m
+            self._unread.append(m)
+
+    def next_for(self, req_id: str, timeout_s: float = 30.0) -> Message:
+        return self.next(lambda m: m.id == req_id, timeout_s)
+
+    def stream(self, req_id: str, timeout_s: float = 60.0) -> tuple[list[Token], Done | Error]:
+        """Token frames of ``req_id`` up to and including its Done or Error."""
+        tokens: list[Token] = []
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = self.next_for(req_id, deadline - time.monotonic())
+            if isinstance(m, Token):
+                tokens.append(m)
+            elif isinstance(m, (Done, Error)):
+                return tokens, m
+            else:
+                raise AssertionError(f"unexpected frame for {req_id}: {m!r}")
+
+    def handshake(self, timeout_s: float = 120.0) -> Ready:
+        """Wait for Hello then Ready (raise if an Error comes instead)."""
+        hello = self.next(lambda m: isinstance(m, Hello), timeout_s)
+        assert isinstance(hello, Hello)
+        m = self.next(lambda m: isinstance(m, (Ready, Error)), timeout_s)
+        if isinstance(m, Error):
+            raise RuntimeError(f"worker failed to load: {m.code}: {m.message}")
+        assert isinstance(m, Ready)
+        return m
+
+    # ---------------------------------------------------------------- send
+
+    def send(self, msg: Message) -> float:
+        """Send one frame to the worker; returns ``time.monotonic()`` just after sending."""
+        return self.send_raw(encode(msg))
+
+    def send_raw(self, *parts: bytes) -> float:
+        assert self.ident is not None, "no Hello yet"
+        self.sock.send_multipart([self.ident, *parts])
+        return time.monotonic()
+
+
+def worker_command(gguf: str, endpoint: str, *extra: str, model: str = "smollm2") -> list[str]:
+    return [sys.executable, "-m", "worker", "--model", model, "--gguf", gguf, "--endpoint", endpoint, *extra]
+
+
+def spawn_worker(gguf: str, endpoint: str, *extra: str, model: str = "smollm2") -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(worker_command(gguf, endpoint, *extra, model=model), cwd=REPO, env=env,
+                            stdin=subprocess.DEVNULL)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--endpoint", required=True)
+    ap.add_argument("--prompt", default="Write a long story about a lighthouse keeper.")
+    args = ap.parse_args()
+    stub = RouterStub(args.endpoint)
+    proc = spawn_worker(args.gguf, stub.endpoint)  # default --parent-pid: this process
+    stub.handshake()
+    stub.send(Generate(id="long", prompt=args.prompt, max_tokens=4000, temperature=0.0, ignore_eos=True))
+    stub.next(lambda m: isinstance(m, Token))
+    print(json.dumps({"worker_pid": proc.pid, "endpoint": stub.endpoint}), flush=True)
+    while True:
+        stub.sock.poll(1000)  # keep reading nothing in particular; wait to be killed
+        try:
+            stub.sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+
+if __name__ == "__main__":
+    main()

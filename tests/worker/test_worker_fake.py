@@ -1,0 +1,458 @@
+"""The worker's socket loop, queue, cancel, health and exit, against a fake engine (fast, no model).
+
+The server runs in a thread of the test process; the test plays the router
+with a real bound ROUTER socket (``RouterStub``) over ipc:// or tcp://.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import pytest
+
+from protocol import (
+    MAX_FRAME_BYTES,
+    ApplyTemplate,
+    ApplyTemplateResult,
+    Cancel,
+    Detokenize,
+    DetokenizeResult,
+    Done,
+    Error,
+    Generate,
+    Hello,
+    Ping,
+    Pong,
+    Ready,
+    Shutdown,
+    Token,
+    Tokenize,
+    TokenizeResult,
+    encode,
+)
+from tests.worker.fake_engine import EOS, FakeEngine
+from tests.worker.router_stub import RouterStub
+from worker.engine import EngineError, SamplingParams
+from worker.server import WorkerConfig, WorkerServer
+
+
+@dataclass
+class Harness:
+    stub: RouterStub
+    server: WorkerServer
+    engine: FakeEngine
+    thread: threading.Thread
+    result: dict[str, Any] = field(default_factory=dict)
+    ready: Ready | None = None
+
+    def wait_exit(self, timeout_s: float = 10.0) -> int:
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), f"worker did not exit within {timeout_s} s"
+        return int(self.result["code"])
+
+    def ping(self, ident: str = "p") -> Pong:
+        self.stub.send(Ping(id=ident))
+        m = self.stub.next_for(ident)
+        assert isinstance(m, Pong)
+        return m
+
+
+@pytest.fixture
+def sockdir() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="mywk", dir="/tmp")  # short: ipc paths are limited to ~100 chars
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def start(sockdir: str) -> Iterator[Callable[..., Harness]]:
+    harnesses: list[Harness] = []
+
+    def _start(engine: FakeEngine | None = None, *, endpoint: str | None = None,
+               loader: Callable[..., Any] | None = None, handshake: bool = True, **cfg: Any) -> Harness:
+        eng = engine or FakeEngine()
+        stub = RouterStub(endpoint or f"ipc://{sockdir}/w{len(harnesses)}.sock")
+        cfg.setdefault("parent_pid", os.getpid())
+        server = WorkerServer(WorkerConfig(model="fake", gguf="/nonexistent/fake.gguf", endpoint=stub.endpoint,
+                                           **cfg), loader=loader or (lambda *a: eng))
+        h = Harness(stub, server, eng, threading.Thread(target=lambda: None, daemon=True))
+        h.thread = threading.Thread(target=lambda: h.result.setdefault("code", server.serve()), daemon=True)
+        h.thread.start()
+        harnesses.append(h)
+        if handshake:
+            h.ready = stub.handshake(10)
+        return h
+
+    yield _start
+    for h in harnesses:
+        if h.thread.is_alive() and h.stub.ident is not None:
+            h.stub.send(Shutdown(id="bye"))
+            h.thread.join(10)
+        h.stub.close()
+
+
+def _text(tokens: list[Token], done: Done) -> str:
+    return "".join(t.text for t in tokens) + done.text
+
+
+# ----------------------------------------------------------------------------- start-up
+
+
+def test_hello_then_ready_carry_the_model_identity(start: Callable[..., Harness]) -> None:
+    h = start(handshake=False)
+    hello = h.stub.next(timeout_s=10)
+    assert isinstance(hello, Hello) and hello.model == "fake" and hello.pid == os.getpid()
+    ready = h.stub.next(timeout_s=10)
+    assert isinstance(ready, Ready)
+    assert ready.id == hello.id == f"worker-{os.getpid()}"
+    assert (ready.model, ready.architecture, ready.n_ctx, ready.n_vocab, ready.n_ctx_train) == ("fake", "fake", 512, 1000, 2048)
+    assert ready.fingerprint == "ab" * 32 and ready.file_size == 1234 and ready.has_chat_template
+    assert ready.max_jobs == 1 and ready.load_ms >= 0 and ready.gguf_path == "/nonexistent/fake.gguf"
+
+
+@pytest.mark.parametrize("exc", [EngineError("file_not_found", "GGUF file not found: /x.gguf"),
+                                 RuntimeError("loader bug")])
+def test_load_failure_is_an_error_frame_then_exit_1(start: Callable[..., Harness], exc: Exception) -> None:
+    def loader(*_: Any) -> Any:
+        raise exc
+
+    h = start(loader=loader, handshake=False)
+    assert isinstance(h.stub.next(timeout_s=10), Hello)
+    err = h.stub.next(timeout_s=10)
+    assert isinstance(err, Error) and err.code == "load_failed" and err.id == f"worker-{os.getpid()}"
+    assert ("file_not_found" in err.message) if isinstance(exc, EngineError) else ("loader bug" in err.message)
+    assert h.wait_exit() == 1
+
+
+def test_shutdown_while_loading_exits_0(start: Callable[..., Harness]) -> None:
+    release = threading.Event()
+
+    def slow_loader(*_: Any) -> FakeEngine:
+        release.wait(10)
+        return FakeEngine()
+
+    h = start(loader=slow_loader, handshake=False)
+    assert isinstance(h.stub.next(timeout_s=10), Hello)
+    assert h.ping().busy is False  # answered while the model loads
+    h.stub.send(Shutdown(id="s"))
+    assert h.wait_exit(5) == 0
+    release.set()
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def test_generate_streams_tokens_then_one_done(start: Callable[..., Harness]) -> None:
+    h = start()
+    h.stub.send(Generate(id="g1", prompt="hello there world", temperature=0.0, n_probs=3))
+    tokens, done = h.stub.stream("g1")
+    assert isinstance(done, Done), done
+    assert len(tokens) == h.engine.length
+    assert (done.finish_reason, done.stop_type) == ("stop", "eos")
+    assert done.completion_tokens == done.predicted_n == len(tokens) + 1  # + the EOS token (llama.cpp counts it)
+    assert done.prompt_tokens == 4 and done.prompt_n == 4 and done.cache_n == 0
+    assert _text(tokens, done) == h.engine.detokenize([t.token_id for t in tokens])
+    assert all(t.piece == f" w{t.token_id}".encode() for t in tokens)
+    assert all(t.logprob == -0.25 and len(t.top_logprobs) == 3 and t.top_logprobs[0] == [t.token_id, -0.25]
+               for t in tokens)
+    # max_tokens -> "length"; token-id prompt; no logprobs unless asked
+    h.stub.send(Generate(id="g2", prompt=[1, 5, 6], max_tokens=3, temperature=0.0))
+    tokens, done = h.stub.stream("g2")
+    assert isinstance(done, Done) and (done.finish_reason, done.stop_type) == ("length", "limit")
+    assert len(tokens) == done.completion_tokens == 3 and all(t.logprob is None and not t.top_logprobs for t in tokens)
+
+
+def test_chat_messages_go_through_tokenize_chat(start: Callable[..., Harness]) -> None:
+    h = start()
+    msgs = [{"role": "user", "content": "hi there"}]
+    h.stub.send(Generate(id="c", messages=msgs, max_tokens=2, temperature=0.0))
+    _, done = h.stub.stream("c")
+    assert isinstance(done, Done) and done.prompt_tokens == len(h.engine.tokenize_chat(msgs))
+
+
+def test_two_generates_at_once_run_one_after_the_other(start: Callable[..., Harness]) -> None:
+    h = start()
+    h.engine.token_delay_s = 0.01
+    h.stub.send(Generate(id="a", prompt="first request", temperature=0.0))
+    h.stub.send(Generate(id="b", prompt="second request", temperature=0.0))
+    pong = h.ping()
+    assert pong.busy and pong.running_id == "a" and pong.queue_len == 1
+    ta, da = h.stub.stream("a")
+    tb, db = h.stub.stream("b")
+    assert isinstance(da, Done) and isinstance(db, Done) and ta and tb
+    order = [m.id for _, m in h.stub.received if isinstance(m, (Token, Done))]
+    assert order == ["a"] * (len(ta) + 1) + ["b"] * (len(tb) + 1)  # never interleaved
+    idle = h.ping("p2")
+    assert (idle.busy, idle.queue_len, idle.running_id) == (False, 0, None)
+
+
+def test_queue_beyond_max_queue_answers_busy(start: Callable[..., Harness]) -> None:
+    h = start(max_queue=1)
+    h.engine.token_delay_s = 0.02
+    for rid in ("a", "b", "c"):
+        h.stub.send(Generate(id=rid, prompt=f"request {rid}", temperature=0.0))
+    err = h.stub.next_for("c", 10)
+    assert isinstance(err, Error) and err.code == "busy" and "max_queue=1" in err.message
+    assert isinstance(h.stub.stream("a")[1], Done) and isinstance(h.stub.stream("b")[1], Done)
+
+
+def test_duplicate_request_id_is_refused(start: Callable[..., Harness]) -> None:
+    h = start()
+    h.engine.token_delay_s = 0.02
+    h.stub.send(Generate(id="a", prompt="x y", temperature=0.0))
+    h.stub.send(Generate(id="a", prompt="x y", temperature=0.0))
+    first = h.stub.next(lambda m: isinstance(m, Error), 10)
+    assert first.id == "a" and first.code == "invalid_request" and "already in use" in first.message
+    _, done = h.stub.stream("a")
+    assert isinstance(done, Done)
+
+
+# ----------------------------------------------------------------------------- cancel
+
+
+def test_cancel_mid_decode_stops_within_a_token(start: Callable[..., Harness]) -> None:
+    h = start()
+    h.engine.token_delay_s = 0.05
+    h.engine.length = 1000
+    h.stub.send(Generate(id="a", prompt="tell me everything", temperature=0.0))
+    first = [h.stub.next_for("a"), h.stub.next_for("a")]
+    assert all(isinstance(m, Token) for m in first)
+    sent_at = h.stub.send(Cancel(id="a"))
+    tokens, done = h.stub.stream("a", 10)
+    latency = h.stub.received[-1][0] - sent_at
+    assert isinstance(done, Done) and (done.finish_reason, done.stop_type) == ("cancelled", "cancelled")
+    assert len(tokens) <= 2  # at most the token in flight (+ one already on the wire)
+    assert done.completion_tokens == len(first) + len(tokens)
+    print(f"fake engine: Cancel -> Done mid-decode {latency * 1e3:.1f} ms (token time 50 ms)")
+
+
+def test_cancel_mid_prefill_stops_between_chunks(start: Callable[..., Harness]) -> None:
+    h = start()
+    h.engine.chunk_delay_s = 0.05
+    prompt = " ".join(f"word{i}" for i in range(400))  # 401 tokens = 101 chunks of 4 = ~5 s of prefill
+    h.stub.send(Generate(id="a", prompt=prompt, temperature=0.0, max_tokens=5))
+    while h.ping().running_id != "a":
+        pass
+    time.sleep(0.1)
+    sent_at = h.stub.send(Cancel(id="a"))
+    tokens, done = h.stub.stream("a", 10)
+    latency = h.stub.received[-1][0] - sent_at
+    assert isinstance(done, Done) and done.finish_reason == "cancelled" and tokens == []
+    assert done.completion_tokens == 0 and 0 < done.prompt_n < done.prompt_tokens == 401
+    print(f"fake engine: Cancel -> Done mid-prefill {latency * 1e3:.1f} ms (chunk time 50 ms)")
+
+
+def test_cancel_of_a_queued_request_removes_it(start: Callable[..., Harness]) -> None:
+    h = start()
+    h.engine.token_delay_s = 0.02
+    h.stub.send(Generate(id="a", prompt="running one", temperature=0.0))
+    h.stub.send(Generate(id="b", prompt="queued one", temperature=0.0))
+    h.stub.send(Cancel(id="b"))
+    done_b = h.stub.next_for("b", 10)
+    assert isinstance(done_b, Done) and done_b.finish_reason == "cancelled" and done_b.completion_tokens == 0
+    _, done_a = h.stub.stream("a")
+    assert isinstance(done_a, Done) and done_a.finish_reason == "stop"  # the running one is untouched
+    ids = [m.id for _, m in h.stub.received if isinstance(m, (Token, Done))]
+    assert ids.index("b") < len(ids) - 1  # b was answered before a finished, not after
+    assert h.engine.generate_calls == 1  # b never ran
+
+
+def test_cancel_of_an_unknown_or_finished_id_is_ignored(start: Callable[..., Harness]) -> None:
+    h = start()
+    h.stub.send(Generate(id="a", prompt="x", temperature=0.0, max_tokens=2))
+    assert isinstance(h.stub.stream("a")[1], Done)
+    h.stub.send(Cancel(id="a"))
+    h.stub.send(Cancel(id="never-seen"))
+    assert h.ping().busy is False
+    time.sleep(0.1)
+    assert not [m for _, m in h.stub.received if m.id == "never-seen"]
+    assert len([m for _, m in h.stub.received if isinstance(m, (Done, Error)) and m.id == "a"]) == 1
+
+
+def test_after_a_cancel_the_next_output_equals_a_fresh_engines(start: Callable[..., Harness]) -> None:
+    fresh = start(FakeEngine())
+    fresh.stub.send(Generate(id="ref", prompt="the same prompt", temperature=0.0))
+    ref_tokens, _ = fresh.stub.stream("ref")
+
+    h = start()
+    h.engine.token_delay_s = 0.02
+    h.engine.length = 1000
+    h.stub.send(Generate(id="x", prompt="the same prompt and more", temperature=0.0))
+    h.stub.next_for("x")
+    h.stub.send(Cancel(id="x"))
+    assert h.stub.stream("x")[1].finish_reason == "cancelled"
+    h.engine.length = 8
+    h.stub.send(Generate(id="y", prompt="the same prompt", temperature=0.0))
+    tokens, _ = h.stub.stream("y")
+    assert [t.token_id for t in tokens] == [t.token_id for t in ref_tokens]
+
+
+# ----------------------------------------------------------------------------- health & side requests
+
+
+def test_ping_and_text_ops_are_answered_mid_generation(start: Callable[..., Harness]) -> None:
+    h = start()
+    h.engine.token_delay_s = 0.05
+    h.engine.length = 40
+    h.stub.send(Generate(id="a", prompt="a long one", temperature=0.0))
+    h.stub.next_for("a")  # generating now
+    pong = h.ping()
+    assert pong.busy and pong.running_id == "a" and pong.queue_len == 0 and pong.pid == os.getpid()
+    h.stub.send(Tokenize(id="t", content="hello world", add_special=True, with_pieces=True))
+    h.stub.send(Detokenize(id="d", tokens=[12, 13]))
+    h.stub.send(ApplyTemplate(id="at", messages=[{"role": "user", "content": "hi"}]))
+    tok, det, tpl = h.stub.next_for("t"), h.stub.next_for("d"), h.stub.next_for("at")
+    assert isinstance(tok, TokenizeResult) and tok.tokens == h.engine.tokenize("hello world")
+    assert tok.pieces == [h.engine.token_bytes(t) for t in tok.tokens]
+    assert isinstance(det, DetokenizeResult) and det.content == " w12 w13"
+    assert isinstance(tpl, ApplyTemplateResult) and tpl.prompt.endswith("<|im_start|>assistant\n")
+    tokens, done = h.stub.stream("a")
+    assert isinstance(done, Done) and done.finish_reason == "stop"  # all answered before the generation ended
+    assert h.stub.received.index(next(x for x in h.stub.received if x[1].id == "at")) < len(h.stub.received) - 1
+
+
+@pytest.mark.parametrize("msg, code", [
+    (Generate(id="r", prompt=[1, 5, 1000], temperature=0.0), "invalid_token"),
+    (Generate(id="r", prompt=[1, -3], temperature=0.0), "invalid_token"),
+    (Generate(id="r", prompt="a b c", max_tokens=600), "context_length_exceeded"),
+    (Generate(id="r", prompt="a b", temperature=-1.0), "invalid_params"),
+    (Generate(id="r", prompt="a b", top_p=0.0), "invalid_params"),
+    (Generate(id="r", prompt="a b", n_probs=99), "invalid_params"),
+    (Generate(id="r", prompt="a b", logit_bias=[[5]]), "invalid_params"),
+    (Generate(id="r", prompt="a b", logit_bias=[[5, "big"]]), "invalid_params"),
+    (Generate(id="r", prompt="a b", logit_bias=[[5000, 1.0]]), "invalid_params"),
+    (Generate(id="r", prompt=[], temperature=0.0), "empty_prompt"),
+    (Generate(id="r", prompt="", add_special=False), "empty_prompt"),
+    (Generate(id="r"), "invalid_request"),
+    (Generate(id="r", prompt="x", messages=[{"role": "user", "content": "x"}]), "invalid_request"),
+    (Generate(id="r", messages=[{"role": 5}]), "invalid_params"),
+    (Detokenize(id="r", tokens=[1, 99999]), "invalid_token"),
+    (Ping(id="r"), None),
+])
+def test_bad_requests_get_precise_errors_and_the_worker_keeps_serving(
+        start: Callable[..., Harness], msg: Any, code: str | None) -> None:
+    h = start()
+    h.stub.send(msg)
+    ans = h.stub.next_for("r", 10)
+    if code is None:
+        assert isinstance(ans, Pong)
+    else:
+        assert isinstance(ans, Error) and ans.code == code, ans
+    h.stub.send(Generate(id="ok", prompt="still fine", temperature=0.0, max_tokens=2))
+    assert isinstance(h.stub.stream("ok")[1], Done)
+
+
+def test_no_chat_template(start: Callable[..., Harness]) -> None:
+    h = start(FakeEngine(has_template=False))
+    h.stub.send(Generate(id="r", messages=[{"role": "user", "content": "x"}]))
+    h.stub.send(ApplyTemplate(id="t", messages=[{"role": "user", "content": "x"}]))
+    assert h.stub.next_for("r").code == "no_chat_template"
+    assert h.stub.next_for("t").code == "no_chat_template"
+
+
+def test_engine_bug_is_internal_error_and_the_next_request_is_clean(start: Callable[..., Harness]) -> None:
+    ref = FakeEngine()
+    res = ref.generate("after the crash", SamplingParams(temperature=0.0))
+    h = start()
+    h.stub.send(Generate(id="boom", prompt="please boom now", temperature=0.0))
+    tokens, err = h.stub.stream("boom")
+    assert isinstance(err, Error) and err.code == "internal_error" and "exploded" in err.message
+    h.stub.send(Generate(id="next", prompt="after the crash", temperature=0.0))
+    tokens, done = h.stub.stream("next")
+    assert isinstance(done, Done) and [t.token_id for t in tokens] + [EOS] == res.tokens
+
+
+# ----------------------------------------------------------------------------- garbage
+
+
+def _garbage(rng: random.Random, i: int) -> list[bytes]:
+    kind = i % 8
+    if kind == 0:
+        return [rng.randbytes(rng.randrange(0, 300))]
+    if kind == 1:  # random maps with envelope-ish keys
+        keys = ["v", "type", "id", "prompt", "x", "tokens", "content"]
+        obj = {rng.choice(keys): rng.choice([1, 2, -1, "generate", "ping", "cancel", "", None, [1, "a"], {"a": 1},
+                                            b"\x00", 3.5, True, "x" * rng.randrange(0, 200)])
+               for _ in range(rng.randrange(0, 6))}
+        return [msgpack.packb(obj, use_bin_type=True)]
+    if kind == 2:  # valid envelope, bad fields
+        return [msgpack.packb({"v": 1, "type": "generate", "id": f"g{i}", "temperature": "hot"})]
+    if kind == 3:  # a worker->router type sent to the worker
+        return [encode(Token(id=f"t{i}", text="x", token_id=1, piece=b"x"))]
+    if kind == 4:  # multi-part
+        return [encode(Ping(id=f"m{i}")), b"extra"]
+    if kind == 5:  # truncated valid frame
+        f = encode(Generate(id=f"tr{i}", prompt="hello"))
+        return [f[: rng.randrange(1, len(f) - 1)]]
+    if kind == 6:  # wrong version
+        return [msgpack.packb({"v": 2, "type": "ping", "id": f"v{i}"})]
+    return [msgpack.packb(msgpack.ExtType(3, b"xyz")) if i % 16 == 7 else b""]
+
+
+def test_200_garbage_frames_each_get_a_protocol_error_then_a_request_works(start: Callable[..., Harness]) -> None:
+    h = start()
+    rng = random.Random(1234)
+    for i in range(200):
+        h.stub.send_raw(*_garbage(rng, i))
+    h.stub.send_raw(b"\x00" * (MAX_FRAME_BYTES + 1))
+    errors = [h.stub.next(lambda m: isinstance(m, Error), 10) for _ in range(201)]
+    assert all(e.code == "protocol_error" for e in errors)
+    assert {e.id for e in errors} >= {"g2", "t3", "v6", "unknown"}  # id kept when readable
+    h.stub.send(Generate(id="ok", prompt="still alive", temperature=0.0))
+    tokens, done = h.stub.stream("ok")
+    assert isinstance(done, Done) and len(tokens) == h.engine.length
+
+
+# ----------------------------------------------------------------------------- exit
+
+
+def test_shutdown_cancels_running_and_queued_then_exits_0(start: Callable[..., Harness]) -> None:
+    h = start()
+    h.engine.token_delay_s = 0.05
+    h.engine.length = 1000
+    h.stub.send(Generate(id="a", prompt="runs", temperature=0.0))
+    h.stub.send(Generate(id="b", prompt="waits", temperature=0.0))
+    h.stub.next_for("a")
+    h.stub.send(Shutdown(id="s"))
+    _, da = h.stub.stream("a", 10)
+    db = h.stub.next_for("b", 10)
+    assert isinstance(da, Done) and da.finish_reason == "cancelled"
+    assert isinstance(db, Done) and db.finish_reason == "cancelled" and db.completion_tokens == 0
+    assert h.wait_exit(5) == 0
+
+
+def test_exits_when_the_parent_process_is_gone(start: Callable[..., Harness]) -> None:
+    parent = subprocess.Popen(["sleep", "60"])
+    try:
+        h = start(parent_pid=parent.pid, endpoint="tcp://127.0.0.1:*")
+        h.engine.token_delay_s = 0.05
+        h.engine.length = 1000
+        h.stub.send(Generate(id="a", prompt="runs", temperature=0.0))
+        h.stub.next_for("a")
+        parent.kill()
+        t0 = time.monotonic()
+        parent.wait()
+        h.thread.join(10)
+        took = time.monotonic() - t0
+    finally:
+        parent.kill()
+    assert not h.thread.is_alive() and h.result["code"] == 0
+    print(f"fake engine: parent killed -> worker loop returned in {took * 1e3:.0f} ms")
+    assert took < 2.0
+
+
+def test_parent_already_gone_at_start_exits_at_once(start: Callable[..., Harness]) -> None:
+    parent = subprocess.Popen(["true"])
+    parent.wait()
+    h = start(parent_pid=parent.pid, handshake=False)
+    assert h.wait_exit(5) == 0

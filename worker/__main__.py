@@ -1,0 +1,79 @@
+"""``python -m worker``: serve one GGUF model to the router over ZeroMQ.
+
+Usage::
+
+    python -m worker --model NAME --gguf PATH --endpoint ENDPOINT [--n-ctx N]
+                     [--chat-template NAME_OR_TEXT] [--max-queue N] [--parent-pid PID]
+
+ENDPOINT is the router's bound ROUTER socket (``ipc://PATH`` or
+``tcp://HOST:PORT``); the worker connects a DEALER socket to it, sends Hello,
+loads the model, sends Ready (or Error "load_failed" and exits 1), and serves
+until Shutdown, SIGTERM or its parent process (``--parent-pid``, default the
+process that started it) is gone. Exit status: 0 after Shutdown / SIGTERM /
+parent gone, 1 after a load failure, 2 for bad arguments or an internal crash.
+
+Log level: environment variable ``MODELYARD_WORKER_LOG`` (default INFO), to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+from worker.server import WorkerConfig, WorkerServer
+
+
+def _positive(s: str) -> int:
+    v = int(s)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
+    return v
+
+
+def _non_negative(s: str) -> int:
+    v = int(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    return v
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m worker", description="Serve one GGUF model to the modelyard router.")
+    p.add_argument("--model", required=True, help="configured model name (echoed in Hello/Ready)")
+    p.add_argument("--gguf", required=True, help="path of the GGUF file")
+    p.add_argument("--endpoint", required=True, help="router ROUTER endpoint: ipc://PATH or tcp://HOST:PORT")
+    p.add_argument("--n-ctx", type=_positive, default=None, help="KV cache size in tokens (default: engine's)")
+    p.add_argument("--chat-template", default=None, help="chat template text or known name (chatml, gemma)")
+    p.add_argument("--max-queue", type=_non_negative, default=8,
+                   help="Generate requests that may wait behind the running one (default 8)")
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="exit when this process is gone (default: the parent at start)")
+    args = p.parse_args(argv)
+    if not args.endpoint.startswith(("ipc://", "tcp://")):
+        p.error(f"--endpoint must be ipc://PATH or tcp://HOST:PORT, got {args.endpoint!r}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=os.environ.get("MODELYARD_WORKER_LOG", "INFO").upper(),
+                        format=f"%(asctime)s %(levelname)s worker[{os.getpid()}] %(message)s")
+    parent = args.parent_pid if args.parent_pid is not None else os.getppid()
+    server = WorkerServer(WorkerConfig(
+        model=args.model, gguf=args.gguf, endpoint=args.endpoint, n_ctx=args.n_ctx,
+        chat_template=args.chat_template, max_queue=args.max_queue, parent_pid=parent))
+    signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
+    signal.signal(signal.SIGINT, lambda *_: server.request_stop())
+    return server.serve()
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The engine thread may be inside a forward pass it cannot be interrupted from; the socket is
+    # closed and every answer sent, so leave without waiting for it.
+    os._exit(code)

@@ -1,0 +1,501 @@
+"""The worker's socket loop: one DEALER socket, the job queue, cancel, health, exit.
+
+One process serves one model. The main thread owns the ZeroMQ DEALER socket
+(connected to the router's ROUTER endpoint) and nothing else touches it. The
+engine lives in the runner's thread (``worker.runner``), which loads the model
+and runs generations; Token / Done / Error frames it produces come back to the
+main thread through a queue (woken by a pipe) and are sent from here. So the
+main thread answers Ping, Tokenize, Detokenize, ApplyTemplate, queues and
+cancels requests at any time, even while a long prefill chunk is being
+computed, and notices within ~0.2 s that its parent process is gone.
+
+Sequence: connect, send Hello(id=worker id), load (in the runner thread),
+send Ready (or Error(code="load_failed") and exit status 1), then serve.
+
+Job queue: ``runner.capacity`` generations run at once (1: the depth-one
+queue); further Generates wait in arrival order, at most ``max_queue`` of them;
+beyond that the worker answers Error(code="busy"). Cancel of a waiting request
+removes it and answers Done(finish_reason="cancelled") with zero tokens; of the
+running one, it sets the job's cancel flag, which the engine polls between
+prefill chunks and before each decoded token; the engine then returns and the
+runner answers Done(finish_reason="cancelled"). Cancel of an unknown id is
+ignored.
+
+Exit: on Shutdown (or SIGTERM via :meth:`WorkerServer.request_stop`) every
+waiting request is answered Done cancelled, the running one is cancelled and its
+Done awaited for up to ``shutdown_grace_s``; then ``serve`` returns 0. When the
+parent process is gone the same happens with ``parent_gone_grace_s`` and no
+linger (nobody is listening).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import zmq
+
+from protocol import (
+    MAX_FRAME_BYTES,
+    ApplyTemplate,
+    ApplyTemplateResult,
+    Cancel,
+    Detokenize,
+    DetokenizeResult,
+    Error,
+    Generate,
+    Hello,
+    Message,
+    Ping,
+    Pong,
+    ProtocolError,
+    Ready,
+    Shutdown,
+    Token,
+    Tokenize,
+    TokenizeResult,
+    decode,
+    encode,
+)
+from worker.runner import (
+    FrameOut,
+    Job,
+    JobFinished,
+    LoadFailed,
+    Loaded,
+    RunnerEvent,
+    SerialRunner,
+    cancelled_done,
+    check_generate,
+)
+
+log = logging.getLogger("modelyard.worker")
+
+__all__ = ["ParentWatch", "WorkerConfig", "WorkerServer", "default_loader"]
+
+UNKNOWN_ID = "unknown"  # id of an Error answering a frame whose id could not be read
+
+
+def default_loader(gguf_path: str, n_ctx: int | None, chat_template: str | None) -> Any:
+    """``worker.engine.Engine.load`` (imported lazily: the engine pulls in numpy)."""
+    from worker.engine import Engine
+
+    return Engine.load(gguf_path, n_ctx=n_ctx, chat_template=chat_template)
+
+
+@dataclass
+class WorkerConfig:
+    """What one worker serves and how it behaves.
+
+    model: configured model name (echoed in Hello / Ready).
+    gguf: path of the GGUF file.
+    endpoint: the router's ROUTER endpoint to connect to (``ipc://...`` or ``tcp://host:port``).
+    n_ctx: KV cache size in tokens; None -> the engine's default.
+    chat_template: template text or known name overriding the GGUF's; None -> the GGUF's.
+    max_queue: Generates that may wait behind the running one(s); more -> Error "busy".
+    parent_pid: exit when this process is gone; None -> no watch.
+    shutdown_grace_s: after Shutdown, how long to wait for the running generation
+        to end (seconds) before exiting anyway.
+    parent_gone_grace_s: the same when the parent is gone (seconds; keep small).
+    poll_ms: longest socket poll (ms); bounds how late the parent check runs.
+    parent_check_s: interval of the parent check (seconds).
+    linger_ms: ZMQ LINGER on exit (ms): how long unsent frames may delay exit.
+    """
+
+    model: str
+    gguf: str
+    endpoint: str
+    n_ctx: int | None = None
+    chat_template: str | None = None
+    max_queue: int = 8
+    parent_pid: int | None = None
+    shutdown_grace_s: float = 3.0
+    parent_gone_grace_s: float = 0.5
+    poll_ms: int = 100
+    parent_check_s: float = 0.2
+    linger_ms: int = 1000
+
+    def __post_init__(self) -> None:
+        if not self.endpoint.startswith(("ipc://", "tcp://")):
+            raise ValueError(f"endpoint must be ipc://... or tcp://host:port, got {self.endpoint!r}")
+        if self.n_ctx is not None and self.n_ctx <= 0:
+            raise ValueError(f"n_ctx must be a positive number of tokens, got {self.n_ctx}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+
+
+class ParentWatch:
+    """Tells whether process ``pid`` is gone: exited, a zombie, or its pid reused.
+
+    When ``pid`` is our parent at construction, being re-parented also counts
+    as gone (the parent died and we were adopted).
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._is_parent = pid == os.getppid()
+        try:
+            self._proc: psutil.Process | None = psutil.Process(pid)
+        except psutil.Error:
+            self._proc = None
+
+    def gone(self) -> bool:
+        if self._is_parent and os.getppid() != self.pid:
+            return True
+        if self._proc is None:
+            return True
+        try:
+            if not self._proc.is_running():  # also catches pid reuse (create time differs)
+                return True
+            return self._proc.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+        except psutil.Error:  # access denied and the like: cannot tell, assume alive
+            return False
+
+
+class WorkerServer:
+    """Serve one model over one DEALER socket. ``serve()`` returns the exit status.
+
+    Args:
+        cfg: the worker's configuration.
+        loader: ``(gguf_path, n_ctx, chat_template) -> engine`` following
+            docs/ENGINE-API.md; default :func:`default_loader`.
+        runner_factory: builds the token path (``SerialRunner`` signature); a
+            batching runner would plug in here.
+    """
+
+    def __init__(self, cfg: WorkerConfig, loader: Callable[..., Any] | None = None,
+                 runner_factory: Callable[..., Any] = SerialRunner) -> None:
+        self.cfg = cfg
+        self.pid = os.getpid()
+        self.worker_id = f"worker-{self.pid}"
+        self._events: queue.SimpleQueue[RunnerEvent] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.runner = runner_factory(loader or default_loader, cfg.gguf, cfg.n_ctx, cfg.chat_template, self._post)
+        self.engine: Any = None
+        self.pending: deque[Job] = deque()
+        self.running: dict[str, Job] = {}
+        self._sock: zmq.Socket[bytes] | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._exit_code: int | None = None
+        self._stopping = False
+        self._stop_deadline = 0.0
+        self._stop_reason = ""
+        self._stop_requested = threading.Event()
+        self._linger_ms = cfg.linger_ms
+        self._watch = ParentWatch(cfg.parent_pid) if cfg.parent_pid is not None else None
+
+    # ------------------------------------------------------------------ public
+
+    def request_stop(self) -> None:
+        """Ask for a Shutdown-like exit (thread- and signal-safe)."""
+        self._stop_requested.set()
+        self._wake()
+
+    def serve(self) -> int:
+        """Connect, load, serve until Shutdown / parent gone / load failure. Returns the exit status:
+        0 after Shutdown or parent gone, 1 after a load failure or a bad endpoint."""
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, self.cfg.linger_ms)
+        # Frames queue while the router is not reading; sends never block (NOBLOCK) and a
+        # full queue drops frames rather than freezing the loop (parent checks must go on).
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        try:
+            sock.connect(self.cfg.endpoint)
+        except zmq.ZMQError as e:
+            log.error("cannot connect to %s: %s", self.cfg.endpoint, e)
+            sock.close(linger=0)
+            self._ctx.term()
+            return 1
+        self._sock = sock
+        try:
+            self._send(Hello(id=self.worker_id, model=self.cfg.model, pid=self.pid))
+            if self._watch is not None and self._watch.gone():
+                self._begin_stop(f"parent process {self.cfg.parent_pid} is gone", 0.0, linger_ms=0)
+            else:
+                self.runner.start()
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            poller.register(self._wake_r, zmq.POLLIN)
+            next_check = 0.0
+            while self._exit_code is None:
+                ready = dict(poller.poll(self.cfg.poll_ms))
+                if self._wake_r in ready:
+                    self._drain_wake()
+                self._drain_events()
+                if sock in ready:
+                    self._drain_socket()
+                now = time.monotonic()
+                if self._stop_requested.is_set() and not self._stopping:
+                    self._begin_stop("stop requested (signal)", self.cfg.shutdown_grace_s)
+                if self._watch is not None and now >= next_check:
+                    next_check = now + self.cfg.parent_check_s
+                    if not self._stopping or self._linger_ms > 0:
+                        if self._watch.gone():
+                            self._begin_stop(f"parent process {self.cfg.parent_pid} is gone",
+                                             self.cfg.parent_gone_grace_s, linger_ms=0)
+                if self._stopping:
+                    self._check_stopped(now)
+        except Exception:  # a bug in the loop itself: say so, exit non-zero rather than hang
+            log.critical("worker loop crashed:\n%s", traceback.format_exc())
+            self._exit_code = 2
+        finally:
+            self._close()
+        log.info("worker %s for %s exits with status %d%s", self.pid, self.cfg.model, self._exit_code,
+                 f" ({self._stop_reason})" if self._stop_reason else "")
+        return self._exit_code
+
+    # ------------------------------------------------------------------ runner events
+
+    def _post(self, ev: RunnerEvent) -> None:  # runner thread
+        self._events.put(ev)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):  # pipe full: the loop is awake anyway
+            pass
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _drain_events(self) -> None:
+        while True:
+            try:
+                ev = self._events.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(ev, FrameOut):
+                self._send(ev.msg)
+            elif isinstance(ev, JobFinished):
+                job = self.running.pop(ev.job_id, None)
+                if job is not None and job.cancel_at is not None:
+                    log.debug("request %s: Cancel -> Done in %.1f ms", job.id,
+                              (time.monotonic() - job.cancel_at) * 1e3)
+                self._start_next()
+            elif isinstance(ev, Loaded):
+                self._on_loaded(ev)
+            elif isinstance(ev, LoadFailed):
+                log.error("cannot load %s (%s): %s", self.cfg.model, self.cfg.gguf, ev.reason)
+                self._send(Error(id=self.worker_id, code="load_failed", message=ev.reason[:4000]))
+                self._stop_reason = "load failed"
+                self._exit_code = 1
+
+    def _on_loaded(self, ev: Loaded) -> None:
+        self.engine = ev.engine
+        info = ev.engine.info
+        try:
+            file_size = int(info.file_size)
+        except (TypeError, ValueError):
+            file_size = os.path.getsize(self.cfg.gguf)
+        self._send(Ready(
+            id=self.worker_id, model=self.cfg.model, architecture=str(info.architecture), gguf_path=self.cfg.gguf,
+            file_size=file_size, fingerprint=str(info.fingerprint), n_ctx=int(info.n_ctx),
+            n_ctx_train=int(info.n_ctx_train), n_vocab=int(info.n_vocab),
+            has_chat_template=bool(info.has_chat_template), pid=self.pid, load_ms=float(ev.load_ms),
+            max_jobs=int(self.runner.capacity)))
+        log.info("worker %s loaded %s (%s, n_ctx=%d) in %.0f ms", self.pid, self.cfg.model, info.architecture,
+                 info.n_ctx, ev.load_ms)
+        if self._stopping:  # Shutdown arrived while loading: nothing runs, leave now
+            self._exit_code = 0
+            return
+        self._start_next()
+
+    def _start_next(self) -> None:
+        while (self.engine is not None and not self._stopping and self.pending
+               and len(self.running) < self.runner.capacity):
+            job = self.pending.popleft()
+            self.running[job.id] = job
+            self.runner.submit(job)
+
+    # ------------------------------------------------------------------ socket
+
+    def _send(self, msg: Message) -> None:
+        assert self._sock is not None
+        try:
+            frame = encode(msg)
+        except Exception as e:  # noqa: BLE001 - a record that does not encode is our bug, not the peer's
+            log.error("cannot encode %s %s: %s", msg.TYPE, msg.id, e)
+            if isinstance(msg, (Token, Error)):
+                return  # a Token is dropped (its text is still accounted for by the stream's end)
+            too_big = isinstance(e, ProtocolError) and "exceeds" in e.reason
+            frame = encode(Error(
+                id=msg.id, code="invalid_request" if too_big else "internal_error",
+                message=(f"the {msg.TYPE} answer does not fit in one frame ({MAX_FRAME_BYTES} bytes)" if too_big
+                         else f"cannot encode the {msg.TYPE} answer: {type(e).__name__}: {e}")[:1000]))
+        try:
+            self._sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("router is not reading: dropped a %s frame for %s", msg.TYPE, msg.id)
+        except zmq.ZMQError as e:
+            log.warning("cannot send a %s frame for %s: %s", msg.TYPE, msg.id, e)
+
+    def _drain_socket(self) -> None:
+        assert self._sock is not None
+        for _ in range(1000):  # bounded, so runner frames and parent checks are never starved
+            try:
+                parts = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as e:
+                log.warning("recv failed: %s", e)
+                return
+            self._on_frame(parts)
+            if self._exit_code is not None:
+                return
+
+    def _on_frame(self, parts: list[bytes]) -> None:
+        if len(parts) != 1:
+            self._send(Error(id=UNKNOWN_ID, code="protocol_error",
+                             message=f"a frame must be one message part, got {len(parts)} parts"))
+            return
+        try:
+            msg = decode(parts[0])
+        except ProtocolError as e:
+            self._send(Error(id=e.msg_id or UNKNOWN_ID, code="protocol_error", message=e.reason))
+            return
+        try:
+            self._dispatch(msg)
+        except Exception as e:  # noqa: BLE001 - no request kills the worker
+            log.error("handling %s %s failed:\n%s", msg.TYPE, msg.id, traceback.format_exc())
+            self._send(Error(id=msg.id, code="internal_error", message=f"{type(e).__name__}: {e}"[:1000]))
+
+    def _dispatch(self, msg: Message) -> None:
+        if isinstance(msg, Ping):
+            self._send(Pong(id=msg.id, busy=bool(self.running), queue_len=len(self.pending),
+                            running_id=next(iter(self.running), None), pid=self.pid))
+        elif isinstance(msg, Generate):
+            self._on_generate(msg)
+        elif isinstance(msg, Cancel):
+            self._on_cancel(msg.id)
+        elif isinstance(msg, Shutdown):
+            if not self._stopping:
+                self._begin_stop("Shutdown received", self.cfg.shutdown_grace_s)
+        elif isinstance(msg, (Tokenize, Detokenize, ApplyTemplate)):
+            self._on_text_op(msg)
+        else:
+            self._send(Error(id=msg.id, code="protocol_error",
+                             message=f"unexpected message type {msg.TYPE!r}: the worker does not accept it"))
+
+    # ------------------------------------------------------------------ requests
+
+    def _on_generate(self, g: Generate) -> None:
+        if self._stopping:
+            self._send(Error(id=g.id, code="busy", message="the worker is shutting down"))
+            return
+        if g.id in self.running or any(j.id == g.id for j in self.pending):
+            self._send(Error(id=g.id, code="invalid_request", message=f"request id {g.id!r} is already in use"))
+            return
+        err = check_generate(g)
+        if err is not None:
+            self._send(err)
+            return
+        can_start_now = self.engine is not None and not self.pending and len(self.running) < self.runner.capacity
+        if not can_start_now and len(self.pending) >= self.cfg.max_queue:
+            self._send(Error(id=g.id, code="busy", message=(
+                f"the worker is busy: {len(self.running)} running, {len(self.pending)} waiting "
+                f"(max_queue={self.cfg.max_queue})")))
+            return
+        self.pending.append(Job(g))
+        self._start_next()
+
+    def _on_cancel(self, job_id: str) -> None:
+        for job in self.pending:
+            if job.id == job_id:
+                self.pending.remove(job)
+                self._send(cancelled_done(job_id))
+                return
+        job = self.running.get(job_id)
+        if job is not None:
+            if job.cancel_at is None:
+                job.cancel_at = time.monotonic()
+            self.runner.cancel(job_id)
+        # unknown (or already finished): ignored
+
+    def _on_text_op(self, msg: Tokenize | Detokenize | ApplyTemplate) -> None:
+        from worker.engine import EngineError
+
+        eng = self.engine
+        if eng is None:
+            self._send(Error(id=msg.id, code="busy", message="the model is still loading"))
+            return
+        try:
+            answer: Message
+            if isinstance(msg, Tokenize):
+                ids = [int(t) for t in eng.tokenize(msg.content, add_special=msg.add_special,
+                                                     parse_special=msg.parse_special)]
+                pieces = [bytes(eng.token_bytes(t)) for t in ids] if msg.with_pieces else []
+                answer = TokenizeResult(id=msg.id, tokens=ids, pieces=pieces)
+            elif isinstance(msg, Detokenize):
+                answer = DetokenizeResult(id=msg.id, content=str(eng.detokenize(msg.tokens)))
+            else:
+                answer = ApplyTemplateResult(id=msg.id, prompt=str(eng.apply_template(
+                    msg.messages, add_generation_prompt=msg.add_generation_prompt)))
+        except EngineError as e:
+            answer = Error(id=msg.id, code=e.code, message=e.message)
+        self._send(answer)
+
+    # ------------------------------------------------------------------ exit
+
+    def _begin_stop(self, reason: str, grace_s: float, linger_ms: int | None = None) -> None:
+        if linger_ms is not None:
+            self._linger_ms = min(self._linger_ms, linger_ms)
+        if self._stopping:
+            self._stop_deadline = min(self._stop_deadline, time.monotonic() + grace_s)
+            return
+        log.info("worker %s for %s stopping: %s", self.pid, self.cfg.model, reason)
+        self._stopping = True
+        self._stop_reason = reason
+        self._stop_deadline = time.monotonic() + grace_s
+        while self.pending:
+            self._send(cancelled_done(self.pending.popleft().id))
+        for job_id, job in self.running.items():
+            if job.cancel_at is None:
+                job.cancel_at = time.monotonic()
+            self.runner.cancel(job_id)
+        self._check_stopped(time.monotonic())
+
+    def _check_stopped(self, now: float) -> None:
+        if self.engine is None and self._exit_code is None:
+            self._exit_code = 0  # still loading: nothing runs, nothing to wait for
+            return
+        if not self.running:
+            self._exit_code = 0
+        elif now >= self._stop_deadline:
+            for job in self.running.values():
+                log.warning("request %s did not stop within the grace period; exiting anyway", job.id)
+                self._send(cancelled_done(job.id, job.tokens_sent))
+            self._exit_code = 0
+
+    def _close(self) -> None:
+        self.runner.stop(0.2)
+        if self._sock is not None:
+            self._sock.close(linger=self._linger_ms)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
