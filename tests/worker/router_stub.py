@@ -14,15 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import msgpack
 import zmq
 
-from protocol import Done, Error, Generate, Hello, Message, Ready, Token, decode, encode
+from protocol import Done, Error, Generate, Hello, Message, Ping, Ready, Token, decode, encode
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -116,6 +118,32 @@ class RouterStub:
         return time.monotonic()
 
 
+def garbage_frame(rng: random.Random, i: int) -> list[bytes]:
+    """Frame ``i`` of a garbage series (message parts): random bytes, random maps, bad fields,
+    wrong-direction types, multi-part, truncated, wrong version, ext types, empty."""
+    kind = i % 8
+    if kind == 0:
+        return [rng.randbytes(rng.randrange(0, 300))]
+    if kind == 1:  # random maps with envelope-ish keys
+        keys = ["v", "type", "id", "prompt", "x", "tokens", "content"]
+        obj = {rng.choice(keys): rng.choice([1, 2, -1, "generate", "ping", "cancel", "", None, [1, "a"], {"a": 1},
+                                            b"\x00", 3.5, True, "x" * rng.randrange(0, 200)])
+               for _ in range(rng.randrange(0, 6))}
+        return [msgpack.packb(obj, use_bin_type=True)]
+    if kind == 2:  # valid envelope, bad fields
+        return [msgpack.packb({"v": 1, "type": "generate", "id": f"g{i}", "temperature": "hot"})]
+    if kind == 3:  # a worker->router type sent to the worker
+        return [encode(Token(id=f"t{i}", text="x", token_id=1, piece=b"x"))]
+    if kind == 4:  # multi-part
+        return [encode(Ping(id=f"m{i}")), b"extra"]
+    if kind == 5:  # truncated valid frame
+        f = encode(Generate(id=f"tr{i}", prompt="hello"))
+        return [f[: rng.randrange(1, len(f) - 1)]]
+    if kind == 6:  # wrong version
+        return [msgpack.packb({"v": 2, "type": "ping", "id": f"v{i}"})]
+    return [msgpack.packb(msgpack.ExtType(3, b"xyz")) if i % 16 == 7 else b""]
+
+
 def worker_command(gguf: str, endpoint: str, *extra: str, model: str = "smollm2") -> list[str]:
     return [sys.executable, "-m", "worker", "--model", model, "--gguf", gguf, "--endpoint", endpoint, *extra]
 
@@ -134,7 +162,12 @@ def main() -> None:
     args = ap.parse_args()
     stub = RouterStub(args.endpoint)
     proc = spawn_worker(args.gguf, stub.endpoint)  # default --parent-pid: this process
-    stub.handshake()
+    try:
+        stub.handshake()
+    except RuntimeError as e:
+        print(json.dumps({"error": str(e)}), flush=True)
+        proc.wait(30)
+        return
     stub.send(Generate(id="long", prompt=args.prompt, max_tokens=4000, temperature=0.0, ignore_eos=True))
     stub.next(lambda m: isinstance(m, Token))
     print(json.dumps({"worker_pid": proc.pid, "endpoint": stub.endpoint}), flush=True)

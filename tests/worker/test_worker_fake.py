@@ -41,7 +41,7 @@ from protocol import (
     encode,
 )
 from tests.worker.fake_engine import EOS, FakeEngine
-from tests.worker.router_stub import RouterStub
+from tests.worker.router_stub import RouterStub, garbage_frame
 from worker.engine import EngineError, SamplingParams
 from worker.server import WorkerConfig, WorkerServer
 
@@ -375,35 +375,11 @@ def test_engine_bug_is_internal_error_and_the_next_request_is_clean(start: Calla
 # ----------------------------------------------------------------------------- garbage
 
 
-def _garbage(rng: random.Random, i: int) -> list[bytes]:
-    kind = i % 8
-    if kind == 0:
-        return [rng.randbytes(rng.randrange(0, 300))]
-    if kind == 1:  # random maps with envelope-ish keys
-        keys = ["v", "type", "id", "prompt", "x", "tokens", "content"]
-        obj = {rng.choice(keys): rng.choice([1, 2, -1, "generate", "ping", "cancel", "", None, [1, "a"], {"a": 1},
-                                            b"\x00", 3.5, True, "x" * rng.randrange(0, 200)])
-               for _ in range(rng.randrange(0, 6))}
-        return [msgpack.packb(obj, use_bin_type=True)]
-    if kind == 2:  # valid envelope, bad fields
-        return [msgpack.packb({"v": 1, "type": "generate", "id": f"g{i}", "temperature": "hot"})]
-    if kind == 3:  # a worker->router type sent to the worker
-        return [encode(Token(id=f"t{i}", text="x", token_id=1, piece=b"x"))]
-    if kind == 4:  # multi-part
-        return [encode(Ping(id=f"m{i}")), b"extra"]
-    if kind == 5:  # truncated valid frame
-        f = encode(Generate(id=f"tr{i}", prompt="hello"))
-        return [f[: rng.randrange(1, len(f) - 1)]]
-    if kind == 6:  # wrong version
-        return [msgpack.packb({"v": 2, "type": "ping", "id": f"v{i}"})]
-    return [msgpack.packb(msgpack.ExtType(3, b"xyz")) if i % 16 == 7 else b""]
-
-
 def test_200_garbage_frames_each_get_a_protocol_error_then_a_request_works(start: Callable[..., Harness]) -> None:
     h = start()
     rng = random.Random(1234)
     for i in range(200):
-        h.stub.send_raw(*_garbage(rng, i))
+        h.stub.send_raw(*garbage_frame(rng, i))
     h.stub.send_raw(b"\x00" * (MAX_FRAME_BYTES + 1))
     errors = [h.stub.next(lambda m: isinstance(m, Error), 10) for _ in range(201)]
     assert all(e.code == "protocol_error" for e in errors)
