@@ -1,0 +1,178 @@
+"""``gemma3`` architecture (Gemma 3 text models, e.g. Gemma 3 270M).
+
+Block (llama.cpp ``src/models/gemma3.cpp``, ``llm_build_gemma3<iswa=true>``)::
+
+    x0  = token_embd[ids] * sqrt(n_embd)
+    q,k = rms_head(Wq . rms(x)), rms_head(Wk . rms(x))      # per-head q/k RMSNorm over head_dim
+    sa  = x + post_attn_norm(Wo . attn(rope(q) * 1/sqrt(head_dim), rope(k), Wv . rms(x)))
+    x   = sa + post_ffw_norm(Wdown . (gelu_tanh(Wgate . ffn_norm(sa)) * Wup . ffn_norm(sa)))
+    logits = token_embd . rms(x)
+
+Facts taken from llama.cpp (llama-model.cpp ``LLM_ARCH_GEMMA3`` hparams):
+
+* The stored norm weights already include Gemma's ``1 + w`` (convert_hf_to_gguf.py
+  ``Gemma3Model.modify_tensors`` adds 1): plain RMSNorm.
+* head_dim = ``gemma3.attention.key_length`` (256 for 270M, != n_embd / n_head).
+* Q is scaled by ``1/sqrt(head_dim)`` before attention and the kq_scale is 1
+  (``f_attention_scale``; the 27B rule ``1/sqrt(n_embd/n_head)`` applies only
+  to 62-layer models). No attention-logit softcapping.
+* Sliding window ``gemma3.attention.sliding_window`` (512); layer il uses it when
+  ``il % 6 < 5`` (``set_swa_pattern(6)``), unless a
+  ``gemma3.attention.sliding_window_pattern`` key (period int, or per-layer
+  bool array) says otherwise. A key at p0 is hidden from a query at p1 when
+  ``p1 - p0 >= window``.
+* RoPE "NEOX" pairing (no Q/K permutation for Gemma); global layers use
+  ``rope.freq_base`` (and rope.scaling), sliding layers use
+  ``rope.freq_base_swa`` (default 10000) with scale 1.
+* Without a sliding window llama.cpp builds the non-iswa graph, which applies
+  final logit softcapping ``tanh(logits / c) * c`` when
+  ``gemma3.final_logit_softcapping`` is set; this is reproduced.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .errors import EngineError
+from .kv_cache import KVCache
+from .model import (Model, RopeTable, attention, attention_mask, fuse_rows, gelu_tanh, hp_float, hp_int, register,
+                    rms_norm, rope_freq_scale)
+
+
+@register
+class Gemma3Model(Model):
+    """Gemma 3 text model; see the module docstring for the block."""
+
+    arch = "gemma3"
+    layout_version = 1
+
+    def _read_hparams(self, md: dict[str, Any]) -> None:
+        a = self.arch
+        self.n_embd = hp_int(md, f"{a}.embedding_length")
+        self.n_layer = hp_int(md, f"{a}.block_count")
+        self.n_ff = hp_int(md, f"{a}.feed_forward_length")
+        self.n_head = hp_int(md, f"{a}.attention.head_count")
+        self.n_head_kv = hp_int(md, f"{a}.attention.head_count_kv", self.n_head)
+        if self.n_head % self.n_head_kv:
+            raise EngineError("invalid_gguf", f"head_count {self.n_head} is not a multiple of "
+                              f"head_count_kv {self.n_head_kv}")
+        default_hd = self.n_embd // self.n_head
+        self.head_dim = hp_int(md, f"{a}.attention.key_length", default_hd)
+        self.head_dim_v = hp_int(md, f"{a}.attention.value_length", self.head_dim)
+        if self.head_dim_v != self.head_dim:
+            raise EngineError("invalid_gguf", "gemma3: key_length != value_length is not supported")
+        self.n_rot = hp_int(md, f"{a}.rope.dimension_count", self.head_dim)
+        if self.n_rot > self.head_dim or self.n_rot % 2:
+            raise EngineError("invalid_gguf", f"rope.dimension_count {self.n_rot} must be even and <= "
+                              f"head size {self.head_dim}")
+        self.eps = hp_float(md, f"{a}.attention.layer_norm_rms_epsilon")
+        self.rope_base = hp_float(md, f"{a}.rope.freq_base", 10000.0)
+        self.rope_scale = rope_freq_scale(md, a)
+        self.rope_base_swa = hp_float(md, f"{a}.rope.freq_base_swa", 10000.0)
+        window = hp_int(md, f"{a}.attention.sliding_window", 0, minimum=0)
+        self.window = window or None
+        if self.window is None:
+            self.swa_layers = [False] * self.n_layer
+        else:
+            pattern = md.get(f"{a}.attention.sliding_window_pattern", 6)
+            if isinstance(pattern, list):
+                if len(pattern) != self.n_layer or not all(isinstance(b, (bool, int)) for b in pattern):
+                    raise EngineError("invalid_gguf", f"{a}.attention.sliding_window_pattern must list one "
+                                      f"bool per layer ({self.n_layer})")
+                self.swa_layers = [bool(b) for b in pattern]
+            elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 1:
+                # llama_hparams::set_swa_pattern(n): layer il is SWA when il % n < n - 1
+                self.swa_layers = [(il % pattern) < (pattern - 1) for il in range(self.n_layer)]
+            else:
+                raise EngineError("invalid_gguf", f"bad {a}.attention.sliding_window_pattern: {pattern!r}")
+        n_layer_type = {26: "1B", 34: "4B", 48: "12B", 62: "27B"}.get(self.n_layer)
+        if n_layer_type == "27B":
+            self.q_scale = 1.0 / math.sqrt(self.n_embd / self.n_head)
+        else:
+            self.q_scale = 1.0 / math.sqrt(self.head_dim)
+        cap = md.get(f"{a}.final_logit_softcapping")
+        self.softcap = float(cap) if self.window is None and isinstance(cap, (int, float)) and cap else None
+        self.embd_scale = math.sqrt(self.n_embd)
+
+    def _build_weights(self) -> dict[str, np.ndarray]:
+        E, hd, nh, nkv, nff = self.n_embd, self.head_dim, self.n_head, self.n_head_kv, self.n_ff
+        t = self.tensor
+        tok = self.gguf.tensors.get("token_embd.weight")
+        if tok is None:
+            raise EngineError("invalid_gguf", f"{self.gguf.path}: missing tensor 'token_embd.weight'")
+        n_vocab = tok.np_shape[0]
+        w: dict[str, np.ndarray] = {
+            "tok_embd": t("token_embd.weight", (n_vocab, E)),  # [n_vocab, n_embd]
+            "output_norm": t("output_norm.weight", (E,)),      # [n_embd]
+        }
+        if self.has_tensor("output.weight"):
+            w["output"] = t("output.weight", (n_vocab, E))     # [n_vocab, n_embd]
+        for i in range(self.n_layer):
+            p = f"blk.{i}."
+            w[p + "attn_norm"] = t(p + "attn_norm.weight", (E,))                    # [n_embd]
+            w[p + "wqkv"] = fuse_rows([t(p + "attn_q.weight", (nh * hd, E)),
+                                       t(p + "attn_k.weight", (nkv * hd, E)),
+                                       t(p + "attn_v.weight", (nkv * hd, E))])      # [(nh+2nkv)*hd, n_embd]
+            w[p + "q_norm"] = t(p + "attn_q_norm.weight", (hd,))                    # [hd]
+            w[p + "k_norm"] = t(p + "attn_k_norm.weight", (hd,))                    # [hd]
+            w[p + "wo"] = t(p + "attn_output.weight", (E, nh * hd))                 # [n_embd, nh*hd]
+            w[p + "post_attn_norm"] = t(p + "post_attention_norm.weight", (E,))     # [n_embd]
+            w[p + "ffn_norm"] = t(p + "ffn_norm.weight", (E,))                      # [n_embd]
+            w[p + "wgu"] = fuse_rows([t(p + "ffn_gate.weight", (nff, E)),
+                                      t(p + "ffn_up.weight", (nff, E))])            # [2*n_ff, n_embd]
+            w[p + "wdown"] = t(p + "ffn_down.weight", (E, nff))                     # [n_embd, n_ff]
+            w[p + "post_ffw_norm"] = t(p + "post_ffw_norm.weight", (E,))            # [n_embd]
+        return w
+
+    def _setup(self) -> None:
+        self.rope_global = RopeTable(self.n_ctx, self.n_rot, self.rope_base, self.rope_scale, dtype=self.dtype)
+        self.rope_swa = RopeTable(self.n_ctx, self.n_rot, self.rope_base_swa, 1.0, dtype=self.dtype)
+        names = ("attn_norm", "wqkv", "q_norm", "k_norm", "wo", "post_attn_norm", "ffn_norm", "wgu", "wdown",
+                 "post_ffw_norm")
+        self.layers = [tuple(self.w[f"blk.{i}.{n}"] for n in names) for i in range(self.n_layer)]
+
+    def _make_cache(self) -> KVCache:
+        return KVCache(self.n_layer, self.n_head_kv, self.head_dim, self.head_dim, self.n_ctx, self.dtype)
+
+    def _forward_hidden(self, tokens: np.ndarray, pos0: int) -> np.ndarray:
+        T = tokens.shape[0]
+        nh, nkv, hd, nff = self.n_head, self.n_head_kv, self.head_dim, self.n_ff
+        nq, nk = nh * hd, nkv * hd
+        S = pos0 + T                                                   # keys visible after this chunk
+        k0_swa = max(0, pos0 - self.window + 1) if self.window else 0  # oldest key any query may see
+        mask_global = attention_mask(pos0, T, 0, None, self.dtype)     # [T, S] or None
+        mask_swa = attention_mask(pos0, T, k0_swa, self.window, self.dtype)  # [T, S-k0_swa] or None
+        x = self.w["tok_embd"][tokens].astype(self.dtype)              # [T, n_embd]
+        x *= self.dtype.type(self.embd_scale)                          # [T, n_embd] * sqrt(n_embd)
+        for il, (attn_norm, wqkv, q_norm, k_norm, wo, post_attn_norm, ffn_norm, wgu, wdown,
+                 post_ffw_norm) in enumerate(self.layers):
+            swa = self.swa_layers[il]
+            rope = self.rope_swa if swa else self.rope_global
+            h = rms_norm(x, attn_norm, self.eps)                       # [T, n_embd]
+            qkv = h @ wqkv.T                                           # [T, (nh+2nkv)*hd]
+            q = rms_norm(qkv[:, :nq].reshape(T, nh, hd), q_norm, self.eps)          # [T, nh, hd]
+            k = rms_norm(qkv[:, nq:nq + nk].reshape(T, nkv, hd), k_norm, self.eps)  # [T, nkv, hd]
+            v = qkv[:, nq + nk:].reshape(T, nkv, hd)                   # [T, nkv, hd]
+            rope.apply_neox(q, pos0)                                   # [T, nh, hd]
+            rope.apply_neox(k, pos0)                                   # [T, nkv, hd]
+            q *= self.dtype.type(self.q_scale)                         # [T, nh, hd]
+            self.cache.store(il, pos0, k, v)
+            k0, mask = (k0_swa, mask_swa) if swa else (0, mask_global)
+            a = attention(q, self.cache.keys(il, k0, S), self.cache.values(il, k0, S),
+                          mask, 1.0)                                   # [T, nh*hd]
+            sa = x + rms_norm(a @ wo.T, post_attn_norm, self.eps)      # [T, n_embd]
+            h = rms_norm(sa, ffn_norm, self.eps)                       # [T, n_embd]
+            gu = h @ wgu.T                                             # [T, 2*n_ff]
+            f = gelu_tanh(gu[:, :nff]) * gu[:, nff:]                   # [T, n_ff]
+            x = sa + rms_norm(f @ wdown.T, post_ffw_norm, self.eps)    # [T, n_embd]
+        return rms_norm(x, self.w["output_norm"], self.eps)            # [T, n_embd]
+
+    def _output(self, h: np.ndarray) -> np.ndarray:
+        logits = super()._output(h)                                    # [T, n_vocab]
+        if self.softcap is not None:
+            c = self.dtype.type(self.softcap)
+            logits = np.tanh(logits / c) * c
+        return logits

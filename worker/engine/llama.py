@@ -1,0 +1,144 @@
+"""``llama`` architecture (SmolLM2, Llama 2/3, Mistral-style dense models).
+
+Block (llama.cpp ``src/models/llama.cpp``, ``llm_build_llama``)::
+
+    h = x + Wo . attn(rope(Wq . rms(x)), rope(Wk . rms(x)), Wv . rms(x))
+    x = h + Wdown . (silu(Wgate . rms(h)) * Wup . rms(h))
+    logits = Wout . rms(x)            # Wout = token_embd when there is no output.weight
+
+RoPE: llama.cpp's ``convert_hf_to_gguf.py`` permutes the rows of Q and K for
+arch ``llama`` (``LlamaModel.permute``), so the stored weights expect rotation
+of *adjacent* pairs ``(x[2i], x[2i+1])`` (ggml ``LLAMA_ROPE_TYPE_NORM``). At
+load we reorder each head's first ``n_rot`` rows of Wq and Wk to
+``[0, 2, 4, .., 1, 3, 5, ..]``; the adjacent pairs then sit at ``(i, i +
+n_rot/2)`` and the "NEOX" rotation applies. q.k is unchanged by a common
+permutation of q and k, so attention and logits are identical.
+
+Hyperparameters (``llama.*``): context_length, embedding_length, block_count,
+feed_forward_length, attention.head_count, attention.head_count_kv (default
+head_count), attention.layer_norm_rms_epsilon, rope.freq_base (default 10000),
+rope.dimension_count (default head_dim), rope.scaling.{type,factor} (linear
+only), attention.key_length / value_length (default n_embd / n_head).
+Attention scale ``1/sqrt(head_dim)`` (llama-graph ``kq_scale``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .errors import EngineError
+from .kv_cache import KVCache
+from .model import (Model, RopeTable, attention, attention_mask, fuse_rows, hp_float, hp_int, register, rms_norm,
+                    rope_freq_scale, silu)
+
+
+@register
+class LlamaModel(Model):
+    """SmolLM2-style llama model; see the module docstring for the block."""
+
+    arch = "llama"
+    layout_version = 1
+
+    def _read_hparams(self, md: dict[str, Any]) -> None:
+        a = self.arch
+        self.n_embd = hp_int(md, f"{a}.embedding_length")
+        self.n_layer = hp_int(md, f"{a}.block_count")
+        self.n_ff = hp_int(md, f"{a}.feed_forward_length")
+        self.n_head = hp_int(md, f"{a}.attention.head_count")
+        self.n_head_kv = hp_int(md, f"{a}.attention.head_count_kv", self.n_head)
+        if self.n_head % self.n_head_kv:
+            raise EngineError("invalid_gguf", f"head_count {self.n_head} is not a multiple of "
+                              f"head_count_kv {self.n_head_kv}")
+        if self.n_embd % self.n_head and f"{a}.attention.key_length" not in md:
+            raise EngineError("invalid_gguf", f"embedding_length {self.n_embd} is not a multiple of "
+                              f"head_count {self.n_head}")
+        self.head_dim = hp_int(md, f"{a}.attention.key_length", self.n_embd // self.n_head)
+        self.head_dim_v = hp_int(md, f"{a}.attention.value_length", self.head_dim)
+        if self.head_dim_v != self.head_dim:
+            raise EngineError("invalid_gguf", "llama: key_length != value_length is not supported")
+        self.n_rot = hp_int(md, f"{a}.rope.dimension_count", self.head_dim)
+        if self.n_rot > self.head_dim or self.n_rot % 2:
+            raise EngineError("invalid_gguf", f"rope.dimension_count {self.n_rot} must be even and <= "
+                              f"head size {self.head_dim}")
+        self.eps = hp_float(md, f"{a}.attention.layer_norm_rms_epsilon")
+        self.rope_base = hp_float(md, f"{a}.rope.freq_base", 10000.0)
+        self.rope_scale = rope_freq_scale(md, a)
+        self.scale = 1.0 / float(np.sqrt(self.head_dim))
+
+    def _build_weights(self) -> dict[str, np.ndarray]:
+        E, hd, nh, nkv = self.n_embd, self.head_dim, self.n_head, self.n_head_kv
+        t = self.tensor
+        tok = self.gguf.tensors.get("token_embd.weight")
+        if tok is None:
+            raise EngineError("invalid_gguf", f"{self.gguf.path}: missing tensor 'token_embd.weight'")
+        n_vocab = tok.np_shape[0]
+        w: dict[str, np.ndarray] = {
+            "tok_embd": t("token_embd.weight", (n_vocab, E)),  # [n_vocab, n_embd]
+            "output_norm": t("output_norm.weight", (E,)),      # [n_embd]
+        }
+        if self.has_tensor("output.weight"):
+            w["output"] = t("output.weight", (n_vocab, E))     # [n_vocab, n_embd]
+        if self.has_tensor("rope_freqs.weight"):
+            w["rope_freqs"] = t("rope_freqs.weight", (self.n_rot // 2,))  # [n_rot/2]
+        perm = _norm_to_neox_perm(hd, self.n_rot)
+        for i in range(self.n_layer):
+            p = f"blk.{i}."
+            wq = t(p + "attn_q.weight", (nh * hd, E))          # [n_head*hd, n_embd]
+            wk = t(p + "attn_k.weight", (nkv * hd, E))         # [n_kv*hd, n_embd]
+            wv = t(p + "attn_v.weight", (nkv * hd, E))         # [n_kv*hd, n_embd]
+            wq = wq.reshape(nh, hd, E)[:, perm].reshape(nh * hd, E)
+            wk = wk.reshape(nkv, hd, E)[:, perm].reshape(nkv * hd, E)
+            w[p + "attn_norm"] = t(p + "attn_norm.weight", (E,))                     # [n_embd]
+            w[p + "wqkv"] = fuse_rows([wq, wk, wv])                                    # [(nh+2nkv)*hd, n_embd]
+            w[p + "wo"] = t(p + "attn_output.weight", (E, nh * hd))                    # [n_embd, n_head*hd]
+            w[p + "ffn_norm"] = t(p + "ffn_norm.weight", (E,))                       # [n_embd]
+            w[p + "wgu"] = fuse_rows([t(p + "ffn_gate.weight", (self.n_ff, E)),
+                                      t(p + "ffn_up.weight", (self.n_ff, E))])         # [2*n_ff, n_embd]
+            w[p + "wdown"] = t(p + "ffn_down.weight", (E, self.n_ff))                  # [n_embd, n_ff]
+        return w
+
+    def _setup(self) -> None:
+        self.rope = RopeTable(self.n_ctx, self.n_rot, self.rope_base, self.rope_scale,
+                              self.w.get("rope_freqs"), dtype=self.dtype)
+        self.layers = [
+            tuple(self.w[f"blk.{i}.{n}"] for n in ("attn_norm", "wqkv", "wo", "ffn_norm", "wgu", "wdown"))
+            for i in range(self.n_layer)
+        ]
+
+    def _make_cache(self) -> KVCache:
+        return KVCache(self.n_layer, self.n_head_kv, self.head_dim, self.head_dim, self.n_ctx, self.dtype)
+
+    def _forward_hidden(self, tokens: np.ndarray, pos0: int) -> np.ndarray:
+        T = tokens.shape[0]
+        nh, nkv, hd, nff = self.n_head, self.n_head_kv, self.head_dim, self.n_ff
+        nq, nk = nh * hd, nkv * hd
+        S = pos0 + T                                                  # keys visible after this chunk
+        mask = attention_mask(pos0, T, 0, None, self.dtype)           # [T, S] or None
+        x = self.w["tok_embd"][tokens].astype(self.dtype)             # [T, n_embd]
+        for il, (attn_norm, wqkv, wo, ffn_norm, wgu, wdown) in enumerate(self.layers):
+            h = rms_norm(x, attn_norm, self.eps)                      # [T, n_embd]
+            qkv = h @ wqkv.T                                          # [T, (nh+2nkv)*hd]
+            qk = qkv[:, :nq + nk].reshape(T, nh + nkv, hd)            # [T, nh+nkv, hd] q heads then k heads
+            self.rope.apply_neox(qk, pos0)                            # [T, nh+nkv, hd] rotated in place
+            q = qk[:, :nh]                                            # [T, nh, hd]
+            k = qk[:, nh:]                                            # [T, nkv, hd]
+            v = qkv[:, nq + nk:].reshape(T, nkv, hd)                  # [T, nkv, hd]
+            self.cache.store(il, pos0, k, v)
+            a = attention(q, self.cache.keys(il, 0, S), self.cache.values(il, 0, S),
+                          mask, self.scale)                           # [T, nh*hd]
+            x = x + a @ wo.T                                          # [T, n_embd]
+            h = rms_norm(x, ffn_norm, self.eps)                       # [T, n_embd]
+            gu = h @ wgu.T                                            # [T, 2*n_ff]
+            f = silu(gu[:, :nff]) * gu[:, nff:]                       # [T, n_ff]
+            x = x + f @ wdown.T                                       # [T, n_embd]
+        return rms_norm(x, self.w["output_norm"], self.eps)           # [T, n_embd]
+
+
+def _norm_to_neox_perm(head_dim: int, n_rot: int) -> np.ndarray:
+    """Row order within a head that turns adjacent-pair RoPE into half-split RoPE.
+
+    ``[0, 2, .., n_rot-2, 1, 3, .., n_rot-1, n_rot, .., head_dim-1]``.
+    """
+    return np.concatenate([np.arange(0, n_rot, 2), np.arange(1, n_rot, 2), np.arange(n_rot, head_dim)])

@@ -1,0 +1,535 @@
+"""Model base class, shared NumPy layers, weight cache, and ``load_model`` dispatch.
+
+An architecture is one small file (``llama.py``, ``gemma3.py``) defining a
+:class:`Model` subclass with three methods: ``_read_hparams`` (from the
+``{arch}.*`` keys), ``_build_weights`` (dequantize, fuse, validate shapes) and
+``_forward_hidden`` (one forward pass over a chunk of tokens), registered in
+:data:`ARCHITECTURES` by ``general.architecture``.
+
+Weights are dequantized once to float32 (``GGUFFile.tensor``), fused (Q/K/V
+into one matrix, gate/up into one) and kept as ``[out_features,
+in_features]`` C-contiguous arrays used as ``x @ W.T`` (measured on this
+machine: the same speed as a transposed copy used as ``x @ Wt``, within noise,
+so no transpose is paid at load). The prepared arrays are cached as ``.npy``
+files under ``$XDG_CACHE_HOME/modelyard/npy/<sha256 of the GGUF>/<layout>/``
+and memory-mapped read-only on the next load (several worker processes on one
+file then share the pages); see :class:`WeightCache`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .errors import EngineError
+from .gguf_loader import GGUFFile, atomic_write_bytes, cache_root
+from .kv_cache import KVCache
+
+#: ``general.architecture`` -> Model subclass (filled by :func:`register`).
+ARCHITECTURES: dict[str, type[Model]] = {}
+
+#: n_ctx used when the caller gives none: ``min(n_ctx_train, DEFAULT_MAX_CTX)``.
+DEFAULT_MAX_CTX = 8192
+
+
+def register(cls: type[Model]) -> type[Model]:
+    """Class decorator: make ``cls`` loadable for ``general.architecture == cls.arch``."""
+    ARCHITECTURES[cls.arch] = cls
+    return cls
+
+
+def load_model(gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.float32,
+               weight_cache: bool | None = None) -> Model:
+    """Build the model for a parsed GGUF file.
+
+    Args:
+        gguf: from :func:`worker.engine.gguf_loader.read_gguf`.
+        n_ctx: KV cache size in tokens; None -> ``min({arch}.context_length, 8192)``.
+            May exceed the training context (llama.cpp allows it too).
+        dtype: compute dtype, ``np.float32`` (serving) or ``np.float64``
+            (reference runs for tests; weights are upcast, never cached).
+        weight_cache: use the ``.npy`` cache of prepared weights; None -> on
+            unless the environment sets ``MODELYARD_WEIGHT_CACHE=0``.
+    Returns:
+        a :class:`Model` with an empty KV cache.
+    Raises:
+        EngineError("unsupported_architecture"): no class for ``general.architecture``
+            (or an unsupported feature such as a RoPE scaling type).
+        EngineError("invalid_gguf"): missing/ill-typed hyperparameter, missing
+            tensor or tensor of the wrong shape.
+        EngineError("invalid_params"): n_ctx not a positive integer, bad dtype.
+    """
+    _register_builtin()
+    arch = gguf.architecture
+    cls = ARCHITECTURES.get(arch)
+    if cls is None:
+        raise EngineError("unsupported_architecture",
+                          f"architecture {arch!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))})")
+    return cls(gguf, n_ctx, dtype=dtype, weight_cache=weight_cache)
+
+
+def _register_builtin() -> None:
+    # imported here (not at module top) so that llama.py / gemma3.py can import this module
+    from . import gemma3, llama  # noqa: F401
+
+
+# ------------------------------------------------------------------ hparams helpers
+
+def hp_int(md: dict[str, Any], key: str, default: int | None = None, *, minimum: int = 1) -> int:
+    """Integer hyperparameter ``md[key]`` (>= minimum); ``default`` when absent.
+
+    Raises: EngineError("invalid_gguf") when absent without default, not an
+    integer, or below ``minimum``.
+    """
+    v = md.get(key, default)
+    if v is None:
+        raise EngineError("invalid_gguf", f"missing hyperparameter {key}")
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise EngineError("invalid_gguf", f"hyperparameter {key} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def hp_float(md: dict[str, Any], key: str, default: float | None = None, *, positive: bool = True) -> float:
+    """Float hyperparameter (ints accepted); ``default`` when absent.
+
+    Raises: EngineError("invalid_gguf") when absent without default, not a
+    finite number, or not > 0 when ``positive``.
+    """
+    v = md.get(key, default)
+    if v is None:
+        raise EngineError("invalid_gguf", f"missing hyperparameter {key}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (positive and v <= 0):
+        raise EngineError("invalid_gguf", f"hyperparameter {key} must be a {'positive ' if positive else ''}"
+                          f"finite number, got {v!r}")
+    return float(v)
+
+
+def rope_freq_scale(md: dict[str, Any], arch: str) -> float:
+    """``1 / {arch}.rope.scaling.factor`` for linear scaling, 1.0 for none.
+
+    Source: llama-model.cpp ``load_hparams`` (``rope_freq_scale_train``).
+    Raises: EngineError("unsupported_architecture") for yarn/longrope/... scaling.
+    """
+    kind = md.get(f"{arch}.rope.scaling.type", "none")
+    factor = md.get(f"{arch}.rope.scaling.factor", 0.0)
+    if kind in ("none", None) or not factor:
+        if kind not in ("none", None, "linear"):
+            raise EngineError("unsupported_architecture", f"RoPE scaling type {kind!r} is not supported")
+        return 1.0
+    if kind != "linear":
+        raise EngineError("unsupported_architecture", f"RoPE scaling type {kind!r} is not supported")
+    return 1.0 / hp_float(md, f"{arch}.rope.scaling.factor")
+
+
+# ------------------------------------------------------------------ numpy layers
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis: ``x / sqrt(mean(x^2) + eps) * w``.
+
+    Args: x ``[..., n]``, w ``[n]`` (weights used as stored; Gemma's ``1 + w``
+    is already folded in by convert_hf_to_gguf.py). Returns ``[..., n]``, x's dtype.
+    Source: ggml ``ggml_compute_forward_rms_norm_f32`` then ``ggml_mul``
+    (llama-graph.cpp ``build_norm`` with LLM_NORM_RMS).
+    """
+    ms = np.einsum("...i,...i->...", x, x)[..., None]  # [..., 1] sum of squares
+    ms *= 1.0 / x.shape[-1]
+    ms += eps
+    np.sqrt(ms, out=ms)
+    return x / ms * w
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """``x * sigmoid(x)`` (ggml_silu), same shape and dtype."""
+    return x / (1.0 + np.exp(-x))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``.
+
+    Source: ggml-cpu vec.h ``ggml_gelu_f32`` (GELU_COEF_A = 0.044715,
+    SQRT_2_OVER_PI = 0.79788456...). Same shape and dtype.
+    """
+    c = x.dtype.type(math.sqrt(2.0 / math.pi))
+    inner = x * x
+    inner *= x.dtype.type(0.044715)
+    inner += 1.0
+    inner *= x
+    inner *= c
+    np.tanh(inner, out=inner)
+    inner += 1.0
+    inner *= x
+    inner *= x.dtype.type(0.5)
+    return inner
+
+
+class RopeTable:
+    """cos/sin of RoPE angles for every position ``0 .. n_ctx-1``.
+
+    ``theta[p, i] = p * freq_scale * base^(-2i/n_rot) / freq_factor[i]`` for
+    ``i < n_rot/2``, computed in float64 and stored in the compute dtype.
+    Source: ggml-cpu ops.cpp ``rope_yarn`` with ext_factor 0 (no YaRN),
+    ``ggml_rope_cache_init``; ``freq_factors`` from the optional
+    ``rope_freqs.weight`` tensor (Llama 3.1 style).
+
+    Attributes: cos, sin: ``[n_ctx, n_rot/2]``.
+    """
+
+    def __init__(self, n_ctx: int, n_rot: int, base: float, freq_scale: float = 1.0,
+                 freq_factors: np.ndarray | None = None, dtype: Any = np.float32) -> None:
+        if n_rot <= 0 or n_rot % 2:
+            raise EngineError("invalid_gguf", f"RoPE dimension count must be positive and even, got {n_rot}")
+        self.n_rot = n_rot
+        inv = base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)  # [n_rot/2]
+        if freq_factors is not None:
+            inv = inv / np.asarray(freq_factors, dtype=np.float64)
+        ang = np.arange(n_ctx, dtype=np.float64)[:, None] * (freq_scale * inv)[None, :]  # [n_ctx, n_rot/2]
+        self.cos = np.cos(ang).astype(dtype)
+        self.sin = np.sin(ang).astype(dtype)
+
+    def apply_neox(self, x: np.ndarray, pos0: int) -> np.ndarray:
+        """Rotate pairs ``(x[i], x[i + n_rot/2])`` ("NEOX" pairing), in place.
+
+        Args: x ``[T, n_heads, head_dim]`` for positions ``pos0 .. pos0+T-1``;
+        dims ``>= n_rot`` are left unchanged. Returns x.
+        Source: ggml-cpu ops.cpp ``rotate_pairs`` with ``n_offset = n_dims/2``.
+        (llama-arch "NORM" pairing of adjacent dims is turned into this one by
+        permuting the Q/K weight rows at load, see ``llama.py``.)
+        """
+        t = x.shape[0]
+        half = self.n_rot // 2
+        cos = self.cos[pos0:pos0 + t, None, :]  # [T, 1, n_rot/2]
+        sin = self.sin[pos0:pos0 + t, None, :]  # [T, 1, n_rot/2]
+        x1 = x[..., :half]                      # [T, H, n_rot/2]
+        x2 = x[..., half:self.n_rot]            # [T, H, n_rot/2]
+        r1 = x1 * cos - x2 * sin
+        r2 = x2 * cos + x1 * sin
+        x[..., :half] = r1
+        x[..., half:self.n_rot] = r2
+        return x
+
+
+def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray | None,
+              scale: float) -> np.ndarray:
+    """Grouped-query scaled dot-product attention for one layer.
+
+    Args:
+        q: ``[T, n_head, hd_k]`` queries (after RoPE).
+        keys: ``[n_kv, S, hd_k]`` keys of the visible positions (from the cache).
+        values: ``[n_kv, S, hd_v]``.
+        mask: additive ``[T, S]`` (0 or -inf), or None when every query sees
+            every key.
+        scale: multiplies ``q.k`` (llama.cpp ``kq_scale``).
+    Returns:
+        ``[T, n_head * hd_v]``; query head h uses KV head ``h // (n_head / n_kv)``.
+    Source: llama-graph.cpp ``build_attn_mha`` (kq = k*q, soft_max_ext(kq, mask,
+    kq_scale), kqv = v*kq), without the f16 cache and flash-attention variants.
+    """
+    t, n_head, hd = q.shape
+    n_kv, s, hd_v = values.shape
+    g = n_head // n_kv
+    qg = q.reshape(t, n_kv, g, hd).transpose(1, 2, 0, 3).reshape(n_kv, g * t, hd)  # [n_kv, g*T, hd]
+    scores = qg @ keys.swapaxes(1, 2)        # [n_kv, g*T, S]
+    scores *= scale
+    if mask is not None:
+        scores = scores.reshape(n_kv, g, t, s)  # [n_kv, g, T, S]
+        scores += mask                          # broadcast [T, S]
+        scores = scores.reshape(n_kv, g * t, s)
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)  # [n_kv, g*T, S] probabilities
+    out = scores @ values                         # [n_kv, g*T, hd_v]
+    return out.reshape(n_kv, g, t, hd_v).transpose(2, 0, 1, 3).reshape(t, n_head * hd_v)  # [T, n_head*hd_v]
+
+
+def attention_mask(pos0: int, t: int, k_start: int, window: int | None, dtype: Any) -> np.ndarray | None:
+    """Additive mask ``[T, S]`` for queries ``pos0..pos0+T-1`` over keys ``k_start..pos0+T-1``.
+
+    A key at p0 is visible to a query at p1 when ``p0 <= p1`` and, with a
+    sliding window, ``p1 - p0 < window`` (llama.cpp LLAMA_SWA_TYPE_STANDARD,
+    ``llama_hparams::is_masked_swa``). Returns None when nothing is masked.
+    """
+    q_pos = np.arange(pos0, pos0 + t)[:, None]        # [T, 1]
+    k_pos = np.arange(k_start, pos0 + t)[None, :]     # [1, S]
+    hidden = k_pos > q_pos
+    if window is not None:
+        hidden |= (q_pos - k_pos) >= window
+    if not hidden.any():
+        return None
+    m = np.zeros(hidden.shape, dtype=dtype)
+    m[hidden] = -np.inf
+    return m
+
+
+# ------------------------------------------------------------------ weight cache
+
+CACHE_ENV = "MODELYARD_WEIGHT_CACHE"
+_cache_lock = threading.Lock()
+
+
+class WeightCache:
+    """``.npy`` files of prepared float32 weights, keyed by GGUF content.
+
+    Directory: ``$XDG_CACHE_HOME/modelyard/npy/<sha256>/<layout>/`` where
+    ``layout`` names the architecture class and its ``layout_version`` (bumped
+    whenever ``_build_weights`` changes). Every array is written to a temp
+    file and renamed; ``manifest.json`` (names, shapes, dtypes) is renamed into
+    place last, so a directory without a manifest is never read and concurrent
+    writers of identical content are harmless. Loads use ``mmap_mode="r"``.
+    """
+
+    def __init__(self, fingerprint: str, layout: str) -> None:
+        self.dir = cache_root() / "npy" / fingerprint / layout
+
+    def load(self) -> dict[str, np.ndarray] | None:
+        """The cached arrays (read-only memmaps), or None if absent/incomplete/corrupt."""
+        try:
+            manifest = json.loads((self.dir / "manifest.json").read_text())
+            out: dict[str, np.ndarray] = {}
+            for name, (shape, dtype) in manifest["arrays"].items():
+                arr = np.load(self.dir / f"{name}.npy", mmap_mode="r", allow_pickle=False)
+                if list(arr.shape) != shape or str(arr.dtype) != dtype:
+                    return None
+                out[name] = np.asarray(arr)  # plain ndarray view of the memmap
+            return out
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def save(self, arrays: dict[str, np.ndarray]) -> None:
+        """Write every array, then the manifest (atomic renames). Errors are swallowed:
+        a read-only or full disk only costs the next load time."""
+        try:
+            with _cache_lock:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                for name, arr in arrays.items():
+                    path = self.dir / f"{name}.npy"
+                    tmp = self.dir / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
+                    try:
+                        with open(tmp, "wb") as f:
+                            np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
+                        os.replace(tmp, path)
+                    finally:
+                        if tmp.exists():
+                            tmp.unlink()
+                manifest = {"arrays": {n: [list(a.shape), str(a.dtype)] for n, a in arrays.items()}}
+                atomic_write_bytes(self.dir / "manifest.json", json.dumps(manifest).encode())
+        except OSError:
+            pass
+
+
+# ------------------------------------------------------------------ the model
+
+
+class Model:
+    """One loaded model and its KV cache (one sequence).
+
+    Subclasses set ``arch`` and ``layout_version`` and implement
+    ``_read_hparams``, ``_build_weights`` and ``_forward_hidden``.
+
+    Attributes:
+        n_ctx: KV cache capacity in tokens.
+        n_ctx_train: ``{arch}.context_length``.
+        n_vocab: vocabulary size (rows of the output projection).
+        n_past: tokens currently in the KV cache.
+        dtype: compute dtype (float32, or float64 for reference runs).
+        load_timings: seconds spent per load phase (``weights``, ``cache_write``, ...).
+        weights_from_cache: True when the prepared weights came from the .npy cache.
+    """
+
+    arch: ClassVar[str] = ""
+    layout_version: ClassVar[int] = 1
+
+    def __init__(self, gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.float32,
+                 weight_cache: bool | None = None) -> None:
+        try:
+            self.dtype = np.dtype(dtype)
+        except TypeError:
+            raise EngineError("invalid_params", f"dtype must be float32 or float64, got {dtype!r}") from None
+        if self.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise EngineError("invalid_params", f"dtype must be float32 or float64, got {dtype!r}")
+        self.gguf = gguf
+        self.metadata = gguf.metadata
+        md = gguf.metadata
+        self.n_ctx_train = hp_int(md, f"{self.arch}.context_length")
+        if n_ctx is None:
+            n_ctx = min(self.n_ctx_train, DEFAULT_MAX_CTX)
+        if isinstance(n_ctx, bool) or not isinstance(n_ctx, (int, np.integer)) or n_ctx <= 0:
+            raise EngineError("invalid_params", f"n_ctx must be a positive integer, got {n_ctx!r}")
+        self.n_ctx = int(n_ctx)
+        self.load_timings: dict[str, float] = {}
+        self._read_hparams(md)
+        t0 = time.perf_counter()
+        self.w = self._load_weights(weight_cache)
+        self.load_timings["weights"] = time.perf_counter() - t0
+        self.n_vocab = int(self.w["output"].shape[0] if "output" in self.w else self.w["tok_embd"].shape[0])
+        self._setup()
+        self.cache = self._make_cache()
+
+    # -- to implement -----------------------------------------------------
+
+    def _read_hparams(self, md: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _build_weights(self) -> dict[str, np.ndarray]:
+        """Prepared float32 arrays by name (dequantized, fused, validated)."""
+        raise NotImplementedError
+
+    def _setup(self) -> None:
+        """Derived state after weights are loaded (RoPE tables, ...)."""
+
+    def _make_cache(self) -> KVCache:
+        raise NotImplementedError
+
+    def _forward_hidden(self, tokens: np.ndarray, pos0: int) -> np.ndarray:
+        """Run every block over ``tokens`` at positions ``pos0..``; store K/V in the cache.
+
+        Returns the final-normed hidden states ``[T, n_embd]``.
+        """
+        raise NotImplementedError
+
+    # -- weights ----------------------------------------------------------
+
+    def _load_weights(self, weight_cache: bool | None) -> dict[str, np.ndarray]:
+        if weight_cache is None:
+            weight_cache = os.environ.get(CACHE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+        use_cache = weight_cache and self.dtype == np.float32
+        cache = None
+        if use_cache:
+            t0 = time.perf_counter()
+            cache = WeightCache(self.gguf.fingerprint, f"{self.arch}-v{self.layout_version}")
+            self.load_timings["fingerprint"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            arrays = cache.load()
+            self.load_timings["cache_read"] = time.perf_counter() - t0
+            if arrays is not None:
+                self.weights_from_cache = True
+                return arrays
+        self.weights_from_cache = False
+        t0 = time.perf_counter()
+        arrays = self._build_weights()
+        self.load_timings["dequantize"] = time.perf_counter() - t0
+        if cache is not None:
+            t0 = time.perf_counter()
+            cache.save(arrays)
+            self.load_timings["cache_write"] = time.perf_counter() - t0
+        if self.dtype != np.float32:
+            arrays = {k: v.astype(self.dtype) for k, v in arrays.items()}
+        return arrays
+
+    def tensor(self, name: str, shape: Sequence[int]) -> np.ndarray:
+        """Dequantized float32 GGUF tensor, checked against the expected numpy shape.
+
+        Raises: EngineError("invalid_gguf") if missing or of another shape.
+        """
+        info = self.gguf.tensors.get(name)
+        if info is None:
+            raise EngineError("invalid_gguf", f"{self.gguf.path}: missing tensor {name!r} "
+                              f"(required by architecture {self.arch!r})")
+        if tuple(info.np_shape) != tuple(shape):
+            raise EngineError("invalid_gguf", f"{self.gguf.path}: tensor {name!r} has shape "
+                              f"{list(info.np_shape)}, expected {list(shape)}")
+        return self.gguf.tensor(name)
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self.gguf.tensors
+
+    # -- public API ---------------------------------------------------------
+
+    @property
+    def n_past(self) -> int:
+        """Tokens currently in the KV cache (positions ``0 .. n_past-1``)."""
+        return self.cache.n_past
+
+    def forward(self, tokens: Sequence[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:
+        """Append ``tokens`` at positions ``n_past .. n_past+T-1`` and return logits.
+
+        One matrix-matrix pass over the whole chunk (prefill chunking is the
+        caller's job). On any exception ``n_past`` is unchanged.
+
+        Args:
+            tokens: ``T >= 1`` token ids (Python ints or a 1-D integer array).
+            all_logits: return logits for every position instead of the last.
+        Returns:
+            logits ``[n_vocab]`` of the last token, or ``[T, n_vocab]`` if
+            ``all_logits``; float32 (float64 for a float64 model), C-contiguous.
+        Raises:
+            EngineError("invalid_token"): an id outside ``[0, n_vocab)`` or not an integer.
+            EngineError("invalid_params"): no tokens, or not a 1-D sequence.
+            EngineError("context_length_exceeded"): ``n_past + T > n_ctx``.
+        """
+        ids = self._check_tokens(tokens)
+        t = ids.shape[0]
+        pos0 = self.cache.n_past
+        if pos0 + t > self.n_ctx:
+            raise EngineError("context_length_exceeded",
+                              f"cannot add {t} tokens at position {pos0}: the context holds {self.n_ctx} tokens")
+        h = self._forward_hidden(ids, pos0)  # [T, n_embd]
+        if not all_logits:
+            h = h[-1:]
+        logits = self._output(h)  # [T or 1, n_vocab]
+        self.cache.advance(t)
+        return logits if all_logits else logits[0]
+
+    def _output(self, h: np.ndarray) -> np.ndarray:
+        """Output projection ``h @ W_out.T`` (tied to ``token_embd`` when no ``output.weight``)."""
+        w = self.w.get("output", self.w["tok_embd"])  # [n_vocab, n_embd]
+        return h @ w.T  # [T, n_vocab]
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` cached positions (``0 <= n <= n_past``).
+
+        Raises: EngineError("invalid_params") otherwise.
+        """
+        self.cache.truncate(n)
+
+    def reset(self) -> None:
+        """Empty the KV cache."""
+        self.cache.reset()
+
+    def _check_tokens(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        if isinstance(tokens, np.ndarray):
+            arr = tokens
+        else:
+            if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+                raise EngineError("invalid_params", f"tokens must be a sequence of ints, got {type(tokens).__name__}")
+            for tok in tokens:
+                if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
+                    raise EngineError("invalid_token", f"token ids must be integers, got {tok!r}")
+            try:
+                arr = np.array(tokens, dtype=np.int64)
+            except OverflowError:
+                raise EngineError("invalid_token", "token id out of range") from None
+        if arr.ndim != 1:
+            raise EngineError("invalid_params", f"tokens must be 1-D, got shape {arr.shape}")
+        if arr.shape[0] == 0:
+            raise EngineError("invalid_params", "forward needs at least one token")
+        if arr.dtype.kind not in "iu":
+            raise EngineError("invalid_token", f"token ids must be integers, got dtype {arr.dtype}")
+        bad = (arr < 0) | (arr >= self.n_vocab)
+        if bad.any():
+            tok = int(arr[np.argmax(bad)])
+            raise EngineError("invalid_token", f"token id {tok} is outside the vocabulary [0, {self.n_vocab})")
+        return arr.astype(np.int64, copy=False)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(n_ctx={self.n_ctx}, n_vocab={self.n_vocab}, n_past={self.n_past})"
+
+
+def fuse_rows(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """Stack ``[out_i, in]`` matrices into one C-contiguous ``[sum(out_i), in]``."""
+    return np.ascontiguousarray(np.concatenate(parts, axis=0))
+
+
+__all__ = [
+    "ARCHITECTURES", "DEFAULT_MAX_CTX", "Model", "RopeTable", "WeightCache", "attention", "attention_mask",
+    "fuse_rows", "gelu_tanh", "hp_float", "hp_int", "load_model", "register", "rms_norm", "rope_freq_scale",
+    "silu",
+]
+
