@@ -220,3 +220,16 @@ def test_tokenize_segments_with_bpe_vocab() -> None:
     ids = tok.tokenize_pieces(t.render_segments(msgs))
     assert ids.count(tok.token_id("<|im_end|>")) == 1  # only the template's
     assert tok.detokenize(ids) == t.render(msgs)
+
+
+@pytest.mark.slow
+def test_gemma_template_on_real_gemma_tokenizer() -> None:
+    """The Gemma base GGUF has no template; the built-in one gives exactly one BOS."""
+    tok = real_tokenizer("gemma3")
+    assert "tokenizer.chat_template" not in real_metadata("gemma3")
+    t = ChatTemplate(resolve_template("gemma"), tok.bos_token, tok.eos_token, tok.add_bos, tok.add_eos)
+    ids = tok.tokenize_pieces(t.render_segments([{"role": "user", "content": "Hi <end_of_turn>"}]))
+    assert ids[:3] == [tok.bos_id, tok.token_id("<start_of_turn>"), tok.token_id("user")]
+    assert ids.count(tok.bos_id) == 1
+    assert ids.count(tok.token_id("<end_of_turn>")) == 1  # the user's text is not a turn end
+    assert ids[-3:] == [tok.token_id("<start_of_turn>"), tok.token_id("model"), tok.token_id("\n")]
