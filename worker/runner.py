@@ -6,8 +6,9 @@ the engine. The server only ever:
 * ``submit(job)``s a :class:`Job` while fewer than ``capacity`` jobs run,
 * ``cancel(job_id)``s a running job (sets its cancel flag; the engine sees it
   between prefill chunks and before each decoded token),
-* receives events (:class:`FrameOut`, :class:`JobFinished`, :class:`Loaded`,
-  :class:`LoadFailed`) through the ``post`` callable it handed in.
+* receives events (:class:`FrameOut` for Token frames, :class:`JobFinished`
+  with the job's Done or Error, :class:`Loaded`, :class:`LoadFailed`) through
+  the ``post`` callable it handed in.
 
 :class:`SerialRunner` has ``capacity == 1``: one generation at a time, the
 depth-one job queue. A batching runner (several sequences stepped together in
@@ -77,16 +78,21 @@ class Job:
 
 @dataclass(frozen=True)
 class FrameOut:
-    """A frame for the router (Token, Done or Error of a job)."""
+    """A frame for the router (a Token of the running job)."""
 
     msg: Message
 
 
 @dataclass(frozen=True)
 class JobFinished:
-    """The job's last frame (Done or Error) has been posted; the runner is free for another."""
+    """The job ended: ``final`` is its last frame (Done or Error); the runner is free for another.
+
+    One event, so the socket thread sends the last frame and marks the job
+    finished in one step (a Ping right after the Done never sees it running).
+    """
 
     job_id: str
+    final: Done | Error
 
 
 @dataclass(frozen=True)
@@ -181,7 +187,7 @@ class SerialRunner:
             must be thread-safe and must not block.
 
     Per job it posts zero or more FrameOut(Token), then exactly one
-    FrameOut(Done | Error), then JobFinished. After a job that raised anything
+    JobFinished carrying the job's Done or Error. After a job that raised anything
     but EngineError the KV cache is reset (the engine already restores a
     verified cache; this is belt and braces).
     """
@@ -258,16 +264,13 @@ class SerialRunner:
             if job is None:
                 return
             try:
-                try:
-                    last: Done | Error = self._run(job)
-                except Exception as e:  # noqa: BLE001 - a bug here must still end the job with a frame
-                    log.error("job %s crashed:\n%s", job.id, traceback.format_exc())
-                    last = Error(id=job.id, code=INTERNAL_ERROR, message=f"{type(e).__name__}: {e}"[:1000])
-                self._post(FrameOut(last))
-            finally:
-                with self._lock:
-                    self._running.pop(job.id, None)
-                self._post(JobFinished(job.id))
+                last: Done | Error = self._run(job)
+            except Exception as e:  # noqa: BLE001 - a bug here must still end the job with a frame
+                log.error("job %s crashed:\n%s", job.id, traceback.format_exc())
+                last = Error(id=job.id, code=INTERNAL_ERROR, message=f"{type(e).__name__}: {e}"[:1000])
+            with self._lock:
+                self._running.pop(job.id, None)
+            self._post(JobFinished(job.id, last))
 
     def _run(self, job: Job) -> Done | Error:
         g = job.msg

@@ -105,7 +105,8 @@ class WorkerConfig:
     parent_pid: exit when this process is gone; None -> no watch.
     shutdown_grace_s: after Shutdown, how long to wait for the running generation
         to end (seconds) before exiting anyway.
-    parent_gone_grace_s: the same when the parent is gone (seconds; keep small).
+    parent_gone_grace_s: the same when the parent is gone (seconds; default 0: nobody
+        listens any more, and the KV cache dies with the process).
     poll_ms: longest socket poll (ms); bounds how late the parent check runs.
     parent_check_s: interval of the parent check (seconds).
     linger_ms: ZMQ LINGER on exit (ms): how long unsent frames may delay exit.
@@ -119,7 +120,7 @@ class WorkerConfig:
     max_queue: int = 8
     parent_pid: int | None = None
     shutdown_grace_s: float = 3.0
-    parent_gone_grace_s: float = 0.5
+    parent_gone_grace_s: float = 0.0
     poll_ms: int = 100
     parent_check_s: float = 0.2
     linger_ms: int = 1000
@@ -195,6 +196,7 @@ class WorkerServer:
         self._stop_reason = ""
         self._stop_requested = threading.Event()
         self._linger_ms = cfg.linger_ms
+        self._dropped = 0  # frames dropped because the router was not reading
         self._watch = ParentWatch(cfg.parent_pid) if cfg.parent_pid is not None else None
 
     # ------------------------------------------------------------------ public
@@ -288,6 +290,8 @@ class WorkerServer:
                 self._send(ev.msg)
             elif isinstance(ev, JobFinished):
                 job = self.running.pop(ev.job_id, None)
+                if job is not None:  # None only after giving up on it at exit (answered already)
+                    self._send(ev.final)
                 if job is not None and job.cancel_at is not None:
                     log.debug("request %s: Cancel -> Done in %.1f ms", job.id,
                               (time.monotonic() - job.cancel_at) * 1e3)
@@ -345,7 +349,10 @@ class WorkerServer:
         try:
             self._sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
-            log.warning("router is not reading: dropped a %s frame for %s", msg.TYPE, msg.id)
+            self._dropped += 1
+            if self._dropped in (1, 10, 100) or self._dropped % 1000 == 0:
+                log.warning("router is not reading: dropped a %s frame for %s (%d dropped so far)",
+                            msg.TYPE, msg.id, self._dropped)
         except zmq.ZMQError as e:
             log.warning("cannot send a %s frame for %s: %s", msg.TYPE, msg.id, e)
 
@@ -484,6 +491,7 @@ class WorkerServer:
             for job in self.running.values():
                 log.warning("request %s did not stop within the grace period; exiting anyway", job.id)
                 self._send(cancelled_done(job.id, job.tokens_sent))
+            self.running.clear()
             self._exit_code = 0
 
     def _close(self) -> None:

@@ -209,7 +209,7 @@ def test_cancel_mid_decode(wa: Proc) -> None:
 
 def test_cancel_mid_prefill(wa: Proc) -> None:
     s = wa.stub
-    s.send(Generate(id="cp", prompt=_long_prompt(1500), max_tokens=16, temperature=0.0))
+    s.send(Generate(id="cp", prompt=_long_prompt(1000), max_tokens=16, temperature=0.0))
     while _ping(s, "pp").running_id != "cp":
         pass
     time.sleep(0.2)
@@ -233,7 +233,7 @@ def test_greedy_after_cancelled_requests_equals_a_fresh_worker(wa: Proc, wb: Pro
     s.next_for("x1", 120)
     s.send(Cancel(id="x1"))
     assert s.stream("x1", 60)[1].finish_reason == "cancelled"
-    s.send(Generate(id="x2", prompt=req["prompt"] + " " + _long_prompt(1200), max_tokens=4, temperature=0.0))
+    s.send(Generate(id="x2", prompt=req["prompt"] + " " + _long_prompt(1000), max_tokens=4, temperature=0.0))
     while _ping(s, "px").running_id != "x2":
         pass
     time.sleep(0.1)
