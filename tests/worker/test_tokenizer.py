@@ -154,9 +154,12 @@ def test_real_round_trip_property(text: str) -> None:
             # SmolLM2's vocabulary lacks 21 byte tokens (e.g. 0xF1, the lead byte of
             # U+40000..); llama.cpp, like this tokenizer, cannot represent such text
             continue
-        assert tok.detokenize(tok.tokenize(text, add_special=False, parse_special=False)) == text
+        # SentencePiece escapes spaces as U+2581, so a literal U+2581 comes back as a space
+        # (llama.cpp's llama_escape_whitespace / llama_unescape_whitespace do the same)
+        expected = text.replace("\u2581", " ") if tok.model == "llama" else text
+        assert tok.detokenize(tok.tokenize(text, add_special=False, parse_special=False)) == expected
         ids = tok.tokenize(text, add_special=False, parse_special=True)
-        assert tok.detokenize(ids) == text
+        assert tok.detokenize(ids) == expected
 
 
 # ============================================================== tiny vocabularies
