@@ -540,13 +540,14 @@ class Tokenizer:
             assert self.bos_id is not None
             out.append(self.bos_id)
         if self.model == "gpt2":
-            raw = [f.text for f in fragments if f.text is not None]
-            encoded = iter(self._hf.encode_batch(raw, add_special_tokens=False)) if raw else iter(())
+            # one encode per fragment: encode_batch would start tokenizers' thread pool
+            # (oversubscribing the machine and making later forks warn)
+            encode = self._hf.encode
             for f in fragments:
                 if f.text is None:
                     out.append(f.token)
                 else:
-                    out.extend(next(encoded).ids)
+                    out.extend(encode(f.text, add_special_tokens=False).ids)
         else:
             is_prev_special = True
             for f in fragments:
