@@ -17,7 +17,8 @@ from worker.engine import Engine, EngineError, GenerationResult, SamplingParams,
 from worker.engine.chat_template import CHATML_TEMPLATE
 
 
-def write_tiny_llama(path: Path, chat_template: str | None = None, n_ctx_train: int = 128, seed: int = 0) -> Path:
+def write_tiny_llama(path: Path, chat_template: str | None = None, n_ctx_train: int = 128, seed: int = 0,
+                     tokenizer_model: str = "gpt2") -> Path:
     import gguf
 
     md = bpe_metadata()
@@ -41,7 +42,7 @@ def write_tiny_llama(path: Path, chat_template: str | None = None, n_ctx_train: 
     wr.add_layer_norm_rms_eps(1e-5)
     wr.add_rope_dimension_count(head_dim)
     wr.add_vocab_size(n_vocab)
-    wr.add_tokenizer_model("gpt2")
+    wr.add_tokenizer_model(tokenizer_model)
     wr.add_tokenizer_pre("smollm")
     wr.add_token_list(tokens)
     wr.add_token_types(md["tokenizer.ggml.token_type"])
@@ -116,6 +117,9 @@ def test_load_errors(tmp_path: Path, tiny_path: Path) -> None:
     with pytest.raises(EngineError) as ei:
         Engine.load(str(tiny_path), chat_template="{% if %}")
     assert ei.value.code == "template_error"
+    with pytest.raises(EngineError) as ei:
+        Engine.load(str(write_tiny_llama(tmp_path / "bert.gguf", tokenizer_model="bert")))
+    assert ei.value.code == "unsupported_tokenizer"
 
 
 def test_chat_template_absent_then_supplied(tmp_path: Path) -> None:

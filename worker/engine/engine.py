@@ -94,7 +94,7 @@ class Engine:
             raise EngineError("invalid_gguf", f"GGUF has no valid {arch}.context_length")
         if n_ctx is None:
             n_ctx = min(n_ctx_train, DEFAULT_MAX_CTX)
-        tokenizer = Tokenizer.from_metadata(md)
+        tokenizer = _wrap(Tokenizer.from_metadata, md)
         source = resolve_template(chat_template) if chat_template is not None else md.get("tokenizer.chat_template")
         template = None
         if isinstance(source, str) and source.strip():
