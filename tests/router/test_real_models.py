@@ -72,12 +72,12 @@ def client(router: LiveRouter) -> openai.OpenAI:
 
 
 def test_chat_streamed_equals_non_streamed(client: openai.OpenAI) -> None:
-    full = client.chat.completions.create(model="smollm2", messages=MSG, temperature=0, max_tokens=24)  # type: ignore[arg-type]
+    full = client.chat.completions.create(model="smollm2", messages=MSG, temperature=0, max_tokens=12)  # type: ignore[arg-type]
     text = full.choices[0].message.content or ""
     assert text.strip() and full.usage is not None and full.usage.completion_tokens > 0
     assert full.model_extra and full.model_extra["timings"]["predicted_n"] == full.usage.completion_tokens
     roles, pieces = [], []
-    for ch in client.chat.completions.create(model="smollm2", messages=MSG, temperature=0, max_tokens=24,  # type: ignore[arg-type]
+    for ch in client.chat.completions.create(model="smollm2", messages=MSG, temperature=0, max_tokens=12,  # type: ignore[arg-type]
                                              stream=True, stream_options={"include_usage": True}):
         assert ch.object == "chat.completion.chunk"
         for c in ch.choices:
@@ -170,13 +170,13 @@ def test_disconnect_mid_stream_frees_the_worker(router: LiveRouter, client: open
     got = 0
     for ch in stream:
         got += 1
-        if got == 5:
+        if got == 3:
             break
     stream.close()
     t0 = time.monotonic()
     first_token_at = None
     for ch in client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
-                                             max_tokens=4, stream=True):
+                                             max_tokens=2, stream=True):
         if ch.choices and ch.choices[0].delta.content and first_token_at is None:
             first_token_at = time.monotonic()
     assert first_token_at is not None
@@ -196,10 +196,10 @@ def test_sigkill_worker_mid_stream(router: LiveRouter) -> None:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 events.append(json.loads(line[6:]))
-                if len(events) == 3:
+                if len(events) == 2:
                     os.kill(pid, signal.SIGKILL)
     assert "error" in events[-1] and events[-1]["error"]["code"] == "worker_crashed"
-    out = router.client(timeout=300).chat.completions.create(model="smol-kill", messages=MSG, max_tokens=4)  # type: ignore[arg-type]
+    out = router.client(timeout=300).chat.completions.create(model="smol-kill", messages=MSG, max_tokens=2)  # type: ignore[arg-type]
     assert out.choices[0].message.content
     assert router.admin("smol-kill")["pid"] != pid
     httpx.post(router.url + "/admin/models/unload", json={"model": "smol-kill"}, timeout=60).raise_for_status()
@@ -214,7 +214,7 @@ def test_unload_while_running_lets_it_finish(router: LiveRouter) -> None:
 
     texts, finish, n = [], None, 0
     with httpx.stream("POST", router.url + "/v1/completions", timeout=300, json={
-            "model": "gemma3", "prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True,
+            "model": "gemma3", "prompt": "Once upon a time", "max_tokens": 10, "ignore_eos": True,
             "stream": True}) as r:
         t = threading.Thread(target=unload)
         for line in r.iter_lines():
