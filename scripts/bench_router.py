@@ -7,8 +7,8 @@
 "Worker alone": this script binds a ZeroMQ ROUTER socket, spawns ``python -m
 worker`` on it and sends Generate frames itself. "Router": it starts ``python -m
 router serve`` (which spawns its own worker) and streams ``POST /completion``.
-Both use the same prompt, greedy sampling, ``ignore_eos``, no prompt cache, and
-a warm-up run first (not counted). TTFT is measured from sending the request to
+Both use the same prompt, greedy sampling, ``ignore_eos``, no prompt cache;
+both are alive at once and their runs alternate, after one warm-up run each. TTFT is measured from sending the request to
 the first token (a Token frame / the first SSE event with a token); tokens/s is
 generated tokens after the first divided by the time from the first to the last
 token. Figures are medians over ``--runs``.
@@ -48,117 +48,140 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def bench_worker(args: argparse.Namespace) -> list[tuple[float, float, int]]:
-    """(ttft_s, tokens_per_s, n_tokens) per run, talking to the worker directly."""
-    tmp = tempfile.mkdtemp(prefix="bench-")
-    endpoint = f"ipc://{tmp}/w.sock"
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(endpoint)
-    cmd = [sys.executable, "-m", args.worker_module, "--model", "bench", "--gguf", str(args.model),
-           "--endpoint", endpoint, "--max-queue", "1", "--parent-pid", str(os.getpid())]
-    if args.n_ctx:
-        cmd += ["--n-ctx", str(args.n_ctx)]
-    proc = subprocess.Popen(cmd, cwd=ROOT)
-    try:
-        ident = None
+class DirectWorker:
+    """A worker spawned by this script on its own ROUTER socket (no router in between)."""
+
+    async def start(self, args: argparse.Namespace) -> None:
+        tmp = tempfile.mkdtemp(prefix="bench-")
+        endpoint = f"ipc://{tmp}/w.sock"
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        cmd = [sys.executable, "-m", args.worker_module, "--model", "bench", "--gguf", str(args.model),
+               "--endpoint", endpoint, "--max-queue", "1", "--parent-pid", str(os.getpid())]
+        if args.n_ctx:
+            cmd += ["--n-ctx", str(args.n_ctx)]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT)
+        self.ident: bytes | None = None
         while True:
-            ident_, frame = await asyncio.wait_for(sock.recv_multipart(), 600)
+            ident, frame = await asyncio.wait_for(self.sock.recv_multipart(), 600)
             msg = decode(frame)
             if isinstance(msg, Hello):
-                ident = ident_
+                self.ident = ident
             elif isinstance(msg, Ready):
-                break
+                return
             elif isinstance(msg, Error):
                 raise SystemExit(f"worker failed to load: {msg.message}")
-        assert ident is not None
-        results = []
-        for i in range(args.runs + 1):
-            g = Generate(id=f"bench-{i}", prompt=args.prompt, max_tokens=args.max_tokens, temperature=0.0,
-                         ignore_eos=True, cache_prompt=False)
-            t0 = time.perf_counter()
-            await sock.send_multipart([ident, encode(g)])
-            first = last = None
-            n = 0
-            while True:
-                _, frame = await sock.recv_multipart()
-                msg = decode(frame)
-                if isinstance(msg, Token) and msg.id == g.id:
-                    last = time.perf_counter()
-                    first = first or last
-                    n += 1
-                elif isinstance(msg, Done) and msg.id == g.id:
-                    break
-                elif isinstance(msg, Error) and msg.id == g.id:
-                    raise SystemExit(f"worker error: {msg.code}: {msg.message}")
-            if i and first is not None and last is not None:
-                results.append((first - t0, (n - 1) / (last - first) if n > 1 and last > first else 0.0, n))
-        return results
-    finally:
-        proc.send_signal(signal.SIGTERM)
+
+    async def run(self, args: argparse.Namespace, i: int) -> tuple[float, float, int]:
+        """(ttft_s, tokens_per_s, n_tokens) of one generation."""
+        assert self.ident is not None
+        g = Generate(id=f"bench-{i}", prompt=args.prompt, max_tokens=args.max_tokens, temperature=0.0,
+                     ignore_eos=True, cache_prompt=False)
+        t0 = time.perf_counter()
+        await self.sock.send_multipart([self.ident, encode(g)])
+        first = last = t0
+        n = 0
+        while True:
+            _, frame = await self.sock.recv_multipart()
+            msg = decode(frame)
+            if isinstance(msg, Token) and msg.id == g.id:
+                last = time.perf_counter()
+                first = last if n == 0 else first
+                n += 1
+            elif isinstance(msg, Done) and msg.id == g.id:
+                break
+            elif isinstance(msg, Error) and msg.id == g.id:
+                raise SystemExit(f"worker error: {msg.code}: {msg.message}")
+        return first - t0, (n - 1) / (last - first) if n > 1 and last > first else 0.0, n
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(10)
+            self.proc.wait(10)
         except subprocess.TimeoutExpired:
-            proc.kill()
-        sock.close()
-        ctx.term()
+            self.proc.kill()
+        self.sock.close()
+        self.ctx.term()
 
 
-def bench_router(args: argparse.Namespace) -> list[tuple[float, float, int]]:
-    """(ttft_s, tokens_per_s, n_tokens) per run through a live router (SSE /completion)."""
-    tmp = Path(tempfile.mkdtemp(prefix="bench-router-"))
-    model = Path(args.model).resolve()
-    n_ctx = f"n_ctx = {args.n_ctx}\n" if args.n_ctx else ""
-    (tmp / "config.toml").write_text(
-        f'[server]\nmodels_dir = "{model.parent}"\n[models.bench]\npath = "{model.name}"\n{n_ctx}')
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MODELYARD_WORKER_MODULE=args.worker_module)
-    proc = subprocess.Popen([sys.executable, "-m", "router", "serve", "--config", str(tmp / "config.toml"),
-                             "--port", str(port), "--log-level", "warning"], cwd=ROOT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
+class RoutedWorker:
+    """A live ``python -m router serve`` with one model, streamed through ``POST /completion``."""
+
+    async def start(self, args: argparse.Namespace) -> None:
+        tmp = Path(tempfile.mkdtemp(prefix="bench-router-"))
+        model = Path(args.model).resolve()
+        n_ctx = f"n_ctx = {args.n_ctx}\n" if args.n_ctx else ""
+        (tmp / "config.toml").write_text(
+            f'[server]\nmodels_dir = "{model.parent}"\n[models.bench]\npath = "{model.name}"\n{n_ctx}')
+        port = _free_port()
+        env = dict(os.environ, PYTHONPATH=str(ROOT), MODELYARD_WORKER_MODULE=args.worker_module)
+        self.proc = subprocess.Popen([sys.executable, "-m", "router", "serve", "--config", str(tmp / "config.toml"),
+                                      "--port", str(port), "--log-level", "warning"], cwd=ROOT, env=env)
+        self.url = f"http://127.0.0.1:{port}"
+        self.client = httpx.AsyncClient(timeout=600)
         deadline = time.monotonic() + 60
         while True:
             try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                if (await self.client.get(self.url + "/health", timeout=1)).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
-            if time.monotonic() > deadline or proc.poll() is not None:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
                 raise SystemExit("router did not start")
-            time.sleep(0.1)
-        httpx.post(url + "/admin/models/load", json={"model": "bench"}, timeout=600).raise_for_status()
-        results = []
+            await asyncio.sleep(0.1)
+        (await self.client.post(self.url + "/admin/models/load", json={"model": "bench"})).raise_for_status()
+
+    async def run(self, args: argparse.Namespace, i: int) -> tuple[float, float, int]:
         body = {"model": "bench", "prompt": args.prompt, "n_predict": args.max_tokens, "temperature": 0,
                 "ignore_eos": True, "cache_prompt": False, "stream": True}
-        with httpx.Client(timeout=600) as c:
-            for i in range(args.runs + 1):
-                t0 = time.perf_counter()
-                first = last = None
-                n = 0
-                with c.stream("POST", url + "/completion", json=body) as r:
-                    r.raise_for_status()
-                    for line in r.iter_lines():
-                        if not line.startswith("data: "):
-                            continue
-                        d = json.loads(line[6:])
-                        if "error" in d:
-                            raise SystemExit(f"router error: {d['error']}")
-                        if d.get("stop"):
-                            break
-                        last = time.perf_counter()
-                        first = first or last
-                        n += 1
-                if i and first is not None and last is not None:
-                    results.append((first - t0, (n - 1) / (last - first) if n > 1 and last > first else 0.0, n))
-        return results
-    finally:
-        proc.send_signal(signal.SIGTERM)
+        t0 = time.perf_counter()
+        first = last = t0
+        n = 0
+        async with self.client.stream("POST", self.url + "/completion", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                d = json.loads(line[6:])
+                if "error" in d:
+                    raise SystemExit(f"router error: {d['error']}")
+                if d.get("stop"):
+                    break
+                last = time.perf_counter()
+                first = last if n == 0 else first
+                n += 1
+        return first - t0, (n - 1) / (last - first) if n > 1 and last > first else 0.0, n
+
+    async def stop(self) -> None:
+        await self.client.aclose()
+        self.proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(30)
+            self.proc.wait(30)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            self.proc.kill()
+
+
+async def bench(args: argparse.Namespace) -> tuple[list[tuple[float, float, int]], list[tuple[float, float, int]]]:
+    """Both set-ups alive at once, runs alternated (so load changes hit both alike); run 0 is a warm-up."""
+    direct, routed = DirectWorker(), RoutedWorker()
+    await direct.start(args)
+    try:
+        await routed.start(args)
+        try:
+            d, r = [], []
+            for i in range(args.runs + 1):
+                a = await direct.run(args, i)
+                b = await routed.run(args, i)
+                if i:
+                    d.append(a)
+                    r.append(b)
+            return d, r
+        finally:
+            await routed.stop()
+    finally:
+        direct.stop()
 
 
 def main() -> int:
@@ -171,8 +194,7 @@ def main() -> int:
     p.add_argument("--worker-module", default="worker", help="python -m MODULE for the worker (default: worker)")
     args = p.parse_args()
 
-    direct = asyncio.run(bench_worker(args))
-    routed = bench_router(args)
+    direct, routed = asyncio.run(bench(args))
 
     def med(rows: list[tuple[float, float, int]], k: int) -> float:
         return statistics.median(r[k] for r in rows)
