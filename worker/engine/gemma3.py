@@ -57,8 +57,8 @@ class Gemma3Model(Model):
         self.n_head = hp_int(md, f"{a}.attention.head_count")
         self.n_head_kv = hp_int(md, f"{a}.attention.head_count_kv", self.n_head)
         if self.n_head % self.n_head_kv:
-            raise EngineError("invalid_gguf", f"head_count {self.n_head} is not a multiple of "
-                              f"head_count_kv {self.n_head_kv}")
+            raise EngineError("invalid_gguf", f"{a}.attention.head_count ({self.n_head}) is not a multiple of "
+                              f"{a}.attention.head_count_kv ({self.n_head_kv})")
         default_hd = self.n_embd // self.n_head
         self.head_dim = hp_int(md, f"{a}.attention.key_length", default_hd)
         self.head_dim_v = hp_int(md, f"{a}.attention.value_length", self.head_dim)
@@ -66,8 +66,8 @@ class Gemma3Model(Model):
             raise EngineError("invalid_gguf", "gemma3: key_length != value_length is not supported")
         self.n_rot = hp_int(md, f"{a}.rope.dimension_count", self.head_dim)
         if self.n_rot > self.head_dim or self.n_rot % 2:
-            raise EngineError("invalid_gguf", f"rope.dimension_count {self.n_rot} must be even and <= "
-                              f"head size {self.head_dim}")
+            raise EngineError("invalid_gguf", f"{a}.rope.dimension_count ({self.n_rot}) must be even and <= "
+                              f"the head size {self.head_dim}")
         self.eps = hp_float(md, f"{a}.attention.layer_norm_rms_epsilon")
         self.rope_base = hp_float(md, f"{a}.rope.freq_base", 10000.0)
         self.rope_scale = rope_freq_scale(md, a)

@@ -1,0 +1,75 @@
+"""Teacher-forced agreement with llama.cpp on every ``greedy`` fixture entry of both models.
+
+Rules (``/work/shared/fixtures/README.md``): feed ``prompt_ids + ids`` in one
+pass with all logits; for each step i, look at the log-softmax after
+``prompt_ids + ids[:i]``:
+
+* top-1 equals ``steps[i].id`` where llama.cpp's top-2 gap >= 0.6 nats, else our
+  top-1 is one of llama.cpp's top two;
+* |our logprob of steps[i].id - steps[i].logprob|: mean <= 0.06, max <= 0.6 per file.
+
+The measured numbers are printed (run with ``-s`` to see them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.worker.conftest import GEMMA3_FIXTURES, SMOLLM2_FIXTURES, load_fixture_file
+from worker.engine.model import load_model
+
+MEAN_BOUND = 0.06
+MAX_BOUND = 0.6
+GAP = 0.6
+
+
+def _check_file(gguf, fixture_path: Path, label: str) -> None:
+    data = load_fixture_file(fixture_path)
+    entries = data["greedy"]
+    assert entries, "fixture has no greedy entries"
+    n_ctx = max(len(e["prompt_ids"]) + len(e["ids"]) for e in entries)
+    model = load_model(gguf, n_ctx=n_ctx)
+    errors: list[float] = []
+    n_steps = agree = 0
+    failures: list[str] = []
+    for k, e in enumerate(entries):
+        ids = list(e["prompt_ids"]) + list(e["ids"])
+        model.reset()
+        p0 = len(e["prompt_ids"]) - 1
+        logits = model.forward(ids, all_logits=True)  # [T, n_vocab] float32, one pass
+        rows = logits[p0:p0 + len(e["steps"])].astype(np.float64)  # the teacher-forced steps only
+        del logits
+        m = rows.max(axis=-1, keepdims=True)
+        logp = rows - m - np.log(np.exp(rows - m).sum(axis=-1, keepdims=True))
+        assert len(e["steps"]) == len(e["ids"])
+        for i, st in enumerate(e["steps"]):
+            row = logp[i]
+            ours = int(np.argmax(row))
+            top = st["top"]
+            gap = top[0][1] - top[1][1]
+            n_steps += 1
+            agree += ours == st["id"]
+            if gap >= GAP and ours != st["id"]:
+                failures.append(f"entry {k} step {i}: top-1 {ours} != {st['id']} (llama.cpp gap {gap:.2f})")
+            if gap < GAP and ours not in (top[0][0], top[1][0]):
+                failures.append(f"entry {k} step {i}: top-1 {ours} not in llama.cpp top-2 {top[:2]}")
+            errors.append(abs(float(row[st["id"]]) - st["logprob"]))
+    err = np.array(errors)
+    print(f"\n{label}: {len(entries)} entries, {n_steps} steps; |dlogprob| mean {err.mean():.4f} "
+          f"max {err.max():.4f}; top-1 agreement {agree}/{n_steps} ({100 * agree / n_steps:.1f} %)")
+    assert not failures, "\n".join(failures)
+    assert err.mean() <= MEAN_BOUND, f"mean |dlogprob| {err.mean():.4f} > {MEAN_BOUND}"
+    assert err.max() <= MAX_BOUND, f"max |dlogprob| {err.max():.4f} > {MAX_BOUND}"
+
+
+@pytest.mark.slow
+def test_smollm2_teacher_forced(smollm2_gguf) -> None:
+    _check_file(smollm2_gguf, SMOLLM2_FIXTURES, "SmolLM2-135M-Instruct Q4_1")
+
+
+@pytest.mark.slow
+def test_gemma3_teacher_forced(gemma3_gguf) -> None:
+    _check_file(gemma3_gguf, GEMMA3_FIXTURES, "Gemma 3 270M Q4_K_M")

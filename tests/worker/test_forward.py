@@ -1,0 +1,482 @@
+"""Forward passes, KV cache and model loading on tiny GGUF files (and a few real-model checks).
+
+* an independent float64 reference written here (per token, per head, adjacent-pair
+  RoPE on the *unpermuted* llama weights, explicit sliding-window test) agrees with
+  the engine on tiny llama / gemma3 models in several quant types;
+* float64 and float32 runs of the engine agree (tiny models, and real SmolLM2 / Gemma 3);
+* chunked prefill = one-shot = token by token; truncate + re-feed = fresh;
+* errors: context overflow, invalid tokens, unknown architecture, missing / misshaped
+  tensors, bad hyperparameters, bad n_ctx; the cache is untouched by a failed call;
+* the .npy weight cache: written once, read back memory-mapped, identical logits,
+  ignored when incomplete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.worker.tiny_gguf import TINY_VOCAB_SIZE, write_tiny_gemma3, write_tiny_llama
+from worker.engine.errors import EngineError
+from worker.engine.gguf_loader import read_gguf
+from worker.engine.model import ARCHITECTURES, Model, load_model
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiny-model tests get their own XDG cache (nothing leaks into ~/.cache or between
+    tests); real-model (slow) tests use the user's cache so warm loads stay fast."""
+    if request.node.get_closest_marker("slow") is None:
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def tiny(tmp_path: Path, arch: str, **kw) -> Path:
+    name = f"{arch}-{'-'.join(f'{k}{v}' for k, v in sorted(kw.items()))}.gguf"
+    writer = write_tiny_llama if arch == "llama" else write_tiny_gemma3
+    return writer(tmp_path / name, **kw)
+
+
+PROMPT = [1, 300, 301, 17, 42, 5, 260, 261, 262, 99, 100, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 400, 401, 2]
+
+
+# ------------------------------------------------------------------ independent reference
+
+
+def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _rope_adjacent(x: np.ndarray, pos: int, base: float, n_rot: int) -> np.ndarray:
+    """llama.cpp LLAMA_ROPE_TYPE_NORM on one head vector [hd]: pairs (2i, 2i+1)."""
+    y = x.copy()
+    for i in range(n_rot // 2):
+        th = pos * base ** (-2.0 * i / n_rot)
+        a, b = x[2 * i], x[2 * i + 1]
+        y[2 * i] = a * math.cos(th) - b * math.sin(th)
+        y[2 * i + 1] = a * math.sin(th) + b * math.cos(th)
+    return y
+
+
+def _rope_neox(x: np.ndarray, pos: int, base: float, n_rot: int) -> np.ndarray:
+    """LLAMA_ROPE_TYPE_NEOX on one head vector [hd]: pairs (i, i + n_rot/2)."""
+    y = x.copy()
+    h = n_rot // 2
+    for i in range(h):
+        th = pos * base ** (-2.0 * i / n_rot)
+        a, b = x[i], x[i + h]
+        y[i] = a * math.cos(th) - b * math.sin(th)
+        y[i + h] = a * math.sin(th) + b * math.cos(th)
+    return y
+
+
+def reference_logits(path: Path, tokens: list[int]) -> np.ndarray:
+    """Float64 logits [T, n_vocab] of a llama or gemma3 GGUF, computed token by token from
+    the raw GGUF tensors (no fusing, no permutation), for checking the engine."""
+    g = read_gguf(path)
+    md, arch = g.metadata, g.architecture
+    a = arch
+    W = lambda n: g.tensor(n).astype(np.float64)  # noqa: E731
+    n_embd = md[f"{a}.embedding_length"]
+    n_head = md[f"{a}.attention.head_count"]
+    n_kv = md[f"{a}.attention.head_count_kv"]
+    hd = md.get(f"{a}.attention.key_length", n_embd // n_head)
+    n_layer = md[f"{a}.block_count"]
+    eps = md[f"{a}.attention.layer_norm_rms_epsilon"]
+    base = md[f"{a}.rope.freq_base"]
+    n_rot = md.get(f"{a}.rope.dimension_count", hd)
+    emb = W("token_embd.weight")
+    out_w = W("output.weight") if "output.weight" in g.tensors else emb
+    gemma = arch == "gemma3"
+    window = md.get(f"{a}.attention.sliding_window") if gemma else None
+    pattern = md.get(f"{a}.attention.sliding_window_pattern", 6)
+    base_swa = md.get(f"{a}.rope.freq_base_swa", 10000.0)
+    Ks: list[list[np.ndarray]] = [[] for _ in range(n_layer)]
+    Vs: list[list[np.ndarray]] = [[] for _ in range(n_layer)]
+    rows = []
+    for pos, tok in enumerate(tokens):
+        x = emb[tok].copy()
+        if gemma:
+            x *= math.sqrt(n_embd)
+        for il in range(n_layer):
+            p = f"blk.{il}."
+            is_swa = gemma and window and (pattern[il] if isinstance(pattern, list) else il % pattern < pattern - 1)
+            b = base_swa if is_swa else base
+            h = _rms(x, W(p + "attn_norm.weight"), eps)
+            q = (W(p + "attn_q.weight") @ h).reshape(n_head, hd)
+            k = (W(p + "attn_k.weight") @ h).reshape(n_kv, hd)
+            v = (W(p + "attn_v.weight") @ h).reshape(n_kv, hd)
+            if gemma:
+                q = _rms(q, W(p + "attn_q_norm.weight"), eps)
+                k = _rms(k, W(p + "attn_k_norm.weight"), eps)
+                q = np.stack([_rope_neox(qh, pos, b, n_rot) for qh in q]) / math.sqrt(hd)
+                k = np.stack([_rope_neox(kh, pos, b, n_rot) for kh in k])
+                scale = 1.0
+            else:
+                q = np.stack([_rope_adjacent(qh, pos, b, n_rot) for qh in q])
+                k = np.stack([_rope_adjacent(kh, pos, b, n_rot) for kh in k])
+                scale = 1.0 / math.sqrt(hd)
+            Ks[il].append(k)
+            Vs[il].append(v)
+            heads = []
+            for hh in range(n_head):
+                kv = hh // (n_head // n_kv)
+                vis = [j for j in range(pos + 1) if not (is_swa and pos - j >= window)]
+                s = np.array([q[hh] @ Ks[il][j][kv] for j in vis]) * scale
+                pr = np.exp(s - s.max())
+                pr /= pr.sum()
+                heads.append(sum(pj * Vs[il][j][kv] for pj, j in zip(pr, vis)))
+            att = W(p + "attn_output.weight") @ np.concatenate(heads)
+            if gemma:
+                sa = x + _rms(att, W(p + "post_attention_norm.weight"), eps)
+                h = _rms(sa, W(p + "ffn_norm.weight"), eps)
+                gt = W(p + "ffn_gate.weight") @ h
+                gl = 0.5 * gt * (1 + np.tanh(math.sqrt(2 / math.pi) * (gt + 0.044715 * gt**3)))
+                f = W(p + "ffn_down.weight") @ (gl * (W(p + "ffn_up.weight") @ h))
+                x = sa + _rms(f, W(p + "post_ffw_norm.weight"), eps)
+            else:
+                x = x + att
+                h = _rms(x, W(p + "ffn_norm.weight"), eps)
+                gt = W(p + "ffn_gate.weight") @ h
+                f = W(p + "ffn_down.weight") @ (gt / (1 + np.exp(-gt)) * (W(p + "ffn_up.weight") @ h))
+                x = x + f
+        rows.append(out_w @ _rms(x, W("output_norm.weight"), eps))
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("arch,qtype", [("llama", "F32"), ("llama", "Q8_0"), ("llama", "Q4_1"), ("llama", "F16"),
+                                        ("gemma3", "F32"), ("gemma3", "Q5_0"), ("gemma3", "F16")])
+def test_matches_independent_reference(tmp_path: Path, arch: str, qtype: str) -> None:
+    path = tiny(tmp_path, arch, qtype=qtype)
+    ref = log_softmax(reference_logits(path, PROMPT))
+    m64 = load_model(read_gguf(path), dtype=np.float64)
+    got64 = log_softmax(m64.forward(PROMPT, all_logits=True))
+    assert np.abs(got64 - ref).max() < 1e-9
+    m32 = load_model(read_gguf(path))
+    got32 = log_softmax(m32.forward(PROMPT, all_logits=True))
+    assert np.abs(got32 - ref).max() < 1e-4
+
+
+def test_reference_llama_variants(tmp_path: Path) -> None:
+    """Untied output, partial rotary (n_rot < head_dim), MHA (n_kv == n_head), other rope base."""
+    path = write_tiny_llama(tmp_path / "v.gguf", tied=False, n_head_kv=4, rope_base=10000.0,
+                            extra_metadata={"{arch}.rope.dimension_count": 8})
+    m = load_model(read_gguf(path), dtype=np.float64)
+    assert "output" in m.w
+    np.testing.assert_allclose(m.forward(PROMPT, all_logits=True), reference_logits(path, PROMPT), atol=1e-9)
+
+
+def test_reference_gemma3_pattern_and_swa_base(tmp_path: Path) -> None:
+    """A per-layer sliding_window_pattern array and a freq_base_swa key are honoured."""
+    pattern = [True, False, True, True, False, True]
+    path = write_tiny_gemma3(tmp_path / "p.gguf", sliding_window=5,
+                             extra_metadata={"{arch}.attention.sliding_window_pattern": pattern,
+                                             "{arch}.rope.freq_base_swa": 500.0})
+    m = load_model(read_gguf(path), dtype=np.float64)
+    assert m.swa_layers == pattern and m.rope_base_swa == 500.0
+    np.testing.assert_allclose(m.forward(PROMPT, all_logits=True), reference_logits(path, PROMPT), atol=1e-9)
+
+
+def test_gemma3_default_layer_pattern(tmp_path: Path) -> None:
+    m = load_model(read_gguf(write_tiny_gemma3(tmp_path / "g.gguf", n_layer=12)))
+    assert m.swa_layers == [True] * 5 + [False] + [True] * 5 + [False]
+    assert m.rope_base_swa == 10000.0 and m.rope_base == 1e6
+    assert m.q_scale == pytest.approx(1 / math.sqrt(32))
+
+
+def test_gemma3_window_changes_logits(tmp_path: Path) -> None:
+    """The sliding window is real: a wide window gives other logits once the prompt exceeds it."""
+    narrow = load_model(read_gguf(write_tiny_gemma3(tmp_path / "a.gguf", sliding_window=4)))
+    wide = load_model(read_gguf(write_tiny_gemma3(tmp_path / "b.gguf", sliding_window=1000)))
+    la, lb = narrow.forward(PROMPT, all_logits=True), wide.forward(PROMPT, all_logits=True)
+    np.testing.assert_allclose(la[:4], lb[:4], atol=1e-5)  # first 4 positions see <= 4 keys
+    assert np.abs(la[-1] - lb[-1]).max() > 1e-3
+
+
+# ------------------------------------------------------------------ float64 vs float32
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_float64_agrees_with_float32_tiny(tmp_path: Path, arch: str) -> None:
+    path = tiny(tmp_path, arch, qtype="Q8_0")
+    g = read_gguf(path)
+    a = log_softmax(load_model(g).forward(PROMPT, all_logits=True))
+    b = log_softmax(load_model(g, dtype=np.float64).forward(PROMPT, all_logits=True))
+    assert np.abs(a - b).max() < 1e-4
+
+
+@pytest.mark.slow
+def test_float64_agrees_with_float32_smollm2(smollm2_gguf) -> None:
+    ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407,
+           19712, 8182, 2, 198, 1, 4093, 198, 504, 2]
+    m32 = load_model(smollm2_gguf, n_ctx=64)
+    m64 = load_model(smollm2_gguf, n_ctx=64, dtype=np.float64)
+    a = log_softmax(m32.forward(ids, all_logits=True))
+    b = log_softmax(m64.forward(ids, all_logits=True))
+    diff = np.abs(a - b)
+    # over the plausible tokens (logprob > -20) the float32 error stays ~1e-4
+    sel = b > -20
+    print(f"\nSmolLM2 float32 vs float64 log-softmax: max |diff| {diff[sel].max():.2e} "
+          f"(all tokens {diff.max():.2e})")
+    assert diff[sel].max() < 2e-4
+
+
+@pytest.mark.slow
+def test_float64_agrees_with_float32_gemma3(gemma3_gguf) -> None:
+    ids = [2, 818, 5279, 529, 7001, 563, 496, 1607, 236764, 625, 506, 3401, 1169, 236761, 107, 818]
+    m32 = load_model(gemma3_gguf, n_ctx=32)
+    m64 = load_model(gemma3_gguf, n_ctx=32, dtype=np.float64)
+    a = log_softmax(m32.forward(ids, all_logits=True))
+    b = log_softmax(m64.forward(ids, all_logits=True))
+    sel = b > -20
+    diff = np.abs(a - b)[sel]
+    print(f"\nGemma 3 float32 vs float64 log-softmax: max |diff| {diff.max():.2e}")
+    assert diff.max() < 5e-4
+
+
+# ------------------------------------------------------------------ invariants
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_chunked_equals_oneshot_equals_tokenwise(tmp_path: Path, arch: str) -> None:
+    m = load_model(read_gguf(tiny(tmp_path, arch, qtype="F16")))
+    full = m.forward(PROMPT, all_logits=True)
+    assert full.shape == (len(PROMPT), TINY_VOCAB_SIZE) and full.dtype == np.float32
+    assert m.n_past == len(PROMPT)
+    for chunk in (1, 3, 7, 10):
+        m.reset()
+        parts = [m.forward(PROMPT[i:i + chunk], all_logits=True) for i in range(0, len(PROMPT), chunk)]
+        np.testing.assert_allclose(np.concatenate(parts), full, atol=1e-4, rtol=0)
+    m.reset()
+    last = m.forward(np.array(PROMPT, dtype=np.int32))
+    assert last.shape == (TINY_VOCAB_SIZE,)
+    np.testing.assert_allclose(last, full[-1], atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_truncate_and_refeed_equals_fresh(tmp_path: Path, arch: str) -> None:
+    m = load_model(read_gguf(tiny(tmp_path, arch)))
+    fresh = m.forward(PROMPT, all_logits=True)
+    m.reset()
+    m.forward(PROMPT[:15] + [5, 6, 7, 8, 9, 10, 11, 12, 13, 14])  # diverge after 15 tokens
+    m.truncate(15)
+    assert m.n_past == 15
+    tail = m.forward(PROMPT[15:], all_logits=True)
+    np.testing.assert_allclose(tail, fresh[15:], atol=1e-4)
+    m.truncate(0)
+    assert m.n_past == 0
+    np.testing.assert_allclose(m.forward(PROMPT[:3], all_logits=True), fresh[:3], atol=1e-4)
+    m.truncate(3)  # no-op is allowed
+    with pytest.raises(EngineError) as e:
+        m.truncate(4)
+    assert e.value.code == "invalid_params"
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(EngineError):
+            m.truncate(bad)  # type: ignore[arg-type]
+    assert m.n_past == 3
+
+
+@pytest.mark.slow
+def test_real_models_chunked_equals_oneshot(smollm2_gguf, gemma3_gguf) -> None:
+    """Gemma 3 over ~700 tokens (past the 512 sliding window): one pass vs 256-token chunks
+    then single tokens; SmolLM2: one pass vs token by token."""
+    fx = json.loads(Path("/work/shared/fixtures/gemma-3-270m-q4_k_m.shared.json").read_text())
+    ids = max(fx["greedy"], key=lambda e: len(e["prompt_ids"]))["prompt_ids"]
+    assert len(ids) > 600
+    m = load_model(gemma3_gguf, n_ctx=1024)
+    one = m.forward(ids)
+    m.reset()
+    n = (len(ids) - 3) // 256 * 256
+    for i in range(0, n, 256):
+        m.forward(ids[i:i + 256])
+    for t in ids[n:]:
+        last = m.forward([t])
+    d = np.abs(log_softmax(last) - log_softmax(one))
+    print(f"\nGemma 3 chunked vs one-shot ({len(ids)} tokens): max |dlogprob| {d.max():.2e}")
+    assert d.max() < 1e-3
+    s = load_model(smollm2_gguf, n_ctx=128)
+    sid = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411]
+    full = s.forward(sid, all_logits=True)
+    s.reset()
+    tok = np.concatenate([s.forward([t], all_logits=True) for t in sid])
+    d = np.abs(log_softmax(tok) - log_softmax(full))
+    print(f"SmolLM2 token-by-token vs one-shot: max |dlogprob| {d.max():.2e}")
+    assert d.max() < 1e-3
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_context_overflow(tmp_path: Path) -> None:
+    m = load_model(read_gguf(tiny(tmp_path, "llama")), n_ctx=10)
+    assert m.n_ctx == 10
+    m.forward(PROMPT[:8])
+    with pytest.raises(EngineError) as e:
+        m.forward(PROMPT[:3])
+    assert e.value.code == "context_length_exceeded"
+    assert m.n_past == 8
+    m.forward(PROMPT[:2])
+    assert m.n_past == 10
+    with pytest.raises(EngineError) as e:
+        m.forward([5])
+    assert e.value.code == "context_length_exceeded"
+    m.reset()
+    with pytest.raises(EngineError):
+        m.forward(list(range(11)))
+    assert m.n_past == 0
+
+
+@pytest.mark.parametrize("bad", [[-1], [TINY_VOCAB_SIZE], [3, 2**40], [1.0], [True], ["a"], [None],
+                                 np.array([1.0, 2.0]), np.array([TINY_VOCAB_SIZE + 5]), np.array([-3])])
+def test_invalid_token(tmp_path: Path, bad) -> None:
+    m = load_model(read_gguf(tiny(tmp_path, "llama")))
+    m.forward([5, 6])
+    with pytest.raises(EngineError) as e:
+        m.forward(bad)
+    assert e.value.code == "invalid_token"
+    assert m.n_past == 2
+    m.forward([7])  # still usable
+    assert m.n_past == 3
+
+
+@pytest.mark.parametrize("bad", [[], np.zeros((0,), dtype=np.int64), np.zeros((2, 2), dtype=np.int64), "abc", 5])
+def test_invalid_token_sequence(tmp_path: Path, bad) -> None:
+    m = load_model(read_gguf(tiny(tmp_path, "llama")))
+    with pytest.raises(EngineError) as e:
+        m.forward(bad)
+    assert e.value.code == "invalid_params"
+    assert m.n_past == 0
+
+
+def test_unknown_architecture(tmp_path: Path) -> None:
+    path = write_tiny_llama(tmp_path / "x.gguf", arch="mamba9")
+    with pytest.raises(EngineError) as e:
+        load_model(read_gguf(path))
+    assert e.value.code == "unsupported_architecture" and "mamba9" in e.value.message
+    assert {"llama", "gemma3"} <= set(ARCHITECTURES)
+
+
+@pytest.mark.parametrize("arch,missing", [("llama", "blk.1.ffn_up.weight"), ("llama", "token_embd.weight"),
+                                          ("llama", "output_norm.weight"), ("gemma3", "blk.3.attn_k_norm.weight"),
+                                          ("gemma3", "blk.0.post_ffw_norm.weight")])
+def test_missing_tensor(tmp_path: Path, arch: str, missing: str) -> None:
+    path = tiny(tmp_path, arch, omit=(missing,))
+    with pytest.raises(EngineError) as e:
+        load_model(read_gguf(path))
+    assert e.value.code == "invalid_gguf" and missing in e.value.message
+
+
+def test_misshaped_tensor(tmp_path: Path) -> None:
+    # head_count 8 with the 4-head weights: attn_q is [64, 64] but attn_k expects [8*8*2/... ] rows
+    path = write_tiny_llama(tmp_path / "s.gguf", extra_metadata={"{arch}.attention.head_count_kv": 4})
+    with pytest.raises(EngineError) as e:
+        load_model(read_gguf(path))
+    assert e.value.code == "invalid_gguf" and "attn_k.weight" in e.value.message and "shape" in e.value.message
+
+
+@pytest.mark.parametrize("key,value", [("{arch}.block_count", 0), ("{arch}.attention.head_count_kv", 3),
+                                       ("{arch}.attention.layer_norm_rms_epsilon", -1.0),
+                                       ("{arch}.embedding_length", "wide"), ("{arch}.rope.dimension_count", 7),
+                                       ("{arch}.rope.scaling.type", "yarn")])
+def test_bad_hparams(tmp_path: Path, key: str, value) -> None:
+    extra = {key: value}
+    if key.endswith("scaling.type"):
+        extra["{arch}.rope.scaling.factor"] = 4.0
+    path = write_tiny_llama(tmp_path / "h.gguf", extra_metadata=extra)
+    with pytest.raises(EngineError) as e:
+        load_model(read_gguf(path))
+    assert e.value.code in ("invalid_gguf", "unsupported_architecture")
+    assert key.replace("{arch}.", "") in e.value.message or "RoPE scaling" in e.value.message
+
+
+def test_missing_hparam(tmp_path: Path) -> None:
+    path = write_tiny_llama(tmp_path / "m.gguf")
+    g = read_gguf(path)
+    del g.metadata["llama.feed_forward_length"]
+    with pytest.raises(EngineError) as e:
+        load_model(g)
+    assert e.value.code == "invalid_gguf" and "feed_forward_length" in e.value.message
+
+
+def test_n_ctx(tmp_path: Path) -> None:
+    g = read_gguf(write_tiny_llama(tmp_path / "c.gguf", n_ctx_train=300))
+    assert load_model(g).n_ctx == 300
+    assert load_model(g, n_ctx=1000).n_ctx == 1000
+    for bad in (0, -5, 2.5, True, "64"):
+        with pytest.raises(EngineError) as e:
+            load_model(g, n_ctx=bad)  # type: ignore[arg-type]
+        assert e.value.code == "invalid_params"
+    with pytest.raises(EngineError) as e:
+        load_model(g, dtype=np.int32)
+    assert e.value.code == "invalid_params"
+
+
+def test_model_api_surface(tmp_path: Path) -> None:
+    m = load_model(read_gguf(tiny(tmp_path, "gemma3", qtype="Q8_0")), n_ctx=40)
+    assert isinstance(m, Model) and m.n_vocab == TINY_VOCAB_SIZE and m.n_ctx == 40 and m.n_past == 0
+    out = m.forward([3, 4, 5])
+    assert out.shape == (TINY_VOCAB_SIZE,) and out.dtype == np.float32 and np.isfinite(out).all()
+    assert m.n_past == 3
+    m.reset()
+    assert m.n_past == 0
+    assert "n_past=0" in repr(m)
+
+
+# ------------------------------------------------------------------ weight cache
+
+
+def test_weight_cache_roundtrip(tmp_path: Path) -> None:
+    path = tiny(tmp_path, "llama", qtype="Q8_0")
+    m1 = load_model(read_gguf(path))
+    assert m1.weights_from_cache is False
+    g = read_gguf(path)
+    d = tmp_path / "xdg-cache" / "modelyard" / "npy" / g.fingerprint / "llama-v1"
+    assert (d / "manifest.json").is_file()
+    assert not list(d.glob("*.tmp")) and not list(d.glob(".*"))
+    m2 = load_model(g)
+    assert m2.weights_from_cache is True
+    assert not m2.w["blk.0.wqkv"].flags.writeable  # memory-mapped, read-only
+    np.testing.assert_array_equal(m1.forward(PROMPT, all_logits=True), m2.forward(PROMPT, all_logits=True))
+
+
+def test_weight_cache_incomplete_is_rebuilt(tmp_path: Path) -> None:
+    path = tiny(tmp_path, "gemma3")
+    g = read_gguf(path)
+    ref = load_model(g).forward(PROMPT)
+    d = tmp_path / "xdg-cache" / "modelyard" / "npy" / g.fingerprint / "gemma3-v1"
+    (d / "blk.2.wqkv.npy").write_bytes(b"\x93NUMPY garbage")
+    m = load_model(g)
+    assert m.weights_from_cache is False
+    np.testing.assert_array_equal(m.forward(PROMPT), ref)
+    (d / "manifest.json").unlink()
+    assert load_model(g).weights_from_cache is False
+    assert load_model(g).weights_from_cache is True
+
+
+def test_weight_cache_disabled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tiny(tmp_path, "llama")
+    load_model(read_gguf(path), weight_cache=False)
+    monkeypatch.setenv("MODELYARD_WEIGHT_CACHE", "0")
+    load_model(read_gguf(path))
+    load_model(read_gguf(path), dtype=np.float64)
+    assert not (tmp_path / "xdg-cache" / "modelyard" / "npy").exists()
+
+
+def test_weight_cache_unwritable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "file-not-dir"
+    blocker.write_text("x")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # mkdir under a file fails
+    path = tiny(tmp_path, "llama")
+    g = read_gguf(path)
+    g.__dict__["fingerprint"] = "0" * 64  # the sha256 memo cannot be written either; skip hashing
+    m = load_model(g)
+    assert m.weights_from_cache is False and m.forward([1, 2]).shape == (TINY_VOCAB_SIZE,)
