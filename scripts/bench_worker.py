@@ -2,7 +2,7 @@
 """Tokens/s through the worker's socket vs the engine alone, and cancel latency.
 
     .venv/bin/python scripts/bench_worker.py [--model models/SmolLM2-135M-Instruct.Q4_1.gguf]
-        [--n-ctx 2048] [--max-tokens 64] [--runs 3] [--prefill-words 1500]
+        [--n-ctx 2048] [--max-tokens 64] [--runs 3] [--prefill-words 1000]
 
 1. **Engine alone**: ``Engine.load`` in this process; ``generate`` with greedy
    sampling, ``ignore_eos``, ``cache_prompt=False``; timestamps from ``on_token``.
@@ -14,7 +14,8 @@
    the first / time from the first to the last token. A warm-up run is not counted.
 
 3. **Cancel latency** through the socket, Cancel sent -> Done received (ms):
-   mid-decode (after 5 tokens of a long generation) and mid-prefill (a prompt of
+   mid-decode (at a random point of the forward pass after the 5th token of a long
+   generation; the engine checks the cancel flag before each token) and mid-prefill (a prompt of
    ``--prefill-words`` words, cancelled ~0.2 s after the worker started it; the
    prefill runs in chunks of 256 tokens and the cancel flag is checked between
    chunks). Also the Ping -> Pong round trip while a prefill chunk is computing.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -158,11 +160,16 @@ def bench_socket(args: argparse.Namespace) -> dict[str, Any]:
                 ttft, tps = rates(t_sent, stamps)
                 out["ttft"].append(ttft)
                 out["tps"].append(tps)
+        gap_s = 1.0 / statistics.median(out["tps"]) if out["tps"] and min(out["tps"]) > 0 else 0.05
+        rng = random.Random(0)
         for run in range(args.runs):
             rid = f"cd{run}"
             r.send(Generate(id=rid, prompt=PROMPT, max_tokens=1000, temperature=0.0, ignore_eos=True))
             for _ in range(5):
                 r.until(lambda m: isinstance(m, Token) and m.id == rid)
+            # A Cancel sent the instant a Token arrives often beats the engine back from on_token
+            # (latency ~0): cancel at a random point of the next forward pass instead.
+            time.sleep(rng.uniform(0, gap_s))
             t_cancel = r.send(Cancel(id=rid))
             t_done, done = r.until(lambda m: isinstance(m, Done) and m.id == rid)
             assert isinstance(done, Done) and done.finish_reason == "cancelled"
@@ -207,7 +214,7 @@ def main() -> None:
     ap.add_argument("--n-ctx", type=int, default=2048)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--prefill-words", type=int, default=1500)
+    ap.add_argument("--prefill-words", type=int, default=1000)
     args = ap.parse_args()
 
     e_ttft, e_tps, e_load = bench_engine(args)
@@ -219,7 +226,8 @@ def main() -> None:
     print(f"{'worker through the socket':28s}{summary(s['ttft']):>24s}{summary(s['tps']):>24s}{s['load_ms']:>10.0f}")
     if e_tps and s["tps"]:
         print(f"socket / engine decode speed: {statistics.median(s['tps']) / statistics.median(e_tps) * 100:.1f} %")
-    print(f"Cancel -> Done mid-decode (ms):  {summary(s['cancel_decode'])}")
+    print(f"Cancel -> Done mid-decode (ms):  {summary(s['cancel_decode'])}   "
+          f"(one decode step: {1e3 / statistics.median(s['tps']):.0f} ms)")
     print(f"Cancel -> Done mid-prefill (ms): {summary(s['cancel_prefill'])}   "
           f"(prompt_n/prompt_tokens, tokens, finish: {s['prefill_done']})")
     print(f"Ping -> Pong during prefill (ms): {summary(s['pong_prefill'])}")

@@ -301,6 +301,8 @@ class WorkerServer:
             elif isinstance(ev, LoadFailed):
                 log.error("cannot load %s (%s): %s", self.cfg.model, self.cfg.gguf, ev.reason)
                 self._send(Error(id=self.worker_id, code="load_failed", message=ev.reason[:4000]))
+                while self.pending:  # requests that arrived while loading
+                    self._send(Error(id=self.pending.popleft().id, code="load_failed", message=ev.reason[:4000]))
                 self._stop_reason = "load failed"
                 self._exit_code = 1
 

@@ -134,6 +134,40 @@ def test_load_failure_is_an_error_frame_then_exit_1(start: Callable[..., Harness
     assert h.wait_exit() == 1
 
 
+def test_a_request_sent_while_loading_runs_after_ready(start: Callable[..., Harness]) -> None:
+    release = threading.Event()
+    eng = FakeEngine()
+
+    def slow_loader(*_: Any) -> FakeEngine:
+        release.wait(10)
+        return eng
+
+    h = start(loader=slow_loader, handshake=False)
+    assert isinstance(h.stub.next(timeout_s=10), Hello)
+    h.stub.send(Generate(id="early", prompt="x y", max_tokens=3, temperature=0.0))
+    release.set()
+    assert isinstance(h.stub.next(timeout_s=10), Ready)
+    tokens, done = h.stub.stream("early")
+    assert isinstance(done, Done) and len(tokens) == 3
+
+
+def test_requests_waiting_for_a_failed_load_get_load_failed(start: Callable[..., Harness]) -> None:
+    release = threading.Event()
+
+    def failing_loader(*_: Any) -> Any:
+        release.wait(10)
+        raise EngineError("invalid_gguf", "truncated file")
+
+    h = start(loader=failing_loader, handshake=False)
+    assert isinstance(h.stub.next(timeout_s=10), Hello)
+    h.stub.send(Generate(id="early", prompt="x"))
+    assert h.ping().queue_len == 1
+    release.set()
+    err = h.stub.next_for("early", 10)
+    assert isinstance(err, Error) and err.code == "load_failed" and "truncated file" in err.message
+    assert h.wait_exit() == 1
+
+
 def test_shutdown_while_loading_exits_0(start: Callable[..., Harness]) -> None:
     release = threading.Event()
 
