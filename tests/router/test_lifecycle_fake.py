@@ -338,3 +338,16 @@ def test_unload_while_loading_answers_the_waiting_requests(router: LiveRouter) -
     # and it loads again on demand
     r = httpx.post(router.url + "/v1/chat/completions", json=chat("lazy", max_tokens=1), timeout=30)
     assert r.status_code == 200 and router.admin("lazy")["spawn_count"] == 2
+
+
+def test_openai_sdk_raises_on_the_mid_stream_error_event(router: LiveRouter) -> None:
+    import openai
+
+    got: list[str] = []
+    stream = router.client().chat.completions.create(
+        model="crash", messages=[{"role": "user", "content": "[slow=0.05] [crash]"}], stream=True)
+    with pytest.raises(openai.APIError) as e:
+        for ch in stream:
+            got.extend(c.delta.content or "" for c in ch.choices)
+    assert "".join(got) == " w100"  # the partial text arrived before the error
+    assert "worker" in str(e.value)
