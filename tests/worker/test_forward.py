@@ -23,6 +23,7 @@ import pytest
 from tests.worker.tiny_gguf import TINY_VOCAB_SIZE, write_tiny_gemma3, write_tiny_llama
 from worker.engine.errors import EngineError
 from worker.engine.gguf_loader import read_gguf
+from worker.engine import model as model_mod
 from worker.engine.model import ARCHITECTURES, Model, load_model
 
 
@@ -32,6 +33,7 @@ def _private_cache(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: 
     tests); real-model (slow) tests use the user's cache so warm loads stay fast."""
     if request.node.get_closest_marker("slow") is None:
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+        monkeypatch.setattr(model_mod, "WEIGHT_CACHE_MIN_BYTES", 0)  # cache even tiny files here
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -469,6 +471,14 @@ def test_weight_cache_disabled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     load_model(read_gguf(path))
     load_model(read_gguf(path), dtype=np.float64)
     assert not (tmp_path / "xdg-cache" / "modelyard" / "npy").exists()
+
+
+def test_tiny_files_not_cached_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_mod, "WEIGHT_CACHE_MIN_BYTES", 16 << 20)
+    path = tiny(tmp_path, "llama")
+    assert load_model(read_gguf(path)).weights_from_cache is False
+    assert load_model(read_gguf(path)).weights_from_cache is False
+    assert not (tmp_path / "xdg-cache" / "modelyard").exists()  # neither .npy nor sha256 memo
 
 
 def test_weight_cache_unwritable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,6 +13,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from tests.worker.tiny_gguf import TINY_VOCAB_SIZE, tiny_bpe_vocab, write_gguf, write_tiny_llama
+from worker.engine import gguf_loader
 from worker.engine.errors import EngineError
 from worker.engine.gguf_loader import SUPPORTED_TENSOR_TYPES, atomic_write_bytes, cache_root, read_gguf
 
@@ -90,6 +91,7 @@ def test_fingerprint_is_file_sha256(smollm2_path: Path, tmp_path: Path, monkeypa
 
 def test_fingerprint_changes_with_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_loader, "SHA256_MEMO_MIN_BYTES", 0)  # memoise even tiny files here
     a = write_tiny_llama(tmp_path / "a.gguf", seed=1)
     b = write_tiny_llama(tmp_path / "b.gguf", seed=2)
     fa, fb = read_gguf(a).fingerprint, read_gguf(b).fingerprint
@@ -100,6 +102,14 @@ def test_fingerprint_changes_with_content(tmp_path: Path, monkeypatch: pytest.Mo
     a.write_bytes(b.read_bytes())
     os.utime(a, ns=(old_mtime + 10**9, old_mtime + 10**9))  # coarse fs clocks: force a new mtime
     assert read_gguf(a).fingerprint == fb
+    assert len(list((tmp_path / "cache" / "modelyard" / "sha256").glob("*.json"))) == 3
+
+
+def test_small_files_hashed_without_memo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    a = write_tiny_llama(tmp_path / "a.gguf")
+    assert read_gguf(a).fingerprint == hashlib.sha256(a.read_bytes()).hexdigest()
+    assert not (tmp_path / "cache").exists()
 
 
 def test_cache_root_respects_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

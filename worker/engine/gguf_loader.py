@@ -38,6 +38,8 @@ from .errors import EngineError
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
+#: files smaller than this are hashed on every access instead of memoised on disk
+SHA256_MEMO_MIN_BYTES = 16 << 20
 
 #: ggml tensor types this engine can dequantize.
 SUPPORTED_TENSOR_TYPES: frozenset[GGMLQuantizationType] = frozenset({
@@ -243,8 +245,11 @@ class GGUFFile:
         (~0.1 s per 100 MB when cached by the OS); the result is memoised on
         disk under ``$XDG_CACHE_HOME/modelyard/sha256/`` keyed by (real path,
         size, mtime_ns, inode), so a warm load costs one small JSON read. A file
-        modified in place gets a new mtime and is hashed again.
+        modified in place gets a new mtime and is hashed again. Files under
+        ``SHA256_MEMO_MIN_BYTES`` (16 MiB) are simply hashed (no memo file).
         """
+        if self.file_size < SHA256_MEMO_MIN_BYTES:
+            return hashlib.sha256(self._data).hexdigest()
         key = f"{os.path.realpath(self.path)}|{self.file_size}|{self._mtime_ns}|{self._inode}"
         key_hash = hashlib.sha256(key.encode()).hexdigest()[:32]
         memo = cache_root() / "sha256" / f"{key_hash}.json"

@@ -57,7 +57,8 @@ def load_model(gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.floa
         dtype: compute dtype, ``np.float32`` (serving) or ``np.float64``
             (reference runs for tests; weights are upcast, never cached).
         weight_cache: use the ``.npy`` cache of prepared weights; None -> on
-            unless the environment sets ``MODELYARD_WEIGHT_CACHE=0``.
+            unless the environment sets ``MODELYARD_WEIGHT_CACHE=0``. Files
+            under ``WEIGHT_CACHE_MIN_BYTES`` (16 MiB) are never cached.
     Returns:
         a :class:`Model` with an empty KV cache.
     Raises:
@@ -271,6 +272,9 @@ def attention_mask(pos0: int, t: int, k_start: int, window: int | None, dtype: A
 # ------------------------------------------------------------------ weight cache
 
 CACHE_ENV = "MODELYARD_WEIGHT_CACHE"
+#: GGUF files smaller than this are dequantized on every load (milliseconds) and
+#: never leave .npy files behind (tests write many tiny GGUFs).
+WEIGHT_CACHE_MIN_BYTES = 16 << 20
 _cache_lock = threading.Lock()
 
 
@@ -399,7 +403,7 @@ class Model:
     def _load_weights(self, weight_cache: bool | None) -> dict[str, np.ndarray]:
         if weight_cache is None:
             weight_cache = os.environ.get(CACHE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
-        use_cache = weight_cache and self.dtype == np.float32
+        use_cache = weight_cache and self.dtype == np.float32 and self.gguf.file_size >= WEIGHT_CACHE_MIN_BYTES
         cache = None
         if use_cache:
             t0 = time.perf_counter()
