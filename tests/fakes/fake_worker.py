@@ -295,6 +295,7 @@ class FakeWorker:
                                   logprob=-0.5 if g.n_probs else None, top_logprobs=top))
             if crash:
                 _log("crash", id=g.id)
+                await asyncio.sleep(0.1)  # let the Token frame leave before dying (os._exit skips zmq's linger)
                 os._exit(9)
             if hang:
                 _log("hang", id=g.id)
