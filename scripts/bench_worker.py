@@ -8,7 +8,8 @@
    sampling, ``ignore_eos``, ``cache_prompt=False``; timestamps from ``on_token``.
 2. **Through the socket**: this script binds a ZeroMQ ROUTER socket (ipc://),
    spawns ``python -m worker`` on it and sends the same request as a Generate
-   frame; timestamps are Token frame arrivals.
+   frame; timestamps are Token frame arrivals. Runs of 1. and 2. alternate (never
+   at the same time), so a busy machine slows both alike.
 
    For both: TTFT = request sent -> first token (ms); decode tok/s = tokens after
    the first / time from the first to the last token. A warm-up run is not counted.
@@ -69,30 +70,6 @@ def rates(t_sent: float, stamps: list[float]) -> tuple[float, float]:
     return ttft, tps
 
 
-# ----------------------------------------------------------------------------- engine alone
-
-
-def bench_engine(args: argparse.Namespace) -> tuple[list[float], list[float], float]:
-    from worker.engine import Engine, SamplingParams
-
-    t0 = time.perf_counter()
-    engine = Engine.load(str(args.model), n_ctx=args.n_ctx)
-    load_ms = (time.perf_counter() - t0) * 1e3
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, cache_prompt=False)
-    ttfts, tpss = [], []
-    for run in range(args.runs + 1):
-        stamps: list[float] = []
-        t_sent = time.perf_counter()
-        engine.generate(PROMPT, params, on_token=lambda ev: stamps.append(time.perf_counter()) or True)
-        if run:  # run 0 is the warm-up
-            ttft, tps = rates(t_sent, stamps)
-            ttfts.append(ttft)
-            tpss.append(tps)
-    del engine
-    gc.collect()
-    return ttfts, tpss, load_ms
-
-
 # ----------------------------------------------------------------------------- through the socket
 
 
@@ -137,21 +114,34 @@ class Router:
                 return stamps, m
 
 
-def bench_socket(args: argparse.Namespace) -> dict[str, Any]:
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    from worker.engine import Engine, SamplingParams
+
+    t0 = time.perf_counter()
+    engine = Engine.load(str(args.model), n_ctx=args.n_ctx)
+    e_load_ms = (time.perf_counter() - t0) * 1e3
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, cache_prompt=False)
     tmp = tempfile.mkdtemp(prefix="bw-")
     endpoint = f"ipc://{tmp}/w.sock"
     r = Router(endpoint)
     proc = subprocess.Popen([sys.executable, "-m", "worker", "--model", "bench", "--gguf", str(args.model),
                              "--endpoint", endpoint, "--n-ctx", str(args.n_ctx)], cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "MODELYARD_WORKER_LOG": "WARNING"})
-    out: dict[str, Any] = {"ttft": [], "tps": [], "cancel_decode": [], "cancel_prefill": [], "pong_prefill": [],
-                           "prefill_done": []}
+    out: dict[str, Any] = {"ttft": [], "tps": [], "e_ttft": [], "e_tps": [], "e_load_ms": e_load_ms,
+                           "cancel_decode": [], "cancel_prefill": [], "pong_prefill": [], "prefill_done": []}
     try:
         r.until(lambda m: isinstance(m, Hello))
         _, ready = r.until(lambda m: isinstance(m, Ready))
         assert isinstance(ready, Ready)
         out["load_ms"] = ready.load_ms
-        for run in range(args.runs + 1):
+        for run in range(args.runs + 1):  # engine alone and through the socket, alternately (same load)
+            stamps: list[float] = []
+            t_sent = time.perf_counter()
+            engine.generate(PROMPT, params, on_token=lambda ev: stamps.append(time.perf_counter()) or True)
+            if run:  # run 0 is the warm-up
+                ttft, tps = rates(t_sent, stamps)
+                out["e_ttft"].append(ttft)
+                out["e_tps"].append(tps)
             rid = f"gen{run}"
             t_sent = r.send(Generate(id=rid, prompt=PROMPT, max_tokens=args.max_tokens, temperature=0.0,
                                      ignore_eos=True, cache_prompt=False))
@@ -160,6 +150,8 @@ def bench_socket(args: argparse.Namespace) -> dict[str, Any]:
                 ttft, tps = rates(t_sent, stamps)
                 out["ttft"].append(ttft)
                 out["tps"].append(tps)
+        del engine
+        gc.collect()
         gap_s = 1.0 / statistics.median(out["tps"]) if out["tps"] and min(out["tps"]) > 0 else 0.05
         rng = random.Random(0)
         for run in range(args.runs):
@@ -217,8 +209,8 @@ def main() -> None:
     ap.add_argument("--prefill-words", type=int, default=1000)
     args = ap.parse_args()
 
-    e_ttft, e_tps, e_load = bench_engine(args)
-    s = bench_socket(args)
+    s = bench(args)
+    e_ttft, e_tps, e_load = s["e_ttft"], s["e_tps"], s["e_load_ms"]
     print(f"model {args.model.name}, n_ctx {args.n_ctx}, {args.max_tokens} tokens greedy, {args.runs} runs "
           f"(median [min..max]); {os.cpu_count()} CPUs")
     print(f"{'':28s}{'TTFT ms':>24s}{'decode tok/s':>24s}{'load ms':>10s}")

@@ -220,8 +220,9 @@ class WorkerServer:
             sock.connect(self.cfg.endpoint)
         except zmq.ZMQError as e:
             log.error("cannot connect to %s: %s", self.cfg.endpoint, e)
+            self._exit_code = 1
             sock.close(linger=0)
-            self._ctx.term()
+            self._close()
             return 1
         self._sock = sock
         try:
@@ -497,15 +498,16 @@ class WorkerServer:
             self._exit_code = 0
 
     def _close(self) -> None:
-        self.runner.stop(0.2)
+        runner_ended = self.runner.stop(0.2)
         if self._sock is not None:
             self._sock.close(linger=self._linger_ms)
             self._sock = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        if runner_ended:  # else the runner may still post: leave its pipe open rather than let the
+            for fd in (self._wake_r, self._wake_w):  # fd number be reused and written into
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
