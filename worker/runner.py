@@ -116,21 +116,33 @@ RunnerEvent = FrameOut | JobFinished | Loaded | LoadFailed
 # ----------------------------------------------------------------------------- Generate -> engine
 
 
-def check_generate(g: Generate) -> Error | None:
-    """Structural checks done on arrival (cheap, no engine): an Error to answer, or None.
+def check_generate(g: Generate, n_vocab: int | None = None) -> Error | None:
+    """Cheap checks on arrival, so a bad request is refused at once rather than after
+    the generations queued before it: an Error to answer, or None.
 
-    Exactly one of ``prompt`` and ``messages`` must be set; ``logit_bias`` must be
-    a list of ``[token_id, bias]`` pairs (see :func:`sampling_params`). Value
-    ranges (temperature, top_p, token ids, context length, ...) are the engine's
-    to check, in the runner.
+    Exactly one of ``prompt`` and ``messages`` must be set ("invalid_request");
+    ``logit_bias`` must be ``[token_id, bias]`` pairs and, once the model is loaded
+    (``n_vocab`` known), the sampling values must pass ``SamplingParams.validated``
+    ("invalid_params") and a token-id prompt must be non-empty ("empty_prompt") with
+    every id in ``[0, n_vocab)`` ("invalid_token"). Whatever needs tokenizing
+    (context length of text and chat prompts, templates) is checked by the engine
+    when the job runs.
     """
     if (g.prompt is None) == (g.messages is None):
         return Error(id=g.id, code="invalid_request",
                      message="exactly one of 'prompt' (text or token ids) and 'messages' must be given")
     try:
-        sampling_params(g)
+        params = sampling_params(g)
+        if n_vocab is not None:
+            params.validated(n_vocab)
     except EngineError as e:
         return Error(id=g.id, code=e.code, message=e.message)
+    if n_vocab is not None and isinstance(g.prompt, list):
+        if not g.prompt:
+            return Error(id=g.id, code="empty_prompt", message="the prompt is empty (no token ids)")
+        bad = next((t for t in g.prompt if not 0 <= t < n_vocab), None)
+        if bad is not None:
+            return Error(id=g.id, code="invalid_token", message=f"token id {bad} is out of the vocabulary [0, {n_vocab})")
     return None
 
 

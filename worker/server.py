@@ -415,7 +415,7 @@ class WorkerServer:
         if g.id in self.running or any(j.id == g.id for j in self.pending):
             self._send(Error(id=g.id, code="invalid_request", message=f"request id {g.id!r} is already in use"))
             return
-        err = check_generate(g)
+        err = check_generate(g, None if self.engine is None else int(self.engine.info.n_vocab))
         if err is not None:
             self._send(err)
             return

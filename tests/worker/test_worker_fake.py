@@ -386,6 +386,21 @@ def test_bad_requests_get_precise_errors_and_the_worker_keeps_serving(
     assert isinstance(h.stub.stream("ok")[1], Done)
 
 
+def test_bad_sampling_values_are_refused_at_once_not_after_the_queue(start: Callable[..., Harness]) -> None:
+    h = start()
+    h.engine.token_delay_s = 0.05
+    h.engine.length = 1000
+    h.stub.send(Generate(id="long", prompt="runs a while", temperature=0.0))
+    h.stub.next_for("long")
+    for rid, msg in {"b1": Generate(id="b1", prompt="x", top_p=2.0), "b2": Generate(id="b2", prompt=[1, 4000]),
+                     "b3": Generate(id="b3", prompt=[])}.items():
+        h.stub.send(msg)
+        assert isinstance(h.stub.next_for(rid, 10), Error)
+    assert h.ping().running_id == "long"  # answered while "long" still runs
+    h.stub.send(Cancel(id="long"))
+    assert h.stub.stream("long")[1].finish_reason == "cancelled"
+
+
 def test_no_chat_template(start: Callable[..., Harness]) -> None:
     h = start(FakeEngine(has_template=False))
     h.stub.send(Generate(id="r", messages=[{"role": "user", "content": "x"}]))
