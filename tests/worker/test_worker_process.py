@@ -163,6 +163,16 @@ def test_chat_generate_streams_tokens_then_done(wa: Proc) -> None:
     assert isinstance(det, DetokenizeResult) and _text(tokens, done) == det.content
 
 
+def test_stop_string_never_reaches_the_wire(wa: Proc) -> None:
+    wa.stub.send(Generate(id="stop", prompt="The three primary colors are", max_tokens=8, temperature=0.0,
+                          stop=["colors"], add_special=False))
+    tokens, done = wa.stub.stream("stop", 120)
+    assert isinstance(done, Done) and (done.finish_reason, done.stop_type, done.stopping_word) == ("stop", "word", "colors")
+    text = _text(tokens, done)
+    assert "colors" not in text and text.startswith(" the primary")  # llama.cpp's greedy start (fixtures)
+    assert b"".join(t.piece for t in tokens).decode().startswith(text)  # the stop token's piece was sent, not its text
+
+
 def test_two_generates_at_once_come_back_one_after_the_other(wa: Proc) -> None:
     s = wa.stub
     n0 = len(s.received)
@@ -315,6 +325,7 @@ def test_worker_exits_within_2s_when_its_router_process_is_killed(sockdir: str) 
         [sys.executable, "-m", "tests.worker.router_stub", "--gguf", str(GGUF), "--endpoint",
          f"ipc://{sockdir}/killed.sock"], cwd=REPO, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
         env={**os.environ, "PYTHONPATH": str(REPO)})
+    worker_pid: int | None = None
     try:
         line = router.stdout.readline() if router.stdout else b""  # after Ready and the first Token
         if not line:
@@ -334,6 +345,8 @@ def test_worker_exits_within_2s_when_its_router_process_is_killed(sockdir: str) 
     finally:
         router.kill()
         router.wait()
+        if worker_pid is not None and not _gone(worker_pid):
+            os.kill(worker_pid, signal.SIGKILL)  # never leave an orphan behind a failed test
     print(f"router SIGKILLed mid-generation -> worker gone in {took * 1e3:.0f} ms")
     assert _gone(worker_pid), "worker still alive 10 s after its router died"
     assert took < 2.0
