@@ -45,7 +45,7 @@ __all__ = [
     "cancelled_done", "check_generate", "sampling_params",
 ]
 
-#: Error codes an engine may raise for a generation; anything else is reported as is too.
+#: Error code for an unexpected exception (an engine or worker bug), never for bad input.
 INTERNAL_ERROR = "internal_error"
 
 

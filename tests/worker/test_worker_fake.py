@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import pytest
 
 from protocol import (
@@ -38,7 +37,6 @@ from protocol import (
     Token,
     Tokenize,
     TokenizeResult,
-    encode,
 )
 from tests.worker.fake_engine import EOS, FakeEngine
 from tests.worker.router_stub import RouterStub, garbage_frame
