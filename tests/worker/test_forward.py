@@ -438,8 +438,9 @@ def test_model_api_surface(tmp_path: Path) -> None:
 
 def test_weight_cache_roundtrip(tmp_path: Path) -> None:
     path = tiny(tmp_path, "llama", qtype="Q8_0")
-    m1 = load_model(read_gguf(path))
+    m1 = load_model(read_gguf(path))  # background write
     assert m1.weights_from_cache is False
+    assert m1.wait_weight_cache(timeout=60)
     g = read_gguf(path)
     d = tmp_path / "xdg-cache" / "modelyard" / "npy" / g.fingerprint / "llama-v1"
     assert (d / "manifest.json").is_file()
@@ -453,15 +454,18 @@ def test_weight_cache_roundtrip(tmp_path: Path) -> None:
 def test_weight_cache_incomplete_is_rebuilt(tmp_path: Path) -> None:
     path = tiny(tmp_path, "gemma3")
     g = read_gguf(path)
-    ref = load_model(g).forward(PROMPT)
+    ref = load_model(g, cache_write="sync").forward(PROMPT)
     d = tmp_path / "xdg-cache" / "modelyard" / "npy" / g.fingerprint / "gemma3-v1"
     (d / "blk.2.wqkv.npy").write_bytes(b"\x93NUMPY garbage")
-    m = load_model(g)
+    m = load_model(g, cache_write="sync")
     assert m.weights_from_cache is False
     np.testing.assert_array_equal(m.forward(PROMPT), ref)
     (d / "manifest.json").unlink()
-    assert load_model(g).weights_from_cache is False
+    assert load_model(g, cache_write="sync").weights_from_cache is False
     assert load_model(g).weights_from_cache is True
+    with pytest.raises(EngineError) as e:
+        load_model(g, cache_write="later")
+    assert e.value.code == "invalid_params"
 
 
 def test_weight_cache_disabled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -490,3 +494,49 @@ def test_weight_cache_unwritable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     g.__dict__["fingerprint"] = "0" * 64  # the sha256 memo cannot be written either; skip hashing
     m = load_model(g)
     assert m.weights_from_cache is False and m.forward([1, 2]).shape == (TINY_VOCAB_SIZE,)
+
+
+# ------------------------------------------------------------------ KV cache unit
+
+
+def test_kv_cache_unit() -> None:
+    from worker.engine.kv_cache import KVCache
+
+    c = KVCache(2, 3, 4, 5, 10)
+    assert c.n_past == 0 and c.k.shape == (2, 3, 10, 4) and c.v.shape == (2, 3, 10, 5)
+    k = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)  # [T, n_kv, hd_k]
+    v = np.arange(2 * 3 * 5, dtype=np.float32).reshape(2, 3, 5)
+    c.store(1, 0, k, v)
+    c.advance(2)
+    np.testing.assert_array_equal(c.keys(1, 0, 2), k.transpose(1, 0, 2))
+    np.testing.assert_array_equal(c.values(1, 1, 2), v.transpose(1, 0, 2)[:, 1:2])
+    assert not c.keys(0, 0, 2).any()  # other layer untouched
+    with pytest.raises(EngineError) as e:
+        c.advance(9)
+    assert e.value.code == "context_length_exceeded" and c.n_past == 2
+    c.truncate(1)
+    assert c.n_past == 1
+    c.reset()
+    assert c.n_past == 0
+    for bad in ((0, 1, 1, 1, 1), (1, 1, 1, 1, -3), (1, 1, 1, 1, 2.0)):
+        with pytest.raises(EngineError) as e:
+            KVCache(*bad)  # type: ignore[arg-type]
+        assert e.value.code == "invalid_params"
+
+
+def test_kv_cache_memory_is_lazy() -> None:
+    """A 1 GiB reservation costs (almost) nothing until positions are written."""
+    import psutil
+
+    from worker.engine.kv_cache import KVCache
+
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    c = KVCache(16, 4, 64, 64, 65536)  # 2 x 1 GiB of address space
+    one = np.ones((1, 4, 64), dtype=np.float32)
+    for layer in range(16):
+        c.store(layer, 0, one, one)
+    c.advance(1)
+    grown = (proc.memory_info().rss - before) / 2**20
+    assert c.nbytes == 2 * 2**30
+    assert grown < 256, f"KV cache made {grown:.0f} MiB resident for one position"

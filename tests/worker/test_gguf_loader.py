@@ -357,3 +357,18 @@ def test_metadata_value_types(tmp_path: Path) -> None:
     assert md["a.s"] == "héllo ▁"
     assert md["a.ai"] == [1, 2, 3] and md["a.af"] == [0.25, 1.5] and md["a.ab"] == [True, False]
     assert md["a.as"] == ["x", "", "ü"]
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_chunked_dequant_bit_identical(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qtype: str) -> None:
+    """Chunk boundaries (7 blocks, a ragged last chunk) change nothing, bit for bit."""
+    monkeypatch.setattr(gguf_loader, "_DEQUANT_CHUNK_BLOCKS", 7)
+    rng = np.random.default_rng(5)
+    qt = GGMLQuantizationType[qtype]
+    w = (rng.standard_normal((13, 96)) * 3).astype(np.float32)
+    w[0, :32] = 0.0  # an all-zero block
+    raw = gguf.quants.quantize(w, qt).view(np.uint8).reshape(13, -1)
+    got = gguf_loader.dequantize_raw(raw, qt)
+    want = gguf.quants.dequantize(raw, qt).reshape(13, 96)
+    assert got.dtype == np.float32 and got.shape == (13, 96) and got.flags.c_contiguous
+    assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))

@@ -3,9 +3,11 @@
 Layout: ``k``, ``v`` are ``[n_layer, n_kv_head, n_ctx, head_dim]`` (float32 by
 default). Position ``p`` of layer ``l`` lives at ``k[l, :, p, :]``, so the keys
 of positions ``a..b-1`` for one layer are the contiguous-per-head block
-``k[l, :, a:b]``. The arrays come from ``np.zeros`` (calloc): pages the
-sequence never reaches are never touched, so a large ``n_ctx`` costs address
-space, not RSS, until used.
+``k[l, :, a:b]``. The arrays live in anonymous ``mmap`` memory (zero pages,
+allocated 4 KiB at a time on first write): positions the sequence never
+reaches cost address space, not RSS. (``np.zeros`` would get transparent huge
+pages from numpy's allocator: measured on SmolLM2 with n_ctx 8192, writing
+640 positions made 178 MiB resident instead of 14 MiB.)
 
 Keys are stored after RoPE (as llama.cpp's cache does); llama.cpp keeps them in
 f16 by default, this cache keeps the model's compute dtype.
@@ -17,6 +19,8 @@ The cache knows only how many positions are valid (``n_past``); the caller
 """
 
 from __future__ import annotations
+
+import mmap
 
 import numpy as np
 
@@ -48,8 +52,8 @@ class KVCache:
         self.n_kv_head = int(n_kv_head)
         self.n_ctx = int(n_ctx)
         self.dtype = np.dtype(dtype)
-        self.k = np.zeros((n_layer, n_kv_head, n_ctx, head_dim_k), dtype=self.dtype)  # [L, n_kv, n_ctx, hd_k]
-        self.v = np.zeros((n_layer, n_kv_head, n_ctx, head_dim_v), dtype=self.dtype)  # [L, n_kv, n_ctx, hd_v]
+        self.k = _lazy_zeros((n_layer, n_kv_head, n_ctx, head_dim_k), self.dtype)  # [L, n_kv, n_ctx, hd_k]
+        self.v = _lazy_zeros((n_layer, n_kv_head, n_ctx, head_dim_v), self.dtype)  # [L, n_kv, n_ctx, hd_v]
         self.n_past = 0
 
     @property
@@ -96,3 +100,12 @@ class KVCache:
     def reset(self) -> None:
         """Forget every position (no memory is touched)."""
         self.n_past = 0
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Zero-filled writable array backed by an anonymous mmap (pages allocated on first touch)."""
+    n = int(np.prod(shape)) * dtype.itemsize
+    if n == 0:
+        return np.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)

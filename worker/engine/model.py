@@ -47,7 +47,7 @@ def register(cls: type[Model]) -> type[Model]:
 
 
 def load_model(gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.float32,
-               weight_cache: bool | None = None) -> Model:
+               weight_cache: bool | None = None, cache_write: str = "background") -> Model:
     """Build the model for a parsed GGUF file.
 
     Args:
@@ -59,6 +59,9 @@ def load_model(gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.floa
         weight_cache: use the ``.npy`` cache of prepared weights; None -> on
             unless the environment sets ``MODELYARD_WEIGHT_CACHE=0``. Files
             under ``WEIGHT_CACHE_MIN_BYTES`` (16 MiB) are never cached.
+        cache_write: on a cache miss, write the ``.npy`` files in a background
+            thread (``"background"``: the model is usable at once; see
+            :meth:`Model.wait_weight_cache`) or before returning (``"sync"``).
     Returns:
         a :class:`Model` with an empty KV cache.
     Raises:
@@ -74,7 +77,9 @@ def load_model(gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.floa
     if cls is None:
         raise EngineError("unsupported_architecture",
                           f"architecture {arch!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))})")
-    return cls(gguf, n_ctx, dtype=dtype, weight_cache=weight_cache)
+    if cache_write not in ("background", "sync"):
+        raise EngineError("invalid_params", f"cache_write must be 'background' or 'sync', got {cache_write!r}")
+    return cls(gguf, n_ctx, dtype=dtype, weight_cache=weight_cache, cache_write=cache_write)
 
 
 def _register_builtin() -> None:
@@ -308,10 +313,18 @@ class WeightCache:
 
     def save(self, arrays: dict[str, np.ndarray]) -> None:
         """Write every array, then the manifest (atomic renames). Errors are swallowed:
-        a read-only or full disk only costs the next load time."""
+        a read-only or full disk only costs the next load time. Temp files left by a
+        killed writer (older than an hour) are removed."""
         try:
             with _cache_lock:
                 self.dir.mkdir(parents=True, exist_ok=True)
+                now = time.time()
+                for stale in self.dir.glob(".*.tmp"):
+                    try:
+                        if now - stale.stat().st_mtime > 3600:
+                            stale.unlink()
+                    except OSError:
+                        pass
                 for name, arr in arrays.items():
                     path = self.dir / f"{name}.npy"
                     tmp = self.dir / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
@@ -351,7 +364,7 @@ class Model:
     layout_version: ClassVar[int] = 1
 
     def __init__(self, gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.float32,
-                 weight_cache: bool | None = None) -> None:
+                 weight_cache: bool | None = None, cache_write: str = "background") -> None:
         try:
             self.dtype = np.dtype(dtype)
         except TypeError:
@@ -368,6 +381,8 @@ class Model:
             raise EngineError("invalid_params", f"n_ctx must be a positive integer, got {n_ctx!r}")
         self.n_ctx = int(n_ctx)
         self.load_timings: dict[str, float] = {}
+        self._cache_write = cache_write
+        self._cache_thread: threading.Thread | None = None
         self._read_hparams(md)
         t0 = time.perf_counter()
         self.w = self._load_weights(weight_cache)
@@ -420,9 +435,14 @@ class Model:
         arrays = self._build_weights()
         self.load_timings["dequantize"] = time.perf_counter() - t0
         if cache is not None:
-            t0 = time.perf_counter()
-            cache.save(arrays)
-            self.load_timings["cache_write"] = time.perf_counter() - t0
+            if self._cache_write == "sync":
+                t0 = time.perf_counter()
+                cache.save(arrays)
+                self.load_timings["cache_write"] = time.perf_counter() - t0
+            else:
+                self._cache_thread = threading.Thread(target=cache.save, args=(arrays,), daemon=True,
+                                                      name="modelyard-weight-cache-write")
+                self._cache_thread.start()
         if self.dtype != np.float32:
             arrays = {k: v.astype(self.dtype) for k, v in arrays.items()}
         return arrays
@@ -443,6 +463,16 @@ class Model:
 
     def has_tensor(self, name: str) -> bool:
         return name in self.gguf.tensors
+
+    def wait_weight_cache(self, timeout: float | None = None) -> bool:
+        """Wait for a background ``.npy`` cache write to finish; True when none is running."""
+        th = self._cache_thread
+        if th is not None:
+            th.join(timeout)
+            if th.is_alive():
+                return False
+            self._cache_thread = None
+        return True
 
     # -- public API ---------------------------------------------------------
 
