@@ -498,7 +498,8 @@ class WorkerServer:
             self._exit_code = 0
 
     def _close(self) -> None:
-        runner_ended = self.runner.stop(0.2)
+        # The runner ends within a token once cancelled; do not wait for it when nobody listens.
+        runner_ended = self.runner.stop(0.2 if self._linger_ms > 0 else 0.0)
         if self._sock is not None:
             self._sock.close(linger=self._linger_ms)
             self._sock = None
