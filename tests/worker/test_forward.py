@@ -195,6 +195,17 @@ def test_gemma3_default_layer_pattern(tmp_path: Path) -> None:
     assert m.q_scale == pytest.approx(1 / math.sqrt(32))
 
 
+def test_gemma3_without_window_is_global_with_softcap(tmp_path: Path) -> None:
+    """No sliding window: every layer global, and llama.cpp's non-iswa graph softcaps the logits."""
+    path = write_tiny_gemma3(tmp_path / "nc.gguf", sliding_window=0,
+                             extra_metadata={"{arch}.final_logit_softcapping": 3.0})
+    m = load_model(read_gguf(path), dtype=np.float64)
+    assert m.window is None and not any(m.swa_layers) and m.softcap == 3.0
+    got = m.forward(PROMPT, all_logits=True)
+    np.testing.assert_allclose(got, np.tanh(reference_logits(path, PROMPT) / 3.0) * 3.0, atol=1e-9)
+    assert np.abs(got).max() <= 3.0
+
+
 def test_gemma3_window_changes_logits(tmp_path: Path) -> None:
     """The sliding window is real: a wide window gives other logits once the prompt exceeds it."""
     narrow = load_model(read_gguf(write_tiny_gemma3(tmp_path / "a.gguf", sliding_window=4)))
