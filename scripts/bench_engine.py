@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from worker.engine.gguf_loader import read_gguf  # noqa: E402
 from worker.engine.model import load_model  # noqa: E402
 
-FIXTURES = Path("/work/shared/fixtures")
+FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 
 
 def rss_mib() -> float:

@@ -28,8 +28,6 @@ from tests.router.conftest import GEMMA, MODELS, ROOT, SMOLLM2, LiveRouter, aliv
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not (ROOT / "worker" / "__main__.py").exists(), reason="the real worker has not landed"),
-    pytest.mark.skipif(not (SMOLLM2.exists() and GEMMA.exists()), reason="models not fetched"),
 ]
 
 CONFIG = f"""

@@ -12,35 +12,37 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-MODELS_DIR = ROOT / "models"
-SMOLLM2_PATH = MODELS_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
-GEMMA3_PATH = MODELS_DIR / "gemma-3-270m-q4_k_m.gguf"
-FIXTURES_DIR = Path("/work/shared/fixtures")
-SMOLLM2_FIXTURES = FIXTURES_DIR / "smollm2-135m-instruct-q4_1.shared.json"
-GEMMA3_FIXTURES = FIXTURES_DIR / "gemma-3-270m-q4_k_m.shared.json"
+from tests.paths import (  # noqa: F401  (re-exported for the test modules)
+    FIXTURES_DIR,
+    GEMMA3_FIXTURES,
+    GEMMA3_PATH,
+    MODELS_DIR,
+    ROOT,
+    SMOLLM2_FIXTURES,
+    SMOLLM2_PATH,
+)
 
 
 def _need(path: Path) -> Path:
     if not path.is_file():
-        pytest.skip(f"missing {path} (run scripts/fetch_models.py)")
+        pytest.fail(f"missing {path} (scripts/fetch_models.py fetches the models; the fixtures are in tests/fixtures)")
     return path
 
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    """Path of the real SmolLM2-135M-Instruct Q4_1 GGUF (skips if absent)."""
+    """Path of the real SmolLM2-135M-Instruct Q4_1 GGUF (fails if absent)."""
     return _need(SMOLLM2_PATH)
 
 
 @pytest.fixture(scope="session")
 def gemma3_path() -> Path:
-    """Path of the real Gemma 3 270M Q4_K_M GGUF (skips if absent)."""
+    """Path of the real Gemma 3 270M Q4_K_M GGUF (fails if absent)."""
     return _need(GEMMA3_PATH)
 
 
 def load_fixture_file(path: Path) -> dict[str, Any]:
-    """The llama.cpp reference data (see /work/shared/fixtures/README.md); skips if absent."""
+    """The llama.cpp reference data (see tests/fixtures/README.md); fails if absent."""
     return json.loads(_need(path).read_text())
 
 

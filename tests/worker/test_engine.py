@@ -259,7 +259,7 @@ def matching_prefix(got: list[int], entry: dict[str, Any]) -> int:
 @pytest.fixture(scope="module")
 def smollm2() -> Engine:
     if not MODELS["smollm2"].is_file():
-        pytest.skip("SmolLM2 not fetched")
+        pytest.fail("SmolLM2 not fetched (scripts/fetch_models.py)")
     return Engine.load(str(MODELS["smollm2"]), n_ctx=1024)
 
 
@@ -278,7 +278,7 @@ def test_smollm2_greedy_chat_matches_llama_cpp(smollm2: Engine, index: int, n_to
 @pytest.mark.slow
 def test_gemma3_greedy_completion_matches_llama_cpp() -> None:
     if not MODELS["gemma3"].is_file():
-        pytest.skip("Gemma 3 not fetched")
+        pytest.fail("Gemma 3 not fetched (scripts/fetch_models.py)")
     fx = load_fixture("gemma3")
     eng = Engine.load(str(MODELS["gemma3"]), n_ctx=256)
     assert not eng.info.has_chat_template

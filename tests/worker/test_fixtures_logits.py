@@ -1,6 +1,6 @@
 """Teacher-forced agreement with llama.cpp on every ``greedy`` fixture entry of both models.
 
-Rules (``/work/shared/fixtures/README.md``): feed ``prompt_ids + ids`` in one
+Rules (``tests/fixtures/README.md``): feed ``prompt_ids + ids`` in one
 pass with all logits; for each step i, look at the log-softmax after
 ``prompt_ids + ids[:i]``:
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.paths import GEMMA3_FIXTURES
 from tests.worker.tiny_gguf import TINY_VOCAB_SIZE, write_tiny_gemma3, write_tiny_llama
 from worker.engine.errors import EngineError
 from worker.engine.gguf_loader import read_gguf
@@ -302,7 +303,7 @@ def test_truncate_and_refeed_equals_fresh(tmp_path: Path, arch: str) -> None:
 def test_real_models_chunked_equals_oneshot(smollm2_gguf, gemma3_gguf) -> None:
     """Gemma 3 over ~700 tokens (past the 512 sliding window): one pass vs 256-token chunks
     then single tokens; SmolLM2: one pass vs token by token."""
-    fx = json.loads(Path("/work/shared/fixtures/gemma-3-270m-q4_k_m.shared.json").read_text())
+    fx = json.loads(GEMMA3_FIXTURES.read_text())
     ids = max(fx["greedy"], key=lambda e: len(e["prompt_ids"]))["prompt_ids"]
     assert len(ids) > 600
     m = load_model(gemma3_gguf, n_ctx=1024)

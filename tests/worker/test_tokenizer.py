@@ -38,8 +38,8 @@ FIXTURE_NAMES = {
 
 
 def fixture_path(model: str) -> Path | None:
-    """The llama.cpp fixture file: $MODELYARD_FIXTURES, tests/fixtures, or /work/shared/fixtures."""
-    dirs = [os.environ.get("MODELYARD_FIXTURES"), ROOT / "tests" / "fixtures", "/work/shared/fixtures"]
+    """The llama.cpp fixture file: $MODELYARD_FIXTURES or tests/fixtures."""
+    dirs = [os.environ.get("MODELYARD_FIXTURES"), ROOT / "tests" / "fixtures"]
     for d in dirs:
         if d and (Path(d) / FIXTURE_NAMES[model]).is_file():
             return Path(d) / FIXTURE_NAMES[model]
@@ -49,7 +49,7 @@ def fixture_path(model: str) -> Path | None:
 def load_fixture(model: str) -> dict[str, Any]:
     p = fixture_path(model)
     if p is None:
-        pytest.skip(f"llama.cpp fixture {FIXTURE_NAMES[model]} not found (set MODELYARD_FIXTURES)")
+        pytest.fail(f"llama.cpp fixture {FIXTURE_NAMES[model]} not found (set MODELYARD_FIXTURES)")
     return json.loads(p.read_text(encoding="utf-8"))
 
 
@@ -60,7 +60,7 @@ def real_metadata(model: str) -> dict[str, Any]:
     if model not in _META_CACHE:
         path = MODELS[model]
         if not path.is_file():
-            pytest.skip(f"model file {path} not fetched (scripts/fetch_models.py)")
+            pytest.fail(f"model file {path} not fetched (scripts/fetch_models.py)")
         from worker.engine.gguf_loader import read_gguf
 
         _META_CACHE[model] = read_gguf(str(path)).metadata

@@ -45,12 +45,13 @@ from protocol import (
     Tokenize,
     TokenizeResult,
 )
+from tests.paths import SMOLLM2_FIXTURES
 from tests.worker.router_stub import REPO, RouterStub, garbage_frame, spawn_worker
 
 pytestmark = pytest.mark.slow
 
 GGUF = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-FIXTURES = Path("/work/shared/fixtures/smollm2-135m-instruct-q4_1.shared.json")
+FIXTURES = SMOLLM2_FIXTURES
 N_CTX = 2048
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 LONG_TEXT = (
@@ -63,11 +64,6 @@ def _long_prompt(n_words: int) -> str:
     words = LONG_TEXT.split()
     return " ".join(f"{words[i % len(words)]}{'' if i % 7 else str(i)}" for i in range(n_words))
 
-
-def _skip_if_engine_incomplete(reason: str) -> None:
-    """While worker/engine/ is being written, a load can fail on an import: skip, do not fail."""
-    if "ImportError" in reason or "ModuleNotFoundError" in reason:
-        pytest.skip(f"engine not complete yet: {reason}")
 
 
 class Proc:
@@ -87,7 +83,7 @@ class Proc:
 
 def _start(endpoint: str, *extra: str) -> Proc:
     if not GGUF.is_file():
-        pytest.skip(f"missing {GGUF} (run scripts/fetch_models.py)")
+        pytest.fail(f"missing {GGUF} (run scripts/fetch_models.py)")
     stub = RouterStub(endpoint)
     proc = spawn_worker(str(GGUF), stub.endpoint, "--n-ctx", str(N_CTX), *extra)
     try:
@@ -96,7 +92,6 @@ def _start(endpoint: str, *extra: str) -> Proc:
         proc.kill()
         proc.wait()
         stub.close()
-        _skip_if_engine_incomplete(str(e))
         raise
     return Proc(stub, proc, ready)
 
@@ -320,7 +315,7 @@ def _gone(pid: int) -> bool:
 
 def test_worker_exits_within_2s_when_its_router_process_is_killed(sockdir: str) -> None:
     if not GGUF.is_file():
-        pytest.skip(f"missing {GGUF}")
+        pytest.fail(f"missing {GGUF}")
     router = subprocess.Popen(
         [sys.executable, "-m", "tests.worker.router_stub", "--gguf", str(GGUF), "--endpoint",
          f"ipc://{sockdir}/killed.sock"], cwd=REPO, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
@@ -332,7 +327,6 @@ def test_worker_exits_within_2s_when_its_router_process_is_killed(sockdir: str) 
             pytest.fail(f"router stub ended without reporting (exit {router.wait(30)})")
         report = json.loads(line)
         if "error" in report:
-            _skip_if_engine_incomplete(report["error"])
             pytest.fail(report["error"])
         worker_pid = report["worker_pid"]
         assert not _gone(worker_pid)
@@ -367,7 +361,7 @@ def test_load_failure_over_the_real_cli(sockdir: str) -> None:
 
 def test_sigterm_while_loading_exits_0_promptly(sockdir: str) -> None:
     if not GGUF.is_file():
-        pytest.skip(f"missing {GGUF}")
+        pytest.fail(f"missing {GGUF}")
     stub = RouterStub(f"ipc://{sockdir}/st.sock")
     try:
         proc = spawn_worker(str(GGUF), stub.endpoint)
