@@ -42,7 +42,7 @@ from router.generation import (
     token_probs,
 )
 from router.openai_api import parse_messages
-from router.params import get_bool, get_int, get_str, get_token_list, read_json
+from router.params import get_bool, get_int, get_prompt, get_str, get_token_list, read_json
 from router.pool import ModelSlot, Pool
 from router.process import WorkerUnreachable
 from router.sse import SSEResponse, sse_event, until_disconnect
@@ -73,19 +73,10 @@ def _prob_entry(p: TokenProb, n: int) -> dict[str, Any]:
 
 
 def _prompt(body: dict[str, Any]) -> str | list[int]:
-    p = body.get("prompt")
-    if isinstance(p, str):
-        return p
-    ids = get_token_list(p, "prompt")
-    if ids is not None:
-        return ids
-    if isinstance(p, list) and len(p) == 1:
-        if isinstance(p[0], str):
-            return p[0]
-        inner = get_token_list(p[0], "prompt")
-        if inner is not None:
-            return inner
-    raise BadRequest("'prompt' must be a string or a non-empty list of token ids", param="prompt")
+    prompt = get_prompt(body.get("prompt"), "prompt")
+    if prompt is None:
+        raise BadRequest("'prompt' must be a string or a non-empty list of token ids", param="prompt")
+    return prompt
 
 
 async def completion(request: Request) -> Response:

@@ -29,7 +29,7 @@ from router.generation import (
     token_probs,
     usage_of,
 )
-from router.params import get_bool, get_int, get_str, get_token_list, read_json
+from router.params import get_bool, get_int, get_prompt, get_str, read_json
 from router.pool import ModelSlot, Pool
 from router.process import WorkerProcess
 from router.sse import SSEResponse, sse_event
@@ -112,6 +112,22 @@ def _error_event(err: ApiError) -> bytes:
     return sse_event(error_payload(err))
 
 
+def _envelope(rid: str, obj: str, created: int, model: str, fp: str | None) -> dict[str, Any]:
+    """The fields that open every completion object and chunk, in OpenAI's order."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": fp}
+
+
+def _final_events(final: dict[str, Any], done: Done, head: dict[str, Any], include_usage: bool) -> list[bytes]:
+    """The end of a stream: ``final`` (the last chunk) with llama.cpp ``timings``; with
+    ``include_usage`` a chunk ``head`` + no choices + ``usage``; then ``[DONE]``."""
+    final["timings"] = timings_of(done)
+    out = [sse_event(final)]
+    if include_usage:
+        out.append(sse_event({**head, "choices": [], "usage": usage_of(done), "timings": timings_of(done)}))
+    out.append(sse_event("[DONE]"))
+    return out
+
+
 def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     """``messages`` as [{"role", "content": str}] for the worker's template.
     Content parts of type "text" are joined with newlines; ``developer`` becomes
@@ -176,6 +192,10 @@ def _chat_logprob(tp: TokenProb, n_top: int) -> dict[str, Any]:
     }
 
 
+async def _chat_logprobs(worker: WorkerProcess, tokens: list[Token], n_top: int) -> list[dict[str, Any]]:
+    return [_chat_logprob(p, n_top) for p in await token_probs(worker, tokens, n_top)]
+
+
 async def chat_completions(request: Request) -> Response:
     body = await read_json(request)
     pool = _pool(request)
@@ -202,20 +222,19 @@ async def chat_completions(request: Request) -> Response:
         text = "".join(t.text for t in tokens) + done.text
         logprobs = None
         if want_logprobs:
-            probs = await token_probs(worker, tokens, top_n)
-            logprobs = {"content": [_chat_logprob(p, top_n) for p in probs], "refusal": None}
+            logprobs = {"content": await _chat_logprobs(worker, tokens, top_n), "refusal": None}
         return JSONResponse({
-            "id": rid, "object": "chat.completion", "created": created, "model": model_name,
-            "system_fingerprint": fp,
+            **_envelope(rid, "chat.completion", created, model_name, fp),
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
                          "logprobs": logprobs, "finish_reason": done.finish_reason}],
             "usage": usage_of(done), "timings": timings_of(done),
         })
 
+    head = _envelope(rid, "chat.completion.chunk", created, model_name, fp)
+
     def chunk(delta: dict[str, Any], finish: str | None = None,
               lp: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                "system_fingerprint": fp,
+        return {**head,
                 "choices": [{"index": 0, "delta": delta,
                              "logprobs": {"content": lp, "refusal": None} if lp is not None else None,
                              "finish_reason": finish}]}
@@ -233,25 +252,17 @@ async def chat_completions(request: Request) -> Response:
             pending.append(item)
             if not item.text:
                 return out
-            lp = [_chat_logprob(p, top_n) for p in await token_probs(worker, pending, top_n)] \
-                if want_logprobs else None
+            lp = await _chat_logprobs(worker, pending, top_n) if want_logprobs else None
             pending.clear()
             out.append(sse_event(chunk({"content": item.text}, lp=lp)))
             return out
-        lp = [_chat_logprob(p, top_n) for p in await token_probs(worker, pending, top_n)] \
-            if want_logprobs and pending else ([] if want_logprobs else None)
+        lp = await _chat_logprobs(worker, pending, top_n) if want_logprobs and pending \
+            else ([] if want_logprobs else None)
         pending.clear()
         if item.text:
             out.append(sse_event(chunk({"content": item.text}, lp=lp)))
             lp = [] if want_logprobs else None
-        final = chunk({}, item.finish_reason, lp)
-        final["timings"] = timings_of(item)
-        out.append(sse_event(final))
-        if include_usage:
-            out.append(sse_event({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                  "model": model_name, "system_fingerprint": fp, "choices": [],
-                                  "usage": usage_of(item), "timings": timings_of(item)}))
-        out.append(sse_event("[DONE]"))
+        out.extend(_final_events(chunk({}, item.finish_reason, lp), item, head, include_usage))
         return out
 
     return SSEResponse(stream(run, first, on_frame, _error_event), run.close)
@@ -264,17 +275,9 @@ def _completion_prompt(body: dict[str, Any]) -> str | list[int]:
     if "prompt" not in body or body["prompt"] is None:
         raise BadRequest("'prompt' is required", param="prompt")
     p = body["prompt"]
-    if isinstance(p, str):
-        return p
-    ids = get_token_list(p, "prompt")
-    if ids is not None:
-        return ids
-    if isinstance(p, list) and len(p) == 1:
-        if isinstance(p[0], str):
-            return p[0]
-        inner = get_token_list(p[0], "prompt")
-        if inner is not None:
-            return inner
+    prompt = get_prompt(p, "prompt")
+    if prompt is not None:
+        return prompt
     if isinstance(p, list) and len(p) > 1:
         raise BadRequest("only one prompt per request is supported (a string or a list of token ids)",
                          param="prompt")
@@ -325,15 +328,15 @@ async def completions(request: Request) -> Response:
         logprobs = _legacy_logprobs(await token_probs(worker, tokens, top_n), top_n, 0) \
             if n_lp is not None else None
         return JSONResponse({
-            "id": rid, "object": "text_completion", "created": created, "model": model_name,
-            "system_fingerprint": fp,
+            **_envelope(rid, "text_completion", created, model_name, fp),
             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": done.finish_reason}],
             "usage": usage_of(done), "timings": timings_of(done),
         })
 
+    head = _envelope(rid, "text_completion", created, model_name, fp)
+
     def chunk(text: str, finish: str | None = None, lp: dict[str, Any] | None = None) -> dict[str, Any]:
-        return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                "system_fingerprint": fp,
+        return {**head,
                 "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
 
     pending: list[Token] = []
@@ -355,17 +358,8 @@ async def completions(request: Request) -> Response:
             lp = await flush_lp()
             sent_chars += len(item.text)
             return [sse_event(chunk(item.text, lp=lp))]
-        out: list[bytes] = []
         lp = await flush_lp()
-        final = chunk(item.text, item.finish_reason, lp)
-        final["timings"] = timings_of(item)
-        out.append(sse_event(final))
-        if include_usage:
-            out.append(sse_event({"id": rid, "object": "text_completion", "created": created,
-                                  "model": model_name, "system_fingerprint": fp, "choices": [],
-                                  "usage": usage_of(item), "timings": timings_of(item)}))
-        out.append(sse_event("[DONE]"))
-        return out
+        return _final_events(chunk(item.text, item.finish_reason, lp), item, head, include_usage)
 
     return SSEResponse(stream(run, first, on_frame, _error_event), run.close)
 

@@ -148,3 +148,18 @@ def get_token_list(v: Any, key: str) -> list[int] | None:
             raise BadRequest(f"'{key}': token ids must be >= 0", param=key)
         return list(v)
     return None
+
+
+def get_prompt(v: Any, key: str) -> str | list[int] | None:
+    """``v`` as one prompt: a string, a non-empty list of token ids, or a one-element
+    list holding either; None when it is none of these (the caller says why)."""
+    if isinstance(v, str):
+        return v
+    ids = get_token_list(v, key)
+    if ids is not None:
+        return ids
+    if isinstance(v, list) and len(v) == 1:
+        if isinstance(v[0], str):
+            return v[0]
+        return get_token_list(v[0], key)
+    return None

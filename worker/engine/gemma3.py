@@ -37,9 +37,8 @@ from typing import Any
 import numpy as np
 
 from .errors import EngineError
-from .kv_cache import KVCache
 from .model import (Model, RopeTable, attention, attention_mask, fuse_rows, gelu_tanh, hp_float, hp_int, register,
-                    rms_norm, rope_freq_scale)
+                    rms_norm)
 
 
 @register
@@ -51,26 +50,7 @@ class Gemma3Model(Model):
 
     def _read_hparams(self, md: dict[str, Any]) -> None:
         a = self.arch
-        self.n_embd = hp_int(md, f"{a}.embedding_length")
-        self.n_layer = hp_int(md, f"{a}.block_count")
-        self.n_ff = hp_int(md, f"{a}.feed_forward_length")
-        self.n_head = hp_int(md, f"{a}.attention.head_count")
-        self.n_head_kv = hp_int(md, f"{a}.attention.head_count_kv", self.n_head)
-        if self.n_head % self.n_head_kv:
-            raise EngineError("invalid_gguf", f"{a}.attention.head_count ({self.n_head}) is not a multiple of "
-                              f"{a}.attention.head_count_kv ({self.n_head_kv})")
-        default_hd = self.n_embd // self.n_head
-        self.head_dim = hp_int(md, f"{a}.attention.key_length", default_hd)
-        self.head_dim_v = hp_int(md, f"{a}.attention.value_length", self.head_dim)
-        if self.head_dim_v != self.head_dim:
-            raise EngineError("invalid_gguf", "gemma3: key_length != value_length is not supported")
-        self.n_rot = hp_int(md, f"{a}.rope.dimension_count", self.head_dim)
-        if self.n_rot > self.head_dim or self.n_rot % 2:
-            raise EngineError("invalid_gguf", f"{a}.rope.dimension_count ({self.n_rot}) must be even and <= "
-                              f"the head size {self.head_dim}")
-        self.eps = hp_float(md, f"{a}.attention.layer_norm_rms_epsilon")
-        self.rope_base = hp_float(md, f"{a}.rope.freq_base", 10000.0)
-        self.rope_scale = rope_freq_scale(md, a)
+        self._read_attention_hparams(md, check_embd_divisible=False)
         self.rope_base_swa = hp_float(md, f"{a}.rope.freq_base_swa", 10000.0)
         window = hp_int(md, f"{a}.attention.sliding_window", 0, minimum=0)
         self.window = window or None
@@ -98,44 +78,27 @@ class Gemma3Model(Model):
         self.embd_scale = math.sqrt(self.n_embd)
 
     def _build_weights(self) -> dict[str, np.ndarray]:
-        E, hd, nh, nkv, nff = self.n_embd, self.head_dim, self.n_head, self.n_head_kv, self.n_ff
+        E, hd, nh = self.n_embd, self.head_dim, self.n_head
         t = self.tensor
-        tok = self.gguf.tensors.get("token_embd.weight")
-        if tok is None:
-            raise EngineError("invalid_gguf", f"{self.gguf.path}: missing tensor 'token_embd.weight'")
-        n_vocab = tok.np_shape[0]
-        w: dict[str, np.ndarray] = {
-            "tok_embd": t("token_embd.weight", (n_vocab, E)),  # [n_vocab, n_embd]
-            "output_norm": t("output_norm.weight", (E,)),      # [n_embd]
-        }
-        if self.has_tensor("output.weight"):
-            w["output"] = t("output.weight", (n_vocab, E))     # [n_vocab, n_embd]
+        w = self._embedding_weights()                          # tok_embd, output_norm, [output]
         for i in range(self.n_layer):
             p = f"blk.{i}."
             w[p + "attn_norm"] = t(p + "attn_norm.weight", (E,))                    # [n_embd]
-            w[p + "wqkv"] = fuse_rows([t(p + "attn_q.weight", (nh * hd, E)),
-                                       t(p + "attn_k.weight", (nkv * hd, E)),
-                                       t(p + "attn_v.weight", (nkv * hd, E))])      # [(nh+2nkv)*hd, n_embd]
+            w[p + "wqkv"] = fuse_rows(self._qkv_weights(p))                         # [(nh+2nkv)*hd, n_embd]
             w[p + "q_norm"] = t(p + "attn_q_norm.weight", (hd,))                    # [hd]
             w[p + "k_norm"] = t(p + "attn_k_norm.weight", (hd,))                    # [hd]
             w[p + "wo"] = t(p + "attn_output.weight", (E, nh * hd))                 # [n_embd, nh*hd]
             w[p + "post_attn_norm"] = t(p + "post_attention_norm.weight", (E,))     # [n_embd]
             w[p + "ffn_norm"] = t(p + "ffn_norm.weight", (E,))                      # [n_embd]
-            w[p + "wgu"] = fuse_rows([t(p + "ffn_gate.weight", (nff, E)),
-                                      t(p + "ffn_up.weight", (nff, E))])            # [2*n_ff, n_embd]
-            w[p + "wdown"] = t(p + "ffn_down.weight", (E, nff))                     # [n_embd, n_ff]
+            w.update(self._gated_ffn_weights(p))   # wgu [2*n_ff, n_embd], wdown [n_embd, n_ff]
             w[p + "post_ffw_norm"] = t(p + "post_ffw_norm.weight", (E,))            # [n_embd]
         return w
 
     def _setup(self) -> None:
         self.rope_global = RopeTable(self.n_ctx, self.n_rot, self.rope_base, self.rope_scale, dtype=self.dtype)
         self.rope_swa = RopeTable(self.n_ctx, self.n_rot, self.rope_base_swa, 1.0, dtype=self.dtype)
-        names = ("attn_norm", "wqkv", "q_norm", "k_norm", "wo", "post_attn_norm", "ffn_norm", "wgu", "wdown",
-                 "post_ffw_norm")
-        self.layers = [tuple(self.w[f"blk.{i}.{n}"] for n in names) for i in range(self.n_layer)]
-
-    def _make_cache(self) -> KVCache:
-        return KVCache(self.n_layer, self.n_head_kv, self.head_dim, self.head_dim, self.n_ctx, self.dtype)
+        self.layers = self._layer_weights(("attn_norm", "wqkv", "q_norm", "k_norm", "wo", "post_attn_norm",
+                                           "ffn_norm", "wgu", "wdown", "post_ffw_norm"))
 
     def _forward_hidden(self, tokens: np.ndarray, pos0: int) -> np.ndarray:
         T = tokens.shape[0]

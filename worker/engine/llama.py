@@ -28,10 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import EngineError
-from .kv_cache import KVCache
-from .model import (Model, RopeTable, attention, attention_mask, fuse_rows, hp_float, hp_int, register, rms_norm,
-                    rope_freq_scale, silu)
+from .model import Model, RopeTable, attention, attention_mask, fuse_rows, register, rms_norm, silu
 
 
 @register
@@ -42,73 +39,32 @@ class LlamaModel(Model):
     layout_version = 1
 
     def _read_hparams(self, md: dict[str, Any]) -> None:
-        a = self.arch
-        self.n_embd = hp_int(md, f"{a}.embedding_length")
-        self.n_layer = hp_int(md, f"{a}.block_count")
-        self.n_ff = hp_int(md, f"{a}.feed_forward_length")
-        self.n_head = hp_int(md, f"{a}.attention.head_count")
-        self.n_head_kv = hp_int(md, f"{a}.attention.head_count_kv", self.n_head)
-        if self.n_head % self.n_head_kv:
-            raise EngineError("invalid_gguf", f"{a}.attention.head_count ({self.n_head}) is not a multiple of "
-                              f"{a}.attention.head_count_kv ({self.n_head_kv})")
-        if self.n_embd % self.n_head and f"{a}.attention.key_length" not in md:
-            raise EngineError("invalid_gguf", f"{a}.embedding_length ({self.n_embd}) is not a multiple of "
-                              f"{a}.attention.head_count ({self.n_head})")
-        self.head_dim = hp_int(md, f"{a}.attention.key_length", self.n_embd // self.n_head)
-        self.head_dim_v = hp_int(md, f"{a}.attention.value_length", self.head_dim)
-        if self.head_dim_v != self.head_dim:
-            raise EngineError("invalid_gguf", "llama: key_length != value_length is not supported")
-        self.n_rot = hp_int(md, f"{a}.rope.dimension_count", self.head_dim)
-        if self.n_rot > self.head_dim or self.n_rot % 2:
-            raise EngineError("invalid_gguf", f"{a}.rope.dimension_count ({self.n_rot}) must be even and <= "
-                              f"the head size {self.head_dim}")
-        self.eps = hp_float(md, f"{a}.attention.layer_norm_rms_epsilon")
-        self.rope_base = hp_float(md, f"{a}.rope.freq_base", 10000.0)
-        self.rope_scale = rope_freq_scale(md, a)
+        self._read_attention_hparams(md, check_embd_divisible=True)
         self.scale = 1.0 / float(np.sqrt(self.head_dim))
 
     def _build_weights(self) -> dict[str, np.ndarray]:
         E, hd, nh, nkv = self.n_embd, self.head_dim, self.n_head, self.n_head_kv
         t = self.tensor
-        tok = self.gguf.tensors.get("token_embd.weight")
-        if tok is None:
-            raise EngineError("invalid_gguf", f"{self.gguf.path}: missing tensor 'token_embd.weight'")
-        n_vocab = tok.np_shape[0]
-        w: dict[str, np.ndarray] = {
-            "tok_embd": t("token_embd.weight", (n_vocab, E)),  # [n_vocab, n_embd]
-            "output_norm": t("output_norm.weight", (E,)),      # [n_embd]
-        }
-        if self.has_tensor("output.weight"):
-            w["output"] = t("output.weight", (n_vocab, E))     # [n_vocab, n_embd]
+        w = self._embedding_weights()                          # tok_embd, output_norm, [output]
         if self.has_tensor("rope_freqs.weight"):
             w["rope_freqs"] = t("rope_freqs.weight", (self.n_rot // 2,))  # [n_rot/2]
         perm = _norm_to_neox_perm(hd, self.n_rot)
         for i in range(self.n_layer):
             p = f"blk.{i}."
-            wq = t(p + "attn_q.weight", (nh * hd, E))          # [n_head*hd, n_embd]
-            wk = t(p + "attn_k.weight", (nkv * hd, E))         # [n_kv*hd, n_embd]
-            wv = t(p + "attn_v.weight", (nkv * hd, E))         # [n_kv*hd, n_embd]
+            wq, wk, wv = self._qkv_weights(p)                  # [n_head*hd | n_kv*hd | n_kv*hd, n_embd]
             wq = wq.reshape(nh, hd, E)[:, perm].reshape(nh * hd, E)
             wk = wk.reshape(nkv, hd, E)[:, perm].reshape(nkv * hd, E)
             w[p + "attn_norm"] = t(p + "attn_norm.weight", (E,))                     # [n_embd]
-            w[p + "wqkv"] = fuse_rows([wq, wk, wv])                                    # [(nh+2nkv)*hd, n_embd]
-            w[p + "wo"] = t(p + "attn_output.weight", (E, nh * hd))                    # [n_embd, n_head*hd]
+            w[p + "wqkv"] = fuse_rows([wq, wk, wv])                                  # [(nh+2nkv)*hd, n_embd]
+            w[p + "wo"] = t(p + "attn_output.weight", (E, nh * hd))                  # [n_embd, n_head*hd]
             w[p + "ffn_norm"] = t(p + "ffn_norm.weight", (E,))                       # [n_embd]
-            w[p + "wgu"] = fuse_rows([t(p + "ffn_gate.weight", (self.n_ff, E)),
-                                      t(p + "ffn_up.weight", (self.n_ff, E))])         # [2*n_ff, n_embd]
-            w[p + "wdown"] = t(p + "ffn_down.weight", (E, self.n_ff))                  # [n_embd, n_ff]
+            w.update(self._gated_ffn_weights(p))    # wgu [2*n_ff, n_embd], wdown [n_embd, n_ff]
         return w
 
     def _setup(self) -> None:
         self.rope = RopeTable(self.n_ctx, self.n_rot, self.rope_base, self.rope_scale,
                               self.w.get("rope_freqs"), dtype=self.dtype)
-        self.layers = [
-            tuple(self.w[f"blk.{i}.{n}"] for n in ("attn_norm", "wqkv", "wo", "ffn_norm", "wgu", "wdown"))
-            for i in range(self.n_layer)
-        ]
-
-    def _make_cache(self) -> KVCache:
-        return KVCache(self.n_layer, self.n_head_kv, self.head_dim, self.head_dim, self.n_ctx, self.dtype)
+        self.layers = self._layer_weights(("attn_norm", "wqkv", "wo", "ffn_norm", "wgu", "wdown"))
 
     def _forward_hidden(self, tokens: np.ndarray, pos0: int) -> np.ndarray:
         T = tokens.shape[0]

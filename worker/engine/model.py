@@ -4,7 +4,10 @@ An architecture is one small file (``llama.py``, ``gemma3.py``) defining a
 :class:`Model` subclass with three methods: ``_read_hparams`` (from the
 ``{arch}.*`` keys), ``_build_weights`` (dequantize, fuse, validate shapes) and
 ``_forward_hidden`` (one forward pass over a chunk of tokens), registered in
-:data:`ARCHITECTURES` by ``general.architecture``.
+:data:`ARCHITECTURES` by ``general.architecture``. The parts they share live on
+:class:`Model`: ``_read_attention_hparams`` (the common keys and their checks),
+``_embedding_weights``, ``_qkv_weights``, ``_gated_ffn_weights``,
+``_layer_weights`` and a default ``_make_cache``.
 
 Weights are dequantized once to float32 (``GGUFFile.tensor``), fused (Q/K/V
 into one matrix, gate/up into one) and kept as ``[out_features,
@@ -403,7 +406,8 @@ class Model:
         """Derived state after weights are loaded (RoPE tables, ...)."""
 
     def _make_cache(self) -> KVCache:
-        raise NotImplementedError
+        """KV cache of ``n_layer`` layers, ``n_head_kv`` heads of ``head_dim`` (keys and values)."""
+        return KVCache(self.n_layer, self.n_head_kv, self.head_dim, self.head_dim, self.n_ctx, self.dtype)
 
     def _forward_hidden(self, tokens: np.ndarray, pos0: int) -> np.ndarray:
         """Run every block over ``tokens`` at positions ``pos0..``; store K/V in the cache.
@@ -411,6 +415,83 @@ class Model:
         Returns the final-normed hidden states ``[T, n_embd]``.
         """
         raise NotImplementedError
+
+    # -- shared by the architectures ----------------------------------------
+
+    def _read_attention_hparams(self, md: dict[str, Any], *, check_embd_divisible: bool) -> None:
+        """The ``{arch}.*`` keys of a dense RMSNorm/RoPE attention model.
+
+        Sets n_embd, n_layer, n_ff, n_head, n_head_kv (default n_head; must
+        divide n_head), head_dim (``attention.key_length``, default ``n_embd //
+        n_head``), head_dim_v (``attention.value_length``, must equal head_dim),
+        n_rot (``rope.dimension_count``, default head_dim; even, <= head_dim),
+        eps, rope_base (``rope.freq_base``, default 10000) and rope_scale.
+        ``check_embd_divisible``: without ``attention.key_length``, n_embd must
+        be a multiple of n_head (llama); otherwise the floor is taken (gemma3).
+        The architecture reads its own extra keys after this.
+
+        Raises: EngineError("invalid_gguf"); EngineError("unsupported_architecture")
+        for an unsupported RoPE scaling type.
+        """
+        a = self.arch
+        self.n_embd = hp_int(md, f"{a}.embedding_length")
+        self.n_layer = hp_int(md, f"{a}.block_count")
+        self.n_ff = hp_int(md, f"{a}.feed_forward_length")
+        self.n_head = hp_int(md, f"{a}.attention.head_count")
+        self.n_head_kv = hp_int(md, f"{a}.attention.head_count_kv", self.n_head)
+        if self.n_head % self.n_head_kv:
+            raise EngineError("invalid_gguf", f"{a}.attention.head_count ({self.n_head}) is not a multiple of "
+                              f"{a}.attention.head_count_kv ({self.n_head_kv})")
+        if check_embd_divisible and self.n_embd % self.n_head and f"{a}.attention.key_length" not in md:
+            raise EngineError("invalid_gguf", f"{a}.embedding_length ({self.n_embd}) is not a multiple of "
+                              f"{a}.attention.head_count ({self.n_head})")
+        self.head_dim = hp_int(md, f"{a}.attention.key_length", self.n_embd // self.n_head)
+        self.head_dim_v = hp_int(md, f"{a}.attention.value_length", self.head_dim)
+        if self.head_dim_v != self.head_dim:
+            raise EngineError("invalid_gguf", f"{a}: key_length != value_length is not supported")
+        self.n_rot = hp_int(md, f"{a}.rope.dimension_count", self.head_dim)
+        if self.n_rot > self.head_dim or self.n_rot % 2:
+            raise EngineError("invalid_gguf", f"{a}.rope.dimension_count ({self.n_rot}) must be even and <= "
+                              f"the head size {self.head_dim}")
+        self.eps = hp_float(md, f"{a}.attention.layer_norm_rms_epsilon")
+        self.rope_base = hp_float(md, f"{a}.rope.freq_base", 10000.0)
+        self.rope_scale = rope_freq_scale(md, a)
+
+    def _embedding_weights(self) -> dict[str, np.ndarray]:
+        """``tok_embd`` ``[n_vocab, n_embd]``, ``output_norm`` ``[n_embd]`` and, when the
+        file has it, ``output`` ``[n_vocab, n_embd]``; n_vocab from ``token_embd.weight``."""
+        E, t = self.n_embd, self.tensor
+        tok = self.gguf.tensors.get("token_embd.weight")
+        if tok is None:
+            raise EngineError("invalid_gguf", f"{self.gguf.path}: missing tensor 'token_embd.weight'")
+        n_vocab = tok.np_shape[0]
+        w: dict[str, np.ndarray] = {
+            "tok_embd": t("token_embd.weight", (n_vocab, E)),  # [n_vocab, n_embd]
+            "output_norm": t("output_norm.weight", (E,)),      # [n_embd]
+        }
+        if self.has_tensor("output.weight"):
+            w["output"] = t("output.weight", (n_vocab, E))     # [n_vocab, n_embd]
+        return w
+
+    def _qkv_weights(self, p: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Block ``p``'s (e.g. ``"blk.3."``) Wq ``[n_head*hd, n_embd]``, Wk and Wv ``[n_kv*hd, n_embd]``."""
+        E, hd, t = self.n_embd, self.head_dim, self.tensor
+        return (t(p + "attn_q.weight", (self.n_head * hd, E)),      # [n_head*hd, n_embd]
+                t(p + "attn_k.weight", (self.n_head_kv * hd, E)),   # [n_kv*hd, n_embd]
+                t(p + "attn_v.weight", (self.n_head_kv * hd, E)))   # [n_kv*hd, n_embd]
+
+    def _gated_ffn_weights(self, p: str) -> dict[str, np.ndarray]:
+        """Block ``p``'s ``wgu`` (gate rows, then up rows) ``[2*n_ff, n_embd]`` and ``wdown`` ``[n_embd, n_ff]``."""
+        E, nff, t = self.n_embd, self.n_ff, self.tensor
+        return {
+            p + "wgu": fuse_rows([t(p + "ffn_gate.weight", (nff, E)),
+                                  t(p + "ffn_up.weight", (nff, E))]),  # [2*n_ff, n_embd]
+            p + "wdown": t(p + "ffn_down.weight", (E, nff)),           # [n_embd, n_ff]
+        }
+
+    def _layer_weights(self, names: Sequence[str]) -> list[tuple[np.ndarray, ...]]:
+        """Per layer, the prepared arrays ``blk.{i}.{name}`` in the order of ``names``."""
+        return [tuple(self.w[f"blk.{i}.{n}"] for n in names) for i in range(self.n_layer)]
 
     # -- weights ----------------------------------------------------------
 
