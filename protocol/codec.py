@@ -55,7 +55,10 @@ def encode(msg: Message) -> bytes:
     for f in dataclasses.fields(msg):
         body[f.name] = getattr(msg, f.name)
     _validate_fields(type(msg), body, msg.id)
-    frame = msgpack.packb(body, use_bin_type=True)
+    try:
+        frame = msgpack.packb(body, use_bin_type=True)
+    except (OverflowError, ValueError, TypeError) as e:  # e.g. an int outside [-2**63, 2**64-1]
+        raise ProtocolError(f"{msg.TYPE}: cannot encode: {type(e).__name__}: {e}", msg.id) from None
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit", msg.id)
     return frame

@@ -84,7 +84,7 @@ class Token(Message):
     token_id: int
     piece: bytes  # the token's raw bytes (may end mid UTF-8 character)
     logprob: float | None = None  # of token_id under the raw distribution
-    top_logprobs: list[list[Any]] = field(default_factory=list)  # [[id, logprob], ...]
+    top_logprobs: list[list[Any]] = field(default_factory=list)  # [[id, logprob, piece bytes], ...]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -291,7 +291,9 @@ class SerialRunner:
             return cancelled_done(g.id)
 
         def on_token(ev: Any) -> bool:
-            top = [[int(t), float(lp)] for t, lp in ev.top_logprobs]
+            # [id, logprob, piece]: the alternatives' exact bytes (a partial UTF-8 piece
+            # cannot be recovered from a detokenized string), same convention as ev.piece.
+            top = [[int(t), float(lp), engine.token_bytes(int(t), special=False)] for t, lp in ev.top_logprobs]
             self._post(FrameOut(Token(id=g.id, text=ev.text, token_id=int(ev.id), piece=bytes(ev.piece),
                                       logprob=None if ev.logprob is None else float(ev.logprob),
                                       top_logprobs=top)))

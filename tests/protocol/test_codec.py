@@ -212,3 +212,12 @@ def test_fuzz_mutated_valid_frames(msg: protocol.Message, data: st.DataObject) -
         return
     assert dataclasses.is_dataclass(back)
     assert decode(encode(back)) == back
+
+
+@pytest.mark.parametrize("big", [2**64, -(2**63) - 1, 10**30])
+def test_encode_turns_unpackable_int_into_protocol_error(big: int) -> None:
+    """An int msgpack cannot carry is a ProtocolError at the sender, never OverflowError."""
+    with pytest.raises(ProtocolError, match="cannot encode"):
+        encode(Generate(id="r", prompt="x", seed=big))
+    with pytest.raises(ProtocolError, match="cannot encode"):
+        encode(Detokenize(id="d", tokens=[1, big]))

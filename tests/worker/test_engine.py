@@ -201,7 +201,7 @@ def test_generate_errors(engine: Engine) -> None:
         ([], greedy(), "empty_prompt"),
         ("", SamplingParams(add_special=False), "empty_prompt"),
         (PROMPT, SamplingParams(temperature=-1), "invalid_params"),
-        (PROMPT, SamplingParams(top_p=0), "invalid_params"),
+        (PROMPT, SamplingParams(top_p=-0.1), "invalid_params"),
         (PROMPT, SamplingParams(n_probs=21), "invalid_params"),
         (PROMPT, SamplingParams(max_tokens=-1), "invalid_params"),
         (PROMPT, SamplingParams(logit_bias={n_vocab: 1.0}), "invalid_params"),

@@ -36,7 +36,7 @@ def draw(s: Sampler, logits: np.ndarray, n: int) -> list[int]:
         {"temperature": -0.1},
         {"temperature": float("nan")},
         {"temperature": "hot"},
-        {"top_p": 0.0},
+        {"top_p": -0.1},
         {"top_p": 1.5},
         {"min_p": -0.1},
         {"min_p": 2.0},
@@ -124,6 +124,14 @@ def test_top_p_keeps_smallest_prefix_reaching_p() -> None:
     assert set(draw(s, x, 500)) == {0, 1}  # 0.5 + 0.3 reaches 0.8
     s = make(temperature=1.0, top_k=0, top_p=0.81, min_p=0.0, seed=3)
     assert set(draw(s, x, 500)) == {0, 1, 2}
+
+
+def test_top_p_zero_keeps_only_the_most_likely_token() -> None:
+    """OpenAI and llama.cpp accept top_p 0: only the top token survives (greedy-like)."""
+    p = np.array([0.4, 0.35, 0.25] + [0.0] * (V - 3))
+    x = np.log(np.maximum(p, 1e-30)).astype(np.float32)
+    s = make(temperature=1.0, top_k=0, top_p=0.0, min_p=0.0, seed=7)
+    assert set(draw(s, x, 200)) == {0}
 
 
 def test_min_p_relative_to_max() -> None:

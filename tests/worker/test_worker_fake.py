@@ -195,8 +195,10 @@ def test_generate_streams_tokens_then_one_done(start: Callable[..., Harness]) ->
     assert done.prompt_tokens == 4 and done.prompt_n == 4 and done.cache_n == 0
     assert _text(tokens, done) == h.engine.detokenize([t.token_id for t in tokens])
     assert all(t.piece == f" w{t.token_id}".encode() for t in tokens)
-    assert all(t.logprob == -0.25 and len(t.top_logprobs) == 3 and t.top_logprobs[0] == [t.token_id, -0.25]
+    assert all(t.logprob == -0.25 and len(t.top_logprobs) == 3 and t.top_logprobs[0][:2] == [t.token_id, -0.25]
                for t in tokens)
+    # each alternative carries its exact bytes, as the chosen token's piece does
+    assert all(alt[2] == h.engine.token_bytes(alt[0], special=False) for t in tokens for alt in t.top_logprobs)
     # max_tokens -> "length"; token-id prompt; no logprobs unless asked
     h.stub.send(Generate(id="g2", prompt=[1, 5, 6], max_tokens=3, temperature=0.0))
     tokens, done = h.stub.stream("g2")
@@ -358,7 +360,7 @@ def test_ping_and_text_ops_are_answered_mid_generation(start: Callable[..., Harn
     (Generate(id="r", prompt=[1, -3], temperature=0.0), "invalid_token"),
     (Generate(id="r", prompt="a b c", max_tokens=600), "context_length_exceeded"),
     (Generate(id="r", prompt="a b", temperature=-1.0), "invalid_params"),
-    (Generate(id="r", prompt="a b", top_p=0.0), "invalid_params"),
+    (Generate(id="r", prompt="a b", top_p=-0.5), "invalid_params"),
     (Generate(id="r", prompt="a b", n_probs=99), "invalid_params"),
     (Generate(id="r", prompt="a b", logit_bias=[[5]]), "invalid_params"),
     (Generate(id="r", prompt="a b", logit_bias=[[5, "big"]]), "invalid_params"),

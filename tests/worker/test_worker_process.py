@@ -149,7 +149,7 @@ def test_chat_generate_streams_tokens_then_done(wa: Proc) -> None:
     assert len(tokens) == done.completion_tokens == 6
     # the first step's distribution is llama.cpp's, within the fixtures' tolerance
     first = ref["steps"][0]
-    lp = dict((t, v) for t, v in tokens[0].top_logprobs)
+    lp = dict((t, v) for t, v, _piece in tokens[0].top_logprobs)
     assert abs(lp.get(first["id"], tokens[0].logprob if tokens[0].token_id == first["id"] else -99)
                - first["logprob"]) < 0.6
     assert all(len(t.top_logprobs) == 5 and t.logprob is not None for t in tokens)
@@ -260,7 +260,7 @@ def test_bad_requests_get_precise_errors_and_the_worker_keeps_serving(wa: Proc) 
     cases = {
         "e1": (Generate(id="e1", prompt=[1, 2, 49152], max_tokens=2), "invalid_token"),
         "e2": (Generate(id="e2", prompt="hello", max_tokens=N_CTX), "context_length_exceeded"),
-        "e3": (Generate(id="e3", prompt="hello", top_p=0.0), "invalid_params"),
+        "e3": (Generate(id="e3", prompt="hello", top_p=1.5), "invalid_params"),
         "e4": (Generate(id="e4", prompt="hello", temperature=float("nan")), "invalid_params"),
         "e5": (Generate(id="e5", prompt=""), "empty_prompt"),
         "e6": (Generate(id="e6", messages=[{"role": "user", "content": 7}]), "invalid_params"),

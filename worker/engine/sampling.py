@@ -83,7 +83,7 @@ class SamplingParams:
 
         Raises:
             EngineError("invalid_params"): a value of the wrong type or out of
-                range (temperature < 0, top_p outside (0, 1], min_p outside
+                range (temperature < 0, top_p outside [0, 1], min_p outside
                 [0, 1], repeat_penalty <= 0, repeat_last_n < -1, n_probs outside
                 [0, 20], max_tokens < 0, a logit_bias id outside [0, n_vocab) or
                 a NaN/+inf bias, non-finite penalties, ...).
@@ -100,8 +100,8 @@ class SamplingParams:
                 raise bad(f"{name} must be a finite number, got {v!r}")
         if self.temperature < 0:
             raise bad(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not 0 <= self.top_p <= 1:
+            raise bad(f"top_p must be in [0, 1], got {self.top_p!r}")
         if not 0 <= self.min_p <= 1:
             raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.repeat_penalty <= 0:
