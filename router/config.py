@@ -15,13 +15,16 @@ Layout::
 Every defect raises :class:`ConfigError` whose message starts with the key path
 (``models.smollm2.max_queue: ...``); unknown keys are defects too (a typo must not
 silently fall back to a default). ``models_dir`` is relative to the config file's
-directory; each model ``path`` is relative to ``models_dir``.
+directory; when it is not set, ``$MODELYARD_MODELS_DIR`` (the directory
+``scripts/fetch_models.py`` downloads into) is the default, else ``models``. Each
+model ``path`` is relative to ``models_dir``.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import math
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,13 +36,13 @@ SAMPLING_KEYS: dict[str, tuple[type, float | None, float | None]] = {
     # key: (type, minimum, maximum)
     "temperature": (float, 0.0, 100.0),
     "top_p": (float, 0.0, 1.0),
-    "top_k": (int, 0, None),
+    "top_k": (int, 0, 2**31 - 1),
     "min_p": (float, 0.0, 1.0),
     "repeat_penalty": (float, 0.0, None),
-    "repeat_last_n": (int, -1, None),
+    "repeat_last_n": (int, -1, 2**31 - 1),
     "presence_penalty": (float, -2.0, 2.0),
     "frequency_penalty": (float, -2.0, 2.0),
-    "seed": (int, None, None),
+    "seed": (int, -(2**63), 2**64 - 1),  # what the protocol carries; negative: random
 }
 
 
@@ -147,9 +150,7 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
     port = _int(server_raw, "port", "server", 8080, 0, 65535)
     api_key = _opt_str(server_raw, "api_key", "server")
     admin_key = _opt_str(server_raw, "admin_key", "server")
-    models_dir = Path(_str(server_raw, "models_dir", "server", "models"))
-    if not models_dir.is_absolute():
-        models_dir = base_dir / models_dir
+    models_dir = resolve_models_dir(server_raw, base_dir)
     transport = _str(server_raw, "transport", "server", "ipc")
     if transport not in ("ipc", "tcp"):
         raise ConfigError("server.transport", f'expected "ipc" or "tcp", got {transport!r}')
@@ -219,6 +220,24 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
             sampling=sampling,
         )
     return Config(server=server, models=models, source=source)
+
+
+#: Where the models are when ``[server].models_dir`` is not set (``scripts/fetch_models.py``
+#: downloads there too); a relative value is relative to the current directory, as there.
+MODELS_DIR_ENV = "MODELYARD_MODELS_DIR"
+
+
+def resolve_models_dir(server_raw: dict[str, Any], base_dir: Path, env: dict[str, str] | None = None) -> Path:
+    """``[server].models_dir`` (relative to the config file's directory) when set — the
+    config wins; else ``$MODELYARD_MODELS_DIR`` if set and non-empty (relative to the
+    current directory); else ``models`` next to the config file."""
+    if "models_dir" in server_raw:
+        d = Path(_str(server_raw, "models_dir", "server", "models"))
+        return d if d.is_absolute() else base_dir / d
+    from_env = (os.environ if env is None else env).get(MODELS_DIR_ENV, "")
+    if from_env:
+        return Path(from_env).absolute()
+    return base_dir / "models"
 
 
 def is_loopback(host: str) -> bool:

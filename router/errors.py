@@ -9,6 +9,7 @@ into an SSE ``data: {"error": ...}`` event (:func:`error_payload`). Worker
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 from starlette.responses import JSONResponse
@@ -133,6 +134,15 @@ def from_worker_error(code: str, message: str) -> ApiError:
     """The ApiError for a worker ``Error`` frame (keeps the worker's code and message)."""
     cls = _WORKER_CODES.get(code, BadGateway)
     return cls(message, code=code)
+
+
+def unsendable(reason: str) -> BadRequest:
+    """The 400 for a request the protocol cannot carry (``protocol.ProtocolError`` raised
+    while encoding it: nothing reached the worker). ``param`` is the offending field
+    when the reason names one."""
+    m = re.search(r"field '([A-Za-z_][A-Za-z0-9_]*)'", reason)
+    return BadRequest(f"the request cannot be passed to the model: {reason}", code="invalid_request",
+                      param=m.group(1) if m else None)
 
 
 def error_payload(err: ApiError) -> dict[str, Any]:

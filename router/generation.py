@@ -25,7 +25,7 @@ from starlette.requests import Request
 
 from protocol import Done, Generate, Token
 from router.errors import ApiError, InternalError, Unavailable, error_payload
-from router.params import get_float, get_int, get_logit_bias, get_stop
+from router.params import INT32_MAX, INT32_MIN, SEED_MAX, SEED_MIN, get_float, get_int, get_logit_bias, get_stop
 from router.pool import ModelSlot
 from router.process import WorkerProcess
 from router.run import Run
@@ -51,24 +51,28 @@ def new_id(prefix: str) -> str:
 
 def read_sampling(body: dict[str, Any], api_defaults: dict[str, Any], slot: ModelSlot,
                   *, openai: bool) -> dict[str, Any]:
-    """Sampling fields for Generate (llama.cpp names). Raises BadRequest naming the field."""
+    """Sampling fields for Generate (llama.cpp names). Raises BadRequest naming the field.
+
+    Integer bounds (see router.params): ``seed`` in [-2**63, 2**64-1] (negative: random),
+    ``top_k`` and ``repeat_last_n`` at most INT32_MAX. ``openai`` applies OpenAI's
+    stricter rules (temperature in [0, 2], logit_bias values in [-100, 100])."""
     d = {**api_defaults, **slot.model.sampling}
     t_lo, t_hi = (0.0, 2.0) if openai else (None, None)
-    seed = get_int(body, "seed", d["seed"])
+    seed = get_int(body, "seed", d["seed"], SEED_MIN, SEED_MAX)
     if seed is not None and seed < 0:
         seed = None  # llama.cpp: -1 is "random"
-    top_k = get_int(body, "top_k", d["top_k"])
+    top_k = get_int(body, "top_k", d["top_k"], INT32_MIN, INT32_MAX)
     return {
         "temperature": get_float(body, "temperature", d["temperature"], t_lo, t_hi),
         "top_p": get_float(body, "top_p", d["top_p"], 0.0, 1.0),
         "top_k": max(0, top_k),
         "min_p": get_float(body, "min_p", d["min_p"], 0.0, 1.0),
         "repeat_penalty": get_float(body, "repeat_penalty", d["repeat_penalty"], 0.0),
-        "repeat_last_n": get_int(body, "repeat_last_n", d["repeat_last_n"], -1),
+        "repeat_last_n": get_int(body, "repeat_last_n", d["repeat_last_n"], -1, INT32_MAX),
         "presence_penalty": get_float(body, "presence_penalty", d["presence_penalty"], -2.0, 2.0),
         "frequency_penalty": get_float(body, "frequency_penalty", d["frequency_penalty"], -2.0, 2.0),
         "seed": seed,
-        "logit_bias": get_logit_bias(body),
+        "logit_bias": get_logit_bias(body, strict=openai),
         "stop": get_stop(body),
     }
 

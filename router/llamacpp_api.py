@@ -25,11 +25,12 @@ from protocol import (
     Error,
     Generate,
     Message,
+    ProtocolError,
     Token,
     Tokenize,
     TokenizeResult,
 )
-from router.errors import ApiError, BadGateway, BadRequest, error_payload, from_worker_error
+from router.errors import ApiError, BadGateway, BadRequest, error_payload, from_worker_error, unsendable
 from router.generation import (
     LLAMACPP_DEFAULTS,
     TokenProb,
@@ -42,9 +43,9 @@ from router.generation import (
     token_probs,
 )
 from router.openai_api import parse_messages
-from router.params import get_bool, get_int, get_prompt, get_str, get_token_list, read_json
+from router.params import INT32_MAX, INT32_MIN, get_bool, get_int, get_prompt, get_str, get_token_list, read_json
 from router.pool import ModelSlot, Pool
-from router.process import WorkerUnreachable
+from router.process import WorkerUnreachable, encode_frame
 from router.sse import SSEResponse, sse_event, until_disconnect
 
 #: How long a tokenize / detokenize / apply-template call may take, s.
@@ -83,9 +84,9 @@ async def completion(request: Request) -> Response:
     body = await read_json(request)
     name, slot = _slot(request, body)
     prompt = _prompt(body)
-    n_predict = get_int(body, "n_predict", None)
+    n_predict = get_int(body, "n_predict", None, INT32_MIN, INT32_MAX)  # negative: until n_ctx
     if n_predict is None:
-        n_predict = get_int(body, "max_tokens", None)
+        n_predict = get_int(body, "max_tokens", None, INT32_MIN, INT32_MAX)
     max_tokens = None if n_predict is None or n_predict < 0 else n_predict
     n_probs = get_int(body, "n_probs", 0, 0, MAX_N_PROBS)
     return_tokens = get_bool(body, "return_tokens", False)
@@ -141,11 +142,18 @@ async def completion(request: Request) -> Response:
 
 
 async def _call(request: Request, slot: ModelSlot, make: Any) -> Message:
-    """Send a one-shot request to the model's (loaded) worker; its answer, or the mapped ApiError."""
+    """Send a one-shot request to the model's (loaded) worker; its answer, or the mapped ApiError.
+    A request the protocol cannot carry is a 400 (checked before the model is loaded)."""
+    try:
+        encode_frame(make("check"))
+    except ProtocolError as e:
+        raise unsendable(e.reason) from None
     worker = await until_disconnect(request.receive, slot.ready_worker())
     msg = make(worker.new_call_id("call"))
     try:
         ans = await until_disconnect(request.receive, worker.call(msg, CALL_TIMEOUT_S))
+    except ProtocolError as e:
+        raise unsendable(e.reason) from None
     except WorkerUnreachable as e:
         raise BadGateway(f"model '{slot.model.name}' worker is unreachable: {e}", code="worker_crashed") from None
     except TimeoutError:

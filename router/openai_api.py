@@ -29,7 +29,7 @@ from router.generation import (
     token_probs,
     usage_of,
 )
-from router.params import get_bool, get_int, get_prompt, get_str, read_json
+from router.params import INT32_MAX, get_bool, get_int, get_prompt, get_str, read_json
 from router.pool import ModelSlot, Pool
 from router.process import WorkerProcess
 from router.sse import SSEResponse, sse_event
@@ -85,9 +85,9 @@ def _common(body: dict[str, Any], slot: ModelSlot, prefix: str) -> dict[str, Any
     n = get_int(body, "n", 1)
     if n != 1:
         raise BadRequest("only n=1 is supported", param="n")
-    max_tokens = get_int(body, "max_completion_tokens", None, 1)
+    max_tokens = get_int(body, "max_completion_tokens", None, 1, INT32_MAX)
     if max_tokens is None:
-        max_tokens = get_int(body, "max_tokens", None, 1)
+        max_tokens = get_int(body, "max_tokens", None, 1, INT32_MAX)
     return {"id": new_id(prefix), "max_tokens": max_tokens,
             "ignore_eos": get_bool(body, "ignore_eos", False),  # llama.cpp extension
             **read_sampling(body, OPENAI_DEFAULTS, slot, openai=True)}
@@ -100,6 +100,12 @@ def _include_usage(body: dict[str, Any]) -> bool:
     if not isinstance(opts, dict):
         raise BadRequest("'stream_options' must be an object", param="stream_options")
     return get_bool(opts, "include_usage", False)
+
+
+def _usage_null(include_usage: bool) -> dict[str, Any]:
+    """What every chunk before the final usage chunk carries: with
+    ``stream_options.include_usage`` OpenAI sends ``"usage": null`` in each of them."""
+    return {"usage": None} if include_usage else {}
 
 
 def _fingerprint(worker: WorkerProcess | None) -> str | None:
@@ -231,13 +237,14 @@ async def chat_completions(request: Request) -> Response:
         })
 
     head = _envelope(rid, "chat.completion.chunk", created, model_name, fp)
+    tail = _usage_null(include_usage)
 
     def chunk(delta: dict[str, Any], finish: str | None = None,
               lp: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         return {**head,
                 "choices": [{"index": 0, "delta": delta,
                              "logprobs": {"content": lp, "refusal": None} if lp is not None else None,
-                             "finish_reason": finish}]}
+                             "finish_reason": finish}], **tail}
 
     pending: list[Token] = []
     started = False
@@ -334,10 +341,11 @@ async def completions(request: Request) -> Response:
         })
 
     head = _envelope(rid, "text_completion", created, model_name, fp)
+    tail = _usage_null(include_usage)
 
     def chunk(text: str, finish: str | None = None, lp: dict[str, Any] | None = None) -> dict[str, Any]:
         return {**head,
-                "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
+                "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}], **tail}
 
     pending: list[Token] = []
     sent_chars = 0

@@ -3,6 +3,15 @@
 Every reader raises :class:`~router.errors.BadRequest` naming the field
 (``param``) — never a bare 500 or 422 for bad input. Unknown fields are
 ignored: readers only look at what they are asked for.
+
+Integers are bounded here, at the boundary, so every value handed to the
+worker fits the wire format (msgpack carries integers in [-2**63, 2**64-1]):
+:func:`get_int` without explicit bounds accepts only a signed 64-bit value;
+token ids are in [0, 2**31); counts such as ``max_tokens``, ``n_predict``,
+``top_k`` and ``repeat_last_n`` are at most ``INT32_MAX``; ``seed`` is any
+integer in [-2**63, 2**64-1] (a negative seed means "random", as in llama.cpp;
+anything outside is a 400, never silently reduced). A huge integer in a
+number field (``temperature`` = 10**400) is a 400 too, not an OverflowError.
 """
 
 from __future__ import annotations
@@ -19,6 +28,15 @@ _MISSING: Any = object()
 
 #: Largest request body accepted, bytes.
 MAX_BODY_BYTES = 32 * 1024 * 1024
+
+#: Bounds of integer request fields (see the module docstring).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+UINT64_MAX = 2**64 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+#: Token ids are in [0, MAX_TOKEN_ID]; the worker checks them against its vocabulary.
+MAX_TOKEN_ID = INT32_MAX
+#: ``seed``: what the protocol can carry (a negative seed means random).
+SEED_MIN, SEED_MAX = INT64_MIN, UINT64_MAX
 
 
 async def read_json(request: Request) -> dict[str, Any]:
@@ -68,33 +86,60 @@ def get_bool(body: dict[str, Any], key: str, default: bool) -> bool:
 
 
 def get_int(body: dict[str, Any], key: str, default: Any, lo: int | None = None, hi: int | None = None) -> Any:
-    """An integer field (a float with an integral value is accepted)."""
+    """An integer field (a float with an integral value is accepted). Bounds not
+    given default to the signed 64-bit range: no integer read here is ever too
+    big for the wire."""
     if not _present(body, key):
         return default
     v = body[key]
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise BadRequest(f"'{key}' must be an integer, got {json.dumps(v)[:40]}", param=key)
-    if lo is not None and v < lo:
-        raise BadRequest(f"'{key}' must be >= {lo}, got {v}", param=key)
-    if hi is not None and v > hi:
-        raise BadRequest(f"'{key}' must be <= {hi}, got {v}", param=key)
+        raise BadRequest(f"'{key}' must be an integer, got {_show(v)}", param=key)
+    lo = INT64_MIN if lo is None else lo
+    hi = INT64_MAX if hi is None else hi
+    if v < lo:
+        raise BadRequest(f"'{key}' must be >= {lo}, got {_show(v)}", param=key)
+    if v > hi:
+        raise BadRequest(f"'{key}' must be <= {hi}, got {_show(v)}", param=key)
     return v
+
+
+def _show(v: Any) -> str:
+    """``v`` for an error message, cut short (a rejected value may be huge)."""
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10**30:
+        return f"an integer of {v.bit_length()} bits"
+    try:
+        text = json.dumps(v)
+    except (TypeError, ValueError):
+        text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _as_float(v: Any) -> float | None:
+    """``v`` as a finite float, or None if it is not a number (bool, str, NaN, inf,
+    an integer too big for a float)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
 
 
 def get_float(body: dict[str, Any], key: str, default: Any, lo: float | None = None,
               hi: float | None = None) -> Any:
     if not _present(body, key):
         return default
-    v = body[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise BadRequest(f"'{key}' must be a number, got {json.dumps(v)[:40]}", param=key)
-    if lo is not None and v < lo:
-        raise BadRequest(f"'{key}' must be >= {lo}, got {v}", param=key)
-    if hi is not None and v > hi:
-        raise BadRequest(f"'{key}' must be <= {hi}, got {v}", param=key)
-    return float(v)
+    f = _as_float(body[key])
+    if f is None:
+        raise BadRequest(f"'{key}' must be a finite number, got {_show(body[key])}", param=key)
+    if lo is not None and f < lo:
+        raise BadRequest(f"'{key}' must be >= {lo}, got {f}", param=key)
+    if hi is not None and f > hi:
+        raise BadRequest(f"'{key}' must be <= {hi}, got {f}", param=key)
+    return f
 
 
 def get_stop(body: dict[str, Any], key: str = "stop") -> list[str]:
@@ -111,9 +156,13 @@ def get_stop(body: dict[str, Any], key: str = "stop") -> list[str]:
     raise BadRequest(f"'{key}' must be a string or a list of strings", param=key)
 
 
-def get_logit_bias(body: dict[str, Any], key: str = "logit_bias") -> list[list[Any]]:
+def get_logit_bias(body: dict[str, Any], key: str = "logit_bias", *, strict: bool = False) -> list[list[Any]]:
     """``logit_bias`` as [[token_id, bias], ...]: OpenAI's {"id": bias} map, or llama.cpp's
-    [[id, bias|false], ...] list (false bans the token)."""
+    [[id, bias|false], ...] list (false bans the token).
+
+    Token ids must be integers in [0, MAX_TOKEN_ID]. With ``strict`` (OpenAI's rule, for
+    /v1/*) a bias outside [-100, 100] is a 400; otherwise (llama.cpp's /completion,
+    permissive) it is clamped to that range and +-inf are kept (inf: ban / force)."""
     if not _present(body, key):
         return []
     v = body[key]
@@ -126,26 +175,58 @@ def get_logit_bias(body: dict[str, Any], key: str = "logit_bias") -> list[list[A
         raise BadRequest(f"'{key}' must be a map of token id to bias, or a list of [id, bias] pairs", param=key)
     out: list[list[Any]] = []
     for tid, bias in pairs:
-        try:
-            token = int(tid) if not isinstance(tid, bool) else None
-        except (TypeError, ValueError):
-            token = None
-        if token is None or token < 0 or (isinstance(tid, float) and not tid.is_integer()):
-            raise BadRequest(f"'{key}': token id {tid!r} is not a non-negative integer", param=key)
+        token = _token_id(tid)
+        if token is None:
+            raise BadRequest(f"'{key}': token id {_show(tid)} is not an integer in [0, {MAX_TOKEN_ID}]",
+                             param=key)
         if bias is False:
             out.append([token, -math.inf])
             continue
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or (isinstance(bias, float)
+                                                                           and math.isnan(bias)):
             raise BadRequest(f"'{key}': bias for token {token} must be a number", param=key)
-        out.append([token, max(-100.0, min(100.0, float(bias))) if math.isfinite(bias) else float(bias)])
+        if strict:
+            f = _as_float(bias)
+            if f is None or not -100.0 <= f <= 100.0:
+                raise BadRequest(f"'{key}': bias for token {token} must be between -100 and 100, "
+                                 f"got {_show(bias)}", param=key)
+            out.append([token, f])
+            continue
+        f = _as_float(bias)
+        if f is None:  # +-inf, or an integer too big for a float: keep its sign
+            out.append([token, math.inf if bias > 0 else -math.inf])
+        else:
+            out.append([token, max(-100.0, min(100.0, f))])
     return out
 
 
+def _token_id(v: Any) -> int | None:
+    """``v`` (an int, an integral float, or a decimal string as in OpenAI's map keys) as a
+    token id in [0, MAX_TOKEN_ID], else None."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, float):
+        if not v.is_integer():
+            return None
+        v = int(v)
+    elif isinstance(v, str):
+        s = v.strip()
+        if not s.isascii() or not s.isdigit() or len(s) > 12:
+            return None
+        v = int(s)
+    if not isinstance(v, int) or not 0 <= v <= MAX_TOKEN_ID:
+        return None
+    return v
+
+
 def get_token_list(v: Any, key: str) -> list[int] | None:
-    """``v`` as a list of token ids if it is one (non-empty, ints >= 0), else None."""
+    """``v`` as a list of token ids if it is one (non-empty, ints), else None.
+    Raises BadRequest for an id outside [0, MAX_TOKEN_ID]."""
     if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-        if any(t < 0 for t in v):
-            raise BadRequest(f"'{key}': token ids must be >= 0", param=key)
+        for t in v:
+            if not 0 <= t <= MAX_TOKEN_ID:
+                raise BadRequest(f"'{key}': token ids must be integers in [0, {MAX_TOKEN_ID}], got {_show(t)}",
+                                 param=key)
         return list(v)
     return None
 

@@ -7,8 +7,10 @@ stale snapshot.
 
 Admission: one running request per worker job slot (``Ready.max_jobs``, 1
 today) plus at most ``max_queue`` waiting — requests waiting for the model to
-load count too. Beyond that :meth:`ModelSlot.admit` raises QueueFull (503) at
-once. Waiting is FIFO. A run's job slot is given back only when the worker has
+load count too: while it loads, the first in line (the one that will run as
+soon as it is ready) counts as the running one, so ``1 + max_queue`` requests
+are admitted whether the model is loaded or not. Beyond that
+:meth:`ModelSlot.admit` raises QueueFull (503) at once, saying so. Waiting is FIFO. A run's job slot is given back only when the worker has
 finished with it (Done/Error, or the worker is gone), never when the client
 merely left, so the worker is never handed two generations at once.
 """
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from typing import Any
 import zmq.asyncio
 
 from router.config import Config, ModelConfig
+from router.sockdir import make_socket_dir, remove_socket_dir
 from router.errors import (
     ApiError,
     Conflict,
@@ -91,6 +93,15 @@ class ModelSlot:
     def queue_depth(self) -> int:
         return sum(1 for t in self._waiting if not t.granted.done())
 
+    def admitted_split(self) -> tuple[int, int]:
+        """(running, waiting) as admission counts them: while the model loads, the
+        first waiting request(s) — those that get the free job slot(s) once it is
+        ready — count as running, exactly as they will once it is loaded."""
+        jobs = self.worker.max_jobs if self.worker is not None else 1
+        pending = self.queue_depth
+        starting = min(pending, max(0, jobs - len(self._running)))
+        return len(self._running) + starting, pending - starting
+
     @property
     def running_ids(self) -> list[str]:
         return list(self._running)
@@ -136,15 +147,18 @@ class ModelSlot:
         """Take a place in this model's queue, starting its worker if needed.
 
         Raises ModelUnloading (503) while draining, QueueFull (503) when
-        ``1 + max_queue`` requests are already admitted.
+        ``1 + max_queue`` requests are already admitted (loading or not: see
+        :meth:`admitted_split`).
         """
         if self.state is WorkerState.DRAINING or self._pool.closing:
             raise ModelUnloading(f"model '{self.model.name}' is being unloaded; retry shortly")
-        admitted = self.queue_depth + len(self._running)
-        if admitted >= self.capacity:
+        running, waiting = self.admitted_split()
+        if running + waiting >= self.capacity:
+            jobs = self.capacity - self.model.max_queue
+            loading = " (to start once the model has loaded)" if self.state is WorkerState.LOADING else ""
             raise QueueFull(
-                f"model '{self.model.name}' is busy: {len(self._running)} running and "
-                f"{self.queue_depth} waiting (max_queue={self.model.max_queue}); retry shortly")
+                f"model '{self.model.name}' is busy: {running} running{loading} and {waiting} waiting "
+                f"(at most {jobs} running + max_queue={self.model.max_queue} waiting); retry shortly")
         ticket = Ticket(id=request_id)
         self._waiting.append(ticket)
         if self.state in (WorkerState.UNLOADED, WorkerState.FAILED):
@@ -348,8 +362,8 @@ class Pool:
         self.worker_module = worker_module
         self.closing = False
         self._ctx = zmq.asyncio.Context()
-        self._tmp = tempfile.TemporaryDirectory(prefix="modelyard-")
-        Path(self._tmp.name).chmod(0o700)
+        # ipc sockets: a private directory named after this router (stale ones of dead routers are swept)
+        self.socket_dir: Path | None = make_socket_dir() if config.server.transport == "ipc" else None
         self._endpoints = 0
         self.slots: dict[str, ModelSlot] = {name: ModelSlot(m, self) for name, m in config.models.items()}
 
@@ -366,7 +380,8 @@ class Pool:
         if self.config.server.transport == "tcp":
             endpoint = "tcp://127.0.0.1:0"
         else:
-            endpoint = f"ipc://{self._tmp.name}/w{self._endpoints}.sock"
+            assert self.socket_dir is not None
+            endpoint = f"ipc://{self.socket_dir}/w{self._endpoints}.sock"
         return WorkerProcess(model, endpoint, self._ctx, self.worker_module)
 
     async def close(self) -> None:
@@ -374,7 +389,8 @@ class Pool:
         self.closing = True
         await asyncio.gather(*(s.unload(drain=False) for s in self.slots.values()), return_exceptions=True)
         self._ctx.destroy(linger=0)
-        self._tmp.cleanup()
+        if self.socket_dir is not None:
+            remove_socket_dir(self.socket_dir)
 
 
 __all__ = ["ModelSlot", "Pool", "Ticket", "_spawn"]

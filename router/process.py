@@ -100,6 +100,22 @@ class WorkerUnreachable(Exception):
     """A frame could not be sent: the worker is gone or not connected."""
 
 
+def encode_frame(msg: Message) -> bytes:
+    """``msg`` as a wire frame, encoded *before* anything is sent or recorded as sent.
+
+    Raises :class:`protocol.ProtocolError` (only) if the protocol cannot carry it —
+    a value from the request that slipped past validation (an integer outside
+    msgpack's range, a string with a lone surrogate, a frame too big): the caller
+    answers 400 and the worker never hears of the request.
+    """
+    try:
+        return encode(msg)
+    except ProtocolError:
+        raise
+    except (ValueError, OverflowError, TypeError) as e:  # msgpack's own (UnicodeEncodeError is a ValueError)
+        raise ProtocolError(f"{msg.TYPE}: cannot encode: {type(e).__name__}: {e}", msg.id) from None
+
+
 #: The worker module run as ``python -m MODULE``; tests point it at the fake worker.
 WORKER_MODULE_ENV = "MODELYARD_WORKER_MODULE"
 
@@ -398,12 +414,15 @@ class WorkerProcess:
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
-    async def send(self, msg: Message) -> None:
-        """Send one frame. Raises WorkerUnreachable if the worker is gone or not connected."""
+    async def send(self, msg: Message | bytes) -> None:
+        """Send one message (or a frame already made by :func:`encode_frame`). Raises
+        ProtocolError if it cannot be encoded (nothing is sent), WorkerUnreachable if
+        the worker is gone or not connected."""
+        frame = msg if isinstance(msg, bytes) else encode_frame(msg)
         if self._sock is None or self._identity is None or self.exited.is_set():
             raise WorkerUnreachable(self.exit_description() if self.exited.is_set() else "worker not connected")
         try:
-            await self._sock.send_multipart([self._identity, encode(msg)])
+            await self._sock.send_multipart([self._identity, frame])
         except zmq.ZMQError as e:
             raise WorkerUnreachable(f"cannot reach worker: {e}") from None
 
@@ -414,17 +433,21 @@ class WorkerProcess:
                 await self.send(msg)
             except WorkerUnreachable:
                 pass
+            except ProtocolError as e:  # pragma: no cover - Cancel/Shutdown always encode
+                log.error("cannot send %s to %s's worker: %s", msg.TYPE, self.model.name, e.reason)
         _spawn(_go())
 
     async def call(self, msg: Message, timeout_s: float) -> Message:
         """Send ``msg`` and return the first frame answering its id (a result or an Error).
 
-        Raises WorkerUnreachable (not sent), TimeoutError, or returns a WorkerGone-derived
+        Raises ProtocolError (cannot be encoded: nothing sent, no stream opened),
+        WorkerUnreachable (not sent), TimeoutError, or returns a WorkerGone-derived
         Error(code="worker_gone") if the process died meanwhile.
         """
+        frame = encode_frame(msg)
         q = self.open_stream(msg.id)
         try:
-            await self.send(msg)
+            await self.send(frame)
             answer = await asyncio.wait_for(q.get(), timeout_s)
         finally:
             self.close_stream(msg.id)
@@ -439,7 +462,7 @@ class WorkerProcess:
         """A Pong, or None if none came within ``timeout_s`` seconds."""
         try:
             ans = await self.call(Ping(id=self.new_call_id("ping")), timeout_s)
-        except (TimeoutError, WorkerUnreachable):
+        except (TimeoutError, WorkerUnreachable, ProtocolError):
             return None
         return ans if isinstance(ans, Pong) else None
 
@@ -451,7 +474,7 @@ class WorkerProcess:
         async def one(tid: int) -> None:
             try:
                 ans = await self.call(Detokenize(id=self.new_call_id("piece"), tokens=[tid]), timeout_s)
-            except (TimeoutError, WorkerUnreachable):
+            except (TimeoutError, WorkerUnreachable, ProtocolError):
                 return
             if isinstance(ans, DetokenizeResult):
                 self.pieces.setdefault(tid, ans.content.encode("utf-8"))

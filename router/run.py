@@ -15,10 +15,10 @@ import asyncio
 import logging
 import time
 
-from protocol import Done, Error, Generate, Message, Token
-from router.errors import ApiError, BadGateway, from_worker_error
+from protocol import Done, Error, Generate, Message, ProtocolError, Token
+from router.errors import ApiError, BadGateway, from_worker_error, unsendable
 from router.pool import ModelSlot, Ticket
-from router.process import WorkerGone, WorkerProcess, WorkerUnreachable, _spawn
+from router.process import WorkerGone, WorkerProcess, WorkerUnreachable, _spawn, encode_frame
 
 log = logging.getLogger("modelyard.run")
 
@@ -44,12 +44,19 @@ class Run:
         return self.worker
 
     async def start(self, msg: Generate) -> None:
-        """Send the Generate to this run's worker. Raises BadGateway if unreachable."""
+        """Send the Generate to this run's worker. Raises BadRequest (400) if the
+        protocol cannot carry it — encoded first, so the request is never recorded as
+        sent and never cancelled on a worker that did not get it — and BadGateway if
+        the worker is unreachable."""
+        try:
+            frame = encode_frame(msg)
+        except ProtocolError as e:
+            raise unsendable(e.reason) from None
         worker = self.worker or await self.wait_worker()
         self._q = worker.open_stream(self.id)
         self._sent = True
         try:
-            await worker.send(msg)
+            await worker.send(frame)
         except WorkerUnreachable as e:
             self._finish()
             raise BadGateway(f"model '{self.slot.model.name}' worker is unreachable: {e}",
