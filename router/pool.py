@@ -222,7 +222,12 @@ class ModelSlot:
         wp.on_exit(self._on_worker_exit)
         t0 = time.monotonic()
         try:
-            ready = await wp.start(self.model.load_timeout_s)
+            try:
+                ready = await wp.start(self.model.load_timeout_s)
+            except (OSError, ValueError, RuntimeError) as e:  # never leave the slot stuck in loading
+                log.exception("starting %s's worker failed", self.model.name)
+                wp.kill("start failed")
+                raise LoadFailed(f"cannot start the worker: {type(e).__name__}: {e}") from None
         except LoadFailed as e:
             if self._loading_worker is wp:
                 self._loading_worker = None

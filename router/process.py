@@ -216,7 +216,12 @@ class WorkerProcess:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, 17 * 1024 * 1024)
-        sock.bind(self.endpoint)
+        try:
+            sock.bind(self.endpoint)
+        except zmq.ZMQError as e:
+            sock.close(linger=0)
+            self.exited.set()
+            raise LoadFailed(f"cannot bind the worker socket {self.endpoint}: {e}") from None
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.command = worker_command(self.model, self.endpoint, self._module)
         self._sock = sock

@@ -119,14 +119,24 @@ def sweep_stale(parent: Path) -> list[Path]:
     return removed
 
 
+#: A socket path (``<dir>/w<n>.sock``) must fit ``sun_path`` (108 bytes on Linux, 104 on
+#: macOS); this leaves room for the file name.
+MAX_DIR_CHARS = 88
+
+
 def make_socket_dir(env: dict[str, str] | None = None) -> Path:
-    """This router's private socket directory, after sweeping stale siblings."""
+    """This router's private socket directory, after sweeping stale siblings.
+    A parent too long for socket paths falls back to ``/tmp/modelyard-<uid>``."""
+    pid = os.getpid()
+    stamp = _create_stamp(pid)
+    name_len = len(f"/{pid}-{stamp}-") + 8
     parent = socket_parent(env)
+    if parent is not None and len(str(parent)) + name_len > MAX_DIR_CHARS:
+        short = Path("/tmp") / f"modelyard-{os.getuid()}"
+        parent = short if os.path.isdir("/tmp") and _private_dir(short) else None
     if parent is None:  # no safe shared parent: a private temp dir as before (no sweep)
         return Path(tempfile.mkdtemp(prefix="modelyard-"))
     sweep_stale(parent)
-    pid = os.getpid()
-    stamp = _create_stamp(pid)
     return Path(tempfile.mkdtemp(prefix=f"{pid}-{stamp if stamp and stamp > 0 else 0}-", dir=parent))
 
 

@@ -22,8 +22,10 @@ import psutil
 import pytest
 from openai import OpenAI
 
+from tests.paths import MODELS_DIR
+
 ROOT = Path(__file__).resolve().parents[2]
-MODELS = ROOT / "models"
+MODELS = MODELS_DIR  # MODELYARD_MODELS_DIR overrides, as for the router and scripts/fetch_models.py
 SMOLLM2 = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA = MODELS / "gemma-3-270m-q4_k_m.gguf"
 
