@@ -246,6 +246,23 @@ def test_malformed_bodies_and_context_overflow(router: LiveRouter, client: opena
     assert e.value.code == "context_length_exceeded"
 
 
+def test_huge_seed_is_400_and_the_real_worker_keeps_serving(router: LiveRouter) -> None:
+    body = {"model": "smollm2", "messages": MSG, "max_tokens": 2}
+    r = httpx.post(router.url + "/v1/chat/completions", json={**body, "seed": 2**64 - 1}, timeout=300)
+    assert r.status_code == 200, r.text  # the largest seed the protocol carries works end to end
+    pid = router.admin("SmolLM2-135M-Instruct")["pid"]
+    for bad in ({**body, "seed": 2**64}, {**body, "top_k": 2**64}, {**body, "stream": True, "seed": 2**64}):
+        r = httpx.post(router.url + "/v1/chat/completions", json=bad, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("seed", "top_k"), r.text
+    r = httpx.post(router.url + "/detokenize", json={"model": "smollm2", "tokens": [18446744073709551616000]},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
+    t0 = time.monotonic()
+    r = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200 and time.monotonic() - t0 < 5.0, r.text
+    assert router.admin("SmolLM2-135M-Instruct")["pid"] == pid
+
+
 def test_router_sigkill_leaves_no_orphan_workers(router: LiveRouter) -> None:
     client = router.client(timeout=300)
     client.completions.create(model="smollm2", prompt="Hi", max_tokens=1)
