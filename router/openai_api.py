@@ -8,6 +8,8 @@ Request and response shapes follow OpenAI's; responses also carry llama.cpp's
 
 from __future__ import annotations
 
+import codecs
+
 from typing import Any
 
 from starlette.requests import Request
@@ -243,7 +245,7 @@ async def chat_completions(request: Request) -> Response:
               lp: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         return {**head,
                 "choices": [{"index": 0, "delta": delta,
-                             "logprobs": {"content": lp, "refusal": None} if lp is not None else None,
+                             "logprobs": {"content": lp, "refusal": None} if lp else None,
                              "finish_reason": finish}], **tail}
 
     pending: list[Token] = []
@@ -291,17 +293,43 @@ def _completion_prompt(body: dict[str, Any]) -> str | list[int]:
     raise BadRequest("'prompt' must be a string or a non-empty list of token ids", param="prompt")
 
 
-def _legacy_logprobs(probs: list[TokenProb], n_top: int, offset0: int) -> dict[str, Any]:
-    offsets, off = [], offset0
-    for p in probs:
-        offsets.append(off)
-        off += len(p.text)
+def _token_str(piece: bytes) -> str:
+    """A token's text as OpenAI writes it: the UTF-8 text, or ``bytes:\\xNN...`` for a
+    piece that is not valid UTF-8 on its own (part of a character), so distinct
+    partial tokens stay distinct keys in ``top_logprobs``."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
+
+
+class _TextOffsets:
+    """Character offset of each generated token in the completion text.
+
+    Feeds token pieces through an incremental UTF-8 decoder: a token's offset is
+    the number of characters completed by the pieces before it (bytes of a
+    character still incomplete are not counted), so offsets never run past the
+    text the client receives.
+    """
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0
+
+    def next(self, piece: bytes) -> int:
+        off = self.chars
+        self.chars += len(self._decoder.decode(piece))
+        return off
+
+
+def _legacy_logprobs(probs: list[TokenProb], n_top: int, offsets: _TextOffsets) -> dict[str, Any]:
+    """The ``/v1/completions`` ``logprobs`` object (tokens, token_logprobs, top_logprobs,
+    text_offset) for ``probs``; ``offsets`` carries the position across stream chunks."""
     return {
-        "tokens": [p.text for p in probs],
+        "tokens": [_token_str(p.piece) for p in probs],
         "token_logprobs": [p.logprob for p in probs],
-        "top_logprobs": [{pc.decode("utf-8", errors="replace"): lp for _, pc, lp in p.top[:n_top]}
-                         for p in probs],
-        "text_offset": offsets,
+        "top_logprobs": [{_token_str(pc): lp for _, pc, lp in p.top[:n_top]} for p in probs],
+        "text_offset": [offsets.next(p.piece) for p in probs],
     }
 
 
@@ -332,7 +360,7 @@ async def completions(request: Request) -> Response:
     if not streaming:
         tokens, done = await collect(request, run, first)
         text = "".join(t.text for t in tokens) + done.text
-        logprobs = _legacy_logprobs(await token_probs(worker, tokens, top_n), top_n, 0) \
+        logprobs = _legacy_logprobs(await token_probs(worker, tokens, top_n), top_n, _TextOffsets()) \
             if n_lp is not None else None
         return JSONResponse({
             **_envelope(rid, "text_completion", created, model_name, fp),
@@ -348,23 +376,21 @@ async def completions(request: Request) -> Response:
                 "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}], **tail}
 
     pending: list[Token] = []
-    sent_chars = 0
+    offsets = _TextOffsets()
 
     async def flush_lp() -> dict[str, Any] | None:
         if n_lp is None:
             return None
-        lp = _legacy_logprobs(await token_probs(worker, pending, top_n), top_n, sent_chars)
+        lp = _legacy_logprobs(await token_probs(worker, pending, top_n), top_n, offsets)
         pending.clear()
         return lp
 
     async def on_frame(item: Token | Done) -> list[bytes]:
-        nonlocal sent_chars
         if isinstance(item, Token):
             pending.append(item)
             if not item.text:
                 return []
             lp = await flush_lp()
-            sent_chars += len(item.text)
             return [sse_event(chunk(item.text, lp=lp))]
         lp = await flush_lp()
         return _final_events(chunk(item.text, item.finish_reason, lp), item, head, include_usage)

@@ -290,7 +290,11 @@ class FakeWorker:
                                 break
                     delta = text_now[sent:safe]
                 sent += len(delta)
-            top = [[tid + j, -0.5 - j] for j in range(g.n_probs)]
+            # [id, logprob, piece] as the real worker sends; alternatives of the [utf8]
+            # tokens are partial UTF-8 lead bytes too (distinct bytes, same "�" text)
+            top = [[tid + j, -0.5 - j,
+                    pc if j == 0 else (bytes([0xC3 + j]) if utf8 and i < 2 else piece(tid + j))]
+                   for j in range(g.n_probs)]
             await self.send(Token(id=g.id, text=delta, token_id=tid, piece=pc,
                                   logprob=-0.5 if g.n_probs else None, top_logprobs=top))
             if crash:

@@ -222,6 +222,28 @@ def test_completions_streaming_and_logprobs(router: LiveRouter) -> None:
     assert toks == [" w100", " w101", " w102"]
 
 
+def test_completions_logprobs_with_a_character_split_across_tokens(router: LiveRouter) -> None:
+    """text_offset never runs past the text; partial-UTF-8 tokens are OpenAI's ``bytes:`` strings,
+    so distinct alternatives stay distinct keys; streamed offsets equal non-streamed ones."""
+    body = {"model": "alpha", "prompt": "[utf8] x", "max_tokens": 4, "logprobs": 2, "temperature": 0}
+    r = httpx.post(router.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] == " é w100 w101"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["bytes:\\x20\\xc3", "bytes:\\xa9", " w100", " w101"]
+    assert lp["text_offset"] == [0, 1, 2, 7]
+    assert all(off < len(choice["text"]) for off in lp["text_offset"])
+    assert [len(t) for t in lp["top_logprobs"]] == [2, 2, 2, 2]
+    assert lp["top_logprobs"][0] == {"bytes:\\x20\\xc3": -0.5, "bytes:\\xc4": -1.5}
+
+    chunks = sse_data(sse_lines(router, "/v1/completions", {**body, "stream": True}))
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if isinstance(c, dict) and c.get("choices")
+                and c["choices"][0].get("logprobs")]
+    assert sum((x["text_offset"] for x in streamed), []) == lp["text_offset"]
+    assert sum((x["tokens"] for x in streamed), []) == lp["tokens"]
+
+
 # ----------------------------------------------------------------------------- llama.cpp native
 
 
