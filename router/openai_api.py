@@ -101,6 +101,8 @@ def _include_usage(body: dict[str, Any]) -> bool:
         return False
     if not isinstance(opts, dict):
         raise BadRequest("'stream_options' must be an object", param="stream_options")
+    if not get_bool(body, "stream", False):  # OpenAI's rule
+        raise BadRequest("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     return get_bool(opts, "include_usage", False)
 
 
