@@ -66,7 +66,7 @@ class Job:
     received: float = field(default_factory=time.monotonic)
     cancel: threading.Event = field(default_factory=threading.Event)
     tokens_sent: int = 0
-    cancel_at: float | None = None  # monotonic time the cancel was requested (s)
+    cancel_at: float | None = None  # monotonic time the socket thread asked to cancel (s), for its log
 
     @property
     def id(self) -> str:
@@ -239,8 +239,6 @@ class SerialRunner:
             job = self._running.get(job_id)
         if job is None:
             return False
-        if job.cancel_at is None:
-            job.cancel_at = time.monotonic()
         job.cancel.set()
         return True
 
@@ -318,8 +316,6 @@ class SerialRunner:
             except Exception:  # noqa: BLE001
                 log.error("reset_cache failed after an error:\n%s", traceback.format_exc())
             return Error(id=g.id, code=INTERNAL_ERROR, message=f"generation failed: {type(e).__name__}: {e}"[:1000])
-        if job.cancel_at is not None and res.finish_reason == "cancelled":
-            log.debug("job %s: cancel -> done %.1f ms", g.id, (time.monotonic() - job.cancel_at) * 1e3)
         return Done(id=g.id, finish_reason=res.finish_reason, stop_type=res.stop_type,
                     stopping_word=res.stopping_word, text=res.tail, prompt_tokens=int(res.prompt_tokens),
                     completion_tokens=len(res.tokens), prompt_n=int(res.prompt_n), prompt_ms=float(res.prompt_ms),

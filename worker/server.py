@@ -436,10 +436,13 @@ class WorkerServer:
                 return
         job = self.running.get(job_id)
         if job is not None:
-            if job.cancel_at is None:
-                job.cancel_at = time.monotonic()
-            self.runner.cancel(job_id)
+            self._cancel_running(job)
         # unknown (or already finished): ignored
+
+    def _cancel_running(self, job: Job) -> None:
+        if job.cancel_at is None:
+            job.cancel_at = time.monotonic()
+        self.runner.cancel(job.id)
 
     def _on_text_op(self, msg: Tokenize | Detokenize | ApplyTemplate) -> None:
         from worker.engine import EngineError
@@ -478,10 +481,8 @@ class WorkerServer:
         self._stop_deadline = time.monotonic() + grace_s
         while self.pending:
             self._send(cancelled_done(self.pending.popleft().id))
-        for job_id, job in self.running.items():
-            if job.cancel_at is None:
-                job.cancel_at = time.monotonic()
-            self.runner.cancel(job_id)
+        for job in self.running.values():
+            self._cancel_running(job)
         self._check_stopped(time.monotonic())
 
     def _check_stopped(self, now: float) -> None:
