@@ -18,9 +18,7 @@ from .generate import CacheState, GenerationResult, TokenEvent, check_context, g
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
-__all__ = ["DEFAULT_MAX_CTX", "Engine", "EngineInfo"]
-
-DEFAULT_MAX_CTX = 8192  # n_ctx when not given: min(n_ctx_train, this)
+__all__ = ["Engine", "EngineInfo"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +75,7 @@ class Engine:
                 (n_ctx not a positive integer).
         """
         from .gguf_loader import read_gguf
-        from .model import load_model
+        from .model import load_model  # n_ctx None -> min(n_ctx_train, DEFAULT_MAX_CTX) there
 
         path = Path(gguf_path)
         if not path.is_file():
@@ -92,8 +90,6 @@ class Engine:
         n_ctx_train = md.get(f"{arch}.context_length")
         if isinstance(n_ctx_train, bool) or not isinstance(n_ctx_train, int) or n_ctx_train <= 0:
             raise EngineError("invalid_gguf", f"GGUF has no valid {arch}.context_length")
-        if n_ctx is None:
-            n_ctx = min(n_ctx_train, DEFAULT_MAX_CTX)
         tokenizer = _wrap(Tokenizer.from_metadata, md)
         source = resolve_template(chat_template) if chat_template is not None else md.get("tokenizer.chat_template")
         template = None
