@@ -236,7 +236,10 @@ class Sampler:
     def sample(self, logits: np.ndarray) -> int:
         """One token id from float32 ``logits`` ``[>= n_vocab]`` (does not call :meth:`accept`)."""
         p = self.p
-        x = self.apply_bias_and_penalties(logits)
+        if self._bias_ids.size or self._penalize:
+            x = self.apply_bias_and_penalties(logits)
+        else:  # nothing modifies the logits: read them in place (x is never written below)
+            x = np.asarray(logits[: self.n_vocab], dtype=np.float32)
         if p.temperature <= 0:
             return int(np.argmax(x))
         n = x.size
