@@ -68,8 +68,7 @@ class Gemma3Model(Model):
                 self.swa_layers = [(il % pattern) < (pattern - 1) for il in range(self.n_layer)]
             else:
                 raise EngineError("invalid_gguf", f"bad {a}.attention.sliding_window_pattern: {pattern!r}")
-        n_layer_type = {26: "1B", 34: "4B", 48: "12B", 62: "27B"}.get(self.n_layer)
-        if n_layer_type == "27B":
+        if self.n_layer == 62:  # 27B (llama.cpp LLM_TYPE_27B)
             self.q_scale = 1.0 / math.sqrt(self.n_embd / self.n_head)
         else:
             self.q_scale = 1.0 / math.sqrt(self.head_dim)

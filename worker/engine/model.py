@@ -127,13 +127,10 @@ def rope_freq_scale(md: dict[str, Any], arch: str) -> float:
     Raises: EngineError("unsupported_architecture") for yarn/longrope/... scaling.
     """
     kind = md.get(f"{arch}.rope.scaling.type", "none")
-    factor = md.get(f"{arch}.rope.scaling.factor", 0.0)
-    if kind in ("none", None) or not factor:
-        if kind not in ("none", None, "linear"):
-            raise EngineError("unsupported_architecture", f"RoPE scaling type {kind!r} is not supported")
-        return 1.0
-    if kind != "linear":
+    if kind not in ("none", None, "linear"):
         raise EngineError("unsupported_architecture", f"RoPE scaling type {kind!r} is not supported")
+    if kind != "linear" or not md.get(f"{arch}.rope.scaling.factor"):
+        return 1.0
     return 1.0 / hp_float(md, f"{arch}.rope.scaling.factor")
 
 
@@ -542,7 +539,7 @@ class Model:
         return self.gguf.tensor(name)
 
     def has_tensor(self, name: str) -> bool:
-        return name in self.gguf.tensors
+        return self.gguf.has_tensor(name)
 
     def wait_weight_cache(self, timeout: float | None = None) -> bool:
         """Wait for a background ``.npy`` cache write to finish; True when none is running."""
