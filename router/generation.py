@@ -29,7 +29,7 @@ from router.params import INT32_MAX, INT32_MIN, SEED_MAX, SEED_MIN, get_float, g
 from router.pool import ModelSlot
 from router.process import WorkerProcess
 from router.run import Run
-from router.sse import until_disconnect
+from router.sse import sse_event, until_disconnect
 
 log = logging.getLogger("modelyard.generation")
 
@@ -120,10 +120,9 @@ def check_not_cancelled(done: Done) -> None:
 Formatter = Callable[[Token | Done], Awaitable[list[bytes]]]
 
 
-async def stream(run: Run, first: Token | Done, on_frame: Formatter,
-                 on_error: Callable[[ApiError], bytes]) -> AsyncIterator[bytes]:
+async def stream(run: Run, first: Token | Done, on_frame: Formatter) -> AsyncIterator[bytes]:
     """SSE events for every frame of ``run`` (``on_frame`` formats; may return none).
-    An ApiError mid-stream becomes ``on_error(err)`` and ends the stream."""
+    An ApiError mid-stream becomes one :func:`error_event` and ends the stream."""
     try:
         item: Token | Done = first
         while True:
@@ -135,16 +134,17 @@ async def stream(run: Run, first: Token | Done, on_frame: Formatter,
                 return
             item = await run.next()
     except ApiError as err:
-        yield on_error(err)
+        yield error_event(err)
     except Exception as exc:  # a bug: still end the stream with an error event, not a cut connection
         log.exception("stream of request %s failed", run.id)
-        yield on_error(InternalError(f"internal error: {type(exc).__name__}"))
+        yield error_event(InternalError(f"internal error: {type(exc).__name__}"))
     finally:
         run.close()
 
 
-def error_event_payload(err: ApiError) -> dict[str, Any]:
-    return error_payload(err)
+def error_event(err: ApiError) -> bytes:
+    """The SSE event of an error once the stream has started (``stream``'s ``on_error``)."""
+    return sse_event(error_payload(err))
 
 
 def timings_of(done: Done) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from protocol import (
     Tokenize,
     TokenizeResult,
 )
-from router.errors import ApiError, BadGateway, BadRequest, error_payload, from_worker_error, unsendable
+from router.errors import BadGateway, BadRequest, from_worker_error, unsendable
 from router.generation import (
     LLAMACPP_DEFAULTS,
     TokenProb,
@@ -135,10 +135,7 @@ async def completion(request: Request) -> Response:
             return [sse_event(chunk)]
         return [sse_event(summary(item, [], item.text))]
 
-    def on_error(err: ApiError) -> bytes:
-        return sse_event(error_payload(err))
-
-    return SSEResponse(stream(run, first, on_frame, on_error), run.close)
+    return SSEResponse(stream(run, first, on_frame), run.close)
 
 
 async def _call(request: Request, slot: ModelSlot, make: Any) -> Message:

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from protocol import Done, Generate, Token
-from router.errors import ApiError, BadRequest, NotFound, error_payload
+from router.errors import BadRequest, NotFound
 from router.generation import (
     OPENAI_DEFAULTS,
     TokenProb,
@@ -116,10 +116,6 @@ def _fingerprint(worker: WorkerProcess | None) -> str | None:
     if worker is None or worker.ready is None:
         return None
     return f"fp_{worker.ready.fingerprint[:12]}"
-
-
-def _error_event(err: ApiError) -> bytes:
-    return sse_event(error_payload(err))
 
 
 def _envelope(rid: str, obj: str, created: int, model: str, fp: str | None) -> dict[str, Any]:
@@ -276,7 +272,7 @@ async def chat_completions(request: Request) -> Response:
         out.extend(_final_events(chunk({}, item.finish_reason, lp), item, head, include_usage))
         return out
 
-    return SSEResponse(stream(run, first, on_frame, _error_event), run.close)
+    return SSEResponse(stream(run, first, on_frame), run.close)
 
 
 # ----------------------------------------------------------------------------- completions
@@ -397,7 +393,7 @@ async def completions(request: Request) -> Response:
         lp = await flush_lp()
         return _final_events(chunk(item.text, item.finish_reason, lp), item, head, include_usage)
 
-    return SSEResponse(stream(run, first, on_frame, _error_event), run.close)
+    return SSEResponse(stream(run, first, on_frame), run.close)
 
 
 routes = [
