@@ -215,7 +215,12 @@ class ChatTemplate:
             EngineError("invalid_params"): malformed messages.
             EngineError("template_error"): the template raised while rendering.
         """
-        return "".join(t for t, _ in self.render_segments(messages, add_generation_prompt, tools))
+        msgs = normalize_messages(messages, self.developer_known)
+        real = self._render_raw(msgs, add_generation_prompt, tools)
+        if not ((self.strip_bos and real.startswith(self.bos_token))
+                or (self.strip_eos and real.endswith(self.eos_token))):
+            return real  # nothing to strip: the segments (a second rendering) are not needed
+        return "".join(t for t, _ in self._segments(msgs, real, add_generation_prompt, tools))
 
     def render_segments(self, messages: Any, add_generation_prompt: bool = True,
                         tools: list[Any] | None = None) -> list[tuple[str, bool]]:
@@ -230,7 +235,11 @@ class ChatTemplate:
         the real one.
         """
         msgs = normalize_messages(messages, self.developer_known)
-        real = self._render_raw(msgs, add_generation_prompt, tools)
+        return self._segments(msgs, self._render_raw(msgs, add_generation_prompt, tools),
+                              add_generation_prompt, tools)
+
+    def _segments(self, msgs: list[dict[str, Any]], real: str, add_generation_prompt: bool,
+                  tools: list[Any] | None) -> list[tuple[str, bool]]:
         contents = [m["content"] if isinstance(m["content"], str) else None for m in msgs]
         segments = self._align(msgs, contents, real, add_generation_prompt, tools)
         return self._strip_special(segments)
