@@ -48,8 +48,10 @@ class ProtocolError(ValueError):
 def encode(msg: Message) -> bytes:
     """Serialise ``msg`` to one msgpack frame (bytes).
 
-    Raises ProtocolError if the record does not validate (a bug on the sending
-    side is caught here rather than at the peer) or exceeds MAX_FRAME_BYTES.
+    Raises ProtocolError (only) if the record does not validate (a bug on the sending
+    side is caught here rather than at the peer), msgpack cannot carry a value (an
+    integer outside [-2**63, 2**64-1], a string with a lone surrogate) or the frame
+    exceeds MAX_FRAME_BYTES.
     """
     body: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg.TYPE}
     for f in dataclasses.fields(msg):

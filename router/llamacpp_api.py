@@ -29,6 +29,7 @@ from protocol import (
     Token,
     Tokenize,
     TokenizeResult,
+    encode,
 )
 from router.errors import BadGateway, BadRequest, from_worker_error, unsendable
 from router.generation import (
@@ -45,7 +46,7 @@ from router.generation import (
 from router.openai_api import parse_messages
 from router.params import INT32_MAX, INT32_MIN, get_bool, get_int, get_prompt, get_str, get_token_list, read_json
 from router.pool import ModelSlot, Pool
-from router.process import WorkerUnreachable, encode_frame
+from router.process import WorkerUnreachable
 from router.sse import SSEResponse, sse_event, until_disconnect
 
 #: How long a tokenize / detokenize / apply-template call may take, s.
@@ -142,7 +143,7 @@ async def _call(request: Request, slot: ModelSlot, make: Any) -> Message:
     """Send a one-shot request to the model's (loaded) worker; its answer, or the mapped ApiError.
     A request the protocol cannot carry is a 400 (checked before the model is loaded)."""
     try:
-        encode_frame(make("check"))
+        encode(make("check"))
     except ProtocolError as e:
         raise unsendable(e.reason) from None
     worker = await until_disconnect(request.receive, slot.ready_worker())

@@ -100,22 +100,6 @@ class WorkerUnreachable(Exception):
     """A frame could not be sent: the worker is gone or not connected."""
 
 
-def encode_frame(msg: Message) -> bytes:
-    """``msg`` as a wire frame, encoded *before* anything is sent or recorded as sent.
-
-    Raises :class:`protocol.ProtocolError` (only) if the protocol cannot carry it —
-    a value from the request that slipped past validation (an integer outside
-    msgpack's range, a string with a lone surrogate, a frame too big): the caller
-    answers 400 and the worker never hears of the request.
-    """
-    try:
-        return encode(msg)
-    except ProtocolError:
-        raise
-    except (ValueError, OverflowError, TypeError) as e:  # msgpack's own (UnicodeEncodeError is a ValueError)
-        raise ProtocolError(f"{msg.TYPE}: cannot encode: {type(e).__name__}: {e}", msg.id) from None
-
-
 #: The worker module run as ``python -m MODULE``; tests point it at the fake worker.
 WORKER_MODULE_ENV = "MODELYARD_WORKER_MODULE"
 
@@ -420,10 +404,10 @@ class WorkerProcess:
         self._streams.pop(request_id, None)
 
     async def send(self, msg: Message | bytes) -> None:
-        """Send one message (or a frame already made by :func:`encode_frame`). Raises
+        """Send one message (or a frame already made by :func:`protocol.encode`). Raises
         ProtocolError if it cannot be encoded (nothing is sent), WorkerUnreachable if
         the worker is gone or not connected."""
-        frame = msg if isinstance(msg, bytes) else encode_frame(msg)
+        frame = msg if isinstance(msg, bytes) else encode(msg)
         if self._sock is None or self._identity is None or self.exited.is_set():
             raise WorkerUnreachable(self.exit_description() if self.exited.is_set() else "worker not connected")
         try:
@@ -449,7 +433,7 @@ class WorkerProcess:
         WorkerUnreachable (not sent), TimeoutError, or returns a WorkerGone-derived
         Error(code="worker_gone") if the process died meanwhile.
         """
-        frame = encode_frame(msg)
+        frame = encode(msg)  # before the stream opens: a frame the protocol cannot carry sends nothing
         q = self.open_stream(msg.id)
         try:
             await self.send(frame)

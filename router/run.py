@@ -15,10 +15,10 @@ import asyncio
 import logging
 import time
 
-from protocol import Done, Error, Generate, Message, ProtocolError, Token
+from protocol import Done, Error, Generate, Message, ProtocolError, Token, encode
 from router.errors import ApiError, BadGateway, from_worker_error, unsendable
 from router.pool import ModelSlot, Ticket
-from router.process import WorkerGone, WorkerProcess, WorkerUnreachable, _spawn, encode_frame
+from router.process import WorkerGone, WorkerProcess, WorkerUnreachable, _spawn
 
 log = logging.getLogger("modelyard.run")
 
@@ -49,7 +49,7 @@ class Run:
         sent and never cancelled on a worker that did not get it — and BadGateway if
         the worker is unreachable."""
         try:
-            frame = encode_frame(msg)
+            frame = encode(msg)
         except ProtocolError as e:
             raise unsendable(e.reason) from None
         worker = self.worker or await self.wait_worker()

@@ -21,9 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from protocol import Detokenize, Generate, ProtocolError, Tokenize
+from protocol import Detokenize, Generate, ProtocolError, Tokenize, encode
 from router.errors import unsendable
-from router.process import encode_frame
 from tests.router.conftest import LiveRouter, dummy_gguf
 
 CONFIG = """
@@ -170,13 +169,13 @@ def test_a_request_the_protocol_cannot_carry_is_400_never_sent(router: LiveRoute
     assert len(router.fake_events("cancel")) == cancels
 
 
-def test_encode_frame_raises_protocol_error_only() -> None:
+def test_encode_raises_protocol_error_only() -> None:
     for msg in (Generate(id="g", prompt="hi", seed=2**64), Generate(id="g", prompt=[2**70]),
                 Generate(id="g", prompt="hi", top_k=-(2**63) - 1), Detokenize(id="d", tokens=[2**64]),
                 Tokenize(id="t", content="\ud800")):
         with pytest.raises(ProtocolError):
-            encode_frame(msg)
-    assert encode_frame(Generate(id="g", prompt="hi", seed=2**64 - 1))
+            encode(msg)
+    assert encode(Generate(id="g", prompt="hi", seed=2**64 - 1))
 
 
 def test_unsendable_names_the_field() -> None:
