@@ -27,7 +27,6 @@ from protocol import Done, Generate, Token
 from router.errors import ApiError, InternalError, Unavailable, error_payload
 from router.params import INT32_MAX, INT32_MIN, SEED_MAX, SEED_MIN, get_float, get_int, get_logit_bias, get_stop
 from router.pool import ModelSlot
-from router.process import WorkerProcess
 from router.run import Run
 from router.sse import sse_event, until_disconnect
 
@@ -193,22 +192,13 @@ class TokenProb:
         return self.piece.decode("utf-8", errors="replace")
 
 
-async def token_probs(worker: WorkerProcess, tokens: list[Token], n_top: int) -> list[TokenProb]:
-    """TokenProb for each token (``n_top`` alternatives kept). Pieces of alternatives come
-    with the frame ([id, logprob, piece]) or from the worker (Detokenize, cached)."""
-    need: list[int] = []
-    for t in tokens:
-        for alt in t.top_logprobs[:n_top]:
-            if len(alt) < 3 or not isinstance(alt[2], bytes):
-                need.append(int(alt[0]))
-    pieces = await worker.token_pieces(need) if need else {}
+def token_probs(tokens: list[Token], n_top: int) -> list[TokenProb]:
+    """TokenProb for each token (``n_top`` alternatives kept). Each alternative comes
+    with its exact piece bytes in the frame ([id, logprob, piece])."""
     out: list[TokenProb] = []
     for t in tokens:
-        top: list[tuple[int, bytes, float]] = []
-        for alt in t.top_logprobs[:n_top]:
-            tid = int(alt[0])
-            piece = alt[2] if len(alt) >= 3 and isinstance(alt[2], bytes) else pieces.get(tid, b"")
-            top.append((tid, piece, float(alt[1])))
+        top = [(int(alt[0]), alt[2] if len(alt) >= 3 and isinstance(alt[2], bytes) else b"", float(alt[1]))
+               for alt in t.top_logprobs[:n_top]]
         lp = t.logprob if t.logprob is not None else 0.0
         out.append(TokenProb(t.token_id, t.piece, float(lp), top))
     return out

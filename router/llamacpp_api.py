@@ -98,8 +98,6 @@ async def completion(request: Request) -> Response:
         **read_sampling(body, LLAMACPP_DEFAULTS, slot, openai=False),
     )
     run, first = await begin(request, slot, msg)
-    worker = run.worker
-    assert worker is not None
 
     def summary(done: Done, tokens: list[int], content: str) -> dict[str, Any]:
         return {
@@ -118,7 +116,7 @@ async def completion(request: Request) -> Response:
         out = summary(done, [t.token_id for t in tokens], text)
         if n_probs > 0:
             out["completion_probabilities"] = [_prob_entry(p, n_probs)
-                                               for p in await token_probs(worker, tokens, n_probs)]
+                                               for p in token_probs(tokens, n_probs)]
         return JSONResponse(out)
 
     count = 0
@@ -132,7 +130,7 @@ async def completion(request: Request) -> Response:
                                      "stop": False, "id_slot": 0, "tokens_predicted": count}
             if n_probs > 0:
                 chunk["completion_probabilities"] = [
-                    _prob_entry(p, n_probs) for p in await token_probs(worker, [item], n_probs)]
+                    _prob_entry(p, n_probs) for p in token_probs([item], n_probs)]
             return [sse_event(chunk)]
         return [sse_event(summary(item, [], item.text))]
 

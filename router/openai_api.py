@@ -198,8 +198,8 @@ def _chat_logprob(tp: TokenProb, n_top: int) -> dict[str, Any]:
     }
 
 
-async def _chat_logprobs(worker: WorkerProcess, tokens: list[Token], n_top: int) -> list[dict[str, Any]]:
-    return [_chat_logprob(p, n_top) for p in await token_probs(worker, tokens, n_top)]
+def _chat_logprobs(tokens: list[Token], n_top: int) -> list[dict[str, Any]]:
+    return [_chat_logprob(p, n_top) for p in token_probs(tokens, n_top)]
 
 
 async def chat_completions(request: Request) -> Response:
@@ -228,7 +228,7 @@ async def chat_completions(request: Request) -> Response:
         text = "".join(t.text for t in tokens) + done.text
         logprobs = None
         if want_logprobs:
-            logprobs = {"content": await _chat_logprobs(worker, tokens, top_n), "refusal": None}
+            logprobs = {"content": _chat_logprobs(tokens, top_n), "refusal": None}
         return JSONResponse({
             **_envelope(rid, "chat.completion", created, model_name, fp),
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
@@ -259,11 +259,11 @@ async def chat_completions(request: Request) -> Response:
             pending.append(item)
             if not item.text:
                 return out
-            lp = await _chat_logprobs(worker, pending, top_n) if want_logprobs else None
+            lp = _chat_logprobs(pending, top_n) if want_logprobs else None
             pending.clear()
             out.append(sse_event(chunk({"content": item.text}, lp=lp)))
             return out
-        lp = await _chat_logprobs(worker, pending, top_n) if want_logprobs and pending \
+        lp = _chat_logprobs(pending, top_n) if want_logprobs and pending \
             else ([] if want_logprobs else None)
         pending.clear()
         if item.text:
@@ -358,7 +358,7 @@ async def completions(request: Request) -> Response:
     if not streaming:
         tokens, done = await collect(request, run, first)
         text = "".join(t.text for t in tokens) + done.text
-        logprobs = _legacy_logprobs(await token_probs(worker, tokens, top_n), top_n, _TextOffsets()) \
+        logprobs = _legacy_logprobs(token_probs(tokens, top_n), top_n, _TextOffsets()) \
             if n_lp is not None else None
         return JSONResponse({
             **_envelope(rid, "text_completion", created, model_name, fp),
@@ -376,10 +376,10 @@ async def completions(request: Request) -> Response:
     pending: list[Token] = []
     offsets = _TextOffsets()
 
-    async def flush_lp() -> dict[str, Any] | None:
+    def flush_lp() -> dict[str, Any] | None:
         if n_lp is None:
             return None
-        lp = _legacy_logprobs(await token_probs(worker, pending, top_n), top_n, offsets)
+        lp = _legacy_logprobs(token_probs(pending, top_n), top_n, offsets)
         pending.clear()
         return lp
 
@@ -388,9 +388,9 @@ async def completions(request: Request) -> Response:
             pending.append(item)
             if not item.text:
                 return []
-            lp = await flush_lp()
+            lp = flush_lp()
             return [sse_event(chunk(item.text, lp=lp))]
-        lp = await flush_lp()
+        lp = flush_lp()
         return _final_events(chunk(item.text, item.finish_reason, lp), item, head, include_usage)
 
     return SSEResponse(stream(run, first, on_frame), run.close)

@@ -42,8 +42,6 @@ import zmq.asyncio
 
 from protocol import (
     Cancel,
-    Detokenize,
-    DetokenizeResult,
     Error,
     Hello,
     Message,
@@ -52,7 +50,6 @@ from protocol import (
     ProtocolError,
     Ready,
     Shutdown,
-    Token,
     decode,
     encode,
 )
@@ -147,7 +144,6 @@ class WorkerProcess:
         self._stop_requested = False
         self.ready: Ready | None = None
         self.started_at = time.time()
-        self.pieces: dict[int, bytes] = {}  # token id -> raw bytes, learned from frames
         self._exit_callbacks: list[Callable[[WorkerProcess], None]] = []
         self._call_ids = itertools.count(1)
 
@@ -365,8 +361,6 @@ class WorkerProcess:
         if ident != self._identity:
             log.warning("ignoring %s from an unknown peer on %s's socket", msg.TYPE, self.model.name)
             return
-        if isinstance(msg, Token) and msg.token_id not in self.pieces:
-            self.pieces[msg.token_id] = msg.piece
         q = self._streams.get(msg.id)
         if q is not None:
             q.put_nowait(msg)
@@ -454,23 +448,6 @@ class WorkerProcess:
         except (TimeoutError, WorkerUnreachable, ProtocolError):
             return None
         return ans if isinstance(ans, Pong) else None
-
-    async def token_pieces(self, ids: list[int], timeout_s: float = 30.0) -> dict[int, bytes]:
-        """Raw bytes of each token id, from frames seen so far; the rest by Detokenize
-        (exact for whole-character pieces; a lone partial UTF-8 byte comes back as U+FFFD)."""
-        missing = [i for i in dict.fromkeys(ids) if i not in self.pieces]
-
-        async def one(tid: int) -> None:
-            try:
-                ans = await self.call(Detokenize(id=self.new_call_id("piece"), tokens=[tid]), timeout_s)
-            except (TimeoutError, WorkerUnreachable, ProtocolError):
-                return
-            if isinstance(ans, DetokenizeResult):
-                self.pieces.setdefault(tid, ans.content.encode("utf-8"))
-
-        if missing:
-            await asyncio.gather(*(one(t) for t in missing))
-        return {i: self.pieces.get(i, b"") for i in ids}
 
     def cancel(self, request_id: str) -> None:
         self.send_nowait(Cancel(id=request_id))
