@@ -12,6 +12,7 @@ every spawn, so a test can change behaviour between spawns), a map of model name
     crash_at_load     bool   exit 3 before Ready
     load_error        bool   Error(code="load_failed") then exit 1
     hang_at_load      bool   send Hello, never Ready
+    hold_load         bool   wait before Ready while the hold file exists (see below)
     token_delay_s     float  sleep before each token (default 0.005)
     ignore_cancel     bool   keep generating after Cancel
     ignore_shutdown   bool   do not exit on Shutdown
@@ -22,7 +23,11 @@ every spawn, so a test can change behaviour between spawns), a map of model name
 Per-request directives inside the prompt (or any message content):
 ``[crash]`` exit 9 after the first token; ``[hang]`` freeze the whole process
 (no Pong, no Cancel); ``[slow=S]`` S seconds per token; ``[len=N]`` N tokens
-before EOS; ``[utf8]`` a two-token "é" (first token ends mid-character).
+before EOS; ``[utf8]`` a two-token "é" (first token ends mid-character);
+``[hold]`` before each token, wait while the hold file exists (a Cancel still ends it).
+
+The hold file is ``$MODELYARD_FAKE_FILE.hold``: tests create it to keep a load or a
+generation in progress for exactly as long as they need, instead of racing a sleep.
 
 Generated token k has id 100+k and piece " w<id>"; Detokenize([i]) gives " w<i>".
 Every event is appended as a JSON line to ``MODELYARD_FAKE_LOG`` if set.
@@ -78,6 +83,11 @@ def _switches(model: str) -> dict[str, Any]:
     return {**data.get("*", {}), **data.get(model, {})}
 
 
+def _held() -> bool:
+    path = os.environ.get("MODELYARD_FAKE_FILE")
+    return bool(path) and os.path.exists(path + ".hold")
+
+
 def _log(event: str, **kw: Any) -> None:
     path = os.environ.get("MODELYARD_FAKE_LOG")
     if path:
@@ -130,6 +140,8 @@ class FakeWorker:
             return 1
         if self.sw.get("hang_at_load"):
             await asyncio.sleep(3600)
+        while self.sw.get("hold_load") and _held():
+            await asyncio.sleep(0.01)
         await self.send(Ready(
             id="ready", model=self.args.model, architecture="fake", gguf_path=self.args.gguf,
             file_size=os.path.getsize(self.args.gguf), fingerprint="f" * 64, n_ctx=self.n_ctx,
@@ -238,6 +250,7 @@ class FakeWorker:
         crash = "[crash]" in text
         hang = "[hang]" in text
         utf8 = "[utf8]" in text
+        hold = "[hold]" in text
         t0 = time.monotonic()
         await asyncio.sleep(0.01)  # "prefill"
         prompt_ms = (time.monotonic() - t0) * 1000
@@ -261,6 +274,8 @@ class FakeWorker:
             if g.id in self.cancelled:
                 finish, stop_type = "cancelled", "cancelled"
                 break
+            while hold and _held() and g.id not in self.cancelled:
+                await asyncio.sleep(0.01)
             await asyncio.sleep(delay)
             if g.id in self.cancelled:
                 finish, stop_type = "cancelled", "cancelled"

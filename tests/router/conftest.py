@@ -7,6 +7,8 @@ worker's switches and event log, and the process tree.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -14,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +90,20 @@ class LiveRouter:
     def set_fake(self, switches: dict[str, Any]) -> None:
         self.fake_file.write_text(json.dumps(switches))
 
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Fake workers hold ``hold_load`` loads and ``[hold]`` generations until the block ends."""
+        hold = Path(str(self.fake_file) + ".hold")
+        hold.touch()
+        try:
+            yield
+        finally:
+            hold.unlink(missing_ok=True)
+
+    async def until(self, cond: Any, timeout: float = 30.0, what: str = "condition") -> Any:
+        """``wait_for`` from async code without blocking the event loop (the requests must flow)."""
+        return await asyncio.to_thread(self.wait_for, cond, timeout, what)
+
     def fake_events(self, event: str | None = None, **match: Any) -> list[dict[str, Any]]:
         if not self.fake_log.exists():
             return []
@@ -113,7 +130,7 @@ class LiveRouter:
             self.seen[k.pid] = k
         return kids
 
-    def wait_for(self, cond: Any, timeout: float = 10.0, what: str = "condition") -> Any:
+    def wait_for(self, cond: Any, timeout: float = 30.0, what: str = "condition") -> Any:
         deadline = time.monotonic() + timeout
         while True:
             v = cond()

@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,14 +27,14 @@ MODELS = ["burst", "q2", "dc", "crash", "broken", "slowload", "hang", "deaf", "d
 
 SWITCHES: dict[str, Any] = {
     "burst": {"load_delay_s": 0.5},
-    "q2": {"load_delay_s": 1.0, "token_delay_s": 0.05, "length": 40},
+    "q2": {"hold_load": True, "token_delay_s": 0.01, "length": 40},
     "dc": {"token_delay_s": 0.05, "length": 200},
     "crash": {"token_delay_s": 0.02, "length": 100},
     "hang": {"token_delay_s": 0.02},
     "deaf": {"ignore_cancel": True, "token_delay_s": 0.05, "length": 200},
     "drain": {"token_delay_s": 0.05, "length": 40},
     "stubborn": {"ignore_shutdown": True},
-    "lazy": {"load_delay_s": 1.0},
+    "lazy": {"hold_load": True},
 }
 
 
@@ -88,18 +87,26 @@ def test_burst_of_first_requests_spawns_one_worker(router: LiveRouter) -> None:
     assert router.admin("burst")["spawn_count"] == 1
 
 
-def test_queue_full_gets_503_at_once_counting_those_waiting_for_load(router: LiveRouter) -> None:
-    # max_queue 2: one running + two waiting (here: all waiting for the 0.3 s load); the 4th is refused
-    async def go() -> tuple[list[httpx.Response], float]:
-        async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
-            first = [asyncio.create_task(_post(c, chat("q2", max_tokens=5))) for _ in range(3)]
-            await asyncio.sleep(0.4)
-            t0 = time.monotonic()
-            fourth = await _post(c, chat("q2", max_tokens=5))
-            dt = time.monotonic() - t0
-            return [*(await asyncio.gather(*first)), fourth], dt
+def admitted(router: LiveRouter, model: str) -> int:
+    st = router.admin(model)
+    return len(st["in_flight"]) + int(st["queue_depth"])
 
-    rs, dt = asyncio.run(go())
+
+def test_queue_full_gets_503_at_once_counting_those_waiting_for_load(router: LiveRouter) -> None:
+    # max_queue 2: one running + two waiting (here: all three waiting for a held load); the 4th is refused
+    async def go() -> tuple[list[httpx.Response], dict[str, Any], float]:
+        async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
+            with router.hold():
+                first = [asyncio.create_task(_post(c, chat("q2", max_tokens=5))) for _ in range(3)]
+                await router.until(lambda: admitted(router, "q2") == 3, what="three admitted")
+                t0 = time.monotonic()
+                fourth = await _post(c, chat("q2", max_tokens=5))
+                dt = time.monotonic() - t0
+                during = router.admin("q2")  # still loading: the 503 did not wait for anything
+            return [*(await asyncio.gather(*first)), fourth], during, dt
+
+    rs, during, dt = asyncio.run(go())
+    assert during["state"] == "loading" and during["queue_depth"] == 3
     assert [r.status_code for r in rs[:3]] == [200, 200, 200]
     r = rs[3]
     assert r.status_code == 503
@@ -107,19 +114,22 @@ def test_queue_full_gets_503_at_once_counting_those_waiting_for_load(router: Liv
     assert r.json()["error"] == {"message": r.json()["error"]["message"], "type": "server_error",
                                  "param": None, "code": "queue_full"}
     print(f"\n503 queue_full answered in {dt * 1000:.1f} ms")
-    assert dt < 2.0
 
 
 def test_queue_full_while_ready(router: LiveRouter) -> None:
-    async def go() -> list[httpx.Response]:
+    async def go() -> tuple[list[httpx.Response], dict[str, Any]]:
         async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
-            first = [asyncio.create_task(_post(c, chat("q2", max_tokens=20))) for _ in range(3)]
-            await asyncio.sleep(0.3)
-            fourth = await _post(c, chat("q2", max_tokens=1))
-            return [*(await asyncio.gather(*first)), fourth]
+            with router.hold():
+                first = [asyncio.create_task(_post(c, chat("q2", "[hold]", max_tokens=3))) for _ in range(3)]
+                await router.until(lambda: admitted(router, "q2") == 3, what="one running + two waiting")
+                fourth = await _post(c, chat("q2", max_tokens=1))
+                during = router.admin("q2")
+            return [*(await asyncio.gather(*first)), fourth], during
 
-    codes = [r.status_code for r in asyncio.run(go())]
-    assert codes == [200, 200, 200, 503]
+    rs, during = asyncio.run(go())
+    assert during["state"] == "ready" and len(during["in_flight"]) == 1 and during["queue_depth"] == 2
+    assert [r.status_code for r in rs] == [200, 200, 200, 503]
+    assert rs[3].json()["error"]["code"] == "queue_full"
 
 
 def test_streaming_disconnect_mid_generation_frees_the_worker(router: LiveRouter) -> None:
@@ -136,30 +146,31 @@ def test_streaming_disconnect_mid_generation_frees_the_worker(router: LiveRouter
         dt = time.monotonic() - t0
     assert r2.status_code == 200
     print(f"\nnext request after a mid-stream disconnect done in {dt * 1000:.1f} ms")
-    assert dt < 2.0
     cancelled = router.fake_events("done", finish_reason="cancelled")
-    assert cancelled and cancelled[-1]["n"] < 50
+    assert cancelled and cancelled[-1]["n"] < 200  # stopped, not run to its 200 tokens
 
 
 def test_non_streaming_disconnect_cancels(router: LiveRouter) -> None:
-    with httpx.Client(base_url=router.url, timeout=0.4) as c:
-        with pytest.raises(httpx.ReadTimeout):
-            c.post("/v1/chat/completions", json=chat("dc", "nonstream"))
-    router.wait_for(lambda: len(router.fake_events("cancel")) >= 2, what="cancel")
-    router.wait_for(lambda: router.admin("dc")["in_flight"] == [], what="worker free")
+    n_cancel = len(router.fake_events("cancel"))
+    with router.hold():  # the generation cannot finish before the client gives up
+        with httpx.Client(base_url=router.url, timeout=0.4) as c:
+            with pytest.raises(httpx.ReadTimeout):
+                c.post("/v1/chat/completions", json=chat("dc", "nonstream [hold]"))
+        router.wait_for(lambda: len(router.fake_events("cancel")) > n_cancel, what="cancel")
+        router.wait_for(lambda: router.admin("dc")["in_flight"] == [], what="worker free")
 
 
 def test_disconnect_while_queued_leaves_the_queue(router: LiveRouter) -> None:
     async def go() -> tuple[httpx.Response, list[int]]:
         async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
-            a = asyncio.create_task(_post(c, chat("dc", "A", max_tokens=40)))
-            await asyncio.sleep(0.2)
-            b = asyncio.create_task(_post(c, chat("dc", "B-queued", max_tokens=2)))
-            await asyncio.sleep(0.2)
-            depth = [router.admin("dc")["queue_depth"]]
-            b.cancel()  # closes B's connection while it waits
-            await asyncio.sleep(0.2)
-            depth.append(router.admin("dc")["queue_depth"])
+            with router.hold():
+                a = asyncio.create_task(_post(c, chat("dc", "A [hold]", max_tokens=4)))
+                await router.until(lambda: len(router.admin("dc")["in_flight"]) == 1, what="A running")
+                b = asyncio.create_task(_post(c, chat("dc", "B-queued", max_tokens=2)))
+                depth = [await router.until(lambda: router.admin("dc")["queue_depth"], what="B queued")]
+                b.cancel()  # closes B's connection while it waits
+                await router.until(lambda: router.admin("dc")["queue_depth"] == 0, what="B gone from the queue")
+                depth.append(router.admin("dc")["queue_depth"])
             return await a, depth
 
     ra, depth = asyncio.run(go())
@@ -194,9 +205,11 @@ def test_sigkill_mid_stream_gives_sse_error_and_next_request_succeeds(router: Li
 def test_crash_mid_request_fails_it_and_answers_waiting_ones(router: LiveRouter) -> None:
     async def go() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
-            a = asyncio.create_task(_post(c, chat("crash", "[slow=0.3] [crash]", max_tokens=5)))
-            await asyncio.sleep(0.15)
-            b = asyncio.create_task(_post(c, chat("crash", "waiting", max_tokens=5)))
+            with router.hold():  # A cannot reach its crash until B is waiting behind it
+                a = asyncio.create_task(_post(c, chat("crash", "[hold] [crash]", max_tokens=5)))
+                await router.until(lambda: len(router.admin("crash")["in_flight"]) == 1, what="A running")
+                b = asyncio.create_task(_post(c, chat("crash", "waiting", max_tokens=5)))
+                await router.until(lambda: router.admin("crash")["queue_depth"] == 1, what="B waiting")
             return list(await asyncio.gather(a, b))
 
     ra, rb = asyncio.run(go())
@@ -226,10 +239,8 @@ def test_load_failure_is_503_and_kept_as_failed_then_recovers(router: LiveRouter
 
 def test_load_timeout(router: LiveRouter) -> None:
     router.set_fake({**SWITCHES, "slowload": {"hang_at_load": True}})
-    t0 = time.monotonic()
     r = httpx.post(router.url + "/v1/completions", json={"model": "slowload", "prompt": "x"}, timeout=30)
     assert r.status_code == 503 and "load_timeout_s" in r.json()["error"]["message"]
-    assert time.monotonic() - t0 < 5
     st = router.admin("slowload")
     assert st["state"] == "failed" and st["pid"] is None
     router.set_fake(SWITCHES)
@@ -261,41 +272,39 @@ def test_worker_ignoring_cancel_is_killed_after_cancel_timeout(router: LiveRoute
 
 
 def test_unload_while_running_lets_it_finish(router: LiveRouter) -> None:
-    with httpx.Client(base_url=router.url, timeout=30) as c:
-        c.post("/admin/models/load", json={"model": "drain"}).raise_for_status()
-        pid = worker_pid(router, "drain")
-        result: dict[str, Any] = {}
+    httpx.post(router.url + "/admin/models/load", json={"model": "drain"}, timeout=30).raise_for_status()
+    pid = worker_pid(router, "drain")
 
-        def unload() -> None:
-            time.sleep(0.3)
-            result["unload"] = httpx.post(router.url + "/admin/models/unload", json={"model": "drain"}, timeout=30)
+    async def go() -> tuple[list[str], str | None, httpx.Response, httpx.Response, str]:
+        async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
+            texts: list[str] = []
+            finish: str | None = None
 
-        def during() -> None:
-            time.sleep(0.6)
-            result["during"] = httpx.post(router.url + "/v1/chat/completions", json=chat("drain"), timeout=30)
+            async def stream() -> None:
+                nonlocal finish
+                async with c.stream("POST", "/v1/chat/completions", json=chat("drain", "[hold]", stream=True)) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            d = json.loads(line[6:])
+                            texts.append(d["choices"][0]["delta"].get("content") or "")
+                            finish = d["choices"][0]["finish_reason"] or finish
 
-        texts: list[str] = []
-        finish = None
-        states: list[str] = []
-        with c.stream("POST", "/v1/chat/completions", json=chat("drain", stream=True)) as r:
-            threads = [threading.Thread(target=unload), threading.Thread(target=during)]
-            for t in threads:
-                t.start()
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    d = json.loads(line[6:])
-                    if len(texts) == 25:
-                        states.append(router.admin("drain")["state"])
-                    texts.append(d["choices"][0]["delta"].get("content") or "")
-                    finish = d["choices"][0]["finish_reason"] or finish
-            for t in threads:
-                t.join()
-    assert "".join(texts) == "".join(f" w{100 + i}" for i in range(40))
+            with router.hold():
+                running = asyncio.create_task(stream())
+                await router.until(lambda: len(router.admin("drain")["in_flight"]) == 1, what="stream running")
+                unload = asyncio.create_task(c.post("/admin/models/unload", json={"model": "drain"}))
+                state = await router.until(lambda: router.admin("drain")["state"] == "draining" and "draining",
+                                           what="draining")
+                during = await _post(c, chat("drain"))  # a new request while it drains
+            await running
+            return texts, finish, await unload, during, state
+
+    texts, finish, unload, during, state = asyncio.run(go())
+    assert "".join(texts) == "".join(f" w{100 + i}" for i in range(40))  # the running request finished whole
     assert finish == "stop"
-    assert states == ["draining"]
-    assert result["unload"].status_code == 200 and result["unload"].json()["state"] == "unloaded"
-    # an unload started while the stream ran: new requests meanwhile got 503
-    during = result["during"]
+    assert state == "draining"
+    assert unload.status_code == 200 and unload.json()["state"] == "unloaded"
     assert during.status_code == 503 and during.json()["error"]["code"] == "model_unloading"
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert router.admin("drain")["state"] == "unloaded"
@@ -305,9 +314,8 @@ def test_unload_kills_a_worker_ignoring_shutdown(router: LiveRouter) -> None:
     r = httpx.post(router.url + "/admin/models/load", json={"model": "stubborn"}, timeout=30)
     assert r.status_code == 200 and r.json()["load_ms"] >= 0 and r.json()["pid"]
     pid = r.json()["pid"]
-    t0 = time.monotonic()
     r = httpx.post(router.url + "/admin/models/unload", json={"model": "stubborn"}, timeout=30)
-    assert r.status_code == 200 and time.monotonic() - t0 < 5
+    assert r.status_code == 200
     assert alive([psutil.Process(pid)] if psutil.pid_exists(pid) else []) == []
     assert "Shutdown" in (router.admin("stubborn")["last_error"] or "")
 
@@ -324,10 +332,12 @@ def test_admin_listing(router: LiveRouter) -> None:
 def test_unload_while_loading_answers_the_waiting_requests(router: LiveRouter) -> None:
     async def go() -> tuple[httpx.Response, httpx.Response, dict[str, Any]]:
         async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
-            waiting = asyncio.create_task(_post(c, chat("lazy", max_tokens=1)))
-            await asyncio.sleep(0.3)
-            during = router.admin("lazy")
-            unload = await c.post("/admin/models/unload", json={"model": "lazy"})
+            with router.hold():  # the load cannot finish while the unload arrives
+                waiting = asyncio.create_task(_post(c, chat("lazy", max_tokens=1)))
+                during = await router.until(
+                    lambda: (st := router.admin("lazy"))["state"] == "loading" and st["queue_depth"] == 1
+                    and st["pid"] and st, what="lazy loading with one waiting")
+                unload = await c.post("/admin/models/unload", json={"model": "lazy"})
             return await waiting, unload, during
 
     waiting, unload, during = asyncio.run(go())
