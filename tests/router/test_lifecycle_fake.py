@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from tests.router.conftest import LiveRouter, alive, dummy_gguf
+from tests.timing import report
 
 MODELS = ["burst", "q2", "dc", "crash", "broken", "slowload", "hang", "deaf", "drain", "stubborn", "lazy", "plain"]
 
@@ -113,7 +114,7 @@ def test_queue_full_gets_503_at_once_counting_those_waiting_for_load(router: Liv
     assert r.headers["retry-after"] == "1"
     assert r.json()["error"] == {"message": r.json()["error"]["message"], "type": "server_error",
                                  "param": None, "code": "queue_full"}
-    print(f"\n503 queue_full answered in {dt * 1000:.1f} ms")
+    report("503 queue_full answered", dt, 1.0)
 
 
 def test_queue_full_while_ready(router: LiveRouter) -> None:

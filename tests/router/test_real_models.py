@@ -25,6 +25,7 @@ import psutil
 import pytest
 
 from tests.router.conftest import GEMMA, MODELS, ROOT, SMOLLM2, LiveRouter, alive
+from tests.timing import report
 
 pytestmark = [
     pytest.mark.slow,
@@ -168,7 +169,7 @@ def test_fourth_request_gets_503_with_max_queue_2(router: LiveRouter) -> None:
     rs, dt = asyncio.run(go())
     assert rs[0].status_code == 503
     assert rs[0].headers["retry-after"] and rs[0].json()["error"]["code"] == "queue_full"
-    print(f"\n[real] 4th request: 503 in {dt * 1000:.1f} ms")
+    report("[real] 4th request with max_queue 2 -> 503", dt, 1.0)
     router.wait_for(lambda: router.admin("smol-q2")["in_flight"] == [] and router.admin("smol-q2")["queue_depth"] == 0,
                     timeout=60, what="the three cancelled requests gone")
     httpx.post(router.url + "/admin/models/unload", json={"model": "smol-q2"}, timeout=60).raise_for_status()
@@ -194,8 +195,8 @@ def test_disconnect_mid_stream_frees_the_worker(router: LiveRouter, client: open
             first_token_at = time.monotonic()
     assert first_token_at is not None
     dt = first_token_at - t0
-    print(f"\n[real] worker free {freed * 1000:.0f} ms after the client closed its stream; "
-          f"the next request's first token {dt * 1000:.0f} ms later")
+    report("[real] client closed its stream -> worker free", freed, 1.0)
+    report("[real] next request -> first token", dt, 2.0)
     assert router.admin("SmolLM2-135M-Instruct")["in_flight"] == []
 
 

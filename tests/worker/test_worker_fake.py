@@ -38,6 +38,7 @@ from protocol import (
     Tokenize,
     TokenizeResult,
 )
+from tests.timing import report
 from tests.worker.fake_engine import EOS, FakeEngine
 from tests.worker.router_stub import RouterStub, garbage_frame
 from worker.engine import EngineError, SamplingParams
@@ -472,7 +473,7 @@ def test_exits_when_the_parent_process_is_gone(start: Callable[..., Harness]) ->
     finally:
         parent.kill()
     assert not h.thread.is_alive() and h.result["code"] == 0
-    print(f"fake engine: parent killed -> worker loop returned in {took * 1e3:.0f} ms")
+    report("fake engine: parent killed -> worker loop returned", took, 2.0)
 
 
 def test_parent_already_gone_at_start_exits_at_once(start: Callable[..., Harness]) -> None:

@@ -8,8 +8,9 @@ The test plays the router (a bound ROUTER socket, ``RouterStub``). Workers:
 * one spawned by a helper *router process* that the test SIGKILLs;
 * cheap ones that never finish loading (bad path, SIGTERM while loading).
 
-Measured latencies are printed (run with ``-s``); only the issue's liveness bound
-("the worker exits within 2 s of the router's death") is asserted on time.
+Measured latencies are printed (run with ``-s``), never asserted (``tests/timing.py``):
+the 2 s exit bound after the router's death is checked by design (the worker's parent
+check interval and socket poll) and the measured figure is reported against it.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ from protocol import (
     TokenizeResult,
 )
 from tests.paths import SMOLLM2_FIXTURES
+from tests.timing import report
 from tests.worker.router_stub import REPO, RouterStub, garbage_frame, spawn_worker
+from worker.server import WorkerConfig
 
 pytestmark = pytest.mark.slow
 
@@ -325,10 +328,10 @@ def test_worker_exits_within_2s_when_its_router_process_is_killed(sockdir: str) 
         line = router.stdout.readline() if router.stdout else b""  # after Ready and the first Token
         if not line:
             pytest.fail(f"router stub ended without reporting (exit {router.wait(30)})")
-        report = json.loads(line)
-        if "error" in report:
-            pytest.fail(report["error"])
-        worker_pid = report["worker_pid"]
+        stub_report = json.loads(line)
+        if "error" in stub_report:
+            pytest.fail(stub_report["error"])
+        worker_pid = stub_report["worker_pid"]
         assert not _gone(worker_pid)
         router.kill()
         t0 = time.monotonic()
@@ -341,8 +344,10 @@ def test_worker_exits_within_2s_when_its_router_process_is_killed(sockdir: str) 
         router.wait()
         if worker_pid is not None and not _gone(worker_pid):
             os.kill(worker_pid, signal.SIGKILL)  # never leave an orphan behind a failed test
-    print(f"router SIGKILLed mid-generation -> worker gone in {took * 1e3:.0f} ms")
     assert _gone(worker_pid), "worker still alive 30 s after its router died"
+    cfg = WorkerConfig(model="m", gguf="g", endpoint="ipc://x")  # the defaults python -m worker runs with
+    assert cfg.parent_check_s + cfg.poll_ms / 1e3 + cfg.parent_gone_grace_s <= 0.5  # detection well inside 2 s
+    report("router SIGKILLed mid-generation -> worker gone", took, 2.0)
 
 
 def test_load_failure_over_the_real_cli(sockdir: str) -> None:
