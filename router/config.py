@@ -7,7 +7,7 @@ Layout::
     [defaults]          any per-model key below except path/aliases; applies to every model
     [models.NAME]       path (required), aliases, n_ctx, chat_template, max_queue,
                         load_timeout_s, cancel_timeout_s, drain_timeout_s,
-                        shutdown_grace_s, ping_interval_s, ping_timeout_s,
+                        shutdown_grace_s, ping_interval_s, ping_timeout_s, idle_ttl_s,
                         and default sampling values (temperature, top_p, top_k, min_p,
                         repeat_penalty, repeat_last_n, presence_penalty,
                         frequency_penalty, seed)
@@ -76,6 +76,7 @@ class ModelConfig:
     shutdown_grace_s: float = 5.0  # Shutdown sent -> still alive after this: SIGKILL
     ping_interval_s: float = 5.0  # liveness ping of a ready worker; 0 turns it off
     ping_timeout_s: float = 30.0  # no Pong within this: the worker is declared hung and killed
+    idle_ttl_s: float = 0.0  # nothing running or waiting this long: unload the worker; 0 = never
     sampling: dict[str, float | int] = field(default_factory=dict)
 
 
@@ -120,7 +121,7 @@ class Config:
 _MODEL_KEYS = {
     "path", "aliases", "n_ctx", "chat_template", "max_queue", "load_timeout_s",
     "cancel_timeout_s", "drain_timeout_s", "shutdown_grace_s", "ping_interval_s",
-    "ping_timeout_s", *SAMPLING_KEYS,
+    "ping_timeout_s", "idle_ttl_s", *SAMPLING_KEYS,
 }
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases"}
 _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport", "shutdown_timeout_s"}
@@ -217,6 +218,7 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
             shutdown_grace_s=_float(merged, "shutdown_grace_s", src("shutdown_grace_s"), 5.0, 0.0),
             ping_interval_s=ping_interval,
             ping_timeout_s=_float(merged, "ping_timeout_s", src("ping_timeout_s"), 30.0, 0.001),
+            idle_ttl_s=_float(merged, "idle_ttl_s", src("idle_ttl_s"), 0.0, 0.0),
             sampling=sampling,
         )
     return Config(server=server, models=models, source=source)

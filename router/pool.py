@@ -13,6 +13,12 @@ are admitted whether the model is loaded or not. Beyond that
 :meth:`ModelSlot.admit` raises QueueFull (503) at once, saying so. Waiting is FIFO. A run's job slot is given back only when the worker has
 finished with it (Done/Error, or the worker is gone), never when the client
 merely left, so the worker is never handed two generations at once.
+
+Idle unload (``idle_ttl_s`` > 0, like Ollama's keep_alive): a ready worker with
+nothing running or waiting for ``idle_ttl_s`` seconds is unloaded (drained, then
+stopped). The idle check and the switch to ``draining`` happen in one step, so a
+request cannot slip in between; a request arriving while an idle unload stops
+the worker is not refused — it waits and starts the model again.
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ class ModelSlot:
         self.load_ms: float | None = None  # worker-reported model load time
         self.loaded_at: float | None = None  # unix time
         self.last_used: float | None = None  # unix time a request last finished
+        self.unload_reason: str | None = None  # why the worker was last unloaded (admin, idle)
         self.spawn_count = 0
         self._waiting: deque[Ticket] = deque()
         self._running: dict[str, Ticket] = {}
@@ -80,6 +87,9 @@ class ModelSlot:
         self._loading_worker: WorkerProcess | None = None
         self._unload_task: asyncio.Task[None] | None = None
         self._ping_task: asyncio.Task[None] | None = None
+        self._idle_task: asyncio.Task[None] | None = None
+        self._last_active = time.monotonic()  # last admission / finished request / load (monotonic s)
+        self._idle_unloading = False  # the current drain is an idle unload: new requests wait, then reload
         self._changed = asyncio.Event()  # set whenever running/state changes (drain waits on it)
 
     # ------------------------------------------------------------------ facts
@@ -122,6 +132,8 @@ class ModelSlot:
             "loaded_at": self.loaded_at,
             "last_used": self.last_used,
             "last_error": self.last_error,
+            "unload_reason": self.unload_reason,
+            "idle_ttl_s": self.model.idle_ttl_s,
             "last_exit_code": self.last_exit_code,
             "spawn_count": self.spawn_count,
             "rss_bytes": w.rss_bytes() if w is not None else None,
@@ -148,9 +160,10 @@ class ModelSlot:
 
         Raises ModelUnloading (503) while draining, QueueFull (503) when
         ``1 + max_queue`` requests are already admitted (loading or not: see
-        :meth:`admitted_split`).
+        :meth:`admitted_split`). During an idle unload the request is admitted and
+        waits for the model to load again.
         """
-        if self.state is WorkerState.DRAINING or self._pool.closing:
+        if self._refusing():
             raise ModelUnloading(f"model '{self.model.name}' is being unloaded; retry shortly")
         running, waiting = self.admitted_split()
         if running + waiting >= self.capacity:
@@ -161,6 +174,7 @@ class ModelSlot:
                 f"(at most {jobs} running + max_queue={self.model.max_queue} waiting); retry shortly")
         ticket = Ticket(id=request_id)
         self._waiting.append(ticket)
+        self._last_active = time.monotonic()
         if self.state in (WorkerState.UNLOADED, WorkerState.FAILED):
             self._begin_load()
         self._pump()
@@ -186,6 +200,7 @@ class ModelSlot:
         if self._running.get(ticket.id) is ticket:
             del self._running[ticket.id]
             self.last_used = time.time()
+            self._last_active = time.monotonic()
         self._changed.set()
         self._pump()
 
@@ -201,6 +216,10 @@ class ModelSlot:
             t.worker = self.worker
             self._running[t.id] = t
             t.granted.set_result(self.worker)
+
+    def _refusing(self) -> bool:
+        """New requests get 503 model_unloading: an operator unload is draining, or the router stops."""
+        return (self.state is WorkerState.DRAINING and not self._idle_unloading) or self._pool.closing
 
     def _fail_waiting(self, err: ApiError) -> None:
         while self._waiting:
@@ -254,6 +273,9 @@ class ModelSlot:
                  (time.monotonic() - t0) * 1000, ready.load_ms, wp.pid, ready.n_ctx)
         if self.model.ping_interval_s > 0:
             self._ping_task = asyncio.create_task(self._ping_loop(wp), name=f"ping-{self.model.name}")
+        self._last_active = time.monotonic()
+        if self.model.idle_ttl_s > 0:
+            self._idle_task = asyncio.create_task(self._idle_loop(wp), name=f"idle-{self.model.name}")
         self._pump()
 
     async def _ping_loop(self, wp: WorkerProcess) -> None:
@@ -263,6 +285,32 @@ class ModelSlot:
                 return
             if await wp.ping(self.model.ping_timeout_s) is None and wp.alive:
                 wp.kill(f"worker hung: no Pong within ping_timeout_s={self.model.ping_timeout_s:g} s; killed")
+
+    async def _idle_loop(self, wp: WorkerProcess) -> None:
+        """Unload ``wp`` once it has had nothing running or waiting for ``idle_ttl_s`` s.
+
+        Wakes when the idle period would end: after a busy spell it re-reads the
+        last activity (a finished request moves it), so the unload comes
+        ``idle_ttl_s`` after the last request finished, not later.
+        """
+        ttl = self.model.idle_ttl_s
+        while self.worker is wp and self.state is WorkerState.READY:
+            busy = bool(self._running) or self.queue_depth > 0
+            left = self._last_active + ttl - time.monotonic()
+            if busy or left > 0:
+                await asyncio.sleep(ttl if busy else left)
+                continue
+            # idle for ttl: check and state change in one step (no await in between)
+            self._idle_task = None
+            self._idle_unloading = True
+            self._unload_task = self._start_unload(drain=True, reason=f"idle for {ttl:g} s (idle_ttl_s)")
+            return
+
+    def _cancel_watchers(self) -> None:
+        for task in (self._ping_task, self._idle_task):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+        self._ping_task = self._idle_task = None
 
     def _on_worker_exit(self, wp: WorkerProcess) -> None:
         """The process of ``wp`` exited (any reason). Runs in the event loop."""
@@ -274,9 +322,7 @@ class ModelSlot:
         # new worker is never blocked by a dead one's bookkeeping.
         for tid in [tid for tid, t in self._running.items() if t.worker is wp]:
             del self._running[tid]
-        if self._ping_task is not None:
-            self._ping_task.cancel()
-            self._ping_task = None
+        self._cancel_watchers()
         if self.state is WorkerState.READY:
             self.worker = None
             self._set_state(WorkerState.FAILED, f"worker crashed: {reason}")
@@ -289,8 +335,13 @@ class ModelSlot:
         """The ready worker, starting it and waiting for its load if needed (for
         requests that do not take a job slot: tokenize, detokenize, apply-template,
         admin load). Raises ModelUnloading (draining), ModelLoadFailed."""
-        if self.state is WorkerState.DRAINING or self._pool.closing:
+        if self._refusing():
             raise ModelUnloading(f"model '{self.model.name}' is being unloaded; retry shortly")
+        self._last_active = time.monotonic()
+        if self.state is WorkerState.DRAINING and self._unload_task is not None:  # an idle unload
+            await asyncio.shield(self._unload_task)
+            if self._refusing():
+                raise ModelUnloading(f"model '{self.model.name}' is being unloaded; retry shortly")
         if self.state in (WorkerState.UNLOADED, WorkerState.FAILED):
             self._begin_load()
         if self.state is WorkerState.LOADING and self._load_task is not None:
@@ -302,41 +353,55 @@ class ModelSlot:
     async def load(self) -> float:
         """Admin load: start the worker if needed and wait until it is ready.
         Returns the worker's load time, ms. Raises ModelLoadFailed, Conflict (draining)."""
-        if self.state is WorkerState.DRAINING:
+        if self._refusing():
             raise Conflict(f"model '{self.model.name}' is being unloaded", code="model_unloading")
         await self.ready_worker()
         return self.load_ms or 0.0
 
     # ------------------------------------------------------------------ unloading
 
-    async def unload(self, *, drain: bool = True) -> None:
+    async def unload(self, *, drain: bool = True, reason: str = "unloaded by request") -> None:
         """Stop this model's worker. With ``drain`` the running requests finish first
         (up to drain_timeout_s, then they are cancelled); waiting ones get 503 at once.
-        Concurrent calls share one unload. Ends in ``unloaded``."""
+        Concurrent calls share one unload; one asked during an idle unload turns it
+        into an operator unload (its waiting requests get 503). Ends in ``unloaded``."""
+        if self._idle_unloading and self.state is WorkerState.DRAINING:
+            self._idle_unloading = False
+            self.unload_reason = reason
+            self._fail_waiting(ModelUnloading(f"model '{self.model.name}' is being unloaded"))
         if self._unload_task is None or self._unload_task.done():
-            self._unload_task = asyncio.create_task(self._unload(drain), name=f"unload-{self.model.name}")
+            self._unload_task = self._start_unload(drain, reason)
         await asyncio.shield(self._unload_task)
 
-    async def _unload(self, drain: bool) -> None:
+    def _start_unload(self, drain: bool, reason: str) -> asyncio.Task[None]:
+        """The synchronous half of an unload: the state changes now (so no request is
+        admitted between the decision and the change); returns the task that stops the worker."""
+
+        async def nothing() -> None:
+            return None
+
         if self.state is WorkerState.UNLOADED:
-            return
+            return asyncio.create_task(nothing())
+        self.unload_reason = reason
         if self.state is WorkerState.FAILED:
             self._set_state(WorkerState.UNLOADED)
-            return
+            return asyncio.create_task(nothing())
         if self.state is WorkerState.LOADING:
             wp = self._loading_worker
             self._loading_worker = None
             self._set_state(WorkerState.UNLOADED)
             self._fail_waiting(ModelUnloading(f"model '{self.model.name}' was unloaded while loading"))
-            if wp is not None:
-                await wp.stop(self.model.shutdown_grace_s)
-            return
-        if self.state is WorkerState.DRAINING:  # pragma: no cover - guarded by the shared task
-            return
+            return asyncio.create_task(wp.stop(self.model.shutdown_grace_s) if wp is not None else nothing(),
+                                       name=f"unload-{self.model.name}")
+        assert self.state is WorkerState.READY and self.worker is not None
         wp = self.worker
-        assert wp is not None
         self._set_state(WorkerState.DRAINING)
-        self._fail_waiting(ModelUnloading(f"model '{self.model.name}' is being unloaded"))
+        if not self._idle_unloading:
+            self._fail_waiting(ModelUnloading(f"model '{self.model.name}' is being unloaded"))
+        log.info("model %s: unloading (%s)", self.model.name, reason)
+        return asyncio.create_task(self._drain_and_stop(wp, drain), name=f"unload-{self.model.name}")
+
+    async def _drain_and_stop(self, wp: WorkerProcess, drain: bool) -> None:
         deadline = time.monotonic() + (self.model.drain_timeout_s if drain else 0.0)
         while self._running and wp.alive:
             left = deadline - time.monotonic()
@@ -351,12 +416,14 @@ class ModelSlot:
             wp.cancel(tid)
         await wp.stop(self.model.shutdown_grace_s)
         self._running.clear()
-        if self._ping_task is not None:
-            self._ping_task.cancel()
-            self._ping_task = None
+        self._cancel_watchers()
         self.worker = None
         self.last_exit_code = wp.exit_code
         self._set_state(WorkerState.UNLOADED, wp.kill_reason)
+        reload = self._idle_unloading and not self._pool.closing
+        self._idle_unloading = False
+        if reload and self._waiting:  # requests that arrived during an idle unload start it again
+            self._begin_load()
 
 
 class Pool:
@@ -392,7 +459,7 @@ class Pool:
     async def close(self) -> None:
         """Stop every worker (Shutdown, grace, kill) without draining. Idempotent."""
         self.closing = True
-        await asyncio.gather(*(s.unload(drain=False) for s in self.slots.values()), return_exceptions=True)
+        await asyncio.gather(*(s.unload(drain=False, reason="router shutting down") for s in self.slots.values()), return_exceptions=True)
         self._ctx.destroy(linger=0)
         if self.socket_dir is not None:
             remove_socket_dir(self.socket_dir)

@@ -13,6 +13,7 @@ every spawn, so a test can change behaviour between spawns), a map of model name
     load_error        bool   Error(code="load_failed") then exit 1
     hang_at_load      bool   send Hello, never Ready
     hold_load         bool   wait before Ready while the hold file exists (see below)
+    hold_shutdown     bool   on Shutdown, wait while the hold file exists, then exit
     token_delay_s     float  sleep before each token (default 0.005)
     ignore_cancel     bool   keep generating after Cancel
     ignore_shutdown   bool   do not exit on Shutdown
@@ -154,6 +155,8 @@ class FakeWorker:
                 _log("shutdown")
                 if self.sw.get("ignore_shutdown"):
                     continue
+                while self.sw.get("hold_shutdown") and _held():
+                    await asyncio.sleep(0.01)
                 return 0
             await self.handle(msg)
 

@@ -44,6 +44,7 @@ def test_config_defaults_and_paths(tmp_path: Path) -> None:
     one = cfg.models["one"]
     assert one.path == (tmp_path / "m.gguf").resolve()
     assert one.max_queue == 3 and one.sampling == {"temperature": 0.5} and one.n_ctx is None
+    assert one.idle_ttl_s == 0.0  # never unloaded for idleness unless asked
 
 
 @pytest.mark.parametrize("extra,key", [
@@ -56,6 +57,8 @@ def test_config_defaults_and_paths(tmp_path: Path) -> None:
     ("[models.three]\npath = 'm.gguf'\naliases = ['one']\n", "models.three.aliases"),
     ("[server]\nhost = '0.0.0.0'\n", "server.api_key"),
     ("[server]\ntransport = 'udp'\n", "server.transport"),
+    ("[models.one]\nidle_ttl_s = -1\n", "models.one.idle_ttl_s"),
+    ("[defaults]\nidle_ttl_s = 'never'\n", "defaults.idle_ttl_s"),
 ])
 def test_config_errors_name_the_key(tmp_path: Path, extra: str, key: str) -> None:
     base = MINI.replace("[server]\nmodels_dir = \".\"\n", "")
