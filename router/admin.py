@@ -10,11 +10,12 @@ from __future__ import annotations
 import time
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from router.params import get_str, read_json
 from router.pool import Pool
+from router.responses import JSONResponse
 from router.sse import until_disconnect
 
 

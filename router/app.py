@@ -16,7 +16,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from router import admin, llamacpp_api, openai_api
@@ -24,6 +24,7 @@ from router.auth import BearerAuth
 from router.config import Config
 from router.errors import ApiError, InternalError, MethodNotAllowed, NotFound, error_response
 from router.pool import Pool
+from router.responses import JSONResponse
 
 log = logging.getLogger("modelyard.app")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar
 
-from starlette.responses import JSONResponse
+from router.responses import JSONResponse
 
 
 class ApiError(Exception):
@@ -47,6 +47,14 @@ class ContextLengthExceeded(BadRequest):
     """400: prompt + max_tokens beyond n_ctx (message contains "maximum context length")."""
 
     default_code = "context_length_exceeded"
+
+
+class PayloadTooLarge(ApiError):
+    """413: the request body is over the router's limit."""
+
+    status = 413
+    type = "invalid_request_error"
+    default_code = "request_too_large"
 
 
 class Unauthorized(ApiError):
@@ -88,6 +96,13 @@ class QueueFull(Unavailable):
 
 class ModelUnloading(Unavailable):
     default_code = "model_unloading"
+
+
+class ServerShuttingDown(Unavailable):
+    """The router is stopping: a waiting request is refused, a running one is ended
+    once the shutdown grace period (``shutdown_timeout_s``) runs out."""
+
+    default_code = "server_shutting_down"
 
 
 class ModelLoadFailed(Unavailable):

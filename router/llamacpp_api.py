@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from protocol import (
@@ -47,6 +47,7 @@ from router.openai_api import parse_messages
 from router.params import INT32_MAX, INT32_MIN, get_bool, get_int, get_prompt, get_str, get_token_list, read_json
 from router.pool import ModelSlot, Pool
 from router.process import WorkerUnreachable
+from router.responses import JSONResponse
 from router.sse import SSEResponse, sse_event, until_disconnect
 
 #: How long a tokenize / detokenize / apply-template call may take, s.

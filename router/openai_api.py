@@ -13,7 +13,7 @@ import codecs
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from protocol import Done, Generate, Token
@@ -34,6 +34,7 @@ from router.generation import (
 from router.params import INT32_MAX, get_bool, get_int, get_prompt, get_str, read_json
 from router.pool import ModelSlot, Pool
 from router.process import WorkerProcess
+from router.responses import JSONResponse
 from router.sse import SSEResponse, sse_event
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
@@ -147,7 +148,7 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise BadRequest(f"'{where}' must be an object", param=where)
         role = m.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise BadRequest(f"'{where}.role' must be one of {sorted(CHAT_ROLES)}, got {role!r}",
                              param=f"{where}.role")
         content = m.get("content")

@@ -22,7 +22,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from router.errors import BadRequest
+from router.errors import BadRequest, PayloadTooLarge
 
 _MISSING: Any = object()
 
@@ -45,7 +45,7 @@ async def read_json(request: Request) -> dict[str, Any]:
     async for chunk in request.stream():
         body += chunk
         if len(body) > MAX_BODY_BYTES:
-            raise BadRequest(f"request body exceeds {MAX_BODY_BYTES} bytes")
+            raise PayloadTooLarge(f"request body exceeds {MAX_BODY_BYTES} bytes")
     if not body.strip():
         raise BadRequest("request body is empty; expected a JSON object")
     try:
@@ -53,8 +53,25 @@ async def read_json(request: Request) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError) as e:
         raise BadRequest(f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
-        raise BadRequest(f"request body must be a JSON object, got {type(data).__name__}")
+        raise BadRequest(f"request body must be a JSON object, got {json_type(data)}")
     return data
+
+
+def json_type(v: Any) -> str:
+    """The JSON name of ``v``'s type, for error messages ("null", "object", "array", ...)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, dict):
+        return "object"
+    if isinstance(v, list):
+        return "array"
+    return type(v).__name__
 
 
 def _reject_constant(name: str) -> Any:
@@ -72,7 +89,7 @@ def get_str(body: dict[str, Any], key: str, default: Any = _MISSING) -> Any:
         return default
     v = body[key]
     if not isinstance(v, str):
-        raise BadRequest(f"'{key}' must be a string, got {type(v).__name__}", param=key)
+        raise BadRequest(f"'{key}' must be a string, got {json_type(v)}", param=key)
     return v
 
 
@@ -81,7 +98,7 @@ def get_bool(body: dict[str, Any], key: str, default: bool) -> bool:
         return default
     v = body[key]
     if not isinstance(v, bool):
-        raise BadRequest(f"'{key}' must be a boolean, got {type(v).__name__}", param=key)
+        raise BadRequest(f"'{key}' must be a boolean, got {json_type(v)}", param=key)
     return v
 
 

@@ -42,6 +42,7 @@ from router.errors import (
     ModelUnloading,
     NotFound,
     QueueFull,
+    ServerShuttingDown,
     WorkerCrashed,
 )
 from router.process import (
@@ -163,8 +164,7 @@ class ModelSlot:
         :meth:`admitted_split`). During an idle unload the request is admitted and
         waits for the model to load again.
         """
-        if self._refusing():
-            raise ModelUnloading(f"model '{self.model.name}' is being unloaded; retry shortly")
+        self._check_open()
         running, waiting = self.admitted_split()
         if running + waiting >= self.capacity:
             jobs = self.capacity - self.model.max_queue
@@ -218,8 +218,15 @@ class ModelSlot:
             t.granted.set_result(self.worker)
 
     def _refusing(self) -> bool:
-        """New requests get 503 model_unloading: an operator unload is draining, or the router stops."""
+        """New requests get 503: an operator unload is draining, or the router stops."""
         return (self.state is WorkerState.DRAINING and not self._idle_unloading) or self._pool.closing
+
+    def _check_open(self) -> None:
+        """Raises ServerShuttingDown (router stopping) or ModelUnloading (operator unload draining)."""
+        if self._pool.closing:
+            raise ServerShuttingDown("the server is shutting down; retry against a running instance")
+        if self._refusing():
+            raise ModelUnloading(f"model '{self.model.name}' is being unloaded; retry shortly")
 
     def _fail_waiting(self, err: ApiError) -> None:
         while self._waiting:
@@ -335,13 +342,11 @@ class ModelSlot:
         """The ready worker, starting it and waiting for its load if needed (for
         requests that do not take a job slot: tokenize, detokenize, apply-template,
         admin load). Raises ModelUnloading (draining), ModelLoadFailed."""
-        if self._refusing():
-            raise ModelUnloading(f"model '{self.model.name}' is being unloaded; retry shortly")
+        self._check_open()
         self._last_active = time.monotonic()
         if self.state is WorkerState.DRAINING and self._unload_task is not None:  # an idle unload
             await asyncio.shield(self._unload_task)
-            if self._refusing():
-                raise ModelUnloading(f"model '{self.model.name}' is being unloaded; retry shortly")
+            self._check_open()
         if self.state in (WorkerState.UNLOADED, WorkerState.FAILED):
             self._begin_load()
         if self.state is WorkerState.LOADING and self._load_task is not None:
@@ -353,7 +358,7 @@ class ModelSlot:
     async def load(self) -> float:
         """Admin load: start the worker if needed and wait until it is ready.
         Returns the worker's load time, ms. Raises ModelLoadFailed, Conflict (draining)."""
-        if self._refusing():
+        if self._refusing() and not self._pool.closing:  # closing: ready_worker says so (503)
             raise Conflict(f"model '{self.model.name}' is being unloaded", code="model_unloading")
         await self.ready_worker()
         return self.load_ms or 0.0
@@ -455,6 +460,24 @@ class Pool:
             assert self.socket_dir is not None
             endpoint = f"ipc://{self.socket_dir}/w{self._endpoints}.sock"
         return WorkerProcess(model, endpoint, self._ctx, self.worker_module)
+
+    def begin_shutdown(self) -> None:
+        """The router is stopping (SIGTERM/SIGINT): new requests and waiting ones get 503
+        server_shutting_down now; running ones may finish until :meth:`abort_running`."""
+        self.closing = True
+        for slot in self.slots.values():
+            slot._fail_waiting(ServerShuttingDown("the server is shutting down; retry against a running instance"))
+
+    def abort_running(self, reason: str) -> int:
+        """End every running generation now: each fails with ServerShuttingDown(``reason``)
+        (an SSE error event if streaming) and its worker gets Cancel. Returns how many."""
+        n = 0
+        for slot in self.slots.values():
+            for ticket in list(slot._running.values()):
+                if ticket.worker is not None:
+                    ticket.worker.abort_stream(ticket.id, reason)
+                    n += 1
+        return n
 
     async def close(self) -> None:
         """Stop every worker (Shutdown, grace, kill) without draining. Idempotent."""

@@ -93,6 +93,18 @@ class WorkerGone:
     exit_code: int | None
 
 
+@dataclass(frozen=True)
+class Aborted:
+    """Put into one request's queue when the router ends it (shutting down): the
+    request fails with ``reason`` and its worker gets Cancel."""
+
+    reason: str
+
+
+#: What a request's queue carries: the worker's frames, or word that it ended.
+StreamItem = Message | WorkerGone | Aborted
+
+
 class WorkerUnreachable(Exception):
     """A frame could not be sent: the worker is gone or not connected."""
 
@@ -134,7 +146,7 @@ class WorkerProcess:
         self._identity: bytes | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._ps: psutil.Process | None = None
-        self._streams: dict[str, asyncio.Queue[Message | WorkerGone]] = {}
+        self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._hello = asyncio.Event()
         self._ready: asyncio.Future[Ready] = asyncio.get_running_loop().create_future()
@@ -384,9 +396,9 @@ class WorkerProcess:
         except psutil.Error:
             return False
 
-    def open_stream(self, request_id: str) -> asyncio.Queue[Message | WorkerGone]:
+    def open_stream(self, request_id: str) -> asyncio.Queue[StreamItem]:
         """Start collecting frames for ``request_id``. A gone worker yields WorkerGone at once."""
-        q: asyncio.Queue[Message | WorkerGone] = asyncio.Queue()
+        q: asyncio.Queue[StreamItem] = asyncio.Queue()
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         self._streams[request_id] = q
@@ -396,6 +408,12 @@ class WorkerProcess:
 
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+
+    def abort_stream(self, request_id: str, reason: str) -> None:
+        """End ``request_id`` from the router's side (its reader raises; it then cancels)."""
+        q = self._streams.get(request_id)
+        if q is not None:
+            q.put_nowait(Aborted(reason))
 
     async def send(self, msg: Message | bytes) -> None:
         """Send one message (or a frame already made by :func:`protocol.encode`). Raises

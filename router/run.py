@@ -15,10 +15,10 @@ import asyncio
 import logging
 import time
 
-from protocol import Done, Error, Generate, Message, ProtocolError, Token, encode
-from router.errors import ApiError, BadGateway, from_worker_error, unsendable
+from protocol import Done, Error, Generate, ProtocolError, Token, encode
+from router.errors import ApiError, BadGateway, ServerShuttingDown, from_worker_error, unsendable
 from router.pool import ModelSlot, Ticket
-from router.process import WorkerGone, WorkerProcess, WorkerUnreachable, _spawn
+from router.process import Aborted, StreamItem, WorkerGone, WorkerProcess, WorkerUnreachable, _spawn
 
 log = logging.getLogger("modelyard.run")
 
@@ -32,7 +32,7 @@ class Run:
         self.id = request_id
         self.ticket: Ticket = slot.admit(request_id)
         self.worker: WorkerProcess | None = None
-        self._q: asyncio.Queue[Message | WorkerGone] | None = None
+        self._q: asyncio.Queue[StreamItem] | None = None
         self._sent = False
         self.finished = False
         self.started_at = time.monotonic()
@@ -64,7 +64,8 @@ class Run:
 
     async def next(self) -> Token | Done:
         """The next Token, or the final Done. Raises the mapped ApiError for a
-        worker Error frame, BadGateway(code="worker_crashed") if the worker died."""
+        worker Error frame, BadGateway(code="worker_crashed") if the worker died,
+        ServerShuttingDown if the router ended it (``close()`` then cancels it)."""
         assert self._q is not None, "start() first"
         while True:
             item = await self._q.get()
@@ -72,6 +73,8 @@ class Run:
                 self._finish()
                 raise BadGateway(f"model '{self.slot.model.name}' worker failed during the request: "
                                  f"{item.reason}", code="worker_crashed")
+            if isinstance(item, Aborted):
+                raise ServerShuttingDown(item.reason)
             if isinstance(item, Error):
                 self._finish()
                 raise from_worker_error(item.code, item.message)
@@ -106,7 +109,7 @@ class Run:
         self.finished = True
         _spawn(self._reap(self.worker, self._q))
 
-    async def _reap(self, worker: WorkerProcess, q: asyncio.Queue[Message | WorkerGone] | None) -> None:
+    async def _reap(self, worker: WorkerProcess, q: asyncio.Queue[StreamItem] | None) -> None:
         timeout = self.slot.model.cancel_timeout_s
         t0 = time.monotonic()
         try:

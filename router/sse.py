@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.types import Receive, Scope, Send
 
 from router.errors import ApiError
+from router.responses import dumps
 
 T = TypeVar("T")
 
@@ -61,7 +61,7 @@ async def until_disconnect(receive: Receive, aw: Awaitable[T]) -> T:
 
 def sse_event(obj: Any) -> bytes:
     """One ``data:`` event carrying ``obj`` as compact JSON (or a literal such as ``[DONE]``)."""
-    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    data = obj if isinstance(obj, str) else dumps(obj)
     return f"data: {data}\n\n".encode()
 
 

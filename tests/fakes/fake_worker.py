@@ -25,7 +25,8 @@ Per-request directives inside the prompt (or any message content):
 ``[crash]`` exit 9 after the first token; ``[hang]`` freeze the whole process
 (no Pong, no Cancel); ``[slow=S]`` S seconds per token; ``[len=N]`` N tokens
 before EOS; ``[utf8]`` a two-token "é" (first token ends mid-character);
-``[hold]`` before each token, wait while the hold file exists (a Cancel still ends it).
+``[hold]`` before each token, wait while the hold file exists (a Cancel still ends it);
+``[hold@N]`` the same from token N on (the first N tokens flow freely).
 
 The hold file is ``$MODELYARD_FAKE_FILE.hold``: tests create it to keep a load or a
 generation in progress for exactly as long as they need, instead of racing a sleep.
@@ -253,7 +254,8 @@ class FakeWorker:
         crash = "[crash]" in text
         hang = "[hang]" in text
         utf8 = "[utf8]" in text
-        hold = "[hold]" in text
+        m = re.search(r"\[hold(?:@(\d+))?\]", text)
+        hold_from = (int(m.group(1) or 0)) if m else None
         t0 = time.monotonic()
         await asyncio.sleep(0.01)  # "prefill"
         prompt_ms = (time.monotonic() - t0) * 1000
@@ -277,7 +279,7 @@ class FakeWorker:
             if g.id in self.cancelled:
                 finish, stop_type = "cancelled", "cancelled"
                 break
-            while hold and _held() and g.id not in self.cancelled:
+            while hold_from is not None and i >= hold_from and _held() and g.id not in self.cancelled:
                 await asyncio.sleep(0.01)
             await asyncio.sleep(delay)
             if g.id in self.cancelled:

@@ -327,6 +327,13 @@ def test_tokenize_detokenize_apply_template(router: LiveRouter) -> None:
     ("/completion", {"model": "alpha", "prompt": "x", "n_probs": -1}, "n_probs"),
     ("/tokenize", {"model": "alpha"}, "content"),
     ("/admin/models/load", {"model": 3}, "model"),
+    # unhashable or odd role values: a 400 naming the field, not a TypeError (500)
+    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": ["user"], "content": "x"}]},
+     "messages[0].role"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": {"a": 1}, "content": "x"}]},
+     "messages[0].role"),
+    ("/apply-template", {"model": "alpha", "messages": [{"role": ["user"], "content": "x"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": 1.5, "content": "x"}]}, "messages[0].role"),
 ])
 def test_malformed_bodies_get_400(router: LiveRouter, path: str, body: Any, param: str | None) -> None:
     if body is None:
@@ -339,6 +346,40 @@ def test_malformed_bodies_get_400(router: LiveRouter, path: str, body: Any, para
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"]
     assert err["param"] == param
+
+
+@pytest.mark.parametrize("path,extra", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ("/v1/completions", {"prompt": "x"}),
+    ("/completion", {"prompt": "x"}),
+    ("/tokenize", {"content": "x"}),
+    ("/detokenize", {"tokens": [1]}),
+    ("/apply-template", {"messages": [{"role": "user", "content": "x"}]}),
+    ("/admin/models/load", {}),
+    ("/admin/models/unload", {}),
+])
+def test_a_lone_surrogate_in_the_model_name_is_a_404_not_a_500(router: LiveRouter, path: str,
+                                                                extra: dict[str, Any]) -> None:
+    body = json.dumps({"model": "MODEL", **extra}).replace('"MODEL"', '"\\ud800x"')  # a lone-surrogate escape
+    r = httpx.post(router.url + path, content=body.encode(), headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]  # valid JSON: the surrogate comes back as a \ud800 escape
+    assert err["code"] == "model_not_found" and "\ud800x" in err["message"]
+
+
+def test_a_body_over_the_limit_is_413(router: LiveRouter) -> None:
+    from router.params import MAX_BODY_BYTES
+
+    r = httpx.post(router.url + "/v1/completions", content=b"{" + b" " * MAX_BODY_BYTES + b"}", timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_type_errors_name_json_types(router: LiveRouter) -> None:
+    r = httpx.post(router.url + "/v1/completions", content=b"null", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"].endswith("got null")
+    r = httpx.post(router.url + "/v1/completions", json={"model": {"a": 1}, "prompt": "x"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"].endswith("got object")
 
 
 def test_unknown_model_is_404_listing_ids(router: LiveRouter) -> None:

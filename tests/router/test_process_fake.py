@@ -3,6 +3,8 @@ after SIGTERM or even SIGKILL of the router (fake workers)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -154,3 +156,49 @@ def test_router_never_imports_numpy_or_the_worker() -> None:
             "assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_sigterm_ends_running_requests_cleanly_and_refuses_waiting_ones(tmp_path: Path) -> None:
+    """SIGTERM: the waiting request gets 503 server_shutting_down at once; the running ones
+    (held) get shutdown_timeout_s, then a streamed one ends with an SSE error event and a
+    non-streamed one with a 503 body — never uvicorn's bare 500 or a cut stream."""
+    dummy_gguf(tmp_path, "m.gguf")
+    r = LiveRouter(tmp_path, MINI.replace('models_dir = "."', 'models_dir = "."\nshutdown_timeout_s = 1.0'))
+    async def go() -> tuple[httpx.Response, list[str], httpx.Response]:
+        async with httpx.AsyncClient(base_url=r.url, timeout=60) as c:
+            lines: list[str] = []
+
+            async def stream() -> None:
+                async with c.stream("POST", "/v1/chat/completions", json={
+                        "model": "one", "stream": True, "messages": [{"role": "user", "content": "[hold@2]"}]}) as s:
+                    assert s.status_code == 200
+                    async for line in s.aiter_lines():
+                        if line.startswith("data: "):
+                            lines.append(line[6:])
+
+            with r.hold():  # never released: only the shutdown can end these two
+                streamed = asyncio.create_task(stream())
+                plain = asyncio.create_task(c.post("/v1/completions", json={
+                    "model": "two", "prompt": "[hold]", "max_tokens": 5}))
+                await r.until(lambda: r.admin("one")["in_flight"] and r.admin("two")["in_flight"], what="running")
+                waiting = asyncio.create_task(c.post("/v1/completions", json={
+                    "model": "two", "prompt": "x", "max_tokens": 1}))
+                await r.until(lambda: r.admin("two")["queue_depth"] == 1, what="waiting")
+                await r.until(lambda: len(lines) >= 3, what="role chunk and two tokens streamed")
+                r.proc.send_signal(signal.SIGTERM)
+                refused = await waiting
+                await streamed
+                return refused, lines, await plain
+
+    refused, lines, plain = asyncio.run(go())
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+    assert "retry-after" in refused.headers
+    assert "".join(json.loads(x)["choices"][0]["delta"].get("content") or "" for x in lines[:-1]) == " w100 w101"
+    last = json.loads(lines[-1])
+    assert last["error"]["code"] == "server_shutting_down" and "shutdown_timeout_s" in last["error"]["message"]
+    assert plain.status_code == 503 and plain.json()["error"]["code"] == "server_shutting_down"
+    workers = r.workers() + list(r.seen.values())
+    assert r.proc.wait(30) in (0, -signal.SIGTERM)
+    r.wait_for(lambda: alive(workers) == [], what="workers gone")
+    assert "timeout graceful shutdown exceeded" not in r.log()  # uvicorn never had to cancel a task
+    r.stop()

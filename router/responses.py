@@ -1,0 +1,32 @@
+"""JSON bodies that always encode.
+
+Starlette's ``JSONResponse`` renders with ``ensure_ascii=False`` and fails with
+``UnicodeEncodeError`` (a bare 500) when a string holds a lone surrogate — which
+happens when an error message echoes a client's value such as ``"model": "\\ud800"``.
+Here such a body falls back to ASCII JSON, where the surrogate is a ``\\ud800``
+escape: still valid JSON, and the client gets its precise 4xx.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.responses import JSONResponse as _StarletteJSONResponse
+
+
+def dumps(obj: Any) -> str:
+    """Compact JSON text of ``obj`` that can always be UTF-8 encoded (see the module docstring)."""
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(obj, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+    return text
+
+
+class JSONResponse(_StarletteJSONResponse):
+    """``application/json`` response whose body is :func:`dumps` of the content."""
+
+    def render(self, content: Any) -> bytes:
+        return dumps(content).encode("utf-8")
