@@ -97,6 +97,24 @@ def test_fixture_tokenize_all_modes(model: str) -> None:
 
 
 @pytest.mark.slow
+def test_smollm2_missing_bytes_and_unicode_16_characters_as_llama_cpp() -> None:
+    """Beyond the shared fixtures (see the file's "about"): a byte the vocabulary lacks
+    blocks merges across it and is dropped; letters/numbers new in Unicode 16.0 are not
+    letters/numbers to llama.cpp (Unicode 15.1 tables), whatever tokenizers' regex thinks."""
+    doc = json.loads((ROOT / "tests" / "fixtures" / "smollm2-tokenize-extra.llamacpp.json").read_text())
+    tok = real_tokenizer("smollm2")
+    modes = [(False, False), (False, True), (True, False), (True, True)]
+    mismatches = []
+    for case in doc["cases"]:
+        for (add_special, parse_special), want in zip(modes, case["ids"], strict=True):
+            got = tok.tokenize(case["text"], add_special=add_special, parse_special=parse_special)
+            if got != want:
+                mismatches.append((case["text"][:40], add_special, parse_special, got[:20], want[:20]))
+    assert len(doc["cases"]) >= 100 and mismatches == []
+    assert tok.tokenize(".\x04.", add_special=False) == [30, 30]  # not ".." (950): 0x04 keeps them apart
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])
 def test_fixture_greedy_prompt_ids(model: str) -> None:
     fx = load_fixture(model)

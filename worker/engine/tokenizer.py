@@ -21,6 +21,12 @@ vocabulary types this project serves:
   split only where no vocabulary token can span the boundary), fast enough:
   see ``scripts/bench_tokenizer.py``.
 
+Two llama.cpp details the ``tokenizers`` BPE would otherwise miss (found by fuzzing
+against llama.cpp's ``llama_tokenize``, 1.1 M code points and ~8,000 texts): a byte
+the vocabulary lacks is a symbol that blocks merges across it and is then dropped
+(``_init_bpe``), and the split regexes use llama.cpp's Unicode 15.1 categories, not
+the regex engine's newer tables (``_as_llama_unicode``).
+
 Special tokens (control, user-defined and unknown token types) are split out
 of the text before the model runs, longest text first, exactly like llama.cpp's
 ``tokenizer_st_partition``; with ``parse_special=False`` only user-defined
@@ -97,6 +103,29 @@ _RE_QWEN2 = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+
+
+# Letters, numbers and punctuation that Unicode 16.0 added (computed from unicodedata2
+# 15.1.0 vs 16.0.0 by category L*/N*/P*). llama.cpp's unicode-data.cpp is generated from
+# Unicode 15.1, so to it these code points are none of \p{L}, \p{N}, \p{P}; tokenizers'
+# regex engine (Oniguruma, Unicode 16 tables in tokenizers 0.23) would split them as
+# letters/numbers. ``_as_llama_unicode`` takes them out of those classes.
+_UNICODE_16_ADDED = {
+    "L": r"\x{1C89}-\x{1C8A}\x{A7CB}-\x{A7CD}\x{A7DA}-\x{A7DC}\x{105C0}-\x{105F3}\x{10D4A}-\x{10D65}"
+         r"\x{10D6F}-\x{10D85}\x{10EC2}-\x{10EC4}\x{11380}-\x{11389}\x{1138B}\x{1138E}\x{11390}-\x{113B5}"
+         r"\x{113B7}\x{113D1}\x{113D3}\x{11BC0}-\x{11BE0}\x{13460}-\x{143FA}\x{16100}-\x{1611D}"
+         r"\x{16D40}-\x{16D6C}\x{18CFF}\x{1E5D0}-\x{1E5ED}\x{1E5F0}",
+    "N": r"\x{10D40}-\x{10D49}\x{116D0}-\x{116E3}\x{11BF0}-\x{11BF9}\x{16130}-\x{16139}\x{16D70}-\x{16D79}"
+         r"\x{1CCF0}-\x{1CCF9}\x{1E5F1}-\x{1E5FA}",
+    "P": r"\x{1B4E}-\x{1B4F}\x{1B7F}\x{10D6E}\x{113D4}-\x{113D5}\x{113D7}-\x{113D8}\x{11BE1}"
+         r"\x{16D6D}-\x{16D6F}\x{1E5FF}",
+}
+
+
+def _as_llama_unicode(regex: str) -> str:
+    r"""``regex`` with ``\p{L}``, ``\p{N}``, ``\p{P}`` narrowed to llama.cpp's Unicode 15.1
+    (Oniguruma class intersection; valid inside and outside brackets)."""
+    return re.sub(r"\\p\{([LNP])\}", lambda m: rf"[\p{{{m[1]}}}&&[^{_UNICODE_16_ADDED[m[1]]}]]", regex)
 
 
 @dataclass(frozen=True)
@@ -260,6 +289,7 @@ class Tokenizer:
         self._piece_cache: dict[tuple[int, bool], bytes] = {}
         # gpt2
         self._hf: Any = None
+        self._bpe_placeholders = False  # placeholder ids for bytes missing from the vocab (see _init_bpe)
         # llama (SPM)
         self._byte_ids: list[int] = []
         self._cross_re: re.Pattern[str] | None = None
@@ -438,11 +468,20 @@ class Tokenizer:
             if pos < 0:
                 continue
             merges.append((m[:pos], m[pos + 1:]))
+        # A byte the vocabulary lacks (SmolLM2 has no token for 21 bytes, e.g. 0x04, 0xF1)
+        # still is a symbol in llama.cpp: it blocks merges across it and is then dropped.
+        # tokenizers would delete it *before* merging (its neighbours could merge), so it
+        # gets a placeholder id >= n_vocab here, removed after encoding.
+        vocab = dict(self._tok2id)
+        for c in _BYTE_TO_UNICODE.values():
+            if c not in vocab:
+                vocab[c] = len(self.tokens) + len(vocab) - len(self._tok2id)
+        self._bpe_placeholders = len(vocab) > len(self._tok2id)
         try:
-            bpe = models.BPE(vocab=dict(self._tok2id), merges=merges, ignore_merges=pre.ignore_merges)
+            bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges)
             hf = HFTokenizer(bpe)
             hf.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
+                [pre_tokenizers.Split(Regex(_as_llama_unicode(r)), behavior="isolated") for r in pre.regexes]
                 + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False, trim_offsets=False)]
             )
         except Exception as e:  # tokenizers raises plain Exception on bad merges
@@ -543,9 +582,12 @@ class Tokenizer:
             # one encode per fragment: encode_batch would start tokenizers' thread pool
             # (oversubscribing the machine and making later forks warn)
             encode = self._hf.encode
+            n_vocab = len(self.tokens)
             for f in fragments:
                 if f.text is None:
                     out.append(f.token)
+                elif self._bpe_placeholders:
+                    out.extend(i for i in encode(f.text, add_special_tokens=False).ids if i < n_vocab)
                 else:
                     out.extend(encode(f.text, add_special_tokens=False).ids)
         else:
