@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.paths import GEMMA3_PATH, SMOLLM2_PATH
 from worker.engine.errors import EngineError
 from worker.engine.tokenizer import (
     _BYTE_TO_UNICODE,
@@ -28,8 +29,8 @@ from worker.engine.tokenizer import (
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = {
-    "smollm2": ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf",
-    "gemma3": ROOT / "models" / "gemma-3-270m-q4_k_m.gguf",
+    "smollm2": SMOLLM2_PATH,
+    "gemma3": GEMMA3_PATH,
 }
 FIXTURE_NAMES = {
     "smollm2": "smollm2-135m-instruct-q4_1.shared.json",

@@ -46,14 +46,14 @@ from protocol import (
     Tokenize,
     TokenizeResult,
 )
-from tests.paths import SMOLLM2_FIXTURES
+from tests.paths import SMOLLM2_FIXTURES, SMOLLM2_PATH
 from tests.timing import report
 from tests.worker.router_stub import REPO, RouterStub, garbage_frame, spawn_worker
 from worker.server import WorkerConfig
 
 pytestmark = pytest.mark.slow
 
-GGUF = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF = SMOLLM2_PATH
 FIXTURES = SMOLLM2_FIXTURES
 N_CTX = 2048
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
