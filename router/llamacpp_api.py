@@ -67,10 +67,23 @@ def _slot(request: Request, body: dict[str, Any]) -> tuple[str, ModelSlot]:
     return name, pool.get(name)
 
 
+def _token_text(piece: bytes) -> str:
+    """A piece's ``token`` text as llama.cpp's server gives it (``validate_utf8`` in
+    tools/server/utils.hpp): a multi-byte character cut off at the end is dropped, so a
+    token that ends mid-character shows only its complete part (``bytes`` has it all)."""
+    n = len(piece)
+    for i in range(1, min(4, n) + 1):
+        c = piece[n - i]
+        if (c & 0xE0 == 0xC0 and i < 2) or (c & 0xF0 == 0xE0 and i < 3) or (c & 0xF8 == 0xF0 and i < 4):
+            n -= i
+            break
+    return piece[:n].decode("utf-8", errors="replace")
+
+
 def _prob_entry(p: TokenProb, n: int) -> dict[str, Any]:
     return {
-        "id": p.id, "token": p.text, "bytes": list(p.piece), "logprob": p.logprob,
-        "top_logprobs": [{"id": tid, "token": pc.decode("utf-8", errors="replace"), "bytes": list(pc),
+        "id": p.id, "token": _token_text(p.piece), "bytes": list(p.piece), "logprob": p.logprob,
+        "top_logprobs": [{"id": tid, "token": _token_text(pc), "bytes": list(pc),
                           "logprob": lp} for tid, pc, lp in p.top[:n]],
     }
 
@@ -101,10 +114,14 @@ async def completion(request: Request) -> Response:
     run, first = await begin(request, slot, msg)
 
     def summary(done: Done, tokens: list[int], content: str) -> dict[str, Any]:
+        ready = run.worker.ready if run.worker is not None else None
+        # as llama.cpp: truncated when generation stopped because the context was full
+        truncated = (done.stop_type == "limit" and ready is not None
+                     and done.prompt_tokens + done.completion_tokens >= ready.n_ctx)
         return {
             "index": 0, "content": content, "tokens": tokens if return_tokens else [], "id_slot": 0,
             "stop": True, "model": name, "tokens_predicted": done.completion_tokens,
-            "tokens_evaluated": done.prompt_tokens, "has_new_line": "\n" in content, "truncated": False,
+            "tokens_evaluated": done.prompt_tokens, "has_new_line": "\n" in content, "truncated": truncated,
             "stop_type": done.stop_type if done.stop_type in ("eos", "word", "limit") else "none",
             "stopping_word": done.stopping_word,
             "tokens_cached": done.prompt_tokens + done.completion_tokens,
@@ -127,7 +144,7 @@ async def completion(request: Request) -> Response:
         if isinstance(item, Token):
             count += 1
             chunk: dict[str, Any] = {"index": 0, "content": item.text,
-                                     "tokens": [item.token_id] if return_tokens else [],
+                                     "tokens": [item.token_id],  # llama.cpp: always, when streaming
                                      "stop": False, "id_slot": 0, "tokens_predicted": count}
             if n_probs > 0:
                 chunk["completion_probabilities"] = [

@@ -259,6 +259,9 @@ def test_native_completion_probabilities_one_per_token(router: LiveRouter) -> No
     probs = body["completion_probabilities"]
     assert len(probs) == 4
     assert probs[0]["bytes"] == [0x20, 0xC3] and probs[1]["bytes"] == [0xA9]
+    # llama.cpp's validate_utf8: a character cut off at the end is dropped from "token"
+    assert probs[0]["token"] == " " and probs[2]["token"] == " w100"
+    assert body["truncated"] is False  # stopped by n_predict, not by a full context
     assert set(probs[0]) == {"id", "token", "bytes", "logprob", "top_logprobs"}
     assert all(len(p["top_logprobs"]) == 2 and "id" in p["top_logprobs"][0] for p in probs)
 
@@ -268,8 +271,24 @@ def test_native_completion_stream(router: LiveRouter) -> None:
                                                       "n_probs": 1, "stream": True}))
     assert all(d != "[DONE]" for d in data)
     assert [d["stop"] for d in data] == [False, False, False, True]
+    assert [d["tokens"] for d in data] == [[100], [101], [102], []]  # llama.cpp: ids even without return_tokens
     assert sum(len(d.get("completion_probabilities", [])) for d in data) == 3
     assert data[-1]["stop_type"] == "limit" and "timings" in data[-1]
+
+
+def test_token_text_drops_a_cut_off_character_as_llama_cpp() -> None:
+    from router.llamacpp_api import _token_text
+
+    assert _token_text(b"\xf0\x9f") == "" and _token_text(b"a\xe2\x82") == "a" and _token_text(b"\xc3\xa9") == "\u00e9"
+    assert _token_text(b"x\xa9") == "x\ufffd"  # a stray continuation byte is not a cut-off character
+
+
+def test_native_completion_until_the_context_is_full_is_truncated(router: LiveRouter) -> None:
+    r = httpx.post(router.url + "/completion", json={
+        "model": "alpha", "prompt": "[len=100000] x", "n_predict": -1, "temperature": 0}, timeout=60)
+    body = r.json()
+    assert r.status_code == 200 and body["stop_type"] == "limit", r.text
+    assert body["truncated"] is True and body["tokens_evaluated"] + body["tokens_predicted"] >= 256
 
 
 def test_tokenize_detokenize_apply_template(router: LiveRouter) -> None:
