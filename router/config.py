@@ -7,7 +7,7 @@ Layout::
     [defaults]          any per-model key below except path/aliases; applies to every model
     [models.NAME]       path (required), aliases, n_ctx, chat_template, max_queue,
                         load_timeout_s, cancel_timeout_s, drain_timeout_s,
-                        shutdown_grace_s, ping_interval_s, ping_timeout_s, idle_ttl_s,
+                        shutdown_grace_s, ping_interval_s, ping_timeout_s, idle_ttl_s, n_threads,
                         and default sampling values (temperature, top_p, top_k, min_p,
                         repeat_penalty, repeat_last_n, presence_penalty,
                         frequency_penalty, seed)
@@ -77,6 +77,7 @@ class ModelConfig:
     ping_interval_s: float = 5.0  # liveness ping of a ready worker; 0 turns it off
     ping_timeout_s: float = 30.0  # no Pong within this: the worker is declared hung and killed
     idle_ttl_s: float = 0.0  # nothing running or waiting this long: unload the worker; 0 = never
+    n_threads: int | None = None  # the worker's BLAS threads (python -m worker --threads); None: environment's
     sampling: dict[str, float | int] = field(default_factory=dict)
 
 
@@ -121,7 +122,7 @@ class Config:
 _MODEL_KEYS = {
     "path", "aliases", "n_ctx", "chat_template", "max_queue", "load_timeout_s",
     "cancel_timeout_s", "drain_timeout_s", "shutdown_grace_s", "ping_interval_s",
-    "ping_timeout_s", "idle_ttl_s", *SAMPLING_KEYS,
+    "ping_timeout_s", "idle_ttl_s", "n_threads", *SAMPLING_KEYS,
 }
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases"}
 _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport", "shutdown_timeout_s"}
@@ -219,6 +220,8 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
             ping_interval_s=ping_interval,
             ping_timeout_s=_float(merged, "ping_timeout_s", src("ping_timeout_s"), 30.0, 0.001),
             idle_ttl_s=_float(merged, "idle_ttl_s", src("idle_ttl_s"), 0.0, 0.0),
+            n_threads=(None if merged.get("n_threads") is None
+                       else _int(merged, "n_threads", src("n_threads"), 1, 1, 1024)),
             sampling=sampling,
         )
     return Config(server=server, models=models, source=source)

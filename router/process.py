@@ -121,6 +121,8 @@ def worker_command(model: ModelConfig, endpoint: str, module: str | None = None)
         cmd += ["--n-ctx", str(model.n_ctx)]
     if model.chat_template is not None:
         cmd += ["--chat-template", model.chat_template]
+    if model.n_threads is not None:
+        cmd += ["--threads", str(model.n_threads)]
     cmd += ["--max-queue", str(model.max_queue), "--parent-pid", str(os.getpid())]
     return cmd
 

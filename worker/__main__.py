@@ -4,6 +4,7 @@ Usage::
 
     python -m worker --model NAME --gguf PATH --endpoint ENDPOINT [--n-ctx N]
                      [--chat-template NAME_OR_TEXT] [--max-queue N] [--parent-pid PID]
+                     [--threads N]
 
 ENDPOINT is the router's bound ROUTER socket (``ipc://PATH`` or
 ``tcp://HOST:PORT``); the worker connects a DEALER socket to it, sends Hello,
@@ -11,6 +12,11 @@ loads the model, sends Ready (or Error "load_failed" and exits 1), and serves
 until Shutdown, SIGTERM or its parent process (``--parent-pid``, default the
 process that started it) is gone. Exit status: 0 after Shutdown / SIGTERM /
 parent gone, 1 after a load failure, 2 for bad arguments or an internal crash.
+
+``--threads N`` sets the BLAS/OpenMP thread count of this process
+(``OPENBLAS_NUM_THREADS``, ``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``, before NumPy is
+imported); without it the environment decides. Several workers on few cores each
+running one thread per core slow each other down badly (busy-waiting BLAS threads).
 
 Log level: environment variable ``MODELYARD_WORKER_LOG`` (default INFO), to stderr.
 """
@@ -23,7 +29,8 @@ import os
 import signal
 import sys
 
-from worker.server import WorkerConfig, WorkerServer
+#: Environment variables that set the BLAS / OpenMP thread pools (read when NumPy loads).
+THREAD_ENV_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def _positive(s: str) -> int:
@@ -51,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Generate requests that may wait behind the running one (default 8)")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when this process is gone (default: the parent at start)")
+    p.add_argument("--threads", type=_positive, default=None,
+                   help="BLAS/OpenMP threads for this worker (default: as the environment says)")
     args = p.parse_args(argv)
     if not args.endpoint.startswith(("ipc://", "tcp://")):
         p.error(f"--endpoint must be ipc://PATH or tcp://HOST:PORT, got {args.endpoint!r}")
@@ -59,8 +68,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.threads is not None:  # before NumPy is imported (worker.server imports the engine)
+        for var in THREAD_ENV_VARS:
+            os.environ[var] = str(args.threads)
+    from worker.server import WorkerConfig, WorkerServer
+
     logging.basicConfig(level=os.environ.get("MODELYARD_WORKER_LOG", "INFO").upper(),
                         format=f"%(asctime)s %(levelname)s worker[{os.getpid()}] %(message)s")
+    if args.threads is not None:
+        logging.info("BLAS/OpenMP threads: %d (%s)", args.threads, ", ".join(f"{v}={os.environ[v]}"
+                                                                            for v in THREAD_ENV_VARS))
     parent = args.parent_pid if args.parent_pid is not None else os.getppid()
     server = WorkerServer(WorkerConfig(
         model=args.model, gguf=args.gguf, endpoint=args.endpoint, n_ctx=args.n_ctx,

@@ -345,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-ctx", type=int, default=None)
     p.add_argument("--chat-template", default=None)
     p.add_argument("--max-queue", type=int, default=8)
+    p.add_argument("--threads", type=int, default=None)
     p.add_argument("--parent-pid", type=int, required=True)
     args = p.parse_args(argv)
     _log("start", argv=sys.argv[1:])

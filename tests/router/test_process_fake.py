@@ -47,6 +47,16 @@ def test_config_defaults_and_paths(tmp_path: Path) -> None:
     assert one.path == (tmp_path / "m.gguf").resolve()
     assert one.max_queue == 3 and one.sampling == {"temperature": 0.5} and one.n_ctx is None
     assert one.idle_ttl_s == 0.0  # never unloaded for idleness unless asked
+    assert one.n_threads is None  # the environment decides unless asked
+
+
+def test_n_threads_reaches_the_worker_command(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, MINI + '[defaults]\nn_threads = 1\n'))
+    from router.process import worker_command
+
+    cmd = worker_command(cfg.models["one"], "ipc:///x.sock")
+    assert cmd[cmd.index("--threads") + 1] == "1"
+    assert "--threads" not in worker_command(load_config(write(tmp_path, MINI)).models["one"], "ipc:///x.sock")
 
 
 @pytest.mark.parametrize("extra,key", [
@@ -61,6 +71,7 @@ def test_config_defaults_and_paths(tmp_path: Path) -> None:
     ("[server]\ntransport = 'udp'\n", "server.transport"),
     ("[models.one]\nidle_ttl_s = -1\n", "models.one.idle_ttl_s"),
     ("[defaults]\nidle_ttl_s = 'never'\n", "defaults.idle_ttl_s"),
+    ("[models.one]\nn_threads = 0\n", "models.one.n_threads"),
 ])
 def test_config_errors_name_the_key(tmp_path: Path, extra: str, key: str) -> None:
     base = MINI.replace("[server]\nmodels_dir = \".\"\n", "")

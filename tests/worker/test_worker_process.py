@@ -48,7 +48,7 @@ from protocol import (
 )
 from tests.paths import SMOLLM2_FIXTURES, SMOLLM2_PATH
 from tests.timing import report
-from tests.worker.router_stub import REPO, RouterStub, garbage_frame, spawn_worker
+from tests.worker.router_stub import REPO, RouterStub, garbage_frame, spawn_worker, worker_command
 from worker.server import WorkerConfig
 
 pytestmark = pytest.mark.slow
@@ -359,6 +359,20 @@ def test_load_failure_over_the_real_cli(sockdir: str) -> None:
         err = stub.next(timeout_s=60)
         assert isinstance(err, Error) and err.code == "load_failed" and "file_not_found" in err.message
         assert proc.wait(30) == 1
+    finally:
+        stub.close()
+
+
+def test_threads_flag_sets_the_blas_thread_count_before_numpy_loads(sockdir: str) -> None:
+    stub = RouterStub(f"ipc://{sockdir}/th.sock")
+    try:
+        proc = subprocess.Popen(
+            worker_command("/nonexistent/model.gguf", stub.endpoint, "--threads", "1"), cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        assert isinstance(stub.next(timeout_s=60), Hello)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 1  # the load fails (no file); the threads were set before it
+        assert "BLAS/OpenMP threads: 1 (OPENBLAS_NUM_THREADS=1, OMP_NUM_THREADS=1, MKL_NUM_THREADS=1)" in err.decode()
     finally:
         stub.close()
 
