@@ -24,7 +24,7 @@ from typing import Any
 from starlette.requests import Request
 
 from protocol import Done, Generate, Token
-from router.errors import ApiError, InternalError, Unavailable, error_payload
+from router.errors import ApiError, ContextLengthExceeded, InternalError, Unavailable, error_payload
 from router.params import INT32_MAX, INT32_MIN, SEED_MAX, SEED_MIN, get_float, get_int, get_logit_bias, get_stop
 from router.pool import ModelSlot
 from router.run import Run
@@ -84,6 +84,11 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate) -> tuple[Run, 
     try:
         await until_disconnect(request.receive, run.start(msg))
         first = await until_disconnect(request.receive, run.next())
+    except ContextLengthExceeded as e:  # the field at fault, as OpenAI names it
+        run.close()
+        if e.param is None:
+            e.param = "messages" if msg.messages is not None else "prompt"
+        raise
     except BaseException:
         run.close()
         raise

@@ -412,8 +412,12 @@ def test_context_overflow_is_400(router: LiveRouter) -> None:
         with pytest.raises(openai.BadRequestError) as e:
             res = router.client().completions.create(model="alpha", prompt="x " * 300, max_tokens=4, stream=stream)
             list(res) if stream else None  # type: ignore[call-overload]
-        assert e.value.code == "context_length_exceeded"
+        assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
         assert "maximum context length" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        router.client().chat.completions.create(model="alpha", messages=[{"role": "user", "content": "x " * 300}],
+                                                max_tokens=4)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "messages"  # as OpenAI names it
 
 
 # ----------------------------------------------------------------------------- fuzz: never a 500
