@@ -20,7 +20,6 @@ import socket
 import sys
 
 import uvicorn
-
 from starlette.applications import Starlette
 
 from router.app import create_app

@@ -104,6 +104,9 @@ class ServerShuttingDown(Unavailable):
 
     default_code = "server_shutting_down"
 
+    def __init__(self, message: str = "the server is shutting down; retry against a running instance") -> None:
+        super().__init__(message)
+
 
 class ModelLoadFailed(Unavailable):
     default_code = "model_load_failed"

@@ -224,7 +224,7 @@ class ModelSlot:
     def _check_open(self) -> None:
         """Raises ServerShuttingDown (router stopping) or ModelUnloading (operator unload draining)."""
         if self._pool.closing:
-            raise ServerShuttingDown("the server is shutting down; retry against a running instance")
+            raise ServerShuttingDown()
         if self._refusing():
             raise ModelUnloading(f"model '{self.model.name}' is being unloaded; retry shortly")
 
@@ -314,8 +314,8 @@ class ModelSlot:
             return
 
     def _cancel_watchers(self) -> None:
-        for task in (self._ping_task, self._idle_task):
-            if task is not None and task is not asyncio.current_task():
+        for task in (self._ping_task, self._idle_task):  # the idle loop clears its own before unloading
+            if task is not None:
                 task.cancel()
         self._ping_task = self._idle_task = None
 
@@ -466,7 +466,7 @@ class Pool:
         server_shutting_down now; running ones may finish until :meth:`abort_running`."""
         self.closing = True
         for slot in self.slots.values():
-            slot._fail_waiting(ServerShuttingDown("the server is shutting down; retry against a running instance"))
+            slot._fail_waiting(ServerShuttingDown())
 
     def abort_running(self, reason: str) -> int:
         """End every running generation now: each fails with ServerShuttingDown(``reason``)

@@ -15,18 +15,17 @@ from typing import Any
 from starlette.responses import JSONResponse as _StarletteJSONResponse
 
 
-def dumps(obj: Any) -> str:
-    """Compact JSON text of ``obj`` that can always be UTF-8 encoded (see the module docstring)."""
-    text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+def dumps(obj: Any) -> bytes:
+    """Compact UTF-8 JSON of ``obj``, encoded once; ASCII escapes only when a lone
+    surrogate makes UTF-8 impossible (see the module docstring)."""
     try:
-        text.encode("utf-8")
+        return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
     except UnicodeEncodeError:
-        text = json.dumps(obj, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
-    return text
+        return json.dumps(obj, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 class JSONResponse(_StarletteJSONResponse):
     """``application/json`` response whose body is :func:`dumps` of the content."""
 
     def render(self, content: Any) -> bytes:
-        return dumps(content).encode("utf-8")
+        return dumps(content)

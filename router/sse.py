@@ -61,8 +61,8 @@ async def until_disconnect(receive: Receive, aw: Awaitable[T]) -> T:
 
 def sse_event(obj: Any) -> bytes:
     """One ``data:`` event carrying ``obj`` as compact JSON (or a literal such as ``[DONE]``)."""
-    data = obj if isinstance(obj, str) else dumps(obj)
-    return f"data: {data}\n\n".encode()
+    data = obj.encode() if isinstance(obj, str) else dumps(obj)
+    return b"data: " + data + b"\n\n"
 
 
 class SSEResponse:

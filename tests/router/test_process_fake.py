@@ -129,13 +129,18 @@ def test_api_key_and_admin_key(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- no orphans
 
 
-def test_sigterm_stops_every_worker(tmp_path: Path) -> None:
+def _router_with_two_workers(tmp_path: Path) -> tuple[LiveRouter, list[psutil.Process]]:
     dummy_gguf(tmp_path, "m.gguf")
     r = LiveRouter(tmp_path, MINI)
     for m in ("one", "two"):
         httpx.post(r.url + "/v1/completions", json={"model": m, "prompt": "x", "max_tokens": 1}, timeout=30)
     workers = r.workers()
     assert len(workers) == 2
+    return r, workers
+
+
+def test_sigterm_stops_every_worker(tmp_path: Path) -> None:
+    r, workers = _router_with_two_workers(tmp_path)
     assert r.stop() in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a clean shutdown
     deadline = time.monotonic() + 10
     while alive(workers) and time.monotonic() < deadline:
@@ -145,12 +150,7 @@ def test_sigterm_stops_every_worker(tmp_path: Path) -> None:
 
 
 def test_sigkill_of_the_router_leaves_no_orphans(tmp_path: Path) -> None:
-    dummy_gguf(tmp_path, "m.gguf")
-    r = LiveRouter(tmp_path, MINI)
-    for m in ("one", "two"):
-        httpx.post(r.url + "/v1/completions", json={"model": m, "prompt": "x", "max_tokens": 1}, timeout=30)
-    workers = r.workers()
-    assert len(workers) == 2
+    r, workers = _router_with_two_workers(tmp_path)
     os.kill(r.proc.pid, signal.SIGKILL)
     r.proc.wait(10)
     t0 = time.monotonic()
