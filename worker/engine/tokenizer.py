@@ -472,11 +472,9 @@ class Tokenizer:
         # still is a symbol in llama.cpp: it blocks merges across it and is then dropped.
         # tokenizers would delete it *before* merging (its neighbours could merge), so it
         # gets a placeholder id >= n_vocab here, removed after encoding.
-        vocab = dict(self._tok2id)
-        for c in _BYTE_TO_UNICODE.values():
-            if c not in vocab:
-                vocab[c] = len(self.tokens) + len(vocab) - len(self._tok2id)
-        self._bpe_placeholders = len(vocab) > len(self._tok2id)
+        missing = [c for c in _BYTE_TO_UNICODE.values() if c not in self._tok2id]
+        vocab = {**self._tok2id, **{c: len(self.tokens) + k for k, c in enumerate(missing)}}
+        self._bpe_placeholders = bool(missing)
         try:
             bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges)
             hf = HFTokenizer(bpe)
