@@ -1,8 +1,8 @@
 """``modelyard serve [--config PATH] [--host H] [--port P]`` (also ``python -m router``).
 
 Exits 1 with the offending key path on a config error. SIGTERM / SIGINT shut
-down in this order (:class:`RouterServer`): new and waiting requests get 503
-``server_shutting_down`` at once; running generations get ``server.shutdown_timeout_s``
+down in this order (:class:`RouterServer`): the port closes (uvicorn refuses new
+connections) and waiting requests get 503 ``server_shutting_down`` at once; running generations get ``server.shutdown_timeout_s``
 to finish, then each ends cleanly (an SSE error event, or a 503 body) and its
 worker gets Cancel; then uvicorn closes the connections and every worker is
 stopped. Workers also exit by themselves if this process dies (they watch

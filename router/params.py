@@ -27,7 +27,9 @@ from router.errors import BadRequest, PayloadTooLarge
 _MISSING: Any = object()
 
 #: Largest request body accepted, bytes.
-MAX_BODY_BYTES = 32 * 1024 * 1024
+#: 8 MiB: far above any prompt a model here can take, and well under the protocol's
+#: 16 MiB frame limit, so an accepted prompt fits one Generate frame.
+MAX_BODY_BYTES = 8 * 1024 * 1024
 
 #: Bounds of integer request fields (see the module docstring).
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
