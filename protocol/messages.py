@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 #: Bumped on any incompatible change; a frame with another version is rejected.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 #: Largest frame either side accepts, in bytes (a 100 KB prompt as token ids is < 1 MiB).
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -71,7 +71,8 @@ class Ready(Message):
     has_chat_template: bool
     pid: int
     load_ms: float
-    max_jobs: int = 1  # generations run at once (1: the depth-one job queue)
+    max_jobs: int = 1  # generations run at once: the worker's KV slots (config ``parallel``)
+    kv_budget_tokens: int = 0  # KV positions the worker's budget holds in all (0: unknown)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +104,7 @@ class Done(Message):
     predicted_n: int
     predicted_ms: float
     cache_n: int  # prompt tokens reused from the KV cache
+    id_slot: int = -1  # the KV slot the generation ran in (-1: it never ran)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,12 +124,21 @@ class Error(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class Pong(Message):
-    """Health answer; sent even mid-generation."""
+    """Health answer; sent even mid-generation.
+
+    ``slots`` has one map per KV slot (``max_jobs`` of them), llama.cpp's
+    ``/slots`` names: ``{"id": int, "id_task": str | None (the request id
+    running in it), "is_processing": bool, "n_past": int (tokens its KV
+    holds)}``.
+    """
 
     TYPE: ClassVar[str] = "pong"
     busy: bool
-    queue_len: int  # Generate requests waiting behind the running one
-    running_id: str | None = None
+    queue_len: int  # Generate requests waiting for a slot
+    running_ids: list[str] = field(default_factory=list)  # every running request id
+    slots: list[dict[str, Any]] = field(default_factory=list)
+    kv_tokens: int = 0  # KV positions held (running sequences and idle prefix-cache entries)
+    kv_budget_tokens: int = 0  # KV positions the budget allows in all
     pid: int
 
 

@@ -173,7 +173,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             while True:  # until the worker has started it
                 r.send(Ping(id="bench-ping"))
                 _, pong = r.until(lambda m: isinstance(m, Pong))
-                if isinstance(pong, Pong) and pong.running_id == rid:
+                if isinstance(pong, Pong) and rid in pong.running_ids:
                     break
             time.sleep(0.2)
             t_ping = r.send(Ping(id="bench-ping"))

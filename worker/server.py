@@ -392,7 +392,7 @@ class WorkerServer:
     def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, Ping):
             self._send(Pong(id=msg.id, busy=bool(self.running), queue_len=len(self.pending),
-                            running_id=next(iter(self.running), None), pid=self.pid))
+                            running_ids=list(self.running), pid=self.pid))
         elif isinstance(msg, Generate):
             self._on_generate(msg)
         elif isinstance(msg, Cancel):

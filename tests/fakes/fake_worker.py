@@ -177,7 +177,7 @@ class FakeWorker:
     async def handle(self, msg: Message) -> None:
         if isinstance(msg, Ping):
             await self.send(Pong(id=msg.id, busy=self.running is not None, queue_len=0,
-                                 running_id=self.running, pid=os.getpid()))
+                                 running_ids=[] if self.running is None else [self.running], pid=os.getpid()))
         elif isinstance(msg, Cancel):
             _log("cancel", id=msg.id)
             if not self.sw.get("ignore_cancel"):

@@ -46,7 +46,7 @@ EXAMPLES = [
          prompt_tokens=10, completion_tokens=5, prompt_n=3, prompt_ms=12.0, predicted_n=5,
          predicted_ms=99.5, cache_n=7),
     Error(id="r1", code="context_length_exceeded", message="maximum context length is 8192 tokens"),
-    Pong(id="p1", busy=True, queue_len=1, running_id="r1", pid=123),
+    Pong(id="p1", busy=True, queue_len=1, running_ids=["r1"], slots=[{"id": 0, "id_task": "r1", "is_processing": True, "n_past": 5}], pid=123),
     Pong(id="p2", busy=False, queue_len=0, pid=123),
     TokenizeResult(id="t1", tokens=[1, 2, 3], pieces=[b"a", b"b", b"\xff"]),
     DetokenizeResult(id="t2", content="hello"),

@@ -221,14 +221,14 @@ def test_two_generates_at_once_run_one_after_the_other(start: Callable[..., Harn
     h.stub.send(Generate(id="a", prompt="first request", temperature=0.0))
     h.stub.send(Generate(id="b", prompt="second request", temperature=0.0))
     pong = h.ping()
-    assert pong.busy and pong.running_id == "a" and pong.queue_len == 1
+    assert pong.busy and pong.running_ids == ["a"] and pong.queue_len == 1
     ta, da = h.stub.stream("a")
     tb, db = h.stub.stream("b")
     assert isinstance(da, Done) and isinstance(db, Done) and ta and tb
     order = [m.id for _, m in h.stub.received if isinstance(m, (Token, Done))]
     assert order == ["a"] * (len(ta) + 1) + ["b"] * (len(tb) + 1)  # never interleaved
     idle = h.ping("p2")
-    assert (idle.busy, idle.queue_len, idle.running_id) == (False, 0, None)
+    assert (idle.busy, idle.queue_len, idle.running_ids) == (False, 0, [])
 
 
 def test_queue_beyond_max_queue_answers_busy(start: Callable[..., Harness]) -> None:
@@ -342,7 +342,7 @@ def test_ping_and_text_ops_are_answered_mid_generation(start: Callable[..., Harn
     h.stub.send(Generate(id="a", prompt="a long one", temperature=0.0))
     h.stub.next_for("a")  # generating now
     pong = h.ping()
-    assert pong.busy and pong.running_id == "a" and pong.queue_len == 0 and pong.pid == os.getpid()
+    assert pong.busy and pong.running_ids == ["a"] and pong.queue_len == 0 and pong.pid == os.getpid()
     h.stub.send(Tokenize(id="t", content="hello world", add_special=True, with_pieces=True))
     h.stub.send(Detokenize(id="d", tokens=[12, 13]))
     h.stub.send(ApplyTemplate(id="at", messages=[{"role": "user", "content": "hi"}]))
@@ -397,7 +397,7 @@ def test_bad_sampling_values_are_refused_at_once_not_after_the_queue(start: Call
                      "b3": Generate(id="b3", prompt=[])}.items():
         h.stub.send(msg)
         assert isinstance(h.stub.next_for(rid, 10), Error)
-    assert h.ping().running_id == "long"  # answered while "long" still runs
+    assert h.ping().running_ids == ["long"]  # answered while "long" still runs
     h.stub.send(Cancel(id="long"))
     assert h.stub.stream("long")[1].finish_reason == "cancelled"
 

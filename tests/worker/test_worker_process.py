@@ -189,7 +189,7 @@ def test_ping_and_tokenize_are_answered_mid_generation(wa: Proc) -> None:
                     ignore_eos=True))
     s.next(lambda m: isinstance(m, Token) and m.id == "long", 120)
     pong = _ping(s, "pg")
-    assert pong.busy and pong.running_id == "long" and pong.pid == wa.proc.pid
+    assert pong.busy and pong.running_ids == ["long"] and pong.pid == wa.proc.pid
     s.send(Tokenize(id="tk", content="Hello world", with_pieces=True))
     tk = s.next_for("tk", 30)
     assert isinstance(tk, TokenizeResult) and tk.tokens == [19556, 905] and tk.pieces == [b"Hello", b" world"]
@@ -219,7 +219,7 @@ def test_cancel_mid_decode(wa: Proc) -> None:
 def test_cancel_mid_prefill(wa: Proc) -> None:
     s = wa.stub
     s.send(Generate(id="cp", prompt=_long_prompt(1000), max_tokens=16, temperature=0.0))
-    while _ping(s, "pp").running_id != "cp":
+    while _ping(s, "pp").running_ids != ["cp"]:
         pass
     time.sleep(0.2)
     sent = s.send(Cancel(id="cp"))
@@ -243,7 +243,7 @@ def test_greedy_after_cancelled_requests_equals_a_fresh_worker(wa: Proc, wb: Pro
     s.send(Cancel(id="x1"))
     assert s.stream("x1", 60)[1].finish_reason == "cancelled"
     s.send(Generate(id="x2", prompt=req["prompt"] + " " + _long_prompt(1000), max_tokens=4, temperature=0.0))
-    while _ping(s, "px").running_id != "x2":
+    while _ping(s, "px").running_ids != ["x2"]:
         pass
     time.sleep(0.1)
     s.send(Cancel(id="x2"))
