@@ -93,7 +93,7 @@ GOOD = {"v": PROTOCOL_VERSION, "type": "cancel", "id": "r1"}
         (msgpack.packb("hello"), "must be a map"),
         (_raw(**GOOD) + b"\x00", "malformed"),  # trailing data
         (_raw(**GOOD)[:-1], "malformed"),  # truncated
-        (_raw(**{**GOOD, "v": 2}), "version"),
+        (_raw(**{**GOOD, "v": PROTOCOL_VERSION + 1}), "version"),
         (_raw(**{**GOOD, "v": True}), "version"),
         (_raw(type="cancel", id="r1"), "version"),
         (_raw(**{**GOOD, "type": "explode"}), "unknown message type"),
@@ -102,15 +102,15 @@ GOOD = {"v": PROTOCOL_VERSION, "type": "cancel", "id": "r1"}
         (_raw(**{**GOOD, "id": 17}), "'id'"),
         (_raw(**{**GOOD, "id": "x" * 129}), "'id'"),
         (_raw(**{**GOOD, "extra": 1}), "unknown field"),
-        (_raw(v=1, type="hello", id="w", model="m"), "missing field 'pid'"),
-        (_raw(v=1, type="hello", id="w", model="m", pid="12"), "field 'pid'"),
-        (_raw(v=1, type="hello", id="w", model="m", pid=True), "field 'pid'"),
-        (_raw(v=1, type="generate", id="r", prompt=[1, "2"]), "field 'prompt'"),
-        (_raw(v=1, type="generate", id="r", prompt=3.5), "field 'prompt'"),
-        (_raw(v=1, type="generate", id="r", temperature="hot"), "field 'temperature'"),
-        (_raw(v=1, type="generate", id="r", stop="\n"), "field 'stop'"),
-        (_raw(v=1, type="generate", id="r", messages=[1]), "field 'messages'"),
-        (_raw(v=1, type="token", id="r", text="a", token_id=1, piece="not-bytes"), "field 'piece'"),
+        (_raw(v=PROTOCOL_VERSION, type="hello", id="w", model="m"), "missing field 'pid'"),
+        (_raw(v=PROTOCOL_VERSION, type="hello", id="w", model="m", pid="12"), "field 'pid'"),
+        (_raw(v=PROTOCOL_VERSION, type="hello", id="w", model="m", pid=True), "field 'pid'"),
+        (_raw(v=PROTOCOL_VERSION, type="generate", id="r", prompt=[1, "2"]), "field 'prompt'"),
+        (_raw(v=PROTOCOL_VERSION, type="generate", id="r", prompt=3.5), "field 'prompt'"),
+        (_raw(v=PROTOCOL_VERSION, type="generate", id="r", temperature="hot"), "field 'temperature'"),
+        (_raw(v=PROTOCOL_VERSION, type="generate", id="r", stop="\n"), "field 'stop'"),
+        (_raw(v=PROTOCOL_VERSION, type="generate", id="r", messages=[1]), "field 'messages'"),
+        (_raw(v=PROTOCOL_VERSION, type="token", id="r", text="a", token_id=1, piece="not-bytes"), "field 'piece'"),
         (msgpack.packb({1: 2}), "malformed"),  # non-string map key
         (msgpack.packb(msgpack.ExtType(1, b"x")), "ext type"),
         (b"\x00" * (MAX_FRAME_BYTES + 1), "exceeds"),
@@ -124,17 +124,17 @@ def test_rejects_malformed(frame: bytes, needle: str) -> None:
 
 def test_error_carries_request_id_when_readable() -> None:
     with pytest.raises(ProtocolError) as ei:
-        decode(_raw(v=1, type="generate", id="req-9", temperature="hot"))
+        decode(_raw(v=PROTOCOL_VERSION, type="generate", id="req-9", temperature="hot"))
     assert ei.value.msg_id == "req-9"
 
 
 def test_int_accepted_for_float_and_normalised() -> None:
-    msg = decode(_raw(v=1, type="generate", id="r", temperature=1))
+    msg = decode(_raw(v=PROTOCOL_VERSION, type="generate", id="r", temperature=1))
     assert isinstance(msg, Generate) and msg.temperature == 1.0 and isinstance(msg.temperature, float)
 
 
 def test_defaults_fill_optional_fields() -> None:
-    msg = decode(_raw(v=1, type="generate", id="r", prompt="x"))
+    msg = decode(_raw(v=PROTOCOL_VERSION, type="generate", id="r", prompt="x"))
     assert isinstance(msg, Generate)
     assert msg.stop == [] and msg.n_probs == 0 and msg.max_tokens is None
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import msgpack
 import zmq
 
-from protocol import Done, Error, Generate, Hello, Message, Ping, Ready, Token, decode, encode
+from protocol import PROTOCOL_VERSION, Done, Error, Generate, Hello, Message, Ping, Ready, Token, decode, encode
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -131,7 +131,7 @@ def garbage_frame(rng: random.Random, i: int) -> list[bytes]:
                for _ in range(rng.randrange(0, 6))}
         return [msgpack.packb(obj, use_bin_type=True)]
     if kind == 2:  # valid envelope, bad fields
-        return [msgpack.packb({"v": 1, "type": "generate", "id": f"g{i}", "temperature": "hot"})]
+        return [msgpack.packb({"v": PROTOCOL_VERSION, "type": "generate", "id": f"g{i}", "temperature": "hot"})]
     if kind == 3:  # a worker->router type sent to the worker
         return [encode(Token(id=f"t{i}", text="x", token_id=1, piece=b"x"))]
     if kind == 4:  # multi-part
@@ -140,7 +140,7 @@ def garbage_frame(rng: random.Random, i: int) -> list[bytes]:
         f = encode(Generate(id=f"tr{i}", prompt="hello"))
         return [f[: rng.randrange(1, len(f) - 1)]]
     if kind == 6:  # wrong version
-        return [msgpack.packb({"v": 2, "type": "ping", "id": f"v{i}"})]
+        return [msgpack.packb({"v": PROTOCOL_VERSION + 1, "type": "ping", "id": f"v{i}"})]
     return [msgpack.packb(msgpack.ExtType(3, b"xyz")) if i % 16 == 7 else b""]
 
 
