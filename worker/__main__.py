@@ -56,6 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chat-template", default=None, help="chat template text or known name (chatml, gemma)")
     p.add_argument("--max-queue", type=_non_negative, default=8,
                    help="Generate requests that may wait behind the running one (default 8)")
+    p.add_argument("--parallel", type=_positive, default=1,
+                   help="KV slots: sequences decoded at once (default 1)")
+    p.add_argument("--kv-budget-mib", type=float, default=None,
+                   help="KV memory of all sequences and cached prefixes, MiB (default: the engine's, 2048)")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when this process is gone (default: the parent at start)")
     p.add_argument("--threads", type=_positive, default=None,
@@ -81,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parent = args.parent_pid if args.parent_pid is not None else os.getppid()
     server = WorkerServer(WorkerConfig(
         model=args.model, gguf=args.gguf, endpoint=args.endpoint, n_ctx=args.n_ctx,
-        chat_template=args.chat_template, max_queue=args.max_queue, parent_pid=parent))
+        chat_template=args.chat_template, max_queue=args.max_queue, parallel=args.parallel,
+        kv_budget_mib=args.kv_budget_mib, parent_pid=parent))
     signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
     signal.signal(signal.SIGINT, lambda *_: server.request_stop())
     return server.serve()

@@ -73,7 +73,7 @@ from worker.runner import (
     LoadFailed,
     Loaded,
     RunnerEvent,
-    SerialRunner,
+    BatchRunner,
     cancelled_done,
     check_generate,
 )
@@ -85,11 +85,13 @@ __all__ = ["ParentWatch", "WorkerConfig", "WorkerServer", "default_loader"]
 UNKNOWN_ID = "unknown"  # id of an Error answering a frame whose id could not be read
 
 
-def default_loader(gguf_path: str, n_ctx: int | None, chat_template: str | None) -> Any:
+def default_loader(gguf_path: str, n_ctx: int | None, chat_template: str | None, *, parallel: int = 1,
+                   kv_budget_mib: float | None = None) -> Any:
     """``worker.engine.Engine.load`` (imported lazily: the engine pulls in numpy)."""
     from worker.engine import Engine
 
-    return Engine.load(gguf_path, n_ctx=n_ctx, chat_template=chat_template)
+    return Engine.load(gguf_path, n_ctx=n_ctx, chat_template=chat_template, parallel=parallel,
+                       kv_budget_mib=kv_budget_mib)
 
 
 @dataclass
@@ -102,6 +104,8 @@ class WorkerConfig:
     n_ctx: KV cache size in tokens; None -> the engine's default.
     chat_template: template text or known name overriding the GGUF's; None -> the GGUF's.
     max_queue: Generates that may wait behind the running one(s); more -> Error "busy".
+    parallel: KV slots: sequences decoded at once (``Ready.max_jobs``).
+    kv_budget_mib: KV memory of all sequences and cached prefixes (MiB); None -> the engine's default.
     parent_pid: exit when this process is gone; None -> no watch.
     shutdown_grace_s: after Shutdown, how long to wait for the running generation
         to end (seconds) before exiting anyway.
@@ -118,6 +122,8 @@ class WorkerConfig:
     n_ctx: int | None = None
     chat_template: str | None = None
     max_queue: int = 8
+    parallel: int = 1
+    kv_budget_mib: float | None = None
     parent_pid: int | None = None
     shutdown_grace_s: float = 3.0
     parent_gone_grace_s: float = 0.0
@@ -132,6 +138,10 @@ class WorkerConfig:
             raise ValueError(f"n_ctx must be a positive number of tokens, got {self.n_ctx}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.parallel < 1:
+            raise ValueError(f"parallel must be >= 1, got {self.parallel}")
+        if self.kv_budget_mib is not None and not self.kv_budget_mib > 0:
+            raise ValueError(f"kv_budget_mib must be > 0, got {self.kv_budget_mib}")
 
 
 class ParentWatch:
@@ -171,12 +181,11 @@ class WorkerServer:
         cfg: the worker's configuration.
         loader: ``(gguf_path, n_ctx, chat_template) -> engine`` following
             docs/ENGINE-API.md; default :func:`default_loader`.
-        runner_factory: builds the token path (``SerialRunner`` signature); a
-            batching runner would plug in here.
+        runner_factory: builds the token path (``BatchRunner`` signature).
     """
 
     def __init__(self, cfg: WorkerConfig, loader: Callable[..., Any] | None = None,
-                 runner_factory: Callable[..., Any] = SerialRunner) -> None:
+                 runner_factory: Callable[..., Any] = BatchRunner) -> None:
         self.cfg = cfg
         self.pid = os.getpid()
         self.worker_id = f"worker-{self.pid}"
@@ -184,7 +193,8 @@ class WorkerServer:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self.runner = runner_factory(loader or default_loader, cfg.gguf, cfg.n_ctx, cfg.chat_template, self._post)
+        self.runner = runner_factory(loader or default_loader, cfg.gguf, cfg.n_ctx, cfg.chat_template, self._post,
+                                     parallel=cfg.parallel, kv_budget_mib=cfg.kv_budget_mib)
         self.engine: Any = None
         self.pending: deque[Job] = deque()
         self.running: dict[str, Job] = {}
@@ -319,7 +329,8 @@ class WorkerServer:
             file_size=file_size, fingerprint=str(info.fingerprint), n_ctx=int(info.n_ctx),
             n_ctx_train=int(info.n_ctx_train), n_vocab=int(info.n_vocab),
             has_chat_template=bool(info.has_chat_template), pid=self.pid, load_ms=float(ev.load_ms),
-            max_jobs=int(self.runner.capacity)))
+            max_jobs=int(self.runner.capacity),
+            kv_budget_tokens=int(getattr(info, "kv_budget_tokens", 0) or 0)))
         log.info("worker %s loaded %s (%s, n_ctx=%d) in %.0f ms", self.pid, self.cfg.model, info.architecture,
                  info.n_ctx, ev.load_ms)
         if self._stopping:  # Shutdown arrived while loading: nothing runs, leave now
@@ -391,8 +402,10 @@ class WorkerServer:
 
     def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, Ping):
+            snap = self.runner.snapshot
             self._send(Pong(id=msg.id, busy=bool(self.running), queue_len=len(self.pending),
-                            running_ids=list(self.running), pid=self.pid))
+                            running_ids=list(self.running), slots=list(snap.slots), kv_tokens=snap.kv_tokens,
+                            kv_budget_tokens=snap.kv_budget_tokens, pid=self.pid))
         elif isinstance(msg, Generate):
             self._on_generate(msg)
         elif isinstance(msg, Cancel):

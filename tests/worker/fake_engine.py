@@ -27,16 +27,34 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from worker.engine import EngineError, EngineInfo, GenerationResult, SamplingParams, TokenEvent
+from worker.engine import EngineError, EngineInfo, Finished, GenerationResult, SamplingParams, SlotInfo, TokenEvent
 
 BOS, EOS = 1, 2
 
 
+class _Seq:
+    """One sequence of the batch API: its own emulated KV context and decode state."""
+
+    def __init__(self, seq_id: str, ids: list[int], p: SamplingParams, on_token: Any, keep: int,
+                 ctx: list[int], slot: int, n_max: int, boom: bool) -> None:
+        self.id, self.ids, self.p, self.on_token = seq_id, ids, p, on_token
+        self.keep, self.ctx, self.slot, self.n_max, self.boom = keep, ctx, slot, n_max, boom
+        self.n_done = keep
+        self.tokens: list[int] = []
+        self.text = self.sent = ""
+        self.finish = self.stop_type = ""
+        self.aborted = False
+        self.t0 = time.perf_counter()
+        self.t1 = 0.0
+
+
 class FakeEngine:
-    def __init__(self, n_ctx: int = 512, n_vocab: int = 1000, has_template: bool = True) -> None:
+    def __init__(self, n_ctx: int = 512, n_vocab: int = 1000, has_template: bool = True, parallel: int = 1) -> None:
         self.info = EngineInfo(architecture="fake", name="fake", n_ctx=n_ctx, n_ctx_train=2048, n_vocab=n_vocab,
                                file_size=1234, fingerprint="ab" * 32, has_chat_template=has_template,
-                               bos_token="<s>", eos_token="</s>")
+                               bos_token="<s>", eos_token="</s>", n_parallel=parallel,
+                               kv_budget_tokens=parallel * n_ctx, kv_token_bytes=8)
+        self._seqs: dict[str, _Seq] = {}
         self.token_delay_s = 0.002
         self.chunk_delay_s = 0.0
         self.prefill_chunk = 4
@@ -45,10 +63,11 @@ class FakeEngine:
         self.generate_calls = 0
 
     @classmethod
-    def load(cls, gguf_path: str, n_ctx: int | None = None, chat_template: str | None = None) -> FakeEngine:
+    def load(cls, gguf_path: str, n_ctx: int | None = None, chat_template: str | None = None, *,
+             parallel: int = 1, kv_budget_mib: float | None = None) -> FakeEngine:
         if "missing" in gguf_path:
             raise EngineError("file_not_found", f"GGUF file not found: {gguf_path}")
-        return cls(n_ctx=n_ctx or 512)
+        return cls(n_ctx=n_ctx or 512, parallel=parallel)
 
     # ---------------------------------------------------------------- text
 
@@ -168,9 +187,119 @@ class FakeEngine:
                                 predicted_n=len(tokens), predicted_ms=(t2 - t1) * 1e3, cache_n=keep,
                                 prompt_tokens=len(ids))
 
+    # ---------------------------------------------------------------- batch API (docs/ENGINE-API.md)
+
+    def prepare(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
+        p = params.validated(self.info.n_vocab)
+        ids = self.tokenize(prompt, p.add_special, p.parse_special) if isinstance(prompt, str) else self._check(prompt)
+        if not ids:
+            raise EngineError("empty_prompt", "the prompt is empty")
+        n_completion = 1 if p.max_tokens is None else p.max_tokens
+        if len(ids) + n_completion > self.info.n_ctx:
+            raise EngineError("context_length_exceeded", (
+                f"This model's maximum context length is {self.info.n_ctx} tokens. However, you requested "
+                f"{len(ids) + n_completion} tokens ({len(ids)} in the prompt, {n_completion} for the completion)."))
+        if isinstance(prompt, str) and "boom" in prompt.split():
+            ids = ids + [3]  # id 3 marks "explode after the first token" (a text-free signal for add)
+        return ids, p
+
+    def add(self, seq_id: str, ids: list[int], p: SamplingParams, on_token: Any = None) -> None:
+        if seq_id in self._seqs:
+            raise EngineError("invalid_params", f"sequence id {seq_id!r} is already in use")
+        self.generate_calls += 1
+        boom = bool(ids) and ids[-1] == 3
+        if boom:
+            ids = ids[:-1]
+        keep = 0
+        if p.cache_prompt:
+            while keep < min(len(self._cache), len(ids) - 1) and self._cache[keep] == ids[keep]:
+                keep += 1
+        used = {s.slot for s in self._seqs.values()}
+        slot = next(i for i in range(self.info.n_parallel + len(used) + 1) if i not in used)
+        n_max = p.max_tokens if p.max_tokens is not None else self.info.n_ctx - len(ids)
+        self._seqs[seq_id] = _Seq(seq_id, ids, p, on_token, keep, self._cache[:keep], slot, n_max, boom)
+
+    def abort(self, seq_id: str) -> bool:
+        s = self._seqs.get(seq_id)
+        if s is None:
+            return False
+        s.aborted = True
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._seqs)
+
+    def slots(self) -> list[SlotInfo]:
+        by_slot = {s.slot: s for s in self._seqs.values()}
+        return [SlotInfo(i, by_slot[i].id if i in by_slot else None, i in by_slot,
+                         len(by_slot[i].ctx) if i in by_slot else 0) for i in range(self.info.n_parallel)]
+
+    @property
+    def kv_tokens(self) -> int:
+        return len(self._cache) + sum(len(s.ctx) for s in self._seqs.values())
+
+    def step(self) -> list[Finished]:
+        live = list(self._seqs.values())
+        if any(s.n_done < len(s.ids) for s in live):
+            time.sleep(self.chunk_delay_s)
+        if any(s.n_done >= len(s.ids) for s in live):
+            time.sleep(self.token_delay_s)
+        out: list[Finished] = []
+        for s in live:
+            if s.aborted:
+                s.finish, s.stop_type = "cancelled", "cancelled"
+            elif s.n_done < len(s.ids):
+                chunk = s.ids[s.n_done:s.n_done + self.prefill_chunk]
+                s.ctx.extend(chunk)
+                s.n_done += len(chunk)
+                s.t1 = time.perf_counter()
+                continue
+            else:
+                try:
+                    self._decode(s)
+                except Exception as e:  # noqa: BLE001
+                    del self._seqs[s.id]
+                    out.append(Finished(s.id, None, e, s.slot))
+                    continue
+            if s.finish:
+                del self._seqs[s.id]
+                self._cache = list(s.ctx)
+                t2 = time.perf_counter()
+                out.append(Finished(s.id, GenerationResult(
+                    text=s.text, tail=s.text[len(s.sent):], tokens=s.tokens, finish_reason=s.finish,
+                    stop_type=s.stop_type, stopping_word="", prompt_n=s.n_done - s.keep,
+                    prompt_ms=((s.t1 or t2) - s.t0) * 1e3, predicted_n=len(s.tokens),
+                    predicted_ms=(t2 - (s.t1 or t2)) * 1e3, cache_n=s.keep, prompt_tokens=len(s.ids)), None, s.slot))
+        return out
+
+    def _decode(self, s: _Seq) -> None:
+        if len(s.tokens) >= s.n_max:
+            s.finish, s.stop_type = "length", "limit"
+            return
+        h = zlib.crc32(b",".join(str(t).encode() for t in s.ctx))
+        tid = EOS if len(s.tokens) >= self.length and not s.p.ignore_eos else 10 + h % (self.info.n_vocab - 10)
+        s.tokens.append(tid)
+        s.ctx.append(tid)
+        if tid == EOS:
+            s.finish, s.stop_type = "stop", "eos"
+            return
+        piece = self.token_bytes(tid, special=False)
+        s.text += piece.decode()
+        delta = s.text[len(s.sent):]
+        s.sent += delta
+        lp = -0.25 if s.p.n_probs else None
+        top = [(tid, -0.25)] + [(tid + k, -1.0 - k) for k in range(1, s.p.n_probs)] if s.p.n_probs else []
+        keep_going = s.on_token(TokenEvent(tid, delta, piece, lp, top)) if s.on_token is not None else True
+        if s.boom:
+            raise RuntimeError("fake engine exploded")
+        if keep_going is False:
+            s.finish, s.stop_type = "cancelled", "cancelled"
+
     def reset_cache(self) -> None:
         self._cache.clear()
 
     @property
     def cached_tokens(self) -> list[int]:
-        return list(self._cache)
+        live = [s.ctx for s in self._seqs.values()]
+        return list(live[-1]) if live else list(self._cache)

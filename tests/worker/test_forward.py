@@ -512,43 +512,61 @@ def test_weight_cache_unwritable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 
 def test_kv_cache_unit() -> None:
-    from worker.engine.kv_cache import KVCache
+    from worker.engine.kv_cache import KVEntry, KVPool, KVShape
 
-    c = KVCache(2, 3, 4, 5, 10)
+    shape = KVShape(2, 3, 4, 5)
+    assert shape.token_bytes == 2 * 3 * (4 + 5) * 4
+    c = KVEntry(shape, 10)
     assert c.n_past == 0 and c.k.shape == (2, 3, 10, 4) and c.v.shape == (2, 3, 10, 5)
     k = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)  # [T, n_kv, hd_k]
     v = np.arange(2 * 3 * 5, dtype=np.float32).reshape(2, 3, 5)
     c.store(1, 0, k, v)
-    c.advance(2)
+    assert c.n_past == 0  # nothing is trusted until the caller appends the tokens
+    c.tokens.extend([7, 8])
     np.testing.assert_array_equal(c.keys(1, 0, 2), k.transpose(1, 0, 2))
     np.testing.assert_array_equal(c.values(1, 1, 2), v.transpose(1, 0, 2)[:, 1:2])
     assert not c.keys(0, 0, 2).any()  # other layer untouched
     with pytest.raises(EngineError) as e:
-        c.advance(9)
+        c.store(0, 9, k, v)  # beyond the capacity
     assert e.value.code == "context_length_exceeded" and c.n_past == 2
+    assert c.common_prefix([7, 9], 5) == 1 and c.common_prefix([7, 8, 1], 1) == 1
+    c.resize(40)  # grows, keeping the valid positions
+    np.testing.assert_array_equal(c.keys(1, 0, 2), k.transpose(1, 0, 2))
     c.truncate(1)
-    assert c.n_past == 1
-    c.reset()
-    assert c.n_past == 0
-    for bad in ((0, 1, 1, 1, 1), (1, 1, 1, 1, -3), (1, 1, 1, 1, 2.0)):
+    assert c.n_past == 1 and c.tokens == [7]
+    for bad in ((0, 1, 1, 1), (1, 1, -3, 1), (1, 1, 1, 2.0)):
         with pytest.raises(EngineError) as e:
-            KVCache(*bad)  # type: ignore[arg-type]
+            KVShape(*bad)  # type: ignore[arg-type]
         assert e.value.code == "invalid_params"
+    pool = KVPool(shape, 100)
+    a = pool.new(60)
+    with pytest.raises(EngineError) as e:
+        pool.new(41)
+    assert e.value.code == "kv_budget_exceeded"
+    a.tokens.extend(range(5))
+    pool.shrink(a)  # idle: only what it holds (rounded up) stays reserved
+    assert a.capacity == 16 and pool.reserved_tokens == 16 and pool.held_tokens == 5
+    b = pool.new(84)
+    with pytest.raises(EngineError):
+        pool.resize(a, 17)
+    pool.drop(b)
+    pool.resize(a, 50)
+    assert pool.reserved_tokens == 50 and a.tokens == [0, 1, 2, 3, 4]
 
 
 def test_kv_cache_memory_is_lazy() -> None:
     """A 1 GiB reservation costs (almost) nothing until positions are written."""
     import psutil
 
-    from worker.engine.kv_cache import KVCache
+    from worker.engine.kv_cache import KVEntry, KVShape
 
     proc = psutil.Process()
     before = proc.memory_info().rss
-    c = KVCache(16, 4, 64, 64, 65536)  # 2 x 1 GiB of address space
+    c = KVEntry(KVShape(16, 4, 64, 64), 65536)  # 2 x 1 GiB of address space
     one = np.ones((1, 4, 64), dtype=np.float32)
     for layer in range(16):
         c.store(layer, 0, one, one)
-    c.advance(1)
+    c.tokens.append(1)
     grown = (proc.memory_info().rss - before) / 2**20
     assert c.nbytes == 2 * 2**30
     assert grown < 256, f"KV cache made {grown:.0f} MiB resident for one position"

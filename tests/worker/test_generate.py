@@ -1,9 +1,10 @@
-"""The generate loop on a scripted model: stops, hold-back, UTF-8, limits, cancel, cache reuse.
+"""The scheduler on a scripted model: stops, hold-back, UTF-8, limits, cancel, cache reuse, batching.
 
-``ScriptModel`` implements the model interface the loop uses (forward /
-truncate / reset / n_past) over a plain list standing for the KV cache; its
-next-token choice is a function of the whole cached context, so any cache
-mistake (stale or missing tokens) changes the output.
+``ScriptModel`` implements the batch model interface (``forward_batch`` over
+segments of KV entries); its next-token choice for a sequence is a function of
+that sequence's whole context (its entry's verified tokens + the tokens fed),
+so any cache mistake (stale, missing or another sequence's tokens) changes the
+output.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ import numpy as np
 import pytest
 
 from tests.worker.test_tokenizer import bpe_metadata
+from worker.engine.attention import AttnBatch
 from worker.engine.errors import EngineError
-from worker.engine.generate import CacheState, GenerationResult, TokenEvent, check_context, generate
+from worker.engine.generate import GenerationResult, TokenEvent, check_context
+from worker.engine.kv_cache import KVShape
 from worker.engine.sampling import SamplingParams
+from worker.engine.scheduler import Scheduler, SeqRequest, run_one
 from worker.engine.tokenizer import _BYTE_TO_UNICODE, Tokenizer
 
 TOK = Tokenizer.from_metadata(bpe_metadata())
@@ -24,36 +28,41 @@ EOS = TOK.token_id("<|im_end|>")
 
 
 class ScriptModel:
-    """Deterministic stand-in for ``worker.engine.model.Model``."""
+    """Deterministic stand-in for ``worker.engine.model.Model`` (the batch interface)."""
+
+    dtype = np.dtype(np.float32)
+    kv_shape = KVShape(1, 1, 1, 1)
 
     def __init__(self, script: Callable[[list[int]], int], n_ctx: int = 512, fail_at: int | None = None) -> None:
         self.script = script
         self.n_ctx = n_ctx
         self.n_vocab = TOK.n_vocab
-        self.kv: list[int] = []
         self.calls: list[int] = []  # tokens per forward call
-        self.fail_at = fail_at  # raise when a forward would make the cache this long
+        self.fail_at = fail_at  # raise when a forward would make a sequence's context this long
 
-    @property
-    def n_past(self) -> int:
-        return len(self.kv)
+    def forward_batch(self, tokens: np.ndarray, batch: AttnBatch, rows: list[int]) -> np.ndarray:
+        contexts = []
+        for seg in batch.segments:
+            assert seg.pos0 == seg.kv.n_past and seg.pos0 + seg.n <= min(self.n_ctx, seg.kv.capacity)
+            ctx = seg.kv.tokens + [int(t) for t in tokens[seg.start:seg.start + seg.n]]
+            if self.fail_at is not None and len(ctx) >= self.fail_at:
+                raise RuntimeError("boom")
+            contexts.append((seg, ctx))
+        self.calls.append(int(tokens.shape[0]))
+        out = np.zeros((len(rows), self.n_vocab), np.float32)
+        for i, r in enumerate(rows):
+            seg, ctx = next((s, c) for s, c in contexts if s.start <= r < s.start + s.n)
+            out[i, self.script(ctx[:seg.pos0 + r - seg.start + 1])] = 20.0
+        return out
 
-    def forward(self, tokens: list[int], all_logits: bool = False) -> np.ndarray:
-        assert len(self.kv) + len(tokens) <= self.n_ctx
-        if self.fail_at is not None and len(self.kv) + len(tokens) >= self.fail_at:
-            self.kv.extend(tokens[:1])  # a partial write, as a crash mid-forward could leave
-            raise RuntimeError("boom")
-        self.calls.append(len(tokens))
-        self.kv.extend(int(t) for t in tokens)
-        logits = np.zeros(self.n_vocab, np.float32)
-        logits[self.script(self.kv)] = 20.0
-        return logits
 
-    def truncate(self, n: int) -> None:
-        del self.kv[n:]
+def new_sched(model: ScriptModel, **kw: object) -> Scheduler:
+    return Scheduler(model, TOK, **kw)  # type: ignore[arg-type]
 
-    def reset(self) -> None:
-        self.kv.clear()
+
+def held(sched: Scheduler) -> list[int]:
+    """Tokens of the most recently used KV entry."""
+    return list(max(sched.pool.entries, key=lambda e: e.last_use).tokens) if sched.pool.entries else []
 
 
 def ids(text: str) -> list[int]:
@@ -75,7 +84,11 @@ def say(reply: list[int], n_prompt: int) -> Callable[[list[int]], int]:
     return script
 
 
-def run(model: ScriptModel, prompt: list[int], cache: CacheState | None = None,
+def params(**kw: object) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0.0, **kw}).validated(TOK.n_vocab)  # type: ignore[arg-type]
+
+
+def run(model: ScriptModel, prompt: list[int], cache: Scheduler | None = None,
         should_stop: Callable[[], bool] | None = None, on_token: Callable[[TokenEvent], object] | None = None,
         chunk: int = 256, **kw: object) -> tuple[GenerationResult, list[TokenEvent]]:
     events: list[TokenEvent] = []
@@ -84,10 +97,11 @@ def run(model: ScriptModel, prompt: list[int], cache: CacheState | None = None,
         events.append(e)
         return on_token(e) if on_token else True
 
-    params = SamplingParams(**{"temperature": 0.0, **kw}).validated(TOK.n_vocab)  # type: ignore[arg-type]
-    check_context(model.n_ctx, len(prompt), params.max_tokens)
-    res = generate(model, TOK, cache if cache is not None else CacheState(), prompt, params, cb, should_stop,
-                   prefill_chunk=chunk)
+    p = params(**kw)
+    check_context(model.n_ctx, len(prompt), p.max_tokens)
+    sched = cache if cache is not None else new_sched(model)
+    sched.n_batch = chunk
+    res = run_one(sched, SeqRequest("r", prompt, p, cb), should_stop)
     return res, events
 
 
@@ -221,19 +235,19 @@ def test_cancel_via_should_stop_between_tokens() -> None:
     reply = ids("hello world hello")
     polls = iter([False, False, True])
     res, events = run(ScriptModel(say(reply, len(PROMPT))), PROMPT, should_stop=lambda: next(polls, True))
-    # polled once before prefill's single chunk, then before each token
-    assert res.finish_reason == "cancelled" and len(res.tokens) == 1
+    # polled before each step: the first prefills and samples token 1, the second feeds it and samples token 2
+    assert res.finish_reason == "cancelled" and len(res.tokens) == 2
 
 
 def test_cancel_during_prefill_keeps_only_evaluated_chunks_in_cache() -> None:
     prompt = chars("abcdefghij" * 3)  # 30 tokens, chunks of 8
     model = ScriptModel(say(ids("ok"), len(prompt)))
-    cache = CacheState()
+    cache = new_sched(model)
     polls = iter([False, False, True])
     res, events = run(model, prompt, cache=cache, chunk=8, should_stop=lambda: next(polls, True))
     assert res.finish_reason == "cancelled" and res.tokens == [] and events == []
     assert res.prompt_n == 16 and model.calls == [8, 8]
-    assert cache.tokens == prompt[:16] and model.kv == prompt[:16]
+    assert held(cache) == prompt[:16]
     # the next identical request reuses the 16 evaluated tokens and finishes normally
     res2, _ = run(model, prompt, cache=cache, chunk=8)
     assert res2.cache_n == 16 and res2.prompt_n == 14 and res2.text == "ok"
@@ -255,7 +269,8 @@ def test_cache_reuse_matches_fresh_and_reevaluates_last_token() -> None:
     prompt_b = prompt_a[:-1] + [TOK.token_id("q")]
     fresh = {tuple(p): run(ScriptModel(context_script), p)[0].text for p in (prompt_a, prompt_b)}
 
-    model, cache = ScriptModel(context_script), CacheState()
+    model = ScriptModel(context_script)
+    cache = new_sched(model)
     r1, _ = run(model, prompt_a, cache=cache)
     assert r1.text == fresh[tuple(prompt_a)] and r1.cache_n == 0
     # same prompt again: all but the last prompt token reused
@@ -276,7 +291,8 @@ def test_cache_reuse_matches_fresh_and_reevaluates_last_token() -> None:
 
 def test_cancelled_request_then_greedy_equals_fresh() -> None:
     prompt = ids("hello world")
-    model, cache = ScriptModel(context_script), CacheState()
+    model = ScriptModel(context_script)
+    cache = new_sched(model)
     run(model, prompt, cache=cache, on_token=lambda e: False)
     other = prompt[:3] + [TOK.token_id("k")]
     res, _ = run(model, other, cache=cache)
@@ -285,10 +301,11 @@ def test_cancelled_request_then_greedy_equals_fresh() -> None:
 
 def test_model_failure_leaves_only_verified_cache() -> None:
     prompt = chars("abcdefghij" * 2)  # 20 tokens
-    model, cache = ScriptModel(context_script, fail_at=19), CacheState()
+    model = ScriptModel(context_script, fail_at=19)
+    cache = new_sched(model)
     with pytest.raises(RuntimeError):
         run(model, prompt, cache=cache, chunk=8)
-    assert cache.tokens == prompt[:16] and model.kv == prompt[:16]
+    assert held(cache) == prompt[:16]
     model.fail_at = None
     res, _ = run(model, prompt, cache=cache, chunk=8)
     assert res.cache_n == 16 and res.text == run(ScriptModel(context_script), prompt)[0].text
@@ -296,27 +313,20 @@ def test_model_failure_leaves_only_verified_cache() -> None:
 
 def test_failure_during_decode_and_in_callback() -> None:
     prompt = ids("hello")
-    model, cache = ScriptModel(context_script, fail_at=len(prompt) + 3), CacheState()
+    model = ScriptModel(context_script, fail_at=len(prompt) + 3)
+    cache = new_sched(model)
     with pytest.raises(RuntimeError):
         run(model, prompt, cache=cache)
-    assert model.kv == cache.tokens and len(cache.tokens) == len(prompt) + 2
+    assert len(held(cache)) == len(prompt) + 2 and held(cache)[:len(prompt)] == prompt
 
     def boom(e: TokenEvent) -> bool:
         raise ValueError("client went away")
 
-    model2, cache2 = ScriptModel(context_script), CacheState()
+    model2 = ScriptModel(context_script)
+    cache2 = new_sched(model2)
     with pytest.raises(ValueError):
         run(model2, prompt, cache=cache2, on_token=boom)
-    assert model2.kv == cache2.tokens == prompt
-
-
-def test_inconsistent_model_cache_is_not_trusted() -> None:
-    prompt = ids("hello world")
-    model, cache = ScriptModel(context_script), CacheState()
-    run(model, prompt, cache=cache)
-    model.kv.append(5)  # someone touched the model behind the engine's back
-    res, _ = run(model, prompt, cache=cache)
-    assert res.cache_n == 0 and res.text == run(ScriptModel(context_script), prompt)[0].text
+    assert held(cache2) == prompt
 
 
 # ------------------------------------------------------------------ sampling through the loop
@@ -327,9 +337,9 @@ def test_seeded_sampling_deterministic_through_loop() -> None:
         return EOS
 
     class Flat(ScriptModel):
-        def forward(self, tokens: list[int], all_logits: bool = False) -> np.ndarray:
-            super().forward(tokens)
-            return np.zeros(self.n_vocab, np.float32)
+        def forward_batch(self, tokens: np.ndarray, batch: AttnBatch, rows: list[int]) -> np.ndarray:
+            super().forward_batch(tokens, batch, rows)
+            return np.zeros((len(rows), self.n_vocab), np.float32)
 
     def sample(seed: int) -> list[int]:
         return run(Flat(flat), PROMPT, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed,

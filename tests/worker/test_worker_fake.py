@@ -83,7 +83,7 @@ def start(sockdir: str) -> Iterator[Callable[..., Harness]]:
         stub = RouterStub(endpoint or f"ipc://{sockdir}/w{len(harnesses)}.sock")
         cfg.setdefault("parent_pid", os.getpid())
         server = WorkerServer(WorkerConfig(model="fake", gguf="/nonexistent/fake.gguf", endpoint=stub.endpoint,
-                                           **cfg), loader=loader or (lambda *a: eng))
+                                           **cfg), loader=loader or (lambda *a, **kw: eng))
         h = Harness(stub, server, eng, threading.Thread(target=lambda: None, daemon=True))
         h.thread = threading.Thread(target=lambda: h.result.setdefault("code", server.serve()), daemon=True)
         h.thread.start()
@@ -122,7 +122,7 @@ def test_hello_then_ready_carry_the_model_identity(start: Callable[..., Harness]
 @pytest.mark.parametrize("exc", [EngineError("file_not_found", "GGUF file not found: /x.gguf"),
                                  RuntimeError("loader bug")])
 def test_load_failure_is_an_error_frame_then_exit_1(start: Callable[..., Harness], exc: Exception) -> None:
-    def loader(*_: Any) -> Any:
+    def loader(*_: Any, **__: Any) -> Any:
         raise exc
 
     h = start(loader=loader, handshake=False)
@@ -137,7 +137,7 @@ def test_a_request_sent_while_loading_runs_after_ready(start: Callable[..., Harn
     release = threading.Event()
     eng = FakeEngine()
 
-    def slow_loader(*_: Any) -> FakeEngine:
+    def slow_loader(*_: Any, **__: Any) -> FakeEngine:
         release.wait(10)
         return eng
 
@@ -153,7 +153,7 @@ def test_a_request_sent_while_loading_runs_after_ready(start: Callable[..., Harn
 def test_requests_waiting_for_a_failed_load_get_load_failed(start: Callable[..., Harness]) -> None:
     release = threading.Event()
 
-    def failing_loader(*_: Any) -> Any:
+    def failing_loader(*_: Any, **__: Any) -> Any:
         release.wait(10)
         raise EngineError("invalid_gguf", "truncated file")
 
@@ -170,7 +170,7 @@ def test_requests_waiting_for_a_failed_load_get_load_failed(start: Callable[...,
 def test_shutdown_while_loading_exits_0(start: Callable[..., Harness]) -> None:
     release = threading.Event()
 
-    def slow_loader(*_: Any) -> FakeEngine:
+    def slow_loader(*_: Any, **__: Any) -> FakeEngine:
         release.wait(10)
         return FakeEngine()
 

@@ -1,7 +1,11 @@
 """The engine facade the worker uses (contract: docs/ENGINE-API.md).
 
 An :class:`Engine` owns one loaded GGUF model, its tokenizer, its chat template
-and its KV cache. It runs one generation at a time (a lock serialises callers).
+and its batch :class:`~worker.engine.scheduler.Scheduler` (KV slots, prefix
+cache). Several sequences run at once through ``add`` / ``step`` / ``abort``;
+``generate`` is the single-sequence wrapper. A lock serialises the calls that
+touch the scheduler; ``prepare``, ``tokenize`` and the template calls never
+touch the KV and may run on any thread.
 """
 
 from __future__ import annotations
@@ -14,11 +18,15 @@ from typing import Any
 
 from .chat_template import ChatTemplate, resolve_template
 from .errors import EngineError
-from .generate import CacheState, GenerationResult, TokenEvent, check_context, generate
+from .generate import GenerationResult, TokenEvent
 from .sampling import SamplingParams
+from .scheduler import Finished, Scheduler, SeqRequest, SlotInfo, run_one
 from .tokenizer import Tokenizer
 
-__all__ = ["Engine", "EngineInfo"]
+__all__ = ["DEFAULT_KV_BUDGET_MIB", "Engine", "EngineInfo"]
+
+#: KV memory budget of one model when none is configured (MiB).
+DEFAULT_KV_BUDGET_MIB = 2048
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,9 @@ class EngineInfo:
     has_chat_template: bool
     bos_token: str | None
     eos_token: str | None
+    n_parallel: int = 1  # KV slots: sequences decoded at once
+    kv_budget_tokens: int = 0  # KV positions the budget holds in all
+    kv_token_bytes: int = 0  # bytes of K and V per position
 
 
 class Engine:
@@ -46,35 +57,41 @@ class Engine:
     """
 
     def __init__(self, gguf: Any, model: Any, tokenizer: Tokenizer, template: ChatTemplate | None,
-                 info: EngineInfo) -> None:
+                 info: EngineInfo, scheduler: Scheduler) -> None:
         self._gguf = gguf
         self._model = model
         self.tokenizer = tokenizer
         self._template = template
         self.info = info
-        self._cache = CacheState()
-        self._lock = threading.Lock()
+        self._sched = scheduler
+        self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ load
 
     @classmethod
-    def load(cls, gguf_path: str, n_ctx: int | None = None, chat_template: str | None = None) -> Engine:
+    def load(cls, gguf_path: str, n_ctx: int | None = None, chat_template: str | None = None, *,
+             parallel: int = 1, kv_budget_mib: float | None = None, n_batch: int | None = None) -> Engine:
         """Load a GGUF file.
 
         Args:
             gguf_path: path of the ``.gguf`` file.
-            n_ctx: KV cache size in tokens; None -> ``min(n_ctx_train, 8192)``.
+            n_ctx: context size of each sequence in tokens; None -> ``min(n_ctx_train, 8192)``.
             chat_template: a Jinja template text or a known name (``"chatml"``,
                 ``"gemma"``) replacing / supplying ``tokenizer.chat_template``.
+            parallel: KV slots (sequences decoded at once), >= 1.
+            kv_budget_mib: KV memory of all sequences and cached prefixes together,
+                MiB; None -> ``DEFAULT_KV_BUDGET_MIB``.
+            n_batch: prompt tokens per step (prefill chunk); None -> 256.
 
         Raises:
             EngineError: ``file_not_found``, ``invalid_gguf``,
                 ``unsupported_architecture``, ``unsupported_tensor_type``,
                 ``unsupported_tokenizer``, ``template_error`` (the given or
                 embedded template does not compile), ``invalid_params``
-                (n_ctx not a positive integer).
+                (n_ctx not a positive integer, parallel < 1, budget <= 0).
         """
         from .gguf_loader import read_gguf
+        from .scheduler import DEFAULT_N_BATCH
         from .model import load_model  # n_ctx None -> min(n_ctx_train, DEFAULT_MAX_CTX) there
 
         path = Path(gguf_path)
@@ -84,6 +101,11 @@ class Engine:
             raise EngineError("invalid_params", f"n_ctx must be a positive integer, got {n_ctx!r}")
         if chat_template is not None and not isinstance(chat_template, str):
             raise EngineError("invalid_params", "chat_template must be a string")
+        if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+            raise EngineError("invalid_params", f"parallel must be an integer >= 1, got {parallel!r}")
+        budget_mib = DEFAULT_KV_BUDGET_MIB if kv_budget_mib is None else kv_budget_mib
+        if isinstance(budget_mib, bool) or not isinstance(budget_mib, (int, float)) or not budget_mib > 0:
+            raise EngineError("invalid_params", f"kv_budget_mib must be a positive number, got {kv_budget_mib!r}")
         gguf = _wrap(read_gguf, str(path))
         md = gguf.metadata
         arch = gguf.architecture
@@ -97,6 +119,10 @@ class Engine:
             template = ChatTemplate(source, tokenizer.bos_token, tokenizer.eos_token,
                                     strip_bos=tokenizer.add_bos, strip_eos=tokenizer.add_eos)
         model = _wrap(load_model, gguf, n_ctx)
+        token_bytes = model.kv_shape.token_bytes
+        budget_tokens = max(1, int(budget_mib * 2**20) // token_bytes)
+        sched = Scheduler(model, tokenizer, n_parallel=parallel, kv_budget_tokens=budget_tokens,
+                          n_batch=DEFAULT_N_BATCH if n_batch is None else n_batch)
         name = md.get("general.name")
         info = EngineInfo(
             architecture=arch,
@@ -109,8 +135,11 @@ class Engine:
             has_chat_template=template is not None,
             bos_token=tokenizer.bos_token,
             eos_token=tokenizer.eos_token,
+            n_parallel=parallel,
+            kv_budget_tokens=budget_tokens,
+            kv_token_bytes=token_bytes,
         )
-        return cls(gguf, model, tokenizer, template, info)
+        return cls(gguf, model, tokenizer, template, info, sched)
 
     # ------------------------------------------------------------------ text
 
@@ -172,21 +201,17 @@ class Engine:
 
     # ------------------------------------------------------------------ generate
 
-    def generate(self, prompt: str | list[int], params: SamplingParams,
-                 on_token: Callable[[TokenEvent], bool] | None = None,
-                 should_stop: Callable[[], bool] | None = None) -> GenerationResult:
-        """Generate a completion of ``prompt`` (text, tokenized with
-        ``params.add_special`` / ``parse_special``, or token ids).
+    def prepare(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
+        """Validated ``(prompt ids, params)`` for a request; touches no KV (any thread).
 
-        ``should_stop()`` is polled between prefill chunks and before each
-        token; ``on_token`` returning ``False`` also stops; either gives
-        finish_reason "cancelled".
+        Text prompts are tokenized with ``params.add_special`` / ``parse_special``.
 
-        Raises (before any token):
+        Raises:
             EngineError("invalid_params"): bad ``params`` or prompt type.
             EngineError("invalid_token"): a prompt id outside the vocabulary.
             EngineError("empty_prompt"): no prompt tokens.
             EngineError("context_length_exceeded"): prompt + max_tokens > n_ctx.
+            EngineError("kv_budget_exceeded"): it can never fit the KV budget.
         """
         if not isinstance(params, SamplingParams):
             raise EngineError("invalid_params", "params must be a SamplingParams")
@@ -203,20 +228,80 @@ class Engine:
             raise EngineError("invalid_params", "prompt must be a string or a list of token ids")
         if not ids:
             raise EngineError("empty_prompt", "the prompt is empty (it tokenizes to no tokens)")
-        check_context(self.info.n_ctx, len(ids), p.max_tokens)
+        self._sched.reservation(len(ids), p.max_tokens)  # raises when it can never run
+        return ids, p
+
+    def add(self, seq_id: str, prompt: list[int], params: SamplingParams,
+            on_token: Callable[[TokenEvent], Any] | None = None) -> None:
+        """Queue a sequence (``prompt``/``params`` from :meth:`prepare`); it joins the
+        batch at the next :meth:`step`. ``on_token`` gets each token (returning
+        ``False`` cancels it).
+
+        Raises: EngineError("invalid_params") for an id in use; :meth:`prepare`'s
+        "context_length_exceeded" / "kv_budget_exceeded".
+        """
         with self._lock:
-            return generate(self._model, self.tokenizer, self._cache, ids, p, on_token, should_stop)
+            self._sched.add(SeqRequest(seq_id, list(prompt), params, on_token))
+
+    def step(self) -> list[Finished]:
+        """One batched forward pass over every live sequence; the ones that ended
+        (``Finished.result`` a :class:`GenerationResult`, or ``Finished.error``)."""
+        with self._lock:
+            return self._sched.step()
+
+    def abort(self, seq_id: str) -> bool:
+        """Cancel a queued or running sequence; it ends at the next step ("cancelled")."""
+        with self._lock:
+            return self._sched.abort(seq_id)
+
+    @property
+    def has_work(self) -> bool:
+        """True while a sequence is waiting or running."""
+        return self._sched.has_work
+
+    def slots(self) -> list[SlotInfo]:
+        """Every KV slot: id, the request running in it, tokens held."""
+        with self._lock:
+            return self._sched.slot_info()
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV positions holding valid tokens (running sequences and the prefix cache)."""
+        with self._lock:
+            return self._sched.pool.held_tokens
+
+    def generate(self, prompt: str | list[int], params: SamplingParams,
+                 on_token: Callable[[TokenEvent], bool] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> GenerationResult:
+        """Generate a completion of ``prompt`` alone (text or token ids): :meth:`prepare`,
+        then steps until it ends.
+
+        ``should_stop()`` is polled before each step; ``on_token`` returning
+        ``False`` also stops; either gives finish_reason "cancelled".
+
+        Raises (before any token): :meth:`prepare`'s errors. Exceptions raised
+        by the model or by on_token propagate (the KV holds only verified tokens).
+        """
+        ids, p = self.prepare(prompt, params)
+        with self._lock:
+            if self._sched.has_work:
+                raise EngineError("invalid_params", "generate() while add()/step() sequences are live")
+            return run_one(self._sched, SeqRequest("generate", ids, p, on_token), should_stop)
 
     def reset_cache(self) -> None:
-        """Forget the KV cache (the next request evaluates its whole prompt)."""
+        """Forget every idle KV entry (the next request evaluates its whole prompt)."""
         with self._lock:
-            self._cache.tokens.clear()
-            self._model.reset()
+            for e in self._sched.idle_entries():
+                self._sched.pool.drop(e)
 
     @property
     def cached_tokens(self) -> list[int]:
-        """A copy of the token ids whose K/V are valid in the cache."""
-        return list(self._cache.tokens)
+        """A copy of the token ids held by the most recently used KV entry ([] when none)."""
+        with self._lock:
+            entries = self._sched.pool.entries
+            if not entries:
+                return []
+            return list(max(entries, key=lambda e: e.last_use).tokens)
 
 
 def _wrap(fn: Callable[..., Any], *args: Any) -> Any:

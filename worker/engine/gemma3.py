@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 
 from .errors import EngineError
-from .model import (Model, RopeTable, attention, attention_mask, fuse_rows, gelu_tanh, hp_float, hp_int, register,
-                    rms_norm)
+from .attention import AttnBatch, attend
+from .model import Model, RopeTable, fuse_rows, gelu_tanh, hp_float, hp_int, register, rms_norm
 
 
 @register
@@ -99,14 +99,11 @@ class Gemma3Model(Model):
         self.layers = self._layer_weights(("attn_norm", "wqkv", "q_norm", "k_norm", "wo", "post_attn_norm",
                                            "ffn_norm", "wgu", "wdown", "post_ffw_norm"))
 
-    def _forward_hidden(self, tokens: np.ndarray, pos0: int) -> np.ndarray:
-        T = tokens.shape[0]
+    def _forward_hidden(self, tokens: np.ndarray, batch: AttnBatch) -> np.ndarray:
+        T = tokens.shape[0]                                            # N tokens of every sequence in the step
         nh, nkv, hd, nff = self.n_head, self.n_head_kv, self.head_dim, self.n_ff
         nq, nk = nh * hd, nkv * hd
-        S = pos0 + T                                                   # keys visible after this chunk
-        k0_swa = max(0, pos0 - self.window + 1) if self.window else 0  # oldest key any query may see
-        mask_global = attention_mask(pos0, T, 0, None, self.dtype)     # [T, S] or None
-        mask_swa = attention_mask(pos0, T, k0_swa, self.window, self.dtype)  # [T, S-k0_swa] or None
+        pos = batch.positions                                          # [T]
         x = self.w["tok_embd"][tokens].astype(self.dtype)              # [T, n_embd]
         x *= self.dtype.type(self.embd_scale)                          # [T, n_embd] * sqrt(n_embd)
         for il, (attn_norm, wqkv, q_norm, k_norm, wo, post_attn_norm, ffn_norm, wgu, wdown,
@@ -118,13 +115,10 @@ class Gemma3Model(Model):
             q = rms_norm(qkv[:, :nq].reshape(T, nh, hd), q_norm, self.eps)          # [T, nh, hd]
             k = rms_norm(qkv[:, nq:nq + nk].reshape(T, nkv, hd), k_norm, self.eps)  # [T, nkv, hd]
             v = qkv[:, nq + nk:].reshape(T, nkv, hd)                   # [T, nkv, hd]
-            rope.apply_neox(q, pos0)                                   # [T, nh, hd]
-            rope.apply_neox(k, pos0)                                   # [T, nkv, hd]
+            rope.apply_neox(q, pos)                                    # [T, nh, hd]
+            rope.apply_neox(k, pos)                                    # [T, nkv, hd]
             q *= self.dtype.type(self.q_scale)                         # [T, nh, hd]
-            self.cache.store(il, pos0, k, v)
-            k0, mask = (k0_swa, mask_swa) if swa else (0, mask_global)
-            a = attention(q, self.cache.keys(il, k0, S), self.cache.values(il, k0, S),
-                          mask, 1.0)                                   # [T, nh*hd]
+            a = attend(batch, il, q, k, v, 1.0, self.window if swa else None)  # [T, nh*hd]
             sa = x + rms_norm(a @ wo.T, post_attn_norm, self.eps)      # [T, n_embd]
             h = rms_norm(sa, ffn_norm, self.eps)                       # [T, n_embd]
             gu = h @ wgu.T                                             # [T, 2*n_ff]

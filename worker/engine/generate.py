@@ -1,27 +1,17 @@
-"""The generate loop: prefill in chunks, decode one token per forward pass.
+"""Per-sequence decode logic: sampling, logprobs, UTF-8-safe text, stop strings, limits.
 
-One sequence at a time. The per-sequence decode logic (sampling, logprobs,
-UTF-8-safe text, stop strings, limits, callbacks) lives in :class:`Sequence`,
-whose :meth:`Sequence.step` turns one next-token logit vector into "feed this
-token next" or "finished"; :func:`generate` only owns the model calls. Batching
-several sequences later replaces the loop in :func:`generate` (step each live
-sequence, one batched forward) without touching ``Sequence`` or the facade.
-
-KV-cache hygiene: ``CacheState.tokens`` lists the token ids whose K/V are in
-the model's cache and valid (positions ``0 .. len-1``). It grows only after a
-forward pass returned; on any exception the model is truncated back to it (or
-reset when that fails), so a cancelled or failed request never leaves a cache
-the next one trusts without checking. A request reuses only the common prefix
-of its prompt with that list, and always re-evaluates at least its last prompt
-token (its logits are needed).
+:class:`Sequence` turns one next-token logit vector into "feed this token
+next" or "finished"; it knows nothing of the KV cache or of other sequences.
+The batch scheduler (``scheduler.py``) owns the model calls and steps every
+live sequence together; :func:`scheduler.run_one` is the single-sequence
+``generate`` built on it.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -29,22 +19,7 @@ from .errors import EngineError
 from .sampling import Sampler, SamplingParams, raw_logprobs
 from .tokenizer import IncrementalUTF8Decoder, Tokenizer
 
-__all__ = ["PREFILL_CHUNK", "CacheState", "GenerationResult", "ModelLike", "Sequence", "TokenEvent",
-           "check_context", "generate"]
-
-PREFILL_CHUNK = 256  # prompt tokens per forward pass during prefill
-
-
-class ModelLike(Protocol):
-    """What the loop needs from ``worker.engine.model.Model``."""
-
-    n_ctx: int
-    n_vocab: int
-    n_past: int
-
-    def forward(self, tokens: Any, all_logits: bool = False) -> np.ndarray: ...
-    def truncate(self, n: int) -> None: ...
-    def reset(self) -> None: ...
+__all__ = ["GenerationResult", "Sequence", "TokenEvent", "check_context"]
 
 
 @dataclass
@@ -79,13 +54,6 @@ class GenerationResult:
     predicted_ms: float
     cache_n: int
     prompt_tokens: int
-
-
-@dataclass
-class CacheState:
-    """Token ids whose K/V are valid in the model's cache, in position order."""
-
-    tokens: list[int] = field(default_factory=list)
 
 
 def check_context(n_ctx: int, n_prompt: int, max_tokens: int | None) -> None:
@@ -213,90 +181,3 @@ class Sequence:
         if self.stop_type != "word":
             self.text += self.decoder.flush()
         return self.text, self.text[self.sent:]
-
-
-def _restore(model: ModelLike, cache: CacheState) -> None:
-    """Bring the model's cache back to the verified ``cache.tokens`` after a failure."""
-    try:
-        if cache.tokens:
-            model.truncate(len(cache.tokens))
-        else:
-            model.reset()
-        if model.n_past != len(cache.tokens):
-            raise RuntimeError("model cache length disagrees after truncate")
-    except Exception:
-        cache.tokens.clear()
-        model.reset()
-
-
-def generate(model: ModelLike, tokenizer: Tokenizer, cache: CacheState, prompt: list[int],
-             params: SamplingParams, on_token: Callable[[TokenEvent], Any] | None = None,
-             should_stop: Callable[[], Any] | None = None, prefill_chunk: int = PREFILL_CHUNK) -> GenerationResult:
-    """Run one generation on ``model`` for ``prompt`` (validated ids, non-empty).
-
-    ``params`` must be validated and the context already checked
-    (:func:`check_context`). Exceptions from the model or the callbacks
-    propagate after the cache has been made consistent.
-    """
-    n_prompt = len(prompt)
-    n_vocab = min(model.n_vocab, tokenizer.n_vocab)
-    n_max = params.max_tokens if params.max_tokens is not None else model.n_ctx - n_prompt
-    seq = Sequence(tokenizer, params, prompt, n_max, on_token, should_stop, n_vocab)
-
-    # --- reuse the verified common prefix of the cache
-    if model.n_past != len(cache.tokens):
-        cache.tokens.clear()
-        model.reset()
-    n_keep = 0
-    if params.cache_prompt:
-        limit = min(len(cache.tokens), n_prompt - 1)
-        while n_keep < limit and cache.tokens[n_keep] == prompt[n_keep]:
-            n_keep += 1
-    if n_keep < len(cache.tokens):
-        del cache.tokens[n_keep:]
-        try:
-            if n_keep:
-                model.truncate(n_keep)
-            else:
-                model.reset()
-        except Exception:
-            _restore(model, cache)
-            raise
-
-    # --- prefill
-    t0 = time.perf_counter()
-    logits: np.ndarray | None = None
-    evaluated = 0
-    try:
-        for start in range(n_keep, n_prompt, prefill_chunk):
-            if should_stop is not None and should_stop():
-                seq.finish("cancelled", "cancelled")
-                break
-            chunk = prompt[start:start + prefill_chunk]
-            logits = model.forward(chunk)
-            cache.tokens.extend(chunk)
-            evaluated += len(chunk)
-    except BaseException:
-        _restore(model, cache)
-        raise
-    t1 = time.perf_counter()
-
-    # --- decode
-    try:
-        while logits is not None and not seq.done:
-            tid = seq.step(logits)
-            if tid is None:
-                break
-            logits = model.forward([tid])
-            cache.tokens.append(tid)
-    except BaseException:
-        _restore(model, cache)
-        raise
-    t2 = time.perf_counter()
-
-    text, tail = seq.final_text()
-    return GenerationResult(
-        text=text, tail=tail, tokens=seq.tokens, finish_reason=seq.finish_reason, stop_type=seq.stop_type,
-        stopping_word=seq.stopping_word, prompt_n=evaluated, prompt_ms=(t1 - t0) * 1e3,
-        predicted_n=len(seq.tokens), predicted_ms=(t2 - t1) * 1e3, cache_n=n_keep, prompt_tokens=n_prompt,
-    )

@@ -1,75 +1,129 @@
-"""Key/value cache of one sequence, preallocated to ``n_ctx`` positions.
+"""Key/value memory: one :class:`KVEntry` per sequence, within a :class:`KVPool` budget.
 
-Layout: ``k``, ``v`` are ``[n_layer, n_kv_head, n_ctx, head_dim]`` (float32 by
-default). Position ``p`` of layer ``l`` lives at ``k[l, :, p, :]``, so the keys
-of positions ``a..b-1`` for one layer are the contiguous-per-head block
-``k[l, :, a:b]``. The arrays live in anonymous ``mmap`` memory (zero pages,
-allocated 4 KiB at a time on first write): positions the sequence never
-reaches cost address space, not RSS. (``np.zeros`` would get transparent huge
-pages from numpy's allocator: measured on SmolLM2 with n_ctx 8192, writing
-640 positions made 178 MiB resident instead of 14 MiB.)
+Layout of an entry: ``k``, ``v`` are ``[n_layer, n_kv_head, capacity,
+head_dim]`` (the model's compute dtype). Position ``p`` of layer ``l`` lives at
+``k[l, :, p, :]``, so the keys of positions ``a..b-1`` for one layer are the
+contiguous-per-head block ``k[l, :, a:b]``. The arrays live in anonymous
+``mmap`` memory (zero pages, allocated 4 KiB at a time on first write): the
+capacity reserved for a sequence's future tokens costs address space, not RSS,
+until they are written. (``np.zeros`` would get transparent huge pages from
+numpy's allocator: measured on SmolLM2 with n_ctx 8192, writing 640 positions
+made 178 MiB resident instead of 14 MiB.)
 
 Keys are stored after RoPE (as llama.cpp's cache does); llama.cpp keeps them in
 f16 by default, this cache keeps the model's compute dtype.
 
-The cache knows only how many positions are valid (``n_past``); the caller
-(``Model.forward``) writes positions ``n_past .. n_past+T-1`` and then calls
-:meth:`advance`. An exception between the write and ``advance`` leaves
-``n_past`` unchanged, so half-written positions are never trusted.
+**What an entry holds is ``entry.tokens``, and only that**: the token ids whose
+K/V are written and valid, in position order (``n_past == len(tokens)``). The
+model writes positions ``n_past .. n_past+T-1`` during a forward pass; the
+caller (the scheduler) appends the tokens only after the whole pass returned,
+so an exception or a cancel never leaves half-written positions that a later
+request trusts.
+
+Budget: the pool counts every entry's *capacity* (positions reserved, written
+or not) in tokens and refuses a reservation that would exceed
+``budget_tokens``; RSS of the KV memory is therefore at most
+``budget_tokens * token_bytes``. Idle entries are shrunk to what they hold.
 """
 
 from __future__ import annotations
 
 import mmap
+from collections.abc import Sequence
 
 import numpy as np
 
 from .errors import EngineError
 
+__all__ = ["KVEntry", "KVPool", "KVShape"]
 
-class KVCache:
-    """Per-layer keys and values for positions ``0 .. n_past-1``.
+#: Capacity granularity in positions (an idle entry is shrunk to a multiple of it).
+KV_ROUND = 16
+
+
+class KVShape:
+    """The facts the KV layout depends on.
 
     Args:
-        n_layer: number of transformer blocks.
-        n_kv_head: key/value heads per layer.
-        head_dim_k: key head size (``{arch}.attention.key_length``).
-        head_dim_v: value head size (``{arch}.attention.value_length``).
-        n_ctx: capacity in positions.
+        n_layer, n_kv_head, head_dim_k, head_dim_v: positive ints.
         dtype: element type (float32, or float64 for reference runs).
-
     Raises:
         EngineError("invalid_params"): a non-positive size.
     """
 
-    def __init__(self, n_layer: int, n_kv_head: int, head_dim_k: int, head_dim_v: int, n_ctx: int,
+    def __init__(self, n_layer: int, n_kv_head: int, head_dim_k: int, head_dim_v: int,
                  dtype: np.dtype | type = np.float32) -> None:
         for name, val in (("n_layer", n_layer), ("n_kv_head", n_kv_head), ("head_dim_k", head_dim_k),
-                          ("head_dim_v", head_dim_v), ("n_ctx", n_ctx)):
+                          ("head_dim_v", head_dim_v)):
             if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val <= 0:
                 raise EngineError("invalid_params", f"KV cache {name} must be a positive integer, got {val!r}")
-        self.n_layer = int(n_layer)
-        self.n_kv_head = int(n_kv_head)
-        self.n_ctx = int(n_ctx)
+        self.n_layer, self.n_kv_head = int(n_layer), int(n_kv_head)
+        self.head_dim_k, self.head_dim_v = int(head_dim_k), int(head_dim_v)
         self.dtype = np.dtype(dtype)
-        self.k = _lazy_zeros((n_layer, n_kv_head, n_ctx, head_dim_k), self.dtype)  # [L, n_kv, n_ctx, hd_k]
-        self.v = _lazy_zeros((n_layer, n_kv_head, n_ctx, head_dim_v), self.dtype)  # [L, n_kv, n_ctx, hd_v]
-        self.n_past = 0
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of K and V of one position over all layers."""
+        return self.n_layer * self.n_kv_head * (self.head_dim_k + self.head_dim_v) * self.dtype.itemsize
+
+
+class KVEntry:
+    """One sequence's keys and values for positions ``0 .. n_past-1`` (``n_past = len(tokens)``).
+
+    Args:
+        shape: the model's :class:`KVShape`.
+        capacity: positions reserved (>= 0).
+    """
+
+    def __init__(self, shape: KVShape, capacity: int) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 0:
+            raise EngineError("invalid_params", f"KV capacity must be a non-negative integer, got {capacity!r}")
+        self.shape = shape
+        self.tokens: list[int] = []
+        self.last_use = 0  # scheduler step counter at the last use (LRU)
+        self._alloc(int(capacity), 0)
+
+    def _alloc(self, capacity: int, keep: int) -> None:
+        s = self.shape
+        k = _lazy_zeros((s.n_layer, s.n_kv_head, capacity, s.head_dim_k), s.dtype)  # [L, n_kv, cap, hd_k]
+        v = _lazy_zeros((s.n_layer, s.n_kv_head, capacity, s.head_dim_v), s.dtype)  # [L, n_kv, cap, hd_v]
+        if keep:
+            k[:, :, :keep] = self.k[:, :, :keep]
+            v[:, :, :keep] = self.v[:, :, :keep]
+        self.k, self.v = k, v
+        self.capacity = capacity
+
+    @property
+    def n_past(self) -> int:
+        """Valid positions (== ``len(tokens)``)."""
+        return len(self.tokens)
 
     @property
     def nbytes(self) -> int:
         """Bytes reserved (address space) by the two arrays."""
         return int(self.k.nbytes + self.v.nbytes)
 
+    def resize(self, capacity: int) -> None:
+        """Reallocate to ``capacity`` positions (>= n_past), keeping the valid ones (a copy)."""
+        if capacity < self.n_past:
+            raise EngineError("invalid_params", f"KV capacity {capacity} < n_past {self.n_past}")
+        if capacity != self.capacity:
+            self._alloc(capacity, self.n_past)
+
     def store(self, layer: int, pos0: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Write keys/values of ``T`` new positions ``pos0 .. pos0+T-1`` for one layer.
+        """Write keys/values of ``T`` positions ``pos0 .. pos0+T-1`` for one layer.
 
         Args:
             k: ``[T, n_kv_head, head_dim_k]`` (after RoPE).
             v: ``[T, n_kv_head, head_dim_v]``.
-        Does not change ``n_past`` (see :meth:`advance`).
+        Raises:
+            EngineError("context_length_exceeded"): beyond the capacity.
+        Does not change ``tokens`` (the caller appends them once the pass returned).
         """
         t = k.shape[0]
+        if pos0 + t > self.capacity:
+            raise EngineError("context_length_exceeded",
+                              f"KV entry holds {self.capacity} positions; cannot write {t} at {pos0}")
         self.k[layer, :, pos0:pos0 + t] = k.transpose(1, 0, 2)  # [n_kv, T, hd_k]
         self.v[layer, :, pos0:pos0 + t] = v.transpose(1, 0, 2)  # [n_kv, T, hd_v]
 
@@ -81,13 +135,6 @@ class KVCache:
         """View ``[n_kv_head, end-start, head_dim_v]`` of positions ``start .. end-1``."""
         return self.v[layer, :, start:end]
 
-    def advance(self, n: int) -> None:
-        """Mark ``n`` more positions valid (after every layer stored them)."""
-        if self.n_past + n > self.n_ctx:
-            raise EngineError("context_length_exceeded",
-                              f"KV cache holds {self.n_ctx} positions; cannot advance {self.n_past} by {n}")
-        self.n_past += n
-
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` positions (0 <= n <= n_past).
 
@@ -95,11 +142,81 @@ class KVCache:
         """
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= self.n_past:
             raise EngineError("invalid_params", f"truncate({n!r}) needs an integer in [0, n_past={self.n_past}]")
-        self.n_past = int(n)
+        del self.tokens[int(n):]
 
-    def reset(self) -> None:
-        """Forget every position (no memory is touched)."""
-        self.n_past = 0
+    def common_prefix(self, ids: Sequence[int], limit: int) -> int:
+        """Length of the common prefix of ``tokens`` and ``ids``, at most ``limit``."""
+        n, held = 0, self.tokens
+        limit = min(limit, len(held), len(ids))
+        while n < limit and held[n] == ids[n]:
+            n += 1
+        return n
+
+
+class KVPool:
+    """Every KV entry of one model, within a budget of ``budget_tokens`` positions.
+
+    Args:
+        shape: the model's :class:`KVShape`.
+        budget_tokens: positions (capacity) all entries may reserve together (> 0).
+    """
+
+    def __init__(self, shape: KVShape, budget_tokens: int) -> None:
+        if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int) or budget_tokens <= 0:
+            raise EngineError("invalid_params", f"KV budget must be a positive number of tokens, got {budget_tokens!r}")
+        self.shape = shape
+        self.budget_tokens = budget_tokens
+        self.entries: list[KVEntry] = []
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Positions reserved by every entry (the budget's use)."""
+        return sum(e.capacity for e in self.entries)
+
+    @property
+    def held_tokens(self) -> int:
+        """Positions holding valid K/V over every entry."""
+        return sum(e.n_past for e in self.entries)
+
+    def free_tokens(self) -> int:
+        return self.budget_tokens - self.reserved_tokens
+
+    def new(self, capacity: int) -> KVEntry:
+        """A new empty entry of ``capacity`` positions.
+
+        Raises: EngineError("kv_budget_exceeded") when it does not fit the budget.
+        """
+        if capacity > self.free_tokens():
+            raise EngineError("kv_budget_exceeded", f"KV budget full: {capacity} positions asked, "
+                              f"{self.free_tokens()} of {self.budget_tokens} free")
+        e = KVEntry(self.shape, capacity)
+        self.entries.append(e)
+        return e
+
+    def resize(self, entry: KVEntry, capacity: int) -> None:
+        """Grow or shrink ``entry`` to ``capacity`` positions.
+
+        Raises: EngineError("kv_budget_exceeded") when growing does not fit the budget.
+        """
+        if capacity - entry.capacity > self.free_tokens():
+            raise EngineError("kv_budget_exceeded", f"KV budget full: {capacity - entry.capacity} more positions "
+                              f"asked, {self.free_tokens()} of {self.budget_tokens} free")
+        entry.resize(capacity)
+
+    def shrink(self, entry: KVEntry) -> None:
+        """Give back ``entry``'s reserved but unwritten positions (rounded up to KV_ROUND)."""
+        cap = -(-entry.n_past // KV_ROUND) * KV_ROUND
+        if cap < entry.capacity:
+            entry.resize(cap)
+
+    def drop(self, entry: KVEntry) -> None:
+        """Forget ``entry`` and free its memory."""
+        try:
+            self.entries.remove(entry)
+        except ValueError:
+            pass
+        entry.tokens.clear()
+        entry.resize(0)
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

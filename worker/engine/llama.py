@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from .model import Model, RopeTable, attention, attention_mask, fuse_rows, register, rms_norm, silu
+from .attention import AttnBatch, attend
+from .model import Model, RopeTable, fuse_rows, register, rms_norm, silu
 
 
 @register
@@ -66,24 +67,21 @@ class LlamaModel(Model):
                               self.w.get("rope_freqs"), dtype=self.dtype)
         self.layers = self._layer_weights(("attn_norm", "wqkv", "wo", "ffn_norm", "wgu", "wdown"))
 
-    def _forward_hidden(self, tokens: np.ndarray, pos0: int) -> np.ndarray:
-        T = tokens.shape[0]
+    def _forward_hidden(self, tokens: np.ndarray, batch: AttnBatch) -> np.ndarray:
+        T = tokens.shape[0]                                           # N tokens of every sequence in the step
         nh, nkv, hd, nff = self.n_head, self.n_head_kv, self.head_dim, self.n_ff
         nq, nk = nh * hd, nkv * hd
-        S = pos0 + T                                                  # keys visible after this chunk
-        mask = attention_mask(pos0, T, 0, None, self.dtype)           # [T, S] or None
+        pos = batch.positions                                         # [T]
         x = self.w["tok_embd"][tokens].astype(self.dtype)             # [T, n_embd]
         for il, (attn_norm, wqkv, wo, ffn_norm, wgu, wdown) in enumerate(self.layers):
             h = rms_norm(x, attn_norm, self.eps)                      # [T, n_embd]
             qkv = h @ wqkv.T                                          # [T, (nh+2nkv)*hd]
             qk = qkv[:, :nq + nk].reshape(T, nh + nkv, hd)            # [T, nh+nkv, hd] q heads then k heads
-            self.rope.apply_neox(qk, pos0)                            # [T, nh+nkv, hd] rotated in place
+            self.rope.apply_neox(qk, pos)                             # [T, nh+nkv, hd] rotated in place
             q = qk[:, :nh]                                            # [T, nh, hd]
             k = qk[:, nh:]                                            # [T, nkv, hd]
             v = qkv[:, nq + nk:].reshape(T, nkv, hd)                  # [T, nkv, hd]
-            self.cache.store(il, pos0, k, v)
-            a = attention(q, self.cache.keys(il, 0, S), self.cache.values(il, 0, S),
-                          mask, self.scale)                           # [T, nh*hd]
+            a = attend(batch, il, q, k, v, self.scale)                # [T, nh*hd]
             x = x + a @ wo.T                                          # [T, n_embd]
             h = rms_norm(x, ffn_norm, self.eps)                       # [T, n_embd]
             gu = h @ wgu.T                                            # [T, 2*n_ff]

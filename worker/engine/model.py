@@ -33,7 +33,8 @@ import numpy as np
 
 from .errors import EngineError
 from .gguf_loader import GGUFFile, atomic_write_bytes, cache_root
-from .kv_cache import KVCache
+from .attention import AttnBatch, Segment, attention, attention_mask  # noqa: F401 (re-exported)
+from .kv_cache import KVEntry, KVShape
 
 #: ``general.architecture`` -> Model subclass (filled by :func:`register`).
 ARCHITECTURES: dict[str, type[Model]] = {}
@@ -199,19 +200,18 @@ class RopeTable:
         self.cos = np.cos(ang).astype(dtype)
         self.sin = np.sin(ang).astype(dtype)
 
-    def apply_neox(self, x: np.ndarray, pos0: int) -> np.ndarray:
+    def apply_neox(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Rotate pairs ``(x[i], x[i + n_rot/2])`` ("NEOX" pairing), in place.
 
-        Args: x ``[T, n_heads, head_dim]`` for positions ``pos0 .. pos0+T-1``;
-        dims ``>= n_rot`` are left unchanged. Returns x.
+        Args: x ``[T, n_heads, head_dim]``; positions ``[T]`` int, each in
+        ``[0, n_ctx)``; dims ``>= n_rot`` are left unchanged. Returns x.
         Source: ggml-cpu ops.cpp ``rotate_pairs`` with ``n_offset = n_dims/2``.
         (llama-arch "NORM" pairing of adjacent dims is turned into this one by
         permuting the Q/K weight rows at load, see ``llama.py``.)
         """
-        t = x.shape[0]
         half = self.n_rot // 2
-        cos = self.cos[pos0:pos0 + t, None, :]  # [T, 1, n_rot/2]
-        sin = self.sin[pos0:pos0 + t, None, :]  # [T, 1, n_rot/2]
+        cos = self.cos[positions][:, None, :]   # [T, 1, n_rot/2]
+        sin = self.sin[positions][:, None, :]   # [T, 1, n_rot/2]
         x1 = x[..., :half]                      # [T, H, n_rot/2]
         x2 = x[..., half:self.n_rot]            # [T, H, n_rot/2]
         r1 = x1 * cos - x2 * sin
@@ -219,58 +219,6 @@ class RopeTable:
         x[..., :half] = r1
         x[..., half:self.n_rot] = r2
         return x
-
-
-def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray | None,
-              scale: float) -> np.ndarray:
-    """Grouped-query scaled dot-product attention for one layer.
-
-    Args:
-        q: ``[T, n_head, hd_k]`` queries (after RoPE).
-        keys: ``[n_kv, S, hd_k]`` keys of the visible positions (from the cache).
-        values: ``[n_kv, S, hd_v]``.
-        mask: additive ``[T, S]`` (0 or -inf), or None when every query sees
-            every key.
-        scale: multiplies ``q.k`` (llama.cpp ``kq_scale``).
-    Returns:
-        ``[T, n_head * hd_v]``; query head h uses KV head ``h // (n_head / n_kv)``.
-    Source: llama-graph.cpp ``build_attn_mha`` (kq = k*q, soft_max_ext(kq, mask,
-    kq_scale), kqv = v*kq), without the f16 cache and flash-attention variants.
-    """
-    t, n_head, hd = q.shape
-    n_kv, s, hd_v = values.shape
-    g = n_head // n_kv
-    qg = q.reshape(t, n_kv, g, hd).transpose(1, 2, 0, 3).reshape(n_kv, g * t, hd)  # [n_kv, g*T, hd]
-    scores = qg @ keys.swapaxes(1, 2)        # [n_kv, g*T, S]
-    scores *= scale
-    if mask is not None:
-        scores = scores.reshape(n_kv, g, t, s)  # [n_kv, g, T, S]
-        scores += mask                          # broadcast [T, S]
-        scores = scores.reshape(n_kv, g * t, s)
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)  # [n_kv, g*T, S] probabilities
-    out = scores @ values                         # [n_kv, g*T, hd_v]
-    return out.reshape(n_kv, g, t, hd_v).transpose(2, 0, 1, 3).reshape(t, n_head * hd_v)  # [T, n_head*hd_v]
-
-
-def attention_mask(pos0: int, t: int, k_start: int, window: int | None, dtype: Any) -> np.ndarray | None:
-    """Additive mask ``[T, S]`` for queries ``pos0..pos0+T-1`` over keys ``k_start..pos0+T-1``.
-
-    A key at p0 is visible to a query at p1 when ``p0 <= p1`` and, with a
-    sliding window, ``p1 - p0 < window`` (llama.cpp LLAMA_SWA_TYPE_STANDARD,
-    ``llama_hparams::is_masked_swa``). Returns None when nothing is masked.
-    """
-    q_pos = np.arange(pos0, pos0 + t)[:, None]        # [T, 1]
-    k_pos = np.arange(k_start, pos0 + t)[None, :]     # [1, S]
-    hidden = k_pos > q_pos
-    if window is not None:
-        hidden |= (q_pos - k_pos) >= window
-    if not hidden.any():
-        return None
-    m = np.zeros(hidden.shape, dtype=dtype)
-    m[hidden] = -np.inf
-    return m
 
 
 # ------------------------------------------------------------------ weight cache
@@ -402,14 +350,20 @@ class Model:
     def _setup(self) -> None:
         """Derived state after weights are loaded (RoPE tables, ...)."""
 
-    def _make_cache(self) -> KVCache:
-        """KV cache of ``n_layer`` layers, ``n_head_kv`` heads of ``head_dim`` (keys and values)."""
-        return KVCache(self.n_layer, self.n_head_kv, self.head_dim, self.head_dim, self.n_ctx, self.dtype)
+    @property
+    def kv_shape(self) -> KVShape:
+        """KV layout: ``n_layer`` layers, ``n_head_kv`` heads of ``head_dim`` (keys and values)."""
+        return KVShape(self.n_layer, self.n_head_kv, self.head_dim, self.head_dim, self.dtype)
 
-    def _forward_hidden(self, tokens: np.ndarray, pos0: int) -> np.ndarray:
-        """Run every block over ``tokens`` at positions ``pos0..``; store K/V in the cache.
+    def _make_cache(self) -> KVEntry:
+        """The KV entry of the single-sequence :meth:`forward` path (capacity n_ctx, lazy)."""
+        return KVEntry(self.kv_shape, self.n_ctx)
 
-        Returns the final-normed hidden states ``[T, n_embd]``.
+    def _forward_hidden(self, tokens: np.ndarray, batch: AttnBatch) -> np.ndarray:
+        """Run every block over the flat batch ``tokens [N]`` (positions ``batch.positions``),
+        storing each segment's K/V in its entry through :func:`attention.attend`.
+
+        Returns the final-normed hidden states ``[N, n_embd]``.
         """
         raise NotImplementedError
 
@@ -555,14 +509,31 @@ class Model:
 
     @property
     def n_past(self) -> int:
-        """Tokens currently in the KV cache (positions ``0 .. n_past-1``)."""
+        """Tokens in the single-sequence path's KV entry (``self.cache``)."""
         return self.cache.n_past
 
-    def forward(self, tokens: Sequence[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:
-        """Append ``tokens`` at positions ``n_past .. n_past+T-1`` and return logits.
+    def forward_batch(self, tokens: np.ndarray, batch: AttnBatch, rows: np.ndarray | Sequence[int]) -> np.ndarray:
+        """One forward pass over a flat batch of several sequences' tokens.
 
-        One matrix-matrix pass over the whole chunk (prefill chunking is the
-        caller's job). On any exception ``n_past`` is unchanged.
+        Args:
+            tokens: ``[N]`` int64 ids, already checked to be in ``[0, n_vocab)``.
+            batch: segments (which rows belong to which KV entry, at which
+                positions) with ``sum(n) == N``; every position ``< n_ctx`` and
+                within its entry's capacity.
+            rows: indices into ``0..N-1`` whose logits are wanted.
+        Returns:
+            logits ``[len(rows), n_vocab]`` float32 (float64 model: float64).
+        Writes each segment's K/V at positions ``pos0 .. pos0+n-1`` of its entry;
+        it does not touch ``entry.tokens`` (the caller appends them once this returned).
+        """
+        if int(batch.positions.max(initial=-1)) >= self.n_ctx:
+            raise EngineError("context_length_exceeded", f"position beyond the context of {self.n_ctx} tokens")
+        h = self._forward_hidden(tokens, batch)                 # [N, n_embd]
+        return self._output(h[np.asarray(rows, dtype=np.int64)])  # [R, n_vocab]
+
+    def forward(self, tokens: Sequence[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:
+        """Single-sequence path: append ``tokens`` to ``self.cache`` at positions
+        ``n_past .. n_past+T-1`` and return logits (tests and benchmarks).
 
         Args:
             tokens: ``T >= 1`` token ids (Python ints or a 1-D integer array).
@@ -574,6 +545,7 @@ class Model:
             EngineError("invalid_token"): an id outside ``[0, n_vocab)`` or not an integer.
             EngineError("invalid_params"): no tokens, or not a 1-D sequence.
             EngineError("context_length_exceeded"): ``n_past + T > n_ctx``.
+        On any exception ``n_past`` is unchanged.
         """
         ids = self._check_tokens(tokens)
         t = ids.shape[0]
@@ -581,11 +553,9 @@ class Model:
         if pos0 + t > self.n_ctx:
             raise EngineError("context_length_exceeded",
                               f"cannot add {t} tokens at position {pos0}: the context holds {self.n_ctx} tokens")
-        h = self._forward_hidden(ids, pos0)  # [T, n_embd]
-        if not all_logits:
-            h = h[-1:]
-        logits = self._output(h)  # [T or 1, n_vocab]
-        self.cache.advance(t)
+        batch = AttnBatch([Segment(self.cache, 0, t, pos0)], self.dtype)
+        logits = self.forward_batch(ids, batch, np.arange(t) if all_logits else [t - 1])  # [T or 1, n_vocab]
+        self.cache.tokens.extend(int(i) for i in ids)
         return logits if all_logits else logits[0]
 
     def _output(self, h: np.ndarray) -> np.ndarray:
@@ -594,15 +564,15 @@ class Model:
         return h @ w.T  # [T, n_vocab]
 
     def truncate(self, n: int) -> None:
-        """Keep the first ``n`` cached positions (``0 <= n <= n_past``).
+        """Single-sequence path: keep the first ``n`` cached positions (``0 <= n <= n_past``).
 
         Raises: EngineError("invalid_params") otherwise.
         """
         self.cache.truncate(n)
 
     def reset(self) -> None:
-        """Empty the KV cache."""
-        self.cache.reset()
+        """Single-sequence path: empty the KV cache."""
+        self.cache.tokens.clear()
 
     def _check_tokens(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         if isinstance(tokens, np.ndarray):
@@ -639,7 +609,7 @@ def fuse_rows(parts: Sequence[np.ndarray]) -> np.ndarray:
 
 
 __all__ = [
-    "ARCHITECTURES", "DEFAULT_MAX_CTX", "Model", "RopeTable", "WeightCache", "attention", "attention_mask",
+    "ARCHITECTURES", "AttnBatch", "DEFAULT_MAX_CTX", "Model", "RopeTable", "Segment", "WeightCache", "attention", "attention_mask",
     "fuse_rows", "gelu_tanh", "hp_float", "hp_int", "load_model", "register", "rms_norm", "rope_freq_scale",
     "silu",
 ]

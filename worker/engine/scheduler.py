@@ -1,0 +1,445 @@
+"""The batch scheduler: KV slots, continuous batching, chunked prefill, prefix cache.
+
+It decides; the model executes. One :class:`Scheduler` owns, for one loaded
+model, the slot table (``n_parallel`` slots: which sequence runs in which),
+the :class:`~worker.engine.kv_cache.KVPool` (every sequence's KV entry, and
+the idle entries kept as a prefix cache) and the waiting line. Each
+:meth:`Scheduler.step` builds one flat batch and runs one
+``model.forward_batch`` over it:
+
+* every decoding sequence contributes its next token (one row each);
+* prefilling sequences contribute prompt chunks, first come first served,
+  up to ``n_batch`` prompt tokens per step, so a long prompt arriving never
+  freezes running streams for more than one chunk;
+* a new request joins at the next step when a slot is free and its KV
+  reservation fits the budget (idle entries are evicted, least recently used
+  first, to make room); one that can never fit is refused at :meth:`add`.
+
+Prefix cache (llama.cpp ``--slot-prompt-similarity`` / ``--cache-ram`` in
+spirit): a new request starts from the entry (idle or running) sharing the
+longest common token prefix with its prompt. An idle entry it extends is taken
+over; otherwise the shared prefix is copied into a fresh entry and the donor
+stays as it was. At least the last prompt token is always evaluated (its
+logits are needed). Only verified tokens are reused: an entry's ``tokens``
+grow only after a forward pass returned, so a cancelled or failed sequence
+never leaves KV that another trusts.
+
+KV reservation of a request: ``n_prompt + n_max`` positions, where ``n_max``
+is ``max_tokens``, or (``max_tokens`` None) what is left of ``n_ctx`` and of
+the budget. Memory is touched only as positions are written (lazy pages), and
+a finished sequence's entry is shrunk to what it holds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from .attention import AttnBatch, Segment
+from .errors import EngineError
+from .generate import GenerationResult, Sequence, TokenEvent, check_context
+from .kv_cache import KVEntry, KVPool, KVShape
+from .sampling import SamplingParams
+from .tokenizer import Tokenizer
+
+__all__ = ["DEFAULT_N_BATCH", "BatchModel", "Finished", "Scheduler", "SeqRequest", "SlotInfo"]
+
+#: Prompt tokens per step (the prefill chunk budget), as llama.cpp's n_batch/n_ubatch.
+DEFAULT_N_BATCH = 256
+
+
+class BatchModel(Protocol):
+    """What the scheduler needs from ``worker.engine.model.Model``."""
+
+    n_ctx: int
+    n_vocab: int
+    dtype: Any
+
+    @property
+    def kv_shape(self) -> KVShape: ...
+    def forward_batch(self, tokens: np.ndarray, batch: AttnBatch, rows: Any) -> np.ndarray: ...
+
+
+@dataclass
+class SeqRequest:
+    """One sequence to run.
+
+    ``prompt``: token ids, validated and non-empty; ``params``: validated;
+    ``on_token`` gets every generated token (returning ``False`` cancels).
+    """
+
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    on_token: Callable[[TokenEvent], Any] | None = None
+
+
+@dataclass
+class Finished:
+    """A sequence that ended in this step: its result, or the exception that ended it."""
+
+    id: str
+    result: GenerationResult | None
+    error: BaseException | None = None
+    id_slot: int = -1
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """One slot as ``/slots`` reports it (llama.cpp names)."""
+
+    id: int
+    id_task: str | None  # request id running in it
+    is_processing: bool
+    n_past: int  # tokens its KV holds (running, or the entry it last ran)
+
+
+@dataclass(eq=False)
+class _Seq:
+    req: SeqRequest
+    reserve: int  # KV positions reserved
+    n_max: int
+    seq: Sequence
+    entry: KVEntry | None = None
+    slot: int = -1
+    n_keep: int = 0  # prompt tokens reused from the cache
+    n_done: int = 0  # prompt tokens in the KV (reused + evaluated)
+    next_token: int | None = None  # sampled, to feed at the next step
+    cancelled: bool = False
+    t_admit: float = 0.0
+    t_first: float = 0.0  # prefill finished
+    evaluated: int = 0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.n_done < len(self.req.prompt)
+
+
+@dataclass
+class _Slot:
+    id: int
+    seq: _Seq | None = None
+    last_entry: KVEntry | None = None
+
+
+class Scheduler:
+    """Slots, KV pool and waiting line of one model; :meth:`step` runs one batched forward.
+
+    Args:
+        model: a :class:`BatchModel`.
+        tokenizer: for pieces and the end-of-generation set.
+        n_parallel: slots (sequences decoded at once), >= 1.
+        kv_budget_tokens: KV positions all entries may reserve together (>= 1).
+        n_batch: prompt tokens per step (>= 1).
+    Raises:
+        EngineError("invalid_params"): a bad size.
+
+    Not thread-safe: one thread calls add/abort/step (the engine's lock or the
+    worker's engine thread).
+    """
+
+    def __init__(self, model: BatchModel, tokenizer: Tokenizer, *, n_parallel: int = 1,
+                 kv_budget_tokens: int | None = None, n_batch: int = DEFAULT_N_BATCH) -> None:
+        for name, v in (("n_parallel", n_parallel), ("n_batch", n_batch)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise EngineError("invalid_params", f"{name} must be an integer >= 1, got {v!r}")
+        self.model = model
+        self.tok = tokenizer
+        self.n_ctx = int(model.n_ctx)
+        self.n_vocab = min(int(model.n_vocab), tokenizer.n_vocab)
+        self.n_batch = n_batch
+        budget = kv_budget_tokens if kv_budget_tokens is not None else n_parallel * self.n_ctx
+        self.pool = KVPool(model.kv_shape, int(budget))
+        self.slots = [_Slot(i) for i in range(n_parallel)]
+        self.waiting: deque[_Seq] = deque()
+        self._by_id: dict[str, _Seq] = {}
+        self._clock = 0  # steps run (the LRU clock)
+
+    # ------------------------------------------------------------------ facts
+
+    @property
+    def n_parallel(self) -> int:
+        return len(self.slots)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._by_id)
+
+    @property
+    def running(self) -> list[str]:
+        """Ids of the sequences in slots, by slot."""
+        return [s.seq.req.id for s in self.slots if s.seq is not None]
+
+    def slot_info(self) -> list[SlotInfo]:
+        out = []
+        for s in self.slots:
+            if s.seq is not None:
+                n = s.seq.entry.n_past if s.seq.entry is not None else 0
+                out.append(SlotInfo(s.id, s.seq.req.id, True, n))
+            else:
+                e = s.last_entry
+                out.append(SlotInfo(s.id, None, False, e.n_past if e is not None and e in self.pool.entries else 0))
+        return out
+
+    def idle_entries(self) -> list[KVEntry]:
+        """KV entries no running sequence owns (the prefix cache), least recently used first."""
+        owned = {id(s.seq.entry) for s in self.slots if s.seq is not None and s.seq.entry is not None}
+        return sorted((e for e in self.pool.entries if id(e) not in owned), key=lambda e: e.last_use)
+
+    # ------------------------------------------------------------------ requests
+
+    def reservation(self, n_prompt: int, max_tokens: int | None) -> tuple[int, int]:
+        """``(positions to reserve, n_max)`` for a request, or raise.
+
+        Raises:
+            EngineError("context_length_exceeded"): prompt + max_tokens > n_ctx.
+            EngineError("kv_budget_exceeded"): it can never fit the KV budget.
+        """
+        budget = self.pool.budget_tokens
+        if max_tokens is None:
+            check_context(self.n_ctx, n_prompt, None)
+            n_max = min(self.n_ctx, budget) - n_prompt
+            if n_max < 1:
+                raise EngineError("kv_budget_exceeded", f"the prompt ({n_prompt} tokens) does not fit this model's "
+                                  f"KV budget of {budget} tokens")
+        else:
+            n_max = max_tokens
+            check_context(self.n_ctx, n_prompt, n_max)
+            if n_prompt + n_max > budget:
+                raise EngineError("kv_budget_exceeded", f"this request needs {n_prompt + n_max} tokens of KV "
+                                  f"({n_prompt} in the prompt, {n_max} for the completion) but this model's KV "
+                                  f"budget holds {budget} tokens")
+        return n_prompt + n_max, n_max
+
+    def add(self, req: SeqRequest) -> None:
+        """Queue ``req``; it joins the batch at a coming step.
+
+        Raises (nothing is queued):
+            EngineError("invalid_params"): an id already running or waiting.
+            EngineError("context_length_exceeded" | "kv_budget_exceeded"): see :meth:`reservation`.
+        """
+        if req.id in self._by_id:
+            raise EngineError("invalid_params", f"sequence id {req.id!r} is already in use")
+        reserve, n_max = self.reservation(len(req.prompt), req.params.max_tokens)
+        seq = Sequence(self.tok, req.params, req.prompt, n_max, req.on_token, None, self.n_vocab)
+        s = _Seq(req, reserve, n_max, seq)
+        self.waiting.append(s)
+        self._by_id[req.id] = s
+
+    def abort(self, seq_id: str) -> bool:
+        """Cancel ``seq_id``: it leaves at the next step with finish_reason "cancelled".
+        False when unknown (or already finished)."""
+        s = self._by_id.get(seq_id)
+        if s is None:
+            return False
+        s.cancelled = True
+        return True
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[Finished]:
+        """Admit, build one batch, run one forward pass, sample; return the sequences that ended.
+
+        Never raises for a sequence's fault: a model error ends every sequence
+        of that batch with ``Finished.error``; a callback error ends its own.
+        """
+        self._clock += 1
+        done: list[Finished] = []
+        for s in [s for s in self._by_id.values() if s.cancelled]:
+            if not s.seq.done:
+                s.seq.finish("cancelled", "cancelled")
+            done.append(self._finish(s))
+        self._admit()
+        decode = [sl.seq for sl in self.slots if sl.seq is not None and not sl.seq.prefilling
+                  and sl.seq.next_token is not None]
+        prefill = sorted((sl.seq for sl in self.slots if sl.seq is not None and sl.seq.prefilling),
+                         key=lambda s: s.t_admit)
+        tokens: list[int] = []
+        segs: list[Segment] = []
+        parts: list[tuple[_Seq, list[int], bool]] = []  # (seq, tokens fed, wants logits)
+        for s in decode:
+            assert s.entry is not None and s.next_token is not None
+            segs.append(Segment(s.entry, len(tokens), 1, s.entry.n_past))
+            parts.append((s, [s.next_token], True))
+            tokens.append(s.next_token)
+        budget = self.n_batch
+        for s in prefill:
+            if budget <= 0:
+                break
+            assert s.entry is not None
+            chunk = s.req.prompt[s.n_done:s.n_done + budget]
+            budget -= len(chunk)
+            last = s.n_done + len(chunk) == len(s.req.prompt)
+            segs.append(Segment(s.entry, len(tokens), len(chunk), s.entry.n_past))
+            parts.append((s, chunk, last))
+            tokens.extend(chunk)
+        if not tokens:
+            return done
+        rows: list[int] = []
+        for seg, (_, _, want) in zip(segs, parts):
+            if want:
+                rows.append(seg.start + seg.n - 1)
+        try:
+            logits = self.model.forward_batch(np.asarray(tokens, dtype=np.int64),
+                                              AttnBatch(segs, self.model.dtype), rows)  # [R, n_vocab]
+        except Exception as e:  # noqa: BLE001 - a model failure ends this batch's sequences, not the worker
+            for s, _, _ in parts:
+                done.append(self._finish(s, e))
+            return done
+        now = time.perf_counter()
+        r = 0
+        for s, fed, want in parts:
+            assert s.entry is not None
+            s.entry.tokens.extend(fed)
+            s.entry.last_use = self._clock
+            if s.prefilling:
+                s.n_done += len(fed)
+                s.evaluated += len(fed)
+                if not s.prefilling:
+                    s.t_first = now
+            if not want:
+                continue
+            row = logits[r]
+            r += 1
+            try:
+                s.next_token = s.seq.step(row)
+            except Exception as e:  # noqa: BLE001 - on_token raised: this sequence ends
+                done.append(self._finish(s, e))
+                continue
+            if s.next_token is None:
+                done.append(self._finish(s))
+        return done
+
+    # ------------------------------------------------------------------ internals
+
+    def _admit(self) -> None:
+        """Move waiting sequences into free slots, first come first served, while their KV fits."""
+        while self.waiting:
+            free = next((sl for sl in self.slots if sl.seq is None), None)
+            if free is None:
+                return
+            s = self.waiting[0]
+            if not self._place(s):
+                return  # head of line waits for KV (running sequences will free some)
+            self.waiting.popleft()
+            free.seq = s
+            free.last_entry = s.entry
+            s.slot = free.id
+            s.t_admit = time.perf_counter()
+
+    def _place(self, s: _Seq) -> bool:
+        """Give ``s`` a KV entry, reusing the longest verified prefix; False if it does not fit yet.
+
+        In order of preference: take over an idle entry the prompt extends; copy
+        a shared prefix (from any entry) into a new entry, leaving the donor as
+        it was; take over an idle donor and truncate it; start empty. Idle
+        entries are evicted least recently used first to make room.
+        """
+        prompt = s.req.prompt
+        limit = len(prompt) - 1  # the last prompt token is always evaluated
+        idle = self.idle_entries()
+        donor, n_keep = None, 0
+        if s.req.params.cache_prompt and limit > 0:
+            for e in idle + [e for e in self.pool.entries if e not in idle]:  # idle first on ties
+                n = e.common_prefix(prompt, limit)
+                if n > n_keep:
+                    donor, n_keep = e, n
+        donor_idle = donor is not None and donor in idle
+        plans: list[tuple[str, KVEntry | None]] = []
+        if donor is not None:
+            if donor_idle and n_keep == donor.n_past:
+                plans.append(("take", donor))
+            else:
+                plans.append(("copy", donor))
+                if donor_idle:
+                    plans.append(("take", donor))
+        plans.append(("new", None))
+        for how, d in plans:
+            keep = d if how == "copy" or how == "take" else None
+            need = s.reserve - (d.capacity if how == "take" and d is not None else 0)
+            if not self._make_room(need, keep, idle):
+                continue
+            if how == "take" and d is not None:
+                self.pool.resize(d, s.reserve)
+                entry = d
+                entry.truncate(n_keep)
+            else:
+                entry = self.pool.new(s.reserve)
+                if how == "copy" and d is not None:
+                    entry.k[:, :, :n_keep] = d.k[:, :, :n_keep]
+                    entry.v[:, :, :n_keep] = d.v[:, :, :n_keep]
+                    entry.tokens.extend(d.tokens[:n_keep])
+            kept = n_keep if how != "new" else 0
+            entry.last_use = self._clock
+            s.entry, s.n_keep, s.n_done = entry, kept, kept
+            return True
+        return False
+
+    def _make_room(self, need: int, keep: KVEntry | None, idle: list[KVEntry]) -> bool:
+        """Evict idle entries (LRU first, never ``keep``) until ``need`` positions are free;
+        False (nothing evicted) when even evicting all of them would not do."""
+        free = self.pool.free_tokens()
+        if free >= need:
+            return True
+        victims = [e for e in idle if e is not keep and e in self.pool.entries]
+        if free + sum(e.capacity for e in victims) < need:
+            return False
+        for e in victims:
+            if self.pool.free_tokens() >= need:
+                break
+            self.pool.drop(e)
+        return True
+
+    def _finish(self, s: _Seq, error: BaseException | None = None) -> Finished:
+        self._by_id.pop(s.req.id, None)
+        slot = s.slot
+        if slot >= 0:
+            self.slots[slot].seq = None
+        else:
+            try:
+                self.waiting.remove(s)
+            except ValueError:
+                pass
+        if s.entry is not None:
+            s.entry.last_use = self._clock
+            try:
+                self.pool.shrink(s.entry)
+            except Exception:  # noqa: BLE001 - never trust an entry we could not shrink
+                self.pool.drop(s.entry)
+        if error is not None:
+            return Finished(s.req.id, None, error, slot)
+        now = time.perf_counter()
+        t_admit = s.t_admit or now
+        t_first = s.t_first or now
+        text, tail = s.seq.final_text()
+        res = GenerationResult(
+            text=text, tail=tail, tokens=s.seq.tokens, finish_reason=s.seq.finish_reason,
+            stop_type=s.seq.stop_type, stopping_word=s.seq.stopping_word, prompt_n=s.evaluated,
+            prompt_ms=(t_first - t_admit) * 1e3, predicted_n=len(s.seq.tokens),
+            predicted_ms=(now - t_first) * 1e3, cache_n=s.n_keep, prompt_tokens=len(s.req.prompt))
+        return Finished(s.req.id, res, None, slot)
+
+
+def run_one(sched: Scheduler, req: SeqRequest, should_stop: Callable[[], Any] | None = None) -> GenerationResult:
+    """Run one sequence to its end on ``sched`` (alone or beside others already queued).
+
+    ``should_stop()`` is polled before every step; True cancels. Returns its
+    result; raises what ended it (a model or callback exception) and
+    :meth:`Scheduler.add`'s errors. Other sequences' results of those steps
+    are dropped: use :meth:`Scheduler.step` directly to run several.
+    """
+    sched.add(req)
+    while True:
+        if should_stop is not None and should_stop():
+            sched.abort(req.id)
+        for f in sched.step():
+            if f.id == req.id:
+                if f.error is not None:
+                    raise f.error
+                assert f.result is not None
+                return f.result
