@@ -8,6 +8,7 @@ Layout::
     [models.NAME]       path (required), aliases, n_ctx, chat_template, max_queue,
                         load_timeout_s, cancel_timeout_s, drain_timeout_s,
                         shutdown_grace_s, ping_interval_s, ping_timeout_s, idle_ttl_s, n_threads,
+                        parallel, kv_budget_mib,
                         and default sampling values (temperature, top_p, top_k, min_p,
                         repeat_penalty, repeat_last_n, presence_penalty,
                         frequency_penalty, seed)
@@ -78,6 +79,8 @@ class ModelConfig:
     ping_timeout_s: float = 30.0  # no Pong within this: the worker is declared hung and killed
     idle_ttl_s: float = 0.0  # nothing running or waiting this long: unload the worker; 0 = never
     n_threads: int | None = None  # the worker's BLAS threads (python -m worker --threads); None: environment's
+    parallel: int = 4  # KV slots: sequences the worker decodes at once (python -m worker --parallel)
+    kv_budget_mib: float | None = None  # KV memory of the worker's sequences + prefix cache; None: the worker's
     sampling: dict[str, float | int] = field(default_factory=dict)
 
 
@@ -122,7 +125,7 @@ class Config:
 _MODEL_KEYS = {
     "path", "aliases", "n_ctx", "chat_template", "max_queue", "load_timeout_s",
     "cancel_timeout_s", "drain_timeout_s", "shutdown_grace_s", "ping_interval_s",
-    "ping_timeout_s", "idle_ttl_s", "n_threads", *SAMPLING_KEYS,
+    "ping_timeout_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", *SAMPLING_KEYS,
 }
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases"}
 _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport", "shutdown_timeout_s"}
@@ -222,6 +225,9 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
             idle_ttl_s=_float(merged, "idle_ttl_s", src("idle_ttl_s"), 0.0, 0.0),
             n_threads=(None if merged.get("n_threads") is None
                        else _int(merged, "n_threads", src("n_threads"), 1, 1, 1024)),
+            parallel=_int(merged, "parallel", src("parallel"), 4, 1, 256),
+            kv_budget_mib=(None if merged.get("kv_budget_mib") is None
+                           else _float(merged, "kv_budget_mib", src("kv_budget_mib"), 2048.0, 1.0, float(1 << 24))),
             sampling=sampling,
         )
     return Config(server=server, models=models, source=source)

@@ -136,6 +136,7 @@ class InternalError(ApiError):
 #: Worker Error.code -> the ApiError class it becomes. Codes not listed: BadGateway (502).
 _WORKER_CODES: dict[str, type[ApiError]] = {
     "context_length_exceeded": ContextLengthExceeded,
+    "kv_budget_exceeded": BadRequest,
     "invalid_request": BadRequest,
     "invalid_token": BadRequest,
     "invalid_params": BadRequest,

@@ -119,7 +119,7 @@ async def completion(request: Request) -> Response:
         truncated = (done.stop_type == "limit" and ready is not None
                      and done.prompt_tokens + done.completion_tokens >= ready.n_ctx)
         return {
-            "index": 0, "content": content, "tokens": tokens if return_tokens else [], "id_slot": 0,
+            "index": 0, "content": content, "tokens": tokens if return_tokens else [], "id_slot": done.id_slot,
             "stop": True, "model": name, "tokens_predicted": done.completion_tokens,
             "tokens_evaluated": done.prompt_tokens, "has_new_line": "\n" in content, "truncated": truncated,
             "stop_type": done.stop_type if done.stop_type in ("eos", "word", "limit") else "none",
@@ -145,7 +145,7 @@ async def completion(request: Request) -> Response:
             count += 1
             chunk: dict[str, Any] = {"index": 0, "content": item.text,
                                      "tokens": [item.token_id],  # llama.cpp: always, when streaming
-                                     "stop": False, "id_slot": 0, "tokens_predicted": count}
+                                     "stop": False, "tokens_predicted": count}
             if n_probs > 0:
                 chunk["completion_probabilities"] = [
                     _prob_entry(p, n_probs) for p in token_probs([item], n_probs)]

@@ -93,6 +93,7 @@ def _common(body: dict[str, Any], slot: ModelSlot, prefix: str) -> dict[str, Any
         max_tokens = get_int(body, "max_tokens", None, 1, INT32_MAX)
     return {"id": new_id(prefix), "max_tokens": max_tokens,
             "ignore_eos": get_bool(body, "ignore_eos", False),  # llama.cpp extension
+            "cache_prompt": get_bool(body, "cache_prompt", True),  # llama.cpp extension
             **read_sampling(body, OPENAI_DEFAULTS, slot, openai=True)}
 
 

@@ -123,6 +123,9 @@ def worker_command(model: ModelConfig, endpoint: str, module: str | None = None)
         cmd += ["--chat-template", model.chat_template]
     if model.n_threads is not None:
         cmd += ["--threads", str(model.n_threads)]
+    cmd += ["--parallel", str(model.parallel)]
+    if model.kv_budget_mib is not None:
+        cmd += ["--kv-budget-mib", repr(float(model.kv_budget_mib))]
     cmd += ["--max-queue", str(model.max_queue), "--parent-pid", str(os.getpid())]
     return cmd
 

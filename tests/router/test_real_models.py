@@ -50,6 +50,7 @@ max_queue = 30
 [models.smol-q2]
 path = "{SMOLLM2.name}"
 max_queue = 2
+parallel = 2
 [models.smol-kill]
 path = "{SMOLLM2.name}"
 """
@@ -142,26 +143,27 @@ def test_burst_of_20_first_requests_spawns_one_worker(router: LiveRouter) -> Non
     httpx.post(router.url + "/admin/models/unload", json={"model": "smol-burst"}, timeout=60).raise_for_status()
 
 
-def test_fourth_request_gets_503_with_max_queue_2(router: LiveRouter) -> None:
+def test_request_beyond_parallel_plus_max_queue_gets_503(router: LiveRouter) -> None:
+    """parallel = 2 slots running + max_queue = 2 waiting are admitted; the 5th gets 503 at once."""
     httpx.post(router.url + "/admin/models/load", json={"model": "smol-q2"}, timeout=300).raise_for_status()
 
     def occupied() -> bool:
         st = router.admin("smol-q2")
-        return len(st["in_flight"]) == 1 and st["queue_depth"] == 2
+        return len(st["in_flight"]) == 2 and st["queue_depth"] == 2
 
     async def go() -> tuple[list[httpx.Response], float]:
         async with httpx.AsyncClient(base_url=router.url, timeout=300) as c:
             # long enough that the first is still running when the 4th arrives: admission is
-            # checked against the observed state (1 running + 2 waiting), never a sleep
+            # checked against the observed state (2 running + 2 waiting), never a sleep
             body = {"model": "smol-q2", "prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True}
-            first = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(3)]
-            await asyncio.to_thread(router.wait_for, occupied, 60, "1 running + 2 waiting")
+            first = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(4)]
+            await asyncio.to_thread(router.wait_for, occupied, 60, "2 running + 2 waiting")
             t0 = time.monotonic()
             fourth = await c.post("/v1/completions", json={**body, "max_tokens": 1})
             dt = time.monotonic() - t0
-            # "at once": answered while the same three still hold the model, not after a slot freed
+            # "at once": answered while the same four still hold the model, not after a slot freed
             assert await asyncio.to_thread(occupied)
-            for t in first:  # the three need not run to the end; leaving cancels them
+            for t in first:  # the four need not run to the end; leaving cancels them
                 t.cancel()
             await asyncio.gather(*first, return_exceptions=True)
             return [fourth], dt
@@ -169,9 +171,9 @@ def test_fourth_request_gets_503_with_max_queue_2(router: LiveRouter) -> None:
     rs, dt = asyncio.run(go())
     assert rs[0].status_code == 503
     assert rs[0].headers["retry-after"] and rs[0].json()["error"]["code"] == "queue_full"
-    report("[real] 4th request with max_queue 2 -> 503", dt, 1.0)
+    report("[real] 5th request with parallel 2 + max_queue 2 -> 503", dt, 1.0)
     router.wait_for(lambda: router.admin("smol-q2")["in_flight"] == [] and router.admin("smol-q2")["queue_depth"] == 0,
-                    timeout=60, what="the three cancelled requests gone")
+                    timeout=60, what="the four cancelled requests gone")
     httpx.post(router.url + "/admin/models/unload", json={"model": "smol-q2"}, timeout=60).raise_for_status()
 
 
