@@ -1,0 +1,143 @@
+"""Several sequences in one forward pass, on the real models: batched == alone, prefix cache, KV budget.
+
+The reference for every sequence is the same request run alone on a fresh
+cache. In a batch the QKV/O/FFN matmuls run over all rows at once (another
+BLAS kernel than a single row), so logits agree to float32 rounding, not
+bit for bit: per-token logprobs are compared within 1e-4 and greedy token
+ids must be identical.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from worker.engine import Engine, EngineError, SamplingParams
+
+WORDS = ("the river carried small boats past the old mill while children counted clouds and a dog "
+         "barked at nothing in particular under the bridge near the market square").split()
+
+
+def text_of(n_words: int, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    return " ".join(WORDS[i] for i in rng.integers(0, len(WORDS), n_words))
+
+
+def greedy(max_tokens: int, **kw: object) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, n_probs=1, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+def engine(request: pytest.FixtureRequest, smollm2_path: Path, gemma3_path: Path) -> Engine:
+    path = smollm2_path if request.param == "smollm2" else gemma3_path
+    return Engine.load(str(path), n_ctx=1024, parallel=8)
+
+
+def alone(engine: Engine, ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    engine.reset_cache()
+    lps: list[float] = []
+    res = engine.generate(ids, greedy(max_tokens, cache_prompt=False), on_token=lambda e: lps.append(e.logprob))
+    return res.tokens, lps
+
+
+def test_batched_equals_alone_with_joins_cancel_and_long_prompts(engine: Engine) -> None:
+    # mixed prompt lengths, one over the 512-token sliding window of Gemma and over one prefill chunk
+    lengths = [3, 40, 700, 12, 150, 7, 300, 60]
+    prompts = [engine.tokenize(text_of(n, seed=i), add_special=True)[: n + 1] for i, n in enumerate(lengths)]
+    n_gen = 10
+    ref = [alone(engine, p, n_gen) for p in prompts]
+
+    engine.reset_cache()
+    got: dict[str, list[tuple[int, float]]] = {f"s{i}": [] for i in range(8)}
+    joins = {0: [0, 1, 2], 2: [3, 4], 5: [5, 6], 9: [7]}  # step -> sequences joining there
+    cancel_id, cancel_after = "s4", 4
+    results = {}
+    step = 0
+    mixed_steps = 0  # steps that prefilled one sequence while decoding another
+    while step < 200 and (step <= max(joins) or engine.has_work):
+        for i in joins.get(step, []):
+            sid = f"s{i}"
+            engine.add(sid, prompts[i], greedy(n_gen, cache_prompt=False),
+                       lambda e, sid=sid: got[sid].append((e.id, e.logprob)))
+        if len(got[cancel_id]) >= cancel_after:
+            engine.abort(cancel_id)
+        slots = engine.slots()
+        before = {s.id_task: s.n_past for s in slots if s.is_processing}
+        for f in engine.step():
+            assert f.error is None, f.error
+            results[f.id] = f.result
+        after = {s.id_task: s.n_past for s in engine.slots() if s.is_processing}
+        grown = [after.get(k, 0) - v for k, v in before.items() if k in after]
+        if any(g > 1 for g in grown) and any(g == 1 for g in grown):
+            mixed_steps += 1
+        step += 1
+    assert not engine.has_work and len(results) == 8
+    assert mixed_steps > 0  # prefill chunks and decode tokens shared forward passes
+    for i in range(8):
+        sid = f"s{i}"
+        ids_ref, lps_ref = ref[i]
+        ids_got = [t for t, _ in got[sid]]
+        lps_got = [lp for _, lp in got[sid]]
+        if sid == cancel_id:
+            assert results[sid].finish_reason == "cancelled"
+            assert cancel_after <= len(ids_got) < n_gen  # left within a step of the abort
+            ids_ref, lps_ref = ids_ref[:len(ids_got)], lps_ref[:len(ids_got)]
+        else:
+            assert results[sid].finish_reason == "length"
+        assert ids_got == ids_ref, f"{sid}: batched tokens differ from the same request alone"
+        np.testing.assert_allclose(lps_got, lps_ref, atol=1e-4, err_msg=sid)
+
+
+def test_prefix_cache_survives_other_conversations(smollm2_path: Path) -> None:
+    eng = Engine.load(str(smollm2_path), n_ctx=2048, parallel=2)
+    conv = [{"role": "user", "content": text_of(150, seed=99)}]
+    turn1 = eng.tokenize_chat(conv)
+    r1 = eng.generate(turn1, greedy(16))
+    for k in range(3):  # three other conversations use the model in between
+        eng.generate(eng.tokenize_chat([{"role": "user", "content": text_of(120, seed=k)}]), greedy(8))
+    reply = eng.detokenize(r1.tokens)
+    turn2 = eng.tokenize_chat(conv + [{"role": "assistant", "content": reply},
+                                      {"role": "user", "content": "and then?"}])
+    r2 = eng.generate(turn2, greedy(4))
+    assert r2.cache_n >= len(turn1) + len(r1.tokens) - 4
+    assert r2.prompt_n == len(turn2) - r2.cache_n
+
+
+def test_prefix_cache_lru_within_budget(smollm2_path: Path) -> None:
+    probe = Engine.load(str(smollm2_path), n_ctx=1024, parallel=1)
+    per_token = probe.info.kv_token_bytes
+    prompts = [probe.tokenize(text_of(200, seed=50 + k)) for k in range(4)]
+    # room for about three finished conversations, not four
+    budget_tokens = 3 * (len(prompts[0]) + 40)
+    eng = Engine.load(str(smollm2_path), n_ctx=1024, parallel=1, kv_budget_mib=budget_tokens * per_token / 2**20)
+    for p in prompts:
+        eng.generate(p, greedy(8))
+    first = eng.generate(prompts[0] + [13], greedy(1))   # the least recently used: evicted
+    assert first.cache_n == 0
+    last = eng.generate(prompts[3] + [13], greedy(1))    # the most recent: still cached
+    assert last.cache_n >= len(prompts[3])
+
+
+def test_request_beyond_the_kv_budget_is_refused_and_the_engine_serves_on(smollm2_path: Path) -> None:
+    probe = Engine.load(str(smollm2_path), n_ctx=1024, parallel=2)
+    eng = Engine.load(str(smollm2_path), n_ctx=1024, parallel=2,
+                      kv_budget_mib=160 * probe.info.kv_token_bytes / 2**20)
+    assert eng.info.kv_budget_tokens == 160
+    ids = eng.tokenize(text_of(40, seed=3))
+    with pytest.raises(EngineError) as ei:
+        eng.prepare(ids, greedy(200))
+    assert ei.value.code == "kv_budget_exceeded" and "160" in ei.value.message
+    # without max_tokens the completion is bounded by the budget instead
+    res = eng.generate(ids, SamplingParams(temperature=0.0, ignore_eos=True))
+    assert res.finish_reason == "length" and len(ids) + len(res.tokens) == 160
+    # two that fit alone but not together: the second waits for the first, both finish
+    eng.add("a", ids, greedy(60))
+    eng.add("b", ids, greedy(60))
+    done = {}
+    while eng.has_work:
+        for f in eng.step():
+            done[f.id] = f
+    assert {k: v.result.finish_reason for k, v in done.items()} == {"a": "length", "b": "length"}
+    assert done["a"].result.tokens == done["b"].result.tokens
