@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from router.metrics import label_request
 from router.params import get_str, read_json
 from router.pool import Pool
 from router.responses import JSONResponse
@@ -33,6 +34,7 @@ async def list_models(request: Request) -> Response:
 async def load(request: Request) -> Response:
     body = await read_json(request)
     slot = _pool(request).get(get_str(body, "model"))
+    label_request(request, slot.model.name)
     t0 = time.monotonic()
     load_ms = await until_disconnect(request.receive, slot.load())
     return JSONResponse({"model": slot.model.name, "state": slot.state.value, "load_ms": load_ms,
@@ -42,6 +44,7 @@ async def load(request: Request) -> Response:
 async def unload(request: Request) -> Response:
     body = await read_json(request)
     slot = _pool(request).get(get_str(body, "model"))
+    label_request(request, slot.model.name)
     t0 = time.monotonic()
     await slot.unload()  # not cancelled by the client leaving: an unload, once asked, completes
     return JSONResponse({"model": slot.model.name, "state": slot.state.value,

@@ -1,13 +1,15 @@
 """The Starlette application: routes, the one error mapping, and the worker pool's lifetime.
 
 ``create_app(config)`` builds it; the pool is created at startup (lifespan) and
-closed at shutdown, which stops every worker. Errors: an :class:`ApiError`
+closed at shutdown, which stops every worker. Each app has its own metrics
+registry (``router.metrics``), served at ``GET /metrics``. Errors: an :class:`ApiError`
 anywhere becomes its OpenAI-shaped body and status; an unknown route or method
 too; anything else is a true bug and becomes a 500 with the same shape.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,24 +21,44 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from router import admin, llamacpp_api, openai_api
+from router import admin, llamacpp_api, llamacpp_router, openai_api
 from router.auth import BearerAuth
 from router.config import Config
 from router.errors import ApiError, InternalError, MethodNotAllowed, NotFound, error_response
+from router.metrics import CONTENT_TYPE, Metrics, RequestMetrics
 from router.pool import Pool
 from router.responses import JSONResponse
 
 log = logging.getLogger("modelyard.app")
 
 
+#: How long /metrics waits for each ready worker's Pong (KV figures), s.
+METRICS_PROBE_TIMEOUT_S = 1.0
+
+
 async def health(request: Request) -> Response:
-    """Liveness of the router itself (never loads a model, never needs a key)."""
+    """Liveness of the router itself (never loads a model, never needs a key); with
+    ``?model=NAME``, that model's readiness, as llama.cpp's router (key required)."""
+    name = request.query_params.get("model")
+    if name is not None:
+        return await llamacpp_router.model_health(request, name)
     pool: Pool = request.app.state.pool
     return JSONResponse({"status": "ok", "models": {n: s.state.value for n, s in pool.slots.items()}})
 
 
+async def metrics(request: Request) -> Response:
+    """Prometheus text exposition; ready workers are pinged first so KV figures are fresh."""
+    pool: Pool = request.app.state.pool
+    await asyncio.gather(*(s.probe(METRICS_PROBE_TIMEOUT_S) for s in pool.slots.values()))
+    m: Metrics = request.app.state.metrics
+    return Response(m.render(), media_type=CONTENT_TYPE)
+
+
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
+    if exc.status == 503:  # refused before it ran: a rejection, by its code
+        m: Metrics = request.app.state.metrics
+        m.rejections.labels(getattr(request.state, "model", ""), exc.code or "unavailable").inc()
     return error_response(exc)
 
 
@@ -63,21 +85,25 @@ def create_app(config: Config, *, worker_module: str | None = None) -> Starlette
     """The router app for ``config``. ``worker_module`` overrides ``python -m worker``
     (also settable with the MODELYARD_WORKER_MODULE environment variable)."""
 
+    registry = Metrics(config.models)
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        app.state.pool = Pool(config, worker_module=worker_module)
+        app.state.pool = Pool(config, worker_module=worker_module, metrics=registry)
         try:
             yield
         finally:
             await app.state.pool.close()
 
-    routes = [Route("/health", health, methods=["GET"]),
-              *openai_api.routes, *llamacpp_api.routes, *admin.routes]
+    routes = [Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
+              *openai_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *admin.routes]
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(BearerAuth, server=config.server)],
+        middleware=[Middleware(RequestMetrics, metrics=registry, routes=routes),
+                    Middleware(BearerAuth, server=config.server)],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _bug},
         lifespan=lifespan,
     )
     app.state.config = config
+    app.state.metrics = registry
     return app

@@ -1,14 +1,17 @@
 """Bearer-key checks, as pure ASGI middleware (does not wrap ``receive``, so
 client-disconnect detection downstream keeps working).
 
-* ``server.api_key`` set: every route but ``/health`` needs ``Authorization: Bearer <api_key>``.
-* ``server.admin_key`` set: ``/admin/*`` needs ``Authorization: Bearer <admin_key>``
-  (without an admin_key, ``/admin/*`` is guarded by the api_key like the rest).
+* ``server.api_key`` set: every route but ``/health`` needs ``Authorization: Bearer <api_key>``
+  (``/health?model=NAME`` needs it too: it may start loading the model).
+* ``server.admin_key`` set: ``/admin/*`` and llama.cpp's ``/models/load`` and
+  ``/models/unload`` need ``Authorization: Bearer <admin_key>`` (without an
+  admin_key, they are guarded by the api_key like the rest).
 """
 
 from __future__ import annotations
 
 import hmac
+from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -22,10 +25,10 @@ class BearerAuth:
         self.api_key = server.api_key
         self.admin_key = server.admin_key
 
-    def _required(self, path: str) -> str | None:
-        if path == "/health":
+    def _required(self, path: str, query: bytes) -> str | None:
+        if path == "/health" and "model" not in parse_qs(query.decode("latin-1"), keep_blank_values=True):
             return None
-        if path == "/admin" or path.startswith("/admin/"):
+        if path == "/admin" or path.startswith("/admin/") or path in ("/models/load", "/models/unload"):
             return self.admin_key or self.api_key
         return self.api_key
 
@@ -33,7 +36,7 @@ class BearerAuth:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        key = self._required(scope.get("path", ""))
+        key = self._required(scope.get("path", ""), scope.get("query_string", b""))
         if key is not None:
             given = None
             for name, value in scope.get("headers", []):

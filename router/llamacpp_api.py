@@ -44,6 +44,7 @@ from router.generation import (
     token_probs,
 )
 from router.openai_api import parse_messages
+from router.metrics import label_request
 from router.params import INT32_MAX, INT32_MIN, get_bool, get_int, get_prompt, get_str, get_token_list, read_json
 from router.pool import ModelSlot, Pool
 from router.process import WorkerUnreachable
@@ -64,7 +65,9 @@ def _slot(request: Request, body: dict[str, Any]) -> tuple[str, ModelSlot]:
         else:
             raise BadRequest(f"'model' is required; available models: {', '.join(pool.config.ids())}",
                              param="model")
-    return name, pool.get(name)
+    slot = pool.get(name)
+    label_request(request, slot.model.name)
+    return name, slot
 
 
 def _token_text(piece: bytes) -> str:

@@ -31,6 +31,7 @@ from router.generation import (
     token_probs,
     usage_of,
 )
+from router.metrics import label_request
 from router.params import INT32_MAX, get_bool, get_int, get_prompt, get_str, read_json
 from router.pool import ModelSlot, Pool
 from router.process import WorkerProcess
@@ -209,6 +210,7 @@ async def chat_completions(request: Request) -> Response:
     pool = _pool(request)
     model_name = get_str(body, "model")
     slot = pool.get(model_name)
+    label_request(request, slot.model.name)
     messages = parse_messages(body)
     common = _common(body, slot, "chatcmpl")
     want_logprobs = get_bool(body, "logprobs", False)
@@ -338,6 +340,7 @@ async def completions(request: Request) -> Response:
     pool = _pool(request)
     model_name = get_str(body, "model")
     slot = pool.get(model_name)
+    label_request(request, slot.model.name)
     prompt = _completion_prompt(body)
     common = _common(body, slot, "cmpl")
     if get_bool(body, "echo", False):

@@ -33,7 +33,9 @@ from typing import Any
 
 import zmq.asyncio
 
+from protocol import Pong
 from router.config import Config, ModelConfig
+from router.metrics import Metrics, ModelGauges
 from router.sockdir import make_socket_dir, remove_socket_dir
 from router.errors import (
     ApiError,
@@ -92,6 +94,13 @@ class ModelSlot:
         self._last_active = time.monotonic()  # last admission / finished request / load (monotonic s)
         self._idle_unloading = False  # the current drain is an idle unload: new requests wait, then reload
         self._changed = asyncio.Event()  # set whenever running/state changes (drain waits on it)
+        self._pong: tuple[WorkerProcess, Pong] | None = None  # the current worker's last Pong
+        self._crashed = False  # the last worker died unasked: the next load is a restart
+        self._reload_task: asyncio.Task[float] | None = None  # begin_load during an idle unload
+
+    @property
+    def metrics(self) -> Metrics:
+        return self._pool.metrics
 
     # ------------------------------------------------------------------ facts
 
@@ -116,6 +125,48 @@ class ModelSlot:
     @property
     def running_ids(self) -> list[str]:
         return list(self._running)
+
+    @property
+    def total_slots(self) -> int:
+        """The ready worker's KV slots (``Ready.max_jobs``); 0 when no worker is ready."""
+        return self.worker.max_jobs if self.worker is not None and self.worker.ready is not None else 0
+
+    def last_pong(self) -> Pong | None:
+        """The current worker's most recent Pong (None before the first, or after it left)."""
+        if self._pong is not None and self._pong[0] is self.worker:
+            return self._pong[1]
+        return None
+
+    def kv_slots(self) -> list[dict[str, Any]]:
+        """One entry per KV slot of the ready worker (protocol names: ``id``, ``id_task``,
+        ``is_processing``, ``n_past``): the worker's own list from its last Pong when it
+        sends one, else made from the router's running set (request ids in admission
+        order, ``n_past`` from the Pong's ``kv_tokens`` when there is one slot)."""
+        n = self.total_slots
+        pong = self.last_pong()
+        if pong is not None and pong.slots:
+            return [{"id": int(s.get("id", i)), "id_task": s.get("id_task"),
+                     "is_processing": bool(s.get("is_processing")), "n_past": int(s.get("n_past", 0))}
+                    for i, s in enumerate(pong.slots)]
+        running = [rid for rid, t in self._running.items() if t.worker is self.worker]
+        held = pong.kv_tokens if pong is not None and n == 1 else 0
+        return [{"id": i, "id_task": running[i] if i < len(running) else None,
+                 "is_processing": i < len(running), "n_past": held} for i in range(n)]
+
+    def gauges(self) -> ModelGauges:
+        """This model's figures for ``/metrics``."""
+        pong = self.last_pong()
+        slots = self.kv_slots()
+        running, waiting = len(self._running), self.queue_depth
+        return ModelGauges(
+            model=self.model.name, state=self.state.value,
+            loaded=self.state in (WorkerState.READY, WorkerState.DRAINING),
+            waiting=waiting, running=running, total_slots=len(slots),
+            busy_slots=sum(1 for s in slots if s["is_processing"]),
+            kv_tokens=pong.kv_tokens if pong is not None else 0,
+            kv_budget_tokens=(pong.kv_budget_tokens if pong is not None and pong.kv_budget_tokens
+                              else self.worker.ready.kv_budget_tokens
+                              if self.worker is not None and self.worker.ready is not None else 0))
 
     def describe(self) -> dict[str, Any]:
         """The admin view of this model (times: unix seconds; load_ms: ms)."""
@@ -238,6 +289,10 @@ class ModelSlot:
     # ------------------------------------------------------------------ loading
 
     def _begin_load(self) -> None:
+        if self._crashed:
+            self._crashed = False
+            self.metrics.restarts.labels(self.model.name).inc()
+        self.metrics.loads.labels(self.model.name).inc()
         self._set_state(WorkerState.LOADING)
         self._load_task = asyncio.create_task(self._load(), name=f"load-{self.model.name}")
 
@@ -258,6 +313,7 @@ class ModelSlot:
             if self._loading_worker is wp:
                 self._loading_worker = None
                 self.last_exit_code = e.exit_code
+                self.metrics.load_failures.labels(self.model.name).inc()
                 if self.state is WorkerState.LOADING:
                     self._set_state(WorkerState.FAILED, f"load failed: {e.reason}")
                     self._fail_waiting(ModelLoadFailed(
@@ -272,6 +328,7 @@ class ModelSlot:
             return
         self._loading_worker = None
         self.worker = wp
+        self.metrics.load_time.labels(self.model.name).observe(time.monotonic() - t0)
         self.load_ms = ready.load_ms
         self.loaded_at = time.time()
         self.last_exit_code = None
@@ -290,8 +347,23 @@ class ModelSlot:
             await asyncio.sleep(self.model.ping_interval_s)
             if not wp.alive:
                 return
-            if await wp.ping(self.model.ping_timeout_s) is None and wp.alive:
+            if await self._ping(wp, self.model.ping_timeout_s) is None and wp.alive:
                 wp.kill(f"worker hung: no Pong within ping_timeout_s={self.model.ping_timeout_s:g} s; killed")
+
+    async def _ping(self, wp: WorkerProcess, timeout_s: float) -> Pong | None:
+        pong = await wp.ping(timeout_s)
+        if pong is not None and wp is self.worker:
+            self._pong = (wp, pong)
+        return pong
+
+    async def probe(self, timeout_s: float = 2.0) -> Pong | None:
+        """Ping the ready worker now (for /slots, /metrics): its Pong, kept as the last
+        one, or None (no ready worker, or no answer within ``timeout_s``; a hung worker
+        is left to the ping loop, which kills it after ping_timeout_s)."""
+        wp = self.worker
+        if wp is None or self.state is not WorkerState.READY or not wp.alive:
+            return None
+        return await self._ping(wp, timeout_s)
 
     async def _idle_loop(self, wp: WorkerProcess) -> None:
         """Unload ``wp`` once it has had nothing running or waiting for ``idle_ttl_s`` s.
@@ -332,6 +404,8 @@ class ModelSlot:
         self._cancel_watchers()
         if self.state is WorkerState.READY:
             self.worker = None
+            self._crashed = True
+            self.metrics.crashes.labels(self.model.name).inc()
             self._set_state(WorkerState.FAILED, f"worker crashed: {reason}")
             self._fail_waiting(WorkerCrashed(
                 f"model '{self.model.name}' worker crashed ({reason}); retry to restart it"))
@@ -370,13 +444,38 @@ class ModelSlot:
         (up to drain_timeout_s, then they are cancelled); waiting ones get 503 at once.
         Concurrent calls share one unload; one asked during an idle unload turns it
         into an operator unload (its waiting requests get 503). Ends in ``unloaded``."""
+        await asyncio.shield(self.begin_unload(drain=drain, reason=reason))
+
+    def begin_unload(self, *, drain: bool = True, reason: str = "unloaded by request") -> asyncio.Task[None]:
+        """The synchronous start of :meth:`unload` (the state changes now); returns the
+        task that finishes it, which runs whether or not anyone awaits it."""
         if self._idle_unloading and self.state is WorkerState.DRAINING:
             self._idle_unloading = False
             self.unload_reason = reason
             self._fail_waiting(ModelUnloading(f"model '{self.model.name}' is being unloaded"))
         if self._unload_task is None or self._unload_task.done():
             self._unload_task = self._start_unload(drain, reason)
-        await asyncio.shield(self._unload_task)
+        return self._unload_task
+
+    def begin_load(self) -> bool:
+        """Start loading without waiting (llama.cpp's ``POST /models/load``). Returns
+        False when the model is already loading or loaded. Raises Conflict while an
+        operator unload drains, ServerShuttingDown when the router stops. During an
+        idle unload the load starts once the worker has stopped."""
+        if self._pool.closing:
+            raise ServerShuttingDown()
+        if self._refusing():
+            raise Conflict(f"model '{self.model.name}' is being unloaded", code="model_unloading")
+        self._last_active = time.monotonic()
+        if self.state in (WorkerState.UNLOADED, WorkerState.FAILED):
+            self._begin_load()
+            return True
+        if self.state is WorkerState.DRAINING:  # an idle unload: load again once it is done
+            task = asyncio.create_task(self.load(), name=f"reload-{self.model.name}")
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # failures show in the state
+            self._reload_task = task
+            return True
+        return False
 
     def _start_unload(self, drain: bool, reason: str) -> asyncio.Task[None]:
         """The synchronous half of an unload: the state changes now (so no request is
@@ -389,6 +488,7 @@ class ModelSlot:
             return asyncio.create_task(nothing())
         self.unload_reason = reason
         if self.state is WorkerState.FAILED:
+            self._crashed = False
             self._set_state(WorkerState.UNLOADED)
             return asyncio.create_task(nothing())
         if self.state is WorkerState.LOADING:
@@ -434,15 +534,22 @@ class ModelSlot:
 class Pool:
     """Every configured model's slot, name/alias resolution, and the shared zmq context."""
 
-    def __init__(self, config: Config, *, worker_module: str | None = None) -> None:
+    def __init__(self, config: Config, *, worker_module: str | None = None,
+                 metrics: Metrics | None = None) -> None:
         self.config = config
         self.worker_module = worker_module
+        self.metrics = metrics if metrics is not None else Metrics(config.models)
         self.closing = False
         self._ctx = zmq.asyncio.Context()
         # ipc sockets: a private directory named after this router (stale ones of dead routers are swept)
         self.socket_dir: Path | None = make_socket_dir() if config.server.transport == "ipc" else None
         self._endpoints = 0
         self.slots: dict[str, ModelSlot] = {name: ModelSlot(m, self) for name, m in config.models.items()}
+        self.metrics.watch(self.gauges)
+
+    def gauges(self) -> list[ModelGauges]:
+        """Every model's figures, read at scrape time (``Metrics.watch``)."""
+        return [s.gauges() for s in self.slots.values()]
 
     def get(self, name: str) -> ModelSlot:
         """The slot for a model name or alias. Raises NotFound listing the ids."""

@@ -7,6 +7,12 @@ idempotent (safe in ``finally`` blocks and under cancellation): a request that
 never reached the worker simply leaves the queue; one that did gets ``Cancel``
 and its job slot is released only once the worker answers (Done/Error) or is
 gone — a worker that ignores Cancel for ``cancel_timeout_s`` is killed.
+
+Metrics of a run (``router.metrics``) are recorded here, each once: queue time
+when it gets its worker, time to first token and inter-token latency per Token,
+tokens and end-to-end latency per Done (also the Done a cancelled run's worker
+answers), and a cancellation with its stage (queue, prefill, decode) when the
+run is ended before its Done, or the worker answers Done(cancelled).
 """
 
 from __future__ import annotations
@@ -36,11 +42,19 @@ class Run:
         self._sent = False
         self.finished = False
         self.started_at = time.monotonic()
+        self._n_tokens = 0
+        self._last_token_at = 0.0
+        self._ended = False  # its final frame (or the worker's death) has been accounted for
+
+    @property
+    def _model(self) -> str:
+        return self.slot.model.name
 
     async def wait_worker(self) -> WorkerProcess:
         """Wait for this request's turn (and the model's load). Raises ApiError
         (ModelLoadFailed, WorkerCrashed, ModelUnloading) if it will never come."""
         self.worker = await self.slot.wait_turn(self.ticket)
+        self.slot.metrics.queue_time.labels(self._model).observe(time.monotonic() - self.started_at)
         return self.worker
 
     async def start(self, msg: Generate) -> None:
@@ -70,20 +84,55 @@ class Run:
         while True:
             item = await self._q.get()
             if isinstance(item, WorkerGone):
+                self._end(None)
                 self._finish()
                 raise BadGateway(f"model '{self.slot.model.name}' worker failed during the request: "
                                  f"{item.reason}", code="worker_crashed")
             if isinstance(item, Aborted):
                 raise ServerShuttingDown(item.reason)
             if isinstance(item, Error):
+                self._end(None)
                 self._finish()
                 raise from_worker_error(item.code, item.message)
             if isinstance(item, Done):
+                self._end(item)
+                if item.finish_reason == "cancelled":  # stopped by the server (unload timeout)
+                    self._count_cancel()
                 self._finish()
                 return item
             if isinstance(item, Token):
+                self._on_token()
                 return item
             log.warning("unexpected %s frame for request %s", item.TYPE, self.id)
+
+    def _on_token(self) -> None:
+        now = time.monotonic()
+        m = self.slot.metrics
+        if self._n_tokens == 0:
+            m.ttft.labels(self._model).observe(now - self.started_at)
+        else:
+            m.itl.labels(self._model).observe(now - self._last_token_at)
+        self._n_tokens += 1
+        self._last_token_at = now
+
+    def _end(self, done: Done | None) -> None:
+        """Account for the run's final frame once: its tokens (a Done) and its duration."""
+        if self._ended:
+            return
+        self._ended = True
+        m = self.slot.metrics
+        m.e2e.labels(self._model).observe(time.monotonic() - self.started_at)
+        if done is not None:
+            m.prompt_tokens.labels(self._model).inc(done.prompt_tokens)
+            m.prompt_tokens_cached.labels(self._model).inc(done.cache_n)
+            m.generation_tokens.labels(self._model).inc(done.completion_tokens)
+
+    def _count_cancel(self) -> None:
+        if not self._sent:
+            stage = "queue"
+        else:
+            stage = "decode" if self._n_tokens > 0 else "prefill"
+        self.slot.metrics.cancellations.labels(self._model, stage).inc()
 
     def _finish(self) -> None:
         if self.finished:
@@ -99,6 +148,9 @@ class Run:
             return
         if self.worker is None or not self._sent:
             self.finished = True
+            g = self.ticket.granted
+            if not (g.done() and not g.cancelled() and g.exception() is not None):
+                self._count_cancel()  # it left the queue (not refused: load failed, crashed, ...)
             if self.ticket.worker is not None:  # granted, but nothing was sent
                 if self.worker is not None:
                     self.worker.close_stream(self.id)
@@ -107,6 +159,7 @@ class Run:
                 self.slot.withdraw(self.ticket)
             return
         self.finished = True
+        self._count_cancel()
         _spawn(self._reap(self.worker, self._q))
 
     async def _reap(self, worker: WorkerProcess, q: asyncio.Queue[StreamItem] | None) -> None:
@@ -122,6 +175,7 @@ class Run:
                     raise TimeoutError
                 item = await asyncio.wait_for(q.get(), left)
                 if isinstance(item, (Done, Error, WorkerGone)):
+                    self._end(item if isinstance(item, Done) else None)
                     break
             log.info("request %s cancelled; worker free after %.1f ms", self.id, (time.monotonic() - t0) * 1000)
         except TimeoutError:

@@ -20,6 +20,9 @@ every spawn, so a test can change behaviour between spawns), a map of model name
     no_template       bool   has_chat_template False (chat -> no_chat_template)
     n_ctx             int    context size (default --n-ctx or 256)
     length            int    tokens before EOS (default 12)
+    max_jobs          int    KV slots: generations run at once (Ready.max_jobs, default 1)
+    report_slots      bool   Pong carries its slot list (else slots=[], as today's real worker)
+    cache_n           int    prompt tokens reported as reused from the cache (Done.cache_n, capped)
 
 Per-request directives inside the prompt (or any message content):
 ``[crash]`` exit 9 after the first token; ``[hang]`` freeze the whole process
@@ -119,7 +122,9 @@ class FakeWorker:
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 1000)
-        self.running: str | None = None
+        self.max_jobs = int(self.sw.get("max_jobs", 1))
+        self.running: dict[str, int] = {}  # request id -> KV slot
+        self.held = [0] * self.max_jobs  # tokens each slot's KV holds (kept after a request ends)
         self.cancelled: set[str] = set()
         self.task: asyncio.Task[None] | None = None
 
@@ -148,7 +153,8 @@ class FakeWorker:
             id="ready", model=self.args.model, architecture="fake", gguf_path=self.args.gguf,
             file_size=os.path.getsize(self.args.gguf), fingerprint="f" * 64, n_ctx=self.n_ctx,
             n_ctx_train=4096, n_vocab=N_VOCAB, has_chat_template=not self.sw.get("no_template"),
-            pid=os.getpid(), load_ms=(time.monotonic() - t0) * 1000))
+            pid=os.getpid(), load_ms=(time.monotonic() - t0) * 1000, max_jobs=self.max_jobs,
+            kv_budget_tokens=self.max_jobs * self.n_ctx))
         _log("ready", model=self.args.model)
         while True:
             msg = decode(await self.sock.recv())
@@ -176,21 +182,25 @@ class FakeWorker:
 
     async def handle(self, msg: Message) -> None:
         if isinstance(msg, Ping):
-            await self.send(Pong(id=msg.id, busy=self.running is not None, queue_len=0,
-                                 running_ids=[] if self.running is None else [self.running], pid=os.getpid()))
+            by_slot = {slot: rid for rid, slot in self.running.items()}
+            slots = [{"id": i, "id_task": by_slot.get(i), "is_processing": i in by_slot, "n_past": self.held[i]}
+                     for i in range(self.max_jobs)] if self.sw.get("report_slots") else []
+            await self.send(Pong(id=msg.id, busy=bool(self.running), queue_len=0,
+                                 running_ids=list(self.running), slots=slots, kv_tokens=sum(self.held),
+                                 kv_budget_tokens=self.max_jobs * self.n_ctx, pid=os.getpid()))
         elif isinstance(msg, Cancel):
             _log("cancel", id=msg.id)
             if not self.sw.get("ignore_cancel"):
                 self.cancelled.add(msg.id)
         elif isinstance(msg, Generate):
-            _log("generate", id=msg.id, busy=self.running is not None, max_tokens=msg.max_tokens,
+            _log("generate", id=msg.id, busy=len(self.running) >= self.max_jobs, max_tokens=msg.max_tokens,
                  temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, min_p=msg.min_p,
                  seed=msg.seed, stop=msg.stop, n_probs=msg.n_probs, messages=msg.messages,
                  prompt=msg.prompt, logit_bias=msg.logit_bias)
-            if self.running is not None:
+            if len(self.running) >= self.max_jobs:
                 await self.send(Error(id=msg.id, code="busy", message="a generation is already running"))
                 return
-            self.running = msg.id
+            self.running[msg.id] = min(set(range(self.max_jobs)) - set(self.running.values()))
             self.task = asyncio.get_running_loop().create_task(self.generate(msg))
         elif isinstance(msg, Tokenize):
             ids = tokenize(msg.content, msg.add_special)
@@ -213,7 +223,7 @@ class FakeWorker:
         try:
             await self._generate(g)
         finally:
-            self.running = None
+            self.running.pop(g.id, None)
             self.cancelled.discard(g.id)
 
     async def _generate(self, g: Generate) -> None:
@@ -256,6 +266,8 @@ class FakeWorker:
         utf8 = "[utf8]" in text
         m = re.search(r"\[hold(?:@(\d+))?\]", text)
         hold_from = (int(m.group(1) or 0)) if m else None
+        slot = self.running[g.id]
+        self.held[slot] = len(prompt_ids)
         t0 = time.monotonic()
         await asyncio.sleep(0.01)  # "prefill"
         prompt_ms = (time.monotonic() - t0) * 1000
@@ -288,6 +300,7 @@ class FakeWorker:
             tid = (200 + i) if utf8 and i < 2 else 100 + (i - (2 if utf8 else 0))
             full += pc
             n += 1
+            self.held[slot] += 1
             try:
                 text_now = full.decode("utf-8")
             except UnicodeDecodeError:
@@ -334,7 +347,8 @@ class FakeWorker:
         await self.send(Done(id=g.id, finish_reason=finish, stop_type=stop_type, stopping_word=stopping_word,
                              text=tail, prompt_tokens=len(prompt_ids), completion_tokens=n,
                              prompt_n=len(prompt_ids), prompt_ms=prompt_ms, predicted_n=n,
-                             predicted_ms=(time.monotonic() - t1) * 1000, cache_n=0))
+                             predicted_ms=(time.monotonic() - t1) * 1000,
+                             cache_n=min(int(self.sw.get("cache_n", 0)), len(prompt_ids)), id_slot=slot))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ import psutil
 import pytest
 
 from tests.router.conftest import GEMMA, MODELS, ROOT, SMOLLM2, LiveRouter, alive
+from tests.router.metrics_util import delta, scrape, value
 from tests.timing import report
 
 pytestmark = [
@@ -274,6 +275,51 @@ def test_huge_seed_is_400_and_the_real_worker_keeps_serving(router: LiveRouter) 
     r = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     assert router.admin("SmolLM2-135M-Instruct")["pid"] == pid
+
+
+def test_props_slots_and_metrics_after_real_requests(router: LiveRouter) -> None:
+    """A llama-server client's reads (props, slots) and /metrics against the real worker:
+    counters move by exactly what the answers report."""
+    props = httpx.get(router.url + "/props", params={"model": "smollm2"}, timeout=300).json()
+    assert props["total_slots"] >= 1 and props["default_generation_settings"]["n_ctx"] == 512
+    assert props["model_path"] == str(SMOLLM2.resolve())
+    assert "<|im_start|>" in props["chat_template"]  # the GGUF's own, read from its header
+    assert props["default_generation_settings"]["params"]["temperature"] == 0.8
+    slots = httpx.get(router.url + "/slots", params={"model": "smollm2"}, timeout=60).json()
+    assert len(slots) == props["total_slots"] and not any(s["is_processing"] for s in slots)
+
+    with httpx.stream("POST", router.url + "/v1/chat/completions", timeout=300, json={
+            "model": "smollm2", "messages": MSG, "max_tokens": 200, "stream": True}) as r:
+        lines = r.iter_lines()
+        first = json.loads(next(ln for ln in lines if ln.startswith("data: "))[len("data: "):])
+        busy = httpx.get(router.url + "/slots", params={"model": "smollm2"}, timeout=60).json()
+        assert [s["id_task"] for s in busy if s["is_processing"]] == [first["id"]]
+    router.wait_for(lambda: not any(s["is_processing"] for s in httpx.get(
+        router.url + "/slots", params={"model": "smollm2"}, timeout=60).json()), what="slot idle")
+
+    before = scrape(router.url)
+    outs = [httpx.post(router.url + "/v1/chat/completions", timeout=300, json={
+        "model": "smollm2", "messages": MSG, "temperature": 0, "max_tokens": n}).json() for n in (5, 9, 9)]
+    native = httpx.post(router.url + "/completion", timeout=300, json={
+        "model": "smollm2", "prompt": "The sky is", "n_predict": 6, "temperature": 0}).json()
+    after = scrape(router.url)
+    prompt = sum(o["usage"]["prompt_tokens"] for o in outs) + native["tokens_evaluated"]
+    cached = sum(o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs) + native["timings"]["cache_n"]
+    generated = sum(o["usage"]["completion_tokens"] for o in outs) + native["tokens_predicted"]
+    model = "SmolLM2-135M-Instruct"
+    assert delta(before, after, "modelyard_prompt_tokens_total", model=model) == prompt
+    assert delta(before, after, "modelyard_prompt_tokens_cached_total", model=model) == cached
+    assert cached > 0  # the same conversation again: its prefix comes from the KV cache
+    assert delta(before, after, "modelyard_generation_tokens_total", model=model) == generated
+    assert delta(before, after, "modelyard_requests_total", model=model, route="/v1/chat/completions",
+                 status="200") == 3
+    assert delta(before, after, "modelyard_requests_total", model=model, route="/completion", status="200") == 1
+    assert delta(before, after, "modelyard_time_to_first_token_seconds_count", model=model) == 4
+    assert delta(before, after, "modelyard_e2e_request_latency_seconds_count", model=model) == 4
+    assert delta(before, after, "modelyard_inter_token_latency_seconds_count", model=model) == generated - 4
+    assert value(after, "modelyard_model_state", model=model, state="ready") == 1
+    assert value(after, "modelyard_slots_total", model=model) == props["total_slots"]
+    assert value(after, "modelyard_request_cancellations_total", model=model, stage="decode") >= 1
 
 
 def test_router_sigkill_leaves_no_orphan_workers(router: LiveRouter) -> None:

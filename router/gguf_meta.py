@@ -1,0 +1,98 @@
+"""String values from a GGUF file's metadata header, read by the router itself.
+
+Only what ``/props`` shows without asking a worker (``tokenizer.chat_template``).
+Pure Python (``struct``; the router never imports numpy or ``gguf``): it walks
+the key/value section of the header (GGUF v2/v3, little-endian), skipping values
+it does not need — arrays of fixed-size items with one seek, string arrays
+string by string — and stops at the first key asked for. Results are cached
+per (path, size, mtime). A file that is not GGUF, or is cut short, gives None.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from pathlib import Path
+from typing import BinaryIO
+
+_MAGIC = b"GGUF"
+#: Byte size of each fixed-size GGUF value type (type code -> size).
+_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+#: Longest string value accepted, bytes (a chat template is a few KiB).
+_MAX_STRING = 16 * 1024 * 1024
+
+
+class _Truncated(Exception):
+    pass
+
+
+def _read(f: BinaryIO, n: int) -> bytes:
+    b = f.read(n)
+    if len(b) != n:
+        raise _Truncated
+    return b
+
+
+def _u32(f: BinaryIO) -> int:
+    return int(struct.unpack("<I", _read(f, 4))[0])
+
+
+def _u64(f: BinaryIO) -> int:
+    return int(struct.unpack("<Q", _read(f, 8))[0])
+
+
+def _string(f: BinaryIO) -> bytes:
+    n = _u64(f)
+    if n > _MAX_STRING:
+        raise _Truncated
+    return _read(f, n)
+
+
+def _skip(f: BinaryIO, vtype: int) -> None:
+    if vtype in _FIXED:
+        f.seek(_FIXED[vtype], 1)
+    elif vtype == _STRING:
+        f.seek(_u64(f), 1)
+    elif vtype == _ARRAY:
+        itype, count = _u32(f), _u64(f)
+        if itype in _FIXED:
+            f.seek(_FIXED[itype] * count, 1)
+        else:
+            for _ in range(count):
+                _skip(f, itype)
+    else:
+        raise _Truncated  # unknown type: cannot know its size
+
+
+def read_string(path: Path, key: str) -> str | None:
+    """The string value of ``key`` in the GGUF header of ``path`` (None if absent,
+    not a string, or the file is unreadable or not GGUF)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return _read_string(str(path), st.st_size, st.st_mtime_ns, key)
+
+
+@functools.lru_cache(maxsize=64)
+def _read_string(path: str, size: int, mtime_ns: int, key: str) -> str | None:
+    want = key.encode()
+    try:
+        with open(path, "rb") as f:
+            if _read(f, 4) != _MAGIC:
+                return None
+            version = _u32(f)
+            if version < 2:
+                return None
+            _u64(f)  # tensor count
+            n_kv = _u64(f)
+            for _ in range(n_kv):
+                k = _string(f)
+                vtype = _u32(f)
+                if k == want:
+                    return _string(f).decode("utf-8", "replace") if vtype == _STRING else None
+                _skip(f, vtype)
+    except (OSError, _Truncated, struct.error):
+        return None
+    return None

@@ -1,0 +1,197 @@
+"""Prometheus metrics of one router (``GET /metrics``), with prometheus-client.
+
+Every metric lives on the app's own :class:`~prometheus_client.CollectorRegistry`
+(never the process-global one), so several apps in one process — tests — keep
+separate counts. Names are ``modelyard_*`` and follow vLLM's where one exists
+(``num_requests_running``, ``prompt_tokens_total``, ``time_to_first_token_seconds``,
+``inter_token_latency_seconds``, ``e2e_request_latency_seconds``,
+``request_queue_time_seconds``).
+
+* Counters and histograms are written where the event happens: the HTTP layer
+  (:class:`RequestMetrics`, requests by route and status; the error handler,
+  rejections), the pool (loads, failures, crashes, restarts, load time) and each
+  run (tokens, latencies, cancellations).
+* Gauges (state, queue, running, slots, KV tokens) are read at scrape time from
+  a snapshot function the pool provides (:class:`ModelGauges` per model), so they
+  are never stale and nothing has to keep them in step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from starlette.requests import Request
+from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+#: ``Content-Type`` of the text exposition.
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+#: Worker states a model can be in (``modelyard_model_state``'s ``state`` label).
+STATES = ("unloaded", "loading", "ready", "draining", "failed")
+
+#: Where a cancelled request was: waiting for its turn, prefilling (no token yet), decoding.
+CANCEL_STAGES = ("queue", "prefill", "decode")
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                5.0, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0,
+                120.0, 240.0, 480.0, 960.0, 1920.0)
+_LOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+@dataclass(frozen=True)
+class ModelGauges:
+    """One model's point-in-time figures, as the pool sees them at scrape time."""
+
+    model: str
+    state: str  # one of STATES
+    loaded: bool  # a worker holds the model (ready or draining)
+    waiting: int  # requests admitted, waiting for a job slot
+    running: int  # requests holding a job slot
+    total_slots: int  # the worker's KV slots (Ready.max_jobs); 0 when no worker is up
+    busy_slots: int  # KV slots running a request
+    kv_tokens: int  # KV positions held (the worker's last Pong; 0 without one)
+    kv_budget_tokens: int  # KV positions the worker's budget allows (0: unknown)
+
+
+class Metrics:
+    """The metric objects of one router app and its registry. ``models``: configured
+    model names, whose per-model counters start at 0 (so a scrape shows every model)."""
+
+    def __init__(self, models: Iterable[str]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        self.requests = Counter("modelyard_requests", "HTTP requests answered, by model (empty when the "
+                                "route names none), route template and status code",
+                                ["model", "route", "status"], registry=reg)
+        self.rejections = Counter("modelyard_rejections", "Requests refused with a 503 before they ran, "
+                                  "by reason (the error code: queue_full, model_unloading, ...)",
+                                  ["model", "reason"], registry=reg)
+        self.loads = Counter("modelyard_model_loads", "Worker loads started", ["model"], registry=reg)
+        self.load_failures = Counter("modelyard_model_load_failures", "Worker loads that failed "
+                                     "(error, exit or load_timeout_s)", ["model"], registry=reg)
+        self.crashes = Counter("modelyard_worker_crashes", "Ready workers that died or were killed as hung",
+                               ["model"], registry=reg)
+        self.restarts = Counter("modelyard_worker_restarts", "Loads started after a crash", ["model"],
+                                registry=reg)
+        self.cancellations = Counter("modelyard_request_cancellations", "Requests cancelled (client gone, "
+                                     "unload, shutdown), by stage: queue, prefill, decode",
+                                     ["model", "stage"], registry=reg)
+        self.prompt_tokens = Counter("modelyard_prompt_tokens", "Prompt tokens of finished generations",
+                                     ["model"], registry=reg)
+        self.prompt_tokens_cached = Counter("modelyard_prompt_tokens_cached", "Prompt tokens reused from "
+                                            "the KV cache (Done.cache_n)", ["model"], registry=reg)
+        self.generation_tokens = Counter("modelyard_generation_tokens", "Generated tokens", ["model"],
+                                         registry=reg)
+        self.ttft = Histogram("modelyard_time_to_first_token_seconds", "Admission to the first token",
+                              ["model"], buckets=_TTFT_BUCKETS, registry=reg)
+        self.itl = Histogram("modelyard_inter_token_latency_seconds", "Between two tokens of one stream",
+                             ["model"], buckets=_ITL_BUCKETS, registry=reg)
+        self.e2e = Histogram("modelyard_e2e_request_latency_seconds", "Admission to the final frame of "
+                             "a generation", ["model"], buckets=_E2E_BUCKETS, registry=reg)
+        self.queue_time = Histogram("modelyard_request_queue_time_seconds", "Admission to getting a job "
+                                    "slot (includes waiting for the model to load)", ["model"],
+                                    buckets=_E2E_BUCKETS, registry=reg)
+        self.load_time = Histogram("modelyard_model_load_seconds", "Worker spawn to Ready", ["model"],
+                                   buckets=_LOAD_BUCKETS, registry=reg)
+        for m in models:
+            for c in (self.loads, self.load_failures, self.crashes, self.restarts, self.prompt_tokens,
+                      self.prompt_tokens_cached, self.generation_tokens):
+                c.labels(m)
+            for stage in CANCEL_STAGES:
+                self.cancellations.labels(m, stage)
+
+    def watch(self, snapshot: Callable[[], list[ModelGauges]]) -> None:
+        """Read the per-model gauges from ``snapshot()`` at every scrape."""
+        self.registry.register(_GaugeCollector(snapshot))
+
+    def render(self) -> bytes:
+        """The text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class _GaugeCollector:
+    def __init__(self, snapshot: Callable[[], list[ModelGauges]]) -> None:
+        self._snapshot = snapshot
+
+    def describe(self) -> list[Metric]:
+        return []  # families are made at collect time; nothing to check against at registration
+
+    def collect(self) -> Iterator[Metric]:
+        rows = self._snapshot()
+        state = GaugeMetricFamily("modelyard_model_state", "1 for the state the model is in, 0 for the others",
+                                  labels=["model", "state"])
+        families = {
+            "loaded": GaugeMetricFamily("modelyard_model_loaded", "1 while a worker holds the model "
+                                        "(ready or draining)", labels=["model"]),
+            "waiting": GaugeMetricFamily("modelyard_num_requests_waiting", "Requests waiting for a job slot "
+                                         "(the queue depth)", labels=["model"]),
+            "running": GaugeMetricFamily("modelyard_num_requests_running", "Requests holding a job slot",
+                                         labels=["model"]),
+            "total_slots": GaugeMetricFamily("modelyard_slots_total", "KV slots of the worker (0: none up)",
+                                             labels=["model"]),
+            "busy_slots": GaugeMetricFamily("modelyard_slots_busy", "KV slots running a request",
+                                            labels=["model"]),
+            "kv_tokens": GaugeMetricFamily("modelyard_kv_cache_tokens", "KV positions held (running "
+                                           "sequences and idle prefix-cache entries)", labels=["model"]),
+            "kv_budget_tokens": GaugeMetricFamily("modelyard_kv_cache_budget_tokens", "KV positions the "
+                                                  "worker's budget allows (0: unknown)", labels=["model"]),
+        }
+        for row in rows:
+            for s in STATES:
+                state.add_metric([row.model, s], 1.0 if row.state == s else 0.0)
+            for key, fam in families.items():
+                fam.add_metric([row.model], float(getattr(row, key)))
+        yield state
+        yield from families.values()
+
+
+def label_request(request: Request, model: str) -> None:
+    """Name the model a request is for, as ``modelyard_requests_total``'s ``model`` label."""
+    request.state.model = model
+
+
+class RequestMetrics:
+    """ASGI middleware counting every HTTP answer by route template and status
+    (``modelyard_requests_total``). Outermost, so auth failures (401) count too. The
+    model label is the one a handler resolved (``request.state.model``), else empty."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: list[BaseRoute]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.routes = routes
+
+    def _template(self, scope: Scope) -> str:
+        for route in self.routes:
+            match, _ = route.matches(scope)
+            if match is not Match.NONE:
+                return str(getattr(route, "path", "other"))
+        return "other"  # unknown paths share one label (no unbounded label values)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [0]
+
+        async def send_wrapper(msg: Message) -> None:
+            if msg["type"] == "http.response.start":
+                status[0] = int(msg["status"])
+            await send(msg)
+
+        failed = True
+        try:
+            await self.app(scope, receive, send_wrapper)
+            failed = False
+        finally:
+            model = scope.get("state", {}).get("model", "")
+            # no answer started: a bug (Starlette's outer handler answers 500), else the client went away
+            code = str(status[0]) if status[0] else ("500" if failed else "499")
+            self.metrics.requests.labels(model, self._template(scope), code).inc()
