@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat-template", default=None)
     p.add_argument("--max-queue", type=int, default=8)
     p.add_argument("--threads", type=int, default=None)
-    # accepted like the real worker; the fake runs one generation at a time and says so (Ready.max_jobs = 1)
+    # accepted like the real worker; the fake's slots come from its max_jobs switch instead
     p.add_argument("--parallel", type=int, default=1)
     p.add_argument("--kv-budget-mib", type=float, default=None)
     p.add_argument("--parent-pid", type=int, required=True)
