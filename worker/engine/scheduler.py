@@ -19,8 +19,8 @@ Prefix cache (llama.cpp ``--slot-prompt-similarity`` / ``--cache-ram`` in
 spirit): a new request starts from the entry (idle or running) sharing the
 longest common token prefix with its prompt. An idle entry it extends is taken
 over; otherwise the shared prefix is copied into a fresh entry and the donor
-stays as it was (a shared prefix under ``MIN_SHARED_PREFIX`` tokens is not
-reused that way). At least the last prompt token is always evaluated (its
+stays as it was (a shared prefix under ``MIN_SHARED_PREFIX`` tokens and under
+half the prompt is not reused that way). At least the last prompt token is always evaluated (its
 logits are needed). Only verified tokens are reused: an entry's ``tokens``
 grow only after a forward pass returned, so a cancelled or failed sequence
 never leaves KV that another trusts.
@@ -53,8 +53,9 @@ __all__ = ["DEFAULT_N_BATCH", "BatchModel", "Finished", "Scheduler", "SeqRequest
 #: Prompt tokens per step (the prefill chunk budget), as llama.cpp's n_batch/n_ubatch.
 DEFAULT_N_BATCH = 256
 
-#: A prefix shorter than this is not worth copying or cutting another conversation's entry for
-#: (extending an entry the prompt fully contains has no minimum).
+#: A shared prefix shorter than this (and than half the prompt, llama.cpp's slot-similarity
+#: idea) is not worth copying or cutting another conversation's entry for (extending an entry
+#: the prompt fully contains has no minimum).
 MIN_SHARED_PREFIX = 16
 
 
@@ -359,7 +360,7 @@ class Scheduler:
         if donor is not None:
             if donor_idle and n_keep == donor.n_past:
                 plans.append(("take", donor))
-            elif n_keep >= MIN_SHARED_PREFIX:
+            elif n_keep >= MIN_SHARED_PREFIX or 2 * n_keep >= len(prompt):
                 plans.append(("copy", donor))
                 if donor_idle:
                     plans.append(("take", donor))
