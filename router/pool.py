@@ -47,10 +47,12 @@ from router.errors import (
 )
 from router.process import (
     TRANSITIONS,
+    CurveKeypair,
     LoadFailed,
     WorkerProcess,
     WorkerState,
     _spawn,
+    new_curve_keypair,
 )
 
 log = logging.getLogger("modelyard.pool")
@@ -137,6 +139,7 @@ class ModelSlot:
             "idle_ttl_s": self.model.idle_ttl_s,
             "last_exit_code": self.last_exit_code,
             "spawn_count": self.spawn_count,
+            "refused_peers": w.refused_peers if w is not None else 0,
             "rss_bytes": w.rss_bytes() if w is not None else None,
             "n_ctx": ready.n_ctx if ready else self.model.n_ctx,
             "architecture": ready.architecture if ready else None,
@@ -442,6 +445,14 @@ class Pool:
         # ipc sockets: a private directory named after this router (stale ones of dead routers are swept)
         self.socket_dir: Path | None = make_socket_dir() if config.server.transport == "ipc" else None
         self._endpoints = 0
+        # tcp: one CURVE keypair for this service; each worker gets the public half privately
+        self.curve: CurveKeypair | None = None
+        if config.server.transport == "tcp":
+            try:
+                self.curve = new_curve_keypair()
+            except RuntimeError as e:
+                log.warning("transport = \"tcp\" without CURVE (%s): worker traffic is not encrypted; "
+                            "workers still prove their per-spawn secret", e)
         self.slots: dict[str, ModelSlot] = {name: ModelSlot(m, self) for name, m in config.models.items()}
 
     def get(self, name: str) -> ModelSlot:
@@ -459,7 +470,7 @@ class Pool:
         else:
             assert self.socket_dir is not None
             endpoint = f"ipc://{self.socket_dir}/w{self._endpoints}.sock"
-        return WorkerProcess(model, endpoint, self._ctx, self.worker_module)
+        return WorkerProcess(model, endpoint, self._ctx, self.worker_module, curve_server=self.curve)
 
     def begin_shutdown(self) -> None:
         """The router is stopping (SIGTERM/SIGINT): new requests and waiting ones get 503

@@ -274,6 +274,25 @@ def test_huge_seed_is_400_and_the_real_worker_keeps_serving(router: LiveRouter) 
     assert router.admin("SmolLM2-135M-Instruct")["pid"] == pid
 
 
+def test_tcp_transport_with_curve_gives_the_same_answer(router: LiveRouter, tmp_path: Path) -> None:
+    """transport = "tcp": the real worker takes its CURVE keys and secret from the pipe, connects,
+    and answers exactly as over ipc (temperature 0)."""
+    body = {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+    want = httpx.post(router.url + "/v1/completions", json=body, timeout=300)
+    assert want.status_code == 200, want.text
+    cfg = CONFIG.replace("[server]\n", '[server]\ntransport = "tcp"\n', 1)
+    r = LiveRouter(tmp_path, cfg, real=True)
+    try:
+        got = httpx.post(r.url + "/v1/completions", json=body, timeout=300)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
+        info = r.admin("SmolLM2-135M-Instruct")
+        assert info["state"] == "ready" and info["refused_peers"] == 0
+    finally:
+        r.stop(timeout=60)
+        r.kill()
+
+
 def test_router_sigkill_leaves_no_orphan_workers(router: LiveRouter) -> None:
     client = router.client(timeout=300)
     client.completions.create(model="smollm2", prompt="Hi", max_tokens=1)
