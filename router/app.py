@@ -25,6 +25,7 @@ from router.config import Config
 from router.errors import ApiError, InternalError, MethodNotAllowed, NotFound, error_response
 from router.pool import Pool
 from router.responses import JSONResponse
+from router.security import BrowserGuard
 
 log = logging.getLogger("modelyard.app")
 
@@ -75,7 +76,8 @@ def create_app(config: Config, *, worker_module: str | None = None) -> Starlette
               *openai_api.routes, *llamacpp_api.routes, *admin.routes]
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(BearerAuth, server=config.server)],
+        # outermost first: browser-origin rules (and CORS preflights) come before key checks
+        middleware=[Middleware(BrowserGuard, server=config.server), Middleware(BearerAuth, server=config.server)],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _bug},
         lifespan=lifespan,
     )

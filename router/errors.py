@@ -63,6 +63,33 @@ class Unauthorized(ApiError):
     default_code = "invalid_api_key"
 
 
+class Forbidden(ApiError):
+    """403: a browser-origin rule refused the request (``router.security``)."""
+
+    status = 403
+    type = "invalid_request_error"
+    default_code = "forbidden"
+
+
+class RequestTimeout(ApiError):
+    """408: the client did not send its whole body within ``server.body_timeout_s``."""
+
+    status = 408
+    type = "invalid_request_error"
+    default_code = "request_timeout"
+
+    def headers(self) -> dict[str, str]:
+        return {"Connection": "close"}
+
+
+class UnsupportedMediaType(ApiError):
+    """415: a JSON route got a body that does not say it is JSON."""
+
+    status = 415
+    type = "invalid_request_error"
+    default_code = "unsupported_media_type"
+
+
 class NotFound(ApiError):
     status = 404
     type = "invalid_request_error"

@@ -246,7 +246,7 @@ def test_unload_while_running_lets_it_finish(router: LiveRouter) -> None:
 
 
 def test_malformed_bodies_and_context_overflow(router: LiveRouter, client: openai.OpenAI) -> None:
-    r = httpx.post(router.url + "/v1/chat/completions", content=b"{", timeout=30)
+    r = httpx.post(router.url + "/v1/chat/completions", content=b"{", headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400
     r = httpx.post(router.url + "/v1/chat/completions", json={"model": "smollm2", "messages": "hi"}, timeout=30)
     assert r.status_code == 400
