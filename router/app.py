@@ -23,6 +23,7 @@ from router import admin, llamacpp_api, openai_api
 from router.auth import BearerAuth
 from router.config import Config
 from router.errors import ApiError, InternalError, MethodNotAllowed, NotFound, error_response
+from router.http_server import FramingGuard
 from router.pool import Pool
 from router.responses import JSONResponse
 from router.security import BrowserGuard
@@ -76,8 +77,9 @@ def create_app(config: Config, *, worker_module: str | None = None) -> Starlette
               *openai_api.routes, *llamacpp_api.routes, *admin.routes]
     app = Starlette(
         routes=routes,
-        # outermost first: browser-origin rules (and CORS preflights) come before key checks
-        middleware=[Middleware(BrowserGuard, server=config.server), Middleware(BearerAuth, server=config.server)],
+        # outermost first: request framing, then browser-origin rules (and CORS preflights), then keys
+        middleware=[Middleware(FramingGuard), Middleware(BrowserGuard, server=config.server),
+                    Middleware(BearerAuth, server=config.server)],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _bug},
         lifespan=lifespan,
     )
