@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from protocol.limits import GENERATE_LIMITS
+
 #: Sampling keys a model (or [defaults]) may preset. A request's own value wins;
 #: these win over the API's built-in defaults (OpenAI's for /v1/*, llama.cpp's for /completion).
 SAMPLING_KEYS: dict[str, tuple[type, float | None, float | None]] = {
@@ -228,6 +230,9 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
                     sampling[key] = _int(merged, key, src(key), 0, lo, hi)
                 else:
                     sampling[key] = _float(merged, key, src(key), 0.0, lo, hi)
+                bound = GENERATE_LIMITS.get(key)  # what the worker accepts
+                if bound is not None and not bound.contains(sampling[key]):
+                    raise ConfigError(f"{src(key)}.{key}", f"must be {bound.describe()}, got {sampling[key]}")
         ping_interval = _float(merged, "ping_interval_s", src("ping_interval_s"), 5.0, 0.0)
         models[name] = ModelConfig(
             name=name,

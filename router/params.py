@@ -24,6 +24,7 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
+from protocol.limits import Bound
 from router.errors import BadRequest, PayloadTooLarge, RequestTimeout
 from router.security import check_json_content_type
 from router.sse import ClientDisconnected
@@ -169,6 +170,15 @@ def _as_float(v: Any) -> float | None:
     except OverflowError:
         return None
     return f if math.isfinite(f) else None
+
+
+def get_bounded(body: dict[str, Any], key: str, default: Any, bound: Bound, *, integer: bool = False) -> Any:
+    """A number field checked against a ``protocol.limits`` bound (the table the worker
+    enforces too): a 400 naming ``key`` outside it."""
+    v = get_int(body, key, default) if integer else get_float(body, key, default)
+    if _present(body, key) and not bound.contains(v):
+        raise BadRequest(f"'{key}' must be {bound.describe()}, got {_show(v)}", param=key)
+    return v
 
 
 def get_float(body: dict[str, Any], key: str, default: Any, lo: float | None = None,
