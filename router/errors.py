@@ -190,6 +190,16 @@ def unsendable(reason: str) -> BadRequest:
                       param=m.group(1) if m else None)
 
 
+#: An absolute file path inside a message (two or more components): ``/a/b/model.gguf``.
+_ABS_PATH = re.compile(r"(?<![\w.~:/-])/(?:[^\s/'\"`:,;()<>]+/)+([^\s/'\"`:,;()<>]+)")
+
+
+def redact_paths(message: str) -> str:
+    """``message`` with every absolute path cut to its last component (``.../model.gguf``):
+    what a client sees of a load error (the router log and /admin keep the full text)."""
+    return _ABS_PATH.sub(lambda m: f".../{m.group(1)}", message)
+
+
 def error_payload(err: ApiError) -> dict[str, Any]:
     """``{"error": {...}}`` as OpenAI shapes it."""
     return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}

@@ -44,6 +44,7 @@ from router.errors import (
     QueueFull,
     ServerShuttingDown,
     WorkerCrashed,
+    redact_paths,
 )
 from router.process import (
     TRANSITIONS,
@@ -263,8 +264,8 @@ class ModelSlot:
                 self.last_exit_code = e.exit_code
                 if self.state is WorkerState.LOADING:
                     self._set_state(WorkerState.FAILED, f"load failed: {e.reason}")
-                    self._fail_waiting(ModelLoadFailed(
-                        f"model '{self.model.name}' failed to load: {e.reason}"))
+                    self._fail_waiting(ModelLoadFailed(  # no absolute paths for clients
+                        f"model '{self.model.name}' failed to load: {redact_paths(e.reason)}"))
             await wp.stop(0)
             return
         except asyncio.CancelledError:
@@ -337,7 +338,7 @@ class ModelSlot:
             self.worker = None
             self._set_state(WorkerState.FAILED, f"worker crashed: {reason}")
             self._fail_waiting(WorkerCrashed(
-                f"model '{self.model.name}' worker crashed ({reason}); retry to restart it"))
+                f"model '{self.model.name}' worker crashed ({redact_paths(reason)}); retry to restart it"))
         else:
             self._changed.set()  # draining: the unload task finishes the job
 
@@ -355,7 +356,8 @@ class ModelSlot:
         if self.state is WorkerState.LOADING and self._load_task is not None:
             await asyncio.shield(self._load_task)
         if self.state is not WorkerState.READY or self.worker is None:
-            raise ModelLoadFailed(f"model '{self.model.name}' is not loaded: {self.last_error or self.state}")
+            raise ModelLoadFailed(f"model '{self.model.name}' is not loaded: "
+                                  f"{redact_paths(self.last_error or str(self.state))}")
         return self.worker
 
     async def load(self) -> float:

@@ -149,7 +149,7 @@ class FakeWorker:
             _log("crash_at_load")
             os._exit(3)
         if self.sw.get("load_error"):
-            await self.send(Error(id="load", code="load_failed", message="fake load failure: bad GGUF"))
+            await self.send(Error(id="load", code="load_failed", message=f"fake load failure: bad GGUF {os.path.abspath(self.args.gguf)}"))
             await asyncio.sleep(0.05)
             return 1
         if self.sw.get("hang_at_load"):

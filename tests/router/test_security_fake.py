@@ -189,3 +189,10 @@ def test_security_keys_errors_name_the_key(tmp_path: Path, line: str, key: str) 
     with pytest.raises(ConfigError) as e:
         load_config(_cfg(tmp_path, line))
     assert e.value.key == key
+
+
+def test_redact_paths_keeps_file_names_and_urls() -> None:
+    from router.errors import redact_paths
+
+    msg = "cannot open '/home/u/models/x.gguf': [Errno 2] No such file: /tmp/y.gguf; see http://a/b/c"
+    assert redact_paths(msg) == "cannot open '.../x.gguf': [Errno 2] No such file: .../y.gguf; see http://a/b/c"
