@@ -48,11 +48,16 @@ class Message:
 
 @dataclass(frozen=True, kw_only=True)
 class Hello(Message):
-    """Sent once right after the worker connects, before it loads its model."""
+    """Sent once right after the worker connects, before it loads its model.
+
+    ``auth`` is the per-spawn secret the router handed this worker privately
+    (``protocol.credentials``); the router accepts no peer without it. Empty when
+    the worker was started without credentials (the router then ignores it)."""
 
     TYPE: ClassVar[str] = "hello"
     model: str  # configured model name
     pid: int
+    auth: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,8 +26,10 @@ from router.auth import BearerAuth
 from router.config import Config
 from router.errors import ApiError, InternalError, MethodNotAllowed, NotFound, error_response
 from router.metrics import CONTENT_TYPE, Metrics, RequestMetrics
+from router.http_server import FramingGuard
 from router.pool import Pool
 from router.responses import JSONResponse
+from router.security import BrowserGuard
 
 log = logging.getLogger("modelyard.app")
 
@@ -99,7 +101,9 @@ def create_app(config: Config, *, worker_module: str | None = None) -> Starlette
               *openai_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *admin.routes]
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(RequestMetrics, metrics=registry, routes=routes),
+        # outermost first: request framing, metrics, then browser-origin rules (and CORS preflights), then keys
+        middleware=[Middleware(FramingGuard), Middleware(RequestMetrics, metrics=registry, routes=routes),
+                    Middleware(BrowserGuard, server=config.server),
                     Middleware(BearerAuth, server=config.server)],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _bug},
         lifespan=lifespan,

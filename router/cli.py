@@ -24,6 +24,7 @@ from starlette.applications import Starlette
 
 from router.app import create_app
 from router.config import ConfigError, check_public_bind, load_config
+from router.http_server import uvicorn_settings
 
 
 #: Seconds between ending the running generations and uvicorn's own deadline, which
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(config)
     uv = uvicorn.Config(app, host=server.host, port=server.port, log_level=args.log_level, lifespan="on",
                         timeout_graceful_shutdown=math.ceil(server.shutdown_timeout_s + ABORT_MARGIN_S),
-                        access_log=args.log_level == "debug")
+                        access_log=args.log_level == "debug", **uvicorn_settings(server))
     server_ = RouterServer(uv, app, server.shutdown_timeout_s)
     server_.run()  # handles SIGINT/SIGTERM; the lifespan shutdown stops the workers
     return 0 if server_.started else 1

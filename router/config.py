@@ -3,7 +3,8 @@
 Layout::
 
     [server]            host, port, api_key, admin_key, models_dir, transport,
-                        shutdown_timeout_s
+                        shutdown_timeout_s, allowed_hosts, cors_origins, header_timeout_s,
+                        body_timeout_s, keep_alive_timeout_s, max_connections, max_header_bytes
     [defaults]          any per-model key below except path/aliases; applies to every model
     [models.NAME]       path (required), aliases, n_ctx, chat_template, max_queue,
                         load_timeout_s, cancel_timeout_s, drain_timeout_s,
@@ -26,10 +27,13 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from protocol.limits import GENERATE_LIMITS
 
 #: Sampling keys a model (or [defaults]) may preset. A request's own value wins;
 #: these win over the API's built-in defaults (OpenAI's for /v1/*, llama.cpp's for /completion).
@@ -96,6 +100,15 @@ class ServerConfig:
     models_dir: Path = Path("models")
     transport: str = "ipc"
     shutdown_timeout_s: float = 10.0  # uvicorn's graceful-shutdown bound for open HTTP requests
+    # browser-origin protection (router.security)
+    allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides loopback ones; "*": any
+    cors_origins: tuple[str, ...] = ()  # Origins allowed cross-origin (with CORS headers); "*": any
+    # slow or absent clients (router.http_server)
+    header_timeout_s: float = 10.0  # a connection's request head must arrive within this
+    body_timeout_s: float = 30.0  # a request body must arrive in full within this (else 408)
+    keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
+    max_connections: int = 256  # open connections beyond this get 503 (uvicorn's limit_concurrency)
+    max_header_bytes: int = 16 * 1024  # a request head larger than this is a 400 (h11)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,7 +141,12 @@ _MODEL_KEYS = {
     "ping_timeout_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", *SAMPLING_KEYS,
 }
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases"}
-_SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport", "shutdown_timeout_s"}
+_SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport", "shutdown_timeout_s",
+                "allowed_hosts", "cors_origins", "header_timeout_s", "body_timeout_s",
+                "keep_alive_timeout_s", "max_connections", "max_header_bytes"}
+
+#: A ``cors_origins`` entry: scheme://host[:port], nothing after it (or "*").
+_ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#]+$")
 
 
 def load_config(path: str | Path) -> Config:
@@ -163,6 +181,13 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
         host=host, port=port, api_key=api_key, admin_key=admin_key, models_dir=models_dir,
         transport=transport,
         shutdown_timeout_s=_float(server_raw, "shutdown_timeout_s", "server", 10.0, 0.0),
+        allowed_hosts=_hosts(server_raw),
+        cors_origins=_origins(server_raw),
+        header_timeout_s=_float(server_raw, "header_timeout_s", "server", 10.0, 0.1),
+        body_timeout_s=_float(server_raw, "body_timeout_s", "server", 30.0, 0.1),
+        keep_alive_timeout_s=_float(server_raw, "keep_alive_timeout_s", "server", 5.0, 0.1),
+        max_connections=_int(server_raw, "max_connections", "server", 256, 1, 1_000_000),
+        max_header_bytes=_int(server_raw, "max_header_bytes", "server", 16 * 1024, 1024, 1024 * 1024),
     )
     check_public_bind(server)
 
@@ -208,6 +233,9 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
                     sampling[key] = _int(merged, key, src(key), 0, lo, hi)
                 else:
                     sampling[key] = _float(merged, key, src(key), 0.0, lo, hi)
+                bound = GENERATE_LIMITS.get(key)  # what the worker accepts
+                if bound is not None and not bound.contains(sampling[key]):
+                    raise ConfigError(f"{src(key)}.{key}", f"must be {bound.describe()}, got {sampling[key]}")
         ping_interval = _float(merged, "ping_interval_s", src("ping_interval_s"), 5.0, 0.0)
         models[name] = ModelConfig(
             name=name,
@@ -270,6 +298,34 @@ def check_public_bind(server: ServerConfig) -> None:
             f"binding the non-loopback host {server.host!r} requires server.api_key "
             "(every route but /health then needs 'Authorization: Bearer <api_key>')",
         )
+
+
+def _str_list(t: dict[str, Any], key: str, where: str) -> list[str]:
+    v = t.get(key, [])
+    if not isinstance(v, list) or not all(isinstance(x, str) and x.strip() for x in v):
+        raise ConfigError(f"{where}.{key}", "expected a list of non-empty strings")
+    return [x.strip() for x in v]
+
+
+def _hosts(server_raw: dict[str, Any]) -> tuple[str, ...]:
+    out = []
+    for h in _str_list(server_raw, "allowed_hosts", "server"):
+        if any(c.isspace() or c in "/:[]" for c in h) and h != "*":
+            raise ConfigError("server.allowed_hosts",
+                              f"{h!r}: expected a host name without scheme, port or path (or \"*\")")
+        out.append(h.lower().rstrip("."))
+    return tuple(out)
+
+
+def _origins(server_raw: dict[str, Any]) -> tuple[str, ...]:
+    out = []
+    for o in _str_list(server_raw, "cors_origins", "server"):
+        o = o.rstrip("/")
+        if o != "*" and not _ORIGIN.match(o.lower()):
+            raise ConfigError("server.cors_origins",
+                              f"{o!r}: expected an origin such as \"http://localhost:3000\" (or \"*\")")
+        out.append(o)
+    return tuple(out)
 
 
 # ----------------------------------------------------------------------------- helpers

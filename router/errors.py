@@ -63,6 +63,33 @@ class Unauthorized(ApiError):
     default_code = "invalid_api_key"
 
 
+class Forbidden(ApiError):
+    """403: a browser-origin rule refused the request (``router.security``)."""
+
+    status = 403
+    type = "invalid_request_error"
+    default_code = "forbidden"
+
+
+class RequestTimeout(ApiError):
+    """408: the client did not send its whole body within ``server.body_timeout_s``."""
+
+    status = 408
+    type = "invalid_request_error"
+    default_code = "request_timeout"
+
+    def headers(self) -> dict[str, str]:
+        return {"Connection": "close"}
+
+
+class UnsupportedMediaType(ApiError):
+    """415: a JSON route got a body that does not say it is JSON."""
+
+    status = 415
+    type = "invalid_request_error"
+    default_code = "unsupported_media_type"
+
+
 class NotFound(ApiError):
     status = 404
     type = "invalid_request_error"
@@ -162,6 +189,16 @@ def unsendable(reason: str) -> BadRequest:
     m = re.search(r"field '([A-Za-z_][A-Za-z0-9_]*)'", reason)
     return BadRequest(f"the request cannot be passed to the model: {reason}", code="invalid_request",
                       param=m.group(1) if m else None)
+
+
+#: An absolute file path inside a message (two or more components): ``/a/b/model.gguf``.
+_ABS_PATH = re.compile(r"(?<![\w.~:/-])/(?:[^\s/'\"`:,;()<>]+/)+([^\s/'\"`:,;()<>]+)")
+
+
+def redact_paths(message: str) -> str:
+    """``message`` with every absolute path cut to its last component (``.../model.gguf``):
+    what a client sees of a load error (the router log and /admin keep the full text)."""
+    return _ABS_PATH.sub(lambda m: f".../{m.group(1)}", message)
 
 
 def error_payload(err: ApiError) -> dict[str, Any]:

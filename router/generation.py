@@ -25,7 +25,18 @@ from starlette.requests import Request
 
 from protocol import Done, Generate, Token
 from router.errors import ApiError, ContextLengthExceeded, InternalError, Unavailable, error_payload
-from router.params import INT32_MAX, INT32_MIN, SEED_MAX, SEED_MIN, get_float, get_int, get_logit_bias, get_stop
+from protocol.limits import GENERATE_LIMITS
+from router.params import (
+    INT32_MAX,
+    INT32_MIN,
+    SEED_MAX,
+    SEED_MIN,
+    get_bounded,
+    get_float,
+    get_int,
+    get_logit_bias,
+    get_stop,
+)
 from router.pool import ModelSlot
 from router.run import Run
 from router.sse import sse_event, until_disconnect
@@ -52,7 +63,7 @@ def read_sampling(body: dict[str, Any], api_defaults: dict[str, Any], slot: Mode
                   *, openai: bool) -> dict[str, Any]:
     """Sampling fields for Generate (llama.cpp names). Raises BadRequest naming the field.
 
-    Integer bounds (see router.params): ``seed`` in [-2**63, 2**64-1] (negative: random),
+    Bounds: ``protocol.limits.GENERATE_LIMITS`` (the worker's too); integer bounds (see router.params): ``seed`` in [-2**63, 2**64-1] (negative: random),
     ``top_k`` and ``repeat_last_n`` at most INT32_MAX. ``openai`` applies OpenAI's
     stricter rules (temperature in [0, 2], logit_bias values in [-100, 100])."""
     d = {**api_defaults, **slot.model.sampling}
@@ -61,13 +72,16 @@ def read_sampling(body: dict[str, Any], api_defaults: dict[str, Any], slot: Mode
     if seed is not None and seed < 0:
         seed = None  # llama.cpp: -1 is "random"
     top_k = get_int(body, "top_k", d["top_k"], INT32_MIN, INT32_MAX)
+    lim = GENERATE_LIMITS  # the bounds the worker enforces too
+    temperature = (get_float(body, "temperature", d["temperature"], t_lo, t_hi) if openai
+                   else get_bounded(body, "temperature", d["temperature"], lim["temperature"]))
     return {
-        "temperature": get_float(body, "temperature", d["temperature"], t_lo, t_hi),
-        "top_p": get_float(body, "top_p", d["top_p"], 0.0, 1.0),
+        "temperature": temperature,
+        "top_p": get_bounded(body, "top_p", d["top_p"], lim["top_p"]),
         "top_k": max(0, top_k),
-        "min_p": get_float(body, "min_p", d["min_p"], 0.0, 1.0),
-        "repeat_penalty": get_float(body, "repeat_penalty", d["repeat_penalty"], 0.0),
-        "repeat_last_n": get_int(body, "repeat_last_n", d["repeat_last_n"], -1, INT32_MAX),
+        "min_p": get_bounded(body, "min_p", d["min_p"], lim["min_p"]),
+        "repeat_penalty": get_bounded(body, "repeat_penalty", d["repeat_penalty"], lim["repeat_penalty"]),
+        "repeat_last_n": get_bounded(body, "repeat_last_n", d["repeat_last_n"], lim["repeat_last_n"], integer=True),
         "presence_penalty": get_float(body, "presence_penalty", d["presence_penalty"], -2.0, 2.0),
         "frequency_penalty": get_float(body, "frequency_penalty", d["frequency_penalty"], -2.0, 2.0),
         "seed": seed,

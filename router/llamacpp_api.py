@@ -31,6 +31,7 @@ from protocol import (
     TokenizeResult,
     encode,
 )
+from protocol.limits import GENERATE_LIMITS
 from router.errors import BadGateway, BadRequest, from_worker_error, unsendable
 from router.generation import (
     LLAMACPP_DEFAULTS,
@@ -45,7 +46,17 @@ from router.generation import (
 )
 from router.openai_api import parse_messages
 from router.metrics import label_request
-from router.params import INT32_MAX, INT32_MIN, get_bool, get_int, get_prompt, get_str, get_token_list, read_json
+from router.params import (
+    INT32_MAX,
+    INT32_MIN,
+    get_bool,
+    get_bounded,
+    get_int,
+    get_prompt,
+    get_str,
+    get_token_list,
+    read_json,
+)
 from router.pool import ModelSlot, Pool
 from router.process import WorkerUnreachable
 from router.responses import JSONResponse
@@ -53,7 +64,6 @@ from router.sse import SSEResponse, sse_event, until_disconnect
 
 #: How long a tokenize / detokenize / apply-template call may take, s.
 CALL_TIMEOUT_S = 120.0
-MAX_N_PROBS = 100
 
 
 def _slot(request: Request, body: dict[str, Any]) -> tuple[str, ModelSlot]:
@@ -106,7 +116,7 @@ async def completion(request: Request) -> Response:
     if n_predict is None:
         n_predict = get_int(body, "max_tokens", None, INT32_MIN, INT32_MAX)
     max_tokens = None if n_predict is None or n_predict < 0 else n_predict
-    n_probs = get_int(body, "n_probs", 0, 0, MAX_N_PROBS)
+    n_probs = get_bounded(body, "n_probs", 0, GENERATE_LIMITS["n_probs"], integer=True)
     return_tokens = get_bool(body, "return_tokens", False)
     streaming = get_bool(body, "stream", False)
     msg = Generate(

@@ -17,6 +17,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from protocol import Done, Generate, Token
+from protocol.limits import MAX_N_PROBS
 from router.errors import BadRequest, NotFound
 from router.generation import (
     OPENAI_DEFAULTS,
@@ -40,7 +41,7 @@ from router.sse import SSEResponse, sse_event
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
               "tool": "tool"}
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = MAX_N_PROBS  # they become Generate.n_probs
 
 
 def _pool(request: Request) -> Pool:

@@ -16,13 +16,20 @@ number field (``temperature`` = 10**400) is a 400 too, not an OverflowError.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import math
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
-from router.errors import BadRequest, PayloadTooLarge
+from protocol.limits import Bound
+from router.errors import BadRequest, PayloadTooLarge, RequestTimeout
+from router.security import check_json_content_type
+from router.sse import ClientDisconnected
+
+log = logging.getLogger("modelyard.params")
 
 _MISSING: Any = object()
 
@@ -42,12 +49,30 @@ SEED_MIN, SEED_MAX = INT64_MIN, UINT64_MAX
 
 
 async def read_json(request: Request) -> dict[str, Any]:
-    """The request body as a JSON object. Raises BadRequest (empty, not JSON, not an object, too big)."""
+    """The request body as a JSON object.
+
+    Raises UnsupportedMediaType (415: not a JSON Content-Type, checked before any
+    byte is read), RequestTimeout (408: the whole body did not arrive within
+    ``server.body_timeout_s``), ClientDisconnected (the client left before sending
+    it all: one INFO line, no traceback), BadRequest (empty, not JSON, not an
+    object), PayloadTooLarge (over MAX_BODY_BYTES)."""
+    check_json_content_type(request.headers)
+    timeout_s = request.app.state.config.server.body_timeout_s
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise PayloadTooLarge(f"request body exceeds {MAX_BODY_BYTES} bytes")
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > MAX_BODY_BYTES:
+                    raise PayloadTooLarge(f"request body exceeds {MAX_BODY_BYTES} bytes")
+    except TimeoutError:
+        log.info("%s %s: body not received within body_timeout_s=%g s (%d bytes so far); closing",
+                 request.method, request.url.path, timeout_s, len(body))
+        raise RequestTimeout(f"the request body did not arrive within body_timeout_s={timeout_s:g} s") from None
+    except ClientDisconnect:
+        log.info("%s %s: client disconnected before sending its whole body (%d bytes received)",
+                 request.method, request.url.path, len(body))
+        raise ClientDisconnected("client disconnected before sending its body") from None
     if not body.strip():
         raise BadRequest("request body is empty; expected a JSON object")
     try:
@@ -145,6 +170,15 @@ def _as_float(v: Any) -> float | None:
     except OverflowError:
         return None
     return f if math.isfinite(f) else None
+
+
+def get_bounded(body: dict[str, Any], key: str, default: Any, bound: Bound, *, integer: bool = False) -> Any:
+    """A number field checked against a ``protocol.limits`` bound (the table the worker
+    enforces too): a 400 naming ``key`` outside it."""
+    v = get_int(body, key, default) if integer else get_float(body, key, default)
+    if _present(body, key) and not bound.contains(v):
+        raise BadRequest(f"'{key}' must be {bound.describe()}, got {_show(v)}", param=key)
+    return v
 
 
 def get_float(body: dict[str, Any], key: str, default: Any, lo: float | None = None,

@@ -46,13 +46,16 @@ from router.errors import (
     QueueFull,
     ServerShuttingDown,
     WorkerCrashed,
+    redact_paths,
 )
 from router.process import (
     TRANSITIONS,
+    CurveKeypair,
     LoadFailed,
     WorkerProcess,
     WorkerState,
     _spawn,
+    new_curve_keypair,
 )
 
 log = logging.getLogger("modelyard.pool")
@@ -188,6 +191,7 @@ class ModelSlot:
             "idle_ttl_s": self.model.idle_ttl_s,
             "last_exit_code": self.last_exit_code,
             "spawn_count": self.spawn_count,
+            "refused_peers": w.refused_peers if w is not None else 0,
             "rss_bytes": w.rss_bytes() if w is not None else None,
             "n_ctx": ready.n_ctx if ready else self.model.n_ctx,
             "architecture": ready.architecture if ready else None,
@@ -316,8 +320,8 @@ class ModelSlot:
                 self.metrics.load_failures.labels(self.model.name).inc()
                 if self.state is WorkerState.LOADING:
                     self._set_state(WorkerState.FAILED, f"load failed: {e.reason}")
-                    self._fail_waiting(ModelLoadFailed(
-                        f"model '{self.model.name}' failed to load: {e.reason}"))
+                    self._fail_waiting(ModelLoadFailed(  # no absolute paths for clients
+                        f"model '{self.model.name}' failed to load: {redact_paths(e.reason)}"))
             await wp.stop(0)
             return
         except asyncio.CancelledError:
@@ -408,7 +412,7 @@ class ModelSlot:
             self.metrics.crashes.labels(self.model.name).inc()
             self._set_state(WorkerState.FAILED, f"worker crashed: {reason}")
             self._fail_waiting(WorkerCrashed(
-                f"model '{self.model.name}' worker crashed ({reason}); retry to restart it"))
+                f"model '{self.model.name}' worker crashed ({redact_paths(reason)}); retry to restart it"))
         else:
             self._changed.set()  # draining: the unload task finishes the job
 
@@ -426,7 +430,8 @@ class ModelSlot:
         if self.state is WorkerState.LOADING and self._load_task is not None:
             await asyncio.shield(self._load_task)
         if self.state is not WorkerState.READY or self.worker is None:
-            raise ModelLoadFailed(f"model '{self.model.name}' is not loaded: {self.last_error or self.state}")
+            raise ModelLoadFailed(f"model '{self.model.name}' is not loaded: "
+                                  f"{redact_paths(self.last_error or str(self.state))}")
         return self.worker
 
     async def load(self) -> float:
@@ -544,6 +549,14 @@ class Pool:
         # ipc sockets: a private directory named after this router (stale ones of dead routers are swept)
         self.socket_dir: Path | None = make_socket_dir() if config.server.transport == "ipc" else None
         self._endpoints = 0
+        # tcp: one CURVE keypair for this service; each worker gets the public half privately
+        self.curve: CurveKeypair | None = None
+        if config.server.transport == "tcp":
+            try:
+                self.curve = new_curve_keypair()
+            except RuntimeError as e:
+                log.warning("transport = \"tcp\" without CURVE (%s): worker traffic is not encrypted; "
+                            "workers still prove their per-spawn secret", e)
         self.slots: dict[str, ModelSlot] = {name: ModelSlot(m, self) for name, m in config.models.items()}
         self.metrics.watch(self.gauges)
 
@@ -566,7 +579,7 @@ class Pool:
         else:
             assert self.socket_dir is not None
             endpoint = f"ipc://{self.socket_dir}/w{self._endpoints}.sock"
-        return WorkerProcess(model, endpoint, self._ctx, self.worker_module)
+        return WorkerProcess(model, endpoint, self._ctx, self.worker_module, curve_server=self.curve)
 
     def begin_shutdown(self) -> None:
         """The router is stopping (SIGTERM/SIGINT): new requests and waiting ones get 503

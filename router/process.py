@@ -15,7 +15,9 @@ States of a model's worker (held and changed only by ``pool.ModelSlot``)::
 ``failed`` keeps the reason and the exit code; it is distinct from ``unloaded``
 (the operator's choice). :class:`WorkerProcess` is the mechanism underneath: it
 binds a ROUTER socket, spawns the exact worker command, accepts the Hello of
-its own child only, routes frames to per-request queues by request id, and
+its own child only — the peer that proves the per-spawn secret handed to that
+child through an inherited pipe (``protocol.credentials``; over tcp the socket
+also speaks ZeroMQ CURVE with keys handed over the same way) — routes frames to per-request queues by request id, and
 watches the process (a thread blocked in ``Popen.wait``, plus psutil for
 identity and metrics). When the process exits every open request queue
 receives a :class:`WorkerGone` at once.
@@ -39,6 +41,7 @@ from typing import Any
 import psutil
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from protocol import (
     Cancel,
@@ -50,8 +53,11 @@ from protocol import (
     ProtocolError,
     Ready,
     Shutdown,
+    WorkerCredentials,
     decode,
     encode,
+    secret_matches,
+    write_credentials,
 )
 from router.config import ModelConfig
 
@@ -113,8 +119,26 @@ class WorkerUnreachable(Exception):
 WORKER_MODULE_ENV = "MODELYARD_WORKER_MODULE"
 
 
-def worker_command(model: ModelConfig, endpoint: str, module: str | None = None) -> list[str]:
-    """The exact command line of ``model``'s worker (argument list, no shell)."""
+#: A CURVE keypair (public, secret), Z85 text, as ``zmq.curve_keypair`` makes it.
+CurveKeypair = tuple[str, str]
+
+#: ZeroMQ monitor events that mean a peer failed the CURVE handshake.
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+def new_curve_keypair() -> CurveKeypair:
+    """A fresh CURVE keypair. Raises RuntimeError if libzmq was built without CURVE."""
+    if not zmq.has("curve"):
+        raise RuntimeError("this libzmq has no CURVE support (zmq.has('curve') is False)")
+    public, secret = zmq.curve_keypair()
+    return public.decode("ascii"), secret.decode("ascii")
+
+
+def worker_command(model: ModelConfig, endpoint: str, module: str | None = None,
+                   auth_fd: int | None = None) -> list[str]:
+    """The exact command line of ``model``'s worker (argument list, no shell). ``auth_fd``
+    is the inherited pipe with its credentials (only the descriptor's number is here)."""
     cmd = [sys.executable, "-m", module or os.environ.get(WORKER_MODULE_ENV) or "worker",
            "--model", model.name, "--gguf", str(model.path), "--endpoint", endpoint]
     if model.n_ctx is not None:
@@ -127,6 +151,8 @@ def worker_command(model: ModelConfig, endpoint: str, module: str | None = None)
     if model.kv_budget_mib is not None:
         cmd += ["--kv-budget-mib", repr(float(model.kv_budget_mib))]
     cmd += ["--max-queue", str(model.max_queue), "--parent-pid", str(os.getpid())]
+    if auth_fd is not None:
+        cmd += ["--auth-fd", str(auth_fd)]
     return cmd
 
 
@@ -140,7 +166,7 @@ class WorkerProcess:
     """
 
     def __init__(self, model: ModelConfig, endpoint: str, ctx: zmq.asyncio.Context,
-                 module: str | None = None) -> None:
+                 module: str | None = None, curve_server: CurveKeypair | None = None) -> None:
         self.model = model
         self.endpoint = endpoint  # "tcp://127.0.0.1:0" binds an ephemeral port (known after start)
         self._module = module
@@ -163,6 +189,10 @@ class WorkerProcess:
         self.started_at = time.time()
         self._exit_callbacks: list[Callable[[WorkerProcess], None]] = []
         self._call_ids = itertools.count(1)
+        self._curve_server = curve_server  # the service's CURVE keypair (tcp), else None
+        self._credentials: WorkerCredentials | None = None
+        self._monitor: asyncio.Task[None] | None = None
+        self.refused_peers = 0  # peers refused on this socket: bad Hello, failed CURVE handshake
 
     # ------------------------------------------------------------------ facts
 
@@ -213,6 +243,13 @@ class WorkerProcess:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, 17 * 1024 * 1024)
+        curve = None
+        if self._curve_server is not None:
+            sock.curve_server = True
+            sock.curve_publickey = self._curve_server[0].encode("ascii")
+            sock.curve_secretkey = self._curve_server[1].encode("ascii")
+            curve = (self._curve_server[0], *new_curve_keypair())
+        self._credentials = WorkerCredentials.new(curve)
         try:
             sock.bind(self.endpoint)
         except zmq.ZMQError as e:
@@ -220,16 +257,23 @@ class WorkerProcess:
             self.exited.set()
             raise LoadFailed(f"cannot bind the worker socket {self.endpoint}: {e}") from None
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.command = worker_command(self.model, self.endpoint, self._module)
         self._sock = sock
+        if curve is not None:
+            self._monitor = asyncio.create_task(self._watch_handshakes(sock),
+                                                name=f"worker-monitor-{self.model.name}")
         self._reader = asyncio.create_task(self._read_loop(), name=f"worker-reader-{self.model.name}")
-        log.info("spawning worker for %s: %s", self.model.name, " ".join(self.command))
+        auth_fd = write_credentials(self._credentials)
         try:
-            self._proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, start_new_session=True)
+            self.command = worker_command(self.model, self.endpoint, self._module, auth_fd)
+            log.info("spawning worker for %s: %s", self.model.name, " ".join(self.command))
+            self._proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, start_new_session=True,
+                                          pass_fds=(auth_fd,))
         except OSError as e:
             self._close_socket()
             self.exited.set()
             raise LoadFailed(f"cannot spawn worker: {e}") from None
+        finally:
+            os.close(auth_fd)  # the child has its copy; no other process gets one
         try:
             self._ps = psutil.Process(self._proc.pid)
         except psutil.Error:
@@ -331,6 +375,9 @@ class WorkerProcess:
     def _close_socket(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
+        if self._monitor is not None:
+            self._monitor.cancel()
+            self._monitor = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -352,6 +399,32 @@ class WorkerProcess:
                 return
             self._handle(parts)
 
+    async def _watch_handshakes(self, sock: zmq.asyncio.Socket) -> None:
+        """Log (and count) every peer that failed the CURVE handshake on ``sock``."""
+        mon = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        try:
+            while True:
+                try:
+                    event = parse_monitor_message(await mon.recv_multipart())
+                except (zmq.ZMQError, asyncio.CancelledError):
+                    return
+                self._refused(f"CURVE handshake failed ({zmq.Event(event['event']).name}, "
+                              f"errno {event['value']})")
+        finally:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            mon.close(linger=0)
+
+    def _refused(self, why: str) -> None:
+        """Count a refused peer; log the first ten, then every hundredth (a peer that keeps
+        reconnecting must not flood the log)."""
+        self.refused_peers += 1
+        n = self.refused_peers
+        if n <= 10 or n % 100 == 0:
+            log.warning("refused a peer on %s's worker socket: %s (%d refused so far)", self.model.name, why, n)
+
     def _handle(self, parts: list[bytes]) -> None:
         if len(parts) != 2:
             log.warning("dropping a %d-part frame from %s's worker", len(parts), self.model.name)
@@ -369,11 +442,13 @@ class WorkerProcess:
 
     def _dispatch(self, ident: bytes, msg: Message) -> None:
         if isinstance(msg, Hello):
-            if self._identity is None and self._is_own(msg.pid):
+            if self._identity is None and self._authentic(msg):
                 self._identity = ident
                 self._hello.set()
             elif ident != self._identity:
-                log.warning("ignoring Hello from pid %s (not %s's worker %s)", msg.pid, self.model.name, self.pid)
+                why = ("another peer is already connected" if self._identity is not None
+                       else "wrong secret or not the spawned process")
+                self._refused(f"ignoring Hello claiming pid {msg.pid} (worker {self.pid}): {why}")
             return
         if ident != self._identity:
             log.warning("ignoring %s from an unknown peer on %s's socket", msg.TYPE, self.model.name)
@@ -390,6 +465,11 @@ class WorkerProcess:
             self._ready.set_exception(LoadFailed(f"{msg.code}: {msg.message}"))
             return
         log.debug("frame %s for unknown request %s from %s's worker", msg.TYPE, msg.id, self.model.name)
+
+    def _authentic(self, hello: Hello) -> bool:
+        """The Hello proves this spawn's secret and names our process (or its child)."""
+        creds = self._credentials
+        return creds is not None and secret_matches(creds.secret, hello.auth) and self._is_own(hello.pid)
 
     def _is_own(self, pid: int) -> bool:
         if self._proc is None:

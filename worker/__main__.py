@@ -4,7 +4,7 @@ Usage::
 
     python -m worker --model NAME --gguf PATH --endpoint ENDPOINT [--n-ctx N]
                      [--chat-template NAME_OR_TEXT] [--max-queue N] [--parent-pid PID]
-                     [--threads N]
+                     [--threads N] [--auth-fd FD]
 
 ENDPOINT is the router's bound ROUTER socket (``ipc://PATH`` or
 ``tcp://HOST:PORT``); the worker connects a DEALER socket to it, sends Hello,
@@ -17,6 +17,12 @@ parent gone, 1 after a load failure, 2 for bad arguments or an internal crash.
 (``OPENBLAS_NUM_THREADS``, ``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``, before NumPy is
 imported); without it the environment decides. Several workers on few cores each
 running one thread per core slow each other down badly (busy-waiting BLAS threads).
+
+``--auth-fd FD`` is an inherited pipe holding this worker's credentials
+(``protocol.credentials``: the per-spawn secret it proves in Hello and, over tcp,
+its CURVE keys); it is read to its end and closed before anything else. The
+router always passes one; without it the worker sends an empty secret, which a
+router never accepts (tests drive such workers with their own stub).
 
 Log level: environment variable ``MODELYARD_WORKER_LOG`` (default INFO), to stderr.
 """
@@ -64,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="exit when this process is gone (default: the parent at start)")
     p.add_argument("--threads", type=_positive, default=None,
                    help="BLAS/OpenMP threads for this worker (default: as the environment says)")
+    p.add_argument("--auth-fd", type=_non_negative, default=None,
+                   help="inherited pipe with this worker's credentials (secret, CURVE keys)")
     args = p.parse_args(argv)
     if not args.endpoint.startswith(("ipc://", "tcp://")):
         p.error(f"--endpoint must be ipc://PATH or tcp://HOST:PORT, got {args.endpoint!r}")
@@ -72,6 +80,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    credentials = None
+    if args.auth_fd is not None:  # first: the pipe is this worker's alone from here on
+        from protocol.credentials import read_credentials
+
+        try:
+            credentials = read_credentials(args.auth_fd)
+        except ValueError as e:
+            print(f"python -m worker: --auth-fd: {e}", file=sys.stderr)
+            return 2
     if args.threads is not None:  # before NumPy is imported (worker.server imports the engine)
         for var in THREAD_ENV_VARS:
             os.environ[var] = str(args.threads)
@@ -86,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     server = WorkerServer(WorkerConfig(
         model=args.model, gguf=args.gguf, endpoint=args.endpoint, n_ctx=args.n_ctx,
         chat_template=args.chat_template, max_queue=args.max_queue, parallel=args.parallel,
-        kv_budget_mib=args.kv_budget_mib, parent_pid=parent))
+        kv_budget_mib=args.kv_budget_mib, parent_pid=parent, credentials=credentials))
     signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
     signal.signal(signal.SIGINT, lambda *_: server.request_stop())
     return server.serve()

@@ -63,6 +63,7 @@ from protocol import (
     Token,
     Tokenize,
     TokenizeResult,
+    WorkerCredentials,
     decode,
     encode,
 )
@@ -114,6 +115,8 @@ class WorkerConfig:
     poll_ms: longest socket poll (ms); bounds how late the parent check runs.
     parent_check_s: interval of the parent check (seconds).
     linger_ms: ZMQ LINGER on exit (ms): how long unsent frames may delay exit.
+    credentials: the per-spawn secret proven in Hello and, over tcp, the CURVE keys
+        (``protocol.credentials``); None -> an empty secret, no CURVE.
     """
 
     model: str
@@ -130,6 +133,7 @@ class WorkerConfig:
     poll_ms: int = 100
     parent_check_s: float = 0.2
     linger_ms: int = 1000
+    credentials: WorkerCredentials | None = None
 
     def __post_init__(self) -> None:
         if not self.endpoint.startswith(("ipc://", "tcp://")):
@@ -226,6 +230,11 @@ class WorkerServer:
         # full queue drops frames rather than freezing the loop (parent checks must go on).
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.RCVHWM, 100_000)
+        creds = self.cfg.credentials
+        if creds is not None and creds.curve:  # tcp: the router's key and ours, handed over privately
+            sock.curve_serverkey = str(creds.server_public).encode()
+            sock.curve_publickey = str(creds.public).encode()
+            sock.curve_secretkey = str(creds.secret_key).encode()
         try:
             sock.connect(self.cfg.endpoint)
         except zmq.ZMQError as e:
@@ -236,7 +245,8 @@ class WorkerServer:
             return 1
         self._sock = sock
         try:
-            self._send(Hello(id=self.worker_id, model=self.cfg.model, pid=self.pid))
+            self._send(Hello(id=self.worker_id, model=self.cfg.model, pid=self.pid,
+                             auth=creds.secret if creds is not None else ""))
             if self._watch is not None and self._watch.gone():
                 self._begin_stop(f"parent process {self.cfg.parent_pid} is gone", 0.0, linger_ms=0)
             else:

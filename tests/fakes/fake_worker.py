@@ -1,7 +1,8 @@
 """A fake worker speaking the real protocol, so the router's lifecycle is testable without a model.
 
 Run exactly like the real one: ``python -m tests.fakes.fake_worker --model NAME --gguf PATH
---endpoint EP [--n-ctx N] [--chat-template T] --max-queue N --parent-pid PID``
+--endpoint EP [--n-ctx N] [--chat-template T] --max-queue N --parent-pid PID [--auth-fd FD]``;
+it proves its credentials (``--auth-fd``) in Hello and uses their CURVE keys, as the real one.
 (the router runs it when ``MODELYARD_WORKER_MODULE=tests.fakes.fake_worker``).
 
 Model-level switches: the JSON file named by ``MODELYARD_FAKE_FILE`` (re-read at
@@ -12,6 +13,7 @@ every spawn, so a test can change behaviour between spawns), a map of model name
     crash_at_load     bool   exit 3 before Ready
     load_error        bool   Error(code="load_failed") then exit 1
     hang_at_load      bool   send Hello, never Ready
+    hold_hello        bool   wait before connecting and sending Hello while the hold file exists
     hold_load         bool   wait before Ready while the hold file exists (see below)
     hold_shutdown     bool   on Shutdown, wait while the hold file exists, then exit
     token_delay_s     float  sleep before each token (default 0.005)
@@ -71,8 +73,10 @@ from protocol import (
     Token,
     Tokenize,
     TokenizeResult,
+    WorkerCredentials,
     decode,
     encode,
+    read_credentials,
 )
 
 N_VOCAB = 50_000
@@ -115,13 +119,18 @@ def render(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -
 
 
 class FakeWorker:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, creds: WorkerCredentials | None) -> None:
         self.args = args
+        self.creds = creds
         self.sw = _switches(args.model)
         self.n_ctx = int(self.sw.get("n_ctx", args.n_ctx or 256))
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 1000)
+        if creds is not None and creds.curve:
+            self.sock.curve_serverkey = str(creds.server_public).encode()
+            self.sock.curve_publickey = str(creds.public).encode()
+            self.sock.curve_secretkey = str(creds.secret_key).encode()
         self.max_jobs = int(self.sw.get("max_jobs", 1))
         self.running: dict[str, int] = {}  # request id -> KV slot
         self.held = [0] * self.max_jobs  # tokens each slot's KV holds (kept after a request ends)
@@ -132,9 +141,12 @@ class FakeWorker:
         await self.sock.send(encode(msg))
 
     async def main(self) -> int:
-        self.sock.connect(self.args.endpoint)
         asyncio.get_running_loop().create_task(self.watch_parent())
-        await self.send(Hello(id="hello", model=self.args.model, pid=os.getpid()))
+        while self.sw.get("hold_hello") and _held():
+            await asyncio.sleep(0.01)
+        self.sock.connect(self.args.endpoint)
+        await self.send(Hello(id="hello", model=self.args.model, pid=os.getpid(),
+                              auth=self.creds.secret if self.creds is not None else ""))
         _log("hello", model=self.args.model)
         t0 = time.monotonic()
         await asyncio.sleep(float(self.sw.get("load_delay_s", 0.0)))
@@ -142,7 +154,7 @@ class FakeWorker:
             _log("crash_at_load")
             os._exit(3)
         if self.sw.get("load_error"):
-            await self.send(Error(id="load", code="load_failed", message="fake load failure: bad GGUF"))
+            await self.send(Error(id="load", code="load_failed", message=f"fake load failure: bad GGUF {os.path.abspath(self.args.gguf)}"))
             await asyncio.sleep(0.05)
             return 1
         if self.sw.get("hang_at_load"):
@@ -364,9 +376,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parallel", type=int, default=1)
     p.add_argument("--kv-budget-mib", type=float, default=None)
     p.add_argument("--parent-pid", type=int, required=True)
+    p.add_argument("--auth-fd", type=int, default=None)
     args = p.parse_args(argv)
+    creds = read_credentials(args.auth_fd) if args.auth_fd is not None else None
     _log("start", argv=sys.argv[1:])
-    return asyncio.run(FakeWorker(args).main())
+    return asyncio.run(FakeWorker(args, creds).main())
 
 
 if __name__ == "__main__":

@@ -356,9 +356,9 @@ def test_tokenize_detokenize_apply_template(router: LiveRouter) -> None:
 ])
 def test_malformed_bodies_get_400(router: LiveRouter, path: str, body: Any, param: str | None) -> None:
     if body is None:
-        r = httpx.post(router.url + path, content=b"{not json", timeout=30)
+        r = httpx.post(router.url + path, content=b"{not json", headers={"content-type": "application/json"}, timeout=30)
     elif isinstance(body, str):
-        r = httpx.post(router.url + path, content=body.encode(), timeout=30)
+        r = httpx.post(router.url + path, content=body.encode(), headers={"content-type": "application/json"}, timeout=30)
     else:
         r = httpx.post(router.url + path, json=body, timeout=30)
     assert r.status_code == 400, r.text
@@ -390,12 +390,12 @@ def test_a_lone_surrogate_in_the_model_name_is_a_404_not_a_500(router: LiveRoute
 def test_a_body_over_the_limit_is_413(router: LiveRouter) -> None:
     from router.params import MAX_BODY_BYTES
 
-    r = httpx.post(router.url + "/v1/completions", content=b"{" + b" " * MAX_BODY_BYTES + b"}", timeout=60)
+    r = httpx.post(router.url + "/v1/completions", content=b"{" + b" " * MAX_BODY_BYTES + b"}", headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
 def test_type_errors_name_json_types(router: LiveRouter) -> None:
-    r = httpx.post(router.url + "/v1/completions", content=b"null", timeout=30)
+    r = httpx.post(router.url + "/v1/completions", content=b"null", headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["message"].endswith("got null")
     r = httpx.post(router.url + "/v1/completions", json={"model": {"a": 1}, "prompt": "x"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["message"].endswith("got object")
@@ -462,5 +462,5 @@ def test_random_bodies_never_get_a_500(router: LiveRouter, path: str, body: dict
 
 def test_non_standard_json_constants_are_400(router: LiveRouter) -> None:
     r = httpx.post(router.url + "/v1/completions", content=b'{"model": "alpha", "prompt": "x", "temperature": NaN}',
-                   timeout=30)
+                   headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400 and "NaN" in r.json()["error"]["message"]

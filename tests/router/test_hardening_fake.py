@@ -266,3 +266,37 @@ def test_logit_bias_in_range_and_llamacpp_permissive(router: LiveRouter) -> None
     ev = [e for e in router.fake_events("generate") if e["prompt"] == "lb-permissive"][-1]
     assert ev["logit_bias"][:2] == [[5, 100.0], [6, -100.0]]
     assert ev["logit_bias"][2][0] == 7 and ev["logit_bias"][2][1] == float("-inf")
+
+
+# ----------------------------------------------------------------------------- one table of bounds
+
+
+OUT_OF_TABLE = [  # (path, body, param): outside protocol.limits.GENERATE_LIMITS, which the worker enforces
+    ("/completion", {"model": "m", "prompt": "hi", "n_probs": 21}, "n_probs"),
+    ("/completion", {"model": "m", "prompt": "hi", "n_probs": 100}, "n_probs"),
+    ("/v1/chat/completions", chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    ("/v1/completions", {"model": "m", "prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("/completion", {"model": "m", "prompt": "hi", "repeat_penalty": 0}, "repeat_penalty"),
+    ("/completion", {"model": "m", "prompt": "hi", "temperature": -0.5}, "temperature"),
+    ("/completion", {"model": "m", "prompt": "hi", "top_p": 1.5}, "top_p"),
+    ("/completion", {"model": "m", "prompt": "hi", "min_p": -0.1}, "min_p"),
+    ("/completion", {"model": "m", "prompt": "hi", "repeat_last_n": -2}, "repeat_last_n"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", OUT_OF_TABLE, ids=[f"{p}-{k}" for p, _, k in OUT_OF_TABLE])
+def test_bounds_of_the_shared_table_are_400_naming_the_field(router: LiveRouter, path: str, body: dict[str, Any],
+                                                             param: str) -> None:
+    generates = len(router.fake_events("generate"))
+    r = httpx.post(router.url + path, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param in err["message"], err
+    assert len(router.fake_events("generate")) == generates  # refused by the router, never sent
+
+
+def test_the_edges_of_the_shared_table_are_accepted(router: LiveRouter) -> None:
+    r = httpx.post(router.url + "/completion", json={"model": "m", "prompt": "hi", "n_predict": 2, "n_probs": 20,
+                                                     "repeat_penalty": 0.01, "temperature": 0}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["completion_probabilities"][0]["top_logprobs"]) == 20

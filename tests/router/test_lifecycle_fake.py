@@ -229,6 +229,12 @@ def test_load_failure_is_503_and_kept_as_failed_then_recovers(router: LiveRouter
     assert "fake load failure" in r.json()["error"]["message"]
     st = router.admin("broken")
     assert st["state"] == "failed" and "fake load failure" in st["last_error"] and st["last_exit_code"] == 1
+    # the client sees the file's name, never its absolute path (the operator's /admin and log keep it)
+    gguf = st["path"]
+    assert gguf.startswith("/") and gguf in st["last_error"]
+    assert gguf not in r.text and f".../{Path(gguf).name}" in r.json()["error"]["message"]
+    again = httpx.post(router.url + "/tokenize", json={"model": "broken", "content": "x"}, timeout=30)
+    assert again.status_code == 503 and gguf not in again.text
     router.set_fake({**SWITCHES, "broken": {"crash_at_load": True}})
     r = httpx.post(router.url + "/admin/models/load", json={"model": "broken"}, timeout=30)
     assert r.status_code == 503 and router.admin("broken")["last_exit_code"] == 3

@@ -72,6 +72,7 @@ def test_n_threads_reaches_the_worker_command(tmp_path: Path) -> None:
     ("[models.one]\nidle_ttl_s = -1\n", "models.one.idle_ttl_s"),
     ("[defaults]\nidle_ttl_s = 'never'\n", "defaults.idle_ttl_s"),
     ("[models.one]\nn_threads = 0\n", "models.one.n_threads"),
+    ("[defaults]\nrepeat_penalty = 0\n", "defaults.repeat_penalty"),  # the worker needs > 0 (protocol.limits)
 ])
 def test_config_errors_name_the_key(tmp_path: Path, extra: str, key: str) -> None:
     base = MINI.replace("[server]\nmodels_dir = \".\"\n", "")

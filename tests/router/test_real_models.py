@@ -249,7 +249,7 @@ def test_unload_while_running_lets_it_finish(router: LiveRouter) -> None:
 
 
 def test_malformed_bodies_and_context_overflow(router: LiveRouter, client: openai.OpenAI) -> None:
-    r = httpx.post(router.url + "/v1/chat/completions", content=b"{", timeout=30)
+    r = httpx.post(router.url + "/v1/chat/completions", content=b"{", headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400
     r = httpx.post(router.url + "/v1/chat/completions", json={"model": "smollm2", "messages": "hi"}, timeout=30)
     assert r.status_code == 400
@@ -320,6 +320,25 @@ def test_props_slots_and_metrics_after_real_requests(router: LiveRouter) -> None
     assert value(after, "modelyard_model_state", model=model, state="ready") == 1
     assert value(after, "modelyard_slots_total", model=model) == props["total_slots"]
     assert value(after, "modelyard_request_cancellations_total", model=model, stage="decode") >= 1
+
+
+def test_tcp_transport_with_curve_gives_the_same_answer(router: LiveRouter, tmp_path: Path) -> None:
+    """transport = "tcp": the real worker takes its CURVE keys and secret from the pipe, connects,
+    and answers exactly as over ipc (temperature 0)."""
+    body = {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+    want = httpx.post(router.url + "/v1/completions", json=body, timeout=300)
+    assert want.status_code == 200, want.text
+    cfg = CONFIG.replace("[server]\n", '[server]\ntransport = "tcp"\n', 1)
+    r = LiveRouter(tmp_path, cfg, real=True)
+    try:
+        got = httpx.post(r.url + "/v1/completions", json=body, timeout=300)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
+        info = r.admin("SmolLM2-135M-Instruct")
+        assert info["state"] == "ready" and info["refused_peers"] == 0
+    finally:
+        r.stop(timeout=60)
+        r.kill()
 
 
 def test_router_sigkill_leaves_no_orphan_workers(router: LiveRouter) -> None:

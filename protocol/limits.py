@@ -1,0 +1,57 @@
+"""The bounds of Generate's fields: one table both sides enforce.
+
+The router refuses a request outside these with a 400 naming the field, so it
+never forwards anything the worker would refuse; the worker checks the same
+values on arrival (``worker.engine.sampling.SamplingParams.validated``).
+``tests/worker/test_limits.py`` holds the two to this table, value by value at
+every edge. A dialect may be stricter still (OpenAI's temperature in [0, 2],
+penalties in [-2, 2]), never looser.
+
+Imports neither the router nor the worker; both import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Bound:
+    """``lo <= v <= hi`` (``lo < v`` when ``lo_open``); None: unbounded on that side."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+
+    def contains(self, v: float) -> bool:
+        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
+            return False
+        return self.hi is None or v <= self.hi
+
+    def describe(self) -> str:
+        """E.g. ``in [0, 20]``, ``> 0``, ``>= -1``."""
+        if self.lo is not None and self.hi is not None and not self.lo_open:
+            return f"in [{self.lo:g}, {self.hi:g}]"
+        parts = []
+        if self.lo is not None:
+            parts.append(f"{'>' if self.lo_open else '>='} {self.lo:g}")
+        if self.hi is not None:
+            parts.append(f"<= {self.hi:g}")
+        return " and ".join(parts) or "any value"
+
+
+#: Generate field -> its bound (``n_probs`` also bounds OpenAI's ``top_logprobs`` / ``logprobs``).
+GENERATE_LIMITS: dict[str, Bound] = {
+    "n_probs": Bound(0, 20),
+    "max_tokens": Bound(0, INT32_MAX),
+    "temperature": Bound(0.0),
+    "top_p": Bound(0.0, 1.0),
+    "min_p": Bound(0.0, 1.0),
+    "repeat_penalty": Bound(0.0, lo_open=True),
+    "repeat_last_n": Bound(-1, INT32_MAX),
+}
+
+#: The largest ``n_probs`` (top-N logprobs per token) either side accepts.
+MAX_N_PROBS = int(GENERATE_LIMITS["n_probs"].hi or 0)

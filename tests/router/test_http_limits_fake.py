@@ -1,0 +1,148 @@
+"""Slow or absent clients and request framing, over raw sockets (fake workers).
+
+* a request head that never completes (slowloris) is closed after header_timeout_s;
+* a body that never completes gets a 408 after body_timeout_s and the connection closes;
+* a client that leaves before its body is one INFO line, never an ERROR traceback;
+* connections beyond max_connections get 503; the router serves again once they go;
+* Transfer-Encoding + Content-Length: 400, the connection closed, the request pipelined
+  behind it never runs (request smuggling).
+
+Every wait is on an observed event (the server closing the socket, a log line),
+never on a sleep; the configured timeouts are short so the tests are fast.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.router.conftest import LiveRouter, dummy_gguf
+
+CONFIG = """
+[server]
+models_dir = "."
+header_timeout_s = 0.5
+body_timeout_s = 0.5
+max_connections = 8
+[models.m]
+path = "m.gguf"
+ping_interval_s = 0
+"""
+
+#: Bound of any single socket wait (a hang fails the test instead of blocking it).
+WAIT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def router(module_tmp: Path) -> Iterator[LiveRouter]:
+    dummy_gguf(module_tmp, "m.gguf")
+    r = LiveRouter(module_tmp, CONFIG)
+    yield r
+    r.stop()
+
+
+def _connect(r: LiveRouter) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", r.port), timeout=WAIT_S)
+    return s
+
+
+def _read_to_eof(s: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    out = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            return out
+        out += chunk
+
+
+def _head(path: str, **headers: str) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", *(f"{k.replace('_', '-')}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def test_slowloris_connections_are_closed_and_the_router_still_serves(router: LiveRouter) -> None:
+    socks = [_connect(router) for _ in range(6)]
+    try:
+        for i, s in enumerate(socks):
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " if i % 2 else b"")
+        for s in socks:  # each is closed by the server, without a response
+            assert _read_to_eof(s) == b""
+    finally:
+        for s in socks:
+            s.close()
+    router.wait_for(lambda: "no complete request head within header_timeout_s" in router.log(),
+                    what="the head timeout logged")
+    assert httpx.get(router.url + "/health", timeout=WAIT_S).status_code == 200
+
+
+def test_a_body_that_never_completes_is_a_408_and_the_connection_closes(router: LiveRouter) -> None:
+    with _connect(router) as s:
+        s.sendall(_head("/v1/completions", Content_Type="application/json", Content_Length="100") + b'{"model"')
+        raw = _read_to_eof(s)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), raw
+    assert b"connection: close" in head.lower()
+    err = json.loads(body)["error"]
+    assert err["code"] == "request_timeout" and "body_timeout_s" in err["message"]
+
+
+def test_a_client_that_leaves_before_its_body_is_one_info_line(router: LiveRouter) -> None:
+    before = router.log_path.read_text(errors="replace")
+    with _connect(router) as s:
+        s.sendall(_head("/v1/chat/completions", Content_Type="application/json", Content_Length="5000")
+                  + b'{"model": "m", "messages": [')
+        # the handler is reading the body once its first bytes are in: wait for nothing, just leave
+    line = "client disconnected before sending its whole body"
+    router.wait_for(lambda: line in router.log_path.read_text(errors="replace")[len(before):],
+                    what="the INFO line")
+    new = router.log_path.read_text(errors="replace")[len(before):]
+    assert new.count(line) == 1 and " INFO " in next(ln for ln in new.splitlines() if line in ln)
+    assert "Traceback" not in new and "ERROR" not in new
+
+
+def test_connections_beyond_max_connections_get_503(router: LiveRouter) -> None:
+    held = []
+    try:
+        for _ in range(8):  # 8 keep-alive connections, each known to the server (it answered on it)
+            s = _connect(router)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert s.recv(65536).startswith(b"HTTP/1.1 200")
+            held.append(s)
+        r = httpx.get(router.url + "/health", timeout=WAIT_S)
+        assert r.status_code == 503
+    finally:
+        for s in held:
+            s.close()
+    router.wait_for(lambda: httpx.get(router.url + "/health", timeout=WAIT_S).status_code == 200,
+                    what="the router serving again")
+
+
+@pytest.mark.parametrize("order", ["cl-first", "te-first"])
+def test_transfer_encoding_with_content_length_is_400_and_closed(router: LiveRouter, order: str) -> None:
+    cl, te = "Content-Length: 4\r\n", "Transfer-Encoding: chunked\r\n"
+    smuggled = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    req = (b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+           + (cl + te if order == "cl-first" else te + cl).encode() + b"\r\n"
+           + b"0\r\n\r\n" + smuggled)
+    with _connect(router) as s:
+        s.sendall(req)
+        raw = _read_to_eof(s)  # the server closes the connection after one answer
+    assert raw.startswith(b"HTTP/1.1 400"), raw
+    assert raw.count(b"HTTP/1.1 ") == 1  # the pipelined request never ran
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert b"connection: close" in head.lower()
+    assert json.loads(body)["error"]["code"] == "ambiguous_framing"
+
+
+def test_pipelined_requests_with_clean_framing_still_work(router: LiveRouter) -> None:
+    req = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with _connect(router) as s:
+        s.sendall(req + req[:-2] + b"Connection: close\r\n\r\n")
+        raw = _read_to_eof(s)
+    assert raw.count(b"HTTP/1.1 200") == 2
