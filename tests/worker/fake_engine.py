@@ -120,17 +120,10 @@ class FakeEngine:
                  on_token: Callable[[TokenEvent], bool] | None = None,
                  should_stop: Callable[[], bool] | None = None) -> GenerationResult:
         self.generate_calls += 1
-        p = params.validated(self.info.n_vocab)
-        text_prompt = prompt if isinstance(prompt, str) else ""
-        ids = self.tokenize(prompt, p.add_special, p.parse_special) if isinstance(prompt, str) else self._check(prompt)
-        if not ids:
-            raise EngineError("empty_prompt", "the prompt is empty")
-        n_completion = 1 if p.max_tokens is None else p.max_tokens
-        if len(ids) + n_completion > self.info.n_ctx:
-            raise EngineError("context_length_exceeded", (
-                f"This model's maximum context length is {self.info.n_ctx} tokens. However, you requested "
-                f"{len(ids) + n_completion} tokens ({len(ids)} in the prompt, {n_completion} for the completion)."))
-        boom = "boom" in text_prompt.split()
+        ids, p = self.prepare(prompt, params)
+        boom = bool(ids) and ids[-1] == 3
+        if boom:
+            ids = ids[:-1]
         # cache reuse: verified common prefix, last prompt token always re-evaluated
         keep = 0
         if p.cache_prompt:
