@@ -516,8 +516,9 @@ def test_kv_cache_unit() -> None:
 
     shape = KVShape(2, 3, 4, 5)
     assert shape.token_bytes == 2 * 3 * (4 + 5) * 4
-    c = KVEntry(shape, 10)
+    c = KVEntry(shape, 10, max_positions=10)
     assert c.n_past == 0 and c.k.shape == (2, 3, 10, 4) and c.v.shape == (2, 3, 10, 5)
+    assert KVEntry(shape, 300).allocated == 512  # address space: a power of two (no copy when growing)
     k = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)  # [T, n_kv, hd_k]
     v = np.arange(2 * 3 * 5, dtype=np.float32).reshape(2, 3, 5)
     c.store(1, 0, k, v)
@@ -570,3 +571,13 @@ def test_kv_cache_memory_is_lazy() -> None:
     grown = (proc.memory_info().rss - before) / 2**20
     assert c.nbytes == 2 * 2**30
     assert grown < 256, f"KV cache made {grown:.0f} MiB resident for one position"
+    # 2048 positions written (2 x 32 MiB), then given back: the pages return to the OS
+    many = np.ones((2048, 4, 64), dtype=np.float32)
+    for layer in range(16):
+        c.store(layer, 0, many, many)
+    c.tokens[:] = [1] * 2048
+    full = proc.memory_info().rss
+    assert (full - before) / 2**20 > 50
+    c.truncate(16)
+    freed = (full - proc.memory_info().rss) / 2**20
+    assert freed > 50, f"truncate gave back only {freed:.0f} MiB"

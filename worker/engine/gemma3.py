@@ -38,7 +38,7 @@ import numpy as np
 
 from .errors import EngineError
 from .attention import AttnBatch, attend
-from .model import Model, RopeTable, fuse_rows, gelu_tanh, hp_float, hp_int, register, rms_norm
+from .model import Model, RopeTable, fuse_rows, gelu_tanh, hp_float, hp_int, linear, register, rms_norm
 
 
 @register
@@ -111,7 +111,7 @@ class Gemma3Model(Model):
             swa = self.swa_layers[il]
             rope = self.rope_swa if swa else self.rope_global
             h = rms_norm(x, attn_norm, self.eps)                       # [T, n_embd]
-            qkv = h @ wqkv.T                                           # [T, (nh+2nkv)*hd]
+            qkv = linear(h, wqkv)                                          # [T, (nh+2nkv)*hd]
             q = rms_norm(qkv[:, :nq].reshape(T, nh, hd), q_norm, self.eps)          # [T, nh, hd]
             k = rms_norm(qkv[:, nq:nq + nk].reshape(T, nkv, hd), k_norm, self.eps)  # [T, nkv, hd]
             v = qkv[:, nq + nk:].reshape(T, nkv, hd)                   # [T, nkv, hd]
@@ -119,11 +119,11 @@ class Gemma3Model(Model):
             rope.apply_neox(k, pos)                                    # [T, nkv, hd]
             q *= self.dtype.type(self.q_scale)                         # [T, nh, hd]
             a = attend(batch, il, q, k, v, 1.0, self.window if swa else None)  # [T, nh*hd]
-            sa = x + rms_norm(a @ wo.T, post_attn_norm, self.eps)      # [T, n_embd]
+            sa = x + rms_norm(linear(a, wo), post_attn_norm, self.eps)      # [T, n_embd]
             h = rms_norm(sa, ffn_norm, self.eps)                       # [T, n_embd]
-            gu = h @ wgu.T                                             # [T, 2*n_ff]
+            gu = linear(h, wgu)                                            # [T, 2*n_ff]
             f = gelu_tanh(gu[:, :nff]) * gu[:, nff:]                   # [T, n_ff]
-            x = sa + rms_norm(f @ wdown.T, post_ffw_norm, self.eps)    # [T, n_embd]
+            x = sa + rms_norm(linear(f, wdown), post_ffw_norm, self.eps)    # [T, n_embd]
         return rms_norm(x, self.w["output_norm"], self.eps)            # [T, n_embd]
 
     def _output(self, h: np.ndarray) -> np.ndarray:

@@ -23,7 +23,8 @@ request trusts.
 Budget: the pool counts every entry's *capacity* (positions reserved, written
 or not) in tokens and refuses a reservation that would exceed
 ``budget_tokens``; RSS of the KV memory is therefore at most
-``budget_tokens * token_bytes``. Idle entries are shrunk to what they hold.
+``budget_tokens * token_bytes`` (positions given back are returned to the OS
+with ``madvise(MADV_DONTNEED)``). Idle entries are shrunk to what they hold.
 """
 
 from __future__ import annotations
@@ -70,28 +71,50 @@ class KVShape:
 class KVEntry:
     """One sequence's keys and values for positions ``0 .. n_past-1`` (``n_past = len(tokens)``).
 
+    ``capacity`` is what the entry has reserved (what the pool's budget counts);
+    the arrays behind it may be larger (``allocated``, a power of two of at least
+    256 positions, at most ``max_positions``): address space only, so growing
+    within it costs no copy, and resident memory is what has been written.
+    Positions given back (truncate, shrink) are returned to the OS.
+
     Args:
         shape: the model's :class:`KVShape`.
         capacity: positions reserved (>= 0).
+        max_positions: largest capacity this entry will ever need (the model's
+            n_ctx); None -> no cap.
     """
 
-    def __init__(self, shape: KVShape, capacity: int) -> None:
+    def __init__(self, shape: KVShape, capacity: int, max_positions: int | None = None) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 0:
             raise EngineError("invalid_params", f"KV capacity must be a non-negative integer, got {capacity!r}")
         self.shape = shape
         self.tokens: list[int] = []
         self.last_use = 0  # scheduler step counter at the last use (LRU)
-        self._alloc(int(capacity), 0)
+        self.max_positions = max_positions
+        self._written = 0  # highest position written + 1 (pages possibly resident)
+        self._bufs: tuple[mmap.mmap | None, mmap.mmap | None] = (None, None)
+        self.allocated = 0
+        self.capacity = 0
+        self._alloc(self._alloc_size(int(capacity)), 0)
+        self.capacity = int(capacity)
 
-    def _alloc(self, capacity: int, keep: int) -> None:
+    def _alloc_size(self, capacity: int) -> int:
+        size = max(256, 1 << max(0, capacity - 1).bit_length())
+        if self.max_positions is not None:
+            size = min(size, max(self.max_positions, capacity))
+        return max(size, capacity)
+
+    def _alloc(self, allocated: int, keep: int) -> None:
         s = self.shape
-        k = _lazy_zeros((s.n_layer, s.n_kv_head, capacity, s.head_dim_k), s.dtype)  # [L, n_kv, cap, hd_k]
-        v = _lazy_zeros((s.n_layer, s.n_kv_head, capacity, s.head_dim_v), s.dtype)  # [L, n_kv, cap, hd_v]
+        k, kb = _lazy_zeros((s.n_layer, s.n_kv_head, allocated, s.head_dim_k), s.dtype)  # [L, n_kv, alloc, hd_k]
+        v, vb = _lazy_zeros((s.n_layer, s.n_kv_head, allocated, s.head_dim_v), s.dtype)  # [L, n_kv, alloc, hd_v]
         if keep:
             k[:, :, :keep] = self.k[:, :, :keep]
             v[:, :, :keep] = self.v[:, :, :keep]
         self.k, self.v = k, v
-        self.capacity = capacity
+        self._bufs = (kb, vb)
+        self.allocated = allocated
+        self._written = keep
 
     @property
     def n_past(self) -> int:
@@ -100,15 +123,20 @@ class KVEntry:
 
     @property
     def nbytes(self) -> int:
-        """Bytes reserved (address space) by the two arrays."""
+        """Bytes of address space behind the two arrays."""
         return int(self.k.nbytes + self.v.nbytes)
 
     def resize(self, capacity: int) -> None:
-        """Reallocate to ``capacity`` positions (>= n_past), keeping the valid ones (a copy)."""
+        """Reserve ``capacity`` positions (>= n_past), keeping the valid ones. Grows without a
+        copy within ``allocated``; beyond it the arrays are reallocated (a copy of n_past
+        positions). Shrinking gives the written positions beyond n_past back to the OS."""
         if capacity < self.n_past:
             raise EngineError("invalid_params", f"KV capacity {capacity} < n_past {self.n_past}")
-        if capacity != self.capacity:
-            self._alloc(capacity, self.n_past)
+        if capacity > self.allocated:
+            self._alloc(self._alloc_size(capacity), self.n_past)
+        elif capacity < self.capacity:
+            self._release(self.n_past)
+        self.capacity = capacity
 
     def store(self, layer: int, pos0: int, k: np.ndarray, v: np.ndarray) -> None:
         """Write keys/values of ``T`` positions ``pos0 .. pos0+T-1`` for one layer.
@@ -126,6 +154,7 @@ class KVEntry:
                               f"KV entry holds {self.capacity} positions; cannot write {t} at {pos0}")
         self.k[layer, :, pos0:pos0 + t] = k.transpose(1, 0, 2)  # [n_kv, T, hd_k]
         self.v[layer, :, pos0:pos0 + t] = v.transpose(1, 0, 2)  # [n_kv, T, hd_v]
+        self._written = max(self._written, pos0 + t)
 
     def keys(self, layer: int, start: int, end: int) -> np.ndarray:
         """View ``[n_kv_head, end-start, head_dim_k]`` of positions ``start .. end-1``."""
@@ -136,13 +165,34 @@ class KVEntry:
         return self.v[layer, :, start:end]
 
     def truncate(self, n: int) -> None:
-        """Keep the first ``n`` positions (0 <= n <= n_past).
+        """Keep the first ``n`` positions (0 <= n <= n_past); the rest go back to the OS.
 
         Raises: EngineError("invalid_params") for n outside ``[0, n_past]``.
         """
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= self.n_past:
             raise EngineError("invalid_params", f"truncate({n!r}) needs an integer in [0, n_past={self.n_past}]")
         del self.tokens[int(n):]
+        self._release(int(n))
+
+    def _release(self, start: int) -> None:
+        """Return the pages of positions ``start .. written-1`` to the OS (they read as zeros)."""
+        end = self._written
+        if end <= start:
+            return
+        for arr, buf, hd in ((self.k, self._bufs[0], self.shape.head_dim_k), (self.v, self._bufs[1],
+                                                                            self.shape.head_dim_v)):
+            if buf is None:
+                continue
+            row = hd * arr.itemsize               # bytes per position
+            block = self.allocated * row          # bytes per (layer, head)
+            for b in range(self.shape.n_layer * self.shape.n_kv_head):
+                lo = b * block + start * row
+                hi = b * block + end * row
+                lo = -(-lo // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the range only
+                hi = hi // mmap.PAGESIZE * mmap.PAGESIZE
+                if hi > lo:
+                    buf.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        self._written = start
 
     def common_prefix(self, ids: Sequence[int], limit: int) -> int:
         """Length of the common prefix of ``tokens`` and ``ids``, at most ``limit``."""
@@ -161,11 +211,12 @@ class KVPool:
         budget_tokens: positions (capacity) all entries may reserve together (> 0).
     """
 
-    def __init__(self, shape: KVShape, budget_tokens: int) -> None:
+    def __init__(self, shape: KVShape, budget_tokens: int, max_positions: int | None = None) -> None:
         if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int) or budget_tokens <= 0:
             raise EngineError("invalid_params", f"KV budget must be a positive number of tokens, got {budget_tokens!r}")
         self.shape = shape
         self.budget_tokens = budget_tokens
+        self.max_positions = max_positions
         self.entries: list[KVEntry] = []
 
     @property
@@ -189,7 +240,7 @@ class KVPool:
         if capacity > self.free_tokens():
             raise EngineError("kv_budget_exceeded", f"KV budget full: {capacity} positions asked, "
                               f"{self.free_tokens()} of {self.budget_tokens} free")
-        e = KVEntry(self.shape, capacity)
+        e = KVEntry(self.shape, capacity, self.max_positions)
         self.entries.append(e)
         return e
 
@@ -216,13 +267,16 @@ class KVPool:
         except ValueError:
             pass
         entry.tokens.clear()
-        entry.resize(0)
+        entry.k = entry.v = np.zeros((0,), entry.shape.dtype)  # the mmaps go with the last reference
+        entry._bufs = (None, None)
+        entry.allocated = entry.capacity = entry._written = 0
 
 
-def _lazy_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """Zero-filled writable array backed by an anonymous mmap (pages allocated on first touch)."""
+def _lazy_zeros(shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, mmap.mmap | None]:
+    """Zero-filled writable array backed by an anonymous mmap (pages allocated on first touch,
+    address space not charged against overcommit), and the mmap."""
     n = int(np.prod(shape)) * dtype.itemsize
     if n == 0:
-        return np.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+        return np.zeros(shape, dtype=dtype), None
+    buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0))
+    return np.frombuffer(buf, dtype=dtype).reshape(shape), buf

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from .attention import AttnBatch, attend
-from .model import Model, RopeTable, fuse_rows, register, rms_norm, silu
+from .model import Model, RopeTable, fuse_rows, linear, register, rms_norm, silu
 
 
 @register
@@ -75,18 +75,18 @@ class LlamaModel(Model):
         x = self.w["tok_embd"][tokens].astype(self.dtype)             # [T, n_embd]
         for il, (attn_norm, wqkv, wo, ffn_norm, wgu, wdown) in enumerate(self.layers):
             h = rms_norm(x, attn_norm, self.eps)                      # [T, n_embd]
-            qkv = h @ wqkv.T                                          # [T, (nh+2nkv)*hd]
+            qkv = linear(h, wqkv)                                         # [T, (nh+2nkv)*hd]
             qk = qkv[:, :nq + nk].reshape(T, nh + nkv, hd)            # [T, nh+nkv, hd] q heads then k heads
             self.rope.apply_neox(qk, pos)                             # [T, nh+nkv, hd] rotated in place
             q = qk[:, :nh]                                            # [T, nh, hd]
             k = qk[:, nh:]                                            # [T, nkv, hd]
             v = qkv[:, nq + nk:].reshape(T, nkv, hd)                  # [T, nkv, hd]
             a = attend(batch, il, q, k, v, self.scale)                # [T, nh*hd]
-            x = x + a @ wo.T                                          # [T, n_embd]
+            x = x + linear(a, wo)                                         # [T, n_embd]
             h = rms_norm(x, ffn_norm, self.eps)                       # [T, n_embd]
-            gu = h @ wgu.T                                            # [T, 2*n_ff]
+            gu = linear(h, wgu)                                           # [T, 2*n_ff]
             f = silu(gu[:, :nff]) * gu[:, nff:]                       # [T, n_ff]
-            x = x + f @ wdown.T                                       # [T, n_embd]
+            x = x + linear(f, wdown)                                      # [T, n_embd]
         return rms_norm(x, self.w["output_norm"], self.eps)           # [T, n_embd]
 
 

@@ -160,7 +160,7 @@ class Scheduler:
         self.n_vocab = min(int(model.n_vocab), tokenizer.n_vocab)
         self.n_batch = n_batch
         budget = kv_budget_tokens if kv_budget_tokens is not None else n_parallel * self.n_ctx
-        self.pool = KVPool(model.kv_shape, int(budget))
+        self.pool = KVPool(model.kv_shape, int(budget), self.n_ctx)
         self.slots = [_Slot(i) for i in range(n_parallel)]
         self.waiting: deque[_Seq] = deque()
         self._by_id: dict[str, _Seq] = {}
