@@ -153,14 +153,15 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """``x @ w.T``: x ``[T, in]``, w ``[out, in]`` (C-contiguous) -> ``[T, out]`` C-contiguous.
+    """``x @ w.T``: x ``[T, in]``, w ``[out, in]`` (C-contiguous) -> ``[T, out]`` (a transposed,
+    Fortran-ordered view; ``np.ascontiguousarray`` it where rows must be contiguous).
 
     Computed as ``(w @ x.T).T``: OpenBLAS then takes a faster kernel for the
     small row counts of batched decode (measured on this machine kind, 2 threads,
     SmolLM2's shapes: 1.1-1.6x at T=1, 1.9-2.0x at T=8, 1.4-1.6x at T=32, 1.1-1.2x
     at T=256; scripts/bench_engine.py). Same result up to float rounding.
     """
-    return np.ascontiguousarray((w @ x.T).T)
+    return (w @ x.T).T
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -572,7 +573,7 @@ class Model:
     def _output(self, h: np.ndarray) -> np.ndarray:
         """Output projection ``h @ W_out.T`` (tied to ``token_embd`` when no ``output.weight``)."""
         w = self.w.get("output", self.w["tok_embd"])  # [n_vocab, n_embd]
-        return linear(h, w)  # [T, n_vocab]
+        return np.ascontiguousarray(linear(h, w))  # [T, n_vocab], rows contiguous for the samplers
 
     def truncate(self, n: int) -> None:
         """Single-sequence path: keep the first ``n`` cached positions (``0 <= n <= n_past``).
