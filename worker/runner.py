@@ -34,7 +34,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol import Done, Error, Generate, Message, Token
+from protocol import (
+    ApplyTemplate,
+    ApplyTemplateResult,
+    Detokenize,
+    DetokenizeResult,
+    Done,
+    Error,
+    Generate,
+    Message,
+    Token,
+    Tokenize,
+    TokenizeResult,
+)
 from worker.engine import EngineError, SamplingParams
 
 log = logging.getLogger("modelyard.worker")
@@ -222,7 +234,7 @@ class BatchRunner:
         self._kv_budget_mib = kv_budget_mib
         self._post = post
         self.capacity = parallel
-        self._prep_inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._prep_inbox: queue.SimpleQueue[Job | Tokenize | Detokenize | ApplyTemplate | None] = queue.SimpleQueue()
         self._ready: queue.SimpleQueue[tuple[Job, list[int] | None, Any] | None] = queue.SimpleQueue()
         self._running: dict[str, Job] = {}
         self._in_engine: set[str] = set()  # ids added to the engine and not yet ended (engine thread only)
@@ -248,6 +260,10 @@ class BatchRunner:
                 raise RuntimeError("runner is full")  # a server bug, never a request's fault
             self._running[job.id] = job
         self._prep_inbox.put(job)
+
+    def submit_text_op(self, msg: Tokenize | Detokenize | ApplyTemplate) -> None:
+        """Answer ``msg`` from the prep thread (a FrameOut with its result or Error). After Loaded."""
+        self._prep_inbox.put(msg)
 
     def cancel(self, job_id: str) -> bool:
         """Ask running job ``job_id`` to stop; False if it is not running."""
@@ -281,6 +297,9 @@ class BatchRunner:
             job = self._prep_inbox.get()
             if job is None:
                 return
+            if not isinstance(job, Job):
+                self._post(FrameOut(self._text_op(job)))
+                continue
             try:
                 item = self._prepare(job)
             except Exception as e:  # noqa: BLE001 - a bug here must still end the job with a frame
@@ -288,6 +307,24 @@ class BatchRunner:
                 item = (job, None, Error(id=job.id, code=INTERNAL_ERROR, message=f"{type(e).__name__}: {e}"[:1000]))
             self._ready.put(item)
             self._wake.set()
+
+    def _text_op(self, msg: Tokenize | Detokenize | ApplyTemplate) -> Message:
+        eng = self.engine
+        try:
+            if isinstance(msg, Tokenize):
+                ids = [int(t) for t in eng.tokenize(msg.content, add_special=msg.add_special,
+                                                     parse_special=msg.parse_special)]
+                pieces = [bytes(eng.token_bytes(t)) for t in ids] if msg.with_pieces else []
+                return TokenizeResult(id=msg.id, tokens=ids, pieces=pieces)
+            if isinstance(msg, Detokenize):
+                return DetokenizeResult(id=msg.id, content=str(eng.detokenize(msg.tokens)))
+            return ApplyTemplateResult(id=msg.id, prompt=str(eng.apply_template(
+                msg.messages, add_generation_prompt=msg.add_generation_prompt)))
+        except EngineError as e:
+            return Error(id=msg.id, code=e.code, message=e.message)
+        except Exception as e:  # noqa: BLE001 - a request never kills the worker
+            log.error("%s %s failed:\n%s", msg.TYPE, msg.id, traceback.format_exc())
+            return Error(id=msg.id, code=INTERNAL_ERROR, message=f"{type(e).__name__}: {e}"[:1000])
 
     def _prepare(self, job: Job) -> tuple[Job, list[int] | None, Any]:
         """``(job, prompt ids, params)`` or ``(job, None, Error)``."""

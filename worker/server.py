@@ -47,10 +47,8 @@ import zmq
 from protocol import (
     MAX_FRAME_BYTES,
     ApplyTemplate,
-    ApplyTemplateResult,
     Cancel,
     Detokenize,
-    DetokenizeResult,
     Error,
     Generate,
     Hello,
@@ -62,7 +60,6 @@ from protocol import (
     Shutdown,
     Token,
     Tokenize,
-    TokenizeResult,
     WorkerCredentials,
     decode,
     encode,
@@ -468,27 +465,12 @@ class WorkerServer:
         self.runner.cancel(job.id)
 
     def _on_text_op(self, msg: Tokenize | Detokenize | ApplyTemplate) -> None:
-        from worker.engine import EngineError
-
-        eng = self.engine
-        if eng is None:
+        if self.engine is None:
             self._send(Error(id=msg.id, code="busy", message="the model is still loading"))
             return
-        try:
-            answer: Message
-            if isinstance(msg, Tokenize):
-                ids = [int(t) for t in eng.tokenize(msg.content, add_special=msg.add_special,
-                                                     parse_special=msg.parse_special)]
-                pieces = [bytes(eng.token_bytes(t)) for t in ids] if msg.with_pieces else []
-                answer = TokenizeResult(id=msg.id, tokens=ids, pieces=pieces)
-            elif isinstance(msg, Detokenize):
-                answer = DetokenizeResult(id=msg.id, content=str(eng.detokenize(msg.tokens)))
-            else:
-                answer = ApplyTemplateResult(id=msg.id, prompt=str(eng.apply_template(
-                    msg.messages, add_generation_prompt=msg.add_generation_prompt)))
-        except EngineError as e:
-            answer = Error(id=msg.id, code=e.code, message=e.message)
-        self._send(answer)
+        # answered by the runner's prep thread (FrameOut): a 7 MB tokenize never holds up this
+        # loop's Pings and Token relaying, nor the engine's steps
+        self.runner.submit_text_op(msg)
 
     # ------------------------------------------------------------------ exit
 

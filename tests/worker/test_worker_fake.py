@@ -231,6 +231,40 @@ def test_two_generates_at_once_run_one_after_the_other(start: Callable[..., Harn
     assert (idle.busy, idle.queue_len, idle.running_ids) == (False, 0, [])
 
 
+def test_parallel_slots_interleave_and_a_cancel_leaves_the_others_unchanged(start: Callable[..., Harness]) -> None:
+    prompts = {"a": "first request", "b": "second one here", "c": "third"}
+    solo: dict[str, list[int]] = {}
+    ref = FakeEngine()
+    for rid, text in prompts.items():
+        events: list[Any] = []
+        ref.reset_cache()
+        ref.generate(text, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, cache_prompt=False),
+                     on_token=events.append)
+        solo[rid] = [e.id for e in events]
+    eng = FakeEngine(parallel=3)
+    eng.token_delay_s = 0.01
+    h = start(eng, parallel=3, max_queue=0)
+    for rid, text in prompts.items():
+        h.stub.send(Generate(id=rid, prompt=text, temperature=0.0, max_tokens=30, ignore_eos=True,
+                             cache_prompt=False))
+    first_c = h.stub.next(lambda m: isinstance(m, Token) and m.id == "c", 10)
+    pong = h.ping()
+    assert sorted(pong.running_ids) == ["a", "b", "c"] and pong.queue_len == 0
+    h.stub.send(Cancel(id="b"))
+    streams = {rid: h.stub.stream(rid) for rid in prompts}
+    streams["c"] = ([first_c, *streams["c"][0]], streams["c"][1])  # type: ignore[list-item]
+    order = [m.id for _, m in h.stub.received if isinstance(m, Token)]
+    assert len(set(order[:6])) == 3  # stepped together: the three streams interleave
+    assert isinstance(streams["b"][1], Done) and streams["b"][1].finish_reason == "cancelled"
+    assert [t.token_id for t in streams["b"][0]] == solo["b"][:len(streams["b"][0])]
+    for rid in ("a", "c"):
+        tokens, done = streams[rid]
+        assert isinstance(done, Done) and done.finish_reason == "length"
+        assert [t.token_id for t in tokens] == solo[rid]
+    assert len({streams[r][1].id_slot for r in prompts}) == 3  # three slots
+    assert [s["id"] for s in h.ping("p2").slots] == [0, 1, 2]
+
+
 def test_queue_beyond_max_queue_answers_busy(start: Callable[..., Harness]) -> None:
     h = start(max_queue=1)
     h.engine.token_delay_s = 0.02

@@ -394,3 +394,41 @@ def test_bad_command_line_exits_2() -> None:
     r = subprocess.run([sys.executable, "-m", "worker", "--model", "m", "--gguf", "x", "--endpoint", "http://x"],
                        cwd=REPO, capture_output=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 2 and b"--endpoint" in r.stderr
+
+
+# ----------------------------------------------------------------------------- parallel slots
+
+
+def test_parallel_worker_streams_together_and_matches_alone(wa: Proc, sockdir: str) -> None:
+    """--parallel 3: three requests run at once (Pong lists them in three slots), their greedy
+    tokens equal the same requests run one at a time, and a cancelled one leaves the others alone."""
+    prompts = {"p1": "Once upon a time", "p2": "The weather today is", "p3": _long_prompt(300)}
+    alone = {}
+    for rid, text in prompts.items():
+        wa.stub.send(Generate(id=f"solo-{rid}", prompt=text, max_tokens=12, temperature=0.0, ignore_eos=True,
+                              cache_prompt=False))
+        toks, done = wa.stub.stream(f"solo-{rid}", 120)
+        assert isinstance(done, Done)
+        alone[rid] = [t.token_id for t in toks]
+    wp = _start(f"ipc://{sockdir}/wp.sock", "--parallel", "3")
+    try:
+        assert wp.ready.max_jobs == 3 and wp.ready.kv_budget_tokens > 0
+        s = wp.stub
+        for rid, text in prompts.items():
+            s.send(Generate(id=rid, prompt=text, max_tokens=12, temperature=0.0, ignore_eos=True, cache_prompt=False))
+        s.send(Generate(id="victim", prompt="A long story:", max_tokens=500, temperature=0.0, ignore_eos=True))
+        pong = _ping(s, "pp")
+        deadline = time.monotonic() + 120
+        while len(pong.running_ids) < 3 and time.monotonic() < deadline:
+            pong = _ping(s, f"pp{time.monotonic()}")
+        assert len(pong.running_ids) == 3 and len(pong.slots) == 3 and pong.queue_len <= 1
+        got = {rid: s.stream(rid, 120) for rid in prompts}
+        s.next_for("victim", 120)
+        s.send(Cancel(id="victim"))
+        vt, vd = s.stream("victim", 60)
+        assert isinstance(vd, Done) and vd.finish_reason == "cancelled" and len(vt) < 499
+        for rid, (toks, done) in got.items():
+            assert isinstance(done, Done) and done.finish_reason == "length" and 0 <= done.id_slot < 3
+            assert [t.token_id for t in toks] == alone[rid], rid
+    finally:
+        wp.stop()
