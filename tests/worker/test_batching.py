@@ -141,3 +141,49 @@ def test_request_beyond_the_kv_budget_is_refused_and_the_engine_serves_on(smollm
             done[f.id] = f
     assert {k: v.result.finish_reason for k, v in done.items()} == {"a": "length", "b": "length"}
     assert done["a"].result.tokens == done["b"].result.tokens
+
+
+@pytest.mark.slow
+def test_rss_stays_within_budget_under_16_parallel_2k_conversations(smollm2_path: Path) -> None:
+    """16 conversations of ~2,000 prompt tokens at once on a 16-slot engine whose KV budget holds
+    about five of them: every one finishes, and the process grows by at most the budget (plus
+    the per-step activations) over its loaded size."""
+    import threading
+
+    import psutil
+
+    budget_mib = 512.0
+    eng = Engine.load(str(smollm2_path), n_ctx=4096, parallel=16, kv_budget_mib=budget_mib)
+    proc = psutil.Process()
+    eng.generate([1, 2, 3], greedy(2))  # weights touched once (they are memory-mapped)
+    base = proc.memory_info().rss
+    peak = [base]
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            stop.wait(0.05)
+
+    th = threading.Thread(target=watch, daemon=True)
+    th.start()
+    try:
+        for i in range(16):
+            ids = eng.tokenize(text_of(1800, seed=200 + i))[:2000]
+            eng.add(f"c{i}", ids, greedy(8))
+        done = {}
+        max_slots_busy = 0
+        while eng.has_work:
+            for f in eng.step():
+                assert f.error is None, f.error
+                done[f.id] = f.result
+            max_slots_busy = max(max_slots_busy, sum(s.is_processing for s in eng.slots()))
+    finally:
+        stop.set()
+        th.join()
+    assert len(done) == 16 and all(r.finish_reason == "length" for r in done.values())
+    assert 2 <= max_slots_busy < 16  # the budget, not the slot count, bounded the concurrency
+    grown_mib = (peak[0] - base) / 2**20
+    activations_mib = 96  # one 256-token prefill chunk's intermediates over 2k keys, with slack
+    assert grown_mib <= budget_mib + activations_mib, f"RSS grew {grown_mib:.0f} MiB for a {budget_mib:.0f} MiB budget"
+    assert eng.kv_tokens * eng.info.kv_token_bytes <= budget_mib * 2**20
