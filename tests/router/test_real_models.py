@@ -54,6 +54,9 @@ max_queue = 2
 parallel = 2
 [models.smol-kill]
 path = "{SMOLLM2.name}"
+[models.smol-kv]
+path = "{SMOLLM2.name}"
+kv_budget_mib = 10.0
 """
 
 MSG = [{"role": "user", "content": "Name three colours of the rainbow."}]
@@ -354,3 +357,18 @@ def test_router_sigkill_leaves_no_orphan_workers(router: LiveRouter) -> None:
     assert alive(workers) == [], [p.cmdline() for p in alive(workers)]
     print(f"\n[real] workers exited {time.monotonic() - t0:.2f} s after the router was SIGKILLed")
     assert not psutil.pid_exists(router.proc.pid)
+
+
+def test_request_beyond_the_kv_budget_is_a_400_and_the_model_serves_on(router: LiveRouter) -> None:
+    """kv_budget_mib = 10 holds ~227 SmolLM2 tokens: prompt + max_tokens beyond it is a clear 400
+    before any token; the same worker then serves a request that fits."""
+    body = {"model": "smol-kv", "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0}
+    r = httpx.post(router.url + "/v1/completions", json=body, timeout=300)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "kv_budget_exceeded" and "KV budget" in err["message"]
+    pid = router.admin("smol-kv")["pid"]
+    ok = httpx.post(router.url + "/v1/completions", json={**body, "max_tokens": 8}, timeout=300)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
+    assert router.admin("smol-kv")["pid"] == pid  # the same worker: nothing crashed
+    httpx.post(router.url + "/admin/models/unload", json={"model": "smol-kv"}, timeout=60).raise_for_status()
