@@ -182,6 +182,8 @@ class ModelSlot:
             "pid": w.pid if w is not None and w.alive else None,
             "queue_depth": self.queue_depth,
             "in_flight": self.running_ids,
+            "slots_total": ready.max_jobs if ready else self.model.parallel,
+            "slots_busy": len(self.running_ids),
             "max_queue": self.model.max_queue,
             "load_ms": self.load_ms,
             "loaded_at": self.loaded_at,

@@ -153,7 +153,8 @@ def test_request_beyond_parallel_plus_max_queue_gets_503(router: LiveRouter) -> 
 
     def occupied() -> bool:
         st = router.admin("smol-q2")
-        return len(st["in_flight"]) == 2 and st["queue_depth"] == 2
+        return (len(st["in_flight"]) == 2 and st["queue_depth"] == 2
+                and st["slots_total"] == 2 and st["slots_busy"] == 2)
 
     async def go() -> tuple[list[httpx.Response], float]:
         async with httpx.AsyncClient(base_url=router.url, timeout=300) as c:
