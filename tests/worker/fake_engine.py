@@ -119,66 +119,18 @@ class FakeEngine:
     def generate(self, prompt: str | list[int], params: SamplingParams,
                  on_token: Callable[[TokenEvent], bool] | None = None,
                  should_stop: Callable[[], bool] | None = None) -> GenerationResult:
-        self.generate_calls += 1
+        """One sequence alone: prepare, add, step until it ends (as the real facade)."""
         ids, p = self.prepare(prompt, params)
-        boom = bool(ids) and ids[-1] == 3
-        if boom:
-            ids = ids[:-1]
-        # cache reuse: verified common prefix, last prompt token always re-evaluated
-        keep = 0
-        if p.cache_prompt:
-            while keep < min(len(self._cache), len(ids) - 1) and self._cache[keep] == ids[keep]:
-                keep += 1
-        del self._cache[keep:]
-        t0 = time.perf_counter()
-        finish, stop_type = "", ""
-        evaluated = 0
-        for start in range(keep, len(ids), self.prefill_chunk):
+        self.add("generate", ids, p, on_token)
+        while True:
             if should_stop is not None and should_stop():
-                finish, stop_type = "cancelled", "cancelled"
-                break
-            time.sleep(self.chunk_delay_s)
-            chunk = ids[start:start + self.prefill_chunk]
-            self._cache.extend(chunk)
-            evaluated += len(chunk)
-        t1 = time.perf_counter()
-        n_max = p.max_tokens if p.max_tokens is not None else self.info.n_ctx - len(ids)
-        tokens: list[int] = []
-        text = ""
-        sent = ""
-        while not finish:
-            if len(tokens) >= n_max:
-                finish, stop_type = "length", "limit"
-                break
-            if should_stop is not None and should_stop():
-                finish, stop_type = "cancelled", "cancelled"
-                break
-            time.sleep(self.token_delay_s)
-            tid = EOS if len(tokens) >= self.length and not p.ignore_eos else self._next()
-            tokens.append(tid)
-            self._cache.append(tid)
-            if tid == EOS:
-                finish, stop_type = "stop", "eos"
-                break
-            piece = self.token_bytes(tid, special=False)
-            text += piece.decode()
-            delta = text[len(sent):]
-            sent += delta
-            lp = -0.25 if p.n_probs else None
-            top = [(tid, -0.25)] + [(tid + k, -1.0 - k) for k in range(1, p.n_probs)] if p.n_probs else []
-            keep_going = True
-            if on_token is not None:
-                keep_going = on_token(TokenEvent(tid, delta, piece, lp, top))
-            if boom:
-                self._cache.clear()
-                raise RuntimeError("fake engine exploded")
-            if keep_going is False:
-                finish, stop_type = "cancelled", "cancelled"
-        t2 = time.perf_counter()
-        return GenerationResult(text=text, tail=text[len(sent):], tokens=tokens, finish_reason=finish,
-                                stop_type=stop_type, stopping_word="", prompt_n=evaluated, prompt_ms=(t1 - t0) * 1e3,
-                                predicted_n=len(tokens), predicted_ms=(t2 - t1) * 1e3, cache_n=keep,
-                                prompt_tokens=len(ids))
+                self.abort("generate")
+            for f in self.step():
+                if f.id == "generate":
+                    if f.error is not None:
+                        raise f.error
+                    assert f.result is not None
+                    return f.result
 
     # ---------------------------------------------------------------- batch API (docs/ENGINE-API.md)
 
