@@ -187,3 +187,17 @@ def test_rss_stays_within_budget_under_16_parallel_2k_conversations(smollm2_path
     activations_mib = 96  # one 256-token prefill chunk's intermediates over 2k keys, with slack
     assert grown_mib <= budget_mib + activations_mib, f"RSS grew {grown_mib:.0f} MiB for a {budget_mib:.0f} MiB budget"
     assert eng.kv_tokens * eng.info.kv_token_bytes <= budget_mib * 2**20
+
+
+def test_a_text_that_cannot_fit_is_refused_before_tokenizing(smollm2_path: Path) -> None:
+    eng = Engine.load(str(smollm2_path), n_ctx=256, parallel=1)
+    huge = "word " * 2_000_000  # 10 MB: tokenizing it would take tens of seconds
+    with pytest.raises(EngineError) as ei:
+        eng.prepare(huge, greedy(4))
+    # the message counts characters, not tokens: it was refused before tokenizing
+    assert ei.value.code == "context_length_exceeded" and "maximum context length is 256" in ei.value.message
+    assert "characters" in ei.value.message
+    with pytest.raises(EngineError) as ei:
+        eng.tokenize_chat([{"role": "user", "content": huge}])
+    assert ei.value.code == "context_length_exceeded" and "characters" in ei.value.message
+    assert eng.generate("short prompt", greedy(2)).finish_reason == "length"

@@ -65,6 +65,7 @@ class Engine:
         self.info = info
         self._sched = scheduler
         self._lock = threading.RLock()
+        self._max_piece_chars: int | None = None  # longest token text in characters (lazy)
 
     # ------------------------------------------------------------------ load
 
@@ -197,7 +198,26 @@ class Engine:
             EngineError("no_chat_template" | "template_error" | "invalid_params").
         """
         segments = self._require_template().render_segments(messages, add_generation_prompt, tools)
+        self._check_fits(sum(len(text) for text, _ in segments))
         return self.tokenizer.tokenize_pieces(segments, add_special=True)
+
+    def _check_fits(self, n_chars: int) -> None:
+        """Refuse, before tokenizing, a text that cannot fit the context whatever its tokens:
+        a token covers at most ``max_piece`` characters, so more than ``n_ctx * max_piece``
+        characters make more than n_ctx tokens.
+
+        Raises: EngineError("context_length_exceeded").
+        """
+        n_ctx = self.info.n_ctx
+        if n_chars <= n_ctx:
+            return
+        if self._max_piece_chars is None:
+            self._max_piece_chars = max(1, max(len(self.tokenizer.token_bytes(i).decode("utf-8", "replace"))
+                                               for i in range(self.tokenizer.n_vocab)))
+        if n_chars > n_ctx * self._max_piece_chars:
+            raise EngineError("context_length_exceeded", (
+                f"This model's maximum context length is {n_ctx} tokens. However, the prompt has {n_chars} "
+                f"characters, more than {n_ctx} tokens of at most {self._max_piece_chars} characters can hold."))
 
     # ------------------------------------------------------------------ generate
 
@@ -217,6 +237,7 @@ class Engine:
             raise EngineError("invalid_params", "params must be a SamplingParams")
         p = params.validated(min(self.info.n_vocab, self.tokenizer.n_vocab))
         if isinstance(prompt, str):
+            self._check_fits(len(prompt))
             ids = self.tokenizer.tokenize(prompt, add_special=p.add_special, parse_special=p.parse_special)
         elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
             ids = self.tokenizer.check_ids(prompt)
