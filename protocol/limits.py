@@ -51,7 +51,11 @@ GENERATE_LIMITS: dict[str, Bound] = {
     "min_p": Bound(0.0, 1.0),
     "repeat_penalty": Bound(0.0, lo_open=True),
     "repeat_last_n": Bound(-1, INT32_MAX),
+    "n": Bound(1, 16),
 }
 
 #: The largest ``n_probs`` (top-N logprobs per token) either side accepts.
 MAX_N_PROBS = int(GENERATE_LIMITS["n_probs"].hi or 0)
+
+#: The most choices (``n``) one request may ask for.
+MAX_N = int(GENERATE_LIMITS["n"].hi or 1)

@@ -91,6 +91,7 @@ class Token(Message):
     piece: bytes  # the token's raw bytes (may end mid UTF-8 character)
     logprob: float | None = None  # of token_id under the raw distribution
     top_logprobs: list[list[Any]] = field(default_factory=list)  # [[id, logprob, piece bytes], ...]
+    index: int = 0  # the choice this token belongs to (Generate.n > 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +111,10 @@ class Done(Message):
     predicted_ms: float
     cache_n: int  # prompt tokens reused from the KV cache
     id_slot: int = -1  # the KV slot the generation ran in (-1: it never ran)
+    # Generate.n > 1: one map per choice, by index: {"index", "finish_reason", "stop_type",
+    # "stopping_word", "text" (its held-back tail), "completion_tokens"}; the fields above then
+    # describe choice 0, except completion_tokens / predicted_n (sums over the choices).
+    choices: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,6 +204,7 @@ class Generate(Message):
     n_probs: int = 0  # top-N logprobs per token, 0 = none
     ignore_eos: bool = False
     cache_prompt: bool = True
+    n: int = 1  # choices: n sequences from one prefilled prompt (seed + i each when seeded)
 
 
 @dataclass(frozen=True, kw_only=True)

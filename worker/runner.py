@@ -24,6 +24,7 @@ Neither touches the ZeroMQ socket: every frame goes through ``post``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import queue
@@ -34,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.limits import GENERATE_LIMITS
 from protocol import (
     ApplyTemplate,
     ApplyTemplateResult,
@@ -142,6 +144,8 @@ def check_generate(g: Generate, n_vocab: int | None = None) -> Error | None:
     if (g.prompt is None) == (g.messages is None):
         return Error(id=g.id, code="invalid_request",
                      message="exactly one of 'prompt' (text or token ids) and 'messages' must be given")
+    if not GENERATE_LIMITS["n"].contains(g.n):
+        return Error(id=g.id, code="invalid_params", message=f"n must be {GENERATE_LIMITS['n'].describe()}, got {g.n}")
     try:
         params = sampling_params(g)
         if n_vocab is not None:
@@ -200,6 +204,28 @@ def cancelled_done(job_id: str, completion_tokens: int = 0) -> Done:
 # ----------------------------------------------------------------------------- the runner
 
 
+@dataclass(eq=False)
+class _Run:
+    """Engine-thread bookkeeping of one job: its ``n`` choices (engine sequences).
+
+    Choice 0 is added first; the others join once its prompt is in the KV (its
+    first token), so they copy that prefix instead of prefilling it again.
+    ``finished[i]`` is the engine's Finished for choice i (None: cancelled before it was added).
+    """
+
+    job: Job
+    ids: list[int]
+    params: Any
+    n: int
+    added: int = 0
+    first_token: bool = False
+    aborted: bool = False
+    finished: dict[int, Any] = field(default_factory=dict)
+
+    def seq_id(self, i: int) -> str:
+        return self.job.id if self.n == 1 else f"{self.job.id}#{i}"
+
+
 @dataclass(frozen=True)
 class RunnerSnapshot:
     """Slots and KV use after the engine's last step (Pong, /slots)."""
@@ -237,7 +263,8 @@ class BatchRunner:
         self._prep_inbox: queue.SimpleQueue[Job | Tokenize | Detokenize | ApplyTemplate | None] = queue.SimpleQueue()
         self._ready: queue.SimpleQueue[tuple[Job, list[int] | None, Any] | None] = queue.SimpleQueue()
         self._running: dict[str, Job] = {}
-        self._in_engine: set[str] = set()  # ids added to the engine and not yet ended (engine thread only)
+        self._runs: dict[str, _Run] = {}  # job id -> its sequences in the engine (engine thread only)
+        self._seq: dict[str, tuple[_Run, int]] = {}  # engine sequence id -> (run, choice index)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
@@ -362,7 +389,6 @@ class BatchRunner:
         self._publish()
         self._prep.start()
         self._post(Loaded(engine, (time.perf_counter() - t0) * 1e3))
-        aborted: set[str] = set()
         while not self._stop:
             if not engine.has_work:
                 self._wake.wait(0.5)
@@ -375,24 +401,31 @@ class BatchRunner:
                 if item is None:
                     return
                 self._add(*item)
-            with self._lock:
-                cancelled = [j.id for j in self._running.values() if j.cancel.is_set() and j.id not in aborted]
-            for jid in cancelled:
-                if engine.abort(jid):
-                    aborted.add(jid)
+            for run in list(self._runs.values()):
+                if run.job.cancel.is_set() and not run.aborted:
+                    self._abort(run)
+                elif run.added < run.n and (run.first_token or 0 in run.finished):
+                    self._add_choices(run)  # choice 0's prompt is in the KV: the others copy it
             if not engine.has_work:
                 continue
             try:
                 finished = engine.step()
             except Exception as e:  # noqa: BLE001 - the scheduler itself failed: end every live job
                 log.error("engine step crashed:\n%s", traceback.format_exc())
-                for jid in list(self._in_engine):
-                    self._end(jid, Error(id=jid, code=INTERNAL_ERROR, message=f"{type(e).__name__}: {e}"[:1000]))
+                for run in list(self._runs.values()):
+                    self._end(run.job.id, Error(id=run.job.id, code=INTERNAL_ERROR,
+                                                message=f"{type(e).__name__}: {e}"[:1000]))
+                self._seq.clear()
                 self._reset(engine)
                 continue
             for f in finished:
-                aborted.discard(f.id)
-                self._end(f.id, self._final(f))
+                got = self._seq.pop(f.id, None)
+                if got is None:
+                    continue  # a choice of a job that already ended (an error in another choice)
+                run, index = got
+                run.finished[index] = f
+                if f.error is not None or len(run.finished) == run.n:
+                    self._finish_run(run, f if f.error is not None else None)
             self._publish()
 
     def _add(self, job: Job, ids: list[int] | None, p: Any) -> None:
@@ -402,40 +435,93 @@ class BatchRunner:
         if job.cancel.is_set():  # cancelled while being prepared
             self._end(job.id, cancelled_done(job.id))
             return
+        run = _Run(job, ids, p, max(1, int(job.msg.n)))
+        self._runs[job.id] = run
+        self._add_choices(run, upto=1)
+
+    def _add_choices(self, run: _Run, upto: int | None = None) -> None:
+        """Add choices ``run.added .. upto-1`` (all when None) to the engine."""
         engine = self.engine
+        job = run.job
+        for i in range(run.added, run.n if upto is None else upto):
+            params = run.params
+            if i and params.seed is not None:
+                params = dataclasses.replace(params, seed=params.seed + i)
+            sid = run.seq_id(i)
 
-        def on_token(ev: Any) -> bool:
-            # [id, logprob, piece]: the alternatives' exact bytes (a partial UTF-8 piece
-            # cannot be recovered from a detokenized string), same convention as ev.piece.
-            top = [[int(t), float(lp), engine.token_bytes(int(t), special=False)] for t, lp in ev.top_logprobs]
-            self._post(FrameOut(Token(id=job.id, text=ev.text, token_id=int(ev.id), piece=bytes(ev.piece),
-                                      logprob=None if ev.logprob is None else float(ev.logprob),
-                                      top_logprobs=top)))
-            job.tokens_sent += 1
-            return not job.cancel.is_set()
+            def on_token(ev: Any, i: int = i) -> bool:
+                # [id, logprob, piece]: the alternatives' exact bytes (a partial UTF-8 piece
+                # cannot be recovered from a detokenized string), same convention as ev.piece.
+                top = [[int(t), float(lp), engine.token_bytes(int(t), special=False)] for t, lp in ev.top_logprobs]
+                self._post(FrameOut(Token(id=job.id, text=ev.text, token_id=int(ev.id), piece=bytes(ev.piece),
+                                          logprob=None if ev.logprob is None else float(ev.logprob),
+                                          top_logprobs=top, index=i)))
+                job.tokens_sent += 1
+                if i == 0:
+                    run.first_token = True
+                return not job.cancel.is_set()
 
-        try:
-            engine.add(job.id, ids, p, on_token)
-            self._in_engine.add(job.id)
-        except EngineError as e:
-            self._end(job.id, Error(id=job.id, code=e.code, message=e.message))
+            try:
+                engine.add(sid, run.ids, params, on_token)
+            except EngineError as e:
+                self._abort(run)
+                self._end(job.id, Error(id=job.id, code=e.code, message=e.message))
+                return
+            self._seq[sid] = (run, i)
+            run.added = i + 1
 
-    def _final(self, f: Any) -> Done | Error:
+    def _abort(self, run: _Run) -> None:
+        """Cancel every added choice of ``run``; the ones never added count as cancelled."""
+        run.aborted = True
+        for i in range(run.added):
+            self.engine.abort(run.seq_id(i))
+        for i in range(run.added, run.n):
+            run.finished.setdefault(i, None)
+        run.added = run.n
+        if len(run.finished) == run.n and all(f is None for f in run.finished.values()):
+            self._finish_run(run, None)
+
+    def _finish_run(self, run: _Run, failed: Any) -> None:
+        """The job's final frame: the failing choice's Error, or one Done over every choice."""
+        job_id = run.job.id
+        for i in range(run.n):  # choices still in the engine are dropped with the job
+            got = self._seq.pop(run.seq_id(i), None)
+            if got is not None:
+                self.engine.abort(run.seq_id(i))
+        if failed is not None:
+            self._end(job_id, self._final(failed, job_id))
+            return
+        dones = [self._final(run.finished[i], job_id) if run.finished.get(i) is not None
+                 else cancelled_done(job_id) for i in range(run.n)]
+        first = dones[0]
+        assert isinstance(first, Done)
+        if run.n == 1:
+            self._end(job_id, first)
+            return
+        total = sum(d.completion_tokens for d in dones if isinstance(d, Done))
+        choices = [{"index": i, "finish_reason": d.finish_reason, "stop_type": d.stop_type,
+                    "stopping_word": d.stopping_word, "text": d.text, "completion_tokens": d.completion_tokens}
+                   for i, d in enumerate(dones) if isinstance(d, Done)]
+        self._end(job_id, dataclasses.replace(
+            first, completion_tokens=total, predicted_n=sum(d.predicted_n for d in dones if isinstance(d, Done)),
+            prompt_n=sum(d.prompt_n for d in dones if isinstance(d, Done)), choices=choices))
+
+    def _final(self, f: Any, job_id: str) -> Done | Error:
         if f.error is not None:
             e = f.error
             if isinstance(e, EngineError):
-                return Error(id=f.id, code=e.code, message=e.message)
+                return Error(id=job_id, code=e.code, message=e.message)
             log.error("generation %s failed: %s: %s", f.id, type(e).__name__, e)
-            return Error(id=f.id, code=INTERNAL_ERROR, message=f"generation failed: {type(e).__name__}: {e}"[:1000])
+            return Error(id=job_id, code=INTERNAL_ERROR, message=f"generation failed: {type(e).__name__}: {e}"[:1000])
         res = f.result
-        return Done(id=f.id, finish_reason=res.finish_reason, stop_type=res.stop_type,
+        return Done(id=job_id, finish_reason=res.finish_reason, stop_type=res.stop_type,
                     stopping_word=res.stopping_word, text=res.tail, prompt_tokens=int(res.prompt_tokens),
                     completion_tokens=len(res.tokens), prompt_n=int(res.prompt_n), prompt_ms=float(res.prompt_ms),
                     predicted_n=int(res.predicted_n), predicted_ms=float(res.predicted_ms),
                     cache_n=int(res.cache_n), id_slot=int(f.id_slot))
 
     def _end(self, job_id: str, final: Done | Error) -> None:
-        self._in_engine.discard(job_id)
+        self._runs.pop(job_id, None)
         with self._lock:
             self._running.pop(job_id, None)
         self._post(JobFinished(job_id, final))

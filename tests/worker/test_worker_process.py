@@ -124,6 +124,18 @@ def _text(tokens: list[Token], done: Done) -> str:
     return "".join(t.text for t in tokens) + done.text
 
 
+def _wait_prefilling(stub: RouterStub, req_id: str, timeout_s: float = 120) -> None:
+    """Until a Pong shows ``req_id``'s slot holding KV (a prefill chunk evaluated)."""
+    deadline = time.monotonic() + timeout_s
+    k = 0
+    while time.monotonic() < deadline:
+        k += 1
+        pong = _ping(stub, f"wp-{req_id}-{k}")
+        if any(sl["id_task"] == req_id and sl["n_past"] > 0 for sl in pong.slots):
+            return
+    raise AssertionError(f"{req_id} never seen prefilling")
+
+
 def _ping(stub: RouterStub, ident: str) -> Pong:
     stub.send(Ping(id=ident))
     m = stub.next_for(ident, 30)
@@ -219,9 +231,7 @@ def test_cancel_mid_decode(wa: Proc) -> None:
 def test_cancel_mid_prefill(wa: Proc) -> None:
     s = wa.stub
     s.send(Generate(id="cp", prompt=_long_prompt(1000), max_tokens=16, temperature=0.0))
-    while _ping(s, "pp").running_ids != ["cp"]:
-        pass
-    time.sleep(0.2)
+    _wait_prefilling(s, "cp")  # observed: its slot holds a first prefill chunk
     sent = s.send(Cancel(id="cp"))
     tokens, done = s.stream("cp", 120)
     latency_ms = (s.received[-1][0] - sent) * 1e3
@@ -243,9 +253,7 @@ def test_greedy_after_cancelled_requests_equals_a_fresh_worker(wa: Proc, wb: Pro
     s.send(Cancel(id="x1"))
     assert s.stream("x1", 60)[1].finish_reason == "cancelled"
     s.send(Generate(id="x2", prompt=req["prompt"] + " " + _long_prompt(1000), max_tokens=4, temperature=0.0))
-    while _ping(s, "px").running_ids != ["x2"]:
-        pass
-    time.sleep(0.1)
+    _wait_prefilling(s, "x2")
     s.send(Cancel(id="x2"))
     assert s.stream("x2", 120)[1].finish_reason == "cancelled"
     s.send(Generate(id="again", **req))
@@ -430,5 +438,36 @@ def test_parallel_worker_streams_together_and_matches_alone(wa: Proc, sockdir: s
         for rid, (toks, done) in got.items():
             assert isinstance(done, Done) and done.finish_reason == "length" and 0 <= done.id_slot < 3
             assert [t.token_id for t in toks] == alone[rid], rid
+    finally:
+        wp.stop()
+
+
+def test_n_choices_share_one_prefilled_prompt(wa: Proc, sockdir: str) -> None:
+    """Generate.n = 3: three sequences from one prefill (the other two copy its KV and evaluate only
+    the last prompt token), tokens tagged with their choice index, one Done carrying every choice;
+    seeded choice i samples as a lone request with seed + i."""
+    prompt = _long_prompt(120)
+    solo = []
+    for i in range(3):
+        wa.stub.send(Generate(id=f"nsolo{i}", prompt=prompt, max_tokens=10, temperature=0.9, seed=7 + i,
+                              ignore_eos=True, cache_prompt=False))
+        toks, done = wa.stub.stream(f"nsolo{i}", 120)
+        assert isinstance(done, Done)
+        solo.append([t.token_id for t in toks])
+    wp = _start(f"ipc://{sockdir}/wn.sock", "--parallel", "4")
+    try:
+        s = wp.stub
+        s.send(Generate(id="n3", prompt=prompt, max_tokens=10, temperature=0.9, seed=7, ignore_eos=True, n=3))
+        toks, done = s.stream("n3", 120)
+        assert isinstance(done, Done) and done.finish_reason == "length"
+        by_choice = {i: [t.token_id for t in toks if t.index == i] for i in range(3)}
+        assert by_choice == {i: solo[i] for i in range(3)}
+        assert [c["index"] for c in done.choices] == [0, 1, 2]
+        assert all(c["finish_reason"] == "length" and c["completion_tokens"] == 10 for c in done.choices)
+        assert done.completion_tokens == 30
+        assert done.prompt_n <= done.prompt_tokens + 2  # prefilled once; each fork evaluated its last token
+        s.send(Generate(id="nbad", prompt=prompt, max_tokens=2, n=17))
+        err = s.next_for("nbad", 30)
+        assert isinstance(err, Error) and err.code == "invalid_params" and "n must be" in err.message
     finally:
         wp.stop()
