@@ -9,7 +9,8 @@ Layout::
     [models.NAME]       path (required), aliases, n_ctx, chat_template, max_queue,
                         load_timeout_s, cancel_timeout_s, drain_timeout_s,
                         shutdown_grace_s, ping_interval_s, ping_timeout_s, idle_ttl_s, n_threads,
-                        parallel, kv_budget_mib,
+                        parallel, kv_budget_mib, restart_backoff_s, restart_backoff_max_s,
+                        max_crashes, crash_window_s,
                         and default sampling values (temperature, top_p, top_k, min_p,
                         repeat_penalty, repeat_last_n, presence_penalty,
                         frequency_penalty, seed)
@@ -85,6 +86,13 @@ class ModelConfig:
     n_threads: int | None = None  # the worker's BLAS threads (python -m worker --threads); None: environment's
     parallel: int = 4  # KV slots: sequences the worker decodes at once (python -m worker --parallel)
     kv_budget_mib: float | None = None  # KV memory of the worker's sequences + prefix cache; None: the worker's
+    # crash backoff (router.backoff): the n-th failure within crash_window_s waits
+    # min(restart_backoff_s * 2**(n-1), restart_backoff_max_s) before the next start;
+    # the max_crashes-th makes the model failed until an operator loads it
+    restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 60.0
+    max_crashes: int = 5
+    crash_window_s: float = 300.0
     sampling: dict[str, float | int] = field(default_factory=dict)
 
 
@@ -138,7 +146,8 @@ class Config:
 _MODEL_KEYS = {
     "path", "aliases", "n_ctx", "chat_template", "max_queue", "load_timeout_s",
     "cancel_timeout_s", "drain_timeout_s", "shutdown_grace_s", "ping_interval_s",
-    "ping_timeout_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", *SAMPLING_KEYS,
+    "ping_timeout_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", "restart_backoff_s",
+    "restart_backoff_max_s", "max_crashes", "crash_window_s", *SAMPLING_KEYS,
 }
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases"}
 _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport", "shutdown_timeout_s",
@@ -256,6 +265,10 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
             parallel=_int(merged, "parallel", src("parallel"), 4, 1, 256),
             kv_budget_mib=(None if merged.get("kv_budget_mib") is None
                            else _float(merged, "kv_budget_mib", src("kv_budget_mib"), 2048.0, 1.0, float(1 << 24))),
+            restart_backoff_s=_float(merged, "restart_backoff_s", src("restart_backoff_s"), 1.0, 0.0),
+            restart_backoff_max_s=_float(merged, "restart_backoff_max_s", src("restart_backoff_max_s"), 60.0, 0.0),
+            max_crashes=_int(merged, "max_crashes", src("max_crashes"), 5, 1, 1_000_000),
+            crash_window_s=_float(merged, "crash_window_s", src("crash_window_s"), 300.0, 0.0),
             sampling=sampling,
         )
     return Config(server=server, models=models, source=source)

@@ -23,11 +23,14 @@ class ApiError(Exception):
     default_code: ClassVar[str | None] = None
     retry_after_s: ClassVar[int | None] = None
 
-    def __init__(self, message: str, *, code: str | None = None, param: str | None = None) -> None:
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None,
+                 retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.code = code if code is not None else self.default_code
         self.param = param
+        if retry_after_s is not None:  # this instance's own wait (crash backoff), else the class's
+            self.retry_after_s = retry_after_s  # type: ignore[misc]
 
     def payload(self) -> dict[str, Any]:
         return error_payload(self)
@@ -144,6 +147,21 @@ class WorkerCrashed(Unavailable):
     """The worker process died (or was killed as hung) while the request was queued."""
 
     default_code = "worker_crashed"
+
+
+class RestartBackoff(Unavailable):
+    """The model's worker crashed recently; it may start again in ``retry_after_s`` seconds
+    (exponential backoff, ``router.backoff``)."""
+
+    default_code = "restart_backoff"
+
+
+class ModelFailed(Unavailable):
+    """The model failed ``max_crashes`` times within ``crash_window_s``: it stays failed
+    until an operator loads it. No Retry-After: retrying will not help."""
+
+    default_code = "model_failed"
+    retry_after_s = None
 
 
 class BadGateway(ApiError):

@@ -27,6 +27,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,16 +35,19 @@ from typing import Any
 import zmq.asyncio
 
 from protocol import Pong
+from router.backoff import CrashHistory, CrashPolicy, Failure
 from router.config import Config, ModelConfig
 from router.metrics import Metrics, ModelGauges
 from router.sockdir import make_socket_dir, remove_socket_dir
 from router.errors import (
     ApiError,
     Conflict,
+    ModelFailed,
     ModelLoadFailed,
     ModelUnloading,
     NotFound,
     QueueFull,
+    RestartBackoff,
     ServerShuttingDown,
     WorkerCrashed,
     redact_paths,
@@ -100,6 +104,9 @@ class ModelSlot:
         self._pong: tuple[WorkerProcess, Pong] | None = None  # the current worker's last Pong
         self._crashed = False  # the last worker died unasked: the next load is a restart
         self._reload_task: asyncio.Task[float] | None = None  # begin_load during an idle unload
+        self.failures = CrashHistory(CrashPolicy(
+            base_s=model.restart_backoff_s, max_s=model.restart_backoff_max_s,
+            max_crashes=model.max_crashes, window_s=model.crash_window_s))
 
     @property
     def metrics(self) -> Metrics:
@@ -190,6 +197,8 @@ class ModelSlot:
             "unload_reason": self.unload_reason,
             "idle_ttl_s": self.model.idle_ttl_s,
             "last_exit_code": self.last_exit_code,
+            "condition": self.condition(),
+            "failures": self.failures.describe(self._pool.clock()),
             "spawn_count": self.spawn_count,
             "refused_peers": w.refused_peers if w is not None else 0,
             "rss_bytes": w.rss_bytes() if w is not None else None,
@@ -197,6 +206,20 @@ class ModelSlot:
             "architecture": ready.architecture if ready else None,
             "path": str(self.model.path),
         }
+
+    def condition(self) -> str:
+        """The state with its history, for operators: ``never_loaded``, ``unloaded``,
+        ``loading``, ``ready``, ``draining``, ``crashed`` (a ready worker died; restarts on
+        the next request after the backoff), ``load_failed`` (same, its load failed), or
+        ``failed`` (``max_crashes`` within ``crash_window_s``: until an operator loads it)."""
+        if self.state is WorkerState.FAILED:
+            if self.failures.given_up:
+                return "failed"
+            last = self.failures.last
+            return last.kind if last is not None else "load_failed"
+        if self.state is WorkerState.UNLOADED and self.spawn_count == 0:
+            return "never_loaded"
+        return self.state.value
 
     # ------------------------------------------------------------------ state machine
 
@@ -220,6 +243,7 @@ class ModelSlot:
         waits for the model to load again.
         """
         self._check_open()
+        self._check_restart(operator=False)
         running, waiting = self.admitted_split()
         if running + waiting >= self.capacity:
             jobs = self.capacity - self.model.max_queue
@@ -283,6 +307,46 @@ class ModelSlot:
         if self._refusing():
             raise ModelUnloading(f"model '{self.model.name}' is being unloaded; retry shortly")
 
+    def _check_restart(self, *, operator: bool) -> None:
+        """May a failed model start again now? An operator's load always may (and clears
+        the crash window); otherwise raises ModelFailed (given up after max_crashes) or
+        RestartBackoff (503, Retry-After: the remaining wait)."""
+        if self.state is not WorkerState.FAILED:
+            return
+        h = self.failures
+        if operator:
+            h.operator_reset()
+            return
+        now = self._pool.clock()
+        last = f" (last: {redact_paths(h.last.reason)})" if h.last is not None else ""
+        if h.given_up:
+            raise ModelFailed(
+                f"model '{self.model.name}' failed {h.in_window(now)} times within crash_window_s="
+                f"{h.policy.window_s:g} s{last}; it stays failed until an operator loads it "
+                f"(POST /admin/models/load)")
+        left = h.remaining(now)
+        if left > 0:
+            raise RestartBackoff(
+                f"model '{self.model.name}' failed {h.in_window(now)} time(s) recently{last}; "
+                f"it restarts in {left:.1f} s (crash backoff)", retry_after_s=h.retry_after(now))
+
+    def _record_failure(self, kind: str, reason: str, exit_code: int | None) -> None:
+        self.failures.record(self._pool.clock(), Failure(kind, reason, exit_code, time.time()))
+        h = self.failures
+        if h.given_up:
+            log.error("model %s: %d failures within crash_window_s=%g s; failed until an operator loads it",
+                      self.model.name, h.policy.max_crashes, h.policy.window_s)
+        elif (left := h.remaining(self._pool.clock())) > 0:
+            log.warning("model %s: restart allowed in %.1f s (crash backoff, failure %d in the window)",
+                        self.model.name, left, h.in_window(self._pool.clock()))
+
+    def _failure_retry_after(self) -> int | None:
+        """Retry-After for requests refused by the failure just recorded."""
+        h = self.failures
+        if h.given_up:
+            return None
+        return h.retry_after(self._pool.clock())
+
     def _fail_waiting(self, err: ApiError) -> None:
         while self._waiting:
             t = self._waiting.popleft()
@@ -319,9 +383,11 @@ class ModelSlot:
                 self.last_exit_code = e.exit_code
                 self.metrics.load_failures.labels(self.model.name).inc()
                 if self.state is WorkerState.LOADING:
+                    self._record_failure("load_failed", f"load failed: {e.reason}", e.exit_code)
                     self._set_state(WorkerState.FAILED, f"load failed: {e.reason}")
                     self._fail_waiting(ModelLoadFailed(  # no absolute paths for clients
-                        f"model '{self.model.name}' failed to load: {redact_paths(e.reason)}"))
+                        f"model '{self.model.name}' failed to load: {redact_paths(e.reason)}",
+                        retry_after_s=self._failure_retry_after()))
             await wp.stop(0)
             return
         except asyncio.CancelledError:
@@ -410,17 +476,21 @@ class ModelSlot:
             self.worker = None
             self._crashed = True
             self.metrics.crashes.labels(self.model.name).inc()
+            self._record_failure("crashed", f"worker crashed: {reason}", wp.exit_code)
             self._set_state(WorkerState.FAILED, f"worker crashed: {reason}")
             self._fail_waiting(WorkerCrashed(
-                f"model '{self.model.name}' worker crashed ({redact_paths(reason)}); retry to restart it"))
+                f"model '{self.model.name}' worker crashed ({redact_paths(reason)}); retry to restart it",
+                retry_after_s=self._failure_retry_after()))
         else:
             self._changed.set()  # draining: the unload task finishes the job
 
-    async def ready_worker(self) -> WorkerProcess:
+    async def ready_worker(self, *, operator: bool = False) -> WorkerProcess:
         """The ready worker, starting it and waiting for its load if needed (for
         requests that do not take a job slot: tokenize, detokenize, apply-template,
-        admin load). Raises ModelUnloading (draining), ModelLoadFailed."""
+        admin load with ``operator``). Raises ModelUnloading (draining), ModelLoadFailed,
+        RestartBackoff / ModelFailed (crash backoff; never for an operator)."""
         self._check_open()
+        self._check_restart(operator=operator)
         self._last_active = time.monotonic()
         if self.state is WorkerState.DRAINING and self._unload_task is not None:  # an idle unload
             await asyncio.shield(self._unload_task)
@@ -439,7 +509,7 @@ class ModelSlot:
         Returns the worker's load time, ms. Raises ModelLoadFailed, Conflict (draining)."""
         if self._refusing() and not self._pool.closing:  # closing: ready_worker says so (503)
             raise Conflict(f"model '{self.model.name}' is being unloaded", code="model_unloading")
-        await self.ready_worker()
+        await self.ready_worker(operator=True)
         return self.load_ms or 0.0
 
     # ------------------------------------------------------------------ unloading
@@ -462,15 +532,18 @@ class ModelSlot:
             self._unload_task = self._start_unload(drain, reason)
         return self._unload_task
 
-    def begin_load(self) -> bool:
-        """Start loading without waiting (llama.cpp's ``POST /models/load``). Returns
-        False when the model is already loading or loaded. Raises Conflict while an
-        operator unload drains, ServerShuttingDown when the router stops. During an
-        idle unload the load starts once the worker has stopped."""
+    def begin_load(self, *, operator: bool = True) -> bool:
+        """Start loading without waiting (llama.cpp's ``POST /models/load``; ``operator``
+        False for ``/health?model=``'s autoload, which respects the crash backoff).
+        Returns False when the model is already loading or loaded. Raises Conflict while
+        an operator unload drains, ServerShuttingDown when the router stops,
+        RestartBackoff / ModelFailed (not an operator). During an idle unload the load
+        starts once the worker has stopped."""
         if self._pool.closing:
             raise ServerShuttingDown()
         if self._refusing():
             raise Conflict(f"model '{self.model.name}' is being unloaded", code="model_unloading")
+        self._check_restart(operator=operator)
         self._last_active = time.monotonic()
         if self.state in (WorkerState.UNLOADED, WorkerState.FAILED):
             self._begin_load()
@@ -540,8 +613,9 @@ class Pool:
     """Every configured model's slot, name/alias resolution, and the shared zmq context."""
 
     def __init__(self, config: Config, *, worker_module: str | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.clock = clock  # monotonic seconds for placement and backoff decisions (tests inject one)
         self.worker_module = worker_module
         self.metrics = metrics if metrics is not None else Metrics(config.models)
         self.closing = False
