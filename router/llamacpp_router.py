@@ -45,7 +45,7 @@ from router.gguf_meta import read_string
 from router.metrics import label_request
 from router.params import get_str, read_json
 from router.pool import ModelSlot, Pool
-from router.process import WorkerState
+from router.lifecycle import WorkerState
 from router.responses import JSONResponse
 from router.sse import until_disconnect
 

@@ -52,15 +52,8 @@ from router.errors import (
     WorkerCrashed,
     redact_paths,
 )
-from router.process import (
-    TRANSITIONS,
-    CurveKeypair,
-    LoadFailed,
-    WorkerProcess,
-    WorkerState,
-    _spawn,
-    new_curve_keypair,
-)
+from router.lifecycle import Lifecycle, WorkerState
+from router.process import CurveKeypair, LoadFailed, WorkerProcess, new_curve_keypair
 
 log = logging.getLogger("modelyard.pool")
 
@@ -82,7 +75,7 @@ class ModelSlot:
     def __init__(self, model: ModelConfig, pool: Pool) -> None:
         self.model = model
         self._pool = pool
-        self.state = WorkerState.UNLOADED
+        self._life = Lifecycle(model.name, self._on_state)  # moved only by this slot's methods
         self.worker: WorkerProcess | None = None
         self.last_error: str | None = None
         self.last_exit_code: int | None = None
@@ -111,6 +104,10 @@ class ModelSlot:
     @property
     def metrics(self) -> Metrics:
         return self._pool.metrics
+
+    @property
+    def state(self) -> WorkerState:
+        return self._life.state
 
     # ------------------------------------------------------------------ facts
 
@@ -224,12 +221,11 @@ class ModelSlot:
     # ------------------------------------------------------------------ state machine
 
     def _set_state(self, new: WorkerState, error: str | None = None) -> None:
-        if new not in TRANSITIONS[self.state]:
-            raise RuntimeError(f"{self.model.name}: illegal transition {self.state} -> {new}")
-        log.info("model %s: %s -> %s%s", self.model.name, self.state, new, f" ({error})" if error else "")
-        self.state = new
-        if error is not None:
-            self.last_error = error
+        self._life.move(new, error)
+
+    def _on_state(self, old: WorkerState, new: WorkerState, note: str | None) -> None:
+        if note is not None:
+            self.last_error = note
         self._changed.set()
 
     # ------------------------------------------------------------------ admission
@@ -346,6 +342,20 @@ class ModelSlot:
         if h.given_up:
             return None
         return h.retry_after(self._pool.clock())
+
+    def refuse_waiting(self, err: ApiError) -> None:
+        """Every waiting request fails with ``err`` now (the router is shutting down)."""
+        self._fail_waiting(err)
+
+    def abort_running(self, reason: str) -> int:
+        """End every running generation now: each fails with ServerShuttingDown(``reason``)
+        and its worker gets Cancel (by the run's own close). Returns how many."""
+        n = 0
+        for ticket in list(self._running.values()):
+            if ticket.worker is not None:
+                ticket.worker.abort_stream(ticket.id, reason)
+                n += 1
+        return n
 
     def _fail_waiting(self, err: ApiError) -> None:
         while self._waiting:
@@ -660,18 +670,12 @@ class Pool:
         server_shutting_down now; running ones may finish until :meth:`abort_running`."""
         self.closing = True
         for slot in self.slots.values():
-            slot._fail_waiting(ServerShuttingDown())
+            slot.refuse_waiting(ServerShuttingDown())
 
     def abort_running(self, reason: str) -> int:
         """End every running generation now: each fails with ServerShuttingDown(``reason``)
         (an SSE error event if streaming) and its worker gets Cancel. Returns how many."""
-        n = 0
-        for slot in self.slots.values():
-            for ticket in list(slot._running.values()):
-                if ticket.worker is not None:
-                    ticket.worker.abort_stream(ticket.id, reason)
-                    n += 1
-        return n
+        return sum(slot.abort_running(reason) for slot in self.slots.values())
 
     async def close(self) -> None:
         """Stop every worker (Shutdown, grace, kill) without draining. Idempotent."""
@@ -682,4 +686,4 @@ class Pool:
             remove_socket_dir(self.socket_dir)
 
 
-__all__ = ["ModelSlot", "Pool", "Ticket", "_spawn"]
+__all__ = ["ModelSlot", "Pool", "Ticket", "WorkerState"]

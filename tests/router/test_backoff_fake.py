@@ -19,7 +19,7 @@ import pytest
 
 from router.backoff import CrashHistory, CrashPolicy, Failure
 from router.pool import Pool
-from router.process import WorkerState
+from router.lifecycle import WorkerState
 from tests.router.inproc import FakeClock, InProc, chat, until
 
 CONFIG = """
