@@ -168,6 +168,21 @@ class ModelFailed(Unavailable):
     retry_after_s = None
 
 
+class InsufficientMemory(Unavailable):
+    """Placement: the model's estimate does not fit in the available memory even with
+    every unpinned model unloaded (the message has the figures)."""
+
+    default_code = "insufficient_memory"
+    retry_after_s = 10
+
+
+class MaxLoadedReached(Unavailable):
+    """Placement: ``max_loaded`` models are loaded and none of them may be evicted (pinned)."""
+
+    default_code = "max_loaded_reached"
+    retry_after_s = 10
+
+
 class BadGateway(ApiError):
     """502: the worker failed during this request (crash mid-request, protocol error)."""
 

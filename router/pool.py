@@ -14,7 +14,18 @@ are admitted whether the model is loaded or not. Beyond that
 finished with it (Done/Error, or the worker is gone), never when the client
 merely left, so the worker is never handed two generations at once.
 
-Idle unload (``idle_ttl_s`` > 0, like Ollama's keep_alive): a ready worker with
+Placement (``Pool.place``, decisions in ``router.placement``): a model that must load
+asks the pool for room; the pool decides over every slot in one synchronous step —
+load now, or evict idle least-recently-used unpinned models first (drain-then-swap:
+nothing running is ever cut) and wait, or refuse with 503 (``insufficient_memory``,
+``max_loaded_reached``). Its requests wait in its own queue meanwhile, so a burst
+asks once and loads once. Wanted loads are placed first come, first served.
+
+Crash backoff (``router.backoff``): a failed model starts again only once its
+backoff has passed (else 503 ``restart_backoff`` with the remaining wait), and not
+at all after ``max_crashes`` within ``crash_window_s`` until an operator loads it.
+
+Idle unload (``idle_ttl_s`` > 0, like Ollama's keep_alive; never for ``pinned`` models): a ready worker with
 nothing running or waiting for ``idle_ttl_s`` seconds is unloaded (drained, then
 stopped). The idle check and the switch to ``draining`` happen in one step, so a
 request cannot slip in between; a request arriving while an idle unload stops
@@ -42,6 +53,8 @@ from router.sockdir import make_socket_dir, remove_socket_dir
 from router.errors import (
     ApiError,
     Conflict,
+    InsufficientMemory,
+    MaxLoadedReached,
     ModelFailed,
     ModelLoadFailed,
     ModelUnloading,
@@ -53,6 +66,8 @@ from router.errors import (
     redact_paths,
 )
 from router.lifecycle import Lifecycle, WorkerState
+from router import placement
+from router.placement import Decision, Estimate, MemoryProbe, Seat, SystemMemory
 from router.process import CurveKeypair, LoadFailed, WorkerProcess, new_curve_keypair
 
 log = logging.getLogger("modelyard.pool")
@@ -97,6 +112,12 @@ class ModelSlot:
         self._pong: tuple[WorkerProcess, Pong] | None = None  # the current worker's last Pong
         self._crashed = False  # the last worker died unasked: the next load is a restart
         self._reload_task: asyncio.Task[float] | None = None  # begin_load during an idle unload
+        self._placement: asyncio.Future[None] | None = None  # set while waiting for a place (Pool._place)
+        self._placement_holders = 0  # ready_worker callers waiting on it (they hold no ticket)
+        self._placement_sticky = False  # an operator asked for the load: wanted even with nobody waiting
+        self.waiting_for: str | None = None  # why the wanted load has not started (placement)
+        self.rss_after_load: int | None = None  # the last worker's RSS right after Ready, bytes
+        self.rss_peak: int | None = None  # the largest RSS a ready worker of this model had, bytes
         self.failures = CrashHistory(CrashPolicy(
             base_s=model.restart_backoff_s, max_s=model.restart_backoff_max_s,
             max_crashes=model.max_crashes, window_s=model.crash_window_s))
@@ -198,11 +219,45 @@ class ModelSlot:
             "failures": self.failures.describe(self._pool.clock()),
             "spawn_count": self.spawn_count,
             "refused_peers": w.refused_peers if w is not None else 0,
-            "rss_bytes": w.rss_bytes() if w is not None else None,
+            "rss_bytes": self._sample_rss(w) if w is not None and w.alive else None,
+            "placement": {"pinned": self.model.pinned, "waiting_for": self.waiting_for,
+                          "estimate": self.estimate().describe(), "rss_after_load_bytes": self.rss_after_load,
+                          "rss_peak_bytes": self.rss_peak},
             "n_ctx": ready.n_ctx if ready else self.model.n_ctx,
             "architecture": ready.architecture if ready else None,
             "path": str(self.model.path),
         }
+
+    # ------------------------------------------------------------------ placement facts
+
+    def estimate(self) -> Estimate:
+        """What this model will take once loaded (router.placement.estimate)."""
+        return placement.estimate(self.model.path, self.model.kv_budget_mib, self.rss_peak)
+
+    def _sample_rss(self, wp: WorkerProcess | None) -> int | None:
+        """``wp``'s RSS now (psutil on its pid, or the injected probe); a ready worker's
+        raises :attr:`rss_peak`."""
+        if wp is None:
+            return None
+        rss = self._pool.memory.rss(wp.pid, self.model.name)
+        if rss and wp is self.worker and self.state is WorkerState.READY:
+            self.rss_peak = max(self.rss_peak or 0, rss)
+        return rss
+
+    def seat(self) -> Seat | None:
+        """This model as placement sees it now, when it holds a worker (else None)."""
+        if self.state not in (WorkerState.LOADING, WorkerState.READY, WorkerState.DRAINING):
+            return None
+        return Seat(name=self.model.name, state=self.state.value,
+                    idle=self.state is WorkerState.READY and not self._running and self.queue_depth == 0,
+                    pinned=self.model.pinned, last_active=self._last_active,
+                    rss=self._sample_rss(self.worker or self._loading_worker) or 0,
+                    estimate=self.estimate().total)
+
+    def wants_place(self) -> bool:
+        """A load is wanted and someone still waits for it."""
+        return (self._placement is not None and self.state in (WorkerState.UNLOADED, WorkerState.FAILED)
+                and (self.queue_depth > 0 or self._placement_holders > 0 or self._placement_sticky))
 
     def condition(self) -> str:
         """The state with its history, for operators: ``never_loaded``, ``unloaded``,
@@ -251,7 +306,7 @@ class ModelSlot:
         self._waiting.append(ticket)
         self._last_active = time.monotonic()
         if self.state in (WorkerState.UNLOADED, WorkerState.FAILED):
-            self._begin_load()
+            self._want_load()
         self._pump()
         return ticket
 
@@ -269,6 +324,7 @@ class ModelSlot:
         except ValueError:
             pass
         self._changed.set()
+        self._pool.place()  # a wanted load may have nobody left to wait for it
 
     def release(self, ticket: Ticket) -> None:
         """The worker is done with this ticket's request (Done/Error/gone)."""
@@ -278,6 +334,7 @@ class ModelSlot:
             self._last_active = time.monotonic()
         self._changed.set()
         self._pump()
+        self._pool.place()  # this model may have become idle: evictable for a waiting one
 
     def _pump(self) -> None:
         """Hand free job slots of a ready worker to waiting tickets, FIFO."""
@@ -345,6 +402,7 @@ class ModelSlot:
 
     def refuse_waiting(self, err: ApiError) -> None:
         """Every waiting request fails with ``err`` now (the router is shutting down)."""
+        self._drop_placement(err)
         self._fail_waiting(err)
 
     def abort_running(self, reason: str) -> int:
@@ -363,6 +421,67 @@ class ModelSlot:
             if not t.granted.done():
                 t.granted.set_exception(err)
                 t.granted.exception()  # mark retrieved: a withdrawn waiter may never look
+
+    # ------------------------------------------------------------------ placement
+
+    def _want_load(self, *, sticky: bool = False) -> None:
+        """Ask the pool for a place to load in (it may start the load at once). Once per
+        load: a burst of first requests waits on the same placement."""
+        if sticky:
+            self._placement_sticky = True
+        if self.state not in (WorkerState.UNLOADED, WorkerState.FAILED) or self._placement is not None:
+            return
+        self._placement = asyncio.get_running_loop().create_future()
+        self._pool.want(self)
+
+    def placed(self) -> None:
+        """The pool's decision: load now."""
+        fut, self._placement = self._placement, None
+        self._placement_sticky = False
+        self.waiting_for = None
+        self._begin_load()
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def place_later(self, why: str) -> None:
+        """The pool's decision: not yet (``why``: what it waits for)."""
+        if why != self.waiting_for:
+            log.info("model %s: %s", self.model.name, why)
+        self.waiting_for = why
+
+    def refuse_place(self, decision: Decision) -> None:
+        """The pool's decision: it cannot load (503 to everyone waiting)."""
+        log.warning("model %s: %s", self.model.name, decision.why)
+        err: ApiError = (InsufficientMemory(decision.why) if decision.code == "insufficient_memory"
+                         else MaxLoadedReached(decision.why))
+        self.last_error = decision.why
+        self._drop_placement(err)
+        self._fail_waiting(err)
+
+    def cancel_placement(self) -> None:
+        """The pool's decision: the wanted load is not needed any more (nobody waits)."""
+        self._drop_placement(None)
+
+    def _drop_placement(self, err: ApiError | None) -> None:
+        """No load is wanted any more (refused, unloaded, shutdown or nobody waits)."""
+        fut, self._placement = self._placement, None
+        self._placement_sticky = False
+        self.waiting_for = None
+        self._pool.unwant(self)
+        if fut is not None and not fut.done():
+            if err is None:
+                fut.cancel()
+            else:
+                fut.set_exception(err)
+                fut.exception()  # retrieved: no one may be awaiting it
+
+    def evict(self, reason: str) -> None:
+        """The pool's decision: this idle model makes room (drain-then-stop; a request that
+        arrives meanwhile waits and loads it again)."""
+        assert self.state is WorkerState.READY and not self.model.pinned
+        self.metrics.evictions.labels(self.model.name).inc()
+        self._idle_unloading = True
+        self._unload_task = self._start_unload(drain=True, reason=reason)
 
     # ------------------------------------------------------------------ loading
 
@@ -399,12 +518,14 @@ class ModelSlot:
                         f"model '{self.model.name}' failed to load: {redact_paths(e.reason)}",
                         retry_after_s=self._failure_retry_after()))
             await wp.stop(0)
+            self._pool.place()  # its place is free
             return
         except asyncio.CancelledError:
             wp.kill("load cancelled")
             raise
         if self._loading_worker is not wp or self.state is not WorkerState.LOADING:
             await wp.stop(self.model.shutdown_grace_s)  # unloaded while loading
+            self._pool.place()
             return
         self._loading_worker = None
         self.worker = wp
@@ -413,14 +534,16 @@ class ModelSlot:
         self.loaded_at = time.time()
         self.last_exit_code = None
         self._set_state(WorkerState.READY)
+        self.rss_after_load = self._sample_rss(wp)
         log.info("model %s ready in %.0f ms (worker load_ms %.0f, pid %s, n_ctx %d)", self.model.name,
                  (time.monotonic() - t0) * 1000, ready.load_ms, wp.pid, ready.n_ctx)
         if self.model.ping_interval_s > 0:
             self._ping_task = asyncio.create_task(self._ping_loop(wp), name=f"ping-{self.model.name}")
         self._last_active = time.monotonic()
-        if self.model.idle_ttl_s > 0:
+        if self.model.idle_ttl_s > 0 and not self.model.pinned:
             self._idle_task = asyncio.create_task(self._idle_loop(wp), name=f"idle-{self.model.name}")
         self._pump()
+        self._pool.place()
 
     async def _ping_loop(self, wp: WorkerProcess) -> None:
         while wp.alive:
@@ -434,6 +557,7 @@ class ModelSlot:
         pong = await wp.ping(timeout_s)
         if pong is not None and wp is self.worker:
             self._pong = (wp, pong)
+            self._sample_rss(wp)
         return pong
 
     async def probe(self, timeout_s: float = 2.0) -> Pong | None:
@@ -491,6 +615,7 @@ class ModelSlot:
             self._fail_waiting(WorkerCrashed(
                 f"model '{self.model.name}' worker crashed ({redact_paths(reason)}); retry to restart it",
                 retry_after_s=self._failure_retry_after()))
+            self._pool.place()  # its place is free
         else:
             self._changed.set()  # draining: the unload task finishes the job
 
@@ -505,8 +630,16 @@ class ModelSlot:
         if self.state is WorkerState.DRAINING and self._unload_task is not None:  # an idle unload
             await asyncio.shield(self._unload_task)
             self._check_open()
-        if self.state in (WorkerState.UNLOADED, WorkerState.FAILED):
-            self._begin_load()
+        self._placement_holders += 1  # before asking: the placement sees someone waits
+        try:
+            if self.state in (WorkerState.UNLOADED, WorkerState.FAILED):
+                self._want_load()
+            if self._placement is not None:  # waiting for room (max_loaded, memory)
+                await asyncio.shield(self._placement)
+        finally:
+            self._placement_holders -= 1
+            if self._placement is not None:
+                self._pool.place()  # the last one to leave may leave nobody wanting it
         if self.state is WorkerState.LOADING and self._load_task is not None:
             await asyncio.shield(self._load_task)
         if self.state is not WorkerState.READY or self.worker is None:
@@ -556,7 +689,9 @@ class ModelSlot:
         self._check_restart(operator=operator)
         self._last_active = time.monotonic()
         if self.state in (WorkerState.UNLOADED, WorkerState.FAILED):
-            self._begin_load()
+            if self._placement is not None:
+                return False  # already asked for: loading as soon as there is room
+            self._want_load(sticky=True)
             return True
         if self.state is WorkerState.DRAINING:  # an idle unload: load again once it is done
             task = asyncio.create_task(self.load(), name=f"reload-{self.model.name}")
@@ -573,10 +708,16 @@ class ModelSlot:
             return None
 
         if self.state is WorkerState.UNLOADED:
+            if self._placement is not None:  # waiting for room: not any more
+                self._drop_placement(ModelUnloading(f"model '{self.model.name}' was unloaded"))
+                self._fail_waiting(ModelUnloading(f"model '{self.model.name}' was unloaded"))
             return asyncio.create_task(nothing())
         self.unload_reason = reason
         if self.state is WorkerState.FAILED:
             self._crashed = False
+            if self._placement is not None:
+                self._drop_placement(ModelUnloading(f"model '{self.model.name}' was unloaded"))
+                self._fail_waiting(ModelUnloading(f"model '{self.model.name}' was unloaded"))
             self._set_state(WorkerState.UNLOADED)
             return asyncio.create_task(nothing())
         if self.state is WorkerState.LOADING:
@@ -615,17 +756,23 @@ class ModelSlot:
         self._set_state(WorkerState.UNLOADED, wp.kill_reason)
         reload = self._idle_unloading and not self._pool.closing
         self._idle_unloading = False
-        if reload and self._waiting:  # requests that arrived during an idle unload start it again
-            self._begin_load()
+        if reload and self._waiting:  # requests that arrived during an idle unload / eviction start it again
+            self._want_load()
+        self._pool.place()  # its place is free
 
 
 class Pool:
     """Every configured model's slot, name/alias resolution, and the shared zmq context."""
 
     def __init__(self, config: Config, *, worker_module: str | None = None,
-                 metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic,
+                 memory: MemoryProbe | None = None) -> None:
         self.config = config
-        self.clock = clock  # monotonic seconds for placement and backoff decisions (tests inject one)
+        self.clock = clock  # monotonic seconds for backoff decisions (tests inject one)
+        self.memory: MemoryProbe = memory if memory is not None else SystemMemory()  # placement's figures
+        self._wanting: list[ModelSlot] = []  # models waiting for room to load, first come first placed
+        self._placing = False
+        self._place_again = False
         self.worker_module = worker_module
         self.metrics = metrics if metrics is not None else Metrics(config.models)
         self.closing = False
@@ -655,6 +802,57 @@ class Pool:
             raise NotFound(f"model '{name}' not found; available models: {', '.join(self.config.ids())}",
                            param="model")
         return self.slots[m.name]
+
+    # ------------------------------------------------------------------ placement
+
+    def want(self, slot: ModelSlot) -> None:
+        """``slot`` wants to load: queue it for placement and decide now."""
+        if slot not in self._wanting:
+            self._wanting.append(slot)
+        self.place()
+
+    def unwant(self, slot: ModelSlot) -> None:
+        if slot in self._wanting:
+            self._wanting.remove(slot)
+
+    def place(self) -> None:
+        """Start every wanted load that has room now, in the order they were wanted,
+        evicting idle least-recently-used models first when needed (router.placement).
+        Synchronous: the snapshot and the actions on it are one step. Re-entrant calls
+        (an action that changes state calls back) run again after the current pass."""
+        if self._placing:
+            self._place_again = True
+            return
+        self._placing = True
+        try:
+            while True:
+                self._place_again = False
+                self._place_once()
+                if not self._place_again:
+                    return
+        finally:
+            self._placing = False
+
+    def _place_once(self) -> None:
+        for slot in list(self._wanting):
+            if self.closing:
+                return
+            if not slot.wants_place():
+                slot.cancel_placement()  # nobody waits for it any more
+                continue
+            seats = [seat for s in self.slots.values() if s is not slot and (seat := s.seat()) is not None]
+            d = placement.decide(slot.model.name, slot.estimate(), seats,
+                                 max_loaded=self.config.server.max_loaded, available=self.memory.available())
+            for name in d.evict:
+                self.slots[name].evict(f"evicted to make room for '{slot.model.name}'")
+            if d.action == "load":
+                self._wanting.remove(slot)
+                slot.placed()
+            elif d.action == "refuse":
+                slot.refuse_place(d)
+            else:
+                slot.place_later(d.why)
+                return  # first come, first placed: the others wait behind it
 
     def new_worker(self, model: ModelConfig) -> WorkerProcess:
         self._endpoints += 1
