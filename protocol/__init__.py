@@ -4,6 +4,7 @@ Imports neither ``router`` nor ``worker``; both import it.
 """
 
 from protocol.codec import ProtocolError, decode, encode
+from protocol.errors import ErrorCode
 from protocol.credentials import WorkerCredentials, read_credentials, secret_matches, write_credentials
 from protocol.messages import (
     FINISH_REASONS,
@@ -32,7 +33,7 @@ from protocol.messages import (
 __all__ = [
     "FINISH_REASONS", "MAX_FRAME_BYTES", "MESSAGE_TYPES", "PROTOCOL_VERSION",
     "ApplyTemplate", "ApplyTemplateResult", "Cancel", "Detokenize", "DetokenizeResult", "Done",
-    "Error", "Generate", "Hello", "Message", "Ping", "Pong", "ProtocolError", "Ready", "Shutdown",
+    "Error", "ErrorCode", "Generate", "Hello", "Message", "Ping", "Pong", "ProtocolError", "Ready", "Shutdown",
     "Token", "Tokenize", "TokenizeResult", "WorkerCredentials", "decode", "encode", "read_credentials",
     "secret_matches", "write_credentials",
 ]

@@ -121,10 +121,8 @@ class Done(Message):
 class Error(Message):
     """A request failed (or, with the worker's own id, the worker failed to load).
 
-    ``code`` is machine-readable: "invalid_request", "invalid_token",
-    "context_length_exceeded", "invalid_params", "empty_prompt",
-    "no_chat_template", "template_error", "busy", "protocol_error",
-    "load_failed", "internal_error", ...
+    ``code`` is machine-readable: a ``protocol.errors.ErrorCode`` (a str on the wire;
+    the router maps every member, and logs any other code as a 502).
     """
 
     TYPE: ClassVar[str] = "error"

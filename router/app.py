@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -83,15 +84,17 @@ async def _bug(request: Request, exc: Exception) -> Response:
     return error_response(InternalError(f"internal error: {type(exc).__name__}"))
 
 
-def create_app(config: Config, *, worker_module: str | None = None) -> Starlette:
+def create_app(config: Config, *, worker_module: str | None = None,
+               pool_options: dict[str, Any] | None = None) -> Starlette:
     """The router app for ``config``. ``worker_module`` overrides ``python -m worker``
-    (also settable with the MODELYARD_WORKER_MODULE environment variable)."""
+    (also settable with the MODELYARD_WORKER_MODULE environment variable);
+    ``pool_options`` go to :class:`Pool` (tests inject a clock and memory figures)."""
 
     registry = Metrics(config.models)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        app.state.pool = Pool(config, worker_module=worker_module, metrics=registry)
+        app.state.pool = Pool(config, worker_module=worker_module, metrics=registry, **(pool_options or {}))
         try:
             yield
         finally:

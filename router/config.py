@@ -4,12 +4,14 @@ Layout::
 
     [server]            host, port, api_key, admin_key, models_dir, transport,
                         shutdown_timeout_s, allowed_hosts, cors_origins, header_timeout_s,
-                        body_timeout_s, keep_alive_timeout_s, max_connections, max_header_bytes
+                        body_timeout_s, keep_alive_timeout_s, max_connections, max_header_bytes,
+                        max_loaded
     [defaults]          any per-model key below except path/aliases; applies to every model
     [models.NAME]       path (required), aliases, n_ctx, chat_template, max_queue,
                         load_timeout_s, cancel_timeout_s, drain_timeout_s,
                         shutdown_grace_s, ping_interval_s, ping_timeout_s, idle_ttl_s, n_threads,
-                        parallel, kv_budget_mib,
+                        parallel, kv_budget_mib, restart_backoff_s, restart_backoff_max_s,
+                        max_crashes, crash_window_s, pinned,
                         and default sampling values (temperature, top_p, top_k, min_p,
                         repeat_penalty, repeat_last_n, presence_penalty,
                         frequency_penalty, seed)
@@ -85,6 +87,14 @@ class ModelConfig:
     n_threads: int | None = None  # the worker's BLAS threads (python -m worker --threads); None: environment's
     parallel: int = 4  # KV slots: sequences the worker decodes at once (python -m worker --parallel)
     kv_budget_mib: float | None = None  # KV memory of the worker's sequences + prefix cache; None: the worker's
+    # crash backoff (router.backoff): the n-th failure within crash_window_s waits
+    # min(restart_backoff_s * 2**(n-1), restart_backoff_max_s) before the next start;
+    # the max_crashes-th makes the model failed until an operator loads it
+    restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 60.0
+    max_crashes: int = 5
+    crash_window_s: float = 300.0
+    pinned: bool = False  # never evicted for another model (router.placement) nor unloaded for idleness
     sampling: dict[str, float | int] = field(default_factory=dict)
 
 
@@ -109,6 +119,7 @@ class ServerConfig:
     keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
     max_connections: int = 256  # open connections beyond this get 503 (uvicorn's limit_concurrency)
     max_header_bytes: int = 16 * 1024  # a request head larger than this is a 400 (h11)
+    max_loaded: int = 0  # models holding a worker at once (0: no limit); router.placement evicts idle ones
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,12 +149,13 @@ class Config:
 _MODEL_KEYS = {
     "path", "aliases", "n_ctx", "chat_template", "max_queue", "load_timeout_s",
     "cancel_timeout_s", "drain_timeout_s", "shutdown_grace_s", "ping_interval_s",
-    "ping_timeout_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", *SAMPLING_KEYS,
+    "ping_timeout_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", "restart_backoff_s",
+    "restart_backoff_max_s", "max_crashes", "crash_window_s", "pinned", *SAMPLING_KEYS,
 }
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases"}
 _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport", "shutdown_timeout_s",
                 "allowed_hosts", "cors_origins", "header_timeout_s", "body_timeout_s",
-                "keep_alive_timeout_s", "max_connections", "max_header_bytes"}
+                "keep_alive_timeout_s", "max_connections", "max_header_bytes", "max_loaded"}
 
 #: A ``cors_origins`` entry: scheme://host[:port], nothing after it (or "*").
 _ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#]+$")
@@ -188,6 +200,7 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
         keep_alive_timeout_s=_float(server_raw, "keep_alive_timeout_s", "server", 5.0, 0.1),
         max_connections=_int(server_raw, "max_connections", "server", 256, 1, 1_000_000),
         max_header_bytes=_int(server_raw, "max_header_bytes", "server", 16 * 1024, 1024, 1024 * 1024),
+        max_loaded=_int(server_raw, "max_loaded", "server", 0, 0, 100_000),
     )
     check_public_bind(server)
 
@@ -256,6 +269,11 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
             parallel=_int(merged, "parallel", src("parallel"), 4, 1, 256),
             kv_budget_mib=(None if merged.get("kv_budget_mib") is None
                            else _float(merged, "kv_budget_mib", src("kv_budget_mib"), 2048.0, 1.0, float(1 << 24))),
+            restart_backoff_s=_float(merged, "restart_backoff_s", src("restart_backoff_s"), 1.0, 0.0),
+            restart_backoff_max_s=_float(merged, "restart_backoff_max_s", src("restart_backoff_max_s"), 60.0, 0.0),
+            max_crashes=_int(merged, "max_crashes", src("max_crashes"), 5, 1, 1_000_000),
+            crash_window_s=_float(merged, "crash_window_s", src("crash_window_s"), 300.0, 0.0),
+            pinned=_bool(merged, "pinned", src("pinned"), False),
             sampling=sampling,
         )
     return Config(server=server, models=models, source=source)
@@ -348,6 +366,13 @@ def _table(data: dict[str, Any], key: str, where: str) -> dict[str, Any]:
 def _check_id(ident: str, where: str) -> None:
     if not ident or len(ident) > 128 or any(c.isspace() for c in ident):
         raise ConfigError(where, f"invalid model id {ident!r} (1..128 characters, no whitespace)")
+
+
+def _bool(t: dict[str, Any], key: str, where: str, default: bool) -> bool:
+    v = t.get(key, default)
+    if not isinstance(v, bool):
+        raise ConfigError(f"{where}.{key}", f"expected true or false, got {v!r}")
+    return v
 
 
 def _str(t: dict[str, Any], key: str, where: str, default: str) -> str:

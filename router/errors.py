@@ -9,10 +9,14 @@ into an SSE ``data: {"error": ...}`` event (:func:`error_payload`). Worker
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, ClassVar
 
+from protocol.errors import ErrorCode
 from router.responses import JSONResponse
+
+log = logging.getLogger("modelyard.errors")
 
 
 class ApiError(Exception):
@@ -23,11 +27,14 @@ class ApiError(Exception):
     default_code: ClassVar[str | None] = None
     retry_after_s: ClassVar[int | None] = None
 
-    def __init__(self, message: str, *, code: str | None = None, param: str | None = None) -> None:
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None,
+                 retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.code = code if code is not None else self.default_code
         self.param = param
+        if retry_after_s is not None:  # this instance's own wait (crash backoff), else the class's
+            self.retry_after_s = retry_after_s  # type: ignore[misc]
 
     def payload(self) -> dict[str, Any]:
         return error_payload(self)
@@ -146,6 +153,36 @@ class WorkerCrashed(Unavailable):
     default_code = "worker_crashed"
 
 
+class RestartBackoff(Unavailable):
+    """The model's worker crashed recently; it may start again in ``retry_after_s`` seconds
+    (exponential backoff, ``router.backoff``)."""
+
+    default_code = "restart_backoff"
+
+
+class ModelFailed(Unavailable):
+    """The model failed ``max_crashes`` times within ``crash_window_s``: it stays failed
+    until an operator loads it. No Retry-After: retrying will not help."""
+
+    default_code = "model_failed"
+    retry_after_s = None
+
+
+class InsufficientMemory(Unavailable):
+    """Placement: the model's estimate does not fit in the available memory even with
+    every unpinned model unloaded (the message has the figures)."""
+
+    default_code = "insufficient_memory"
+    retry_after_s = 10
+
+
+class MaxLoadedReached(Unavailable):
+    """Placement: ``max_loaded`` models are loaded and none of them may be evicted (pinned)."""
+
+    default_code = "max_loaded_reached"
+    retry_after_s = 10
+
+
 class BadGateway(ApiError):
     """502: the worker failed during this request (crash mid-request, protocol error)."""
 
@@ -160,26 +197,40 @@ class InternalError(ApiError):
     default_code = "internal_error"
 
 
-#: Worker Error.code -> the ApiError class it becomes. Codes not listed: BadGateway (502).
-_WORKER_CODES: dict[str, type[ApiError]] = {
-    "context_length_exceeded": ContextLengthExceeded,
-    "kv_budget_exceeded": BadRequest,
-    "invalid_request": BadRequest,
-    "invalid_token": BadRequest,
-    "invalid_params": BadRequest,
-    "empty_prompt": BadRequest,
-    "no_chat_template": BadRequest,
-    "template_error": BadRequest,
-    "busy": Unavailable,
-    "load_failed": ModelLoadFailed,
-    "internal_error": InternalError,
+#: Every worker ``Error.code`` -> the ApiError class it becomes (the worker's code and
+#: message are kept). Exhaustive over ``ErrorCode`` (tests/protocol holds it to that).
+WORKER_CODES: dict[ErrorCode, type[ApiError]] = {
+    ErrorCode.INVALID_REQUEST: BadRequest,
+    ErrorCode.INVALID_TOKEN: BadRequest,
+    ErrorCode.INVALID_PARAMS: BadRequest,
+    ErrorCode.EMPTY_PROMPT: BadRequest,
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: ContextLengthExceeded,
+    ErrorCode.KV_BUDGET_EXCEEDED: BadRequest,
+    ErrorCode.NO_CHAT_TEMPLATE: BadRequest,
+    ErrorCode.TEMPLATE_ERROR: BadRequest,
+    ErrorCode.BUSY: Unavailable,
+    ErrorCode.LOAD_FAILED: ModelLoadFailed,
+    ErrorCode.FILE_NOT_FOUND: ModelLoadFailed,
+    ErrorCode.INVALID_GGUF: ModelLoadFailed,
+    ErrorCode.UNSUPPORTED_ARCHITECTURE: ModelLoadFailed,
+    ErrorCode.UNSUPPORTED_TENSOR_TYPE: ModelLoadFailed,
+    ErrorCode.UNSUPPORTED_TOKENIZER: ModelLoadFailed,
+    ErrorCode.PROTOCOL_ERROR: BadGateway,
+    ErrorCode.INTERNAL_ERROR: InternalError,
+    ErrorCode.WORKER_GONE: BadGateway,
 }
 
 
 def from_worker_error(code: str, message: str) -> ApiError:
-    """The ApiError for a worker ``Error`` frame (keeps the worker's code and message)."""
-    cls = _WORKER_CODES.get(code, BadGateway)
-    return cls(message, code=code)
+    """The ApiError for a worker ``Error`` frame (keeps the worker's code and message).
+    A code outside ``ErrorCode`` is logged and becomes a 502 ``worker_error``."""
+    known = ErrorCode.of(code)
+    if known is None:
+        log.warning("worker sent an unknown error code %r (%s); answering 502", code, message[:200])
+        return BadGateway(f"the worker failed with an unknown error code {code!r}: {message}")
+    if known is ErrorCode.WORKER_GONE:
+        return BadGateway(message, code="worker_crashed")
+    return WORKER_CODES[known](message, code=str(known))
 
 
 def unsendable(reason: str) -> BadRequest:

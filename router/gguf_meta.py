@@ -96,3 +96,41 @@ def _read_string(path: str, size: int, mtime_ns: int, key: str) -> str | None:
     except (OSError, _Truncated, struct.error):
         return None
     return None
+
+
+def tensor_elements(path: Path) -> int | None:
+    """The number of weights in the GGUF file at ``path`` (the sum over its tensors of
+    their element counts), read from the tensor infos after the header; None if the
+    file is unreadable or not GGUF. Placement turns it into the bytes the engine holds."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return _tensor_elements(str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _tensor_elements(path: str, size: int, mtime_ns: int) -> int | None:
+    try:
+        with open(path, "rb") as f:
+            if _read(f, 4) != _MAGIC or _u32(f) < 2:
+                return None
+            n_tensors, n_kv = _u64(f), _u64(f)
+            for _ in range(n_kv):
+                _string(f)
+                _skip(f, _u32(f))
+            total = 0
+            for _ in range(n_tensors):
+                _string(f)  # name
+                n_dims = _u32(f)
+                if n_dims > 8:
+                    return None
+                count = 1
+                for _ in range(n_dims):
+                    count *= _u64(f)
+                _u32(f)  # ggml type
+                _u64(f)  # offset
+                total += count
+            return total
+    except (OSError, _Truncated, struct.error):
+        return None

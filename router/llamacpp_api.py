@@ -31,6 +31,7 @@ from protocol import (
     TokenizeResult,
     encode,
 )
+from protocol.errors import ErrorCode
 from protocol.limits import GENERATE_LIMITS
 from router.errors import BadGateway, BadRequest, from_worker_error, unsendable
 from router.generation import (
@@ -187,7 +188,7 @@ async def _call(request: Request, slot: ModelSlot, make: Any) -> Message:
         raise BadGateway(f"model '{slot.model.name}' worker did not answer within {CALL_TIMEOUT_S:g} s",
                          code="worker_timeout") from None
     if isinstance(ans, Error):
-        if ans.code == "worker_gone":
+        if ans.code == ErrorCode.WORKER_GONE:
             raise BadGateway(f"model '{slot.model.name}' worker failed: {ans.message}", code="worker_crashed")
         raise from_worker_error(ans.code, ans.message)
     return ans

@@ -45,7 +45,7 @@ from router.gguf_meta import read_string
 from router.metrics import label_request
 from router.params import get_str, read_json
 from router.pool import ModelSlot, Pool
-from router.process import WorkerState
+from router.lifecycle import WorkerState
 from router.responses import JSONResponse
 from router.sse import until_disconnect
 
@@ -251,7 +251,10 @@ async def model_health(request: Request, name: str) -> Response:
     err: ApiError
     if slot.state in (WorkerState.UNLOADED, WorkerState.FAILED) and _autoload(request):
         failed = slot.state is WorkerState.FAILED
-        slot.begin_load()
+        try:
+            slot.begin_load(operator=False)  # a client's autoload waits out a crash backoff
+        except ApiError as e:
+            return error_response(e)
         err = Unavailable("Loading model" + (f" (the last load failed: {slot.last_error})" if failed else ""),
                           code="model_loading")
     elif slot.state is WorkerState.LOADING:

@@ -77,6 +77,8 @@ class Metrics:
         self.loads = Counter("modelyard_model_loads", "Worker loads started", ["model"], registry=reg)
         self.load_failures = Counter("modelyard_model_load_failures", "Worker loads that failed "
                                      "(error, exit or load_timeout_s)", ["model"], registry=reg)
+        self.evictions = Counter("modelyard_model_evictions", "Idle models unloaded to make room for another "
+                                 "(max_loaded or memory)", ["model"], registry=reg)
         self.crashes = Counter("modelyard_worker_crashes", "Ready workers that died or were killed as hung",
                                ["model"], registry=reg)
         self.restarts = Counter("modelyard_worker_restarts", "Loads started after a crash", ["model"],
@@ -102,7 +104,7 @@ class Metrics:
         self.load_time = Histogram("modelyard_model_load_seconds", "Worker spawn to Ready", ["model"],
                                    buckets=_LOAD_BUCKETS, registry=reg)
         for m in models:
-            for c in (self.loads, self.load_failures, self.crashes, self.restarts, self.prompt_tokens,
+            for c in (self.loads, self.load_failures, self.evictions, self.crashes, self.restarts, self.prompt_tokens,
                       self.prompt_tokens_cached, self.generation_tokens):
                 c.labels(m)
             for stage in CANCEL_STAGES:

@@ -14,7 +14,18 @@ are admitted whether the model is loaded or not. Beyond that
 finished with it (Done/Error, or the worker is gone), never when the client
 merely left, so the worker is never handed two generations at once.
 
-Idle unload (``idle_ttl_s`` > 0, like Ollama's keep_alive): a ready worker with
+Placement (``Pool.place``, decisions in ``router.placement``): a model that must load
+asks the pool for room; the pool decides over every slot in one synchronous step —
+load now, or evict idle least-recently-used unpinned models first (drain-then-swap:
+nothing running is ever cut) and wait, or refuse with 503 (``insufficient_memory``,
+``max_loaded_reached``). Its requests wait in its own queue meanwhile, so a burst
+asks once and loads once. Wanted loads are placed first come, first served.
+
+Crash backoff (``router.backoff``): a failed model starts again only once its
+backoff has passed (else 503 ``restart_backoff`` with the remaining wait), and not
+at all after ``max_crashes`` within ``crash_window_s`` until an operator loads it.
+
+Idle unload (``idle_ttl_s`` > 0, like Ollama's keep_alive; never for ``pinned`` models): a ready worker with
 nothing running or waiting for ``idle_ttl_s`` seconds is unloaded (drained, then
 stopped). The idle check and the switch to ``draining`` happen in one step, so a
 request cannot slip in between; a request arriving while an idle unload stops
@@ -27,6 +38,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,29 +46,29 @@ from typing import Any
 import zmq.asyncio
 
 from protocol import Pong
+from router.backoff import CrashHistory, CrashPolicy, Failure
 from router.config import Config, ModelConfig
 from router.metrics import Metrics, ModelGauges
 from router.sockdir import make_socket_dir, remove_socket_dir
 from router.errors import (
     ApiError,
     Conflict,
+    InsufficientMemory,
+    MaxLoadedReached,
+    ModelFailed,
     ModelLoadFailed,
     ModelUnloading,
     NotFound,
     QueueFull,
+    RestartBackoff,
     ServerShuttingDown,
     WorkerCrashed,
     redact_paths,
 )
-from router.process import (
-    TRANSITIONS,
-    CurveKeypair,
-    LoadFailed,
-    WorkerProcess,
-    WorkerState,
-    _spawn,
-    new_curve_keypair,
-)
+from router.lifecycle import Lifecycle, WorkerState
+from router import placement
+from router.placement import Decision, Estimate, MemoryProbe, Seat, SystemMemory
+from router.process import CurveKeypair, LoadFailed, WorkerProcess, new_curve_keypair
 
 log = logging.getLogger("modelyard.pool")
 
@@ -78,7 +90,7 @@ class ModelSlot:
     def __init__(self, model: ModelConfig, pool: Pool) -> None:
         self.model = model
         self._pool = pool
-        self.state = WorkerState.UNLOADED
+        self._life = Lifecycle(model.name, self._on_state)  # moved only by this slot's methods
         self.worker: WorkerProcess | None = None
         self.last_error: str | None = None
         self.last_exit_code: int | None = None
@@ -100,10 +112,23 @@ class ModelSlot:
         self._pong: tuple[WorkerProcess, Pong] | None = None  # the current worker's last Pong
         self._crashed = False  # the last worker died unasked: the next load is a restart
         self._reload_task: asyncio.Task[float] | None = None  # begin_load during an idle unload
+        self._placement: asyncio.Future[None] | None = None  # set while waiting for a place (Pool._place)
+        self._placement_holders = 0  # ready_worker callers waiting on it (they hold no ticket)
+        self._placement_sticky = False  # an operator asked for the load: wanted even with nobody waiting
+        self.waiting_for: str | None = None  # why the wanted load has not started (placement)
+        self.rss_after_load: int | None = None  # the last worker's RSS right after Ready, bytes
+        self.rss_peak: int | None = None  # the largest RSS a ready worker of this model had, bytes
+        self.failures = CrashHistory(CrashPolicy(
+            base_s=model.restart_backoff_s, max_s=model.restart_backoff_max_s,
+            max_crashes=model.max_crashes, window_s=model.crash_window_s))
 
     @property
     def metrics(self) -> Metrics:
         return self._pool.metrics
+
+    @property
+    def state(self) -> WorkerState:
+        return self._life.state
 
     # ------------------------------------------------------------------ facts
 
@@ -192,23 +217,72 @@ class ModelSlot:
             "unload_reason": self.unload_reason,
             "idle_ttl_s": self.model.idle_ttl_s,
             "last_exit_code": self.last_exit_code,
+            "condition": self.condition(),
+            "failures": self.failures.describe(self._pool.clock()),
             "spawn_count": self.spawn_count,
             "refused_peers": w.refused_peers if w is not None else 0,
-            "rss_bytes": w.rss_bytes() if w is not None else None,
+            "rss_bytes": self._sample_rss(w) if w is not None and w.alive else None,
+            "placement": {"pinned": self.model.pinned, "waiting_for": self.waiting_for,
+                          "estimate": self.estimate().describe(), "rss_after_load_bytes": self.rss_after_load,
+                          "rss_peak_bytes": self.rss_peak},
             "n_ctx": ready.n_ctx if ready else self.model.n_ctx,
             "architecture": ready.architecture if ready else None,
             "path": str(self.model.path),
         }
 
+    # ------------------------------------------------------------------ placement facts
+
+    def estimate(self) -> Estimate:
+        """What this model will take once loaded (router.placement.estimate)."""
+        return placement.estimate(self.model.path, self.model.kv_budget_mib, self.rss_peak)
+
+    def _sample_rss(self, wp: WorkerProcess | None) -> int | None:
+        """``wp``'s RSS now (psutil on its pid, or the injected probe); a ready worker's
+        raises :attr:`rss_peak`."""
+        if wp is None:
+            return None
+        rss = self._pool.memory.rss(wp.pid, self.model.name)
+        if rss and wp is self.worker and self.state is WorkerState.READY:
+            self.rss_peak = max(self.rss_peak or 0, rss)
+        return rss
+
+    def seat(self) -> Seat | None:
+        """This model as placement sees it now, when it holds a worker (else None)."""
+        if self.state not in (WorkerState.LOADING, WorkerState.READY, WorkerState.DRAINING):
+            return None
+        return Seat(name=self.model.name, state=self.state.value,
+                    idle=self.state is WorkerState.READY and not self._running and self.queue_depth == 0,
+                    pinned=self.model.pinned, last_active=self._last_active,
+                    rss=self._sample_rss(self.worker or self._loading_worker) or 0,
+                    estimate=self.estimate().total)
+
+    def wants_place(self) -> bool:
+        """A load is wanted and someone still waits for it."""
+        return (self._placement is not None and self.state in (WorkerState.UNLOADED, WorkerState.FAILED)
+                and (self.queue_depth > 0 or self._placement_holders > 0 or self._placement_sticky))
+
+    def condition(self) -> str:
+        """The state with its history, for operators: ``never_loaded``, ``unloaded``,
+        ``loading``, ``ready``, ``draining``, ``crashed`` (a ready worker died; restarts on
+        the next request after the backoff), ``load_failed`` (same, its load failed), or
+        ``failed`` (``max_crashes`` within ``crash_window_s``: until an operator loads it)."""
+        if self.state is WorkerState.FAILED:
+            if self.failures.given_up:
+                return "failed"
+            last = self.failures.last
+            return last.kind if last is not None else "load_failed"
+        if self.state is WorkerState.UNLOADED and self.spawn_count == 0:
+            return "never_loaded"
+        return self.state.value
+
     # ------------------------------------------------------------------ state machine
 
     def _set_state(self, new: WorkerState, error: str | None = None) -> None:
-        if new not in TRANSITIONS[self.state]:
-            raise RuntimeError(f"{self.model.name}: illegal transition {self.state} -> {new}")
-        log.info("model %s: %s -> %s%s", self.model.name, self.state, new, f" ({error})" if error else "")
-        self.state = new
-        if error is not None:
-            self.last_error = error
+        self._life.move(new, error)
+
+    def _on_state(self, old: WorkerState, new: WorkerState, note: str | None) -> None:
+        if note is not None:
+            self.last_error = note
         self._changed.set()
 
     # ------------------------------------------------------------------ admission
@@ -222,6 +296,7 @@ class ModelSlot:
         waits for the model to load again.
         """
         self._check_open()
+        self._check_restart(operator=False)
         running, waiting = self.admitted_split()
         if running + waiting >= self.capacity:
             jobs = self.capacity - self.model.max_queue
@@ -233,7 +308,7 @@ class ModelSlot:
         self._waiting.append(ticket)
         self._last_active = time.monotonic()
         if self.state in (WorkerState.UNLOADED, WorkerState.FAILED):
-            self._begin_load()
+            self._want_load()
         self._pump()
         return ticket
 
@@ -251,6 +326,7 @@ class ModelSlot:
         except ValueError:
             pass
         self._changed.set()
+        self._pool.place()  # a wanted load may have nobody left to wait for it
 
     def release(self, ticket: Ticket) -> None:
         """The worker is done with this ticket's request (Done/Error/gone)."""
@@ -260,6 +336,7 @@ class ModelSlot:
             self._last_active = time.monotonic()
         self._changed.set()
         self._pump()
+        self._pool.place()  # this model may have become idle: evictable for a waiting one
 
     def _pump(self) -> None:
         """Hand free job slots of a ready worker to waiting tickets, FIFO."""
@@ -285,12 +362,128 @@ class ModelSlot:
         if self._refusing():
             raise ModelUnloading(f"model '{self.model.name}' is being unloaded; retry shortly")
 
+    def _check_restart(self, *, operator: bool) -> None:
+        """May a failed model start again now? An operator's load always may (and clears
+        the crash window); otherwise raises ModelFailed (given up after max_crashes) or
+        RestartBackoff (503, Retry-After: the remaining wait)."""
+        if self.state is not WorkerState.FAILED:
+            return
+        h = self.failures
+        if operator:
+            h.operator_reset()
+            return
+        now = self._pool.clock()
+        last = f" (last: {redact_paths(h.last.reason)})" if h.last is not None else ""
+        if h.given_up:
+            raise ModelFailed(
+                f"model '{self.model.name}' failed {h.in_window(now)} times within crash_window_s="
+                f"{h.policy.window_s:g} s{last}; it stays failed until an operator loads it "
+                f"(POST /admin/models/load)")
+        left = h.remaining(now)
+        if left > 0:
+            raise RestartBackoff(
+                f"model '{self.model.name}' failed {h.in_window(now)} time(s) recently{last}; "
+                f"it restarts in {left:.1f} s (crash backoff)", retry_after_s=h.retry_after(now))
+
+    def _record_failure(self, kind: str, reason: str, exit_code: int | None) -> None:
+        self.failures.record(self._pool.clock(), Failure(kind, reason, exit_code, time.time()))
+        h = self.failures
+        if h.given_up:
+            log.error("model %s: %d failures within crash_window_s=%g s; failed until an operator loads it",
+                      self.model.name, h.policy.max_crashes, h.policy.window_s)
+        elif (left := h.remaining(self._pool.clock())) > 0:
+            log.warning("model %s: restart allowed in %.1f s (crash backoff, failure %d in the window)",
+                        self.model.name, left, h.in_window(self._pool.clock()))
+
+    def _failure_retry_after(self) -> int | None:
+        """Retry-After for requests refused by the failure just recorded."""
+        h = self.failures
+        if h.given_up:
+            return None
+        return h.retry_after(self._pool.clock())
+
+    def refuse_waiting(self, err: ApiError) -> None:
+        """Every waiting request fails with ``err`` now (the router is shutting down)."""
+        self._drop_placement(err)
+        self._fail_waiting(err)
+
+    def abort_running(self, reason: str) -> int:
+        """End every running generation now: each fails with ServerShuttingDown(``reason``)
+        and its worker gets Cancel (by the run's own close). Returns how many."""
+        n = 0
+        for ticket in list(self._running.values()):
+            if ticket.worker is not None:
+                ticket.worker.abort_stream(ticket.id, reason)
+                n += 1
+        return n
+
     def _fail_waiting(self, err: ApiError) -> None:
         while self._waiting:
             t = self._waiting.popleft()
             if not t.granted.done():
                 t.granted.set_exception(err)
                 t.granted.exception()  # mark retrieved: a withdrawn waiter may never look
+
+    # ------------------------------------------------------------------ placement
+
+    def _want_load(self, *, sticky: bool = False) -> None:
+        """Ask the pool for a place to load in (it may start the load at once). Once per
+        load: a burst of first requests waits on the same placement."""
+        if sticky:
+            self._placement_sticky = True
+        if self.state not in (WorkerState.UNLOADED, WorkerState.FAILED) or self._placement is not None:
+            return
+        self._placement = asyncio.get_running_loop().create_future()
+        self._pool.want(self)
+
+    def placed(self) -> None:
+        """The pool's decision: load now."""
+        fut, self._placement = self._placement, None
+        self._placement_sticky = False
+        self.waiting_for = None
+        self._begin_load()
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def place_later(self, why: str) -> None:
+        """The pool's decision: not yet (``why``: what it waits for)."""
+        if why != self.waiting_for:
+            log.info("model %s: %s", self.model.name, why)
+        self.waiting_for = why
+
+    def refuse_place(self, decision: Decision) -> None:
+        """The pool's decision: it cannot load (503 to everyone waiting)."""
+        log.warning("model %s: %s", self.model.name, decision.why)
+        err: ApiError = (InsufficientMemory(decision.why) if decision.code == "insufficient_memory"
+                         else MaxLoadedReached(decision.why))
+        self.last_error = decision.why
+        self._drop_placement(err)
+        self._fail_waiting(err)
+
+    def cancel_placement(self) -> None:
+        """The pool's decision: the wanted load is not needed any more (nobody waits)."""
+        self._drop_placement(None)
+
+    def _drop_placement(self, err: ApiError | None) -> None:
+        """No load is wanted any more (refused, unloaded, shutdown or nobody waits)."""
+        fut, self._placement = self._placement, None
+        self._placement_sticky = False
+        self.waiting_for = None
+        self._pool.unwant(self)
+        if fut is not None and not fut.done():
+            if err is None:
+                fut.cancel()
+            else:
+                fut.set_exception(err)
+                fut.exception()  # retrieved: no one may be awaiting it
+
+    def evict(self, reason: str) -> None:
+        """The pool's decision: this idle model makes room (drain-then-stop; a request that
+        arrives meanwhile waits and loads it again)."""
+        assert self.state is WorkerState.READY and not self.model.pinned
+        self.metrics.evictions.labels(self.model.name).inc()
+        self._idle_unloading = True
+        self._unload_task = self._start_unload(drain=True, reason=reason)
 
     # ------------------------------------------------------------------ loading
 
@@ -321,16 +514,20 @@ class ModelSlot:
                 self.last_exit_code = e.exit_code
                 self.metrics.load_failures.labels(self.model.name).inc()
                 if self.state is WorkerState.LOADING:
+                    self._record_failure("load_failed", f"load failed: {e.reason}", e.exit_code)
                     self._set_state(WorkerState.FAILED, f"load failed: {e.reason}")
                     self._fail_waiting(ModelLoadFailed(  # no absolute paths for clients
-                        f"model '{self.model.name}' failed to load: {redact_paths(e.reason)}"))
+                        f"model '{self.model.name}' failed to load: {redact_paths(e.reason)}",
+                        retry_after_s=self._failure_retry_after()))
             await wp.stop(0)
+            self._pool.place()  # its place is free
             return
         except asyncio.CancelledError:
             wp.kill("load cancelled")
             raise
         if self._loading_worker is not wp or self.state is not WorkerState.LOADING:
             await wp.stop(self.model.shutdown_grace_s)  # unloaded while loading
+            self._pool.place()
             return
         self._loading_worker = None
         self.worker = wp
@@ -339,14 +536,16 @@ class ModelSlot:
         self.loaded_at = time.time()
         self.last_exit_code = None
         self._set_state(WorkerState.READY)
+        self.rss_after_load = self._sample_rss(wp)
         log.info("model %s ready in %.0f ms (worker load_ms %.0f, pid %s, n_ctx %d)", self.model.name,
                  (time.monotonic() - t0) * 1000, ready.load_ms, wp.pid, ready.n_ctx)
         if self.model.ping_interval_s > 0:
             self._ping_task = asyncio.create_task(self._ping_loop(wp), name=f"ping-{self.model.name}")
         self._last_active = time.monotonic()
-        if self.model.idle_ttl_s > 0:
+        if self.model.idle_ttl_s > 0 and not self.model.pinned:
             self._idle_task = asyncio.create_task(self._idle_loop(wp), name=f"idle-{self.model.name}")
         self._pump()
+        self._pool.place()
 
     async def _ping_loop(self, wp: WorkerProcess) -> None:
         while wp.alive:
@@ -360,6 +559,7 @@ class ModelSlot:
         pong = await wp.ping(timeout_s)
         if pong is not None and wp is self.worker:
             self._pong = (wp, pong)
+            self._sample_rss(wp)
         return pong
 
     async def probe(self, timeout_s: float = 2.0) -> Pong | None:
@@ -412,23 +612,36 @@ class ModelSlot:
             self.worker = None
             self._crashed = True
             self.metrics.crashes.labels(self.model.name).inc()
+            self._record_failure("crashed", f"worker crashed: {reason}", wp.exit_code)
             self._set_state(WorkerState.FAILED, f"worker crashed: {reason}")
             self._fail_waiting(WorkerCrashed(
-                f"model '{self.model.name}' worker crashed ({redact_paths(reason)}); retry to restart it"))
+                f"model '{self.model.name}' worker crashed ({redact_paths(reason)}); retry to restart it",
+                retry_after_s=self._failure_retry_after()))
+            self._pool.place()  # its place is free
         else:
             self._changed.set()  # draining: the unload task finishes the job
 
-    async def ready_worker(self) -> WorkerProcess:
+    async def ready_worker(self, *, operator: bool = False) -> WorkerProcess:
         """The ready worker, starting it and waiting for its load if needed (for
         requests that do not take a job slot: tokenize, detokenize, apply-template,
-        admin load). Raises ModelUnloading (draining), ModelLoadFailed."""
+        admin load with ``operator``). Raises ModelUnloading (draining), ModelLoadFailed,
+        RestartBackoff / ModelFailed (crash backoff; never for an operator)."""
         self._check_open()
+        self._check_restart(operator=operator)
         self._last_active = time.monotonic()
         if self.state is WorkerState.DRAINING and self._unload_task is not None:  # an idle unload
             await asyncio.shield(self._unload_task)
             self._check_open()
-        if self.state in (WorkerState.UNLOADED, WorkerState.FAILED):
-            self._begin_load()
+        self._placement_holders += 1  # before asking: the placement sees someone waits
+        try:
+            if self.state in (WorkerState.UNLOADED, WorkerState.FAILED):
+                self._want_load()
+            if self._placement is not None:  # waiting for room (max_loaded, memory)
+                await asyncio.shield(self._placement)
+        finally:
+            self._placement_holders -= 1
+            if self._placement is not None:
+                self._pool.place()  # the last one to leave may leave nobody wanting it
         if self.state is WorkerState.LOADING and self._load_task is not None:
             await asyncio.shield(self._load_task)
         if self.state is not WorkerState.READY or self.worker is None:
@@ -441,7 +654,7 @@ class ModelSlot:
         Returns the worker's load time, ms. Raises ModelLoadFailed, Conflict (draining)."""
         if self._refusing() and not self._pool.closing:  # closing: ready_worker says so (503)
             raise Conflict(f"model '{self.model.name}' is being unloaded", code="model_unloading")
-        await self.ready_worker()
+        await self.ready_worker(operator=True)
         return self.load_ms or 0.0
 
     # ------------------------------------------------------------------ unloading
@@ -464,18 +677,23 @@ class ModelSlot:
             self._unload_task = self._start_unload(drain, reason)
         return self._unload_task
 
-    def begin_load(self) -> bool:
-        """Start loading without waiting (llama.cpp's ``POST /models/load``). Returns
-        False when the model is already loading or loaded. Raises Conflict while an
-        operator unload drains, ServerShuttingDown when the router stops. During an
-        idle unload the load starts once the worker has stopped."""
+    def begin_load(self, *, operator: bool = True) -> bool:
+        """Start loading without waiting (llama.cpp's ``POST /models/load``; ``operator``
+        False for ``/health?model=``'s autoload, which respects the crash backoff).
+        Returns False when the model is already loading or loaded. Raises Conflict while
+        an operator unload drains, ServerShuttingDown when the router stops,
+        RestartBackoff / ModelFailed (not an operator). During an idle unload the load
+        starts once the worker has stopped."""
         if self._pool.closing:
             raise ServerShuttingDown()
         if self._refusing():
             raise Conflict(f"model '{self.model.name}' is being unloaded", code="model_unloading")
+        self._check_restart(operator=operator)
         self._last_active = time.monotonic()
         if self.state in (WorkerState.UNLOADED, WorkerState.FAILED):
-            self._begin_load()
+            if self._placement is not None:
+                return False  # already asked for: loading as soon as there is room
+            self._want_load(sticky=True)
             return True
         if self.state is WorkerState.DRAINING:  # an idle unload: load again once it is done
             task = asyncio.create_task(self.load(), name=f"reload-{self.model.name}")
@@ -492,10 +710,16 @@ class ModelSlot:
             return None
 
         if self.state is WorkerState.UNLOADED:
+            if self._placement is not None:  # waiting for room: not any more
+                self._drop_placement(ModelUnloading(f"model '{self.model.name}' was unloaded"))
+                self._fail_waiting(ModelUnloading(f"model '{self.model.name}' was unloaded"))
             return asyncio.create_task(nothing())
         self.unload_reason = reason
         if self.state is WorkerState.FAILED:
             self._crashed = False
+            if self._placement is not None:
+                self._drop_placement(ModelUnloading(f"model '{self.model.name}' was unloaded"))
+                self._fail_waiting(ModelUnloading(f"model '{self.model.name}' was unloaded"))
             self._set_state(WorkerState.UNLOADED)
             return asyncio.create_task(nothing())
         if self.state is WorkerState.LOADING:
@@ -534,16 +758,23 @@ class ModelSlot:
         self._set_state(WorkerState.UNLOADED, wp.kill_reason)
         reload = self._idle_unloading and not self._pool.closing
         self._idle_unloading = False
-        if reload and self._waiting:  # requests that arrived during an idle unload start it again
-            self._begin_load()
+        if reload and self._waiting:  # requests that arrived during an idle unload / eviction start it again
+            self._want_load()
+        self._pool.place()  # its place is free
 
 
 class Pool:
     """Every configured model's slot, name/alias resolution, and the shared zmq context."""
 
     def __init__(self, config: Config, *, worker_module: str | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic,
+                 memory: MemoryProbe | None = None) -> None:
         self.config = config
+        self.clock = clock  # monotonic seconds for backoff decisions (tests inject one)
+        self.memory: MemoryProbe = memory if memory is not None else SystemMemory()  # placement's figures
+        self._wanting: list[ModelSlot] = []  # models waiting for room to load, first come first placed
+        self._placing = False
+        self._place_again = False
         self.worker_module = worker_module
         self.metrics = metrics if metrics is not None else Metrics(config.models)
         self.closing = False
@@ -574,6 +805,57 @@ class Pool:
                            param="model")
         return self.slots[m.name]
 
+    # ------------------------------------------------------------------ placement
+
+    def want(self, slot: ModelSlot) -> None:
+        """``slot`` wants to load: queue it for placement and decide now."""
+        if slot not in self._wanting:
+            self._wanting.append(slot)
+        self.place()
+
+    def unwant(self, slot: ModelSlot) -> None:
+        if slot in self._wanting:
+            self._wanting.remove(slot)
+
+    def place(self) -> None:
+        """Start every wanted load that has room now, in the order they were wanted,
+        evicting idle least-recently-used models first when needed (router.placement).
+        Synchronous: the snapshot and the actions on it are one step. Re-entrant calls
+        (an action that changes state calls back) run again after the current pass."""
+        if self._placing:
+            self._place_again = True
+            return
+        self._placing = True
+        try:
+            while True:
+                self._place_again = False
+                self._place_once()
+                if not self._place_again:
+                    return
+        finally:
+            self._placing = False
+
+    def _place_once(self) -> None:
+        for slot in list(self._wanting):
+            if self.closing:
+                return
+            if not slot.wants_place():
+                slot.cancel_placement()  # nobody waits for it any more
+                continue
+            seats = [seat for s in self.slots.values() if s is not slot and (seat := s.seat()) is not None]
+            d = placement.decide(slot.model.name, slot.estimate(), seats,
+                                 max_loaded=self.config.server.max_loaded, available=self.memory.available())
+            for name in d.evict:
+                self.slots[name].evict(f"evicted to make room for '{slot.model.name}'")
+            if d.action == "load":
+                self._wanting.remove(slot)
+                slot.placed()
+            elif d.action == "refuse":
+                slot.refuse_place(d)
+            else:
+                slot.place_later(d.why)
+                return  # first come, first placed: the others wait behind it
+
     def new_worker(self, model: ModelConfig) -> WorkerProcess:
         self._endpoints += 1
         if self.config.server.transport == "tcp":
@@ -588,18 +870,12 @@ class Pool:
         server_shutting_down now; running ones may finish until :meth:`abort_running`."""
         self.closing = True
         for slot in self.slots.values():
-            slot._fail_waiting(ServerShuttingDown())
+            slot.refuse_waiting(ServerShuttingDown())
 
     def abort_running(self, reason: str) -> int:
         """End every running generation now: each fails with ServerShuttingDown(``reason``)
         (an SSE error event if streaming) and its worker gets Cancel. Returns how many."""
-        n = 0
-        for slot in self.slots.values():
-            for ticket in list(slot._running.values()):
-                if ticket.worker is not None:
-                    ticket.worker.abort_stream(ticket.id, reason)
-                    n += 1
-        return n
+        return sum(slot.abort_running(reason) for slot in self.slots.values())
 
     async def close(self) -> None:
         """Stop every worker (Shutdown, grace, kill) without draining. Idempotent."""
@@ -610,4 +886,4 @@ class Pool:
             remove_socket_dir(self.socket_dir)
 
 
-__all__ = ["ModelSlot", "Pool", "Ticket", "_spawn"]
+__all__ = ["ModelSlot", "Pool", "Ticket", "WorkerState"]

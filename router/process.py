@@ -1,20 +1,7 @@
-"""One worker OS process, its ZeroMQ socket, and the worker state machine.
+"""One worker OS process and its ZeroMQ socket: the mechanism under a model's state
+machine (``router.lifecycle``, applied by ``pool.ModelSlot`` alone).
 
-States of a model's worker (held and changed only by ``pool.ModelSlot``)::
-
-    unloaded --first request / admin load--> loading
-    loading  --Ready--> ready
-    loading  --Error(load_failed) / exit / load_timeout_s--> failed
-    loading  --admin unload / router shutdown--> unloaded
-    ready    --admin unload / router shutdown--> draining
-    ready    --process exit / killed as hung--> failed
-    draining --running requests done, worker stopped--> unloaded
-    failed   --next request / admin load--> loading
-    failed   --admin unload--> unloaded
-
-``failed`` keeps the reason and the exit code; it is distinct from ``unloaded``
-(the operator's choice). :class:`WorkerProcess` is the mechanism underneath: it
-binds a ROUTER socket, spawns the exact worker command, accepts the Hello of
+:class:`WorkerProcess` binds a ROUTER socket, spawns the exact worker command, accepts the Hello of
 its own child only — the peer that proves the per-spawn secret handed to that
 child through an inherited pipe (``protocol.credentials``; over tcp the socket
 also speaks ZeroMQ CURVE with keys handed over the same way) — routes frames to per-request queues by request id, and
@@ -26,7 +13,6 @@ receives a :class:`WorkerGone` at once.
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import logging
 import os
@@ -36,7 +22,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import psutil
 import zmq
@@ -59,27 +44,11 @@ from protocol import (
     secret_matches,
     write_credentials,
 )
+from protocol.errors import ErrorCode
 from router.config import ModelConfig
+from router.tasks import spawn
 
 log = logging.getLogger("modelyard.worker")
-
-
-class WorkerState(enum.StrEnum):
-    UNLOADED = "unloaded"
-    LOADING = "loading"
-    READY = "ready"
-    DRAINING = "draining"
-    FAILED = "failed"
-
-
-#: Allowed transitions (see the module docstring).
-TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
-    WorkerState.UNLOADED: frozenset({WorkerState.LOADING}),
-    WorkerState.LOADING: frozenset({WorkerState.READY, WorkerState.FAILED, WorkerState.UNLOADED}),
-    WorkerState.READY: frozenset({WorkerState.DRAINING, WorkerState.FAILED}),
-    WorkerState.DRAINING: frozenset({WorkerState.UNLOADED}),
-    WorkerState.FAILED: frozenset({WorkerState.LOADING, WorkerState.UNLOADED}),
-}
 
 
 class LoadFailed(Exception):
@@ -436,7 +405,7 @@ class WorkerProcess:
             log.warning("bad frame from %s's worker: %s", self.model.name, e.reason)
             if e.msg_id is not None and e.msg_id in self._streams and ident == self._identity:
                 self._streams[e.msg_id].put_nowait(
-                    Error(id=e.msg_id, code="protocol_error", message=f"bad frame from worker: {e.reason}"))
+                    Error(id=e.msg_id, code=ErrorCode.PROTOCOL_ERROR, message=f"bad frame from worker: {e.reason}"))
             return
         self._dispatch(ident, msg)
 
@@ -521,14 +490,14 @@ class WorkerProcess:
                 pass
             except ProtocolError as e:  # pragma: no cover - Cancel/Shutdown always encode
                 log.error("cannot send %s to %s's worker: %s", msg.TYPE, self.model.name, e.reason)
-        _spawn(_go())
+        spawn(_go())
 
     async def call(self, msg: Message, timeout_s: float) -> Message:
         """Send ``msg`` and return the first frame answering its id (a result or an Error).
 
         Raises ProtocolError (cannot be encoded: nothing sent, no stream opened),
         WorkerUnreachable (not sent), TimeoutError, or returns a WorkerGone-derived
-        Error(code="worker_gone") if the process died meanwhile.
+        Error(code=ErrorCode.WORKER_GONE) if the process died meanwhile.
         """
         frame = encode(msg)  # before the stream opens: a frame the protocol cannot carry sends nothing
         q = self.open_stream(msg.id)
@@ -538,7 +507,7 @@ class WorkerProcess:
         finally:
             self.close_stream(msg.id)
         if isinstance(answer, WorkerGone):
-            return Error(id=msg.id, code="worker_gone", message=answer.reason)
+            return Error(id=msg.id, code=ErrorCode.WORKER_GONE, message=answer.reason)
         return answer
 
     def new_call_id(self, kind: str) -> str:
@@ -555,13 +524,3 @@ class WorkerProcess:
     def cancel(self, request_id: str) -> None:
         self.send_nowait(Cancel(id=request_id))
 
-
-_background: set[asyncio.Task[Any]] = set()
-
-
-def _spawn(coro: Any) -> asyncio.Task[Any]:
-    """Run ``coro`` in the background, keeping a reference until it ends."""
-    task = asyncio.ensure_future(coro)
-    _background.add(task)
-    task.add_done_callback(_background.discard)
-    return task

@@ -24,7 +24,8 @@ import time
 from protocol import Done, Error, Generate, ProtocolError, Token, encode
 from router.errors import ApiError, BadGateway, ServerShuttingDown, from_worker_error, unsendable
 from router.pool import ModelSlot, Ticket
-from router.process import Aborted, StreamItem, WorkerGone, WorkerProcess, WorkerUnreachable, _spawn
+from router.process import Aborted, StreamItem, WorkerGone, WorkerProcess, WorkerUnreachable
+from router.tasks import spawn
 
 log = logging.getLogger("modelyard.run")
 
@@ -160,7 +161,7 @@ class Run:
             return
         self.finished = True
         self._count_cancel()
-        _spawn(self._reap(self.worker, self._q))
+        spawn(self._reap(self.worker, self._q))
 
     async def _reap(self, worker: WorkerProcess, q: asyncio.Queue[StreamItem] | None) -> None:
         timeout = self.slot.model.cancel_timeout_s

@@ -49,6 +49,7 @@ from protocol import (
     Tokenize,
     TokenizeResult,
 )
+from protocol.errors import ErrorCode
 from worker.engine import EngineError, SamplingParams
 
 log = logging.getLogger("modelyard.worker")
@@ -59,7 +60,7 @@ __all__ = [
 ]
 
 #: Error code for an unexpected exception (an engine or worker bug), never for bad input.
-INTERNAL_ERROR = "internal_error"
+INTERNAL_ERROR = ErrorCode.INTERNAL_ERROR
 
 
 # ----------------------------------------------------------------------------- jobs
@@ -142,10 +143,10 @@ def check_generate(g: Generate, n_vocab: int | None = None) -> Error | None:
     when the job runs.
     """
     if (g.prompt is None) == (g.messages is None):
-        return Error(id=g.id, code="invalid_request",
+        return Error(id=g.id, code=ErrorCode.INVALID_REQUEST,
                      message="exactly one of 'prompt' (text or token ids) and 'messages' must be given")
     if not GENERATE_LIMITS["n"].contains(g.n):
-        return Error(id=g.id, code="invalid_params", message=f"n must be {GENERATE_LIMITS['n'].describe()}, got {g.n}")
+        return Error(id=g.id, code=ErrorCode.INVALID_PARAMS, message=f"n must be {GENERATE_LIMITS['n'].describe()}, got {g.n}")
     try:
         params = sampling_params(g)
         if n_vocab is not None:
@@ -154,10 +155,10 @@ def check_generate(g: Generate, n_vocab: int | None = None) -> Error | None:
         return Error(id=g.id, code=e.code, message=e.message)
     if n_vocab is not None and isinstance(g.prompt, list):
         if not g.prompt:
-            return Error(id=g.id, code="empty_prompt", message="the prompt is empty (no token ids)")
+            return Error(id=g.id, code=ErrorCode.EMPTY_PROMPT, message="the prompt is empty (no token ids)")
         bad = next((t for t in g.prompt if not 0 <= t < n_vocab), None)
         if bad is not None:
-            return Error(id=g.id, code="invalid_token", message=f"token id {bad} is out of the vocabulary [0, {n_vocab})")
+            return Error(id=g.id, code=ErrorCode.INVALID_TOKEN, message=f"token id {bad} is out of the vocabulary [0, {n_vocab})")
     return None
 
 

@@ -44,6 +44,7 @@ from typing import Any
 import psutil
 import zmq
 
+from protocol.errors import ErrorCode
 from protocol import (
     MAX_FRAME_BYTES,
     ApplyTemplate,
@@ -318,9 +319,9 @@ class WorkerServer:
                 self._on_loaded(ev)
             elif isinstance(ev, LoadFailed):
                 log.error("cannot load %s (%s): %s", self.cfg.model, self.cfg.gguf, ev.reason)
-                self._send(Error(id=self.worker_id, code="load_failed", message=ev.reason[:4000]))
+                self._send(Error(id=self.worker_id, code=ErrorCode.LOAD_FAILED, message=ev.reason[:4000]))
                 while self.pending:  # requests that arrived while loading
-                    self._send(Error(id=self.pending.popleft().id, code="load_failed", message=ev.reason[:4000]))
+                    self._send(Error(id=self.pending.popleft().id, code=ErrorCode.LOAD_FAILED, message=ev.reason[:4000]))
                 self._stop_reason = "load failed"
                 self._exit_code = 1
 
@@ -364,7 +365,7 @@ class WorkerServer:
                 return  # a Token is dropped (its text is still accounted for by the stream's end)
             too_big = isinstance(e, ProtocolError) and "exceeds" in e.reason
             frame = encode(Error(
-                id=msg.id, code="invalid_request" if too_big else "internal_error",
+                id=msg.id, code=ErrorCode.INVALID_REQUEST if too_big else ErrorCode.INTERNAL_ERROR,
                 message=(f"the {msg.TYPE} answer does not fit in one frame ({MAX_FRAME_BYTES} bytes)" if too_big
                          else f"cannot encode the {msg.TYPE} answer: {type(e).__name__}: {e}")[:1000]))
         try:
@@ -393,19 +394,19 @@ class WorkerServer:
 
     def _on_frame(self, parts: list[bytes]) -> None:
         if len(parts) != 1:
-            self._send(Error(id=UNKNOWN_ID, code="protocol_error",
+            self._send(Error(id=UNKNOWN_ID, code=ErrorCode.PROTOCOL_ERROR,
                              message=f"a frame must be one message part, got {len(parts)} parts"))
             return
         try:
             msg = decode(parts[0])
         except ProtocolError as e:
-            self._send(Error(id=e.msg_id or UNKNOWN_ID, code="protocol_error", message=e.reason))
+            self._send(Error(id=e.msg_id or UNKNOWN_ID, code=ErrorCode.PROTOCOL_ERROR, message=e.reason))
             return
         try:
             self._dispatch(msg)
         except Exception as e:  # noqa: BLE001 - no request kills the worker
             log.error("handling %s %s failed:\n%s", msg.TYPE, msg.id, traceback.format_exc())
-            self._send(Error(id=msg.id, code="internal_error", message=f"{type(e).__name__}: {e}"[:1000]))
+            self._send(Error(id=msg.id, code=ErrorCode.INTERNAL_ERROR, message=f"{type(e).__name__}: {e}"[:1000]))
 
     def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, Ping):
@@ -423,17 +424,17 @@ class WorkerServer:
         elif isinstance(msg, (Tokenize, Detokenize, ApplyTemplate)):
             self._on_text_op(msg)
         else:
-            self._send(Error(id=msg.id, code="protocol_error",
+            self._send(Error(id=msg.id, code=ErrorCode.PROTOCOL_ERROR,
                              message=f"unexpected message type {msg.TYPE!r}: the worker does not accept it"))
 
     # ------------------------------------------------------------------ requests
 
     def _on_generate(self, g: Generate) -> None:
         if self._stopping:
-            self._send(Error(id=g.id, code="busy", message="the worker is shutting down"))
+            self._send(Error(id=g.id, code=ErrorCode.BUSY, message="the worker is shutting down"))
             return
         if g.id in self.running or any(j.id == g.id for j in self.pending):
-            self._send(Error(id=g.id, code="invalid_request", message=f"request id {g.id!r} is already in use"))
+            self._send(Error(id=g.id, code=ErrorCode.INVALID_REQUEST, message=f"request id {g.id!r} is already in use"))
             return
         err = check_generate(g, None if self.engine is None else int(self.engine.info.n_vocab))
         if err is not None:
@@ -441,7 +442,7 @@ class WorkerServer:
             return
         can_start_now = self.engine is not None and not self.pending and len(self.running) < self.runner.capacity
         if not can_start_now and len(self.pending) >= self.cfg.max_queue:
-            self._send(Error(id=g.id, code="busy", message=(
+            self._send(Error(id=g.id, code=ErrorCode.BUSY, message=(
                 f"the worker is busy: {len(self.running)} running, {len(self.pending)} waiting "
                 f"(max_queue={self.cfg.max_queue})")))
             return
@@ -466,7 +467,7 @@ class WorkerServer:
 
     def _on_text_op(self, msg: Tokenize | Detokenize | ApplyTemplate) -> None:
         if self.engine is None:
-            self._send(Error(id=msg.id, code="busy", message="the model is still loading"))
+            self._send(Error(id=msg.id, code=ErrorCode.BUSY, message="the model is still loading"))
             return
         # answered by the runner's prep thread (FrameOut): a 7 MB tokenize never holds up this
         # loop's Pings and Token relaying, nor the engine's steps

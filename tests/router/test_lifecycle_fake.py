@@ -41,7 +41,9 @@ SWITCHES: dict[str, Any] = {
 
 def _config() -> str:
     lines = ["[server]", 'models_dir = "."', "[defaults]", "max_queue = 4", "ping_interval_s = 0.2",
-             "ping_timeout_s = 1.0", "cancel_timeout_s = 5.0", "shutdown_grace_s = 1.0"]
+             "ping_timeout_s = 1.0", "cancel_timeout_s = 5.0", "shutdown_grace_s = 1.0",
+             # restarts at once here; the crash backoff has its own tests (test_backoff_fake.py)
+             "restart_backoff_s = 0", "max_crashes = 1000"]
     extra = {"burst": ["max_queue = 30"], "q2": ["max_queue = 2"], "deaf": ["cancel_timeout_s = 0.5"],
              "slowload": ["load_timeout_s = 0.5"], "hang": ["ping_timeout_s = 0.5"],
              "stubborn": ["shutdown_grace_s = 0.3"]}

@@ -32,6 +32,8 @@ admin_key = "{ADMIN}"
 [defaults]
 max_queue = 1
 ping_interval_s = 0.2
+restart_backoff_s = 0  # restarts at once here (the backoff: test_backoff_fake.py)
+max_crashes = 1000
 [models.alpha]
 path = "m.gguf"
 [models.crashy]

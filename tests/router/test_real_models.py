@@ -54,6 +54,7 @@ max_queue = 2
 parallel = 2
 [models.smol-kill]
 path = "{SMOLLM2.name}"
+restart_backoff_s = 2
 [models.smol-kv]
 path = "{SMOLLM2.name}"
 kv_budget_mib = 10.0
@@ -220,6 +221,16 @@ def test_sigkill_worker_mid_stream(router: LiveRouter) -> None:
                 if len(events) == 2:
                     os.kill(pid, signal.SIGKILL)
     assert "error" in events[-1] and events[-1]["error"]["code"] == "worker_crashed"
+    st = router.admin("smol-kill")
+    assert st["condition"] == "crashed" and st["failures"]["last"]["signal"] == "SIGKILL"
+    assert st["failures"]["last"]["exit_code"] == -9 and st["failures"]["crashes"] == 1
+    # crash backoff: 503 with the remaining wait (restart_backoff_s = 2) until it has passed
+    r = httpx.post(router.url + "/v1/chat/completions", timeout=60,
+                   json={"model": "smol-kill", "messages": MSG, "max_tokens": 2})
+    if r.status_code == 503:  # (a very slow machine may already be past the 2 s)
+        assert r.json()["error"]["code"] == "restart_backoff" and 1 <= int(r.headers["retry-after"]) <= 2
+    router.wait_for(lambda: router.admin("smol-kill")["failures"]["restart_in_s"] == 0, what="backoff over")
+    assert router.admin("smol-kill")["pid"] is None  # nothing restarted it meanwhile
     out = router.client(timeout=300).chat.completions.create(model="smol-kill", messages=MSG, max_tokens=2)  # type: ignore[arg-type]
     assert out.choices[0].message.content
     assert router.admin("smol-kill")["pid"] != pid

@@ -1,8 +1,8 @@
-"""The worker state machine's transition table (router/process.py) as documented."""
+"""The worker state machine's transition table (router/lifecycle.py) as documented."""
 
 from __future__ import annotations
 
-from router.process import TRANSITIONS, WorkerState as S
+from router.lifecycle import TRANSITIONS, WorkerState as S
 
 
 def test_every_state_has_its_documented_exits() -> None:
@@ -25,3 +25,21 @@ def test_failed_is_not_unloaded_and_every_state_is_reachable() -> None:
                 reachable.add(nxt)
                 frontier.append(nxt)
     assert reachable == set(S)
+
+
+def test_only_a_slot_writes_its_state() -> None:
+    """ModelSlot's methods alone write a slot's scheduling state: no other module reaches
+    into a slot's private attributes, the state is assigned only by Lifecycle.move, and
+    nothing imports a private name of another router module."""
+    import re
+    from pathlib import Path
+
+    router = Path(__file__).resolve().parents[2] / "router"
+    for path in router.glob("*.py"):
+        text = path.read_text()
+        if path.name != "pool.py":
+            assert not re.search(r"\bslot\._[a-z]", text), path.name
+            assert not re.search(r"\._(running|waiting|fail_waiting|set_state|life)\b", text), path.name
+        if path.name != "lifecycle.py":
+            assert not re.search(r"\.state\s*=[^=]", text), path.name
+        assert not re.search(r"^from router\.\w+ import .*\b_[a-z]\w*", text, re.M), path.name

@@ -1,0 +1,99 @@
+"""Placement with real workers: ``max_loaded = 2`` and a burst of first requests to a
+third model while one loaded model is generating — the idle least-recently-used one is
+evicted, the third loads once, the running generation is never cut, and
+/admin/models reports the workers' measured RSS and the estimate it refines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.router.conftest import GEMMA, MODELS, SMOLLM2, LiveRouter
+
+pytestmark = [pytest.mark.slow]
+
+CONFIG = f"""
+[server]
+models_dir = "{MODELS}"
+max_loaded = 2
+[defaults]
+n_ctx = 512
+load_timeout_s = 300
+kv_budget_mib = 256
+[models.smollm2]
+path = "{SMOLLM2.name}"
+[models.gemma3]
+path = "{GEMMA.name}"
+chat_template = "gemma"
+[models.smol-third]
+path = "{SMOLLM2.name}"
+max_queue = 16
+"""
+
+MSG = [{"role": "user", "content": "Name three colours of the rainbow."}]
+
+
+@pytest.fixture(scope="module")
+def router(module_tmp: Path) -> Iterator[LiveRouter]:
+    r = LiveRouter(module_tmp, CONFIG, real=True)
+    yield r
+    r.stop(timeout=60)
+    r.kill()
+
+
+def test_burst_to_a_third_model_evicts_the_idle_lru_one_and_loads_once(router: LiveRouter) -> None:
+    for m in ("smollm2", "gemma3"):
+        httpx.post(router.url + "/admin/models/load", json={"model": m}, timeout=300).raise_for_status()
+    # smollm2 is used first, then gemma3: smollm2 is the least recently used
+    httpx.post(router.url + "/v1/completions", timeout=300,
+               json={"model": "smollm2", "prompt": "Hello", "max_tokens": 2}).raise_for_status()
+    st = router.admin("smollm2")
+    assert st["placement"]["rss_after_load_bytes"] > 0 and st["placement"]["rss_peak_bytes"] >= st["rss_bytes"] > 0
+
+    async def go() -> tuple[list[str], list[httpx.Response]]:
+        async with httpx.AsyncClient(base_url=router.url, timeout=300) as c:
+            events: list[str] = []
+
+            async def stream() -> None:
+                async with c.stream("POST", "/v1/completions", json={
+                        "model": "gemma3", "prompt": "Once upon a time", "max_tokens": 48, "stream": True,
+                        "ignore_eos": True, "temperature": 0}) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[6:])
+
+            s = asyncio.create_task(stream())
+            await router.until(lambda: len(events) >= 1, what="gemma3 streaming")
+            burst = await asyncio.gather(*(c.post("/v1/chat/completions", json={
+                "model": "smol-third", "messages": MSG, "max_tokens": 4, "temperature": 0}) for _ in range(8)))
+            await s
+            return events, burst
+
+    events, burst = asyncio.run(go())
+    assert [r.status_code for r in burst] == [200] * 8
+    texts = {r.json()["choices"][0]["message"]["content"] for r in burst}
+    assert len(texts) == 1  # greedy: the same answer from the one worker
+    assert events[-1] == "[DONE]"  # gemma3's generation ran to its end
+    done = [json.loads(e) for e in events[:-1] if json.loads(e).get("choices")]
+    assert done[-1]["choices"][0]["finish_reason"] == "length" and not any("error" in json.loads(e) for e in events[:-1])
+    third = router.admin("smol-third")
+    assert third["state"] == "ready" and third["spawn_count"] == 1
+    evicted = router.admin("smollm2")
+    assert evicted["state"] == "unloaded" and "evicted to make room for 'smol-third'" in evicted["unload_reason"]
+    assert router.admin("gemma3")["state"] == "ready"
+    # the measured RSS refines the estimate (the weights are mapped lazily: only ever upwards)
+    est = evicted["placement"]["estimate"]
+    assert est["kv_budget_bytes"] == 256 * 1024 * 1024 and est["source"] in ("gguf", "measured")
+    peak = evicted["placement"]["rss_peak_bytes"]
+    if est["source"] == "measured":
+        assert est["weights_bytes"] == peak
+    else:
+        assert est["weights_bytes"] >= peak
+    print(f"\nRSS smollm2: after load {evicted['placement']['rss_after_load_bytes'] / 2**20:.0f} MiB, "
+          f"peak {peak / 2**20:.0f} MiB; estimate {est['total_bytes'] / 2**20:.0f} MiB ({est['source']})")
