@@ -57,5 +57,9 @@ GENERATE_LIMITS: dict[str, Bound] = {
 #: The largest ``n_probs`` (top-N logprobs per token) either side accepts.
 MAX_N_PROBS = int(GENERATE_LIMITS["n_probs"].hi or 0)
 
+#: A worker's KV budget (MiB: running sequences + cached prefixes) when ``kv_budget_mib`` is not
+#: configured; the worker applies it, the router's memory estimate counts it.
+DEFAULT_KV_BUDGET_MIB = 2048.0
+
 #: The most choices (``n``) one request may ask for.
 MAX_N = int(GENERATE_LIMITS["n"].hi or 1)

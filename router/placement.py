@@ -21,6 +21,8 @@ taken; a model draining (being unloaded) will give back its RSS.
 
 from __future__ import annotations
 
+from protocol.limits import DEFAULT_KV_BUDGET_MIB
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,8 +41,6 @@ FILE_FACTOR = 4.0
 #: The worker's own memory besides the weights (Python, NumPy, tokenizer), measured:
 #: SmolLM2's worker at 608 MiB RSS after its first request with 513 MiB of weights.
 RUNTIME_BYTES = 96 * MiB
-#: The worker's KV budget when ``kv_budget_mib`` is not set (the worker's default).
-DEFAULT_KV_BUDGET_MIB = 2048.0
 
 
 @dataclass(frozen=True)

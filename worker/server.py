@@ -45,6 +45,7 @@ import psutil
 import zmq
 
 from protocol.errors import ErrorCode
+from protocol.limits import DEFAULT_KV_BUDGET_MIB
 from protocol import (
     MAX_FRAME_BYTES,
     ApplyTemplate,
@@ -86,11 +87,12 @@ UNKNOWN_ID = "unknown"  # id of an Error answering a frame whose id could not be
 
 def default_loader(gguf_path: str, n_ctx: int | None, chat_template: str | None, *, parallel: int = 1,
                    kv_budget_mib: float | None = None) -> Any:
-    """``worker.engine.Engine.load`` (imported lazily: the engine pulls in numpy)."""
+    """``worker.engine.Engine.load`` (imported lazily: the engine pulls in numpy); no
+    ``kv_budget_mib`` -> ``protocol.limits.DEFAULT_KV_BUDGET_MIB``."""
     from worker.engine import Engine
 
     return Engine.load(gguf_path, n_ctx=n_ctx, chat_template=chat_template, parallel=parallel,
-                       kv_budget_mib=kv_budget_mib)
+                       kv_budget_mib=DEFAULT_KV_BUDGET_MIB if kv_budget_mib is None else kv_budget_mib)
 
 
 @dataclass

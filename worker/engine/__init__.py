@@ -3,11 +3,11 @@
 Contract: docs/ENGINE-API.md.
 """
 
-from .engine import DEFAULT_KV_BUDGET_MIB, Engine, EngineInfo
+from .engine import Engine, EngineInfo
 from .errors import EngineError
 from .generate import GenerationResult, TokenEvent
 from .scheduler import Finished, SlotInfo
 from .sampling import SamplingParams
 
-__all__ = ["DEFAULT_KV_BUDGET_MIB", "Engine", "EngineError", "EngineInfo", "Finished", "GenerationResult", "SamplingParams",
+__all__ = ["Engine", "EngineError", "EngineInfo", "Finished", "GenerationResult", "SamplingParams",
            "SlotInfo", "TokenEvent"]

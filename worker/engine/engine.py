@@ -23,10 +23,7 @@ from .sampling import SamplingParams
 from .scheduler import Finished, Scheduler, SeqRequest, SlotInfo, run_one
 from .tokenizer import Tokenizer
 
-__all__ = ["DEFAULT_KV_BUDGET_MIB", "Engine", "EngineInfo"]
-
-#: KV memory budget of one model when none is configured (MiB).
-DEFAULT_KV_BUDGET_MIB = 2048
+__all__ = ["Engine", "EngineInfo"]
 
 
 @dataclass(frozen=True)
@@ -81,7 +78,7 @@ class Engine:
                 ``"gemma"``) replacing / supplying ``tokenizer.chat_template``.
             parallel: KV slots (sequences decoded at once), >= 1.
             kv_budget_mib: KV memory of all sequences and cached prefixes together,
-                MiB; None -> ``DEFAULT_KV_BUDGET_MIB``.
+                MiB; None -> room for ``parallel`` full contexts (``parallel * n_ctx`` positions).
             n_batch: prompt tokens per step (prefill chunk); None -> 256.
 
         Raises:
@@ -104,8 +101,8 @@ class Engine:
             raise EngineError("invalid_params", "chat_template must be a string")
         if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
             raise EngineError("invalid_params", f"parallel must be an integer >= 1, got {parallel!r}")
-        budget_mib = DEFAULT_KV_BUDGET_MIB if kv_budget_mib is None else kv_budget_mib
-        if isinstance(budget_mib, bool) or not isinstance(budget_mib, (int, float)) or not budget_mib > 0:
+        if kv_budget_mib is not None and (isinstance(kv_budget_mib, bool) or not isinstance(kv_budget_mib, (int, float))
+                                          or not kv_budget_mib > 0):
             raise EngineError("invalid_params", f"kv_budget_mib must be a positive number, got {kv_budget_mib!r}")
         gguf = _wrap(read_gguf, str(path))
         md = gguf.metadata
@@ -121,7 +118,8 @@ class Engine:
                                     strip_bos=tokenizer.add_bos, strip_eos=tokenizer.add_eos)
         model = _wrap(load_model, gguf, n_ctx)
         token_bytes = model.kv_shape.token_bytes
-        budget_tokens = max(1, int(budget_mib * 2**20) // token_bytes)
+        budget_tokens = (parallel * int(model.n_ctx) if kv_budget_mib is None
+                         else max(1, int(kv_budget_mib * 2**20) // token_bytes))
         sched = Scheduler(model, tokenizer, n_parallel=parallel, kv_budget_tokens=budget_tokens,
                           n_batch=DEFAULT_N_BATCH if n_batch is None else n_batch)
         name = md.get("general.name")
