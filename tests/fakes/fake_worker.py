@@ -31,7 +31,9 @@ Per-request directives inside the prompt (or any message content):
 (no Pong, no Cancel); ``[slow=S]`` S seconds per token; ``[len=N]`` N tokens
 before EOS; ``[utf8]`` a two-token "é" (first token ends mid-character);
 ``[hold]`` before each token, wait while the hold file exists (a Cancel still ends it);
-``[hold@N]`` the same from token N on (the first N tokens flow freely).
+``[hold@N]`` the same from token N on (the first N tokens flow freely);
+``[reply64=B]`` the reply is the UTF-8 text whose base64 is B, three bytes a token
+(to drive tool-call and JSON parsing).
 
 The hold file is ``$MODELYARD_FAKE_FILE.hold``: tests create it to keep a load or a
 generation in progress for exactly as long as they need, instead of racing a sleep.
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import os
 import re
@@ -208,7 +211,8 @@ class FakeWorker:
             _log("generate", id=msg.id, busy=len(self.running) >= self.max_jobs, max_tokens=msg.max_tokens,
                  temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, min_p=msg.min_p,
                  seed=msg.seed, stop=msg.stop, n_probs=msg.n_probs, messages=msg.messages,
-                 prompt=msg.prompt, logit_bias=msg.logit_bias)
+                 prompt=msg.prompt, logit_bias=msg.logit_bias, grammar=msg.grammar,
+                 json_schema=msg.json_schema)
             if len(self.running) >= self.max_jobs:
                 await self.send(Error(id=msg.id, code="busy", message="a generation is already running"))
                 return
@@ -288,6 +292,11 @@ class FakeWorker:
         pieces: list[bytes] = []
         if utf8:
             pieces += [b" \xc3", b"\xa9"]
+        m = re.search(r"\[reply64=([A-Za-z0-9+/=]+)\]", text)
+        if m:
+            raw = base64.b64decode(m.group(1))
+            pieces = [raw[i:i + 3] for i in range(0, len(raw), 3)]
+            length = len(pieces)
         k = 0
         while len(pieces) < length:
             pieces.append(piece(100 + k))

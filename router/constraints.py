@@ -1,0 +1,20 @@
+"""Tools and response formats as constraints (the text of a grammar the worker enforces
+with a per-sequence token mask).
+
+The dialect layer only turns ``tools`` / ``tool_choice`` / ``response_format`` into a
+constraint here, and parses the output (``router.tools``); the worker
+(``worker/engine/constraints.py``) compiles and enforces it.
+"""
+
+from __future__ import annotations
+
+from router.errors import BadRequest
+from router.tools import Tool, ToolChoice
+
+
+def tool_constraint(tools: list[Tool], choice: ToolChoice) -> str | None:
+    """The Lark grammar that makes the model's answer follow ``choice`` over ``tools``
+    (None: unconstrained)."""
+    if choice.mode in ("none", "auto"):
+        return None
+    raise BadRequest("forcing a tool call ('tool_choice') is not supported yet", param="tool_choice")
