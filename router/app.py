@@ -21,13 +21,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from router import admin, anthropic_api, llamacpp_api, llamacpp_router, openai_api
+from router import admin, anthropic_api, llamacpp_api, llamacpp_router, openai_api, openai_responses
 from router.auth import BearerAuth
 from router.config import Config
 from router.errors import ApiError, InternalError, MethodNotAllowed, NotFound, error_response
 from router.metrics import CONTENT_TYPE, Metrics, RequestMetrics
 from router.http_server import FramingGuard
 from router.pool import Pool
+from router.response_store import ResponseStore
 from router.responses import JSONResponse
 from router.security import BrowserGuard
 
@@ -100,7 +101,7 @@ def create_app(config: Config, *, worker_module: str | None = None) -> Starlette
             await app.state.pool.close()
 
     routes = [Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
-              *openai_api.routes, *anthropic_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *admin.routes]
+              *openai_api.routes, *openai_responses.routes, *anthropic_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *admin.routes]
     app = Starlette(
         routes=routes,
         # outermost first: request framing, metrics, then browser-origin rules (and CORS preflights), then keys
@@ -111,5 +112,6 @@ def create_app(config: Config, *, worker_module: str | None = None) -> Starlette
         lifespan=lifespan,
     )
     app.state.config = config
+    app.state.responses = ResponseStore(config.server.responses_store_max, config.server.responses_store_ttl_s)
     app.state.metrics = registry
     return app

@@ -109,6 +109,9 @@ class ServerConfig:
     keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
     max_connections: int = 256  # open connections beyond this get 503 (uvicorn's limit_concurrency)
     max_header_bytes: int = 16 * 1024  # a request head larger than this is a 400 (h11)
+    # the Responses API's stored responses (router.response_store)
+    responses_store_max: int = 256  # responses kept for GET /v1/responses/{id} and previous_response_id
+    responses_store_ttl_s: float = 3600.0  # a stored response is forgotten this long after it was made
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,7 +146,8 @@ _MODEL_KEYS = {
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases"}
 _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport", "shutdown_timeout_s",
                 "allowed_hosts", "cors_origins", "header_timeout_s", "body_timeout_s",
-                "keep_alive_timeout_s", "max_connections", "max_header_bytes"}
+                "keep_alive_timeout_s", "max_connections", "max_header_bytes", "responses_store_max",
+                "responses_store_ttl_s"}
 
 #: A ``cors_origins`` entry: scheme://host[:port], nothing after it (or "*").
 _ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#]+$")
@@ -188,6 +192,8 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
         keep_alive_timeout_s=_float(server_raw, "keep_alive_timeout_s", "server", 5.0, 0.1),
         max_connections=_int(server_raw, "max_connections", "server", 256, 1, 1_000_000),
         max_header_bytes=_int(server_raw, "max_header_bytes", "server", 16 * 1024, 1024, 1024 * 1024),
+        responses_store_max=_int(server_raw, "responses_store_max", "server", 256, 0, 1_000_000),
+        responses_store_ttl_s=_float(server_raw, "responses_store_ttl_s", "server", 3600.0, 0.0),
     )
     check_public_bind(server)
 

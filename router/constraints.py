@@ -8,6 +8,8 @@ constraint here, and parses the output (``router.tools``); the worker
 
 from __future__ import annotations
 
+from typing import Any
+
 from router.errors import BadRequest
 from router.tools import Tool, ToolChoice
 
@@ -18,3 +20,11 @@ def tool_constraint(tools: list[Tool], choice: ToolChoice) -> str | None:
     if choice.mode in ("none", "auto"):
         return None
     raise BadRequest("forcing a tool call ('tool_choice') is not supported yet", param="tool_choice")
+
+
+def json_format_constraint(fmt: dict[str, Any], param: str) -> str | None:
+    """The JSON Schema text a response format (``{"type": "text" | "json_object" |
+    "json_schema", ...}``) asks for (None: plain text). Raises BadRequest naming ``param``."""
+    if fmt.get("type") == "text":
+        return None
+    raise BadRequest(f"'{param}' {fmt.get('type')!r} is not supported yet", param=param)

@@ -78,3 +78,26 @@ def test_anthropic_max_tokens_and_stop_sequence(claude: anthropic.Anthropic) -> 
     m = claude.messages.create(model="smollm2", max_tokens=24, stop_sequences=[word], messages=MSG)  # type: ignore[arg-type]
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == word
     assert word not in m.content[0].text  # type: ignore[union-attr]
+
+
+# ----------------------------------------------------------------------------- OpenAI Responses
+
+
+def test_responses_streamed_equals_non_streamed(oai: openai.OpenAI) -> None:
+    kw = dict(model="smollm2", instructions="Answer briefly.", input=MSG[0]["content"], max_output_tokens=24)
+    r = oai.responses.create(**kw)  # type: ignore[call-overload]
+    assert r.output_text.strip() and r.status in ("completed", "incomplete")
+    deltas, final = [], None
+    for ev in oai.responses.create(**kw, stream=True):  # type: ignore[call-overload]
+        if ev.type == "response.output_text.delta":
+            deltas.append(ev.delta)
+        elif ev.type in ("response.completed", "response.incomplete"):
+            final = ev.response
+    assert final is not None and "".join(deltas) == final.output_text == r.output_text
+    assert final.status == r.status and final.usage.output_tokens == r.usage.output_tokens  # type: ignore[union-attr]
+    n = oai.responses.input_tokens.count(model="smollm2", instructions="Answer briefly.", input=MSG[0]["content"])
+    assert n.input_tokens == r.usage.input_tokens == final.usage.input_tokens  # type: ignore[union-attr]
+    follow = oai.responses.create(model="smollm2", input="Now one more colour.", previous_response_id=r.id,
+                                  max_output_tokens=16)
+    assert follow.output_text.strip() and follow.usage is not None
+    assert follow.usage.input_tokens > r.usage.output_tokens  # type: ignore[union-attr]  # the answer is in the prompt
