@@ -263,11 +263,14 @@ class FakeWorker:
         if not prompt_ids:
             await self.send(Error(id=g.id, code="empty_prompt", message="the prompt is empty"))
             return
-        need = len(prompt_ids) + (g.max_tokens or 0)
+        max_tokens = g.max_tokens
+        if max_tokens is not None and 0 < self.n_ctx - len(prompt_ids) < max_tokens:
+            max_tokens = self.n_ctx - len(prompt_ids)  # clamped to the room left, as the real engine does
+        need = len(prompt_ids) + (max_tokens or 0)
         if need > self.n_ctx or len(prompt_ids) >= self.n_ctx:
             await self.send(Error(id=g.id, code="context_length_exceeded", message=(
                 f"This model's maximum context length is {self.n_ctx} tokens. However, you requested "
-                f"{need} tokens ({len(prompt_ids)} in the prompt, {g.max_tokens or 0} for the completion).")))
+                f"{need} tokens ({len(prompt_ids)} in the prompt, {max_tokens or 0} for the completion).")))
             return
         delay = float(self.sw.get("token_delay_s", 0.005))
         m = re.search(r"\[slow=([0-9.]+)\]", text)
@@ -288,7 +291,7 @@ class FakeWorker:
         await asyncio.sleep(0.01)  # "prefill"
         prompt_ms = (time.monotonic() - t0) * 1000
         t1 = time.monotonic()
-        limit = g.max_tokens if g.max_tokens is not None else self.n_ctx - len(prompt_ids)
+        limit = max_tokens if max_tokens is not None else self.n_ctx - len(prompt_ids)
         pieces: list[bytes] = []
         if utf8:
             pieces += [b" \xc3", b"\xa9"]
