@@ -21,6 +21,7 @@ class ErrorCode(enum.StrEnum):
     KV_BUDGET_EXCEEDED = "kv_budget_exceeded"
     NO_CHAT_TEMPLATE = "no_chat_template"
     TEMPLATE_ERROR = "template_error"
+    INVALID_GRAMMAR = "invalid_grammar"
     # the worker cannot take it now (503)
     BUSY = "busy"
     # loading the model failed (the engine's codes name why)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 #: Bumped on any incompatible change; a frame with another version is rejected.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 #: Largest frame either side accepts, in bytes (a 100 KB prompt as token ids is < 1 MiB).
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -180,6 +180,13 @@ class Generate(Message):
     Sampling fields use llama.cpp's names and defaults; temperature <= 0 is greedy.
     ``max_tokens`` None means until the context (n_ctx) is full.
     ``logit_bias`` is a list of [token_id, bias] pairs.
+
+    Constraints (at most one; the worker masks every sampled token with it, and an
+    invalid one is an Error "invalid_grammar" before any token):
+    ``json_schema`` — the text of a JSON Schema the output must match;
+    ``grammar`` — a Lark grammar (llguidance's dialect: ``%json {...}``, regexes,
+    ``start``) the output must match. The generation ends ("stop") when the
+    constraint allows nothing more.
     """
 
     TYPE: ClassVar[str] = "generate"
@@ -203,6 +210,8 @@ class Generate(Message):
     ignore_eos: bool = False
     cache_prompt: bool = True
     n: int = 1  # choices: n sequences from one prefilled prompt (seed + i each when seeded)
+    json_schema: str | None = None
+    grammar: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

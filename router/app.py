@@ -22,13 +22,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from router import admin, llamacpp_api, llamacpp_router, openai_api
+from router import admin, anthropic_api, llamacpp_api, llamacpp_router, openai_api, openai_responses
 from router.auth import BearerAuth
 from router.config import Config
 from router.errors import ApiError, InternalError, MethodNotAllowed, NotFound, error_response
 from router.metrics import CONTENT_TYPE, Metrics, RequestMetrics
 from router.http_server import FramingGuard
 from router.pool import Pool
+from router.response_store import ResponseStore
 from router.responses import JSONResponse
 from router.security import BrowserGuard
 
@@ -62,26 +63,28 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     if exc.status == 503:  # refused before it ran: a rejection, by its code
         m: Metrics = request.app.state.metrics
         m.rejections.labels(getattr(request.state, "model", ""), exc.code or "unavailable").inc()
-    return error_response(exc)
+    return error_response(exc, request.url.path)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
-        return error_response(NotFound(f"no route {request.method} {request.url.path}", code="not_found"))
+        return error_response(NotFound(f"no route {request.method} {request.url.path}", code="not_found"),
+                              request.url.path)
     if exc.status_code == 405:
-        resp = error_response(MethodNotAllowed(f"method {request.method} not allowed on {request.url.path}"))
+        resp = error_response(MethodNotAllowed(f"method {request.method} not allowed on {request.url.path}"),
+                              request.url.path)
         if exc.headers:
             resp.headers.update(exc.headers)
         return resp
     err = ApiError(str(exc.detail), code=None)
     err.status = exc.status_code  # type: ignore[misc]
-    return error_response(err)
+    return error_response(err, request.url.path)
 
 
 async def _bug(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(InternalError(f"internal error: {type(exc).__name__}"))
+    return error_response(InternalError(f"internal error: {type(exc).__name__}"), request.url.path)
 
 
 def create_app(config: Config, *, worker_module: str | None = None,
@@ -101,7 +104,7 @@ def create_app(config: Config, *, worker_module: str | None = None,
             await app.state.pool.close()
 
     routes = [Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
-              *openai_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *admin.routes]
+              *openai_api.routes, *openai_responses.routes, *anthropic_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *admin.routes]
     app = Starlette(
         routes=routes,
         # outermost first: request framing, metrics, then browser-origin rules (and CORS preflights), then keys
@@ -112,5 +115,6 @@ def create_app(config: Config, *, worker_module: str | None = None,
         lifespan=lifespan,
     )
     app.state.config = config
+    app.state.responses = ResponseStore(config.server.responses_store_max, config.server.responses_store_ttl_s)
     app.state.metrics = registry
     return app

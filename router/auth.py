@@ -2,6 +2,7 @@
 client-disconnect detection downstream keeps working).
 
 * ``server.api_key`` set: every route but ``/health`` needs ``Authorization: Bearer <api_key>``
+  (or ``x-api-key: <api_key>``, as Anthropic's clients send it; a Bearer header wins when both come)
   (``/health?model=NAME`` needs it too: it may start loading the model).
 * ``server.admin_key`` set: ``/admin/*`` and llama.cpp's ``/models/load`` and
   ``/models/unload`` need ``Authorization: Bearer <admin_key>`` (without an
@@ -45,8 +46,12 @@ class BearerAuth:
                     if scheme.lower() == "bearer":
                         given = token.strip()
                     break
+            if given is None:  # Anthropic's clients send the key as x-api-key
+                given = next((v.decode("latin-1").strip() for n, v in scope.get("headers", [])
+                              if n == b"x-api-key"), None)
             if given is None or not hmac.compare_digest(given.encode(), key.encode()):
-                err = Unauthorized("missing or invalid API key (expected 'Authorization: Bearer <key>')")
-                await error_response(err)(scope, receive, send)
+                err = Unauthorized("missing or invalid API key (expected 'Authorization: Bearer <key>' "
+                                   "or 'x-api-key: <key>')")
+                await error_response(err, scope.get("path", ""))(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -120,6 +120,9 @@ class ServerConfig:
     max_connections: int = 256  # open connections beyond this get 503 (uvicorn's limit_concurrency)
     max_header_bytes: int = 16 * 1024  # a request head larger than this is a 400 (h11)
     max_loaded: int = 0  # models holding a worker at once (0: no limit); router.placement evicts idle ones
+    # the Responses API's stored responses (router.response_store)
+    responses_store_max: int = 256  # responses kept for GET /v1/responses/{id} and previous_response_id
+    responses_store_ttl_s: float = 3600.0  # a stored response is forgotten this long after it was made
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,7 +158,8 @@ _MODEL_KEYS = {
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases"}
 _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport", "shutdown_timeout_s",
                 "allowed_hosts", "cors_origins", "header_timeout_s", "body_timeout_s",
-                "keep_alive_timeout_s", "max_connections", "max_header_bytes", "max_loaded"}
+                "keep_alive_timeout_s", "max_connections", "max_header_bytes", "max_loaded", "responses_store_max",
+                "responses_store_ttl_s"}
 
 #: A ``cors_origins`` entry: scheme://host[:port], nothing after it (or "*").
 _ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#]+$")
@@ -201,6 +205,8 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
         max_connections=_int(server_raw, "max_connections", "server", 256, 1, 1_000_000),
         max_header_bytes=_int(server_raw, "max_header_bytes", "server", 16 * 1024, 1024, 1024 * 1024),
         max_loaded=_int(server_raw, "max_loaded", "server", 0, 0, 100_000),
+        responses_store_max=_int(server_raw, "responses_store_max", "server", 256, 0, 1_000_000),
+        responses_store_ttl_s=_float(server_raw, "responses_store_ttl_s", "server", 3600.0, 0.0),
     )
     check_public_bind(server)
 

@@ -1,7 +1,8 @@
 """Every error the router answers, and the one place they become HTTP.
 
 Handlers and the pool *raise* an :class:`ApiError` subclass; the app turns it
-into an OpenAI-shaped body (``{"error": {"message", "type", "param", "code"}}``)
+into an OpenAI-shaped body (``{"error": {"message", "type", "param", "code"}}``;
+Anthropic's ``{"type": "error", "error": {"type", "message"}}`` on ``/v1/messages*``)
 with the class's status (:func:`error_response`), or, once a stream has started,
 into an SSE ``data: {"error": ...}`` event (:func:`error_payload`). Worker
 ``Error`` frames map to these classes in :func:`from_worker_error` — nowhere else.
@@ -218,6 +219,7 @@ WORKER_CODES: dict[ErrorCode, type[ApiError]] = {
     ErrorCode.PROTOCOL_ERROR: BadGateway,
     ErrorCode.INTERNAL_ERROR: InternalError,
     ErrorCode.WORKER_GONE: BadGateway,
+    ErrorCode.INVALID_GRAMMAR: BadRequest,
 }
 
 
@@ -257,5 +259,30 @@ def error_payload(err: ApiError) -> dict[str, Any]:
     return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
 
 
-def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(error_payload(err), status_code=err.status, headers=err.headers())
+#: HTTP status -> Anthropic's error ``type`` (docs.anthropic.com "Errors"); others: ``api_error``.
+_ANTHROPIC_TYPES: dict[int, str] = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error", 409: "invalid_request_error",
+    413: "request_too_large", 415: "invalid_request_error", 429: "rate_limit_error", 499: "invalid_request_error",
+    503: "overloaded_error",
+}
+
+#: Path prefixes whose errors take Anthropic's shape (the Messages API).
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+def anthropic_error_payload(err: ApiError) -> dict[str, Any]:
+    """``{"type": "error", "error": {"type", "message"}}`` as Anthropic shapes it (our
+    machine-readable ``code`` and ``param`` ride along; the SDK ignores extra keys)."""
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(err.status, "api_error"),
+                                       "message": err.message, "code": err.code, "param": err.param}}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in ANTHROPIC_PATHS)
+
+
+def error_response(err: ApiError, path: str = "") -> JSONResponse:
+    """The HTTP answer for ``err``: Anthropic-shaped on the Messages API's paths, else OpenAI-shaped."""
+    body = anthropic_error_payload(err) if is_anthropic_path(path) else error_payload(err)
+    return JSONResponse(body, status_code=err.status, headers=err.headers())

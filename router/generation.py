@@ -24,7 +24,7 @@ from typing import Any
 from starlette.requests import Request
 
 from protocol import Done, Generate, Token
-from router.errors import ApiError, ContextLengthExceeded, InternalError, Unavailable, error_payload
+from router.errors import ApiError, BadRequest, ContextLengthExceeded, InternalError, Unavailable, error_payload
 from protocol.limits import GENERATE_LIMITS
 from router.params import (
     INT32_MAX,
@@ -90,10 +90,12 @@ def read_sampling(body: dict[str, Any], api_defaults: dict[str, Any], slot: Mode
     }
 
 
-async def begin(request: Request, slot: ModelSlot, msg: Generate) -> tuple[Run, Token | Done]:
+async def begin(request: Request, slot: ModelSlot, msg: Generate,
+                grammar_param: str | None = None) -> tuple[Run, Token | Done]:
     """Admit ``msg``'s request (503 if full), wait its turn, send it, and return the
     run with its first frame. A client that leaves meanwhile cancels it
-    (ClientDisconnected). Raises the ApiError of a worker Error frame."""
+    (ClientDisconnected). Raises the ApiError of a worker Error frame; an invalid
+    constraint (``invalid_grammar``) names ``grammar_param``, the request field it came from."""
     run = Run(slot, msg.id)
     try:
         await until_disconnect(request.receive, run.start(msg))
@@ -102,6 +104,11 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate) -> tuple[Run, 
         run.close()
         if e.param is None:
             e.param = "messages" if msg.messages is not None else "prompt"
+        raise
+    except BadRequest as e:
+        run.close()
+        if e.code == "invalid_grammar" and e.param is None:
+            e.param = grammar_param
         raise
     except BaseException:
         run.close()
@@ -138,9 +145,12 @@ def check_not_cancelled(done: Done) -> None:
 Formatter = Callable[[Token | Done], Awaitable[list[bytes]]]
 
 
-async def stream(run: Run, first: Token | Done, on_frame: Formatter) -> AsyncIterator[bytes]:
+async def stream(run: Run, first: Token | Done, on_frame: Formatter,
+                 on_error: Callable[[ApiError], bytes] | None = None) -> AsyncIterator[bytes]:
     """SSE events for every frame of ``run`` (``on_frame`` formats; may return none).
-    An ApiError mid-stream becomes one :func:`error_event` and ends the stream."""
+    An ApiError mid-stream becomes one error event (``on_error``, default
+    :func:`error_event`: OpenAI's shape) and ends the stream."""
+    on_error = on_error or error_event
     try:
         item: Token | Done = first
         while True:
@@ -152,10 +162,10 @@ async def stream(run: Run, first: Token | Done, on_frame: Formatter) -> AsyncIte
                 return
             item = await run.next()
     except ApiError as err:
-        yield error_event(err)
+        yield on_error(err)
     except Exception as exc:  # a bug: still end the stream with an error event, not a cut connection
         log.exception("stream of request %s failed", run.id)
-        yield error_event(InternalError(f"internal error: {type(exc).__name__}"))
+        yield on_error(InternalError(f"internal error: {type(exc).__name__}"))
     finally:
         run.close()
 

@@ -100,13 +100,13 @@ def _common(body: dict[str, Any], slot: ModelSlot, prefix: str) -> dict[str, Any
 
 
 def _include_usage(body: dict[str, Any]) -> bool:
+    """``stream_options.include_usage`` of a streaming request. Without ``stream`` the
+    field is ignored, as llama.cpp does (OpenAI refuses it; litellm and pr-agent send it)."""
     opts = body.get("stream_options")
-    if opts is None:
+    if opts is None or not get_bool(body, "stream", False):
         return False
     if not isinstance(opts, dict):
         raise BadRequest("'stream_options' must be an object", param="stream_options")
-    if not get_bool(body, "stream", False):  # OpenAI's rule
-        raise BadRequest("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     return get_bool(opts, "include_usage", False)
 
 

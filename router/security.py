@@ -112,7 +112,7 @@ class BrowserGuard:
             log.info("refused %s %s: Host %r is not allowed", scope["method"], scope["path"], host)
             err = Forbidden(f"Host {host!r} is not allowed (a loopback name, or one listed in "
                             "server.allowed_hosts)", code="host_not_allowed")
-            await error_response(err)(scope, receive, send)
+            await error_response(err, scope.get("path", ""))(scope, receive, send)
             return
         origin = headers.get("origin")
         if origin is None or (host is not None and origin in (f"http://{host}", f"https://{host}")):
@@ -123,7 +123,7 @@ class BrowserGuard:
                      scope["path"], origin)
             err = Forbidden(f"Origin {origin!r} is not allowed (list it in server.cors_origins)",
                             code="origin_not_allowed")
-            await error_response(err)(scope, receive, send)
+            await error_response(err, scope.get("path", ""))(scope, receive, send)
             return
         if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
             await Response(status_code=204, headers={

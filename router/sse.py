@@ -65,6 +65,11 @@ def sse_event(obj: Any) -> bytes:
     return b"data: " + data + b"\n\n"
 
 
+def sse_named(event: str, obj: Any) -> bytes:
+    """One ``event: <name>`` + ``data:`` event (Anthropic's and the Responses API's framing)."""
+    return b"event: " + event.encode() + b"\n" + sse_event(obj)
+
+
 class SSEResponse:
     """A ``text/event-stream`` ASGI response fed by ``events`` (already-encoded bytes).
 

@@ -31,7 +31,9 @@ Per-request directives inside the prompt (or any message content):
 (no Pong, no Cancel); ``[slow=S]`` S seconds per token; ``[len=N]`` N tokens
 before EOS; ``[utf8]`` a two-token "é" (first token ends mid-character);
 ``[hold]`` before each token, wait while the hold file exists (a Cancel still ends it);
-``[hold@N]`` the same from token N on (the first N tokens flow freely).
+``[hold@N]`` the same from token N on (the first N tokens flow freely);
+``[reply64=B]`` the reply is the UTF-8 text whose base64 is B, three bytes a token
+(to drive tool-call and JSON parsing).
 
 The hold file is ``$MODELYARD_FAKE_FILE.hold``: tests create it to keep a load or a
 generation in progress for exactly as long as they need, instead of racing a sleep.
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import os
 import re
@@ -208,7 +211,8 @@ class FakeWorker:
             _log("generate", id=msg.id, busy=len(self.running) >= self.max_jobs, max_tokens=msg.max_tokens,
                  temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, min_p=msg.min_p,
                  seed=msg.seed, stop=msg.stop, n_probs=msg.n_probs, messages=msg.messages,
-                 prompt=msg.prompt, logit_bias=msg.logit_bias)
+                 prompt=msg.prompt, logit_bias=msg.logit_bias, grammar=msg.grammar,
+                 json_schema=msg.json_schema)
             if len(self.running) >= self.max_jobs:
                 await self.send(Error(id=msg.id, code="busy", message="a generation is already running"))
                 return
@@ -259,11 +263,14 @@ class FakeWorker:
         if not prompt_ids:
             await self.send(Error(id=g.id, code="empty_prompt", message="the prompt is empty"))
             return
-        need = len(prompt_ids) + (g.max_tokens or 0)
+        max_tokens = g.max_tokens
+        if max_tokens is not None and 0 < self.n_ctx - len(prompt_ids) < max_tokens:
+            max_tokens = self.n_ctx - len(prompt_ids)  # clamped to the room left, as the real engine does
+        need = len(prompt_ids) + (max_tokens or 0)
         if need > self.n_ctx or len(prompt_ids) >= self.n_ctx:
             await self.send(Error(id=g.id, code="context_length_exceeded", message=(
                 f"This model's maximum context length is {self.n_ctx} tokens. However, you requested "
-                f"{need} tokens ({len(prompt_ids)} in the prompt, {g.max_tokens or 0} for the completion).")))
+                f"{need} tokens ({len(prompt_ids)} in the prompt, {max_tokens or 0} for the completion).")))
             return
         delay = float(self.sw.get("token_delay_s", 0.005))
         m = re.search(r"\[slow=([0-9.]+)\]", text)
@@ -284,10 +291,15 @@ class FakeWorker:
         await asyncio.sleep(0.01)  # "prefill"
         prompt_ms = (time.monotonic() - t0) * 1000
         t1 = time.monotonic()
-        limit = g.max_tokens if g.max_tokens is not None else self.n_ctx - len(prompt_ids)
+        limit = max_tokens if max_tokens is not None else self.n_ctx - len(prompt_ids)
         pieces: list[bytes] = []
         if utf8:
             pieces += [b" \xc3", b"\xa9"]
+        m = re.search(r"\[reply64=([A-Za-z0-9+/=]+)\]", text)
+        if m:
+            raw = base64.b64decode(m.group(1))
+            pieces = [raw[i:i + 3] for i in range(0, len(raw), 3)]
+            length = len(pieces)
         k = 0
         while len(pieces) < length:
             pieces.append(piece(100 + k))

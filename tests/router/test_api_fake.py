@@ -321,10 +321,6 @@ def test_tokenize_detokenize_apply_template(router: LiveRouter) -> None:
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages[0].content[0]"),
     ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
     ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": "x"}],
-                              "stream_options": {"include_usage": True}}, "stream_options"),
-    ("/v1/completions", {"model": "alpha", "prompt": "x", "stream": False,
-                         "stream_options": {"include_usage": True}}, "stream_options"),
-    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": "x"}],
                               "temperature": "hot"}, "temperature"),
     ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": "x"}],
                               "max_tokens": 0}, "max_tokens"),
@@ -464,3 +460,38 @@ def test_non_standard_json_constants_are_400(router: LiveRouter) -> None:
     r = httpx.post(router.url + "/v1/completions", content=b'{"model": "alpha", "prompt": "x", "temperature": NaN}',
                    headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400 and "NaN" in r.json()["error"]["message"]
+
+
+def test_leniency_real_clients_need(router: LiveRouter) -> None:
+    """stream_options without stream is ignored (as llama.cpp); max_tokens beyond the room
+    left is clamped and ends with "length"; developer role, content parts with extra keys
+    and an assistant prefill work on every chat route."""
+    c = router.client()
+    r = c.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                  stream_options={"include_usage": True})
+    assert r.choices[0].message.content and r.usage is not None
+    r2 = c.completions.create(model="alpha", prompt="x", max_tokens=2, stream=False,
+                              stream_options={"include_usage": True})
+    assert r2.choices[0].text
+    # the fake's n_ctx is 256: a prompt of 250 tokens leaves room for 6
+    r = c.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "x " * 230 + "[len=50]"}],
+                                  max_tokens=100_000)
+    assert r.choices[0].finish_reason == "length" and r.usage is not None
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == 256
+    parts = [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]
+    for path, body in [
+        ("/v1/chat/completions", {"messages": [{"role": "developer", "content": parts},
+                                               {"role": "user", "content": parts},
+                                               {"role": "assistant", "content": "Sure,"}], "max_tokens": 2}),
+        ("/v1/responses", {"input": [{"role": "developer", "content": [{"type": "input_text", "text": "hi",
+                                                                         "cache_control": {}}]},
+                                     {"role": "user", "content": "x"}, {"role": "assistant", "content": "Sure,"}],
+                           "max_output_tokens": 2}),
+        ("/v1/messages", {"system": [{"type": "text", "text": "s", "cache_control": {"type": "ephemeral"}}],
+                          "messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "Sure,"}],
+                          "max_tokens": 2}),
+    ]:
+        resp = httpx.post(router.url + path, json={"model": "alpha", **body}, timeout=30)
+        assert resp.status_code == 200, (path, resp.text)
+        msgs = router.fake_events("generate")[-1]["messages"]
+        assert msgs[-1] == {"role": "assistant", "content": "Sure,"} and msgs[0]["role"] == "system", (path, msgs)

@@ -268,12 +268,19 @@ def test_malformed_bodies_and_context_overflow(router: LiveRouter, client: opena
     assert r.status_code == 400
     r = httpx.post(router.url + "/v1/chat/completions", json={"model": "smollm2", "messages": "hi"}, timeout=30)
     assert r.status_code == 400
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="smollm2", messages=MSG, max_tokens=5000)  # type: ignore[arg-type]
-    assert e.value.code == "context_length_exceeded" and "maximum context length" in str(e.value)
+    # a max_tokens beyond the room the prompt leaves is clamped to it (llama.cpp's behaviour) ...
+    out = client.completions.create(model="smollm2", prompt=[28] * 506, max_tokens=5000, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length" and out.usage is not None
+    assert out.usage.completion_tokens == 512 - 506
+    # ... while a prompt that does not fit by itself stays a 400
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="smollm2", prompt="word " * 2000, max_tokens=4)
-    assert e.value.code == "context_length_exceeded"
+    assert e.value.code == "context_length_exceeded" and "maximum context length" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "word " * 600}],
+                                       max_tokens=5000)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
 
 
 def test_huge_seed_is_400_and_the_real_worker_keeps_serving(router: LiveRouter) -> None:

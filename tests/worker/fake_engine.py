@@ -22,6 +22,8 @@ the piece of id i is ``" w<i>"``.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -139,6 +141,8 @@ class FakeEngine:
         ids = self.tokenize(prompt, p.add_special, p.parse_special) if isinstance(prompt, str) else self._check(prompt)
         if not ids:
             raise EngineError("empty_prompt", "the prompt is empty")
+        if p.max_tokens is not None and 0 < self.info.n_ctx - len(ids) < p.max_tokens:
+            p = replace(p, max_tokens=self.info.n_ctx - len(ids))  # clamped, as the real engine does
         n_completion = 1 if p.max_tokens is None else p.max_tokens
         if len(ids) + n_completion > self.info.n_ctx:
             raise EngineError("context_length_exceeded", (

@@ -207,7 +207,7 @@ def test_generate_errors(engine: Engine) -> None:
         (PROMPT, SamplingParams(logit_bias={n_vocab: 1.0}), "invalid_params"),
         (PROMPT, {"temperature": 0}, "invalid_params"),
         (12345, greedy(), "invalid_params"),
-        (PROMPT, greedy(max_tokens=200), "context_length_exceeded"),
+        ([5] * 128, greedy(max_tokens=4), "context_length_exceeded"),
         ([5] * 128, greedy(), "context_length_exceeded"),
     ]
     before = engine.cached_tokens
@@ -218,8 +218,17 @@ def test_generate_errors(engine: Engine) -> None:
         assert ei.value.message
     assert engine.cached_tokens == before  # bad requests never touch the cache
     with pytest.raises(EngineError) as ei:
-        engine.generate(PROMPT, greedy(max_tokens=200))
+        engine.generate([5] * 130, greedy(max_tokens=2))
     assert "maximum context length is 128 tokens" in ei.value.message
+
+
+def test_max_tokens_beyond_the_room_left_is_clamped(engine: Engine) -> None:
+    """llama.cpp's behaviour: a max_tokens the context cannot hold after the prompt
+    generates until the context is full and ends with "length"."""
+    ids, p = engine.prepare([5] * 120, greedy(max_tokens=200, ignore_eos=True))
+    assert p.max_tokens == 8
+    r = engine.generate([5] * 120, greedy(max_tokens=200, ignore_eos=True))
+    assert r.finish_reason == "length" and len(r.tokens) == 8
 
 
 def test_stop_string_through_engine(engine: Engine) -> None:

@@ -393,7 +393,7 @@ def test_ping_and_text_ops_are_answered_mid_generation(start: Callable[..., Harn
 @pytest.mark.parametrize("msg, code", [
     (Generate(id="r", prompt=[1, 5, 1000], temperature=0.0), "invalid_token"),
     (Generate(id="r", prompt=[1, -3], temperature=0.0), "invalid_token"),
-    (Generate(id="r", prompt="a b c", max_tokens=600), "context_length_exceeded"),
+    (Generate(id="r", prompt=[5] * 600, max_tokens=4), "context_length_exceeded"),
     (Generate(id="r", prompt="a b", temperature=-1.0), "invalid_params"),
     (Generate(id="r", prompt="a b", top_p=-0.5), "invalid_params"),
     (Generate(id="r", prompt="a b", n_probs=99), "invalid_params"),

@@ -270,7 +270,7 @@ def test_bad_requests_get_precise_errors_and_the_worker_keeps_serving(wa: Proc) 
     s = wa.stub
     cases = {
         "e1": (Generate(id="e1", prompt=[1, 2, 49152], max_tokens=2), "invalid_token"),
-        "e2": (Generate(id="e2", prompt="hello", max_tokens=N_CTX), "context_length_exceeded"),
+        "e2": (Generate(id="e2", prompt=[1] * N_CTX, max_tokens=2), "context_length_exceeded"),
         "e3": (Generate(id="e3", prompt="hello", top_p=1.5), "invalid_params"),
         "e4": (Generate(id="e4", prompt="hello", temperature=float("nan")), "invalid_params"),
         "e5": (Generate(id="e5", prompt=""), "empty_prompt"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -228,7 +228,9 @@ class Engine:
             EngineError("invalid_params"): bad ``params`` or prompt type.
             EngineError("invalid_token"): a prompt id outside the vocabulary.
             EngineError("empty_prompt"): no prompt tokens.
-            EngineError("context_length_exceeded"): prompt + max_tokens > n_ctx.
+            EngineError("context_length_exceeded"): the prompt alone fills n_ctx (a
+                ``max_tokens`` beyond the room the prompt leaves is clamped to that room,
+                so the generation ends with "length" when the context is full).
             EngineError("kv_budget_exceeded"): it can never fit the KV budget.
         """
         if not isinstance(params, SamplingParams):
@@ -247,6 +249,9 @@ class Engine:
             raise EngineError("invalid_params", "prompt must be a string or a list of token ids")
         if not ids:
             raise EngineError("empty_prompt", "the prompt is empty (it tokenizes to no tokens)")
+        room = self.info.n_ctx - len(ids)
+        if p.max_tokens is not None and 0 < room < p.max_tokens:
+            p = replace(p, max_tokens=room)  # llama.cpp's behaviour: generate until the context is full
         self._sched.reservation(len(ids), p.max_tokens)  # raises when it can never run
         return ids, p
 

@@ -1,0 +1,347 @@
+"""Anthropic's Messages API: ``POST /v1/messages`` (JSON or SSE) and
+``POST /v1/messages/count_tokens``, as the official ``anthropic`` SDK sends and parses them.
+
+Request in: ``system`` (a string or text blocks), ``messages`` (content a string or
+blocks ``text``, ``tool_use``, ``tool_result``; ``thinking`` blocks of earlier
+turns are dropped, as Anthropic does; images and documents are a 400),
+``max_tokens`` (required), ``stop_sequences``, ``temperature`` (0..1), ``top_p``,
+``top_k``, ``tools`` (custom tools: ``name``, ``description``, ``input_schema``)
+and ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``;
+``disable_parallel_tool_use``). ``metadata``, ``thinking``, ``service_tier``,
+``cache_control``, ``output_config.effort`` and unknown fields are ignored (they
+do not change what a local model answers); ``anthropic-version`` /
+``anthropic-beta`` headers are accepted and ignored.
+
+Answer out: a ``message`` with ``text`` / ``tool_use`` content blocks,
+``stop_reason`` (``end_turn``, ``max_tokens``, ``stop_sequence``, ``tool_use``) and
+``usage`` (``input_tokens`` = prompt tokens evaluated, ``cache_read_input_tokens``
+= prompt tokens reused from the KV cache, so their sum is what ``count_tokens``
+gives; ``output_tokens``). Streams carry Anthropic's named events in its order:
+``message_start``, ``content_block_start``, ``ping``, ``content_block_delta``
+(``text_delta`` / ``input_json_delta``), ``content_block_stop``, ``message_delta``
+(``stop_reason``, usage), ``message_stop``; a failure after the first byte is an
+``error`` event. Errors on these routes are Anthropic-shaped (``router.errors``).
+
+Admission, the worker run, cancel-on-disconnect and the error path are the shared
+ones of ``router.generation``; tool calls use the generic tool format
+(``router.tools``) and the constraint built by ``router.constraints``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from protocol import Done, Generate, Token
+from router.constraints import tool_constraint
+from router.errors import ApiError, BadRequest, anthropic_error_payload
+from router.generation import OPENAI_DEFAULTS, begin, collect, new_id, read_sampling, stream
+from router.metrics import label_request
+from router.params import INT32_MAX, get_bool, get_float, get_int, get_str, read_json
+from router.pool import ModelSlot, Pool
+from router.responses import JSONResponse
+from router.sse import SSEResponse, sse_named
+from router.tools import CallParser, ChatTurn, Tool, ToolCall, ToolChoice, new_call_id, render_messages
+
+#: Content block types of earlier assistant turns that carry no text for the prompt.
+_DROPPED_BLOCKS = ("thinking", "redacted_thinking")
+
+
+@dataclass
+class _Request:
+    """An Anthropic request, parsed: what the Generate and the answer need."""
+
+    model: str
+    slot: ModelSlot
+    messages: list[dict[str, Any]]
+    tools: list[Tool]
+    choice: ToolChoice
+    grammar: str | None
+
+
+def _text_blocks(v: Any, where: str) -> str:
+    """A ``system`` / ``tool_result.content`` value: a string or a list of text blocks."""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list):
+        parts: list[str] = []
+        for j, b in enumerate(v):
+            bw = f"{where}[{j}]"
+            if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
+                kind = b.get("type") if isinstance(b, dict) else None
+                raise BadRequest(f"'{bw}': only text blocks are supported here, got {kind!r}", param=bw)
+            parts.append(b["text"])
+        return "\n".join(parts)
+    raise BadRequest(f"'{where}' must be a string or an array of text blocks", param=where)
+
+
+def _turns(body: dict[str, Any]) -> list[ChatTurn]:
+    """``system`` + ``messages`` as dialect-neutral turns. Raises BadRequest naming the field."""
+    turns: list[ChatTurn] = []
+    system = body.get("system")
+    if system is not None:
+        text = _text_blocks(system, "system")
+        if text:
+            turns.append(ChatTurn("system", text))
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRequest("'messages' must be a non-empty array", param="messages")
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BadRequest(f"'{where}' must be an object", param=where)
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise BadRequest(f"'{where}.role' must be 'user' or 'assistant', got {role!r}", param=f"{where}.role")
+        content = m.get("content")
+        if isinstance(content, str):
+            turns.append(ChatTurn(role, content))
+            continue
+        if not isinstance(content, list):
+            raise BadRequest(f"'{where}.content' must be a string or an array of content blocks",
+                             param=f"{where}.content")
+        texts: list[str] = []
+        calls: list[ToolCall] = []
+        for j, b in enumerate(content):
+            bw = f"{where}.content[{j}]"
+            if not isinstance(b, dict):
+                raise BadRequest(f"'{bw}' must be an object", param=bw)
+            kind = b.get("type")
+            if kind == "text":
+                if not isinstance(b.get("text"), str):
+                    raise BadRequest(f"'{bw}.text' must be a string", param=f"{bw}.text")
+                texts.append(b["text"])
+            elif kind == "tool_use" and role == "assistant":
+                name, ident = b.get("name"), b.get("id")
+                if not isinstance(name, str) or not isinstance(ident, str):
+                    raise BadRequest(f"'{bw}': a tool_use block needs string 'id' and 'name'", param=bw)
+                calls.append(ToolCall(ident, name, json.dumps(b.get("input", {}), ensure_ascii=False)))
+            elif kind == "tool_result" and role == "user":
+                ident = b.get("tool_use_id")
+                if not isinstance(ident, str):
+                    raise BadRequest(f"'{bw}.tool_use_id' must be a string", param=f"{bw}.tool_use_id")
+                result = _text_blocks(b.get("content", ""), f"{bw}.content")
+                if b.get("is_error") is True:
+                    result = f"Error: {result}"
+                turns.append(ChatTurn("tool", result, tool_call_id=ident))
+            elif kind in _DROPPED_BLOCKS and role == "assistant":
+                continue
+            elif kind in ("image", "document"):
+                raise BadRequest(f"'{bw}': {kind} content is not supported (these models read text only)",
+                                 param=bw)
+            else:
+                raise BadRequest(f"'{bw}': content blocks of type {kind!r} are not supported in a {role} "
+                                 "message", param=bw)
+        if texts or calls or role == "assistant":
+            turns.append(ChatTurn(role, "\n".join(texts), tool_calls=calls))
+    return turns
+
+
+def _tools(body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
+    raw = body.get("tools")
+    tools: list[Tool] = []
+    if raw is not None:
+        if not isinstance(raw, list):
+            raise BadRequest("'tools' must be an array", param="tools")
+        for i, t in enumerate(raw):
+            where = f"tools[{i}]"
+            if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
+                raise BadRequest(f"'{where}' must be an object with a 'name'", param=where)
+            if t.get("type") not in (None, "custom"):
+                raise BadRequest(f"'{where}': server tools ({t.get('type')!r}) are not supported; "
+                                 "only custom tools with an input_schema", param=f"{where}.type")
+            schema = t.get("input_schema")
+            if not isinstance(schema, dict):
+                raise BadRequest(f"'{where}.input_schema' must be a JSON Schema object", param=f"{where}.input_schema")
+            desc = t.get("description", "")
+            tools.append(Tool(t["name"], desc if isinstance(desc, str) else "", schema))
+    tc = body.get("tool_choice")
+    if tc is None:
+        return tools, ToolChoice("auto" if tools else "none")
+    if not isinstance(tc, dict) or tc.get("type") not in ("auto", "any", "tool", "none"):
+        raise BadRequest("'tool_choice.type' must be one of 'auto', 'any', 'tool', 'none'", param="tool_choice")
+    parallel = not get_bool(tc, "disable_parallel_tool_use", False)
+    kind = tc["type"]
+    if kind == "none" or not tools:
+        if kind in ("any", "tool"):
+            raise BadRequest(f"'tool_choice' {kind!r} requires 'tools'", param="tool_choice")
+        return tools, ToolChoice("none")
+    if kind == "tool":
+        name = tc.get("name")
+        if not isinstance(name, str) or name not in {t.name for t in tools}:
+            raise BadRequest(f"'tool_choice.name' must name one of the tools, got {name!r}", param="tool_choice.name")
+        return tools, ToolChoice("named", name, parallel)
+    return tools, ToolChoice("required" if kind == "any" else "auto", None, parallel)
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    """Fields that would change the answer and that a local model cannot honour: a 400 naming them."""
+    if body.get("mcp_servers"):
+        raise BadRequest("'mcp_servers' is not supported", param="mcp_servers")
+    if body.get("container") is not None:
+        raise BadRequest("'container' is not supported", param="container")
+    oc = body.get("output_config")
+    if isinstance(oc, dict) and oc.get("format") is not None:
+        raise BadRequest("'output_config.format' is not supported; use a tool with an input_schema",
+                         param="output_config.format")
+    if body.get("output_format") is not None:
+        raise BadRequest("'output_format' is not supported; use a tool with an input_schema", param="output_format")
+
+
+async def _parse(request: Request, body: dict[str, Any]) -> _Request:
+    pool: Pool = request.app.state.pool
+    model = get_str(body, "model")
+    slot = pool.get(model)
+    label_request(request, slot.model.name)
+    _refuse_unsupported(body)
+    turns = _turns(body)
+    tools, choice = _tools(body)
+    offered = tools if choice.mode != "none" else []
+    return _Request(model, slot, render_messages(turns, offered), offered, choice,
+                    tool_constraint(offered, choice))
+
+
+def _generate(req: _Request, body: dict[str, Any], max_tokens: int, prefix: str) -> Generate:
+    sampling_body = {k: body[k] for k in ("temperature", "top_p", "top_k") if k in body}
+    get_float(body, "temperature", None, 0.0, 1.0)  # Anthropic's range
+    sampling = read_sampling(sampling_body, OPENAI_DEFAULTS, req.slot, openai=False)
+    stops = body.get("stop_sequences")
+    if stops is not None and (not isinstance(stops, list) or not all(isinstance(s, str) for s in stops)):
+        raise BadRequest("'stop_sequences' must be an array of strings", param="stop_sequences")
+    sampling["stop"] = [s for s in (stops or []) if s]
+    return Generate(id=new_id(prefix), messages=req.messages, max_tokens=max_tokens, grammar=req.grammar,
+                    **sampling)
+
+
+def _stop_reason(done: Done, calls: list[ToolCall]) -> tuple[str, str | None]:
+    if calls and done.finish_reason == "stop":
+        return "tool_use", None
+    if done.finish_reason == "length":
+        return "max_tokens", None
+    if done.stop_type == "word":
+        return "stop_sequence", done.stopping_word
+    return "end_turn", None
+
+
+def _usage(done: Done) -> dict[str, Any]:
+    return {"input_tokens": done.prompt_tokens - done.cache_n, "output_tokens": done.completion_tokens,
+            "cache_read_input_tokens": done.cache_n, "cache_creation_input_tokens": 0}
+
+
+def _tool_block(c: ToolCall) -> dict[str, Any]:
+    return {"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)}
+
+
+def _error_event(err: ApiError) -> bytes:
+    return sse_named("error", anthropic_error_payload(err))
+
+
+async def messages(request: Request) -> Response:
+    body = await read_json(request)
+    req = await _parse(request, body)
+    max_tokens = get_int(body, "max_tokens", None, 1, INT32_MAX)
+    if max_tokens is None:
+        raise BadRequest("'max_tokens' is required", param="max_tokens")
+    streaming = get_bool(body, "stream", False)
+    msg = _generate(req, body, max_tokens, "msg")
+    run, first = await begin(request, req.slot, msg, grammar_param="tools")
+    mid = "msg_" + msg.id.split("-", 1)[1]
+    parser = CallParser(req.choice.mode != "none", "toolu")
+
+    if not streaming:
+        tokens, done = await collect(request, run, first)
+        for t in tokens:
+            parser.feed(t.text)
+        parser.feed(done.text)
+        parser.finish()
+        out = parser.result()
+        content = ([_tool_block(c) for c in out.calls] if out.content is None
+                   else [{"type": "text", "text": out.content}])
+        if not content:
+            content = [{"type": "text", "text": ""}]
+        reason, seq = _stop_reason(done, out.calls)
+        return JSONResponse({"id": mid, "type": "message", "role": "assistant", "model": req.model,
+                             "content": content, "stop_reason": reason, "stop_sequence": seq,
+                             "usage": _usage(done)})
+
+    state = {"started": False, "block": -1, "text_open": False, "pinged": False}
+    out_events: list[bytes] = []
+
+    def open_block(block: dict[str, Any]) -> None:
+        state["block"] += 1
+        out_events.append(sse_named("content_block_start", {"type": "content_block_start",
+                                                            "index": state["block"], "content_block": block}))
+        if not state["pinged"]:
+            state["pinged"] = True
+            out_events.append(sse_named("ping", {"type": "ping"}))
+
+    def close_block() -> None:
+        out_events.append(sse_named("content_block_stop", {"type": "content_block_stop", "index": state["block"]}))
+
+    def emit(text: str, calls: list[ToolCall]) -> None:
+        if text:
+            if not state["text_open"]:
+                state["text_open"] = True
+                open_block({"type": "text", "text": ""})
+            out_events.append(sse_named("content_block_delta", {
+                "type": "content_block_delta", "index": state["block"],
+                "delta": {"type": "text_delta", "text": text}}))
+        for c in calls:
+            open_block({"type": "tool_use", "id": c.id, "name": c.name, "input": {}})
+            out_events.append(sse_named("content_block_delta", {
+                "type": "content_block_delta", "index": state["block"],
+                "delta": {"type": "input_json_delta", "partial_json": c.arguments}}))
+            close_block()
+
+    async def on_frame(item: Token | Done) -> list[bytes]:
+        out_events.clear()
+        if not state["started"]:
+            state["started"] = True
+            out_events.append(sse_named("message_start", {"type": "message_start", "message": {
+                "id": mid, "type": "message", "role": "assistant", "model": req.model, "content": [],
+                "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": 0, "output_tokens": 0}}}))
+            if not parser.mode == "undecided":  # plain text: the block opens at once, as Anthropic's
+                state["text_open"] = True
+                open_block({"type": "text", "text": ""})
+        if isinstance(item, Token):
+            emit(*parser.feed(item.text))
+            return list(out_events)
+        emit(*parser.feed(item.text))
+        emit(*parser.finish())
+        if state["block"] < 0:
+            state["text_open"] = True
+            open_block({"type": "text", "text": ""})
+        if state["text_open"]:
+            close_block()
+        reason, seq = _stop_reason(item, parser.calls)
+        out_events.append(sse_named("message_delta", {"type": "message_delta",
+                                                      "delta": {"stop_reason": reason, "stop_sequence": seq},
+                                                      "usage": _usage(item)}))
+        out_events.append(sse_named("message_stop", {"type": "message_stop"}))
+        return list(out_events)
+
+    return SSEResponse(stream(run, first, on_frame, on_error=_error_event), run.close)
+
+
+async def count_tokens(request: Request) -> Response:
+    """``{"input_tokens": N}``: the prompt tokens ``/v1/messages`` would have for this body
+    (its template, tools and all). Exact: the worker renders and tokenizes it as for a
+    generation of 0 tokens (so it also warms the prefix cache for the real request)."""
+    body = await read_json(request)
+    req = await _parse(request, body)
+    msg = _generate(req, body, 0, "count")
+    run, first = await begin(request, req.slot, msg, grammar_param="tools")
+    _, done = await collect(request, run, first)
+    return JSONResponse({"input_tokens": done.prompt_tokens})
+
+
+routes = [
+    Route("/v1/messages", messages, methods=["POST"]),
+    Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+]

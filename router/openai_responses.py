@@ -1,0 +1,425 @@
+"""OpenAI's Responses API: ``POST /v1/responses`` (JSON or SSE), ``POST
+/v1/responses/input_tokens``, ``GET`` / ``DELETE /v1/responses/{id}``.
+
+Request in: ``input`` (a string, or items: ``message`` with ``input_text`` /
+``output_text`` parts and role user / assistant / system / developer,
+``function_call``, ``function_call_output``; ``reasoning`` items are dropped, as
+they carry nothing for these models; images and files are a 400),
+``instructions`` (a system message for this response only: not carried over by
+``previous_response_id``), ``tools`` (``function`` tools), ``tool_choice``
+(``none`` / ``auto`` / ``required`` / ``{"type": "function", "name"}``),
+``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p``,
+``text.format`` (``text``, ``json_object``, ``json_schema``), ``store`` (default
+true) and ``previous_response_id`` (the stored conversation is continued, see
+``router.response_store``). ``metadata`` is stored and echoed; ``reasoning``,
+``include``, ``user``, ``service_tier``, ``prompt_cache_key``,
+``safety_identifier``, ``truncation: "disabled"`` and unknown fields are ignored.
+
+Answer out: a ``response`` object with ``output`` items (one ``message`` with an
+``output_text`` part, or ``function_call`` items), ``status`` ``completed`` or
+``incomplete`` (``incomplete_details.reason`` ``max_output_tokens``) and
+``usage``. Streams are named SSE events, each with a ``sequence_number``:
+``response.created``, ``response.in_progress``, ``response.output_item.added``,
+``response.content_part.added``, ``response.output_text.delta`` / ``.done``,
+``response.content_part.done``, ``response.function_call_arguments.delta`` /
+``.done``, ``response.output_item.done``, then ``response.completed`` or
+``response.incomplete``; a failure after the first byte is ``response.failed``.
+
+Shared with the other dialects: admission, the worker run, cancel-on-disconnect and
+the error path (``router.generation``), the generic tool format (``router.tools``)
+and the constraints (``router.constraints``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from protocol import Done, Generate, Token
+from router.constraints import json_format_constraint, tool_constraint
+from router.errors import ApiError, BadRequest, NotFound
+from router.generation import OPENAI_DEFAULTS, begin, collect, read_sampling, stream
+from router.metrics import label_request
+from router.params import INT32_MAX, get_bool, get_int, get_str, read_json
+from router.pool import ModelSlot, Pool
+from router.response_store import ResponseStore
+from router.responses import JSONResponse
+from router.sse import SSEResponse, sse_named
+from router.tools import CallParser, ChatTurn, Tool, ToolCall, ToolChoice, render_messages
+
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+_TEXT_PARTS = ("input_text", "output_text", "text")
+#: Request fields echoed in the response object as they came (when given).
+_ECHO = ("instructions", "max_output_tokens", "previous_response_id", "temperature", "top_p", "user")
+
+
+def _hex() -> str:
+    return uuid.uuid4().hex[:24]
+
+
+def store_of(request: Request) -> ResponseStore:
+    """The app's one store (made by ``router.app.create_app`` from the ``[server]`` keys)."""
+    st: ResponseStore = request.app.state.responses
+    return st
+
+
+@dataclass
+class _Request:
+    model: str
+    slot: ModelSlot
+    history: list[ChatTurn]  # conversation without the instructions (what is stored)
+    messages: list[dict[str, Any]]  # template-ready prompt
+    tools: list[Tool]
+    choice: ToolChoice
+    grammar: str | None
+    json_schema: str | None
+    constraint_param: str | None
+    echo: dict[str, Any] = field(default_factory=dict)
+
+
+def _part_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRequest(f"'{where}' must be a string or an array of content parts", param=where)
+    texts: list[str] = []
+    for j, p in enumerate(content):
+        pw = f"{where}[{j}]"
+        if not isinstance(p, dict):
+            raise BadRequest(f"'{pw}' must be an object", param=pw)
+        kind = p.get("type")
+        if kind in _TEXT_PARTS:
+            if not isinstance(p.get("text"), str):
+                raise BadRequest(f"'{pw}.text' must be a string", param=f"{pw}.text")
+            texts.append(p["text"])
+        elif kind == "refusal" and isinstance(p.get("refusal"), str):
+            texts.append(p["refusal"])
+        else:
+            raise BadRequest(f"'{pw}': content parts of type {kind!r} are not supported (text only)", param=pw)
+    return "\n".join(texts)
+
+
+def _input_turns(v: Any) -> list[ChatTurn]:
+    if isinstance(v, str):
+        return [ChatTurn("user", v)]
+    if not isinstance(v, list) or not v:
+        raise BadRequest("'input' must be a string or a non-empty array of items", param="input")
+    turns: list[ChatTurn] = []
+    for i, item in enumerate(v):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise BadRequest(f"'{where}' must be an object", param=where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in _ROLES:
+                raise BadRequest(f"'{where}.role' must be one of {sorted(_ROLES)}, got {role!r}", param=f"{where}.role")
+            turns.append(ChatTurn(_ROLES[role], _part_text(item.get("content", ""), f"{where}.content")))
+        elif kind == "function_call":
+            name, call_id, args = item.get("name"), item.get("call_id"), item.get("arguments", "")
+            if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(args, str):
+                raise BadRequest(f"'{where}': a function_call needs string 'call_id', 'name' and 'arguments'",
+                                 param=where)
+            call = ToolCall(call_id, name, args)
+            if turns and turns[-1].role == "assistant":
+                turns[-1].tool_calls.append(call)
+            else:
+                turns.append(ChatTurn("assistant", "", tool_calls=[call]))
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str):
+                raise BadRequest(f"'{where}.call_id' must be a string", param=f"{where}.call_id")
+            turns.append(ChatTurn("tool", _part_text(item.get("output", ""), f"{where}.output"), tool_call_id=call_id))
+        elif kind == "reasoning":
+            continue
+        else:
+            raise BadRequest(f"'{where}': input items of type {kind!r} are not supported", param=f"{where}.type")
+    return turns
+
+
+def _tools(body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
+    raw = body.get("tools")
+    tools: list[Tool] = []
+    if raw is not None:
+        if not isinstance(raw, list):
+            raise BadRequest("'tools' must be an array", param="tools")
+        for i, t in enumerate(raw):
+            where = f"tools[{i}]"
+            if not isinstance(t, dict):
+                raise BadRequest(f"'{where}' must be an object", param=where)
+            if t.get("type") != "function":
+                raise BadRequest(f"'{where}': tools of type {t.get('type')!r} are not supported (function tools only)",
+                                 param=f"{where}.type")
+            name, params = t.get("name"), t.get("parameters")
+            if not isinstance(name, str) or not name:
+                raise BadRequest(f"'{where}.name' must be a non-empty string", param=f"{where}.name")
+            if params is None:
+                params = {"type": "object", "properties": {}}
+            if not isinstance(params, dict):
+                raise BadRequest(f"'{where}.parameters' must be a JSON Schema object", param=f"{where}.parameters")
+            desc = t.get("description")
+            tools.append(Tool(name, desc if isinstance(desc, str) else "", params))
+    parallel = get_bool(body, "parallel_tool_calls", True)
+    tc = body.get("tool_choice", "auto")
+    if tc is None:
+        tc = "auto"
+    if tc in ("none", "auto", "required"):
+        if tc == "required" and not tools:
+            raise BadRequest("'tool_choice' 'required' needs 'tools'", param="tool_choice")
+        mode = "none" if tc == "none" or not tools else tc
+        return tools, ToolChoice(mode, None, parallel)
+    if isinstance(tc, dict) and tc.get("type") == "function":
+        name = tc.get("name")
+        if not isinstance(name, str) or name not in {t.name for t in tools}:
+            raise BadRequest(f"'tool_choice.name' must name one of the tools, got {name!r}", param="tool_choice.name")
+        return tools, ToolChoice("named", name, parallel)
+    raise BadRequest("'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}",
+                     param="tool_choice")
+
+
+def _text_format(body: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """``text.format`` -> (JSON Schema text or None, the format object echoed)."""
+    text = body.get("text")
+    if text is None:
+        return None, {"type": "text"}
+    if not isinstance(text, dict):
+        raise BadRequest("'text' must be an object", param="text")
+    fmt = text.get("format")
+    if fmt is None:
+        return None, {"type": "text"}
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise BadRequest("'text.format.type' must be 'text', 'json_object' or 'json_schema'", param="text.format")
+    return json_format_constraint(fmt, "text.format"), fmt
+
+
+def _parse(request: Request, body: dict[str, Any]) -> _Request:
+    pool: Pool = request.app.state.pool
+    model = get_str(body, "model")
+    slot = pool.get(model)
+    label_request(request, slot.model.name)
+    history: list[ChatTurn] = []
+    prev = get_str(body, "previous_response_id", None)
+    if prev is not None:
+        stored = store_of(request).get(prev)
+        if stored is None:
+            raise BadRequest(f"Previous response with id '{prev}' not found.", param="previous_response_id",
+                             code="previous_response_not_found")
+        history = [ChatTurn(t.role, t.content, list(t.tool_calls), t.tool_call_id, t.name) for t in stored.turns]
+    if "input" not in body:
+        raise BadRequest("'input' is required", param="input")
+    history += _input_turns(body["input"])
+    instructions = get_str(body, "instructions", None)
+    turns = ([ChatTurn("system", instructions)] if instructions else []) + history
+    tools, choice = _tools(body)
+    offered = tools if choice.mode != "none" else []
+    json_schema, fmt = _text_format(body)
+    grammar = tool_constraint(offered, choice)
+    if grammar is not None and json_schema is not None:
+        raise BadRequest("'text.format' json_schema cannot be combined with a forced tool call", param="text.format")
+    echo = {k: body[k] for k in _ECHO if body.get(k) is not None}
+    echo["text"] = {"format": fmt}
+    echo["tools"] = [dict(t) for t in body.get("tools") or []]
+    echo["tool_choice"] = body.get("tool_choice", "auto")
+    echo["parallel_tool_calls"] = choice.parallel
+    echo["metadata"] = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
+    echo["store"] = get_bool(body, "store", True)
+    return _Request(model, slot, history, render_messages(turns, offered), offered, choice, grammar, json_schema,
+                    "tools" if grammar is not None else ("text.format" if json_schema is not None else None), echo)
+
+
+def _generate(req: _Request, body: dict[str, Any], max_tokens: int | None, rid: str) -> Generate:
+    sampling = read_sampling({k: body[k] for k in ("temperature", "top_p") if k in body},
+                             OPENAI_DEFAULTS, req.slot, openai=True)
+    return Generate(id=rid, messages=req.messages, max_tokens=max_tokens, grammar=req.grammar,
+                    json_schema=req.json_schema, cache_prompt=get_bool(body, "cache_prompt", True), **sampling)
+
+
+def _usage(done: Done) -> dict[str, Any]:
+    return {"input_tokens": done.prompt_tokens, "input_tokens_details": {"cached_tokens": done.cache_n},
+            "output_tokens": done.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": done.prompt_tokens + done.completion_tokens}
+
+
+def _message_item(mid: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "message", "id": mid, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _call_item(c: ToolCall, status: str, arguments: str | None = None) -> dict[str, Any]:
+    return {"type": "function_call", "id": "fc_" + c.id.split("_", 1)[1], "call_id": c.id, "name": c.name,
+            "arguments": c.arguments if arguments is None else arguments, "status": status}
+
+
+class _Answer:
+    """The response object of one request as it builds up (shared by JSON and SSE)."""
+
+    def __init__(self, req: _Request, rid: str) -> None:
+        self.req = req
+        self.id = rid
+        self.created_at = int(time.time())
+        self.output: list[dict[str, Any]] = []
+
+    def obj(self, status: str, done: Done | None = None, error: ApiError | None = None) -> dict[str, Any]:
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+                "model": self.req.model, "output": list(self.output), "error": (
+                    {"code": error.code or "server_error", "message": error.message} if error else None),
+                "incomplete_details": incomplete, "usage": _usage(done) if done is not None else None,
+                "truncation": "disabled", "max_output_tokens": None, "instructions": None,
+                "previous_response_id": None, "temperature": None, "top_p": None, **self.req.echo}
+
+    def finish(self, request: Request, done: Done, calls: list[ToolCall], text: str | None) -> dict[str, Any]:
+        status = "incomplete" if done.finish_reason == "length" else "completed"
+        resp = self.obj(status, done)
+        if self.req.echo["store"]:
+            out = ChatTurn("assistant", text or "", tool_calls=list(calls))
+            store_of(request).put(self.id, resp, [*self.req.history, out])
+        return resp
+
+
+async def create(request: Request) -> Response:
+    body = await read_json(request)
+    req = _parse(request, body)
+    max_tokens = get_int(body, "max_output_tokens", None, 1, INT32_MAX)
+    streaming = get_bool(body, "stream", False)
+    ans = _Answer(req, "resp_" + _hex())
+    msg = _generate(req, body, max_tokens, ans.id)
+    run, first = await begin(request, req.slot, msg, grammar_param=req.constraint_param)
+    parser = CallParser(req.choice.mode != "none", "call")
+    mid = "msg_" + _hex()
+
+    if not streaming:
+        tokens, done = await collect(request, run, first)
+        for t in tokens:
+            parser.feed(t.text)
+        parser.feed(done.text)
+        parser.finish()
+        out = parser.result()
+        status = "incomplete" if done.finish_reason == "length" else "completed"
+        if out.content is None:
+            ans.output = [_call_item(c, "completed") for c in out.calls]
+        if not ans.output:
+            ans.output = [_message_item(mid, out.content or "", status)]
+        return JSONResponse(ans.finish(request, done, out.calls, out.content))
+
+    seq = 0
+    events: list[bytes] = []
+    text_parts: list[str] = []
+    msg_open = False
+    started = False
+
+    def ev(kind: str, **fields: Any) -> None:
+        nonlocal seq
+        events.append(sse_named(kind, {"type": kind, "sequence_number": seq, **fields}))
+        seq += 1
+
+    def open_message() -> None:
+        nonlocal msg_open
+        msg_open = True
+        ans.output.append({"type": "message", "id": mid, "status": "in_progress", "role": "assistant", "content": []})
+        ev("response.output_item.added", output_index=len(ans.output) - 1, item=ans.output[-1])
+        ev("response.content_part.added", item_id=mid, output_index=len(ans.output) - 1, content_index=0,
+           part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+
+    def close_message(status: str) -> None:
+        text = "".join(text_parts)
+        idx = len(ans.output) - 1
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        ev("response.output_text.done", item_id=mid, output_index=idx, content_index=0, text=text, logprobs=[])
+        ev("response.content_part.done", item_id=mid, output_index=idx, content_index=0, part=part)
+        ans.output[idx] = _message_item(mid, text, status)
+        ev("response.output_item.done", output_index=idx, item=ans.output[idx])
+
+    def emit(text: str, calls: list[ToolCall]) -> None:
+        if text:
+            if not msg_open:
+                open_message()
+            text_parts.append(text)
+            ev("response.output_text.delta", item_id=mid, output_index=len(ans.output) - 1, content_index=0,
+               delta=text, logprobs=[])
+        for c in calls:
+            ans.output.append(_call_item(c, "in_progress", ""))
+            idx = len(ans.output) - 1
+            item_id = ans.output[idx]["id"]
+            ev("response.output_item.added", output_index=idx, item=ans.output[idx])
+            ev("response.function_call_arguments.delta", item_id=item_id, output_index=idx, delta=c.arguments)
+            ev("response.function_call_arguments.done", item_id=item_id, output_index=idx, arguments=c.arguments,
+               name=c.name)
+            ans.output[idx] = _call_item(c, "completed")
+            ev("response.output_item.done", output_index=idx, item=ans.output[idx])
+
+    async def on_frame(item: Token | Done) -> list[bytes]:
+        nonlocal started
+        events.clear()
+        if not started:
+            started = True
+            ev("response.created", response=ans.obj("in_progress"))
+            ev("response.in_progress", response=ans.obj("in_progress"))
+            if parser.mode != "undecided":
+                open_message()
+        emit(*parser.feed(item.text))
+        if isinstance(item, Token):
+            return list(events)
+        emit(*parser.finish())
+        status = "incomplete" if item.finish_reason == "length" else "completed"
+        if not ans.output:
+            open_message()
+        if msg_open:
+            close_message(status)
+        out = parser.result()
+        resp = ans.finish(request, item, out.calls, out.content)
+        ev("response.completed" if status == "completed" else "response.incomplete", response=resp)
+        return list(events)
+
+    def on_error(err: ApiError) -> bytes:
+        events.clear()
+        ev("response.failed", response=ans.obj("failed", error=err))
+        return events[0]
+
+    return SSEResponse(stream(run, first, on_frame, on_error=on_error), run.close)
+
+
+async def input_tokens(request: Request) -> Response:
+    """``{"object": "response.input_tokens", "input_tokens": N}``: the prompt tokens
+    ``POST /v1/responses`` would have for this body (counted by the worker as a
+    generation of 0 tokens: exact, and it warms the prefix cache)."""
+    body = await read_json(request)
+    req = _parse(request, body)
+    msg = _generate(req, body, 0, "count-" + _hex())
+    run, first = await begin(request, req.slot, msg, grammar_param=req.constraint_param)
+    _, done = await collect(request, run, first)
+    return JSONResponse({"object": "response.input_tokens", "input_tokens": done.prompt_tokens})
+
+
+def _not_found(rid: str) -> NotFound:
+    return NotFound(f"No response with id '{rid}' found.", code="not_found", param="response_id")
+
+
+async def retrieve(request: Request) -> Response:
+    rid = request.path_params["response_id"]
+    stored = store_of(request).get(rid)
+    if stored is None:
+        raise _not_found(rid)
+    return JSONResponse(stored.response)
+
+
+async def delete(request: Request) -> Response:
+    rid = request.path_params["response_id"]
+    if not store_of(request).delete(rid):
+        raise _not_found(rid)
+    return JSONResponse({"id": rid, "object": "response", "deleted": True})
+
+
+routes = [
+    Route("/v1/responses", create, methods=["POST"]),
+    Route("/v1/responses/input_tokens", input_tokens, methods=["POST"]),
+    Route("/v1/responses/{response_id}", retrieve, methods=["GET"]),
+    Route("/v1/responses/{response_id}", delete, methods=["DELETE"]),
+]

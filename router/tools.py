@@ -1,0 +1,257 @@
+"""The generic tool format: tools, tool calls and tool results written into a chat
+whose template has no tool syntax, and tool calls read back from the model's text.
+
+Every dialect (OpenAI chat, OpenAI Responses, Anthropic Messages) turns its own
+request into :class:`ChatTurn` records and its tools into :class:`Tool`; this
+module is the one place that knows how they look in the prompt and in the
+output. Both shipped models (SmolLM2's ChatML, Gemma 3) have no tool syntax, so
+the format is always this one (as llama.cpp's "generic" chat format):
+
+* **tools** go into the system message (appended to the first one, or a new
+  leading one): a short instruction, the tools as JSON
+  (``{"name", "description", "parameters"}``), and the call syntax;
+* **a call** the model makes, and an assistant turn of the history that carried
+  calls, is one block per call::
+
+      <tool_call>
+      {"name": "get_weather", "arguments": {"city": "Paris"}}
+      </tool_call>
+
+* **a tool result** becomes a user turn::
+
+      <tool_response>
+      {"name": "get_weather", "content": "18 C, sunny"}
+      </tool_response>
+
+Consecutive turns of one role are merged (blank line between), so templates that
+demand user/assistant alternation (Gemma) accept any history. The constraint
+(``router.constraints``) makes the model's calls well-formed; :class:`CallParser`
+reads them back, streaming or not, with the same result either way.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+CALL_OPEN = "<tool_call>"
+CALL_CLOSE = "</tool_call>"
+RESPONSE_OPEN = "<tool_response>"
+RESPONSE_CLOSE = "</tool_response>"
+
+
+def new_call_id(prefix: str = "call") -> str:
+    """A unique tool-call id (``call_<24 hex>``; Anthropic uses ``toolu_``)."""
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One function tool: ``parameters`` is its JSON Schema (an object schema)."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+
+    def as_json(self) -> dict[str, Any]:
+        return {"name": self.name, "description": self.description, "parameters": self.parameters}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call: ``arguments`` is the JSON text of the arguments object (OpenAI's wire form)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass
+class ChatTurn:
+    """One turn of a conversation, dialect-neutral.
+
+    ``role``: system | user | assistant | tool. ``content``: its text.
+    ``tool_calls``: the calls an assistant turn made. ``tool_call_id`` / ``name``:
+    which call a tool turn answers (``name`` found from the id when not given)."""
+
+    role: str
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+def render_call(name: str, arguments: str) -> str:
+    """One call block (``arguments``: JSON text, written compactly re-encoded when it parses)."""
+    try:
+        args: Any = json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError:
+        args = arguments  # history as the client sent it: kept, never dropped
+    return f"{CALL_OPEN}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{CALL_CLOSE}"
+
+
+def tools_system_text(tools: list[Tool]) -> str:
+    """The system-prompt text that describes ``tools`` and the call syntax."""
+    listing = json.dumps([t.as_json() for t in tools], ensure_ascii=False)
+    return ("You can call these tools (JSON Schema of their arguments):\n" + listing + "\n"
+            "To call a tool, reply with one block per call and nothing else:\n"
+            f"{CALL_OPEN}\n" + '{"name": "<tool name>", "arguments": {<the arguments>}}' + f"\n{CALL_CLOSE}\n"
+            "Results come back in <tool_response> blocks.")
+
+
+def render_messages(turns: list[ChatTurn], tools: list[Tool] | None = None) -> list[dict[str, Any]]:
+    """``turns`` as template-ready ``[{"role", "content"}]`` (system / user / assistant only).
+
+    Tool calls and tool results are written in the generic format, never dropped;
+    ``tools`` (when given) are described in the system message; consecutive turns of
+    one role are merged."""
+    names: dict[str, str] = {}
+    out: list[dict[str, Any]] = []
+
+    def push(role: str, text: str) -> None:
+        if out and out[-1]["role"] == role and role != "system":
+            prev = out[-1]["content"]
+            out[-1]["content"] = f"{prev}\n\n{text}" if prev and text else prev + text
+        else:
+            out.append({"role": role, "content": text})
+
+    for t in turns:
+        if t.role == "assistant":
+            parts = [t.content] if t.content else []
+            for c in t.tool_calls:
+                names[c.id] = c.name
+                parts.append(render_call(c.name, c.arguments))
+            push("assistant", "\n".join(parts))
+        elif t.role == "tool":
+            name = t.name or names.get(t.tool_call_id or "", "")
+            body = json.dumps({"name": name, "content": t.content}, ensure_ascii=False)
+            push("user", f"{RESPONSE_OPEN}\n{body}\n{RESPONSE_CLOSE}")
+        else:
+            push(t.role, t.content)
+    if tools:
+        text = tools_system_text(tools)
+        if out and out[0]["role"] == "system":
+            out[0]["content"] = f"{out[0]['content']}\n\n{text}" if out[0]["content"] else text
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+# ----------------------------------------------------------------------------- reading calls back
+
+
+@dataclass
+class ParsedOutput:
+    """What the model wrote: plain ``content`` or ``calls`` (never both: a reply is
+    text or calls), and whether a started call was cut off (``truncated``)."""
+
+    content: str | None
+    calls: list[ToolCall]
+    truncated: bool = False
+
+
+class CallParser:
+    """Splits the model's text into content deltas and complete tool calls, incrementally.
+
+    ``feed(delta)`` returns ``(content_delta, new_calls)``; ``finish()`` returns the
+    last of them. Text that may still be the start of ``<tool_call>`` (after
+    leading whitespace) is held back; once the text cannot be a call it is content
+    from then on, and once it is a call no byte of it reaches ``content``. Fed all
+    at once or token by token, the same calls (same ids order, same arguments) come
+    out. ``id_prefix``: ``call`` (OpenAI) or ``toolu`` (Anthropic).
+    """
+
+    def __init__(self, enabled: bool, id_prefix: str = "call") -> None:
+        self.mode = "undecided" if enabled else "text"
+        self.buf = ""
+        self.calls: list[ToolCall] = []
+        self.id_prefix = id_prefix
+        self.content_parts: list[str] = []
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        if self.mode == "text":
+            self.content_parts.append(delta)
+            return delta, []
+        self.buf += delta
+        if self.mode == "undecided":
+            head = self.buf.lstrip()
+            if not head:
+                return "", []
+            if head.startswith(CALL_OPEN):
+                self.mode = "calls"
+            elif CALL_OPEN.startswith(head):
+                return "", []
+            else:
+                self.mode = "text"
+                text, self.buf = self.buf, ""
+                self.content_parts.append(text)
+                return text, []
+        return "", self._take_calls()
+
+    def _take_calls(self) -> list[ToolCall]:
+        new: list[ToolCall] = []
+        while True:
+            start = self.buf.find(CALL_OPEN)
+            if start < 0:
+                break
+            end = self.buf.find(CALL_CLOSE, start)
+            if end < 0:
+                break
+            body = self.buf[start + len(CALL_OPEN):end]
+            self.buf = self.buf[end + len(CALL_CLOSE):]
+            call = self._parse(body)
+            if call is not None:
+                new.append(call)
+        self.calls.extend(new)
+        return new
+
+    def _parse(self, body: str) -> ToolCall | None:
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        args = obj.get("arguments", {})
+        return ToolCall(new_call_id(self.id_prefix), obj["name"], json.dumps(args, ensure_ascii=False))
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The end of the text: held-back text that never became a call is content."""
+        if self.mode == "undecided":
+            self.mode = "text"
+            text, self.buf = self.buf, ""
+            self.content_parts.append(text)
+            return text, []
+        return "", []
+
+    @property
+    def truncated(self) -> bool:
+        """A call was started but not closed (generation stopped inside it)."""
+        return self.mode == "calls" and CALL_OPEN in self.buf
+
+    def result(self) -> ParsedOutput:
+        if self.mode == "calls":
+            return ParsedOutput(None, list(self.calls), self.truncated)
+        return ParsedOutput("".join(self.content_parts), [])
+
+
+def parse_output(text: str, enabled: bool, id_prefix: str = "call") -> ParsedOutput:
+    """The whole text at once (the non-streaming path): same result as streaming it."""
+    p = CallParser(enabled, id_prefix)
+    p.feed(text)
+    p.finish()
+    return p.result()
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """Dialect-neutral tool choice. ``mode``: ``none`` (tools not offered: the prompt
+    does not describe them and no call is parsed), ``auto`` (text or calls),
+    ``required`` (at least one call), ``named`` (exactly a call of ``name``).
+    ``parallel``: more than one call allowed."""
+
+    mode: str = "auto"
+    name: str | None = None
+    parallel: bool = True

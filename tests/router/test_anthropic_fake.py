@@ -1,0 +1,181 @@
+"""The Anthropic Messages API against fake workers: shapes, event order, error shape,
+x-api-key, history rendering (tool_use / tool_result), tool-call parsing.
+
+The fake worker's ``[reply64=...]`` directive makes it answer a chosen text, so the
+parsing of tool calls is tested here without a model; the real-model behaviour
+(constraints, the SDK round trip) is in tests/e2e/test_harness_apis.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import pytest
+
+from tests.router.conftest import LiveRouter, dummy_gguf
+
+CONFIG = """
+[server]
+models_dir = "."
+api_key = "sekrit"
+[models.alpha]
+path = "alpha.gguf"
+"""
+
+H = {"x-api-key": "sekrit", "anthropic-version": "2023-06-01"}
+
+
+@pytest.fixture(scope="module")
+def router(module_tmp: Path) -> Iterator[LiveRouter]:
+    dummy_gguf(module_tmp, "alpha.gguf")
+    r = LiveRouter(module_tmp, CONFIG)
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def client(router: LiveRouter) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=router.url, api_key="sekrit", max_retries=0, timeout=30)
+
+
+def reply(text: str) -> str:
+    return "[reply64=" + base64.b64encode(text.encode()).decode() + "]"
+
+
+def events(router: LiveRouter, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    out: list[tuple[str, dict[str, Any]]] = []
+    with httpx.stream("POST", router.url + "/v1/messages", json={**body, "stream": True}, headers=H,
+                      timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        name = ""
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                data = json.loads(line[len("data: "):])
+                assert data["type"] == name
+                out.append((name, data))
+    return out
+
+
+def test_text_message_and_stream_event_order(router: LiveRouter, client: anthropic.Anthropic) -> None:
+    body = {"model": "alpha", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    m = client.messages.create(**body)  # type: ignore[arg-type]
+    assert m.type == "message" and m.role == "assistant" and m.stop_reason == "max_tokens"
+    assert m.content[0].type == "text" and m.content[0].text == " w100 w101 w102 w103 w104"
+    assert m.usage.output_tokens == 5 and m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) > 0
+    evs = events(router, body)
+    names = [n for n, _ in evs]
+    assert names[:3] == ["message_start", "content_block_start", "ping"]
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(names[3:-3]) == {"content_block_delta"}
+    text = "".join(d["delta"]["text"] for n, d in evs if n == "content_block_delta")
+    assert text == m.content[0].text
+    delta = evs[-2][1]
+    assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    assert delta["usage"]["output_tokens"] == 5
+
+
+def test_stop_sequence_and_end_turn(client: anthropic.Anthropic) -> None:
+    m = client.messages.create(model="alpha", max_tokens=50, stop_sequences=["w103"],
+                               messages=[{"role": "user", "content": "hi"}])
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == "w103"
+    assert m.content[0].text == " w100 w101 w102 "  # type: ignore[union-attr]
+    m = client.messages.create(model="alpha", max_tokens=50, messages=[{"role": "user", "content": "hi [len=2]"}])
+    assert m.stop_reason == "end_turn"
+
+
+def test_errors_are_anthropic_shaped(router: LiveRouter, client: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.NotFoundError) as e:
+        client.messages.create(model="nope", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    r = httpx.post(router.url + "/v1/messages", json={"model": "alpha", "messages": [{"role": "user", "content": "x"}]},
+                   headers=H)
+    assert r.status_code == 400
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in r.json()["error"]["message"]
+    for bad, field in [
+        ({"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": ""}}]}, "image"),
+        ({"role": "system", "content": "x"}, "role"),
+    ]:
+        r = httpx.post(router.url + "/v1/messages", json={"model": "alpha", "max_tokens": 5, "messages": [bad]},
+                       headers=H)
+        assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+    r = httpx.post(router.url + "/v1/messages", json={"model": "alpha", "max_tokens": 5,
+                                                      "messages": [{"role": "user", "content": "x"}]},
+                   headers={"x-api-key": "wrong"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    # the OpenAI routes keep OpenAI's shape, and take x-api-key too
+    r = httpx.post(router.url + "/v1/chat/completions", json={"model": "nope", "messages": []}, headers=H)
+    assert r.status_code == 404 and "type" not in r.json() and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_unknown_and_ignored_fields(router: LiveRouter, client: anthropic.Anthropic) -> None:
+    m = client.messages.create(model="alpha", max_tokens=3, metadata={"user_id": "u"}, service_tier="auto",
+                               thinking={"type": "enabled", "budget_tokens": 1024},
+                               system=[{"type": "text", "text": "sys", "cache_control": {"type": "ephemeral"}}],
+                               messages=[{"role": "user", "content": [
+                                   {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}],
+                               extra_body={"some_future_field": 1},
+                               extra_headers={"anthropic-beta": "prompt-caching-2024-07-31"})
+    assert m.content[0].text  # type: ignore[union-attr]
+    ev = router.fake_events("generate")[-1]
+    assert ev["messages"] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]
+    r = httpx.post(router.url + "/v1/messages", headers=H, json={
+        "model": "alpha", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+        "tools": [{"type": "web_search_20250305", "name": "web_search"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].type"
+
+
+def test_tool_history_is_rendered_not_dropped(router: LiveRouter, client: anthropic.Anthropic) -> None:
+    tools = [{"name": "get_weather", "description": "Weather of a city",
+              "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+    client.messages.create(model="alpha", max_tokens=3, tools=tools, messages=[  # type: ignore[arg-type]
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"},
+                                          {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C"},
+                                     {"type": "text", "text": "And so?"}]},
+    ])
+    msgs = router.fake_events("generate")[-1]["messages"]
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
+    assert '"name": "get_weather"' in msgs[0]["content"] and "<tool_call>" in msgs[0]["content"]
+    assert msgs[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert msgs[3]["content"] == ('<tool_response>\n{"name": "get_weather", "content": "18 C"}\n</tool_response>'
+                                  "\n\nAnd so?")
+
+
+def test_tool_use_parsed_streamed_and_not(router: LiveRouter, client: anthropic.Anthropic) -> None:
+    tools = [{"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    body = {"model": "alpha", "max_tokens": 100, "tools": tools,
+            "messages": [{"role": "user", "content": reply(call + "\n" + call)}]}
+    m = client.messages.create(**body)  # type: ignore[arg-type]
+    assert m.stop_reason == "tool_use"
+    assert [(b.type, b.name, b.input) for b in m.content] == [("tool_use", "get_weather", {"city": "Paris"})] * 2  # type: ignore[union-attr]
+    ids = [b.id for b in m.content]  # type: ignore[union-attr]
+    assert len(set(ids)) == 2 and all(i.startswith("toolu_") for i in ids)
+    with client.messages.stream(**body) as s:  # type: ignore[arg-type]
+        final = s.get_final_message()
+    assert [(b.type, b.name, b.input) for b in final.content] == [(b.type, b.name, b.input) for b in m.content]  # type: ignore[union-attr]
+    assert final.stop_reason == "tool_use"
+    evs = events(router, body)
+    assert [n for n, _ in evs][:3] == ["message_start", "content_block_start", "ping"]
+    assert all(d["delta"]["type"] == "input_json_delta" for n, d in evs if n == "content_block_delta")
+    # text that only looks like the start of a call is content, nothing held back is lost
+    m = client.messages.create(**{**body, "messages": [{"role": "user", "content": reply("<tool is fine")}]})  # type: ignore[arg-type]
+    assert m.content[0].text == "<tool is fine" and m.stop_reason == "end_turn"  # type: ignore[union-attr]
+
+
+def test_count_tokens_agrees_with_usage(client: anthropic.Anthropic) -> None:
+    msgs = [{"role": "user", "content": "count me [len=2]"}]
+    n = client.messages.count_tokens(model="alpha", system="s", messages=msgs)  # type: ignore[arg-type]
+    m = client.messages.create(model="alpha", max_tokens=5, system="s", messages=msgs)  # type: ignore[arg-type]
+    assert n.input_tokens == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) > 0

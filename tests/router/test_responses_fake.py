@@ -1,0 +1,150 @@
+"""The OpenAI Responses API against fake workers: object and event shapes, function
+calls parsed from the generic tool format, the bounded store (count here, TTL with a
+fake clock), previous_response_id history, refusals naming the field."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from router.response_store import ResponseStore
+from router.tools import ChatTurn
+from tests.router.conftest import LiveRouter, dummy_gguf
+
+CONFIG = """
+[server]
+models_dir = "."
+responses_store_max = 2
+[models.alpha]
+path = "alpha.gguf"
+"""
+
+
+@pytest.fixture(scope="module")
+def router(module_tmp: Path) -> Iterator[LiveRouter]:
+    dummy_gguf(module_tmp, "alpha.gguf")
+    r = LiveRouter(module_tmp, CONFIG)
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def client(router: LiveRouter) -> openai.OpenAI:
+    return router.client(timeout=30)
+
+
+def reply(text: str) -> str:
+    return "[reply64=" + base64.b64encode(text.encode()).decode() + "]"
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TOOLS: list[Any] = [{"type": "function", "name": "get_weather", "description": "weather",
+                     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+
+
+def test_text_response_and_stream_events(client: openai.OpenAI) -> None:
+    r = client.responses.create(model="alpha", input="hi", max_output_tokens=4)
+    assert r.object == "response" and r.status == "incomplete"
+    assert r.incomplete_details is not None and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output_text == " w100 w101 w102 w103" and r.usage is not None and r.usage.output_tokens == 4
+    evs = list(client.responses.create(model="alpha", input="hi", max_output_tokens=4, stream=True))
+    kinds = [e.type for e in evs]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [e.sequence_number for e in evs] == list(range(len(evs)))
+    assert "".join(e.delta for e in evs if e.type == "response.output_text.delta") == r.output_text
+    assert evs[-1].response.output_text == r.output_text  # type: ignore[union-attr]
+    r = client.responses.create(model="alpha", input="hi [len=2]")
+    assert r.status == "completed" and r.incomplete_details is None
+
+
+def test_function_calls_streamed_and_not(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model="alpha", tools=TOOLS, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": reply(CALL + CALL)}]}])
+    r = client.responses.create(**kw)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})] * 2
+    assert len({c.call_id for c in calls}) == 2 and all(c.call_id.startswith("call_") for c in calls)
+    assert not [o for o in r.output if o.type == "message"]
+    evs = list(client.responses.create(**kw, stream=True))
+    done = [e for e in evs if e.type == "response.function_call_arguments.done"]
+    assert [(e.name, json.loads(e.arguments)) for e in done] == [(c.name, json.loads(c.arguments)) for c in calls]
+    assert [e.output_index for e in done] == [0, 1]
+    assert not [e for e in evs if e.type.startswith("response.output_text")]
+
+
+def test_history_items_rendered(router: LiveRouter, client: openai.OpenAI) -> None:
+    client.responses.create(model="alpha", tools=TOOLS, instructions="be nice", input=[
+        {"type": "message", "role": "developer", "content": "dev"},
+        {"role": "user", "content": "weather?"},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
+    ])
+    msgs = router.fake_events("generate")[-1]["messages"]
+    assert [m["role"] for m in msgs] == ["system", "system", "user", "assistant", "user"]
+    assert msgs[0]["content"].startswith("be nice\n\nYou can call these tools")
+    assert msgs[3]["content"] == CALL
+    assert msgs[4]["content"] == '<tool_response>\n{"name": "get_weather", "content": "18 C"}\n</tool_response>'
+
+
+def test_store_previous_response_and_bound(router: LiveRouter, client: openai.OpenAI) -> None:
+    a = client.responses.create(model="alpha", input="first", instructions="only once", max_output_tokens=2)
+    assert client.responses.retrieve(a.id).output_text == a.output_text
+    b = client.responses.create(model="alpha", input="second", previous_response_id=a.id, max_output_tokens=2)
+    msgs = router.fake_events("generate")[-1]["messages"]
+    assert msgs == [{"role": "user", "content": "first"}, {"role": "assistant", "content": a.output_text},
+                    {"role": "user", "content": "second"}]  # instructions are not carried over
+    client.responses.create(model="alpha", input="third", previous_response_id=b.id, max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError):  # store holds 2: the oldest is gone
+        client.responses.retrieve(a.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="alpha", input="x", previous_response_id=a.id)
+    assert e.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    n = client.responses.create(model="alpha", input="unstored", store=False, max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(n.id)
+    client.responses.delete(b.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(b.id)
+
+
+def test_refusals_name_the_field(router: LiveRouter) -> None:
+    for body, param in [
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+        ({"input": "x", "tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice.name"),
+        ({}, "input"),
+    ]:
+        r = httpx.post(router.url + "/v1/responses", json={"model": "alpha", **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_input_tokens_agrees_with_usage(client: openai.OpenAI) -> None:
+    n = client.responses.input_tokens.count(model="alpha", input="count me [len=2]", instructions="s")
+    r = client.responses.create(model="alpha", input="count me [len=2]", instructions="s")
+    assert r.usage is not None and n.input_tokens == r.usage.input_tokens > 0
+
+
+def test_store_ttl_and_count_with_a_fake_clock() -> None:
+    now = [0.0]
+    st = ResponseStore(3, 10.0, clock=lambda: now[0])
+    for i in range(4):
+        st.put(f"r{i}", {"id": f"r{i}"}, [ChatTurn("user", str(i))])
+        now[0] += 1
+    assert st.get("r0") is None and len(st) == 3  # count bound: oldest first
+    now[0] = 11.5  # r1 stored at 1.0, r2 at 2.0, r3 at 3.0
+    assert st.get("r1") is None and st.get("r2") is not None
+    now[0] = 13.0
+    assert len(st) == 0
+    assert len(ResponseStore(0, 10.0)) == 0
