@@ -363,21 +363,6 @@ def test_tcp_transport_with_curve_gives_the_same_answer(router: LiveRouter, tmp_
         r.kill()
 
 
-def test_router_sigkill_leaves_no_orphan_workers(router: LiveRouter) -> None:
-    client = router.client(timeout=300)
-    client.completions.create(model="smollm2", prompt="Hi", max_tokens=1)
-    workers = router.workers()
-    assert workers
-    os.kill(router.proc.pid, signal.SIGKILL)
-    router.proc.wait(10)
-    t0 = time.monotonic()
-    while alive(workers) and time.monotonic() - t0 < 15:
-        time.sleep(0.1)
-    assert alive(workers) == [], [p.cmdline() for p in alive(workers)]
-    print(f"\n[real] workers exited {time.monotonic() - t0:.2f} s after the router was SIGKILLed")
-    assert not psutil.pid_exists(router.proc.pid)
-
-
 def test_request_beyond_the_kv_budget_is_a_400_and_the_model_serves_on(router: LiveRouter) -> None:
     """kv_budget_mib = 10 holds ~227 SmolLM2 tokens: prompt + max_tokens beyond it is a clear 400
     before any token; the same worker then serves a request that fits."""
@@ -391,3 +376,18 @@ def test_request_beyond_the_kv_budget_is_a_400_and_the_model_serves_on(router: L
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
     assert router.admin("smol-kv")["pid"] == pid  # the same worker: nothing crashed
     httpx.post(router.url + "/admin/models/unload", json={"model": "smol-kv"}, timeout=60).raise_for_status()
+
+
+def test_router_sigkill_leaves_no_orphan_workers(router: LiveRouter) -> None:
+    client = router.client(timeout=300)
+    client.completions.create(model="smollm2", prompt="Hi", max_tokens=1)
+    workers = router.workers()
+    assert workers
+    os.kill(router.proc.pid, signal.SIGKILL)
+    router.proc.wait(10)
+    t0 = time.monotonic()
+    while alive(workers) and time.monotonic() - t0 < 15:
+        time.sleep(0.1)
+    assert alive(workers) == [], [p.cmdline() for p in alive(workers)]
+    print(f"\n[real] workers exited {time.monotonic() - t0:.2f} s after the router was SIGKILLed")
+    assert not psutil.pid_exists(router.proc.pid)
