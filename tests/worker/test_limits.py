@@ -15,12 +15,17 @@ from worker.engine.errors import EngineError
 from worker.engine.sampling import MAX_N_PROBS as ENGINE_MAX_N_PROBS
 from worker.engine.sampling import SamplingParams
 
-STEP = {"n_probs": 1, "max_tokens": 1, "repeat_last_n": 1}  # integer fields; the rest are floats
+STEP = {"n_probs": 1, "max_tokens": 1, "repeat_last_n": 1, "n": 1}  # integer fields; the rest are floats
 #: Caps only the router needs (counts kept in int32); the engine takes any larger value.
 ROUTER_ONLY_CAPS = {"max_tokens", "repeat_last_n"}
 
 
 def _accepts(name: str, value: float) -> bool:
+    if name == "n":  # not a sampling parameter: the worker checks it on a Generate's arrival
+        from protocol import Generate
+        from worker.runner import check_generate
+
+        return check_generate(Generate(id="x", prompt="hi", n=int(value)), n_vocab=1000) is None
     try:
         SamplingParams(**{name: value}).validated(n_vocab=1000)
     except EngineError:
