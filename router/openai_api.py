@@ -17,7 +17,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from protocol import Done, Generate, Token
-from protocol.limits import MAX_N_PROBS
+from protocol.limits import MAX_N, MAX_N_PROBS
 from router.errors import BadRequest, NotFound
 from router.generation import (
     OPENAI_DEFAULTS,
@@ -87,13 +87,11 @@ async def get_model(request: Request) -> Response:
 
 
 def _common(body: dict[str, Any], slot: ModelSlot, prefix: str) -> dict[str, Any]:
-    n = get_int(body, "n", 1)
-    if n != 1:
-        raise BadRequest("only n=1 is supported", param="n")
+    n = get_int(body, "n", 1, 1, MAX_N)  # choices: n sequences from one prefilled prompt
     max_tokens = get_int(body, "max_completion_tokens", None, 1, INT32_MAX)
     if max_tokens is None:
         max_tokens = get_int(body, "max_tokens", None, 1, INT32_MAX)
-    return {"id": new_id(prefix), "max_tokens": max_tokens,
+    return {"id": new_id(prefix), "max_tokens": max_tokens, "n": n,
             "ignore_eos": get_bool(body, "ignore_eos", False),  # llama.cpp extension
             "cache_prompt": get_bool(body, "cache_prompt", True),  # llama.cpp extension
             **read_sampling(body, OPENAI_DEFAULTS, slot, openai=True)}
@@ -125,6 +123,15 @@ def _fingerprint(worker: WorkerProcess | None) -> str | None:
 def _envelope(rid: str, obj: str, created: int, model: str, fp: str | None) -> dict[str, Any]:
     """The fields that open every completion object and chunk, in OpenAI's order."""
     return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": fp}
+
+
+def _choice_finals(done: Done, n: int) -> list[tuple[str, str]]:
+    """``(held-back text, finish_reason)`` of each of the ``n`` choices, by index."""
+    if n == 1 or not done.choices:
+        return [(done.text, done.finish_reason)]
+    by_index = {int(c["index"]): c for c in done.choices}
+    return [(str(by_index[i].get("text", "")), str(by_index[i].get("finish_reason", done.finish_reason)))
+            if i in by_index else ("", done.finish_reason) for i in range(n)]
 
 
 def _final_events(final: dict[str, Any], done: Done, head: dict[str, Any], include_usage: bool) -> list[bytes]:
@@ -228,53 +235,65 @@ async def chat_completions(request: Request) -> Response:
     assert worker is not None
     rid, created, fp = msg.id, now_s(), _fingerprint(worker)
 
+    n = msg.n
     if not streaming:
         tokens, done = await collect(request, run, first)
-        text = "".join(t.text for t in tokens) + done.text
-        logprobs = None
-        if want_logprobs:
-            logprobs = {"content": _chat_logprobs(tokens, top_n), "refusal": None}
+        choices = []
+        for i, (tail_text, finish) in enumerate(_choice_finals(done, n)):
+            mine = [t for t in tokens if t.index == i]
+            logprobs = {"content": _chat_logprobs(mine, top_n), "refusal": None} if want_logprobs else None
+            choices.append({"index": i, "message": {"role": "assistant", "content": "".join(t.text for t in mine)
+                                                   + tail_text, "refusal": None},
+                            "logprobs": logprobs, "finish_reason": finish})
         return JSONResponse({
             **_envelope(rid, "chat.completion", created, model_name, fp),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                         "logprobs": logprobs, "finish_reason": done.finish_reason}],
-            "usage": usage_of(done), "timings": timings_of(done),
+            "choices": choices, "usage": usage_of(done), "timings": timings_of(done),
         })
 
     head = _envelope(rid, "chat.completion.chunk", created, model_name, fp)
     tail = _usage_null(include_usage)
 
     def chunk(delta: dict[str, Any], finish: str | None = None,
-              lp: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+              lp: list[dict[str, Any]] | None = None, index: int = 0) -> dict[str, Any]:
         return {**head,
-                "choices": [{"index": 0, "delta": delta,
+                "choices": [{"index": index, "delta": delta,
                              "logprobs": {"content": lp, "refusal": None} if lp else None,
                              "finish_reason": finish}], **tail}
 
-    pending: list[Token] = []
-    started = False
+    pending: dict[int, list[Token]] = {i: [] for i in range(n)}  # tokens not yet sent, by choice
+    started: set[int] = set()
+
+    def start(i: int) -> list[bytes]:
+        if i in started:
+            return []
+        started.add(i)
+        return [sse_event(chunk({"role": "assistant", "content": ""}, index=i))]
 
     async def on_frame(item: Token | Done) -> list[bytes]:
-        nonlocal started
         out: list[bytes] = []
-        if not started:
-            started = True
-            out.append(sse_event(chunk({"role": "assistant", "content": ""})))
         if isinstance(item, Token):
-            pending.append(item)
+            i = item.index
+            out.extend(start(i))
+            pending[i].append(item)
             if not item.text:
                 return out
-            lp = _chat_logprobs(pending, top_n) if want_logprobs else None
-            pending.clear()
-            out.append(sse_event(chunk({"content": item.text}, lp=lp)))
+            lp = _chat_logprobs(pending[i], top_n) if want_logprobs else None
+            pending[i].clear()
+            out.append(sse_event(chunk({"content": item.text}, lp=lp, index=i)))
             return out
-        lp = _chat_logprobs(pending, top_n) if want_logprobs and pending \
-            else ([] if want_logprobs else None)
-        pending.clear()
-        if item.text:
-            out.append(sse_event(chunk({"content": item.text}, lp=lp)))
-            lp = [] if want_logprobs else None
-        out.extend(_final_events(chunk({}, item.finish_reason, lp), item, head, include_usage))
+        finals = _choice_finals(item, n)
+        for i, (tail_text, finish) in enumerate(finals):
+            out.extend(start(i))
+            lp = _chat_logprobs(pending[i], top_n) if want_logprobs and pending[i] \
+                else ([] if want_logprobs else None)
+            pending[i].clear()
+            if tail_text:
+                out.append(sse_event(chunk({"content": tail_text}, lp=lp, index=i)))
+                lp = [] if want_logprobs else None
+            if i < len(finals) - 1:
+                out.append(sse_event(chunk({}, finish, lp, index=i)))
+            else:
+                out.extend(_final_events(chunk({}, finish, lp, index=i), item, head, include_usage))
         return out
 
     return SSEResponse(stream(run, first, on_frame), run.close)
@@ -361,43 +380,53 @@ async def completions(request: Request) -> Response:
     rid, created, fp = msg.id, now_s(), _fingerprint(worker)
     top_n = n_lp or 0
 
+    n = msg.n
     if not streaming:
         tokens, done = await collect(request, run, first)
-        text = "".join(t.text for t in tokens) + done.text
-        logprobs = _legacy_logprobs(token_probs(tokens, top_n), top_n, _TextOffsets()) \
-            if n_lp is not None else None
+        choices = []
+        for i, (tail_text, finish) in enumerate(_choice_finals(done, n)):
+            mine = [t for t in tokens if t.index == i]
+            logprobs = _legacy_logprobs(token_probs(mine, top_n), top_n, _TextOffsets()) \
+                if n_lp is not None else None
+            choices.append({"index": i, "text": "".join(t.text for t in mine) + tail_text, "logprobs": logprobs,
+                            "finish_reason": finish})
         return JSONResponse({
             **_envelope(rid, "text_completion", created, model_name, fp),
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": done.finish_reason}],
-            "usage": usage_of(done), "timings": timings_of(done),
+            "choices": choices, "usage": usage_of(done), "timings": timings_of(done),
         })
 
     head = _envelope(rid, "text_completion", created, model_name, fp)
     tail = _usage_null(include_usage)
 
-    def chunk(text: str, finish: str | None = None, lp: dict[str, Any] | None = None) -> dict[str, Any]:
+    def chunk(text: str, finish: str | None = None, lp: dict[str, Any] | None = None,
+              index: int = 0) -> dict[str, Any]:
         return {**head,
-                "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}], **tail}
+                "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish}], **tail}
 
-    pending: list[Token] = []
-    offsets = _TextOffsets()
+    pending: dict[int, list[Token]] = {i: [] for i in range(n)}  # by choice
+    offsets = {i: _TextOffsets() for i in range(n)}
 
-    def flush_lp() -> dict[str, Any] | None:
+    def flush_lp(i: int) -> dict[str, Any] | None:
         if n_lp is None:
             return None
-        lp = _legacy_logprobs(token_probs(pending, top_n), top_n, offsets)
-        pending.clear()
+        lp = _legacy_logprobs(token_probs(pending[i], top_n), top_n, offsets[i])
+        pending[i].clear()
         return lp
 
     async def on_frame(item: Token | Done) -> list[bytes]:
         if isinstance(item, Token):
-            pending.append(item)
+            pending[item.index].append(item)
             if not item.text:
                 return []
-            lp = flush_lp()
-            return [sse_event(chunk(item.text, lp=lp))]
-        lp = flush_lp()
-        return _final_events(chunk(item.text, item.finish_reason, lp), item, head, include_usage)
+            lp = flush_lp(item.index)
+            return [sse_event(chunk(item.text, lp=lp, index=item.index))]
+        finals = _choice_finals(item, n)
+        out: list[bytes] = []
+        for i, (tail_text, finish) in enumerate(finals[:-1]):
+            out.append(sse_event(chunk(tail_text, finish, flush_lp(i), index=i)))
+        i = len(finals) - 1
+        tail_text, finish = finals[i]
+        return out + _final_events(chunk(tail_text, finish, flush_lp(i), index=i), item, head, include_usage)
 
     return SSEResponse(stream(run, first, on_frame), run.close)
 

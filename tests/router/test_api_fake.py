@@ -319,7 +319,7 @@ def test_tokenize_detokenize_apply_template(router: LiveRouter) -> None:
      "messages[0].content"),
     ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages[0].content[0]"),
-    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": "x"}], "n": 17}, "n"),
     ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": "x"}],
                               "temperature": "hot"}, "temperature"),
     ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": "x"}],

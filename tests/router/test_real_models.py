@@ -378,6 +378,39 @@ def test_request_beyond_the_kv_budget_is_a_400_and_the_model_serves_on(router: L
     httpx.post(router.url + "/admin/models/unload", json={"model": "smol-kv"}, timeout=60).raise_for_status()
 
 
+def test_n_choices_through_the_sdk_streamed_and_not(client: openai.OpenAI) -> None:
+    """n = 3 at temperature 0: three choices (index 0..2) from one prefilled prompt, each equal to
+    the n = 1 answer, streamed == non-streamed; usage counts every choice's tokens."""
+    one = client.chat.completions.create(model="smollm2", messages=MSG, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+    three = client.chat.completions.create(model="smollm2", messages=MSG, max_tokens=12, temperature=0, n=3)  # type: ignore[arg-type]
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert all(c.message.content == one.choices[0].message.content for c in three.choices)
+    assert all(c.finish_reason == one.choices[0].finish_reason for c in three.choices)
+    assert three.usage is not None and one.usage is not None
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    texts = {0: "", 1: "", 2: ""}
+    finish = {}
+    for ch in client.chat.completions.create(model="smollm2", messages=MSG, max_tokens=12, temperature=0,  # type: ignore[arg-type]
+                                             n=3, stream=True):
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert texts == {i: three.choices[i].message.content for i in range(3)}
+    assert finish == {i: three.choices[i].finish_reason for i in range(3)}
+    seeded = client.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=8, n=2,
+                                       temperature=1.0, seed=11)
+    assert [c.index for c in seeded.choices] == [0, 1] and seeded.usage is not None
+    assert seeded.usage.completion_tokens == 16
+    streamed = {0: "", 1: ""}
+    for ch in client.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=8, n=2,
+                                        temperature=1.0, seed=11, stream=True):
+        for c in ch.choices:
+            streamed[c.index] += c.text
+    assert streamed == {0: seeded.choices[0].text, 1: seeded.choices[1].text}
+
+
 def test_router_sigkill_leaves_no_orphan_workers(router: LiveRouter) -> None:
     client = router.client(timeout=300)
     client.completions.create(model="smollm2", prompt="Hi", max_tokens=1)
