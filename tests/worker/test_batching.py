@@ -144,6 +144,7 @@ def test_request_beyond_the_kv_budget_is_refused_and_the_engine_serves_on(smollm
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # ~32k prompt tokens to prefill: about a minute on an idle 2-core machine
 def test_rss_stays_within_budget_under_16_parallel_2k_conversations(smollm2_path: Path) -> None:
     """16 conversations of ~2,000 prompt tokens at once on a 16-slot engine whose KV budget holds
     about five of them: every one finishes, and the process grows by at most the budget (plus

@@ -518,7 +518,8 @@ def test_kv_cache_unit() -> None:
     assert shape.token_bytes == 2 * 3 * (4 + 5) * 4
     c = KVEntry(shape, 10, max_positions=10)
     assert c.n_past == 0 and c.k.shape == (2, 3, 10, 4) and c.v.shape == (2, 3, 10, 5)
-    assert KVEntry(shape, 300).allocated == 512  # address space: a power of two (no copy when growing)
+    assert KVEntry(shape, 300).allocated == 512  # address space: a power of two >= 1.25x (no copy when growing)
+    assert KVEntry(shape, 450).allocated == 1024
     k = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)  # [T, n_kv, hd_k]
     v = np.arange(2 * 3 * 5, dtype=np.float32).reshape(2, 3, 5)
     c.store(1, 0, k, v)
@@ -563,7 +564,7 @@ def test_kv_cache_memory_is_lazy() -> None:
 
     proc = psutil.Process()
     before = proc.memory_info().rss
-    c = KVEntry(KVShape(16, 4, 64, 64), 65536)  # 2 x 1 GiB of address space
+    c = KVEntry(KVShape(16, 4, 64, 64), 65536, max_positions=65536)  # 2 x 1 GiB of address space
     one = np.ones((1, 4, 64), dtype=np.float32)
     for layer in range(16):
         c.store(layer, 0, one, one)

@@ -73,7 +73,7 @@ class KVEntry:
 
     ``capacity`` is what the entry has reserved (what the pool's budget counts);
     the arrays behind it may be larger (``allocated``, a power of two of at least
-    256 positions, at most ``max_positions``): address space only, so growing
+    256 positions and 1.25x the capacity, at most ``max_positions``): address space only, so growing
     within it costs no copy, and resident memory is what has been written.
     Positions given back (truncate, shrink) are returned to the OS.
 
@@ -99,7 +99,10 @@ class KVEntry:
         self.capacity = int(capacity)
 
     def _alloc_size(self, capacity: int) -> int:
-        size = max(256, 1 << max(0, capacity - 1).bit_length())
+        # a power of two with a quarter to spare: the next turn of a conversation (its prompt = this
+        # one + the reply + a little) usually still fits, so taking the entry over costs no copy
+        want = capacity + capacity // 4
+        size = max(256, 1 << max(0, want - 1).bit_length())
         if self.max_positions is not None:
             size = min(size, max(self.max_positions, capacity))
         return max(size, capacity)
