@@ -197,6 +197,7 @@ class Generate(Message):
     n_probs: int = 0  # top-N logprobs per token, 0 = none
     ignore_eos: bool = False
     cache_prompt: bool = True
+    trace_id: str = ""  # the HTTP request's X-Request-Id, for the worker's log lines ("" if none)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -450,6 +450,7 @@ class WorkerServer:
                 f"(max_queue={self.cfg.max_queue})")))
             return
         self.pending.append(Job(g))
+        log.info("request %s accepted (X-Request-Id %s)", g.id, g.trace_id or "-")
         self._start_next()
 
     def _on_cancel(self, job_id: str) -> None:

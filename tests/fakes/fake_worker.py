@@ -208,7 +208,7 @@ class FakeWorker:
             _log("generate", id=msg.id, busy=len(self.running) >= self.max_jobs, max_tokens=msg.max_tokens,
                  temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, min_p=msg.min_p,
                  seed=msg.seed, stop=msg.stop, n_probs=msg.n_probs, messages=msg.messages,
-                 prompt=msg.prompt, logit_bias=msg.logit_bias)
+                 prompt=msg.prompt, logit_bias=msg.logit_bias, trace_id=msg.trace_id)
             if len(self.running) >= self.max_jobs:
                 await self.send(Error(id=msg.id, code="busy", message="a generation is already running"))
                 return

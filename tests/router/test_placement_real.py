@@ -50,8 +50,12 @@ def test_burst_to_a_third_model_evicts_the_idle_lru_one_and_loads_once(router: L
     for m in ("smollm2", "gemma3"):
         httpx.post(router.url + "/admin/models/load", json={"model": m}, timeout=300).raise_for_status()
     # smollm2 is used first, then gemma3: smollm2 is the least recently used
-    httpx.post(router.url + "/v1/completions", timeout=300,
-               json={"model": "smollm2", "prompt": "Hello", "max_tokens": 2}).raise_for_status()
+    r = httpx.post(router.url + "/v1/completions", timeout=300, headers={"X-Request-Id": "trace-real-1"},
+                   json={"model": "smollm2", "prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-real-1"
+    # the id reaches the real worker's log line (its stderr goes to the router's log here)
+    router.wait_for(lambda: "accepted (X-Request-Id trace-real-1)" in router.log_path.read_text(errors="replace"),
+                    what="the worker's log line with the request id")
     st = router.admin("smollm2")
     assert st["placement"]["rss_after_load_bytes"] > 0 and st["placement"]["rss_peak_bytes"] >= st["rss_bytes"] > 0
 
