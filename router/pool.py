@@ -48,6 +48,7 @@ import zmq.asyncio
 from protocol import Pong
 from router.backoff import CrashHistory, CrashPolicy, Failure
 from router.config import Config, ModelConfig
+from router.events import EventHub
 from router.metrics import Metrics, ModelGauges
 from router.sockdir import make_socket_dir, remove_socket_dir
 from router.errors import (
@@ -71,6 +72,9 @@ from router.placement import Decision, Estimate, MemoryProbe, Seat, SystemMemory
 from router.process import CurveKeypair, LoadFailed, WorkerProcess, new_curve_keypair
 
 log = logging.getLogger("modelyard.pool")
+
+#: A load still going after this many seconds says so (log line and event), and again after each as many.
+LOAD_PROGRESS_INTERVAL_S = 5.0
 
 
 @dataclass(eq=False)
@@ -282,6 +286,10 @@ class ModelSlot:
         if note is not None:
             self.last_error = note
         self._changed.set()
+        self._emit("state", **{"from": old.value, "to": new.value, "reason": note, "condition": self.condition()})
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        self._pool.events.emit(self.model.name, event, **fields)
 
     # ------------------------------------------------------------------ admission
 
@@ -384,8 +392,14 @@ class ModelSlot:
                 f"it restarts in {left:.1f} s (crash backoff)", retry_after_s=h.retry_after(now))
 
     def _record_failure(self, kind: str, reason: str, exit_code: int | None) -> None:
-        self.failures.record(self._pool.clock(), Failure(kind, reason, exit_code, time.time()))
+        f = Failure(kind, reason, exit_code, time.time())
+        self.failures.record(self._pool.clock(), f)
         h = self.failures
+        self._emit(kind, reason=reason, exit_code=exit_code, signal=f.signal,
+                   restart_in_s=None if h.given_up else round(h.remaining(self._pool.clock()), 3))
+        if h.given_up:
+            self._emit("failed", reason=f"{h.policy.max_crashes} failures within crash_window_s="
+                       f"{h.policy.window_s:g} s; until an operator loads it")
         if h.given_up:
             log.error("model %s: %d failures within crash_window_s=%g s; failed until an operator loads it",
                       self.model.name, h.policy.max_crashes, h.policy.window_s)
@@ -447,11 +461,13 @@ class ModelSlot:
         """The pool's decision: not yet (``why``: what it waits for)."""
         if why != self.waiting_for:
             log.info("model %s: %s", self.model.name, why)
+            self._emit("waiting", why=why)
         self.waiting_for = why
 
     def refuse_place(self, decision: Decision) -> None:
         """The pool's decision: it cannot load (503 to everyone waiting)."""
         log.warning("model %s: %s", self.model.name, decision.why)
+        self._emit("refused", code=decision.code, why=decision.why)
         err: ApiError = (InsufficientMemory(decision.why) if decision.code == "insufficient_memory"
                          else MaxLoadedReached(decision.why))
         self.last_error = decision.why
@@ -475,13 +491,14 @@ class ModelSlot:
                 fut.set_exception(err)
                 fut.exception()  # retrieved: no one may be awaiting it
 
-    def evict(self, reason: str) -> None:
-        """The pool's decision: this idle model makes room (drain-then-stop; a request that
-        arrives meanwhile waits and loads it again)."""
+    def evict(self, for_model: str) -> None:
+        """The pool's decision: this idle model makes room for ``for_model`` (drain-then-stop;
+        a request that arrives meanwhile waits and loads it again)."""
         assert self.state is WorkerState.READY and not self.model.pinned
         self.metrics.evictions.labels(self.model.name).inc()
+        self._emit("evicted", **{"for": for_model})
         self._idle_unloading = True
-        self._unload_task = self._start_unload(drain=True, reason=reason)
+        self._unload_task = self._start_unload(drain=True, reason=f"evicted to make room for '{for_model}'")
 
     # ------------------------------------------------------------------ loading
 
@@ -499,9 +516,25 @@ class ModelSlot:
         self.spawn_count += 1
         wp.on_exit(self._on_worker_exit)
         t0 = time.monotonic()
+        stage = ["spawning"]
+
+        def progress(what: str, fields: dict[str, Any]) -> None:
+            stage[0] = what
+            if what == "connected":
+                log.info("model %s: worker connected; reading the GGUF and preparing its weights", self.model.name)
+            self._emit("loading", stage=what, **fields)
+
+        async def ticker() -> None:  # a slow load says so
+            while True:
+                await asyncio.sleep(LOAD_PROGRESS_INTERVAL_S)
+                elapsed = time.monotonic() - t0
+                log.info("model %s: still loading (%.0f s, %s)", self.model.name, elapsed, stage[0])
+                self._emit("loading", stage="still_loading", elapsed_s=round(elapsed, 1), last=stage[0])
+
+        tick = asyncio.create_task(ticker(), name=f"load-ticker-{self.model.name}")
         try:
             try:
-                ready = await wp.start(self.model.load_timeout_s)
+                ready = await wp.start(self.model.load_timeout_s, progress)
             except (OSError, ValueError, RuntimeError) as e:  # never leave the slot stuck in loading
                 log.exception("starting %s's worker failed", self.model.name)
                 wp.kill("start failed")
@@ -523,6 +556,8 @@ class ModelSlot:
         except asyncio.CancelledError:
             wp.kill("load cancelled")
             raise
+        finally:
+            tick.cancel()
         if self._loading_worker is not wp or self.state is not WorkerState.LOADING:
             await wp.stop(self.model.shutdown_grace_s)  # unloaded while loading
             self._pool.place()
@@ -535,6 +570,7 @@ class ModelSlot:
         self.last_exit_code = None
         self._set_state(WorkerState.READY)
         self.rss_after_load = self._sample_rss(wp)
+        self._emit("loading", stage="ready", load_ms=ready.load_ms, rss_bytes=self.rss_after_load)
         log.info("model %s ready in %.0f ms (worker load_ms %.0f, pid %s, n_ctx %d)", self.model.name,
                  (time.monotonic() - t0) * 1000, ready.load_ms, wp.pid, ready.n_ctx)
         if self.model.ping_interval_s > 0:
@@ -733,6 +769,7 @@ class ModelSlot:
         if not self._idle_unloading:
             self._fail_waiting(ModelUnloading(f"model '{self.model.name}' is being unloaded"))
         log.info("model %s: unloading (%s)", self.model.name, reason)
+        self._emit("unloading", reason=reason)
         return asyncio.create_task(self._drain_and_stop(wp, drain), name=f"unload-{self.model.name}")
 
     async def _drain_and_stop(self, wp: WorkerProcess, drain: bool) -> None:
@@ -770,6 +807,7 @@ class Pool:
         self.config = config
         self.clock = clock  # monotonic seconds for backoff decisions (tests inject one)
         self.memory: MemoryProbe = memory if memory is not None else SystemMemory()  # placement's figures
+        self.events = EventHub()  # model events (GET /admin/events)
         self._wanting: list[ModelSlot] = []  # models waiting for room to load, first come first placed
         self._placing = False
         self._place_again = False
@@ -844,7 +882,7 @@ class Pool:
             d = placement.decide(slot.model.name, slot.estimate(), seats,
                                  max_loaded=self.config.server.max_loaded, available=self.memory.available())
             for name in d.evict:
-                self.slots[name].evict(f"evicted to make room for '{slot.model.name}'")
+                self.slots[name].evict(slot.model.name)
             if d.action == "load":
                 self._wanting.remove(slot)
                 slot.placed()
@@ -869,6 +907,7 @@ class Pool:
         self.closing = True
         for slot in self.slots.values():
             slot.refuse_waiting(ServerShuttingDown())
+        self.events.close()  # event streams end, so they do not hold the shutdown
 
     def abort_running(self, reason: str) -> int:
         """End every running generation now: each fails with ServerShuttingDown(``reason``)
@@ -878,6 +917,7 @@ class Pool:
     async def close(self) -> None:
         """Stop every worker (Shutdown, grace, kill) without draining. Idempotent."""
         self.closing = True
+        self.events.close()
         await asyncio.gather(*(s.unload(drain=False, reason="router shutting down") for s in self.slots.values()), return_exceptions=True)
         self._ctx.destroy(linger=0)
         if self.socket_dir is not None:
