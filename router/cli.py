@@ -26,6 +26,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -46,10 +47,12 @@ ABORT_MARGIN_S = 3.0
 class RouterServer(uvicorn.Server):
     """uvicorn's server with the router's shutdown order (see the module docstring)."""
 
-    def __init__(self, config: uvicorn.Config, app: Starlette, grace_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, app: Starlette, grace_s: float,
+                 reload: Callable[[], Config] | None = None) -> None:
         super().__init__(config)
         self.app = app
         self.grace_s = grace_s
+        self._read_config = reload  # SIGHUP: re-read config.toml (raises ConfigError)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._interrupted = False  # a second Ctrl-C ended the running generations
 
@@ -61,6 +64,28 @@ class RouterServer(uvicorn.Server):
             self._loop.call_soon_threadsafe(self._abort_now)
             return
         super().handle_exit(sig, frame)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self._read_config is not None and hasattr(signal, "SIGHUP"):
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._on_sighup)
+
+    def _on_sighup(self) -> None:
+        """Re-read the config and apply it; an invalid one is refused, the old one kept."""
+        log = logging.getLogger("modelyard")
+        pool = getattr(self.app.state, "pool", None)
+        if pool is None or pool.closing or self._read_config is None:
+            return
+        try:
+            new = self._read_config()
+        except ConfigError as e:
+            log.error("SIGHUP: the config was not reloaded, the running one is kept: %s", e)
+            return
+        log.info("SIGHUP: reloading %s", new.source)
+        try:
+            pool.reload(new)
+        except Exception:  # a bug must not take the router down with it
+            log.exception("SIGHUP: applying the new config failed")
 
     def _abort_now(self) -> None:
         pool = getattr(self.app.state, "pool", None)
@@ -166,7 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     uv = uvicorn.Config(app, host=server.host, port=server.port, log_level=args.log_level, lifespan="on",
                         timeout_graceful_shutdown=math.ceil(server.shutdown_timeout_s + ABORT_MARGIN_S),
                         access_log=args.log_level == "debug", **uvicorn_settings(server))
-    server_ = RouterServer(uv, app, server.shutdown_timeout_s)
+    def reread() -> Config:
+        return load_config(args.config)
+
+    server_ = RouterServer(uv, app, server.shutdown_timeout_s, reload=reread)
     try:
         server_.run(sockets=[sock])  # handles SIGINT/SIGTERM; the lifespan shutdown stops the workers
     except KeyboardInterrupt:

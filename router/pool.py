@@ -35,6 +35,7 @@ the worker is not refused — it waits and starts the model again.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -88,6 +89,11 @@ class Ticket:
     worker: WorkerProcess | None = None
 
 
+def _crash_policy(m: ModelConfig) -> CrashPolicy:
+    return CrashPolicy(base_s=m.restart_backoff_s, max_s=m.restart_backoff_max_s, max_crashes=m.max_crashes,
+                       window_s=m.crash_window_s)
+
+
 class ModelSlot:
     """One configured model: its worker's state machine, queue and running requests."""
 
@@ -122,9 +128,9 @@ class ModelSlot:
         self.waiting_for: str | None = None  # why the wanted load has not started (placement)
         self.rss_after_load: int | None = None  # the last worker's RSS right after Ready, bytes
         self.rss_peak: int | None = None  # the largest RSS a ready worker of this model had, bytes
-        self.failures = CrashHistory(CrashPolicy(
-            base_s=model.restart_backoff_s, max_s=model.restart_backoff_max_s,
-            max_crashes=model.max_crashes, window_s=model.crash_window_s))
+        self.failures = CrashHistory(_crash_policy(model))
+        self._pending_model: ModelConfig | None = None  # a reload changed the config: applied once the worker stops
+        self.retiring = False  # removed from the config: draining, then forgotten
 
     @property
     def metrics(self) -> Metrics:
@@ -358,8 +364,9 @@ class ModelSlot:
             t.granted.set_result(self.worker)
 
     def _refusing(self) -> bool:
-        """New requests get 503: an operator unload is draining, or the router stops."""
-        return (self.state is WorkerState.DRAINING and not self._idle_unloading) or self._pool.closing
+        """New requests get 503: an operator unload is draining, the model was removed, or the router stops."""
+        return ((self.state is WorkerState.DRAINING and not self._idle_unloading) or self.retiring
+                or self._pool.closing)
 
     def _check_open(self) -> None:
         """Raises ServerShuttingDown (router stopping) or ModelUnloading (operator unload draining)."""
@@ -497,8 +504,40 @@ class ModelSlot:
         assert self.state is WorkerState.READY and not self.model.pinned
         self.metrics.evictions.labels(self.model.name).inc()
         self._emit("evicted", **{"for": for_model})
+        self._soft_unload(f"evicted to make room for '{for_model}'")
+
+    # ------------------------------------------------------------------ config reload
+
+    def reconfigure(self, model: ModelConfig) -> None:
+        """A reload changed this model's config: it applies at once when no worker runs;
+        otherwise the worker drains (running requests finish, new ones wait) and the
+        next load uses the new config."""
+        self._pending_model = model
+        if self.state in (WorkerState.UNLOADED, WorkerState.FAILED):
+            self._apply_pending()
+        elif self.state is WorkerState.READY:
+            self._soft_unload("config changed: reloading with the new settings")
+        # loading: once ready it drains at once (see _load); draining: applied when stopped
+
+    def _apply_pending(self) -> None:
+        if self._pending_model is None:
+            return
+        self.model, self._pending_model = self._pending_model, None
+        self.failures.policy = _crash_policy(self.model)
+        log.info("model %s: new config applied", self.model.name)
+        self._emit("reconfigured")
+
+    def _soft_unload(self, reason: str) -> None:
+        """Drain and stop, with new requests waiting to load it again (idle unload, eviction, reload)."""
         self._idle_unloading = True
-        self._unload_task = self._start_unload(drain=True, reason=f"evicted to make room for '{for_model}'")
+        self._unload_task = self._start_unload(drain=True, reason=reason)
+
+    def retire(self) -> asyncio.Task[None]:
+        """A reload removed this model: drain (its running requests finish; waiting ones get
+        503) and stop. The pool forgets the slot once the returned task is done."""
+        self.retiring = True
+        self._pending_model = None
+        return self.begin_unload(drain=True, reason="removed from the config")
 
     # ------------------------------------------------------------------ loading
 
@@ -571,6 +610,9 @@ class ModelSlot:
         self._set_state(WorkerState.READY)
         self.rss_after_load = self._sample_rss(wp)
         self._emit("loading", stage="ready", load_ms=ready.load_ms, rss_bytes=self.rss_after_load)
+        if self._pending_model is not None:  # the config changed while it loaded: reload at once
+            self._soft_unload("config changed while loading: reloading with the new settings")
+            return
         log.info("model %s ready in %.0f ms (worker load_ms %.0f, pid %s, n_ctx %d)", self.model.name,
                  (time.monotonic() - t0) * 1000, ready.load_ms, wp.pid, ready.n_ctx)
         if self.model.ping_interval_s > 0:
@@ -791,8 +833,9 @@ class ModelSlot:
         self.worker = None
         self.last_exit_code = wp.exit_code
         self._set_state(WorkerState.UNLOADED, wp.kill_reason)
-        reload = self._idle_unloading and not self._pool.closing
+        reload = self._idle_unloading and not self._pool.closing and not self.retiring
         self._idle_unloading = False
+        self._apply_pending()
         if reload and self._waiting:  # requests that arrived during an idle unload / eviction start it again
             self._want_load()
         self._pool.place()  # its place is free
@@ -808,6 +851,7 @@ class Pool:
         self.clock = clock  # monotonic seconds for backoff decisions (tests inject one)
         self.memory: MemoryProbe = memory if memory is not None else SystemMemory()  # placement's figures
         self.events = EventHub()  # model events (GET /admin/events)
+        self._retired: set[ModelSlot] = set()  # removed by a reload, still draining
         self._wanting: list[ModelSlot] = []  # models waiting for room to load, first come first placed
         self._placing = False
         self._place_again = False
@@ -840,6 +884,45 @@ class Pool:
             raise NotFound(f"model '{name}' not found; available models: {', '.join(self.config.ids())}",
                            param="model")
         return self.slots[m.name]
+
+    # ------------------------------------------------------------------ config reload
+
+    def reload(self, new: Config) -> dict[str, list[str]]:
+        """Apply a re-read config (SIGHUP) in one step: added models appear, removed ones
+        drain and stop (new requests for them are 404 at once), changed ones reload once
+        their running requests finish. Of ``[server]``, only ``max_loaded`` applies without
+        a restart; other changed keys are kept as they were (and named in the log).
+        Returns what changed: ``added``, ``removed``, ``changed``, ``server_kept``."""
+        old = self.config
+        kept = sorted(f.name for f in dataclasses.fields(old.server)
+                      if f.name != "max_loaded" and getattr(old.server, f.name) != getattr(new.server, f.name))
+        server = dataclasses.replace(old.server, max_loaded=new.server.max_loaded)
+        added = [n for n in new.models if n not in self.slots or self.slots[n].retiring]
+        removed = [n for n, s in self.slots.items() if n not in new.models and not s.retiring]
+        changed = [n for n in new.models if n in self.slots and not self.slots[n].retiring
+                   and self.slots[n].model != new.models[n]]
+        self.config = dataclasses.replace(new, server=server)
+        for n in removed:
+            slot = self.slots[n]
+            self._retired.add(slot)
+            task = slot.retire()
+            task.add_done_callback(lambda _t, n=n, slot=slot: self._forget(n, slot))
+        for n in changed:
+            self.slots[n].reconfigure(new.models[n])
+        for n in added:
+            if n in self.slots:  # still draining from an earlier removal: a fresh slot takes its name
+                log.warning("model %s: re-added while its old worker still drains", n)
+            self.slots[n] = ModelSlot(new.models[n], self)
+            self.metrics.add_model(n)
+        log.info("config reloaded: added %s, removed %s, changed %s%s", added or "none", removed or "none",
+                 changed or "none", f"; [server] {', '.join(kept)} need a restart (kept)" if kept else "")
+        self.place()
+        return {"added": added, "removed": removed, "changed": changed, "server_kept": kept}
+
+    def _forget(self, name: str, slot: ModelSlot) -> None:
+        self._retired.discard(slot)
+        if self.slots.get(name) is slot:
+            del self.slots[name]
 
     # ------------------------------------------------------------------ placement
 
@@ -918,7 +1001,9 @@ class Pool:
         """Stop every worker (Shutdown, grace, kill) without draining. Idempotent."""
         self.closing = True
         self.events.close()
-        await asyncio.gather(*(s.unload(drain=False, reason="router shutting down") for s in self.slots.values()), return_exceptions=True)
+        slots = {*self.slots.values(), *self._retired}
+        await asyncio.gather(*(s.unload(drain=False, reason="router shutting down") for s in slots),
+                             return_exceptions=True)
         self._ctx.destroy(linger=0)
         if self.socket_dir is not None:
             remove_socket_dir(self.socket_dir)
