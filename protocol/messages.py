@@ -210,7 +210,11 @@ class Cancel(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class Ping(Message):
+    """Liveness (answered by a Pong). ``threads`` > 0: use that many BLAS threads from now
+    on (the router's share of the cores, sent only to workers without ``--threads``)."""
+
     TYPE: ClassVar[str] = "ping"
+    threads: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -46,7 +47,7 @@ from typing import Any
 
 import zmq.asyncio
 
-from protocol import Pong
+from protocol import Ping, Pong
 from router.backoff import CrashHistory, CrashPolicy, Failure
 from router.config import Config, ModelConfig
 from router.events import EventHub
@@ -131,6 +132,7 @@ class ModelSlot:
         self.failures = CrashHistory(_crash_policy(model))
         self._pending_model: ModelConfig | None = None  # a reload changed the config: applied once the worker stops
         self.retiring = False  # removed from the config: draining, then forgotten
+        self._threads: tuple[WorkerProcess, int] | None = None  # the BLAS threads last sent to the worker
 
     @property
     def metrics(self) -> Metrics:
@@ -224,6 +226,7 @@ class ModelSlot:
             "last_error": self.last_error,
             "unload_reason": self.unload_reason,
             "idle_ttl_s": self.model.idle_ttl_s,
+            "blas_threads": self.blas_threads,
             "last_exit_code": self.last_exit_code,
             "condition": self.condition(),
             "failures": self.failures.describe(self._pool.clock()),
@@ -346,6 +349,8 @@ class ModelSlot:
             del self._running[ticket.id]
             self.last_used = time.time()
             self._last_active = time.monotonic()
+            if not self._running:
+                self._pool.share_cores()
         self._changed.set()
         self._pump()
         self._pool.place()  # this model may have become idle: evictable for a waiting one
@@ -354,6 +359,7 @@ class ModelSlot:
         """Hand free job slots of a ready worker to waiting tickets, FIFO."""
         while self._waiting and self._waiting[0].granted.done():
             self._waiting.popleft()
+        was_busy = bool(self._running)
         while (self.state is WorkerState.READY and self.worker is not None and self._waiting
                and len(self._running) < self.worker.max_jobs):
             t = self._waiting.popleft()
@@ -362,6 +368,32 @@ class ModelSlot:
             t.worker = self.worker
             self._running[t.id] = t
             t.granted.set_result(self.worker)
+        if bool(self._running) != was_busy:
+            self._pool.share_cores()
+
+    @property
+    def busy(self) -> bool:
+        """A worker of this model is generating (it holds a running request)."""
+        return bool(self._running)
+
+    def set_threads(self, n: int) -> None:
+        """The pool's decision: the ready worker uses ``n`` BLAS threads (sent once per change;
+        only for models without ``n_threads``)."""
+        wp = self.worker
+        if wp is None or self.state is not WorkerState.READY or self.model.n_threads is not None:
+            return
+        if self._threads == (wp, n):
+            return
+        self._threads = (wp, n)
+        log.info("model %s: %d BLAS thread(s) (share of the cores)", self.model.name, n)
+        wp.send_nowait(Ping(id=wp.new_call_id("threads"), threads=n))
+
+    @property
+    def blas_threads(self) -> int | None:
+        """The BLAS threads its worker uses: ``n_threads``, else the share last sent (None: the worker's own)."""
+        if self.model.n_threads is not None:
+            return self.model.n_threads
+        return self._threads[1] if self._threads is not None and self._threads[0] is self.worker else None
 
     def _refusing(self) -> bool:
         """New requests get 503: an operator unload is draining, the model was removed, or the router stops."""
@@ -620,6 +652,7 @@ class ModelSlot:
         self._last_active = time.monotonic()
         if self.model.idle_ttl_s > 0 and not self.model.pinned:
             self._idle_task = asyncio.create_task(self._idle_loop(wp), name=f"idle-{self.model.name}")
+        self._pool.share_cores()
         self._pump()
         self._pool.place()
 
@@ -696,6 +729,7 @@ class ModelSlot:
             self._pool.place()  # its place is free
         else:
             self._changed.set()  # draining: the unload task finishes the job
+        self._pool.share_cores()
 
     async def ready_worker(self, *, operator: bool = False) -> WorkerProcess:
         """The ready worker, starting it and waiting for its load if needed (for
@@ -841,6 +875,13 @@ class ModelSlot:
         self._pool.place()  # its place is free
 
 
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
 class Pool:
     """Every configured model's slot, name/alias resolution, and the shared zmq context."""
 
@@ -851,6 +892,7 @@ class Pool:
         self.clock = clock  # monotonic seconds for backoff decisions (tests inject one)
         self.memory: MemoryProbe = memory if memory is not None else SystemMemory()  # placement's figures
         self.events = EventHub()  # model events (GET /admin/events)
+        self.cores = _cores()  # what CPU sharing divides
         self._retired: set[ModelSlot] = set()  # removed by a reload, still draining
         self._wanting: list[ModelSlot] = []  # models waiting for room to load, first come first placed
         self._placing = False
@@ -884,6 +926,22 @@ class Pool:
             raise NotFound(f"model '{name}' not found; available models: {', '.join(self.config.ids())}",
                            param="model")
         return self.slots[m.name]
+
+    # ------------------------------------------------------------------ CPU sharing
+
+    def share_cores(self) -> None:
+        """Give every ready worker without ``n_threads`` its share of the cores: the cores
+        not taken by busy models with their own ``n_threads``, divided among the busy
+        ones without (at least 1 each). One busy model gets them all; two on 2 cores get
+        one each (OpenBLAS's one-per-core threads fighting over the cores made two busy
+        models slower together than one alone). Idle ones get the share too, ready for
+        their turn. Called whenever a model starts or stops being busy."""
+        busy = [s for s in self.slots.values() if s.busy]
+        fixed = sum(s.model.n_threads or 0 for s in busy)
+        sharing = sum(1 for s in busy if s.model.n_threads is None)
+        share = max(1, (self.cores - fixed) // max(1, sharing))
+        for s in self.slots.values():
+            s.set_threads(share)
 
     # ------------------------------------------------------------------ config reload
 

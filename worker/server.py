@@ -45,6 +45,7 @@ import psutil
 import zmq
 
 from protocol.errors import ErrorCode
+from worker.threads import apply_blas_threads
 from protocol import (
     MAX_FRAME_BYTES,
     ApplyTemplate,
@@ -413,6 +414,7 @@ class WorkerServer:
 
     def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, Ping):
+            apply_blas_threads(msg.threads)
             snap = self.runner.snapshot
             self._send(Pong(id=msg.id, busy=bool(self.running), queue_len=len(self.pending),
                             running_ids=list(self.running), slots=list(snap.slots), kv_tokens=snap.kv_tokens,

@@ -194,6 +194,8 @@ class FakeWorker:
 
     async def handle(self, msg: Message) -> None:
         if isinstance(msg, Ping):
+            if msg.threads:
+                _log("threads", n=msg.threads)
             by_slot = {slot: rid for rid, slot in self.running.items()}
             slots = [{"id": i, "id_task": by_slot.get(i), "is_processing": i in by_slot, "n_past": self.held[i]}
                      for i in range(self.max_jobs)] if self.sw.get("report_slots") else []
