@@ -17,7 +17,6 @@ import httpx
 import pytest
 
 import router.pool
-from router.lifecycle import WorkerState
 from tests.router.conftest import LiveRouter, dummy_gguf
 from tests.router.inproc import FakeClock, InProc, chat, until
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from router.cli_args import version
-from tests.router.conftest import ROOT, LiveRouter, dummy_gguf, free_port
+from tests.router.conftest import ROOT, LiveRouter, dummy_gguf
 
 CONFIG = """
 [server]
