@@ -212,6 +212,7 @@ class Generate(Message):
     n: int = 1  # choices: n sequences from one prefilled prompt (seed + i each when seeded)
     json_schema: str | None = None
     grammar: str | None = None
+    trace_id: str = ""  # the HTTP request's X-Request-Id, for the worker's log lines ("" if none)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,7 +225,11 @@ class Cancel(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class Ping(Message):
+    """Liveness (answered by a Pong). ``threads`` > 0: use that many BLAS threads from now
+    on (the router's share of the cores, sent only to workers without ``--threads``)."""
+
     TYPE: ClassVar[str] = "ping"
+    threads: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

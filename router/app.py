@@ -23,6 +23,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from router import admin, anthropic_api, llamacpp_api, llamacpp_router, openai_api, openai_responses
+from router.access_log import AccessLog
 from router.auth import BearerAuth
 from router.config import Config
 from router.errors import ApiError, InternalError, MethodNotAllowed, NotFound, error_response
@@ -107,8 +108,9 @@ def create_app(config: Config, *, worker_module: str | None = None,
               *openai_api.routes, *openai_responses.routes, *anthropic_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *admin.routes]
     app = Starlette(
         routes=routes,
-        # outermost first: request framing, metrics, then browser-origin rules (and CORS preflights), then keys
-        middleware=[Middleware(FramingGuard), Middleware(RequestMetrics, metrics=registry, routes=routes),
+        # outermost first: the access log and X-Request-Id, request framing, metrics, then browser-origin rules (and CORS preflights), then keys
+        middleware=[Middleware(AccessLog, routes=routes), Middleware(FramingGuard),
+                    Middleware(RequestMetrics, metrics=registry, routes=routes),
                     Middleware(BrowserGuard, server=config.server),
                     Middleware(BearerAuth, server=config.server)],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _bug},

@@ -1,29 +1,41 @@
-"""``modelyard serve [--config PATH] [--host H] [--port P]`` (also ``python -m router``).
+"""``modelyard serve [--config PATH] [--host H] [--port P]`` (also ``python -m router``);
+``modelyard --version``.
 
-Exits 1 with the offending key path on a config error. SIGTERM / SIGINT shut
+Exits 1 with the offending key path on a config error, and with one line naming
+the ``--port`` option when the port is taken (the socket is bound before anything
+else starts). Once bound it prints a banner: version, address, models with their
+aliases and state, models directory, caches. SIGTERM / SIGINT shut
 down in this order (:class:`RouterServer`): the port closes (uvicorn refuses new
 connections) and waiting requests get 503 ``server_shutting_down`` at once; running generations get ``server.shutdown_timeout_s``
 to finish, then each ends cleanly (an SSE error event, or a 503 body) and its
 worker gets Cancel; then uvicorn closes the connections and every worker is
-stopped. Workers also exit by themselves if this process dies (they watch
-``--parent-pid``).
+stopped. A second Ctrl-C during that wait ends the running generations at once
+(each stream gets its error event, each waiting client its 503) instead of cutting
+them; a third quits without waiting. Workers also exit by themselves if this
+process dies (they watch ``--parent-pid``).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
+import errno
 import logging
 import math
+import os
+import signal
 import socket
 import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
 
 import uvicorn
 from starlette.applications import Starlette
 
 from router.app import create_app
-from router.config import ConfigError, check_public_bind, load_config
+from router.cli_args import parser, version
+from router.config import Config, ConfigError, check_public_bind, load_config
 from router.http_server import uvicorn_settings
 
 
@@ -35,12 +47,54 @@ ABORT_MARGIN_S = 3.0
 class RouterServer(uvicorn.Server):
     """uvicorn's server with the router's shutdown order (see the module docstring)."""
 
-    def __init__(self, config: uvicorn.Config, app: Starlette, grace_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, app: Starlette, grace_s: float,
+                 reload: Callable[[], Config] | None = None) -> None:
         super().__init__(config)
         self.app = app
         self.grace_s = grace_s
+        self._read_config = reload  # SIGHUP: re-read config.toml (raises ConfigError)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._interrupted = False  # a second Ctrl-C ended the running generations
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """uvicorn's handler (first signal: shut down; another SIGINT: force quit), with one
+        step between: the second Ctrl-C ends the running generations cleanly, now."""
+        if self.should_exit and sig == signal.SIGINT and not self._interrupted and self._loop is not None:
+            self._interrupted = True
+            self._loop.call_soon_threadsafe(self._abort_now)
+            return
+        super().handle_exit(sig, frame)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self._read_config is not None and hasattr(signal, "SIGHUP"):
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._on_sighup)
+
+    def _on_sighup(self) -> None:
+        """Re-read the config and apply it; an invalid one is refused, the old one kept."""
+        log = logging.getLogger("modelyard")
+        pool = getattr(self.app.state, "pool", None)
+        if pool is None or pool.closing or self._read_config is None:
+            return
+        try:
+            new = self._read_config()
+        except ConfigError as e:
+            log.error("SIGHUP: the config was not reloaded, the running one is kept: %s", e)
+            return
+        log.info("SIGHUP: reloading %s", new.source)
+        try:
+            pool.reload(new)
+        except Exception:  # a bug must not take the router down with it
+            log.exception("SIGHUP: applying the new config failed")
+
+    def _abort_now(self) -> None:
+        pool = getattr(self.app.state, "pool", None)
+        n = pool.abort_running("the server is shutting down (interrupted)") if pool is not None else 0
+        logging.getLogger("modelyard").warning(
+            "interrupted again: ended %d running generation(s) with an error; Ctrl-C once more to quit at once", n)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
         pool = getattr(self.app.state, "pool", None)
         timer: asyncio.TimerHandle | None = None
         if pool is not None:
@@ -48,6 +102,8 @@ class RouterServer(uvicorn.Server):
             reason = (f"the server is shutting down; the request was still running after "
                       f"shutdown_timeout_s={self.grace_s:g} s")
             timer = asyncio.get_running_loop().call_later(self.grace_s, pool.abort_running, reason)
+            logging.getLogger("modelyard").info(
+                "shutting down: running generations get up to %g s (Ctrl-C again to end them now)", self.grace_s)
         try:
             await super().shutdown(sockets)
         finally:
@@ -55,20 +111,56 @@ class RouterServer(uvicorn.Server):
                 timer.cancel()
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="modelyard", description="Serve GGUF models behind an OpenAI-compatible API.")
-    sub = p.add_subparsers(dest="command")
-    s = sub.add_parser("serve", help="run the router (the default command)")
-    for q in (p, s):
-        q.add_argument("--config", default="config.toml", help="config file (default: config.toml)")
-        q.add_argument("--host", default=None, help="override [server].host")
-        q.add_argument("--port", type=int, default=None, help="override [server].port")
-        q.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    return p
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket (bound now, so a taken port is known before anything starts).
+    Raises OSError."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+        sock.set_inheritable(True)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "modelyard"
+
+
+def banner(config: Config, sock: socket.socket) -> list[str]:
+    """The start-up banner's lines."""
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    lines = [f"modelyard {version()} listening on http://{shown}:{port} (config {config.source or '-'})"]
+    lines.append(f"models directory: {config.server.models_dir}")
+    max_loaded = config.server.max_loaded
+    lines.append(f"models ({len(config.models)}; loaded on first request"
+                 + (f"; at most {max_loaded} at once" if max_loaded else "") + "):")
+    for m in config.models.values():
+        extra = [f"aliases: {', '.join(m.aliases)}"] if m.aliases else []
+        if m.pinned:
+            extra.append("pinned")
+        if m.idle_ttl_s > 0:
+            extra.append(f"idle_ttl_s {m.idle_ttl_s:g}")
+        lines.append(f"  {m.name} — unloaded — {m.path.name}" + (f" ({'; '.join(extra)})" if extra else ""))
+    cache = _cache_dir()
+    weights = ("off (MODELYARD_WEIGHT_CACHE=0)" if os.environ.get("MODELYARD_WEIGHT_CACHE") == "0"
+               else str(cache / "npy"))
+    lines.append(f"caches: weights {weights}; model packages {cache / 'wheels'}")
+    auth = "api_key required" if config.server.api_key else "no api_key (loopback only)"
+    lines.append(f"try: curl http://{shown}:{port}/v1/models   ({auth}; Ctrl-C stops)")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     try:
         config = load_config(args.config)
         server = config.server
@@ -83,13 +175,32 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"modelyard: config error: {e}", file=sys.stderr)
         return 1
+    try:
+        sock = bind(server.host, server.port)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            print(f"modelyard: port {server.port} on {server.host} is already in use (another modelyard?); "
+                  f"pick another with --port N (or set [server].port)", file=sys.stderr)
+        else:
+            print(f"modelyard: cannot listen on {server.host}:{server.port}: {e.strerror or e}", file=sys.stderr)
+        return 1
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for line in banner(config, sock):
+        logging.getLogger("modelyard").info("%s", line)
     app = create_app(config)
     uv = uvicorn.Config(app, host=server.host, port=server.port, log_level=args.log_level, lifespan="on",
                         timeout_graceful_shutdown=math.ceil(server.shutdown_timeout_s + ABORT_MARGIN_S),
                         access_log=args.log_level == "debug", **uvicorn_settings(server))
-    server_ = RouterServer(uv, app, server.shutdown_timeout_s)
-    server_.run()  # handles SIGINT/SIGTERM; the lifespan shutdown stops the workers
+    def reread() -> Config:
+        return load_config(args.config)
+
+    server_ = RouterServer(uv, app, server.shutdown_timeout_s, reload=reread)
+    try:
+        server_.run(sockets=[sock])  # handles SIGINT/SIGTERM; the lifespan shutdown stops the workers
+    except KeyboardInterrupt:
+        pass  # uvicorn raises the SIGINT it handled again once shut down: done, not a traceback
+    finally:
+        sock.close()
     return 0 if server_.started else 1
 
 

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -24,6 +25,7 @@ from typing import Any
 from starlette.requests import Request
 
 from protocol import Done, Generate, Token
+from router.access_log import access_record
 from router.errors import ApiError, BadRequest, ContextLengthExceeded, InternalError, Unavailable, error_payload
 from protocol.limits import GENERATE_LIMITS
 from router.params import (
@@ -96,7 +98,10 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate,
     run with its first frame. A client that leaves meanwhile cancels it
     (ClientDisconnected). Raises the ApiError of a worker Error frame; an invalid
     constraint (``invalid_grammar``) names ``grammar_param``, the request field it came from."""
-    run = Run(slot, msg.id)
+    rid = getattr(request.state, "request_id", "")
+    if rid:
+        msg = dataclasses.replace(msg, trace_id=rid)  # the worker logs it with the generation
+    run = Run(slot, msg.id, access=access_record(request.state))
     try:
         await until_disconnect(request.receive, run.start(msg))
         first = await until_disconnect(request.receive, run.next())

@@ -104,11 +104,15 @@ class Metrics:
         self.load_time = Histogram("modelyard_model_load_seconds", "Worker spawn to Ready", ["model"],
                                    buckets=_LOAD_BUCKETS, registry=reg)
         for m in models:
-            for c in (self.loads, self.load_failures, self.evictions, self.crashes, self.restarts, self.prompt_tokens,
-                      self.prompt_tokens_cached, self.generation_tokens):
-                c.labels(m)
-            for stage in CANCEL_STAGES:
-                self.cancellations.labels(m, stage)
+            self.add_model(m)
+
+    def add_model(self, m: str) -> None:
+        """Start ``m``'s per-model counters at 0 (at start, and for a model a reload adds)."""
+        for c in (self.loads, self.load_failures, self.evictions, self.crashes, self.restarts, self.prompt_tokens,
+                  self.prompt_tokens_cached, self.generation_tokens):
+            c.labels(m)
+        for stage in CANCEL_STAGES:
+            self.cancellations.labels(m, stage)
 
     def watch(self, snapshot: Callable[[], list[ModelGauges]]) -> None:
         """Read the per-model gauges from ``snapshot()`` at every scrape."""

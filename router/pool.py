@@ -35,7 +35,9 @@ the worker is not refused — it waits and starts the model again.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -45,9 +47,10 @@ from typing import Any
 
 import zmq.asyncio
 
-from protocol import Pong
+from protocol import Ping, Pong
 from router.backoff import CrashHistory, CrashPolicy, Failure
 from router.config import Config, ModelConfig
+from router.events import EventHub
 from router.metrics import Metrics, ModelGauges
 from router.sockdir import make_socket_dir, remove_socket_dir
 from router.errors import (
@@ -72,6 +75,9 @@ from router.process import CurveKeypair, LoadFailed, WorkerProcess, new_curve_ke
 
 log = logging.getLogger("modelyard.pool")
 
+#: A load still going after this many seconds says so (log line and event), and again after each as many.
+LOAD_PROGRESS_INTERVAL_S = 5.0
+
 
 @dataclass(eq=False)
 class Ticket:
@@ -82,6 +88,11 @@ class Ticket:
     granted: asyncio.Future[WorkerProcess] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
     worker: WorkerProcess | None = None
+
+
+def _crash_policy(m: ModelConfig) -> CrashPolicy:
+    return CrashPolicy(base_s=m.restart_backoff_s, max_s=m.restart_backoff_max_s, max_crashes=m.max_crashes,
+                       window_s=m.crash_window_s)
 
 
 class ModelSlot:
@@ -118,9 +129,10 @@ class ModelSlot:
         self.waiting_for: str | None = None  # why the wanted load has not started (placement)
         self.rss_after_load: int | None = None  # the last worker's RSS right after Ready, bytes
         self.rss_peak: int | None = None  # the largest RSS a ready worker of this model had, bytes
-        self.failures = CrashHistory(CrashPolicy(
-            base_s=model.restart_backoff_s, max_s=model.restart_backoff_max_s,
-            max_crashes=model.max_crashes, window_s=model.crash_window_s))
+        self.failures = CrashHistory(_crash_policy(model))
+        self._pending_model: ModelConfig | None = None  # a reload changed the config: applied once the worker stops
+        self.retiring = False  # removed from the config: draining, then forgotten
+        self._threads: tuple[WorkerProcess, int] | None = None  # the BLAS threads last sent to the worker
 
     @property
     def metrics(self) -> Metrics:
@@ -216,6 +228,7 @@ class ModelSlot:
             "last_error": self.last_error,
             "unload_reason": self.unload_reason,
             "idle_ttl_s": self.model.idle_ttl_s,
+            "blas_threads": self.blas_threads,
             "last_exit_code": self.last_exit_code,
             "condition": self.condition(),
             "failures": self.failures.describe(self._pool.clock()),
@@ -284,6 +297,10 @@ class ModelSlot:
         if note is not None:
             self.last_error = note
         self._changed.set()
+        self._emit("state", **{"from": old.value, "to": new.value, "reason": note, "condition": self.condition()})
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        self._pool.events.emit(self.model.name, event, **fields)
 
     # ------------------------------------------------------------------ admission
 
@@ -334,6 +351,8 @@ class ModelSlot:
             del self._running[ticket.id]
             self.last_used = time.time()
             self._last_active = time.monotonic()
+            if not self._running:
+                self._pool.share_cores()
         self._changed.set()
         self._pump()
         self._pool.place()  # this model may have become idle: evictable for a waiting one
@@ -342,6 +361,7 @@ class ModelSlot:
         """Hand free job slots of a ready worker to waiting tickets, FIFO."""
         while self._waiting and self._waiting[0].granted.done():
             self._waiting.popleft()
+        was_busy = bool(self._running)
         while (self.state is WorkerState.READY and self.worker is not None and self._waiting
                and len(self._running) < self.worker.max_jobs):
             t = self._waiting.popleft()
@@ -350,10 +370,37 @@ class ModelSlot:
             t.worker = self.worker
             self._running[t.id] = t
             t.granted.set_result(self.worker)
+        if bool(self._running) != was_busy:
+            self._pool.share_cores()
+
+    @property
+    def busy(self) -> bool:
+        """A worker of this model is generating (it holds a running request)."""
+        return bool(self._running)
+
+    def set_threads(self, n: int) -> None:
+        """The pool's decision: the ready worker uses ``n`` BLAS threads (sent once per change;
+        only for models without ``n_threads``)."""
+        wp = self.worker
+        if wp is None or self.state is not WorkerState.READY or self.model.n_threads is not None:
+            return
+        if self._threads == (wp, n):
+            return
+        self._threads = (wp, n)
+        log.info("model %s: %d BLAS thread(s) (share of the cores)", self.model.name, n)
+        wp.send_nowait(Ping(id=wp.new_call_id("threads"), threads=n))
+
+    @property
+    def blas_threads(self) -> int | None:
+        """The BLAS threads its worker uses: ``n_threads``, else the share last sent (None: the worker's own)."""
+        if self.model.n_threads is not None:
+            return self.model.n_threads
+        return self._threads[1] if self._threads is not None and self._threads[0] is self.worker else None
 
     def _refusing(self) -> bool:
-        """New requests get 503: an operator unload is draining, or the router stops."""
-        return (self.state is WorkerState.DRAINING and not self._idle_unloading) or self._pool.closing
+        """New requests get 503: an operator unload is draining, the model was removed, or the router stops."""
+        return ((self.state is WorkerState.DRAINING and not self._idle_unloading) or self.retiring
+                or self._pool.closing)
 
     def _check_open(self) -> None:
         """Raises ServerShuttingDown (router stopping) or ModelUnloading (operator unload draining)."""
@@ -386,8 +433,14 @@ class ModelSlot:
                 f"it restarts in {left:.1f} s (crash backoff)", retry_after_s=h.retry_after(now))
 
     def _record_failure(self, kind: str, reason: str, exit_code: int | None) -> None:
-        self.failures.record(self._pool.clock(), Failure(kind, reason, exit_code, time.time()))
+        f = Failure(kind, reason, exit_code, time.time())
+        self.failures.record(self._pool.clock(), f)
         h = self.failures
+        self._emit(kind, reason=reason, exit_code=exit_code, signal=f.signal,
+                   restart_in_s=None if h.given_up else round(h.remaining(self._pool.clock()), 3))
+        if h.given_up:
+            self._emit("failed", reason=f"{h.policy.max_crashes} failures within crash_window_s="
+                       f"{h.policy.window_s:g} s; until an operator loads it")
         if h.given_up:
             log.error("model %s: %d failures within crash_window_s=%g s; failed until an operator loads it",
                       self.model.name, h.policy.max_crashes, h.policy.window_s)
@@ -449,11 +502,13 @@ class ModelSlot:
         """The pool's decision: not yet (``why``: what it waits for)."""
         if why != self.waiting_for:
             log.info("model %s: %s", self.model.name, why)
+            self._emit("waiting", why=why)
         self.waiting_for = why
 
     def refuse_place(self, decision: Decision) -> None:
         """The pool's decision: it cannot load (503 to everyone waiting)."""
         log.warning("model %s: %s", self.model.name, decision.why)
+        self._emit("refused", code=decision.code, why=decision.why)
         err: ApiError = (InsufficientMemory(decision.why) if decision.code == "insufficient_memory"
                          else MaxLoadedReached(decision.why))
         self.last_error = decision.why
@@ -477,13 +532,46 @@ class ModelSlot:
                 fut.set_exception(err)
                 fut.exception()  # retrieved: no one may be awaiting it
 
-    def evict(self, reason: str) -> None:
-        """The pool's decision: this idle model makes room (drain-then-stop; a request that
-        arrives meanwhile waits and loads it again)."""
+    def evict(self, for_model: str) -> None:
+        """The pool's decision: this idle model makes room for ``for_model`` (drain-then-stop;
+        a request that arrives meanwhile waits and loads it again)."""
         assert self.state is WorkerState.READY and not self.model.pinned
         self.metrics.evictions.labels(self.model.name).inc()
+        self._emit("evicted", **{"for": for_model})
+        self._soft_unload(f"evicted to make room for '{for_model}'")
+
+    # ------------------------------------------------------------------ config reload
+
+    def reconfigure(self, model: ModelConfig) -> None:
+        """A reload changed this model's config: it applies at once when no worker runs;
+        otherwise the worker drains (running requests finish, new ones wait) and the
+        next load uses the new config."""
+        self._pending_model = model
+        if self.state in (WorkerState.UNLOADED, WorkerState.FAILED):
+            self._apply_pending()
+        elif self.state is WorkerState.READY:
+            self._soft_unload("config changed: reloading with the new settings")
+        # loading: once ready it drains at once (see _load); draining: applied when stopped
+
+    def _apply_pending(self) -> None:
+        if self._pending_model is None:
+            return
+        self.model, self._pending_model = self._pending_model, None
+        self.failures.policy = _crash_policy(self.model)
+        log.info("model %s: new config applied", self.model.name)
+        self._emit("reconfigured")
+
+    def _soft_unload(self, reason: str) -> None:
+        """Drain and stop, with new requests waiting to load it again (idle unload, eviction, reload)."""
         self._idle_unloading = True
         self._unload_task = self._start_unload(drain=True, reason=reason)
+
+    def retire(self) -> asyncio.Task[None]:
+        """A reload removed this model: drain (its running requests finish; waiting ones get
+        503) and stop. The pool forgets the slot once the returned task is done."""
+        self.retiring = True
+        self._pending_model = None
+        return self.begin_unload(drain=True, reason="removed from the config")
 
     # ------------------------------------------------------------------ loading
 
@@ -501,9 +589,25 @@ class ModelSlot:
         self.spawn_count += 1
         wp.on_exit(self._on_worker_exit)
         t0 = time.monotonic()
+        stage = ["spawning"]
+
+        def progress(what: str, fields: dict[str, Any]) -> None:
+            stage[0] = what
+            if what == "connected":
+                log.info("model %s: worker connected; reading the GGUF and preparing its weights", self.model.name)
+            self._emit("loading", stage=what, **fields)
+
+        async def ticker() -> None:  # a slow load says so
+            while True:
+                await asyncio.sleep(LOAD_PROGRESS_INTERVAL_S)
+                elapsed = time.monotonic() - t0
+                log.info("model %s: still loading (%.0f s, %s)", self.model.name, elapsed, stage[0])
+                self._emit("loading", stage="still_loading", elapsed_s=round(elapsed, 1), last=stage[0])
+
+        tick = asyncio.create_task(ticker(), name=f"load-ticker-{self.model.name}")
         try:
             try:
-                ready = await wp.start(self.model.load_timeout_s)
+                ready = await wp.start(self.model.load_timeout_s, progress)
             except (OSError, ValueError, RuntimeError) as e:  # never leave the slot stuck in loading
                 log.exception("starting %s's worker failed", self.model.name)
                 wp.kill("start failed")
@@ -525,6 +629,8 @@ class ModelSlot:
         except asyncio.CancelledError:
             wp.kill("load cancelled")
             raise
+        finally:
+            tick.cancel()
         if self._loading_worker is not wp or self.state is not WorkerState.LOADING:
             await wp.stop(self.model.shutdown_grace_s)  # unloaded while loading
             self._pool.place()
@@ -537,6 +643,10 @@ class ModelSlot:
         self.last_exit_code = None
         self._set_state(WorkerState.READY)
         self.rss_after_load = self._sample_rss(wp)
+        self._emit("loading", stage="ready", load_ms=ready.load_ms, rss_bytes=self.rss_after_load)
+        if self._pending_model is not None:  # the config changed while it loaded: reload at once
+            self._soft_unload("config changed while loading: reloading with the new settings")
+            return
         log.info("model %s ready in %.0f ms (worker load_ms %.0f, pid %s, n_ctx %d)", self.model.name,
                  (time.monotonic() - t0) * 1000, ready.load_ms, wp.pid, ready.n_ctx)
         if self.model.ping_interval_s > 0:
@@ -544,6 +654,7 @@ class ModelSlot:
         self._last_active = time.monotonic()
         if self.model.idle_ttl_s > 0 and not self.model.pinned:
             self._idle_task = asyncio.create_task(self._idle_loop(wp), name=f"idle-{self.model.name}")
+        self._pool.share_cores()
         self._pump()
         self._pool.place()
 
@@ -620,6 +731,7 @@ class ModelSlot:
             self._pool.place()  # its place is free
         else:
             self._changed.set()  # draining: the unload task finishes the job
+        self._pool.share_cores()
 
     async def ready_worker(self, *, operator: bool = False) -> WorkerProcess:
         """The ready worker, starting it and waiting for its load if needed (for
@@ -735,6 +847,7 @@ class ModelSlot:
         if not self._idle_unloading:
             self._fail_waiting(ModelUnloading(f"model '{self.model.name}' is being unloaded"))
         log.info("model %s: unloading (%s)", self.model.name, reason)
+        self._emit("unloading", reason=reason)
         return asyncio.create_task(self._drain_and_stop(wp, drain), name=f"unload-{self.model.name}")
 
     async def _drain_and_stop(self, wp: WorkerProcess, drain: bool) -> None:
@@ -756,11 +869,19 @@ class ModelSlot:
         self.worker = None
         self.last_exit_code = wp.exit_code
         self._set_state(WorkerState.UNLOADED, wp.kill_reason)
-        reload = self._idle_unloading and not self._pool.closing
+        reload = self._idle_unloading and not self._pool.closing and not self.retiring
         self._idle_unloading = False
+        self._apply_pending()
         if reload and self._waiting:  # requests that arrived during an idle unload / eviction start it again
             self._want_load()
         self._pool.place()  # its place is free
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
 
 
 class Pool:
@@ -772,6 +893,9 @@ class Pool:
         self.config = config
         self.clock = clock  # monotonic seconds for backoff decisions (tests inject one)
         self.memory: MemoryProbe = memory if memory is not None else SystemMemory()  # placement's figures
+        self.events = EventHub()  # model events (GET /admin/events)
+        self.cores = _cores()  # what CPU sharing divides
+        self._retired: set[ModelSlot] = set()  # removed by a reload, still draining
         self._wanting: list[ModelSlot] = []  # models waiting for room to load, first come first placed
         self._placing = False
         self._place_again = False
@@ -804,6 +928,61 @@ class Pool:
             raise NotFound(f"model '{name}' not found; available models: {', '.join(self.config.ids())}",
                            param="model")
         return self.slots[m.name]
+
+    # ------------------------------------------------------------------ CPU sharing
+
+    def share_cores(self) -> None:
+        """Give every ready worker without ``n_threads`` its share of the cores: the cores
+        not taken by busy models with their own ``n_threads``, divided among the busy
+        ones without (at least 1 each). One busy model gets them all; two on 2 cores get
+        one each (OpenBLAS's one-per-core threads fighting over the cores made two busy
+        models slower together than one alone). Idle ones get the share too, ready for
+        their turn. Called whenever a model starts or stops being busy."""
+        busy = [s for s in self.slots.values() if s.busy]
+        fixed = sum(s.model.n_threads or 0 for s in busy)
+        sharing = sum(1 for s in busy if s.model.n_threads is None)
+        share = max(1, (self.cores - fixed) // max(1, sharing))
+        for s in self.slots.values():
+            s.set_threads(share)
+
+    # ------------------------------------------------------------------ config reload
+
+    def reload(self, new: Config) -> dict[str, list[str]]:
+        """Apply a re-read config (SIGHUP) in one step: added models appear, removed ones
+        drain and stop (new requests for them are 404 at once), changed ones reload once
+        their running requests finish. Of ``[server]``, only ``max_loaded`` applies without
+        a restart; other changed keys are kept as they were (and named in the log).
+        Returns what changed: ``added``, ``removed``, ``changed``, ``server_kept``."""
+        old = self.config
+        kept = sorted(f.name for f in dataclasses.fields(old.server)
+                      if f.name != "max_loaded" and getattr(old.server, f.name) != getattr(new.server, f.name))
+        server = dataclasses.replace(old.server, max_loaded=new.server.max_loaded)
+        added = [n for n in new.models if n not in self.slots or self.slots[n].retiring]
+        removed = [n for n, s in self.slots.items() if n not in new.models and not s.retiring]
+        changed = [n for n in new.models if n in self.slots and not self.slots[n].retiring
+                   and self.slots[n].model != new.models[n]]
+        self.config = dataclasses.replace(new, server=server)
+        for n in removed:
+            slot = self.slots[n]
+            self._retired.add(slot)
+            task = slot.retire()
+            task.add_done_callback(lambda _t, n=n, slot=slot: self._forget(n, slot))
+        for n in changed:
+            self.slots[n].reconfigure(new.models[n])
+        for n in added:
+            if n in self.slots:  # still draining from an earlier removal: a fresh slot takes its name
+                log.warning("model %s: re-added while its old worker still drains", n)
+            self.slots[n] = ModelSlot(new.models[n], self)
+            self.metrics.add_model(n)
+        log.info("config reloaded: added %s, removed %s, changed %s%s", added or "none", removed or "none",
+                 changed or "none", f"; [server] {', '.join(kept)} need a restart (kept)" if kept else "")
+        self.place()
+        return {"added": added, "removed": removed, "changed": changed, "server_kept": kept}
+
+    def _forget(self, name: str, slot: ModelSlot) -> None:
+        self._retired.discard(slot)
+        if self.slots.get(name) is slot:
+            del self.slots[name]
 
     # ------------------------------------------------------------------ placement
 
@@ -846,7 +1025,7 @@ class Pool:
             d = placement.decide(slot.model.name, slot.estimate(), seats,
                                  max_loaded=self.config.server.max_loaded, available=self.memory.available())
             for name in d.evict:
-                self.slots[name].evict(f"evicted to make room for '{slot.model.name}'")
+                self.slots[name].evict(slot.model.name)
             if d.action == "load":
                 self._wanting.remove(slot)
                 slot.placed()
@@ -871,6 +1050,7 @@ class Pool:
         self.closing = True
         for slot in self.slots.values():
             slot.refuse_waiting(ServerShuttingDown())
+        self.events.close()  # event streams end, so they do not hold the shutdown
 
     def abort_running(self, reason: str) -> int:
         """End every running generation now: each fails with ServerShuttingDown(``reason``)
@@ -880,7 +1060,10 @@ class Pool:
     async def close(self) -> None:
         """Stop every worker (Shutdown, grace, kill) without draining. Idempotent."""
         self.closing = True
-        await asyncio.gather(*(s.unload(drain=False, reason="router shutting down") for s in self.slots.values()), return_exceptions=True)
+        self.events.close()
+        slots = {*self.slots.values(), *self._retired}
+        await asyncio.gather(*(s.unload(drain=False, reason="router shutting down") for s in slots),
+                             return_exceptions=True)
         self._ctx.destroy(linger=0)
         if self.socket_dir is not None:
             remove_socket_dir(self.socket_dir)

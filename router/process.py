@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 import zmq
@@ -162,6 +163,7 @@ class WorkerProcess:
         self._credentials: WorkerCredentials | None = None
         self._monitor: asyncio.Task[None] | None = None
         self.refused_peers = 0  # peers refused on this socket: bad Hello, failed CURVE handshake
+        self._on_hello: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ facts
 
@@ -201,8 +203,9 @@ class WorkerProcess:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self, timeout_s: float) -> Ready:
-        """Bind, spawn, and wait for Hello then Ready.
+    async def start(self, timeout_s: float, progress: Callable[[str, dict[str, Any]], None] | None = None) -> Ready:
+        """Bind, spawn, and wait for Hello then Ready. ``progress(stage, fields)`` hears
+        ``spawned`` (``pid``) and ``connected`` (the worker's Hello: it is loading).
 
         Raises LoadFailed on Error(load_failed), process exit, or no Ready
         within ``timeout_s`` seconds (the process is then killed).
@@ -247,6 +250,9 @@ class WorkerProcess:
             self._ps = psutil.Process(self._proc.pid)
         except psutil.Error:
             self._ps = None
+        if progress is not None:
+            progress("spawned", {"pid": self._proc.pid})
+            self._on_hello = lambda: progress("connected", {})
         threading.Thread(target=self._wait_thread, args=(loop,), daemon=True,
                          name=f"worker-wait-{self._proc.pid}").start()
         exited = asyncio.ensure_future(self.exited.wait())
@@ -414,6 +420,8 @@ class WorkerProcess:
             if self._identity is None and self._authentic(msg):
                 self._identity = ident
                 self._hello.set()
+                if self._on_hello is not None:
+                    self._on_hello()
             elif ident != self._identity:
                 why = ("another peer is already connected" if self._identity is not None
                        else "wrong secret or not the spawned process")

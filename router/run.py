@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 from protocol import Done, Error, Generate, ProtocolError, Token, encode
 from router.errors import ApiError, BadGateway, ServerShuttingDown, from_worker_error, unsendable
@@ -34,8 +35,9 @@ class Run:
     """Create (admits; raises QueueFull / ModelUnloading), ``await start(msg)``,
     ``await next()`` until a Done, ``close()`` always."""
 
-    def __init__(self, slot: ModelSlot, request_id: str) -> None:
+    def __init__(self, slot: ModelSlot, request_id: str, access: dict[str, Any] | None = None) -> None:
         self.slot = slot
+        self._access = access if access is not None else {}  # the access-log figures (router.access_log)
         self.id = request_id
         self.ticket: Ticket = slot.admit(request_id)
         self.worker: WorkerProcess | None = None
@@ -111,6 +113,7 @@ class Run:
         m = self.slot.metrics
         if self._n_tokens == 0:
             m.ttft.labels(self._model).observe(now - self.started_at)
+            self._access["ttft_ms"] = (now - self.started_at) * 1000
         else:
             m.itl.labels(self._model).observe(now - self._last_token_at)
         self._n_tokens += 1
@@ -124,6 +127,8 @@ class Run:
         m = self.slot.metrics
         m.e2e.labels(self._model).observe(time.monotonic() - self.started_at)
         if done is not None:
+            self._access.update(prompt_tokens=done.prompt_tokens, cached_tokens=done.cache_n,
+                                completion_tokens=done.completion_tokens)
             m.prompt_tokens.labels(self._model).inc(done.prompt_tokens)
             m.prompt_tokens_cached.labels(self._model).inc(done.cache_n)
             m.generation_tokens.labels(self._model).inc(done.completion_tokens)

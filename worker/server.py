@@ -46,6 +46,7 @@ import zmq
 
 from protocol.errors import ErrorCode
 from protocol.limits import DEFAULT_KV_BUDGET_MIB
+from worker.threads import apply_blas_threads
 from protocol import (
     MAX_FRAME_BYTES,
     ApplyTemplate,
@@ -412,6 +413,7 @@ class WorkerServer:
 
     def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, Ping):
+            apply_blas_threads(msg.threads)
             snap = self.runner.snapshot
             self._send(Pong(id=msg.id, busy=bool(self.running), queue_len=len(self.pending),
                             running_ids=list(self.running), slots=list(snap.slots), kv_tokens=snap.kv_tokens,
@@ -449,6 +451,7 @@ class WorkerServer:
                 f"(max_queue={self.cfg.max_queue})")))
             return
         self.pending.append(Job(g))
+        log.info("request %s accepted (X-Request-Id %s)", g.id, g.trace_id or "-")
         self._start_next()
 
     def _on_cancel(self, job_id: str) -> None:

@@ -197,6 +197,8 @@ class FakeWorker:
 
     async def handle(self, msg: Message) -> None:
         if isinstance(msg, Ping):
+            if msg.threads:
+                _log("threads", n=msg.threads)
             by_slot = {slot: rid for rid, slot in self.running.items()}
             slots = [{"id": i, "id_task": by_slot.get(i), "is_processing": i in by_slot, "n_past": self.held[i]}
                      for i in range(self.max_jobs)] if self.sw.get("report_slots") else []
@@ -212,7 +214,7 @@ class FakeWorker:
                  temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, min_p=msg.min_p,
                  seed=msg.seed, stop=msg.stop, n_probs=msg.n_probs, messages=msg.messages,
                  prompt=msg.prompt, logit_bias=msg.logit_bias, grammar=msg.grammar,
-                 json_schema=msg.json_schema)
+                 json_schema=msg.json_schema, trace_id=msg.trace_id)
             if len(self.running) >= self.max_jobs:
                 await self.send(Error(id=msg.id, code="busy", message="a generation is already running"))
                 return

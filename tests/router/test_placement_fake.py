@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -287,5 +286,34 @@ def test_operator_load_and_unload_while_waiting_for_room(tmp_path: Path, monkeyp
                 assert pool.get("b").waiting_for is None
             assert (await ar).status_code == 200
             assert pool.get("b").spawn_count == 0 and pool.get("a").state is WorkerState.READY
+
+    asyncio.run(go())
+
+
+def test_never_more_than_max_loaded_under_concurrent_bursts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bursts to three models at once with max_loaded = 1: every request is answered, each
+    model loads once per turn, and — replaying every state transition in the order it
+    happened — never two models hold a worker at the same time."""
+    env = InProc(tmp_path, monkeypatch)
+
+    async def go() -> None:
+        async with env.app(config(1, {m: ["max_queue = 20"] for m in "abc"})) as (pool, c):
+            q = pool.events.subscribe()
+            rs = await asyncio.gather(*(ask(c, m) for _ in range(5) for m in "abc"))
+            assert [r.status_code for r in rs] == [200] * 15
+            holding: set[str] = set()
+            peak = 0
+            while not q.empty():
+                ev = q.get_nowait()
+                assert ev is not None
+                if ev["event"] != "state":
+                    continue
+                if ev["to"] in ("loading", "ready", "draining"):
+                    holding.add(ev["model"])
+                else:
+                    holding.discard(ev["model"])
+                peak = max(peak, len(holding))
+            assert peak == 1
+            assert [pool.get(m).spawn_count for m in "abc"] == [1, 1, 1]  # each burst loaded its model once
 
     asyncio.run(go())

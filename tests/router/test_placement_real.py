@@ -1,7 +1,9 @@
 """Placement with real workers: ``max_loaded = 2`` and a burst of first requests to a
 third model while one loaded model is generating — the idle least-recently-used one is
 evicted, the third loads once, the running generation is never cut, and
-/admin/models reports the workers' measured RSS and the estimate it refines."""
+/admin/models reports the workers' measured RSS and the estimate it refines; then a
+SIGHUP reload (a changed model reloads with its new n_ctx, a removed one stops, an
+added one serves)."""
 
 from __future__ import annotations
 
@@ -50,8 +52,12 @@ def test_burst_to_a_third_model_evicts_the_idle_lru_one_and_loads_once(router: L
     for m in ("smollm2", "gemma3"):
         httpx.post(router.url + "/admin/models/load", json={"model": m}, timeout=300).raise_for_status()
     # smollm2 is used first, then gemma3: smollm2 is the least recently used
-    httpx.post(router.url + "/v1/completions", timeout=300,
-               json={"model": "smollm2", "prompt": "Hello", "max_tokens": 2}).raise_for_status()
+    r = httpx.post(router.url + "/v1/completions", timeout=300, headers={"X-Request-Id": "trace-real-1"},
+                   json={"model": "smollm2", "prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-real-1"
+    # the id reaches the real worker's log line (its stderr goes to the router's log here)
+    router.wait_for(lambda: "accepted (X-Request-Id trace-real-1)" in router.log_path.read_text(errors="replace"),
+                    what="the worker's log line with the request id")
     st = router.admin("smollm2")
     assert st["placement"]["rss_after_load_bytes"] > 0 and st["placement"]["rss_peak_bytes"] >= st["rss_bytes"] > 0
 
@@ -97,3 +103,28 @@ def test_burst_to_a_third_model_evicts_the_idle_lru_one_and_loads_once(router: L
         assert est["weights_bytes"] >= peak
     print(f"\nRSS smollm2: after load {evicted['placement']['rss_after_load_bytes'] / 2**20:.0f} MiB, "
           f"peak {peak / 2**20:.0f} MiB; estimate {est['total_bytes'] / 2**20:.0f} MiB ({est['source']})")
+
+
+def test_sighup_reload_with_real_workers(router: LiveRouter) -> None:
+    import signal
+
+    httpx.post(router.url + "/admin/models/load", json={"model": "smollm2"}, timeout=300).raise_for_status()
+    old_pid = router.admin("smollm2")["pid"]
+    new = (CONFIG.replace("[models.gemma3]\npath = \"" + GEMMA.name + "\"\nchat_template = \"gemma\"\n", "")
+           .replace("[models.smollm2]\npath = \"" + SMOLLM2.name + "\"\n",
+                    "[models.smollm2]\npath = \"" + SMOLLM2.name + "\"\nn_ctx = 256\n"))
+    assert "gemma3" not in new and "n_ctx = 256" in new
+    router.config_path.write_text(new + f'[models.smol-new]\npath = "{SMOLLM2.name}"\n')
+    router.proc.send_signal(signal.SIGHUP)
+    router.wait_for(lambda: "config reloaded" in router.log(), what="the reload")
+    router.wait_for(lambda: router.admin("smollm2")["state"] in ("unloaded", "ready") and
+                    router.admin("smollm2")["pid"] != old_pid, what="smollm2's old worker gone", timeout=120)
+    props = httpx.get(router.url + "/props", params={"model": "smollm2"}, timeout=300).json()
+    assert props["default_generation_settings"]["n_ctx"] == 256
+    assert httpx.post(router.url + "/v1/completions", timeout=300, json={
+        "model": "smol-new", "prompt": "Hi", "max_tokens": 2}).status_code == 200
+    assert httpx.post(router.url + "/v1/completions", timeout=60, json={
+        "model": "gemma3", "prompt": "Hi", "max_tokens": 2}).status_code == 404
+    router.wait_for(lambda: all(m["id"] != "gemma3" for m in
+                                httpx.get(router.url + "/admin/models", timeout=10).json()["data"]),
+                    what="gemma3 stopped and forgotten", timeout=120)

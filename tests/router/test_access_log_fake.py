@@ -1,0 +1,87 @@
+"""One structured access-log line per request and X-Request-Id (router.access_log),
+against fake workers: the id is taken from the request (or made), returned, written in
+the line, and carried to the worker in Generate.trace_id."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.router.conftest import LiveRouter, dummy_gguf
+
+CONFIG = """
+[server]
+models_dir = "."
+[models.m]
+path = "m.gguf"
+aliases = ["alias-m"]
+"""
+
+
+@pytest.fixture(scope="module")
+def router(module_tmp: Path) -> Iterator[LiveRouter]:
+    dummy_gguf(module_tmp, "m.gguf")
+    r = LiveRouter(module_tmp, CONFIG)
+    r.set_fake({"m": {"length": 5, "token_delay_s": 0.01}})
+    yield r
+    r.stop()
+
+
+def lines_for(router: LiveRouter, rid: str) -> list[dict[str, str]]:
+    out = []
+    for line in router.log_path.read_text(errors="replace").splitlines():
+        if "modelyard.access" in line and f"request_id={rid} " in line:
+            out.append(dict(re.findall(r'(\w+)=("[^"]*"|\S+)', line.split("modelyard.access: ", 1)[1])))
+    return out
+
+
+def one_line(router: LiveRouter, rid: str) -> dict[str, str]:
+    return router.wait_for(lambda: lines_for(router, rid), what=f"access line of {rid}")[0]
+
+
+def test_generation_line_with_the_clients_id_carried_to_the_worker(router: LiveRouter) -> None:
+    r = httpx.post(router.url + "/v1/chat/completions", timeout=30, headers={"X-Request-Id": "trace-abc.123"},
+                   json={"model": "alias-m", "messages": [{"role": "user", "content": "one two three"}]})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-abc.123"
+    rec = one_line(router, "trace-abc.123")
+    usage = r.json()["usage"]
+    assert rec["method"] == "POST" and rec["route"] == "/v1/chat/completions" and rec["model"] == "m"
+    assert rec["status"] == "200" and rec["disconnected"] == "false" and rec["client"] == "127.0.0.1"
+    assert int(rec["prompt_tokens"]) == usage["prompt_tokens"] and int(rec["completion_tokens"]) == 5
+    assert rec["cached_tokens"] == "0" and float(rec["ttft_ms"]) > 0 and float(rec["duration_ms"]) >= float(rec["ttft_ms"])
+    gen = [e for e in router.fake_events("generate") if e.get("trace_id") == "trace-abc.123"]
+    assert len(gen) == 1
+    assert len(lines_for(router, "trace-abc.123")) == 1
+
+
+def test_an_id_is_made_when_missing_or_unfit(router: LiveRouter) -> None:
+    for headers in ({}, {"X-Request-Id": "has spaces in it"}, {"X-Request-Id": "x" * 200}):
+        r = httpx.get(router.url + "/v1/models", headers=headers, timeout=10)
+        rid = r.headers["x-request-id"]
+        assert re.fullmatch(r"req-[0-9a-f]{24}", rid), rid
+        rec = one_line(router, rid)
+        assert rec["status"] == "200" and rec["model"] == "-" and rec["prompt_tokens"] == "-"
+
+
+def test_errors_and_unknown_routes_are_logged_too(router: LiveRouter) -> None:
+    r = httpx.get(router.url + "/nope", headers={"X-Request-Id": "r-404"}, timeout=10)
+    assert r.status_code == 404 and r.headers["x-request-id"] == "r-404"
+    assert one_line(router, "r-404")["status"] == "404"
+    r = httpx.post(router.url + "/v1/chat/completions", headers={"X-Request-Id": "r-400"}, timeout=10,
+                   json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 3})
+    assert r.status_code == 400 and one_line(router, "r-400")["model"] == "m"
+
+
+def test_a_client_leaving_mid_stream_is_logged_as_disconnected(router: LiveRouter) -> None:
+    with httpx.Client(base_url=router.url, timeout=30) as c:
+        with c.stream("POST", "/v1/chat/completions", headers={"X-Request-Id": "r-gone"}, json={
+                "model": "m", "stream": True, "messages": [{"role": "user", "content": "[slow=0.2] [len=100] hi"}]}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # leave after the first event
+    rec = one_line(router, "r-gone")
+    assert rec["disconnected"] == "true" and rec["status"] == "200"
