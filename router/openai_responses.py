@@ -219,10 +219,9 @@ def _parse(request: Request, body: dict[str, Any]) -> _Request:
     turns = ([ChatTurn("system", instructions)] if instructions else []) + history
     tools, choice = _tools(body)
     offered = tools if choice.mode != "none" else []
-    json_schema, fmt = _text_format(body)
-    grammar = tool_constraint(offered, choice)
-    if grammar is not None and json_schema is not None:
-        raise BadRequest("'text.format' json_schema cannot be combined with a forced tool call", param="text.format")
+    text_schema, fmt = _text_format(body)
+    grammar = tool_constraint(offered, choice, text_schema)
+    json_schema = text_schema if grammar is None else None
     echo = {k: body[k] for k in _ECHO if body.get(k) is not None}
     echo["text"] = {"format": fmt}
     echo["tools"] = [dict(t) for t in body.get("tools") or []]

@@ -11,17 +11,22 @@ the format is always this one (as llama.cpp's "generic" chat format):
   leading one): a short instruction, the tools as JSON
   (``{"name", "description", "parameters"}``), and the call syntax;
 * **a call** the model makes, and an assistant turn of the history that carried
-  calls, is one block per call::
+  calls, is one block per call (blocks follow each other directly; text of the
+  same turn comes first, on its own line)::
 
       <tool_call>
       {"name": "get_weather", "arguments": {"city": "Paris"}}
       </tool_call>
 
-* **a tool result** becomes a user turn::
+* **a tool result** becomes a user turn (consecutive results share one, closed by
+  one instruction line)::
 
-      <tool_response>
-      {"name": "get_weather", "content": "18 C, sunny"}
-      </tool_response>
+      The tool get_weather returned:
+      18 C, sunny
+      Answer the question with it.
+
+  Plain words, no tags: a small model given tagged results tends to echo the
+  tags back instead of answering.
 
 Consecutive turns of one role are merged (blank line between), so templates that
 demand user/assistant alternation (Gemma) accept any history. The constraint
@@ -38,8 +43,8 @@ from typing import Any
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
-RESPONSE_OPEN = "<tool_response>"
-RESPONSE_CLOSE = "</tool_response>"
+RESULT_HEAD = "The tool {name} returned:"
+RESULTS_CLOSE = "Answer the question with it."
 
 
 def new_call_id(prefix: str = "call") -> str:
@@ -98,7 +103,7 @@ def tools_system_text(tools: list[Tool]) -> str:
     return ("You can call these tools (JSON Schema of their arguments):\n" + listing + "\n"
             "To call a tool, reply with one block per call and nothing else:\n"
             f"{CALL_OPEN}\n" + '{"name": "<tool name>", "arguments": {<the arguments>}}' + f"\n{CALL_CLOSE}\n"
-            "Results come back in <tool_response> blocks.")
+            "A result comes back as: " + RESULT_HEAD.format(name="<tool name>"))
 
 
 def render_messages(turns: list[ChatTurn], tools: list[Tool] | None = None) -> list[dict[str, Any]]:
@@ -117,17 +122,18 @@ def render_messages(turns: list[ChatTurn], tools: list[Tool] | None = None) -> l
         else:
             out.append({"role": role, "content": text})
 
-    for t in turns:
+    for k, t in enumerate(turns):
         if t.role == "assistant":
-            parts = [t.content] if t.content else []
             for c in t.tool_calls:
                 names[c.id] = c.name
-                parts.append(render_call(c.name, c.arguments))
-            push("assistant", "\n".join(parts))
+            calls = "".join(render_call(c.name, c.arguments) for c in t.tool_calls)
+            push("assistant", "\n".join(p for p in (t.content, calls) if p))
         elif t.role == "tool":
-            name = t.name or names.get(t.tool_call_id or "", "")
-            body = json.dumps({"name": name, "content": t.content}, ensure_ascii=False)
-            push("user", f"{RESPONSE_OPEN}\n{body}\n{RESPONSE_CLOSE}")
+            name = t.name or names.get(t.tool_call_id or "", "") or "tool"
+            text = f"{RESULT_HEAD.format(name=name)}\n{t.content}"
+            if k + 1 == len(turns) or turns[k + 1].role != "tool":
+                text += f"\n{RESULTS_CLOSE}"
+            push("user", text)
         else:
             push(t.role, t.content)
     if tools:

@@ -148,8 +148,7 @@ def test_tool_history_is_rendered_not_dropped(router: LiveRouter, client: anthro
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
     assert '"name": "get_weather"' in msgs[0]["content"] and "<tool_call>" in msgs[0]["content"]
     assert msgs[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    assert msgs[3]["content"] == ('<tool_response>\n{"name": "get_weather", "content": "18 C"}\n</tool_response>'
-                                  "\n\nAnd so?")
+    assert msgs[3]["content"] == "The tool get_weather returned:\n18 C\nAnswer the question with it.\n\nAnd so?"
 
 
 def test_tool_use_parsed_streamed_and_not(router: LiveRouter, client: anthropic.Anthropic) -> None:

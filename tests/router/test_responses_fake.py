@@ -94,7 +94,7 @@ def test_history_items_rendered(router: LiveRouter, client: openai.OpenAI) -> No
     assert [m["role"] for m in msgs] == ["system", "system", "user", "assistant", "user"]
     assert msgs[0]["content"].startswith("be nice\n\nYou can call these tools")
     assert msgs[3]["content"] == CALL
-    assert msgs[4]["content"] == '<tool_response>\n{"name": "get_weather", "content": "18 C"}\n</tool_response>'
+    assert msgs[4]["content"] == "The tool get_weather returned:\n18 C\nAnswer the question with it."
 
 
 def test_store_previous_response_and_bound(router: LiveRouter, client: openai.OpenAI) -> None:
