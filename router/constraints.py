@@ -111,9 +111,10 @@ def json_format_constraint(fmt: dict[str, Any], param: str) -> str | None:
     ``{"type": "text"}`` -> None; ``{"type": "json_object"}`` -> any JSON object;
     ``{"type": "json_schema", ...}`` -> its schema, found as ``json_schema.schema``
     (chat completions) or ``schema`` (Responses API, Anthropic's ``output_config``).
-    ``strict`` is honoured in the strongest sense: the schema is always enforced, and
-    a keyword the constraint engine cannot enforce is a 400 (never silently dropped).
-    Raises BadRequest naming ``param``."""
+    The schema is always enforced, and a keyword the constraint engine cannot enforce
+    is a 400 (never silently dropped). ``strict: true`` adds OpenAI's strict-mode rule
+    that objects have no keys beyond their ``properties`` (``additionalProperties:
+    false`` wherever the schema does not say). Raises BadRequest naming ``param``."""
     kind = fmt.get("type")
     if kind == "text":
         return None
@@ -122,9 +123,11 @@ def json_format_constraint(fmt: dict[str, Any], param: str) -> str | None:
     if kind == "json_schema":
         inner = fmt.get("json_schema")
         if isinstance(inner, dict) and "schema" in inner:
-            return schema_text(inner["schema"], f"{param}.json_schema.schema")
-        if "schema" in fmt:
-            return schema_text(fmt["schema"], f"{param}.schema")
-        raise BadRequest(f"'{param}' of type json_schema needs a schema", param=param)
+            schema, where, strict = inner["schema"], f"{param}.json_schema.schema", inner.get("strict") is True
+        elif "schema" in fmt:
+            schema, where, strict = fmt["schema"], f"{param}.schema", fmt.get("strict") is True
+        else:
+            raise BadRequest(f"'{param}' of type json_schema needs a schema", param=param)
+        return schema_text(closed(schema) if strict else schema, where)
     raise BadRequest(f"'{param}.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
                      param=f"{param}.type")
