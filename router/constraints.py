@@ -11,7 +11,9 @@ Tool grammars (``%json`` embeds a JSON Schema in llguidance's Lark dialect)::
     start: calls                      # required / named (named: exactly one call)
     start: calls | TEXT               # auto: text, or calls - never both
     calls: call+                      # parallel_tool_calls (else: one call)
-    call: "<tool_call>\\n" %json {...} "\\n</tool_call>"
+    call: json_call | custom_call_0 ...
+    json_call: "<tool_call>\\n" %json {...} "\\n</tool_call>"
+    custom_call_0: "<tool_call name=\\"NAME\\">\\n" @custom_0 "\\n</tool_call>"   # a custom tool
     TEXT: /(.|\\n)*/ & ~/(.|\\n)*<\\/?tool(.|\\n)*/   # no tool markup ("<tool", "</tool") in text
 
 where the schema of a call is ``{"name": {"const": NAME}, "arguments": PARAMETERS}``
@@ -71,29 +73,63 @@ def _lark_str(s: str) -> str:
     return json.dumps(s)  # a JSON string literal is a valid Lark string literal
 
 
+#: Free text of a custom tool without a grammar (it may not close its block).
+_FREE_INPUT = "start: /(.|\\n)*/ & ~/(.|\\n)*<\\/tool_call>(.|\\n)*/\n"
+
+
+def _custom_grammar(t: Tool) -> str:
+    """A custom tool's input grammar (Lark) from its format."""
+    if t.grammar is None:
+        return _FREE_INPUT
+    syntax, definition = t.grammar
+    if syntax == "regex":
+        return "start: /" + definition.replace("/", "\\/") + "/\n"
+    return definition
+
+
 def tool_constraint(tools: list[Tool], choice: ToolChoice, text_schema: str | None = None) -> str | None:
-    """The Lark grammar that makes the model's answer follow ``choice`` over ``tools``
-    (None: unconstrained, when no tools are offered). ``text_schema``: the JSON Schema
-    text a plain reply must match (a response format); in ``auto`` mode the reply is
-    then that JSON or calls (``start: calls | %json {...}``)."""
+    """The grammar that makes the model's answer follow ``choice`` over ``tools`` (None:
+    unconstrained, when no tools are offered). ``text_schema``: the JSON Schema text a
+    plain reply must match (a response format); in ``auto`` mode the reply is then that
+    JSON or calls (``start: calls | %json {...}``).
+
+    Lark text, or, when custom tools are offered, llguidance's JSON grammar
+    (``{"grammars": [main, one per custom tool]}``): a custom call's input is the
+    tool's own grammar, referenced from the main one as ``@custom_<i>``."""
     if choice.mode == "none" or not tools:
         return None
     pool = [t for t in tools if t.name == choice.name] if choice.mode == "named" else tools
-    schemas = [_call_schema(t) for t in pool]
-    schema: dict[str, Any] = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    schema = {**schema, "x-guidance": JSON_STYLE}
+    functions = [t for t in pool if not t.custom]
+    customs = [t for t in pool if t.custom]
+    alts: list[str] = []
+    lines: list[str] = []
+    if functions:
+        schemas = [_call_schema(t) for t in functions]
+        schema: dict[str, Any] = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        schema = {**schema, "x-guidance": JSON_STYLE}
+        lines.append(f"json_call: {_lark_str(CALL_OPEN + chr(10))} %json {json.dumps(schema, ensure_ascii=False)} "
+                     f"{_lark_str(chr(10) + CALL_CLOSE)}")
+        alts.append("json_call")
+    subs: list[dict[str, Any]] = []
+    for i, t in enumerate(customs):
+        lines.append(f"custom_call_{i}: {_lark_str(f'<tool_call name={json.dumps(t.name)}>' + chr(10))} "
+                     f"@custom_{i} {_lark_str(chr(10) + CALL_CLOSE)}")
+        alts.append(f"custom_call_{i}")
+        subs.append({"name": f"custom_{i}", "lark_grammar": _custom_grammar(t)})
     many = choice.parallel and choice.mode != "named"
     text_rule = "TEXT" if text_schema is None else "%json " + json.dumps(
         {**json.loads(text_schema), "x-guidance": JSON_STYLE}, ensure_ascii=False)
-    lines = [
+    head = [
         f"start: calls | {text_rule}" if choice.mode == "auto" else "start: calls",
         "calls: call+" if many else "calls: call",
-        f"call: {_lark_str(CALL_OPEN + chr(10))} %json {json.dumps(schema, ensure_ascii=False)} "
-        f"{_lark_str(chr(10) + CALL_CLOSE)}",
+        "call: " + " | ".join(alts),
     ]
     if choice.mode == "auto" and text_schema is None:
         lines.append("TEXT: /(.|\\n)*/ & ~/(.|\\n)*<\\/?tool(.|\\n)*/")
-    return "\n".join(lines) + "\n"
+    main = "\n".join(head + lines) + "\n"
+    if not subs:
+        return main
+    return json.dumps({"grammars": [{"lark_grammar": main}, *subs]}, ensure_ascii=False)
 
 
 def schema_text(schema: Any, param: str) -> str:

@@ -9,6 +9,7 @@ temperature at all), so every request here is greedy.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -304,3 +305,20 @@ def test_responses_function_call_streamed_equals_non_streamed(oai: openai.OpenAI
                  "arguments": calls[0].arguments},
         {"type": "function_call_output", "call_id": calls[0].call_id, "output": "18 C and sunny"}])
     assert after.status in ("completed", "incomplete") and "<tool" not in after.output_text
+
+
+def test_responses_custom_tool_with_a_lark_or_regex_grammar(oai: openai.OpenAI) -> None:
+    """Codex-style custom tools: the call's free-text input follows the tool's grammar."""
+    lark = {"type": "grammar", "syntax": "lark", "definition": 'start: WORD (" " WORD)*\nWORD: /[A-Z]{1,10}/\n'}
+    regex = {"type": "grammar", "syntax": "regex", "definition": "[a-z]{1,8} [0-9]{2}"}
+    for fmt, pattern in ((lark, r"[A-Z]{1,10}( [A-Z]{1,10})*"), (regex, r"[a-z]{1,8} [0-9]{2}")):
+        tools: list[Any] = [{"type": "custom", "name": "shout", "description": "Shout words", "format": fmt}]
+        kw: dict[str, Any] = dict(model="smollm2", input="Shout hello world.", tools=tools,
+                                  tool_choice={"type": "custom", "name": "shout"}, max_output_tokens=40)
+        r = oai.responses.create(**kw)
+        assert [o.type for o in r.output] == ["custom_tool_call"] and r.status == "completed"
+        call = r.output[0]
+        assert call.name == "shout" and re.fullmatch(pattern, call.input), call.input  # type: ignore[union-attr]
+        done = [e.input for e in oai.responses.create(**kw, stream=True)
+                if e.type == "response.custom_tool_call_input.done"]
+        assert done == [call.input]  # type: ignore[union-attr]

@@ -148,3 +148,26 @@ def test_store_ttl_and_count_with_a_fake_clock() -> None:
     now[0] = 13.0
     assert len(st) == 0
     assert len(ResponseStore(0, 10.0)) == 0
+
+
+def test_custom_tool_calls_and_history(router: LiveRouter, client: openai.OpenAI) -> None:
+    tools: list[Any] = [{"type": "custom", "name": "apply_patch", "description": "edit files",
+                         "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** " /[a-z ]+/'}}]
+    block = '<tool_call name="apply_patch">\n*** add a line\n</tool_call>'
+    r = client.responses.create(model="alpha", tools=tools, input=reply(block))
+    assert [(o.type, o.name, o.input) for o in r.output] == [("custom_tool_call", "apply_patch", "*** add a line")]  # type: ignore[union-attr]
+    g = json.loads(router.fake_events("generate")[-1]["grammar"])  # llguidance's JSON form: main + the tool's grammar
+    assert g["grammars"][1] == {"name": "custom_0", "lark_grammar": 'start: "*** " /[a-z ]+/'}
+    assert "@custom_0" in g["grammars"][0]["lark_grammar"]
+    evs = list(client.responses.create(model="alpha", tools=tools, input=reply(block), stream=True))
+    assert [e.input for e in evs if e.type == "response.custom_tool_call_input.done"] == ["*** add a line"]  # type: ignore[union-attr]
+    client.responses.create(model="alpha", tools=tools, input=[
+        {"role": "user", "content": "patch it"},
+        {"type": "custom_tool_call", "call_id": "call_9", "name": "apply_patch", "input": "*** x"},
+        {"type": "custom_tool_call_output", "call_id": "call_9", "output": "ok"}])
+    msgs = router.fake_events("generate")[-1]["messages"]
+    assert msgs[2] == {"role": "assistant", "content": '<tool_call name="apply_patch">\n*** x\n</tool_call>'}
+    assert msgs[3]["content"].startswith("The tool apply_patch returned:\nok")
+    r2 = httpx.post(router.url + "/v1/responses", json={"model": "alpha", "input": "x", "tools": [
+        {"type": "custom", "name": "t", "format": {"type": "grammar", "syntax": "ebnf", "definition": "x"}}]})
+    assert r2.status_code == 400 and r2.json()["error"]["param"] == "tools[0].format"
