@@ -71,8 +71,10 @@ def test_json_schema_output_validates_and_ends_by_itself(engine: Engine) -> None
         jsonschema.validate(json.loads(r.text), SCHEMA)
 
 
-def test_lark_grammar(engine: Engine) -> None:
-    g = 'start: "Answer: " ("yes" | "no") "."\n'
+@pytest.mark.parametrize("g", ['start: "Answer: " ("yes" | "no") "."\n',
+                               '%llguidance {}\nstart: "Answer: " ("yes" | "no") "."\n',
+                               'root ::= "Answer: " ("yes" | "no") "."\n'])  # llama.cpp's GBNF
+def test_lark_and_gbnf_grammars(engine: Engine, g: str) -> None:
     r = engine.generate(_chat(engine, "Is the sky blue?"), SamplingParams(temperature=0, max_tokens=20, grammar=g))
     assert r.text in ("Answer: yes.", "Answer: no.") and r.finish_reason == "stop"
 
@@ -83,6 +85,7 @@ def test_invalid_constraints_are_refused_before_any_token(engine: Engine) -> Non
         (SamplingParams(json_schema="{not json"), "not valid JSON"),
         (SamplingParams(json_schema=json.dumps({"type": "string", "format": "nonsense"})), "nonsense"),
         (SamplingParams(grammar="start: ("), "grammar"),
+        (SamplingParams(grammar="root ::= ("), "GBNF"),
         (SamplingParams(grammar="start: x", json_schema="{}"), "at most one"),
     ]:
         with pytest.raises(EngineError) as e:

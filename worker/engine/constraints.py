@@ -11,7 +11,9 @@ its answers into what the sampler needs:
   every end-of-generation id is an EOS the grammar may allow once it accepts.
   Built once per tokenizer (about a second for Gemma's 262k tokens) and cached.
 * :func:`grammar_text` — the llguidance grammar of a request (``json_schema`` text,
-  compiled with JSON written as ``{"key": value, ...}``; or a Lark ``grammar``).
+  compiled with JSON written as ``{"key": value, ...}``; or a ``grammar``: Lark,
+  llama.cpp's GBNF — converted by llguidance's ``gbnf_to_lark`` — or llguidance's
+  JSON grammar form, which the router uses for custom tools).
 * :func:`check` — compile it now (on the prep thread) so an invalid schema or
   grammar is ``EngineError("invalid_grammar")`` before any token.
 * :class:`Constraint` — one sequence's matcher: :meth:`Constraint.allowed` is the
@@ -118,6 +120,14 @@ def grammar_text(json_schema: str | None, grammar: str | None) -> str | None:
     if grammar is not None:
         if not grammar.strip():
             raise EngineError("invalid_grammar", "grammar is empty")
+        if "::=" in grammar and not grammar.lstrip().startswith("{"):
+            from llguidance.gbnf_to_lark import GbnfToLarkError, is_lark_syntax, gbnf_to_lark
+
+            if not is_lark_syntax(grammar):  # llama.cpp's GBNF (root ::= ...): converted to Lark
+                try:
+                    grammar = gbnf_to_lark(grammar)
+                except GbnfToLarkError as e:
+                    raise EngineError("invalid_grammar", f"invalid GBNF grammar: {e}") from None
         return str(llguidance.LLMatcher.grammar_from_lark(grammar))
     return None
 
