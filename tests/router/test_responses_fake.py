@@ -171,3 +171,11 @@ def test_custom_tool_calls_and_history(router: LiveRouter, client: openai.OpenAI
     r2 = httpx.post(router.url + "/v1/responses", json={"model": "alpha", "input": "x", "tools": [
         {"type": "custom", "name": "t", "format": {"type": "grammar", "syntax": "ebnf", "definition": "x"}}]})
     assert r2.status_code == 400 and r2.json()["error"]["param"] == "tools[0].format"
+
+
+def test_failure_mid_stream_is_response_failed(client: openai.OpenAI) -> None:
+    evs = list(client.responses.create(model="alpha", input="hi [crash]", stream=True))
+    assert evs[0].type == "response.created" and evs[-1].type == "response.failed"
+    assert evs[-1].response.status == "failed" and evs[-1].response.error is not None  # type: ignore[union-attr]
+    assert evs[-1].response.error.code == "worker_crashed"  # type: ignore[union-attr]
+    assert [e.sequence_number for e in evs] == list(range(len(evs)))
