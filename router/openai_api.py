@@ -267,6 +267,19 @@ def parse_tools(body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
                      "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
 
 
+def refuse_unsupported_chat(body: dict[str, Any]) -> None:
+    """Chat fields that would change the answer and are not implemented: a 400 naming them
+    (the legacy ``functions`` / ``function_call``: use ``tools`` / ``tool_choice``)."""
+    for key, why in (("functions", "use 'tools'"), ("function_call", "use 'tool_choice'"),
+                     ("audio", "these models produce text only"),
+                     ("web_search_options", "there is no web search")):
+        if body.get(key) is not None:
+            raise BadRequest(f"'{key}' is not supported: {why}", param=key)
+    mods = body.get("modalities")
+    if mods is not None and (not isinstance(mods, list) or any(m != "text" for m in mods)):
+        raise BadRequest("'modalities' other than [\"text\"] are not supported", param="modalities")
+
+
 def _response_format(body: dict[str, Any]) -> str | None:
     """``response_format`` as the JSON Schema text the answer must match (None: text)."""
     rf = body.get("response_format")
@@ -311,6 +324,7 @@ async def chat_completions(request: Request) -> Response:
     model_name = get_str(body, "model")
     slot = pool.get(model_name)
     label_request(request, slot.model.name)
+    refuse_unsupported_chat(body)
     tools, choice = parse_tools(body)
     offered = tools if choice.mode != "none" else []
     messages = parse_messages(body, offered)

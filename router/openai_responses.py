@@ -15,7 +15,9 @@ free-text input may follow a ``grammar`` format in Lark or regex syntax, as Code
 true) and ``previous_response_id`` (the stored conversation is continued, see
 ``router.response_store``). ``metadata`` is stored and echoed; ``reasoning``,
 ``include``, ``user``, ``service_tier``, ``prompt_cache_key``,
-``safety_identifier``, ``truncation: "disabled"`` and unknown fields are ignored.
+``safety_identifier``, ``truncation``, ``max_tool_calls`` (it bounds built-in tool
+calls; there are none) and unknown fields are ignored; ``prompt``,
+``conversation`` and ``background: true`` are a 400.
 
 Answer out: a ``response`` object with ``output`` items (one ``message`` with an
 ``output_text`` part, or ``function_call`` items), ``status`` ``completed`` or
@@ -238,11 +240,22 @@ def _text_format(body: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
     return json_format_constraint(fmt, "text.format"), fmt
 
 
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    """Fields that would change the answer and are not implemented: a 400 naming them."""
+    for key, why in (("prompt", "reusable prompt templates are not stored here; send 'input'"),
+                     ("conversation", "use 'previous_response_id'")):
+        if body.get(key) is not None:
+            raise BadRequest(f"'{key}' is not supported: {why}", param=key)
+    if get_bool(body, "background", False):
+        raise BadRequest("'background' responses are not supported", param="background")
+
+
 def _parse(request: Request, body: dict[str, Any]) -> _Request:
     pool: Pool = request.app.state.pool
     model = get_str(body, "model")
     slot = pool.get(model)
     label_request(request, slot.model.name)
+    _refuse_unsupported(body)
     history: list[ChatTurn] = []
     prev = get_str(body, "previous_response_id", None)
     if prev is not None:

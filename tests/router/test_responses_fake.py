@@ -125,6 +125,9 @@ def test_refusals_name_the_field(router: LiveRouter) -> None:
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
         ({"input": "x", "tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice.name"),
         ({}, "input"),
+        ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "conversation": "conv_1"}, "conversation"),
+        ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
     ]:
         r = httpx.post(router.url + "/v1/responses", json={"model": "alpha", **body}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

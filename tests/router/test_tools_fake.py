@@ -119,6 +119,9 @@ def test_history_with_tool_calls_is_rendered(router: LiveRouter) -> None:
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}},
      "response_format.json_schema.schema"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "x"}]}]}, "messages[0].tool_calls[0]"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
 ])
 def test_bad_tool_fields_are_400_naming_them(router: LiveRouter, body: dict[str, Any], param: str) -> None:
     r = httpx.post(router.url + "/v1/chat/completions", json={
