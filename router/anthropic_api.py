@@ -47,7 +47,7 @@ from router.params import INT32_MAX, get_bool, get_float, get_int, get_str, read
 from router.pool import ModelSlot, Pool
 from router.responses import JSONResponse
 from router.sse import SSEResponse, sse_named
-from router.tools import CallParser, ChatTurn, Tool, ToolCall, ToolChoice, new_call_id, render_messages
+from router.tools import CallParser, ChatTurn, Tool, ToolCall, ToolChoice, render_messages
 
 #: Content block types of earlier assistant turns that carry no text for the prompt.
 _DROPPED_BLOCKS = ("thinking", "redacted_thinking")

@@ -36,7 +36,6 @@ and the constraints (``router.constraints``).
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
