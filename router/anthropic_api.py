@@ -200,7 +200,8 @@ def _output_format(body: dict[str, Any]) -> tuple[str | None, str | None]:
             continue
         if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
             raise BadRequest(f"'{param}.type' must be 'json_schema'", param=param)
-        return json_format_constraint(fmt, param), param
+        # Anthropic's structured outputs are always strict: objects hold only their properties
+        return json_format_constraint({**fmt, "strict": True}, param), param
     return None, None
 
 

@@ -322,3 +322,19 @@ def test_responses_custom_tool_with_a_lark_or_regex_grammar(oai: openai.OpenAI) 
         done = [e.input for e in oai.responses.create(**kw, stream=True)
                 if e.type == "response.custom_tool_call_input.done"]
         assert done == [call.input]  # type: ignore[union-attr]
+
+
+def test_structured_output_on_responses_and_messages(oai: openai.OpenAI, claude: anthropic.Anthropic) -> None:
+    schema = Person.model_json_schema()
+    prompt = "Ann is 31 and likes red and blue. Describe her as JSON."
+    kw: dict[str, Any] = dict(model="smollm2", input=prompt, max_output_tokens=80,
+                              text={"format": {"type": "json_schema", "name": "Person", "schema": schema,
+                                               "strict": True}})
+    r = oai.responses.create(**kw)
+    jsonschema.validate(json.loads(r.output_text), schema)
+    streamed = "".join(e.delta for e in oai.responses.create(**kw, stream=True) if e.type == "response.output_text.delta")
+    assert streamed == r.output_text
+    m = claude.messages.create(model="smollm2", max_tokens=80, messages=[{"role": "user", "content": prompt}],
+                               output_config={"format": {"type": "json_schema", "schema": schema}})  # type: ignore[typeddict-item]
+    assert m.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(m.content[0].text), schema)  # type: ignore[union-attr]
