@@ -9,7 +9,8 @@ turns are dropped, as Anthropic does; images and documents are a 400),
 and ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``;
 ``disable_parallel_tool_use``). ``metadata``, ``thinking``, ``service_tier``,
 ``cache_control``, ``output_config.effort`` and unknown fields are ignored (they
-do not change what a local model answers); ``anthropic-version`` /
+do not change what a local model answers); ``output_config.format``
+(``{"type": "json_schema", "schema"}``) constrains the text to the schema; ``anthropic-version`` /
 ``anthropic-beta`` headers are accepted and ignored.
 
 Answer out: a ``message`` with ``text`` / ``tool_use`` content blocks,
@@ -38,7 +39,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from protocol import Done, Generate, Token
-from router.constraints import tool_constraint
+from router.constraints import json_format_constraint, tool_constraint
 from router.errors import ApiError, BadRequest, anthropic_error_payload
 from router.generation import OPENAI_DEFAULTS, begin, collect, new_id, read_sampling, stream
 from router.metrics import label_request
@@ -46,7 +47,7 @@ from router.params import INT32_MAX, get_bool, get_float, get_int, get_str, read
 from router.pool import ModelSlot, Pool
 from router.responses import JSONResponse
 from router.sse import SSEResponse, sse_named
-from router.tools import CallParser, ChatTurn, Tool, ToolCall, ToolChoice, new_call_id, render_messages
+from router.tools import CallParser, ChatTurn, Tool, ToolCall, ToolChoice, render_messages
 
 #: Content block types of earlier assistant turns that carry no text for the prompt.
 _DROPPED_BLOCKS = ("thinking", "redacted_thinking")
@@ -62,6 +63,8 @@ class _Request:
     tools: list[Tool]
     choice: ToolChoice
     grammar: str | None
+    json_schema: str | None
+    constraint_param: str | None
 
 
 def _text_blocks(v: Any, where: str) -> str:
@@ -185,12 +188,21 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
         raise BadRequest("'mcp_servers' is not supported", param="mcp_servers")
     if body.get("container") is not None:
         raise BadRequest("'container' is not supported", param="container")
+
+
+def _output_format(body: dict[str, Any]) -> tuple[str | None, str | None]:
+    """Structured output: ``output_config.format`` (or the older top-level
+    ``output_format``) ``{"type": "json_schema", "schema"}`` -> (schema text, field)."""
     oc = body.get("output_config")
-    if isinstance(oc, dict) and oc.get("format") is not None:
-        raise BadRequest("'output_config.format' is not supported; use a tool with an input_schema",
-                         param="output_config.format")
-    if body.get("output_format") is not None:
-        raise BadRequest("'output_format' is not supported; use a tool with an input_schema", param="output_format")
+    for fmt, param in ((oc.get("format") if isinstance(oc, dict) else None, "output_config.format"),
+                       (body.get("output_format"), "output_format")):
+        if fmt is None:
+            continue
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+            raise BadRequest(f"'{param}.type' must be 'json_schema'", param=param)
+        # Anthropic's structured outputs are always strict: objects hold only their properties
+        return json_format_constraint({**fmt, "strict": True}, param), param
+    return None, None
 
 
 async def _parse(request: Request, body: dict[str, Any]) -> _Request:
@@ -202,8 +214,11 @@ async def _parse(request: Request, body: dict[str, Any]) -> _Request:
     turns = _turns(body)
     tools, choice = _tools(body)
     offered = tools if choice.mode != "none" else []
-    return _Request(model, slot, render_messages(turns, offered), offered, choice,
-                    tool_constraint(offered, choice))
+    text_schema, fmt_param = _output_format(body)
+    grammar = tool_constraint(offered, choice, text_schema)
+    json_schema = text_schema if grammar is None else None
+    param = "tools" if grammar is not None else fmt_param
+    return _Request(model, slot, render_messages(turns, offered), offered, choice, grammar, json_schema, param)
 
 
 def _generate(req: _Request, body: dict[str, Any], max_tokens: int, prefix: str) -> Generate:
@@ -215,7 +230,7 @@ def _generate(req: _Request, body: dict[str, Any], max_tokens: int, prefix: str)
         raise BadRequest("'stop_sequences' must be an array of strings", param="stop_sequences")
     sampling["stop"] = [s for s in (stops or []) if s]
     return Generate(id=new_id(prefix), messages=req.messages, max_tokens=max_tokens, grammar=req.grammar,
-                    **sampling)
+                    json_schema=req.json_schema, **sampling)
 
 
 def _stop_reason(done: Done, calls: list[ToolCall]) -> tuple[str, str | None]:
@@ -249,7 +264,7 @@ async def messages(request: Request) -> Response:
         raise BadRequest("'max_tokens' is required", param="max_tokens")
     streaming = get_bool(body, "stream", False)
     msg = _generate(req, body, max_tokens, "msg")
-    run, first = await begin(request, req.slot, msg, grammar_param="tools")
+    run, first = await begin(request, req.slot, msg, grammar_param=req.constraint_param)
     mid = "msg_" + msg.id.split("-", 1)[1]
     parser = CallParser(req.choice.mode != "none", "toolu")
 
@@ -336,7 +351,7 @@ async def count_tokens(request: Request) -> Response:
     body = await read_json(request)
     req = await _parse(request, body)
     msg = _generate(req, body, 0, "count")
-    run, first = await begin(request, req.slot, msg, grammar_param="tools")
+    run, first = await begin(request, req.slot, msg, grammar_param=req.constraint_param)
     _, done = await collect(request, run, first)
     return JSONResponse({"input_tokens": done.prompt_tokens})
 

@@ -1,30 +1,169 @@
-"""Tools and response formats as constraints (the text of a grammar the worker enforces
-with a per-sequence token mask).
+"""Tools and response formats as constraints: the text the worker compiles into a
+per-sequence token mask (``worker/engine/constraints.py``, llguidance).
 
-The dialect layer only turns ``tools`` / ``tool_choice`` / ``response_format`` into a
-constraint here, and parses the output (``router.tools``); the worker
-(``worker/engine/constraints.py``) compiles and enforces it.
+The dialect layer turns ``tools`` + ``tool_choice`` into a Lark grammar over the
+generic tool format (``router.tools``) and ``response_format`` / ``text.format`` /
+``output_config.format`` into a JSON Schema text; the worker compiles either and an
+invalid one is a 400 before any token (``invalid_grammar``, naming the field).
+
+Tool grammars (``%json`` embeds a JSON Schema in llguidance's Lark dialect)::
+
+    start: calls                      # required / named (named: exactly one call)
+    start: calls | TEXT               # auto: text, or calls - never both
+    calls: call+                      # parallel_tool_calls (else: one call)
+    call: json_call | custom_call_0 ...
+    json_call: "<tool_call>\\n" %json {...} "\\n</tool_call>"
+    custom_call_0: "<tool_call name=\\"NAME\\">\\n" @custom_0 "\\n</tool_call>"   # a custom tool
+    TEXT: /(.|\\n)*/ & ~/(.|\\n)*<\\/?tool(.|\\n)*/   # no tool markup ("<tool", "</tool") in text
+
+where the schema of a call is ``{"name": {"const": NAME}, "arguments": PARAMETERS}``
+(one per tool, ``anyOf`` when several; object schemas in PARAMETERS closed with
+``additionalProperties: false`` unless they say otherwise), written with the
+separators models use. Calls follow each other with nothing between them: after a
+``</tool_call>`` the model may end (EOS) or open the next call at once.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from router.errors import BadRequest
-from router.tools import Tool, ToolChoice
+from router.tools import CALL_CLOSE, CALL_OPEN, Tool, ToolChoice
+
+#: How the JSON of a call is written (the worker's default for json_schema too).
+JSON_STYLE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def tool_constraint(tools: list[Tool], choice: ToolChoice) -> str | None:
-    """The Lark grammar that makes the model's answer follow ``choice`` over ``tools``
-    (None: unconstrained)."""
-    if choice.mode in ("none", "auto"):
+#: Schema keywords whose values are schemas / maps of schemas / lists of schemas.
+_SUB_SCHEMA = ("items", "additionalItems", "not", "if", "then", "else", "contains")
+_SUB_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SUB_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with ``"additionalProperties": false`` on every object schema that lists
+    ``properties`` and does not say otherwise. Tool arguments then hold only the
+    declared keys: still valid under the client's schema (a subset of what it allows),
+    and a small greedy model does not pad its calls with invented keys."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    for k in _SUB_SCHEMA:
+        if k in out:
+            out[k] = closed(out[k])
+    for k in _SUB_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: closed(v) for name, v in out[k].items()}
+    for k in _SUB_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [closed(v) for v in out[k]]
+    return out
+
+
+def _call_schema(t: Tool) -> dict[str, Any]:
+    return {"type": "object",
+            "properties": {"name": {"const": t.name}, "arguments": closed(t.parameters)},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _lark_str(s: str) -> str:
+    return json.dumps(s)  # a JSON string literal is a valid Lark string literal
+
+
+#: Free text of a custom tool without a grammar (it may not close its block).
+_FREE_INPUT = "start: /(.|\\n)*/ & ~/(.|\\n)*<\\/tool_call>(.|\\n)*/\n"
+
+
+def _custom_grammar(t: Tool) -> str:
+    """A custom tool's input grammar (Lark) from its format."""
+    if t.grammar is None:
+        return _FREE_INPUT
+    syntax, definition = t.grammar
+    if syntax == "regex":
+        return "start: /" + definition.replace("/", "\\/") + "/\n"
+    return definition
+
+
+def tool_constraint(tools: list[Tool], choice: ToolChoice, text_schema: str | None = None) -> str | None:
+    """The grammar that makes the model's answer follow ``choice`` over ``tools`` (None:
+    unconstrained, when no tools are offered). ``text_schema``: the JSON Schema text a
+    plain reply must match (a response format); in ``auto`` mode the reply is then that
+    JSON or calls (``start: calls | %json {...}``).
+
+    Lark text, or, when custom tools are offered, llguidance's JSON grammar
+    (``{"grammars": [main, one per custom tool]}``): a custom call's input is the
+    tool's own grammar, referenced from the main one as ``@custom_<i>``."""
+    if choice.mode == "none" or not tools:
         return None
-    raise BadRequest("forcing a tool call ('tool_choice') is not supported yet", param="tool_choice")
+    pool = [t for t in tools if t.name == choice.name] if choice.mode == "named" else tools
+    functions = [t for t in pool if not t.custom]
+    customs = [t for t in pool if t.custom]
+    alts: list[str] = []
+    lines: list[str] = []
+    if functions:
+        schemas = [_call_schema(t) for t in functions]
+        schema: dict[str, Any] = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        schema = {**schema, "x-guidance": JSON_STYLE}
+        lines.append(f"json_call: {_lark_str(CALL_OPEN + chr(10))} %json {json.dumps(schema, ensure_ascii=False)} "
+                     f"{_lark_str(chr(10) + CALL_CLOSE)}")
+        alts.append("json_call")
+    subs: list[dict[str, Any]] = []
+    for i, t in enumerate(customs):
+        lines.append(f"custom_call_{i}: {_lark_str(f'<tool_call name={json.dumps(t.name)}>' + chr(10))} "
+                     f"@custom_{i} {_lark_str(chr(10) + CALL_CLOSE)}")
+        alts.append(f"custom_call_{i}")
+        subs.append({"name": f"custom_{i}", "lark_grammar": _custom_grammar(t)})
+    many = choice.parallel and choice.mode != "named"
+    text_rule = "TEXT" if text_schema is None else "%json " + json.dumps(
+        {**json.loads(text_schema), "x-guidance": JSON_STYLE}, ensure_ascii=False)
+    head = [
+        f"start: calls | {text_rule}" if choice.mode == "auto" else "start: calls",
+        "calls: call+" if many else "calls: call",
+        "call: " + " | ".join(alts),
+    ]
+    if choice.mode == "auto" and text_schema is None:
+        lines.append("TEXT: /(.|\\n)*/ & ~/(.|\\n)*<\\/?tool(.|\\n)*/")
+    main = "\n".join(head + lines) + "\n"
+    if not subs:
+        return main
+    return json.dumps({"grammars": [{"lark_grammar": main}, *subs]}, ensure_ascii=False)
+
+
+def schema_text(schema: Any, param: str) -> str:
+    """A client's JSON Schema as the text the worker compiles. Raises BadRequest naming ``param``."""
+    if isinstance(schema, bool):
+        schema = {} if schema else {"not": {}}
+    if not isinstance(schema, dict):
+        raise BadRequest(f"'{param}' must be a JSON Schema object", param=param)
+    return json.dumps(schema, ensure_ascii=False)
 
 
 def json_format_constraint(fmt: dict[str, Any], param: str) -> str | None:
-    """The JSON Schema text a response format (``{"type": "text" | "json_object" |
-    "json_schema", ...}``) asks for (None: plain text). Raises BadRequest naming ``param``."""
-    if fmt.get("type") == "text":
+    """The JSON Schema text a response format asks for (None: plain text).
+
+    ``{"type": "text"}`` -> None; ``{"type": "json_object"}`` -> any JSON object;
+    ``{"type": "json_schema", ...}`` -> its schema, found as ``json_schema.schema``
+    (chat completions) or ``schema`` (Responses API, Anthropic's ``output_config``).
+    The schema is always enforced, and a keyword the constraint engine cannot enforce
+    is a 400 (never silently dropped). ``strict: true`` adds OpenAI's strict-mode rule
+    that objects have no keys beyond their ``properties`` (``additionalProperties:
+    false`` wherever the schema does not say). Raises BadRequest naming ``param``."""
+    kind = fmt.get("type")
+    if kind == "text":
         return None
-    raise BadRequest(f"'{param}' {fmt.get('type')!r} is not supported yet", param=param)
+    if kind == "json_object":
+        return json.dumps({"type": "object"})
+    if kind == "json_schema":
+        inner = fmt.get("json_schema")
+        if isinstance(inner, dict) and "schema" in inner:
+            schema, where, strict = inner["schema"], f"{param}.json_schema.schema", inner.get("strict") is True
+        elif "schema" in fmt:
+            schema, where, strict = fmt["schema"], f"{param}.schema", fmt.get("strict") is True
+        else:
+            raise BadRequest(f"'{param}' of type json_schema needs a schema", param=param)
+        return schema_text(closed(schema) if strict else schema, where)
+    raise BadRequest(f"'{param}.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                     param=f"{param}.type")

@@ -2,7 +2,8 @@
 model is configured): ``/completion``, ``/tokenize``, ``/detokenize``, ``/apply-template``.
 
 ``/completion`` uses llama.cpp's names and defaults (``n_predict``, ``n_probs``,
-temperature 0.8, top_k 40, top_p 0.95, min_p 0.05; temperature 0 is greedy) and
+temperature 0.8, top_k 40, top_p 0.95, min_p 0.05; temperature 0 is greedy;
+``json_schema`` and ``grammar`` in Lark form constrain the output) and
 answers ``content``, ``tokens``, ``stop_type``, ``timings`` and
 ``completion_probabilities`` — exactly one entry per generated token, also for a
 token ending inside a UTF-8 character (its ``bytes`` are exact).
@@ -33,6 +34,7 @@ from protocol import (
 )
 from protocol.errors import ErrorCode
 from protocol.limits import GENERATE_LIMITS
+from router.constraints import schema_text
 from router.errors import BadGateway, BadRequest, from_worker_error, unsendable
 from router.generation import (
     LLAMACPP_DEFAULTS,
@@ -109,6 +111,24 @@ def _prompt(body: dict[str, Any]) -> str | list[int]:
     return prompt
 
 
+def _constraint(body: dict[str, Any]) -> tuple[str | None, str | None, str | None]:
+    """``json_schema`` (a JSON Schema object) or ``grammar`` (a Lark grammar, llguidance's
+    dialect; a leading ``%llguidance {}`` line, as llama.cpp takes it, is accepted) as
+    (json_schema text, grammar, the field). An empty grammar is no constraint, as in
+    llama.cpp. Both at once is a 400."""
+    schema = body.get("json_schema")
+    grammar = get_str(body, "grammar", None)
+    if grammar is not None and not grammar.strip():
+        grammar = None
+    if schema is not None and grammar is not None:
+        raise BadRequest("give at most one of 'json_schema' and 'grammar'", param="grammar")
+    if schema is not None:
+        return schema_text(schema, "json_schema"), None, "json_schema"
+    if grammar is not None:
+        return None, grammar, "grammar"
+    return None, None, None
+
+
 async def completion(request: Request) -> Response:
     body = await read_json(request)
     name, slot = _slot(request, body)
@@ -120,12 +140,14 @@ async def completion(request: Request) -> Response:
     n_probs = get_bounded(body, "n_probs", 0, GENERATE_LIMITS["n_probs"], integer=True)
     return_tokens = get_bool(body, "return_tokens", False)
     streaming = get_bool(body, "stream", False)
+    json_schema, grammar, param = _constraint(body)
     msg = Generate(
         id=new_id("cmpl"), prompt=prompt, max_tokens=max_tokens, n_probs=n_probs,
         cache_prompt=get_bool(body, "cache_prompt", True), ignore_eos=get_bool(body, "ignore_eos", False),
+        json_schema=json_schema, grammar=grammar,
         **read_sampling(body, LLAMACPP_DEFAULTS, slot, openai=False),
     )
-    run, first = await begin(request, slot, msg)
+    run, first = await begin(request, slot, msg, grammar_param=param)
 
     def summary(done: Done, tokens: list[int], content: str) -> dict[str, Any]:
         ready = run.worker.ready if run.worker is not None else None

@@ -9,7 +9,7 @@ Request and response shapes follow OpenAI's; responses also carry llama.cpp's
 from __future__ import annotations
 
 import codecs
-
+import json
 from typing import Any
 
 from starlette.requests import Request
@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from protocol import Done, Generate, Token
 from protocol.limits import MAX_N, MAX_N_PROBS
+from router.constraints import json_format_constraint, tool_constraint
 from router.errors import BadRequest, NotFound
 from router.generation import (
     OPENAI_DEFAULTS,
@@ -38,6 +39,7 @@ from router.pool import ModelSlot, Pool
 from router.process import WorkerProcess
 from router.responses import JSONResponse
 from router.sse import SSEResponse, sse_event
+from router.tools import CallParser, ChatTurn, Tool, ToolCall, ToolChoice, render_messages
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
               "tool": "tool"}
@@ -145,14 +147,62 @@ def _final_events(final: dict[str, Any], done: Done, head: dict[str, Any], inclu
     return out
 
 
-def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """``messages`` as [{"role", "content": str}] for the worker's template.
-    Content parts of type "text" are joined with newlines; ``developer`` becomes
-    ``system``. Raises BadRequest."""
+def _content_text(content: Any, where: str) -> str:
+    """A message ``content``: a string, or content parts of type text / input_text
+    (joined with newlines; extra keys such as ``cache_control`` ignored)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRequest(f"'{where}' must be a string or an array of content parts", param=where)
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        pw = f"{where}[{j}]"
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        if not isinstance(part, dict):
+            raise BadRequest(f"'{pw}' must be an object", param=pw)
+        ptype = part.get("type")
+        if ptype in ("text", "input_text"):
+            t = part.get("text")
+            if not isinstance(t, str):
+                raise BadRequest(f"'{pw}.text' must be a string", param=f"{pw}.text")
+            texts.append(t)
+        else:
+            raise BadRequest(f"'{pw}': content parts of type {ptype!r} are not supported "
+                             "(text only)", param=pw)
+    return "\n".join(texts)
+
+
+def _tool_calls(m: dict[str, Any], where: str) -> list[ToolCall]:
+    raw = m.get("tool_calls")
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise BadRequest(f"'{where}.tool_calls' must be an array", param=f"{where}.tool_calls")
+    calls: list[ToolCall] = []
+    for k, c in enumerate(raw):
+        cw = f"{where}.tool_calls[{k}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise BadRequest(f"'{cw}' must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                             "\"arguments\"}}", param=cw)
+        args = fn.get("arguments", "")
+        if not isinstance(args, str):
+            args = json.dumps(args, ensure_ascii=False)  # some clients send the object itself
+        ident = c.get("id")
+        calls.append(ToolCall(ident if isinstance(ident, str) else f"call_{k}", fn["name"], args))
+    return calls
+
+
+def parse_turns(body: dict[str, Any]) -> list[ChatTurn]:
+    """``messages`` as dialect-neutral turns: content parts joined, ``developer`` as
+    ``system``, assistant ``tool_calls`` (content null, "" or missing) and ``tool``
+    messages (``tool_call_id``) kept. Raises BadRequest naming the field."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise BadRequest("'messages' must be a non-empty array", param="messages")
-    out: list[dict[str, Any]] = []
+    out: list[ChatTurn] = []
     for i, m in enumerate(msgs):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -166,32 +216,85 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             if role not in ("assistant", "tool"):
                 raise BadRequest(f"'{where}.content' is required", param=f"{where}.content")
             text = ""
-        elif isinstance(content, str):
-            text = content
-        elif isinstance(content, list):
-            texts: list[str] = []
-            for j, part in enumerate(content):
-                pw = f"{where}.content[{j}]"
-                if isinstance(part, str):
-                    texts.append(part)
-                    continue
-                if not isinstance(part, dict):
-                    raise BadRequest(f"'{pw}' must be an object", param=pw)
-                ptype = part.get("type")
-                if ptype in ("text", "input_text"):
-                    t = part.get("text")
-                    if not isinstance(t, str):
-                        raise BadRequest(f"'{pw}.text' must be a string", param=f"{pw}.text")
-                    texts.append(t)
-                else:
-                    raise BadRequest(f"'{pw}': content parts of type {ptype!r} are not supported "
-                                     "(text only)", param=pw)
-            text = "\n".join(texts)
         else:
-            raise BadRequest(f"'{where}.content' must be a string or an array of content parts",
-                             param=f"{where}.content")
-        out.append({"role": CHAT_ROLES[role], "content": text})
+            text = _content_text(content, f"{where}.content")
+        calls = _tool_calls(m, where) if role == "assistant" else []
+        call_id = m.get("tool_call_id") if role == "tool" else None
+        name = m.get("name") if role == "tool" and isinstance(m.get("name"), str) else None
+        out.append(ChatTurn(CHAT_ROLES[role], text, calls, call_id if isinstance(call_id, str) else None, name))
     return out
+
+
+def parse_messages(body: dict[str, Any], tools: list[Tool] | None = None) -> list[dict[str, Any]]:
+    """``messages`` as [{"role", "content": str}] for the worker's template (tool calls and
+    results in the generic tool format, ``tools`` described in the system message)."""
+    return render_messages(parse_turns(body), tools)
+
+
+def parse_tools(body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
+    """``tools`` (function tools), ``tool_choice`` (``none`` / ``auto`` / ``required`` /
+    ``{"type": "function", "function": {"name"}}``) and ``parallel_tool_calls``."""
+    raw = body.get("tools")
+    tools: list[Tool] = []
+    if raw is not None:
+        if not isinstance(raw, list):
+            raise BadRequest("'tools' must be an array", param="tools")
+        for i, t in enumerate(raw):
+            where = f"tools[{i}]"
+            if not isinstance(t, dict) or t.get("type", "function") != "function":
+                kind = t.get("type") if isinstance(t, dict) else None
+                raise BadRequest(f"'{where}': tools of type {kind!r} are not supported (function tools only)",
+                                 param=f"{where}.type")
+            fn = t.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise BadRequest(f"'{where}.function.name' must be a non-empty string", param=f"{where}.function.name")
+            params = fn.get("parameters")
+            if params is None:
+                params = {"type": "object", "properties": {}}
+            if not isinstance(params, dict):
+                raise BadRequest(f"'{where}.function.parameters' must be a JSON Schema object",
+                                 param=f"{where}.function.parameters")
+            desc = fn.get("description")
+            tools.append(Tool(fn["name"], desc if isinstance(desc, str) else "", params))
+    parallel = get_bool(body, "parallel_tool_calls", True)
+    tc = body.get("tool_choice")
+    if tc is None:
+        tc = "auto"
+    if tc in ("none", "auto", "required"):
+        if tc == "required" and not tools:
+            raise BadRequest("'tool_choice' 'required' needs 'tools'", param="tool_choice")
+        return tools, ToolChoice("none" if tc == "none" or not tools else tc, None, parallel)
+    if isinstance(tc, dict) and tc.get("type") == "function" and isinstance(tc.get("function"), dict):
+        name = tc["function"].get("name")
+        if not isinstance(name, str) or name not in {t.name for t in tools}:
+            raise BadRequest(f"'tool_choice.function.name' must name one of the tools, got {name!r}",
+                             param="tool_choice.function.name")
+        return tools, ToolChoice("named", name, parallel)
+    raise BadRequest("'tool_choice' must be 'none', 'auto', 'required' or "
+                     "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
+
+
+def refuse_unsupported_chat(body: dict[str, Any]) -> None:
+    """Chat fields that would change the answer and are not implemented: a 400 naming them
+    (the legacy ``functions`` / ``function_call``: use ``tools`` / ``tool_choice``)."""
+    for key, why in (("functions", "use 'tools'"), ("function_call", "use 'tool_choice'"),
+                     ("audio", "these models produce text only"),
+                     ("web_search_options", "there is no web search")):
+        if body.get(key) is not None:
+            raise BadRequest(f"'{key}' is not supported: {why}", param=key)
+    mods = body.get("modalities")
+    if mods is not None and (not isinstance(mods, list) or any(m != "text" for m in mods)):
+        raise BadRequest("'modalities' other than [\"text\"] are not supported", param="modalities")
+
+
+def _response_format(body: dict[str, Any]) -> str | None:
+    """``response_format`` as the JSON Schema text the answer must match (None: text)."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, dict):
+        raise BadRequest("'response_format' must be an object", param="response_format")
+    return json_format_constraint(rf, "response_format")
 
 
 # ----------------------------------------------------------------------------- chat
@@ -213,13 +316,30 @@ def _chat_logprobs(tokens: list[Token], n_top: int) -> list[dict[str, Any]]:
     return [_chat_logprob(p, n_top) for p in token_probs(tokens, n_top)]
 
 
+def _tool_calls_json(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls]
+
+
+def _chat_finish(finish: str, calls: list[ToolCall]) -> str:
+    """OpenAI's finish_reason of a choice: "tool_calls" when it ended by itself with calls."""
+    return "tool_calls" if calls and finish == "stop" else finish
+
+
 async def chat_completions(request: Request) -> Response:
     body = await read_json(request)
     pool = _pool(request)
     model_name = get_str(body, "model")
     slot = pool.get(model_name)
     label_request(request, slot.model.name)
-    messages = parse_messages(body)
+    refuse_unsupported_chat(body)
+    tools, choice = parse_tools(body)
+    offered = tools if choice.mode != "none" else []
+    messages = parse_messages(body, offered)
+    text_schema = _response_format(body)
+    grammar = tool_constraint(offered, choice, text_schema)
+    json_schema = text_schema if grammar is None else None
+    param = "tools" if grammar is not None else ("response_format" if json_schema is not None else None)
     common = _common(body, slot, "chatcmpl")
     want_logprobs = get_bool(body, "logprobs", False)
     top_n = get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
@@ -228,23 +348,35 @@ async def chat_completions(request: Request) -> Response:
     top_n = top_n or 0
     streaming = get_bool(body, "stream", False)
     include_usage = _include_usage(body)
-    msg = Generate(messages=messages, n_probs=max(top_n, 1) if want_logprobs else 0, **common)
+    msg = Generate(messages=messages, n_probs=max(top_n, 1) if want_logprobs else 0, grammar=grammar,
+                   json_schema=json_schema, **common)
 
-    run, first = await begin(request, slot, msg)
+    run, first = await begin(request, slot, msg, grammar_param=param)
     worker = run.worker
     assert worker is not None
     rid, created, fp = msg.id, now_s(), _fingerprint(worker)
-
     n = msg.n
+    parsers = [CallParser(bool(offered)) for _ in range(n)]  # one per choice
+
     if not streaming:
         tokens, done = await collect(request, run, first)
         choices = []
         for i, (tail_text, finish) in enumerate(_choice_finals(done, n)):
+            parser = parsers[i]
             mine = [t for t in tokens if t.index == i]
-            logprobs = {"content": _chat_logprobs(mine, top_n), "refusal": None} if want_logprobs else None
-            choices.append({"index": i, "message": {"role": "assistant", "content": "".join(t.text for t in mine)
-                                                   + tail_text, "refusal": None},
-                            "logprobs": logprobs, "finish_reason": finish})
+            for t in mine:
+                parser.feed(t.text)
+            parser.feed(tail_text)
+            parser.finish()
+            out = parser.result()
+            logprobs = None
+            if want_logprobs and out.content is not None:
+                logprobs = {"content": _chat_logprobs(mine, top_n), "refusal": None}
+            message: dict[str, Any] = {"role": "assistant", "content": out.content, "refusal": None}
+            if out.calls:
+                message["tool_calls"] = _tool_calls_json(out.calls)
+            choices.append({"index": i, "message": message, "logprobs": logprobs,
+                            "finish_reason": _chat_finish(finish, out.calls)})
         return JSONResponse({
             **_envelope(rid, "chat.completion", created, model_name, fp),
             "choices": choices, "usage": usage_of(done), "timings": timings_of(done),
@@ -260,40 +392,53 @@ async def chat_completions(request: Request) -> Response:
                              "logprobs": {"content": lp, "refusal": None} if lp else None,
                              "finish_reason": finish}], **tail}
 
-    pending: dict[int, list[Token]] = {i: [] for i in range(n)}  # tokens not yet sent, by choice
+    pending: list[list[Token]] = [[] for _ in range(n)]  # tokens not yet sent, by choice
     started: set[int] = set()
 
-    def start(i: int) -> list[bytes]:
-        if i in started:
-            return []
-        started.add(i)
-        return [sse_event(chunk({"role": "assistant", "content": ""}, index=i))]
+    def start(i: int, out: list[bytes]) -> None:
+        if i not in started:
+            started.add(i)
+            out.append(sse_event(chunk({"role": "assistant", "content": None if offered else ""}, index=i)))
+
+    def emit(i: int, content: str, calls: list[ToolCall], out: list[bytes]) -> None:
+        """Choice i's content deltas (with the logprobs of the tokens that made them) and tool-call
+        deltas: a call's first fragment has its index, id, type and name; the next, its arguments."""
+        if content:
+            lp = _chat_logprobs(pending[i], top_n) if want_logprobs else None
+            pending[i].clear()
+            out.append(sse_event(chunk({"content": content}, lp=lp, index=i)))
+        for c in calls:
+            pending[i].clear()
+            index = len(parsers[i].calls) - len(calls) + calls.index(c)
+            out.append(sse_event(chunk({"tool_calls": [{"index": index, "id": c.id, "type": "function",
+                                                         "function": {"name": c.name, "arguments": ""}}]},
+                                       index=i)))
+            out.append(sse_event(chunk({"tool_calls": [{"index": index, "function": {"arguments": c.arguments}}]},
+                                       index=i)))
 
     async def on_frame(item: Token | Done) -> list[bytes]:
         out: list[bytes] = []
         if isinstance(item, Token):
             i = item.index
-            out.extend(start(i))
+            start(i, out)
             pending[i].append(item)
-            if not item.text:
-                return out
-            lp = _chat_logprobs(pending[i], top_n) if want_logprobs else None
-            pending[i].clear()
-            out.append(sse_event(chunk({"content": item.text}, lp=lp, index=i)))
+            if item.text:
+                emit(i, *parsers[i].feed(item.text), out)
             return out
         finals = _choice_finals(item, n)
         for i, (tail_text, finish) in enumerate(finals):
-            out.extend(start(i))
-            lp = _chat_logprobs(pending[i], top_n) if want_logprobs and pending[i] \
+            start(i, out)
+            parser = parsers[i]
+            emit(i, *parser.feed(tail_text), out)
+            emit(i, *parser.finish(), out)
+            lp = _chat_logprobs(pending[i], top_n) if want_logprobs and pending[i] and not parser.calls \
                 else ([] if want_logprobs else None)
             pending[i].clear()
-            if tail_text:
-                out.append(sse_event(chunk({"content": tail_text}, lp=lp, index=i)))
-                lp = [] if want_logprobs else None
+            last = chunk({}, _chat_finish(finish, parser.calls), lp, index=i)
             if i < len(finals) - 1:
-                out.append(sse_event(chunk({}, finish, lp, index=i)))
+                out.append(sse_event(last))
             else:
-                out.extend(_final_events(chunk({}, finish, lp, index=i), item, head, include_usage))
+                out.extend(_final_events(last, item, head, include_usage))
         return out
 
     return SSEResponse(stream(run, first, on_frame), run.close)

@@ -6,14 +6,18 @@ Request in: ``input`` (a string, or items: ``message`` with ``input_text`` /
 ``function_call``, ``function_call_output``; ``reasoning`` items are dropped, as
 they carry nothing for these models; images and files are a 400),
 ``instructions`` (a system message for this response only: not carried over by
-``previous_response_id``), ``tools`` (``function`` tools), ``tool_choice``
-(``none`` / ``auto`` / ``required`` / ``{"type": "function", "name"}``),
+``previous_response_id``), ``tools`` (``function`` tools, and ``custom`` tools whose
+free-text input may follow a ``grammar`` format in Lark or regex syntax, as Codex's
+``apply_patch``), ``tool_choice`` (``none`` / ``auto`` / ``required`` /
+``{"type": "function" | "custom", "name"}``),
 ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p``,
 ``text.format`` (``text``, ``json_object``, ``json_schema``), ``store`` (default
 true) and ``previous_response_id`` (the stored conversation is continued, see
 ``router.response_store``). ``metadata`` is stored and echoed; ``reasoning``,
 ``include``, ``user``, ``service_tier``, ``prompt_cache_key``,
-``safety_identifier``, ``truncation: "disabled"`` and unknown fields are ignored.
+``safety_identifier``, ``truncation``, ``max_tool_calls`` (it bounds built-in tool
+calls; there are none) and unknown fields are ignored; ``prompt``,
+``conversation`` and ``background: true`` are a 400.
 
 Answer out: a ``response`` object with ``output`` items (one ``message`` with an
 ``output_text`` part, or ``function_call`` items), ``status`` ``completed`` or
@@ -32,7 +36,6 @@ and the constraints (``router.constraints``).
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -137,11 +140,41 @@ def _input_turns(v: Any) -> list[ChatTurn]:
             if not isinstance(call_id, str):
                 raise BadRequest(f"'{where}.call_id' must be a string", param=f"{where}.call_id")
             turns.append(ChatTurn("tool", _part_text(item.get("output", ""), f"{where}.output"), tool_call_id=call_id))
+        elif kind == "custom_tool_call":
+            name, call_id, text = item.get("name"), item.get("call_id"), item.get("input", "")
+            if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(text, str):
+                raise BadRequest(f"'{where}': a custom_tool_call needs string 'call_id', 'name' and 'input'",
+                                 param=where)
+            call = ToolCall(call_id, name, text, custom=True)
+            if turns and turns[-1].role == "assistant":
+                turns[-1].tool_calls.append(call)
+            else:
+                turns.append(ChatTurn("assistant", "", tool_calls=[call]))
+        elif kind == "custom_tool_call_output":
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str):
+                raise BadRequest(f"'{where}.call_id' must be a string", param=f"{where}.call_id")
+            turns.append(ChatTurn("tool", _part_text(item.get("output", ""), f"{where}.output"), tool_call_id=call_id))
         elif kind == "reasoning":
             continue
         else:
             raise BadRequest(f"'{where}': input items of type {kind!r} are not supported", param=f"{where}.type")
     return turns
+
+
+def _custom_format(fmt: Any, where: str) -> tuple[str, str] | None:
+    """A custom tool's ``format``: ``{"type": "text"}`` (any text, None) or ``{"type":
+    "grammar", "syntax": "lark" | "regex", "definition"}`` (Codex's apply_patch grammar)."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "grammar"):
+        raise BadRequest(f"'{where}.type' must be 'text' or 'grammar'", param=f"{where}.type")
+    if fmt["type"] == "text":
+        return None
+    syntax, definition = fmt.get("syntax"), fmt.get("definition")
+    if syntax not in ("lark", "regex") or not isinstance(definition, str) or not definition.strip():
+        raise BadRequest(f"'{where}' needs 'syntax' ('lark' or 'regex') and a 'definition'", param=where)
+    return syntax, definition
 
 
 def _tools(body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
@@ -154,12 +187,18 @@ def _tools(body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
             where = f"tools[{i}]"
             if not isinstance(t, dict):
                 raise BadRequest(f"'{where}' must be an object", param=where)
-            if t.get("type") != "function":
-                raise BadRequest(f"'{where}': tools of type {t.get('type')!r} are not supported (function tools only)",
-                                 param=f"{where}.type")
+            if t.get("type") not in ("function", "custom"):
+                raise BadRequest(f"'{where}': tools of type {t.get('type')!r} are not supported (function and "
+                                 "custom tools only)", param=f"{where}.type")
             name, params = t.get("name"), t.get("parameters")
-            if not isinstance(name, str) or not name:
-                raise BadRequest(f"'{where}.name' must be a non-empty string", param=f"{where}.name")
+            if not isinstance(name, str) or not name or '"' in name or "\n" in name:
+                raise BadRequest(f"'{where}.name' must be a non-empty string without quotes or newlines",
+                                 param=f"{where}.name")
+            if t["type"] == "custom":
+                desc = t.get("description")
+                tools.append(Tool(name, desc if isinstance(desc, str) else "", custom=True,
+                                  grammar=_custom_format(t.get("format"), f"{where}.format")))
+                continue
             if params is None:
                 params = {"type": "object", "properties": {}}
             if not isinstance(params, dict):
@@ -175,12 +214,13 @@ def _tools(body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
             raise BadRequest("'tool_choice' 'required' needs 'tools'", param="tool_choice")
         mode = "none" if tc == "none" or not tools else tc
         return tools, ToolChoice(mode, None, parallel)
-    if isinstance(tc, dict) and tc.get("type") == "function":
+    if isinstance(tc, dict) and tc.get("type") in ("function", "custom"):
         name = tc.get("name")
         if not isinstance(name, str) or name not in {t.name for t in tools}:
             raise BadRequest(f"'tool_choice.name' must name one of the tools, got {name!r}", param="tool_choice.name")
         return tools, ToolChoice("named", name, parallel)
-    raise BadRequest("'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}",
+    raise BadRequest("'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\" | \"custom\", "
+                     "\"name\": ...}",
                      param="tool_choice")
 
 
@@ -199,11 +239,22 @@ def _text_format(body: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
     return json_format_constraint(fmt, "text.format"), fmt
 
 
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    """Fields that would change the answer and are not implemented: a 400 naming them."""
+    for key, why in (("prompt", "reusable prompt templates are not stored here; send 'input'"),
+                     ("conversation", "use 'previous_response_id'")):
+        if body.get(key) is not None:
+            raise BadRequest(f"'{key}' is not supported: {why}", param=key)
+    if get_bool(body, "background", False):
+        raise BadRequest("'background' responses are not supported", param="background")
+
+
 def _parse(request: Request, body: dict[str, Any]) -> _Request:
     pool: Pool = request.app.state.pool
     model = get_str(body, "model")
     slot = pool.get(model)
     label_request(request, slot.model.name)
+    _refuse_unsupported(body)
     history: list[ChatTurn] = []
     prev = get_str(body, "previous_response_id", None)
     if prev is not None:
@@ -219,10 +270,9 @@ def _parse(request: Request, body: dict[str, Any]) -> _Request:
     turns = ([ChatTurn("system", instructions)] if instructions else []) + history
     tools, choice = _tools(body)
     offered = tools if choice.mode != "none" else []
-    json_schema, fmt = _text_format(body)
-    grammar = tool_constraint(offered, choice)
-    if grammar is not None and json_schema is not None:
-        raise BadRequest("'text.format' json_schema cannot be combined with a forced tool call", param="text.format")
+    text_schema, fmt = _text_format(body)
+    grammar = tool_constraint(offered, choice, text_schema)
+    json_schema = text_schema if grammar is None else None
     echo = {k: body[k] for k in _ECHO if body.get(k) is not None}
     echo["text"] = {"format": fmt}
     echo["tools"] = [dict(t) for t in body.get("tools") or []]
@@ -253,8 +303,12 @@ def _message_item(mid: str, text: str, status: str) -> dict[str, Any]:
 
 
 def _call_item(c: ToolCall, status: str, arguments: str | None = None) -> dict[str, Any]:
+    text = c.arguments if arguments is None else arguments
+    if c.custom:
+        return {"type": "custom_tool_call", "id": "ctc_" + c.id.split("_", 1)[1], "call_id": c.id, "name": c.name,
+                "input": text, "status": status}
     return {"type": "function_call", "id": "fc_" + c.id.split("_", 1)[1], "call_id": c.id, "name": c.name,
-            "arguments": c.arguments if arguments is None else arguments, "status": status}
+            "arguments": text, "status": status}
 
 
 class _Answer:
@@ -292,7 +346,7 @@ async def create(request: Request) -> Response:
     ans = _Answer(req, "resp_" + _hex())
     msg = _generate(req, body, max_tokens, ans.id)
     run, first = await begin(request, req.slot, msg, grammar_param=req.constraint_param)
-    parser = CallParser(req.choice.mode != "none", "call")
+    parser = CallParser(req.choice.mode != "none", "call", frozenset(t.name for t in req.tools if t.custom))
     mid = "msg_" + _hex()
 
     if not streaming:
@@ -349,9 +403,13 @@ async def create(request: Request) -> Response:
             idx = len(ans.output) - 1
             item_id = ans.output[idx]["id"]
             ev("response.output_item.added", output_index=idx, item=ans.output[idx])
-            ev("response.function_call_arguments.delta", item_id=item_id, output_index=idx, delta=c.arguments)
-            ev("response.function_call_arguments.done", item_id=item_id, output_index=idx, arguments=c.arguments,
-               name=c.name)
+            if c.custom:
+                ev("response.custom_tool_call_input.delta", item_id=item_id, output_index=idx, delta=c.arguments)
+                ev("response.custom_tool_call_input.done", item_id=item_id, output_index=idx, input=c.arguments)
+            else:
+                ev("response.function_call_arguments.delta", item_id=item_id, output_index=idx, delta=c.arguments)
+                ev("response.function_call_arguments.done", item_id=item_id, output_index=idx,
+                   arguments=c.arguments, name=c.name)
             ans.output[idx] = _call_item(c, "completed")
             ev("response.output_item.done", output_index=idx, item=ans.output[idx])
 

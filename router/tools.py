@@ -11,17 +11,29 @@ the format is always this one (as llama.cpp's "generic" chat format):
   leading one): a short instruction, the tools as JSON
   (``{"name", "description", "parameters"}``), and the call syntax;
 * **a call** the model makes, and an assistant turn of the history that carried
-  calls, is one block per call::
+  calls, is one block per call (blocks follow each other directly; text of the
+  same turn comes first, on its own line)::
 
       <tool_call>
       {"name": "get_weather", "arguments": {"city": "Paris"}}
       </tool_call>
 
-* **a tool result** becomes a user turn::
+* **a custom tool's call** (free-text input, the Responses API's ``custom`` tools)
+  names the tool in the tag and carries the input as it is::
 
-      <tool_response>
-      {"name": "get_weather", "content": "18 C, sunny"}
-      </tool_response>
+      <tool_call name="apply_patch">
+      *** Begin Patch ...
+      </tool_call>
+
+* **a tool result** becomes a user turn (consecutive results share one, closed by
+  one instruction line)::
+
+      The tool get_weather returned:
+      18 C, sunny
+      Answer the question with it.
+
+  Plain words, no tags: a small model given tagged results tends to echo the
+  tags back instead of answering.
 
 Consecutive turns of one role are merged (blank line between), so templates that
 demand user/assistant alternation (Gemma) accept any history. The constraint
@@ -32,14 +44,18 @@ reads them back, streaming or not, with the same result either way.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
-RESPONSE_OPEN = "<tool_response>"
-RESPONSE_CLOSE = "</tool_response>"
+#: What every call block starts with (a custom tool's block names the tool in the tag).
+CALL_PREFIX = "<tool_call"
+_BLOCK = re.compile(r'<tool_call(?: name="([^"\n]*)")?>\n(.*?)\n</tool_call>', re.S)
+RESULT_HEAD = "The tool {name} returned:"
+RESULTS_CLOSE = "Answer the question with it."
 
 
 def new_call_id(prefix: str = "call") -> str:
@@ -49,23 +65,34 @@ def new_call_id(prefix: str = "call") -> str:
 
 @dataclass(frozen=True)
 class Tool:
-    """One function tool: ``parameters`` is its JSON Schema (an object schema)."""
+    """One tool. A function tool (``custom`` False) takes JSON arguments, ``parameters``
+    its JSON Schema. A custom tool (the Responses API's ``custom`` tools, Codex's
+    ``apply_patch``) takes free text, ``grammar`` = (``"lark"`` | ``"regex"``,
+    definition) when its format constrains it, else None (any text)."""
 
     name: str
     description: str = ""
     parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+    custom: bool = False
+    grammar: tuple[str, str] | None = None
 
     def as_json(self) -> dict[str, Any]:
-        return {"name": self.name, "description": self.description, "parameters": self.parameters}
+        if not self.custom:
+            return {"name": self.name, "description": self.description, "parameters": self.parameters}
+        shape = "free text" if self.grammar is None else f"text matching this {self.grammar[0]} grammar: " \
+            + self.grammar[1]
+        return {"name": self.name, "description": self.description, "input": shape}
 
 
 @dataclass(frozen=True)
 class ToolCall:
-    """A call: ``arguments`` is the JSON text of the arguments object (OpenAI's wire form)."""
+    """A call: ``arguments`` is the JSON text of the arguments object (OpenAI's wire form),
+    or for a custom tool (``custom`` True) its raw input text."""
 
     id: str
     name: str
     arguments: str
+    custom: bool = False
 
 
 @dataclass
@@ -83,8 +110,11 @@ class ChatTurn:
     name: str | None = None
 
 
-def render_call(name: str, arguments: str) -> str:
-    """One call block (``arguments``: JSON text, written compactly re-encoded when it parses)."""
+def render_call(name: str, arguments: str, custom: bool = False) -> str:
+    """One call block (``arguments``: JSON text, re-encoded in the format's style when it
+    parses; a custom tool's input text as it is)."""
+    if custom:
+        return f'<tool_call name="{name}">\n{arguments}\n{CALL_CLOSE}'
     try:
         args: Any = json.loads(arguments) if arguments.strip() else {}
     except json.JSONDecodeError:
@@ -95,10 +125,13 @@ def render_call(name: str, arguments: str) -> str:
 def tools_system_text(tools: list[Tool]) -> str:
     """The system-prompt text that describes ``tools`` and the call syntax."""
     listing = json.dumps([t.as_json() for t in tools], ensure_ascii=False)
-    return ("You can call these tools (JSON Schema of their arguments):\n" + listing + "\n"
+    text = ("You can call these tools (JSON Schema of their arguments):\n" + listing + "\n"
             "To call a tool, reply with one block per call and nothing else:\n"
-            f"{CALL_OPEN}\n" + '{"name": "<tool name>", "arguments": {<the arguments>}}' + f"\n{CALL_CLOSE}\n"
-            "Results come back in <tool_response> blocks.")
+            f"{CALL_OPEN}\n" + '{"name": "<tool name>", "arguments": {<the arguments>}}' + f"\n{CALL_CLOSE}\n")
+    if any(t.custom for t in tools):
+        text += ("A tool that takes an input text instead of arguments is called with:\n"
+                 '<tool_call name="<tool name>">\n<the input>\n' + f"{CALL_CLOSE}\n")
+    return text + "A result comes back as: " + RESULT_HEAD.format(name="<tool name>")
 
 
 def render_messages(turns: list[ChatTurn], tools: list[Tool] | None = None) -> list[dict[str, Any]]:
@@ -117,17 +150,18 @@ def render_messages(turns: list[ChatTurn], tools: list[Tool] | None = None) -> l
         else:
             out.append({"role": role, "content": text})
 
-    for t in turns:
+    for k, t in enumerate(turns):
         if t.role == "assistant":
-            parts = [t.content] if t.content else []
             for c in t.tool_calls:
                 names[c.id] = c.name
-                parts.append(render_call(c.name, c.arguments))
-            push("assistant", "\n".join(parts))
+            calls = "".join(render_call(c.name, c.arguments, c.custom) for c in t.tool_calls)
+            push("assistant", "\n".join(p for p in (t.content, calls) if p))
         elif t.role == "tool":
-            name = t.name or names.get(t.tool_call_id or "", "")
-            body = json.dumps({"name": name, "content": t.content}, ensure_ascii=False)
-            push("user", f"{RESPONSE_OPEN}\n{body}\n{RESPONSE_CLOSE}")
+            name = t.name or names.get(t.tool_call_id or "", "") or "tool"
+            text = f"{RESULT_HEAD.format(name=name)}\n{t.content}"
+            if k + 1 == len(turns) or turns[k + 1].role != "tool":
+                text += f"\n{RESULTS_CLOSE}"
+            push("user", text)
         else:
             push(t.role, t.content)
     if tools:
@@ -163,8 +197,9 @@ class CallParser:
     out. ``id_prefix``: ``call`` (OpenAI) or ``toolu`` (Anthropic).
     """
 
-    def __init__(self, enabled: bool, id_prefix: str = "call") -> None:
+    def __init__(self, enabled: bool, id_prefix: str = "call", custom: frozenset[str] = frozenset()) -> None:
         self.mode = "undecided" if enabled else "text"
+        self.custom = custom  # names of custom tools (their blocks carry raw input text)
         self.buf = ""
         self.calls: list[ToolCall] = []
         self.id_prefix = id_prefix
@@ -179,9 +214,9 @@ class CallParser:
             head = self.buf.lstrip()
             if not head:
                 return "", []
-            if head.startswith(CALL_OPEN):
+            if head.startswith(CALL_PREFIX):
                 self.mode = "calls"
-            elif CALL_OPEN.startswith(head):
+            elif CALL_PREFIX.startswith(head):
                 return "", []
             else:
                 self.mode = "text"
@@ -193,14 +228,15 @@ class CallParser:
     def _take_calls(self) -> list[ToolCall]:
         new: list[ToolCall] = []
         while True:
-            start = self.buf.find(CALL_OPEN)
-            if start < 0:
+            m = _BLOCK.search(self.buf)
+            if m is None:
                 break
-            end = self.buf.find(CALL_CLOSE, start)
-            if end < 0:
-                break
-            body = self.buf[start + len(CALL_OPEN):end]
-            self.buf = self.buf[end + len(CALL_CLOSE):]
+            self.buf = self.buf[m.end():]
+            name, body = m.group(1), m.group(2)
+            if name is not None:
+                if name in self.custom:
+                    new.append(ToolCall(new_call_id(self.id_prefix), name, body, custom=True))
+                continue
             call = self._parse(body)
             if call is not None:
                 new.append(call)
@@ -229,7 +265,7 @@ class CallParser:
     @property
     def truncated(self) -> bool:
         """A call was started but not closed (generation stopped inside it)."""
-        return self.mode == "calls" and CALL_OPEN in self.buf
+        return self.mode == "calls" and CALL_PREFIX in self.buf
 
     def result(self) -> ParsedOutput:
         if self.mode == "calls":
@@ -237,9 +273,10 @@ class CallParser:
         return ParsedOutput("".join(self.content_parts), [])
 
 
-def parse_output(text: str, enabled: bool, id_prefix: str = "call") -> ParsedOutput:
+def parse_output(text: str, enabled: bool, id_prefix: str = "call",
+                 custom: frozenset[str] = frozenset()) -> ParsedOutput:
     """The whole text at once (the non-streaming path): same result as streaming it."""
-    p = CallParser(enabled, id_prefix)
+    p = CallParser(enabled, id_prefix, custom)
     p.feed(text)
     p.finish()
     return p.result()

@@ -148,8 +148,7 @@ def test_tool_history_is_rendered_not_dropped(router: LiveRouter, client: anthro
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
     assert '"name": "get_weather"' in msgs[0]["content"] and "<tool_call>" in msgs[0]["content"]
     assert msgs[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    assert msgs[3]["content"] == ('<tool_response>\n{"name": "get_weather", "content": "18 C"}\n</tool_response>'
-                                  "\n\nAnd so?")
+    assert msgs[3]["content"] == "The tool get_weather returned:\n18 C\nAnswer the question with it.\n\nAnd so?"
 
 
 def test_tool_use_parsed_streamed_and_not(router: LiveRouter, client: anthropic.Anthropic) -> None:
@@ -179,3 +178,11 @@ def test_count_tokens_agrees_with_usage(client: anthropic.Anthropic) -> None:
     n = client.messages.count_tokens(model="alpha", system="s", messages=msgs)  # type: ignore[arg-type]
     m = client.messages.create(model="alpha", max_tokens=5, system="s", messages=msgs)  # type: ignore[arg-type]
     assert n.input_tokens == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) > 0
+
+
+def test_failure_mid_stream_is_an_error_event(router: LiveRouter) -> None:
+    evs = events(router, {"model": "alpha", "max_tokens": 20, "messages": [{"role": "user", "content": "hi [crash]"}]})
+    assert evs[0][0] == "message_start" and evs[-1][0] == "error"
+    err = evs[-1][1]
+    assert err["type"] == "error" and err["error"]["type"] == "api_error" and err["error"]["code"] == "worker_crashed"
+    assert "message_stop" not in [n for n, _ in evs]

@@ -94,7 +94,7 @@ def test_history_items_rendered(router: LiveRouter, client: openai.OpenAI) -> No
     assert [m["role"] for m in msgs] == ["system", "system", "user", "assistant", "user"]
     assert msgs[0]["content"].startswith("be nice\n\nYou can call these tools")
     assert msgs[3]["content"] == CALL
-    assert msgs[4]["content"] == '<tool_response>\n{"name": "get_weather", "content": "18 C"}\n</tool_response>'
+    assert msgs[4]["content"] == "The tool get_weather returned:\n18 C\nAnswer the question with it."
 
 
 def test_store_previous_response_and_bound(router: LiveRouter, client: openai.OpenAI) -> None:
@@ -125,6 +125,9 @@ def test_refusals_name_the_field(router: LiveRouter) -> None:
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
         ({"input": "x", "tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice.name"),
         ({}, "input"),
+        ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "conversation": "conv_1"}, "conversation"),
+        ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
     ]:
         r = httpx.post(router.url + "/v1/responses", json={"model": "alpha", **body}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
@@ -148,3 +151,34 @@ def test_store_ttl_and_count_with_a_fake_clock() -> None:
     now[0] = 13.0
     assert len(st) == 0
     assert len(ResponseStore(0, 10.0)) == 0
+
+
+def test_custom_tool_calls_and_history(router: LiveRouter, client: openai.OpenAI) -> None:
+    tools: list[Any] = [{"type": "custom", "name": "apply_patch", "description": "edit files",
+                         "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** " /[a-z ]+/'}}]
+    block = '<tool_call name="apply_patch">\n*** add a line\n</tool_call>'
+    r = client.responses.create(model="alpha", tools=tools, input=reply(block))
+    assert [(o.type, o.name, o.input) for o in r.output] == [("custom_tool_call", "apply_patch", "*** add a line")]  # type: ignore[union-attr]
+    g = json.loads(router.fake_events("generate")[-1]["grammar"])  # llguidance's JSON form: main + the tool's grammar
+    assert g["grammars"][1] == {"name": "custom_0", "lark_grammar": 'start: "*** " /[a-z ]+/'}
+    assert "@custom_0" in g["grammars"][0]["lark_grammar"]
+    evs = list(client.responses.create(model="alpha", tools=tools, input=reply(block), stream=True))
+    assert [e.input for e in evs if e.type == "response.custom_tool_call_input.done"] == ["*** add a line"]  # type: ignore[union-attr]
+    client.responses.create(model="alpha", tools=tools, input=[
+        {"role": "user", "content": "patch it"},
+        {"type": "custom_tool_call", "call_id": "call_9", "name": "apply_patch", "input": "*** x"},
+        {"type": "custom_tool_call_output", "call_id": "call_9", "output": "ok"}])
+    msgs = router.fake_events("generate")[-1]["messages"]
+    assert msgs[2] == {"role": "assistant", "content": '<tool_call name="apply_patch">\n*** x\n</tool_call>'}
+    assert msgs[3]["content"].startswith("The tool apply_patch returned:\nok")
+    r2 = httpx.post(router.url + "/v1/responses", json={"model": "alpha", "input": "x", "tools": [
+        {"type": "custom", "name": "t", "format": {"type": "grammar", "syntax": "ebnf", "definition": "x"}}]})
+    assert r2.status_code == 400 and r2.json()["error"]["param"] == "tools[0].format"
+
+
+def test_failure_mid_stream_is_response_failed(client: openai.OpenAI) -> None:
+    evs = list(client.responses.create(model="alpha", input="hi [crash]", stream=True))
+    assert evs[0].type == "response.created" and evs[-1].type == "response.failed"
+    assert evs[-1].response.status == "failed" and evs[-1].response.error is not None  # type: ignore[union-attr]
+    assert evs[-1].response.error.code == "worker_crashed"  # type: ignore[union-attr]
+    assert [e.sequence_number for e in evs] == list(range(len(evs)))

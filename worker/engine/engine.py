@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from . import constraints
 from .chat_template import ChatTemplate, resolve_template
 from .errors import EngineError
 from .generate import GenerationResult, TokenEvent
@@ -232,6 +233,8 @@ class Engine:
                 ``max_tokens`` beyond the room the prompt leaves is clamped to that room,
                 so the generation ends with "length" when the context is full).
             EngineError("kv_budget_exceeded"): it can never fit the KV budget.
+            EngineError("invalid_grammar"): ``json_schema`` / ``grammar`` does not
+                compile (an unsupported schema keyword is named in the message).
         """
         if not isinstance(params, SamplingParams):
             raise EngineError("invalid_params", "params must be a SamplingParams")
@@ -249,6 +252,7 @@ class Engine:
             raise EngineError("invalid_params", "prompt must be a string or a list of token ids")
         if not ids:
             raise EngineError("empty_prompt", "the prompt is empty (it tokenizes to no tokens)")
+        constraints.check(self.tokenizer, self.info.n_vocab, p.json_schema, p.grammar)
         room = self.info.n_ctx - len(ids)
         if p.max_tokens is not None and 0 < room < p.max_tokens:
             p = replace(p, max_tokens=room)  # llama.cpp's behaviour: generate until the context is full

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from .constraints import Constraint
 from .errors import EngineError
 from .sampling import Sampler, SamplingParams, raw_logprobs
 from .tokenizer import IncrementalUTF8Decoder, Tokenizer
@@ -93,17 +94,22 @@ class Sequence:
         on_token: called per emitted token; returning ``False`` cancels.
         should_stop: polled before each token; True cancels.
         n_vocab: ids the sampler may produce.
+        constraint: masks every token (None: built from ``params.json_schema`` /
+            ``params.grammar``, if any). When it allows nothing more the sequence
+            finishes with "stop" (stop_type "eos").
     """
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt: list[int], n_max: int,
                  on_token: Callable[[TokenEvent], Any] | None, should_stop: Callable[[], Any] | None,
-                 n_vocab: int) -> None:
+                 n_vocab: int, constraint: Constraint | None = None) -> None:
         self.tok = tokenizer
         self.params = params
         self.n_max = n_max
         self.on_token = on_token
         self.should_stop = should_stop
         self.sampler = Sampler(params, n_vocab, tokenizer.eog_ids, prompt)
+        self.constraint = constraint if constraint is not None else Constraint.create(
+            tokenizer, n_vocab, params.json_schema, params.grammar)
         self.decoder = IncrementalUTF8Decoder()
         self.stops = params.stop
         self.max_stop = max((len(s) for s in self.stops), default=0)
@@ -134,7 +140,10 @@ class Sequence:
         or None when the sequence has finished."""
         if self.check_limits():
             return None
-        tid = self.sampler.sample(logits)
+        allowed = self.constraint.allowed() if self.constraint is not None else None
+        tid = self.sampler.sample(logits, allowed)
+        if self.constraint is not None:
+            self.constraint.advance(tid)
         self.sampler.accept(tid)
         self.tokens.append(tid)
         if tid in self.tok.eog_ids and not self.params.ignore_eos:
@@ -169,6 +178,8 @@ class Sequence:
             keep_going = self.on_token(TokenEvent(tid, delta, piece, lp, top))
             if keep_going is False and not self.done:
                 self.finish("cancelled", "cancelled")
+        if self.constraint is not None and self.constraint.done and not self.done:
+            self.finish("stop", "eos")  # the constraint allows nothing more: the answer is complete
         if self.done:
             return None
         if len(self.tokens) >= self.n_max:  # no need to feed a token nobody will follow

@@ -10,6 +10,8 @@ The chain follows llama.cpp (``common/sampling.cpp``, samplers in
    the sampler too): for a token seen ``c`` times, ``logit *= repeat_penalty``
    if ``logit <= 0`` else ``logit /= repeat_penalty``, then
    ``logit -= c * frequency_penalty + presence_penalty``;
+   then the **constraint mask** (``json_schema`` / ``grammar``, see ``constraints.py``):
+   every token it does not allow is -inf;
 3. **greedy** when ``temperature <= 0``: the first index of the largest logit;
 4. **top-k** (``top_k <= 0`` off): the k largest logits (``argpartition``);
 5. **top-p** (``top_p >= 1`` off): softmax over the candidates, keep the
@@ -75,6 +77,8 @@ class SamplingParams:
     add_special: bool = True
     parse_special: bool = True
     cache_prompt: bool = True
+    json_schema: str | None = None  # constraint: the output matches this JSON Schema (its text)
+    grammar: str | None = None  # constraint: the output matches this Lark grammar (llguidance's dialect)
 
     def validated(self, n_vocab: int) -> SamplingParams:
         """A checked copy: ``logit_bias`` keys as ``int`` (decimal strings accepted,
@@ -117,6 +121,11 @@ class SamplingParams:
         for name in ("ignore_eos", "add_special", "parse_special", "cache_prompt"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise bad(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        for name in ("json_schema", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise bad(f"{name} must be a string or null, got {type(getattr(self, name)).__name__}")
+        if self.json_schema is not None and self.grammar is not None:
+            raise EngineError("invalid_grammar", "give at most one of json_schema and grammar")
         if not isinstance(self.logit_bias, Mapping):
             raise bad("logit_bias must be a mapping of token id to bias")
         bias: dict[int, float] = {}
@@ -233,11 +242,21 @@ class Sampler:
                 x[ids] = v
         return x
 
-    def sample(self, logits: np.ndarray) -> int:
-        """One token id from float32 ``logits`` ``[>= n_vocab]`` (does not call :meth:`accept`)."""
+    def sample(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> int:
+        """One token id from float32 ``logits`` ``[>= n_vocab]`` (does not call :meth:`accept`).
+
+        ``allowed``: a constraint's boolean mask ``[n_vocab]`` (``constraints.Constraint``);
+        every other token is set to -inf after bias and penalties, before the rest of the
+        chain (so top-k/top-p only ever choose among allowed tokens). ``logits`` is never
+        written. An ``allowed`` with no True entry is the caller's to avoid."""
         p = self.p
         if self._bias_ids.size or self._penalize:
             x = self.apply_bias_and_penalties(logits)
+            if allowed is not None:
+                x[~allowed[: self.n_vocab]] = -np.inf
+        elif allowed is not None:
+            x = np.where(allowed[: self.n_vocab], np.asarray(logits[: self.n_vocab], dtype=np.float32),
+                         np.float32(-np.inf))
         else:  # nothing modifies the logits: read them in place (x is never written below)
             x = np.asarray(logits[: self.n_vocab], dtype=np.float32)
         if p.temperature <= 0:
