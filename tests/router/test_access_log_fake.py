@@ -72,7 +72,7 @@ def test_errors_and_unknown_routes_are_logged_too(router: LiveRouter) -> None:
     assert r.status_code == 404 and r.headers["x-request-id"] == "r-404"
     assert one_line(router, "r-404")["status"] == "404"
     r = httpx.post(router.url + "/v1/chat/completions", headers={"X-Request-Id": "r-400"}, timeout=10,
-                   json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 3})
+                   json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 17})
     assert r.status_code == 400 and one_line(router, "r-400")["model"] == "m"
 
 
