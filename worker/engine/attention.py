@@ -54,17 +54,24 @@ class AttnBatch:
         self.n_tokens = sum(s.n for s in self.segments)
         self.positions = (np.concatenate([np.arange(s.pos0, s.pos0 + s.n) for s in self.segments])
                           if self.segments else np.zeros(0, np.int64))  # [N]
-        self._masks: dict[tuple[int, int | None], tuple[int, np.ndarray | None]] = {}
+        self._masks: dict[tuple[int, int | None], tuple[int, np.ndarray | None, int]] = {}
 
-    def mask(self, i: int, window: int | None) -> tuple[int, np.ndarray | None]:
-        """``(k_start, mask)`` for segment ``i``: the oldest key any of its queries may see and the
-        additive mask ``[n, pos0+n-k_start]`` (None when nothing is masked). Cached per step."""
+    def mask(self, i: int, window: int | None) -> tuple[int, np.ndarray | None, int]:
+        """``(k_start, mask, col0)`` for segment ``i``: the oldest key any of its queries may see,
+        and the additive mask of the key columns ``col0 ..`` of ``[n, pos0+n-k_start]`` (the
+        columns before ``col0`` are visible to every query: a chunk at the end of a long
+        context masks only its own causal triangle). mask None: nothing is masked. Cached per step."""
         key = (i, window)
         got = self._masks.get(key)
         if got is None:
             s = self.segments[i]
             k0 = max(0, s.pos0 - window + 1) if window else 0
-            got = (k0, attention_mask(s.pos0, s.n, k0, window, self.dtype))
+            full = attention_mask(s.pos0, s.n, k0, window, self.dtype)  # [n, S] or None
+            col0 = 0
+            if full is not None:
+                col0 = int(np.argmax(np.isinf(full).any(axis=0)))
+                full = np.ascontiguousarray(full[:, col0:])              # [n, S - col0]
+            got = (k0, full, col0)
             self._masks[key] = got
         return got
 
@@ -90,22 +97,24 @@ def attend(batch: AttnBatch, layer: int, q: np.ndarray, k: np.ndarray, v: np.nda
         rows = slice(s.start, s.start + s.n)
         s.kv.store(layer, s.pos0, k[rows], v[rows])
         end = s.pos0 + s.n
-        k0, mask = batch.mask(i, window)
-        out[rows] = attention(q[rows], s.kv.keys(layer, k0, end), s.kv.values(layer, k0, end), mask, scale)
+        k0, mask, col0 = batch.mask(i, window)
+        out[rows] = attention(q[rows], s.kv.keys(layer, k0, end), s.kv.values(layer, k0, end), mask, scale,
+                              col0)
     return out
 
 
 def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray | None,
-              scale: float) -> np.ndarray:
+              scale: float, mask_col0: int = 0) -> np.ndarray:
     """Grouped-query scaled dot-product attention of one sequence for one layer.
 
     Args:
         q: ``[T, n_head, hd_k]`` queries (after RoPE).
         keys: ``[n_kv, S, hd_k]`` keys of the visible positions (from the cache).
         values: ``[n_kv, S, hd_v]``.
-        mask: additive ``[T, S]`` (0 or -inf), or None when every query sees
-            every key.
+        mask: additive ``[T, S - mask_col0]`` (0 or -inf) over the key columns
+            ``mask_col0 ..``, or None when every query sees every key.
         scale: multiplies ``q.k`` (llama.cpp ``kq_scale``).
+        mask_col0: first key column the mask covers (the ones before are visible to all).
     Returns:
         ``[T, n_head * hd_v]``; query head h uses KV head ``h // (n_head / n_kv)``.
     Source: llama-graph.cpp ``build_attn_mha`` (kq = k*q, soft_max_ext(kq, mask,
@@ -121,9 +130,8 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndar
     scores = qg @ keys.swapaxes(1, 2)        # [n_kv, g*T, S]
     scores *= scale
     if mask is not None:
-        scores = scores.reshape(n_kv, g, t, s)  # [n_kv, g, T, S]
-        scores += mask                          # broadcast [T, S]
-        scores = scores.reshape(n_kv, g * t, s)
+        sv = scores.reshape(n_kv, g, t, s)      # [n_kv, g, T, S] view
+        sv[..., mask_col0:] += mask             # broadcast [T, S - col0]
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)  # [n_kv, g*T, S] probabilities
