@@ -91,8 +91,8 @@ class Sequence:
         params: validated sampling parameters.
         prompt: prompt token ids (penalty history).
         n_max: most tokens to generate.
-        on_token: called per emitted token; returning ``False`` cancels.
-        should_stop: polled before each token; True cancels.
+        on_token: called per emitted token; returning ``False`` cancels (the scheduler's
+            ``abort`` is the other way to cancel).
         n_vocab: ids the sampler may produce.
         constraint: masks every token (None: built from ``params.json_schema`` /
             ``params.grammar``, if any). When it allows nothing more the sequence
@@ -100,13 +100,11 @@ class Sequence:
     """
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt: list[int], n_max: int,
-                 on_token: Callable[[TokenEvent], Any] | None, should_stop: Callable[[], Any] | None,
-                 n_vocab: int, constraint: Constraint | None = None) -> None:
+                 on_token: Callable[[TokenEvent], Any] | None, n_vocab: int, constraint: Constraint | None = None) -> None:
         self.tok = tokenizer
         self.params = params
         self.n_max = n_max
         self.on_token = on_token
-        self.should_stop = should_stop
         self.sampler = Sampler(params, n_vocab, tokenizer.eog_ids, prompt)
         self.constraint = constraint if constraint is not None else Constraint.create(
             tokenizer, n_vocab, params.json_schema, params.grammar)
@@ -128,11 +126,9 @@ class Sequence:
         self.finish_reason, self.stop_type = reason, stop_type
 
     def check_limits(self) -> bool:
-        """Before sampling: True (and finished) if the token budget is spent or a cancel is due."""
+        """Before sampling: True (and finished) if the token budget is spent."""
         if len(self.tokens) >= self.n_max:
             self.finish("length", "limit")
-        elif self.should_stop is not None and self.should_stop():
-            self.finish("cancelled", "cancelled")
         return self.done
 
     def step(self, logits: np.ndarray) -> int | None:

@@ -182,11 +182,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self._by_id)
 
-    @property
-    def running(self) -> list[str]:
-        """Ids of the sequences in slots, by slot."""
-        return [s.seq.req.id for s in self.slots if s.seq is not None]
-
     def slot_info(self) -> list[SlotInfo]:
         out = []
         for s in self.slots:
@@ -238,7 +233,7 @@ class Scheduler:
         if req.id in self._by_id:
             raise EngineError("invalid_params", f"sequence id {req.id!r} is already in use")
         reserve, n_max = self.reservation(len(req.prompt), req.params.max_tokens)
-        seq = Sequence(self.tok, req.params, req.prompt, n_max, req.on_token, None, self.n_vocab)
+        seq = Sequence(self.tok, req.params, req.prompt, n_max, req.on_token, self.n_vocab)
         s = _Seq(req, reserve, n_max, seq)
         self.waiting.append(s)
         self._by_id[req.id] = s
