@@ -51,6 +51,7 @@ from protocol import (
 )
 from protocol.errors import ErrorCode
 from worker.engine import EngineError, SamplingParams
+from worker.threads import apply_blas_threads
 
 log = logging.getLogger("modelyard.worker")
 
@@ -268,6 +269,7 @@ class BatchRunner:
         self._seq: dict[str, tuple[_Run, int]] = {}  # engine sequence id -> (run, choice index)
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._threads_wanted = 0  # BLAS threads asked by the router (Ping.threads), applied between steps
         self._stop = False
         self.engine: Any = None
         self.snapshot = RunnerSnapshot()
@@ -292,6 +294,13 @@ class BatchRunner:
     def submit_text_op(self, msg: Tokenize | Detokenize | ApplyTemplate) -> None:
         """Answer ``msg`` from the prep thread (a FrameOut with its result or Error). After Loaded."""
         self._prep_inbox.put(msg)
+
+    def request_threads(self, n: int) -> None:
+        """Use ``n`` BLAS threads (0: unchanged). Applied by the engine thread between two steps,
+        never while a BLAS call of a forward pass is running."""
+        if n > 0:
+            self._threads_wanted = n
+            self._wake.set()
 
     def cancel(self, job_id: str) -> bool:
         """Ask running job ``job_id`` to stop; False if it is not running."""
@@ -407,6 +416,9 @@ class BatchRunner:
                     self._abort(run)
                 elif run.added < run.n and (run.first_token or 0 in run.finished):
                     self._add_choices(run)  # choice 0's prompt is in the KV: the others copy it
+            if self._threads_wanted:
+                apply_blas_threads(self._threads_wanted)
+                self._threads_wanted = 0
             if not engine.has_work:
                 continue
             try:

@@ -46,7 +46,6 @@ import zmq
 
 from protocol.errors import ErrorCode
 from protocol.limits import DEFAULT_KV_BUDGET_MIB
-from worker.threads import apply_blas_threads
 from protocol import (
     MAX_FRAME_BYTES,
     ApplyTemplate,
@@ -107,7 +106,7 @@ class WorkerConfig:
     chat_template: template text or known name overriding the GGUF's; None -> the GGUF's.
     max_queue: Generates that may wait behind the running one(s); more -> Error "busy".
     parallel: KV slots: sequences decoded at once (``Ready.max_jobs``).
-    kv_budget_mib: KV memory of all sequences and cached prefixes (MiB); None -> the engine's default.
+    kv_budget_mib: KV memory of all sequences and cached prefixes (MiB); None -> protocol.limits.DEFAULT_KV_BUDGET_MIB.
     parent_pid: exit when this process is gone; None -> no watch.
     shutdown_grace_s: after Shutdown, how long to wait for the running generation
         to end (seconds) before exiting anyway.
@@ -413,7 +412,7 @@ class WorkerServer:
 
     def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, Ping):
-            apply_blas_threads(msg.threads)
+            self.runner.request_threads(msg.threads)
             snap = self.runner.snapshot
             self._send(Pong(id=msg.id, busy=bool(self.running), queue_len=len(self.pending),
                             running_ids=list(self.running), slots=list(snap.slots), kv_tokens=snap.kv_tokens,

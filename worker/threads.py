@@ -1,6 +1,7 @@
 """BLAS threads at run time: the share of the cores the router gives this worker
 (``Ping.threads``), applied with threadpoolctl — only when ``--threads`` was not given
-(then the router sends none)."""
+(then the router sends none). Called by the engine thread between two steps only
+(``BatchRunner.request_threads``): never while a forward pass is inside BLAS."""
 
 from __future__ import annotations
 
