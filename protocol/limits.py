@@ -61,5 +61,10 @@ MAX_N_PROBS = int(GENERATE_LIMITS["n_probs"].hi or 0)
 #: configured; the worker applies it, the router's memory estimate counts it.
 DEFAULT_KV_BUDGET_MIB = 2048.0
 
+#: How a worker holds weight matrices (``weights`` config key, ``python -m worker --weights``):
+#: the GGUF's quantized blocks, or dequantized float32 (the reference path). The engine's own
+#: list (worker.engine.model.WEIGHT_MODES) is checked equal to this one by the tests.
+WEIGHT_MODES = ("quantized", "f32")
+
 #: The most choices (``n``) one request may ask for.
 MAX_N = int(GENERATE_LIMITS["n"].hi or 1)

@@ -115,6 +115,11 @@ class Done(Message):
     # "stopping_word", "text" (its held-back tail), "completion_tokens"}; the fields above then
     # describe choice 0, except completion_tokens / predicted_n (sums over the choices).
     choices: list[dict[str, Any]] = field(default_factory=list)
+    # choice 0 ended on an end-of-generation token: its id (it is not text, so no Token frame
+    # carried it; -1: none) and, when n_probs > 0, its probabilities as in Token.logprob / top_logprobs
+    eog_token: int = -1
+    eog_logprob: float | None = None
+    eog_top_logprobs: list[list[Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)

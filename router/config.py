@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from protocol.limits import GENERATE_LIMITS
+from protocol.limits import GENERATE_LIMITS, WEIGHT_MODES
 
 #: Sampling keys a model (or [defaults]) may preset. A request's own value wins;
 #: these win over the API's built-in defaults (OpenAI's for /v1/*, llama.cpp's for /completion).
@@ -87,6 +87,7 @@ class ModelConfig:
     n_threads: int | None = None  # the worker's BLAS threads (python -m worker --threads); None: environment's
     parallel: int = 4  # KV slots: sequences the worker decodes at once (python -m worker --parallel)
     kv_budget_mib: float | None = None  # KV memory of the worker's sequences + prefix cache; None: the worker's
+    weights: str | None = None  # "quantized" | "f32" (python -m worker --weights); None: the worker's ("f32")
     # crash backoff (router.backoff): the n-th failure within crash_window_s waits
     # min(restart_backoff_s * 2**(n-1), restart_backoff_max_s) before the next start;
     # the max_crashes-th makes the model failed until an operator loads it
@@ -152,7 +153,7 @@ class Config:
 _MODEL_KEYS = {
     "path", "aliases", "n_ctx", "chat_template", "max_queue", "load_timeout_s",
     "cancel_timeout_s", "drain_timeout_s", "shutdown_grace_s", "ping_interval_s",
-    "ping_timeout_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", "restart_backoff_s",
+    "ping_timeout_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", "weights", "restart_backoff_s",
     "restart_backoff_max_s", "max_crashes", "crash_window_s", "pinned", *SAMPLING_KEYS,
 }
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases"}
@@ -275,6 +276,7 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
             parallel=_int(merged, "parallel", src("parallel"), 4, 1, 256),
             kv_budget_mib=(None if merged.get("kv_budget_mib") is None
                            else _float(merged, "kv_budget_mib", src("kv_budget_mib"), 2048.0, 1.0, float(1 << 24))),
+            weights=_weights(merged, src("weights")),
             restart_backoff_s=_float(merged, "restart_backoff_s", src("restart_backoff_s"), 1.0, 0.0),
             restart_backoff_max_s=_float(merged, "restart_backoff_max_s", src("restart_backoff_max_s"), 60.0, 0.0),
             max_crashes=_int(merged, "max_crashes", src("max_crashes"), 5, 1, 1_000_000),
@@ -385,6 +387,13 @@ def _str(t: dict[str, Any], key: str, where: str, default: str) -> str:
     v = t.get(key, default)
     if not isinstance(v, str):
         raise ConfigError(f"{where}.{key}", f"expected a string, got {type(v).__name__}")
+    return v
+
+
+def _weights(t: dict[str, Any], where: str) -> str | None:
+    v = _opt_str(t, "weights", where)
+    if v is not None and v not in WEIGHT_MODES:
+        raise ConfigError(f"{where}.weights", f"expected one of {', '.join(WEIGHT_MODES)}, got {v!r}")
     return v
 
 

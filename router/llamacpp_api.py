@@ -164,9 +164,18 @@ async def completion(request: Request) -> Response:
             "timings": timings_of(done),
         }
 
+    def eog_token(done: Done) -> list[Token]:
+        # llama.cpp reports the end-of-generation token like any other (in tokens, one stream
+        # chunk, completion_probabilities); its piece is "" as it is not rendered
+        if done.eog_token < 0:
+            return []
+        return [Token(id=done.id, text="", token_id=done.eog_token, piece=b"", logprob=done.eog_logprob,
+                      top_logprobs=done.eog_top_logprobs)]
+
     if not streaming:
         tokens, done = await collect(request, run, first)
         text = "".join(t.text for t in tokens) + done.text
+        tokens += eog_token(done)
         out = summary(done, [t.token_id for t in tokens], text)
         if n_probs > 0:
             out["completion_probabilities"] = [_prob_entry(p, n_probs)
@@ -186,7 +195,15 @@ async def completion(request: Request) -> Response:
                 chunk["completion_probabilities"] = [
                     _prob_entry(p, n_probs) for p in token_probs([item], n_probs)]
             return [sse_event(chunk)]
-        return [sse_event(summary(item, [], item.text))]
+        events = []
+        for eog in eog_token(item):  # llama.cpp streams the end-of-generation token as a chunk too
+            count += 1
+            eog_chunk: dict[str, Any] = {"index": 0, "content": "", "tokens": [eog.token_id], "stop": False,
+                                         "tokens_predicted": count}
+            if n_probs > 0:
+                eog_chunk["completion_probabilities"] = [_prob_entry(p, n_probs) for p in token_probs([eog], n_probs)]
+            events.append(sse_event(eog_chunk))
+        return events + [sse_event(summary(item, [], item.text))]
 
     return SSEResponse(stream(run, first, on_frame), run.close)
 

@@ -120,6 +120,8 @@ def worker_command(model: ModelConfig, endpoint: str, module: str | None = None,
     cmd += ["--parallel", str(model.parallel)]
     if model.kv_budget_mib is not None:
         cmd += ["--kv-budget-mib", repr(float(model.kv_budget_mib))]
+    if model.weights is not None:
+        cmd += ["--weights", model.weights]
     cmd += ["--max-queue", str(model.max_queue), "--parent-pid", str(os.getpid())]
     if auth_fd is not None:
         cmd += ["--auth-fd", str(auth_fd)]

@@ -35,8 +35,10 @@ import os
 import signal
 import sys
 
+from protocol.limits import WEIGHT_MODES
+
 #: Environment variables that set the BLAS / OpenMP thread pools (read when NumPy loads).
-THREAD_ENV_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+THREAD_ENV_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 
 
 def _positive(s: str) -> int:
@@ -66,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="KV slots: sequences decoded at once (default 1)")
     p.add_argument("--kv-budget-mib", type=float, default=None,
                    help="KV memory of all sequences and cached prefixes, MiB (default: the engine's, 2048)")
+    p.add_argument("--weights", choices=WEIGHT_MODES, default=None,
+                   help="how weight matrices are held: float32 (default) or the GGUF's quantized blocks")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when this process is gone (default: the parent at start)")
     p.add_argument("--threads", type=_positive, default=None,
@@ -103,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     server = WorkerServer(WorkerConfig(
         model=args.model, gguf=args.gguf, endpoint=args.endpoint, n_ctx=args.n_ctx,
         chat_template=args.chat_template, max_queue=args.max_queue, parallel=args.parallel,
-        kv_budget_mib=args.kv_budget_mib, parent_pid=parent, credentials=credentials))
+        kv_budget_mib=args.kv_budget_mib, weights=args.weights, parent_pid=parent, credentials=credentials))
     signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
     signal.signal(signal.SIGINT, lambda *_: server.request_stop())
     return server.serve()

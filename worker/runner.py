@@ -242,8 +242,8 @@ class BatchRunner:
 
     Args:
         loader: ``Engine.load``-like callable ``(gguf_path, n_ctx, chat_template, parallel=,
-            kv_budget_mib=) -> engine``.
-        gguf_path, n_ctx, chat_template, parallel, kv_budget_mib: passed to ``loader``.
+            kv_budget_mib=, weights=) -> engine``.
+        gguf_path, n_ctx, chat_template, parallel, kv_budget_mib, weights: passed to ``loader``.
         post: called (from the runner threads) with each :class:`RunnerEvent`;
             must be thread-safe and must not block.
 
@@ -253,8 +253,9 @@ class BatchRunner:
 
     def __init__(self, loader: Callable[..., Any], gguf_path: str, n_ctx: int | None,
                  chat_template: str | None, post: Callable[[RunnerEvent], None], *, parallel: int = 1,
-                 kv_budget_mib: float | None = None) -> None:
+                 kv_budget_mib: float | None = None, weights: str | None = None) -> None:
         self._loader = loader
+        self._weights = weights
         self._gguf_path = gguf_path
         self._n_ctx = n_ctx
         self._chat_template = chat_template
@@ -386,7 +387,7 @@ class BatchRunner:
         t0 = time.perf_counter()
         try:
             engine = self._loader(self._gguf_path, self._n_ctx, self._chat_template, parallel=self._parallel,
-                                  kv_budget_mib=self._kv_budget_mib)
+                                  kv_budget_mib=self._kv_budget_mib, weights=self._weights)
         except EngineError as e:
             self._post(LoadFailed(f"{e.code}: {e.message}"))
             return
@@ -527,11 +528,17 @@ class BatchRunner:
             log.error("generation %s failed: %s: %s", f.id, type(e).__name__, e)
             return Error(id=job_id, code=INTERNAL_ERROR, message=f"generation failed: {type(e).__name__}: {e}"[:1000])
         res = f.result
+        eog: dict[str, Any] = {}
+        if res.eog is not None:
+            tid, lp, top = res.eog
+            eog = {"eog_token": int(tid), "eog_logprob": None if lp is None else float(lp),
+                   "eog_top_logprobs": [[int(t), float(p), self.engine.token_bytes(int(t), special=False)]
+                                        for t, p in top]}
         return Done(id=job_id, finish_reason=res.finish_reason, stop_type=res.stop_type,
                     stopping_word=res.stopping_word, text=res.tail, prompt_tokens=int(res.prompt_tokens),
                     completion_tokens=len(res.tokens), prompt_n=int(res.prompt_n), prompt_ms=float(res.prompt_ms),
                     predicted_n=int(res.predicted_n), predicted_ms=float(res.predicted_ms),
-                    cache_n=int(res.cache_n), id_slot=int(f.id_slot))
+                    cache_n=int(res.cache_n), id_slot=int(f.id_slot), **eog)
 
     def _end(self, job_id: str, final: Done | Error) -> None:
         self._runs.pop(job_id, None)

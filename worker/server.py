@@ -86,13 +86,14 @@ UNKNOWN_ID = "unknown"  # id of an Error answering a frame whose id could not be
 
 
 def default_loader(gguf_path: str, n_ctx: int | None, chat_template: str | None, *, parallel: int = 1,
-                   kv_budget_mib: float | None = None) -> Any:
+                   kv_budget_mib: float | None = None, weights: str | None = None) -> Any:
     """``worker.engine.Engine.load`` (imported lazily: the engine pulls in numpy); no
-    ``kv_budget_mib`` -> ``protocol.limits.DEFAULT_KV_BUDGET_MIB``."""
+    ``kv_budget_mib`` -> ``protocol.limits.DEFAULT_KV_BUDGET_MIB``; no ``weights`` -> the engine's default."""
     from worker.engine import Engine
 
+    extra = {} if weights is None else {"weights": weights}
     return Engine.load(gguf_path, n_ctx=n_ctx, chat_template=chat_template, parallel=parallel,
-                       kv_budget_mib=DEFAULT_KV_BUDGET_MIB if kv_budget_mib is None else kv_budget_mib)
+                       kv_budget_mib=DEFAULT_KV_BUDGET_MIB if kv_budget_mib is None else kv_budget_mib, **extra)
 
 
 @dataclass
@@ -127,6 +128,7 @@ class WorkerConfig:
     max_queue: int = 8
     parallel: int = 1
     kv_budget_mib: float | None = None
+    weights: str | None = None  # "quantized" | "f32"; None: the engine's default
     parent_pid: int | None = None
     shutdown_grace_s: float = 3.0
     parent_gone_grace_s: float = 0.0
@@ -198,7 +200,7 @@ class WorkerServer:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.runner = runner_factory(loader or default_loader, cfg.gguf, cfg.n_ctx, cfg.chat_template, self._post,
-                                     parallel=cfg.parallel, kv_budget_mib=cfg.kv_budget_mib)
+                                     parallel=cfg.parallel, kv_budget_mib=cfg.kv_budget_mib, weights=cfg.weights)
         self.engine: Any = None
         self.pending: deque[Job] = deque()
         self.running: dict[str, Job] = {}

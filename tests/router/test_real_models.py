@@ -131,6 +131,32 @@ def test_native_completion_probabilities(router: LiveRouter) -> None:
         assert p["top_logprobs"][0]["id"] == tid  # greedy: the chosen token is the most likely
 
 
+def test_native_completion_reports_the_end_of_generation_token(router: LiveRouter) -> None:
+    # llama.cpp lists the EOG token like any other: in tokens, as one stream chunk (content ""),
+    # and in completion_probabilities with its probability (raw distribution)
+    eos = httpx.post(router.url + "/tokenize", json={"model": "smollm2", "content": "<|im_end|>",
+                                                     "add_special": False}, timeout=300).json()["tokens"]
+    assert len(eos) == 1
+    body = {"model": "smollm2", "prompt": "Hello", "n_predict": 4, "n_probs": 2, "temperature": 0,
+            "return_tokens": True, "logit_bias": [[eos[0], 100.0]]}  # the first token is forced to be EOG
+    r = httpx.post(router.url + "/completion", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["stop_type"] == "eos" and out["content"] == "" and out["tokens"] == eos
+    assert out["tokens_predicted"] == 1
+    (p,) = out["completion_probabilities"]
+    assert p["id"] == eos[0] and p["token"] == "" and p["bytes"] == [] and len(p["top_logprobs"]) == 2
+    assert p["logprob"] <= 0.0
+    chunks = []
+    with httpx.stream("POST", router.url + "/completion", json={**body, "stream": True}, timeout=300) as rs:
+        for line in rs.iter_lines():
+            if line.startswith("data: "):
+                chunks.append(json.loads(line[6:]))
+    assert [c["stop"] for c in chunks] == [False, True]
+    assert chunks[0]["tokens"] == eos and chunks[0]["content"] == ""
+    assert chunks[0]["completion_probabilities"] == out["completion_probabilities"]
+
+
 def test_burst_of_20_first_requests_spawns_one_worker(router: LiveRouter) -> None:
     assert router.admin("smol-burst")["state"] == "unloaded"
 

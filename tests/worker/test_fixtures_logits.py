@@ -8,6 +8,13 @@ pass with all logits; for each step i, look at the log-softmax after
   top-1 is one of llama.cpp's top two;
 * |our logprob of steps[i].id - steps[i].logprob|: mean <= 0.06, max <= 0.6 per file.
 
+Both weight paths are checked: the float32 reference (``weights="f32"``) and the
+quantized one (``weights="quantized"``: ggml's 8-bit activations, f16 attention inputs).
+The top-2 rule for near-ties applies to the float32 path only: quantized inference is
+chaotic in its roundings (a 1e-7 difference flips an 8-bit level and grows through the
+layers), so among near-tied tokens either path may pick a third; the issue's bounds
+(mean, max, top-1 where the gap >= 0.6) hold for both.
+
 The measured numbers are printed (run with ``-s`` to see them).
 """
 
@@ -26,12 +33,13 @@ MAX_BOUND = 0.6
 GAP = 0.6
 
 
-def _check_file(gguf, fixture_path: Path, label: str) -> None:
+def _check_file(gguf, fixture_path: Path, label: str, weights: str) -> float:
+    """Check one fixture file on one weight path; returns the mean |dlogprob|."""
     data = load_fixture_file(fixture_path)
     entries = data["greedy"]
     assert entries, "fixture has no greedy entries"
     n_ctx = max(len(e["prompt_ids"]) + len(e["ids"]) for e in entries)
-    model = load_model(gguf, n_ctx=n_ctx)
+    model = load_model(gguf, n_ctx=n_ctx, weights=weights)
     errors: list[float] = []
     n_steps = agree = 0
     failures: list[str] = []
@@ -54,22 +62,27 @@ def _check_file(gguf, fixture_path: Path, label: str) -> None:
             agree += ours == st["id"]
             if gap >= GAP and ours != st["id"]:
                 failures.append(f"entry {k} step {i}: top-1 {ours} != {st['id']} (llama.cpp gap {gap:.2f})")
-            if gap < GAP and ours not in (top[0][0], top[1][0]):
+            if gap < GAP and weights == "f32" and ours not in (top[0][0], top[1][0]):
                 failures.append(f"entry {k} step {i}: top-1 {ours} not in llama.cpp top-2 {top[:2]}")
             errors.append(abs(float(row[st["id"]]) - st["logprob"]))
     err = np.array(errors)
-    print(f"\n{label}: {len(entries)} entries, {n_steps} steps; |dlogprob| mean {err.mean():.4f} "
+    print(f"\n{label} [{weights}]: {len(entries)} entries, {n_steps} steps; |dlogprob| mean {err.mean():.4f} "
           f"max {err.max():.4f}; top-1 agreement {agree}/{n_steps} ({100 * agree / n_steps:.1f} %)")
     assert not failures, "\n".join(failures)
     assert err.mean() <= MEAN_BOUND, f"mean |dlogprob| {err.mean():.4f} > {MEAN_BOUND}"
     assert err.max() <= MAX_BOUND, f"max |dlogprob| {err.max():.4f} > {MAX_BOUND}"
+    return float(err.mean())
+
+
 
 
 @pytest.mark.slow
-def test_smollm2_teacher_forced(smollm2_gguf) -> None:
-    _check_file(smollm2_gguf, SMOLLM2_FIXTURES, "SmolLM2-135M-Instruct Q4_1")
+@pytest.mark.parametrize("weights", ["f32", "quantized"])
+def test_smollm2_teacher_forced(smollm2_gguf, weights: str) -> None:
+    _check_file(smollm2_gguf, SMOLLM2_FIXTURES, "SmolLM2-135M-Instruct Q4_1", weights)
 
 
 @pytest.mark.slow
-def test_gemma3_teacher_forced(gemma3_gguf) -> None:
-    _check_file(gemma3_gguf, GEMMA3_FIXTURES, "Gemma 3 270M Q4_K_M")
+@pytest.mark.parametrize("weights", ["f32", "quantized"])
+def test_gemma3_teacher_forced(gemma3_gguf, weights: str) -> None:
+    _check_file(gemma3_gguf, GEMMA3_FIXTURES, "Gemma 3 270M Q4_K_M", weights)

@@ -25,6 +25,7 @@ from tests.worker.tiny_gguf import TINY_VOCAB_SIZE, write_tiny_gemma3, write_tin
 from worker.engine.errors import EngineError
 from worker.engine.gguf_loader import read_gguf
 from worker.engine import model as model_mod
+from worker.engine.quant import QWeight
 from worker.engine.model import ARCHITECTURES, Model, load_model
 
 
@@ -164,9 +165,14 @@ def test_matches_independent_reference(tmp_path: Path, arch: str, qtype: str) ->
     m64 = load_model(read_gguf(path), dtype=np.float64)
     got64 = log_softmax(m64.forward(PROMPT, all_logits=True))
     assert np.abs(got64 - ref).max() < 1e-9
-    m32 = load_model(read_gguf(path))
+    m32 = load_model(read_gguf(path), weights="f32")
     got32 = log_softmax(m32.forward(PROMPT, all_logits=True))
     assert np.abs(got32 - ref).max() < 1e-4
+    # the quantized path (ggml's 8-bit activations, f16 attention inputs) stays within ~1 % of
+    # the exact answer's range (random tiny weights: log-probs down to about -80)
+    mq = load_model(read_gguf(path), weights="quantized")
+    gotq = log_softmax(mq.forward(PROMPT, all_logits=True))
+    assert np.abs(gotq - ref).max() < 0.02 * np.abs(ref).max()
 
 
 def test_reference_llama_variants(tmp_path: Path) -> None:
@@ -223,7 +229,7 @@ def test_gemma3_window_changes_logits(tmp_path: Path) -> None:
 def test_float64_agrees_with_float32_tiny(tmp_path: Path, arch: str) -> None:
     path = tiny(tmp_path, arch, qtype="Q8_0")
     g = read_gguf(path)
-    a = log_softmax(load_model(g).forward(PROMPT, all_logits=True))
+    a = log_softmax(load_model(g, weights="f32").forward(PROMPT, all_logits=True))
     b = log_softmax(load_model(g, dtype=np.float64).forward(PROMPT, all_logits=True))
     assert np.abs(a - b).max() < 1e-4
 
@@ -232,7 +238,7 @@ def test_float64_agrees_with_float32_tiny(tmp_path: Path, arch: str) -> None:
 def test_float64_agrees_with_float32_smollm2(smollm2_gguf) -> None:
     ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407,
            19712, 8182, 2, 198, 1, 4093, 198, 504, 2]
-    m32 = load_model(smollm2_gguf, n_ctx=64)
+    m32 = load_model(smollm2_gguf, n_ctx=64, weights="f32")
     m64 = load_model(smollm2_gguf, n_ctx=64, dtype=np.float64)
     a = log_softmax(m32.forward(ids, all_logits=True))
     b = log_softmax(m64.forward(ids, all_logits=True))
@@ -247,7 +253,7 @@ def test_float64_agrees_with_float32_smollm2(smollm2_gguf) -> None:
 @pytest.mark.slow
 def test_float64_agrees_with_float32_gemma3(gemma3_gguf) -> None:
     ids = [2, 818, 5279, 529, 7001, 563, 496, 1607, 236764, 625, 506, 3401, 1169, 236761, 107, 818]
-    m32 = load_model(gemma3_gguf, n_ctx=32)
+    m32 = load_model(gemma3_gguf, n_ctx=32, weights="f32")
     m64 = load_model(gemma3_gguf, n_ctx=32, dtype=np.float64)
     a = log_softmax(m32.forward(ids, all_logits=True))
     b = log_softmax(m64.forward(ids, all_logits=True))
@@ -448,18 +454,23 @@ def test_model_api_surface(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ weight cache
 
 
-def test_weight_cache_roundtrip(tmp_path: Path) -> None:
+@pytest.mark.parametrize("weights", ["f32", "quantized"])
+def test_weight_cache_roundtrip(tmp_path: Path, weights: str) -> None:
     path = tiny(tmp_path, "llama", qtype="Q8_0")
-    m1 = load_model(read_gguf(path))  # background write
+    m1 = load_model(read_gguf(path), weights=weights)  # background write
     assert m1.weights_from_cache is False
     assert m1.wait_weight_cache(timeout=60)
     g = read_gguf(path)
-    d = tmp_path / "xdg-cache" / "modelyard" / "npy" / g.fingerprint / "llama-v1"
+    d = tmp_path / "xdg-cache" / "modelyard" / "npy" / g.fingerprint / f"llama-v1-{weights}"
     assert (d / "manifest.json").is_file()
     assert not list(d.glob("*.tmp")) and not list(d.glob(".*"))
-    m2 = load_model(g)
+    m2 = load_model(g, weights=weights)
     assert m2.weights_from_cache is True
-    assert not m2.w["blk.0.wqkv"].flags.writeable  # memory-mapped, read-only
+    w = m2.w["blk.0.wqkv"]
+    if weights == "quantized":
+        assert isinstance(w, QWeight) and w.types == ("Q8_0",) * 3
+        w = w.q
+    assert not w.flags.writeable  # memory-mapped, read-only
     np.testing.assert_array_equal(m1.forward(PROMPT, all_logits=True), m2.forward(PROMPT, all_logits=True))
 
 
@@ -467,7 +478,7 @@ def test_weight_cache_incomplete_is_rebuilt(tmp_path: Path) -> None:
     path = tiny(tmp_path, "gemma3")
     g = read_gguf(path)
     ref = load_model(g, cache_write="sync").forward(PROMPT)
-    d = tmp_path / "xdg-cache" / "modelyard" / "npy" / g.fingerprint / "gemma3-v1"
+    d = tmp_path / "xdg-cache" / "modelyard" / "npy" / g.fingerprint / "gemma3-v1-f32"
     (d / "blk.2.wqkv.npy").write_bytes(b"\x93NUMPY garbage")
     m = load_model(g, cache_write="sync")
     assert m.weights_from_cache is False

@@ -77,7 +77,7 @@ class AttnBatch:
 
 
 def attend(batch: AttnBatch, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
-           window: int | None = None) -> np.ndarray:
+           window: int | None = None, f16: bool = False) -> np.ndarray:
     """Store this step's K/V and attend, sequence by sequence, for one layer.
 
     Args:
@@ -87,9 +87,13 @@ def attend(batch: AttnBatch, layer: int, q: np.ndarray, k: np.ndarray, v: np.nda
         k: ``[N, n_kv, hd_k]`` keys after RoPE; v: ``[N, n_kv, hd_v]``.
         scale: multiplies ``q.k`` (llama.cpp ``kq_scale``).
         window: sliding-window size for this layer, or None (global attention).
+        f16: round q, k and v to float16 precision first (kept in the compute dtype), as
+            llama.cpp's f16 KV cache and its flash attention (q converted to K's f16) do.
     Returns:
         ``[N, n_head * hd_v]``.
     """
+    if f16:
+        q, k, v = (round_f16(a) for a in (q, k, v))
     n, n_head, _ = q.shape
     hd_v = v.shape[2]
     out = np.empty((n, n_head * hd_v), dtype=q.dtype)   # [N, n_head*hd_v]
@@ -101,6 +105,11 @@ def attend(batch: AttnBatch, layer: int, q: np.ndarray, k: np.ndarray, v: np.nda
         out[rows] = attention(q[rows], s.kv.keys(layer, k0, end), s.kv.values(layer, k0, end), mask, scale,
                               col0)
     return out
+
+
+def round_f16(x: np.ndarray) -> np.ndarray:
+    """``x`` rounded to the nearest float16 (ties to even, as ggml's FP32_TO_FP16), same dtype."""
+    return x.astype(np.float16).astype(x.dtype)
 
 
 def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray | None,

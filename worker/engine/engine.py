@@ -44,6 +44,8 @@ class EngineInfo:
     n_parallel: int = 1  # KV slots: sequences decoded at once
     kv_budget_tokens: int = 0  # KV positions the budget holds in all
     kv_token_bytes: int = 0  # bytes of K and V per position
+    weights: str = "quantized"  # how weight matrices are held: "quantized" | "f32"
+    weight_bytes: int = 0  # bytes of the prepared weights in memory
 
 
 class Engine:
@@ -69,7 +71,8 @@ class Engine:
 
     @classmethod
     def load(cls, gguf_path: str, n_ctx: int | None = None, chat_template: str | None = None, *,
-             parallel: int = 1, kv_budget_mib: float | None = None, n_batch: int | None = None) -> Engine:
+             parallel: int = 1, kv_budget_mib: float | None = None, n_batch: int | None = None,
+             weights: str | None = None) -> Engine:
         """Load a GGUF file.
 
         Args:
@@ -81,17 +84,19 @@ class Engine:
             kv_budget_mib: KV memory of all sequences and cached prefixes together,
                 MiB; None -> room for ``parallel`` full contexts (``parallel * n_ctx`` positions).
             n_batch: prompt tokens per step (prefill chunk); None -> 256.
+            weights: ``"quantized"`` (the GGUF's blocks, ggml's vec_dot numerics) or ``"f32"``
+                (dequantized float32 reference); None -> ``model.DEFAULT_WEIGHTS`` ("f32").
 
         Raises:
             EngineError: ``file_not_found``, ``invalid_gguf``,
                 ``unsupported_architecture``, ``unsupported_tensor_type``,
                 ``unsupported_tokenizer``, ``template_error`` (the given or
                 embedded template does not compile), ``invalid_params``
-                (n_ctx not a positive integer, parallel < 1, budget <= 0).
+                (n_ctx not a positive integer, parallel < 1, budget <= 0, unknown weights mode).
         """
         from .gguf_loader import read_gguf
         from .scheduler import DEFAULT_N_BATCH
-        from .model import load_model  # n_ctx None -> min(n_ctx_train, DEFAULT_MAX_CTX) there
+        from .model import DEFAULT_WEIGHTS, WEIGHT_MODES, load_model  # n_ctx None -> min(n_ctx_train, 8192) there
 
         path = Path(gguf_path)
         if not path.is_file():
@@ -105,6 +110,9 @@ class Engine:
         if kv_budget_mib is not None and (isinstance(kv_budget_mib, bool) or not isinstance(kv_budget_mib, (int, float))
                                           or not kv_budget_mib > 0):
             raise EngineError("invalid_params", f"kv_budget_mib must be a positive number, got {kv_budget_mib!r}")
+        weights = DEFAULT_WEIGHTS if weights is None else weights
+        if weights not in WEIGHT_MODES:
+            raise EngineError("invalid_params", f"weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}")
         gguf = _wrap(read_gguf, str(path))
         md = gguf.metadata
         arch = gguf.architecture
@@ -117,7 +125,7 @@ class Engine:
         if isinstance(source, str) and source.strip():
             template = ChatTemplate(source, tokenizer.bos_token, tokenizer.eos_token,
                                     strip_bos=tokenizer.add_bos, strip_eos=tokenizer.add_eos)
-        model = _wrap(load_model, gguf, n_ctx)
+        model = _wrap(load_model, gguf, n_ctx, weights=weights)
         token_bytes = model.kv_shape.token_bytes
         budget_tokens = (parallel * int(model.n_ctx) if kv_budget_mib is None
                          else max(1, int(kv_budget_mib * 2**20) // token_bytes))
@@ -138,6 +146,8 @@ class Engine:
             n_parallel=parallel,
             kv_budget_tokens=budget_tokens,
             kv_token_bytes=token_bytes,
+            weights=model.weights,
+            weight_bytes=int(model.weight_bytes),
         )
         return cls(gguf, model, tokenizer, template, info, sched)
 
@@ -332,10 +342,10 @@ class Engine:
             return list(max(entries, key=lambda e: e.last_use).tokens)
 
 
-def _wrap(fn: Callable[..., Any], *args: Any) -> Any:
+def _wrap(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call a loader; any failure that is not an EngineError becomes ``invalid_gguf``."""
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except EngineError:
         raise
     except MemoryError:

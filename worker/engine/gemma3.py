@@ -38,7 +38,7 @@ import numpy as np
 
 from .errors import EngineError
 from .attention import AttnBatch, attend
-from .model import Model, RopeTable, fuse_rows, gelu_tanh, hp_float, hp_int, linear, register, rms_norm
+from .model import Model, RopeTable, embed, fuse_rows, gelu_tanh, gelu_tanh_ggml, hp_float, hp_int, linear, register, rms_norm
 
 
 @register
@@ -86,7 +86,7 @@ class Gemma3Model(Model):
             w[p + "wqkv"] = fuse_rows(self._qkv_weights(p))                         # [(nh+2nkv)*hd, n_embd]
             w[p + "q_norm"] = t(p + "attn_q_norm.weight", (hd,))                    # [hd]
             w[p + "k_norm"] = t(p + "attn_k_norm.weight", (hd,))                    # [hd]
-            w[p + "wo"] = t(p + "attn_output.weight", (E, nh * hd))                 # [n_embd, nh*hd]
+            w[p + "wo"] = self.matrix(p + "attn_output.weight", (E, nh * hd))                 # [n_embd, nh*hd]
             w[p + "post_attn_norm"] = t(p + "post_attention_norm.weight", (E,))     # [n_embd]
             w[p + "ffn_norm"] = t(p + "ffn_norm.weight", (E,))                      # [n_embd]
             w.update(self._gated_ffn_weights(p))   # wgu [2*n_ff, n_embd], wdown [n_embd, n_ff]
@@ -104,7 +104,7 @@ class Gemma3Model(Model):
         nh, nkv, hd, nff = self.n_head, self.n_head_kv, self.head_dim, self.n_ff
         nq, nk = nh * hd, nkv * hd
         pos = batch.positions                                          # [T]
-        x = self.w["tok_embd"][tokens].astype(self.dtype)              # [T, n_embd]
+        x = embed(self.w["tok_embd"], tokens).astype(self.dtype)       # [T, n_embd]
         x *= self.dtype.type(self.embd_scale)                          # [T, n_embd] * sqrt(n_embd)
         for il, (attn_norm, wqkv, q_norm, k_norm, wo, post_attn_norm, ffn_norm, wgu, wdown,
                  post_ffw_norm) in enumerate(self.layers):
@@ -118,11 +118,12 @@ class Gemma3Model(Model):
             rope.apply_neox(q, pos)                                    # [T, nh, hd]
             rope.apply_neox(k, pos)                                    # [T, nkv, hd]
             q *= self.dtype.type(self.q_scale)                         # [T, nh, hd]
-            a = attend(batch, il, q, k, v, 1.0, self.window if swa else None)  # [T, nh*hd]
+            a = attend(batch, il, q, k, v, 1.0, self.window if swa else None, f16=self.ggml_numerics)  # [T, nh*hd]
             sa = x + rms_norm(linear(a, wo), post_attn_norm, self.eps)      # [T, n_embd]
             h = rms_norm(sa, ffn_norm, self.eps)                       # [T, n_embd]
             gu = linear(h, wgu)                                            # [T, 2*n_ff]
-            f = gelu_tanh(gu[:, :nff]) * gu[:, nff:]                   # [T, n_ff]
+            gelu = gelu_tanh_ggml if self.ggml_numerics else gelu_tanh
+            f = gelu(gu[:, :nff]) * gu[:, nff:]                        # [T, n_ff]
             x = sa + rms_norm(linear(f, wdown), post_ffw_norm, self.eps)    # [T, n_embd]
         return rms_norm(x, self.w["output_norm"], self.eps)            # [T, n_embd]
 

@@ -55,6 +55,9 @@ class GenerationResult:
     predicted_ms: float
     cache_n: int
     prompt_tokens: int
+    #: the end-of-generation token that ended it: ``(token_id, logprob, [(id, logprob), ...])``,
+    #: the probabilities only when n_probs > 0 (else None, []); llama.cpp reports that token too
+    eog: tuple[int, float | None, list[tuple[int, float]]] | None = None
 
 
 def check_context(n_ctx: int, n_prompt: int, max_tokens: int | None) -> None:
@@ -117,6 +120,7 @@ class Sequence:
         self.finish_reason = ""
         self.stop_type = ""
         self.stopping_word = ""
+        self.eog: tuple[int, float | None, list[tuple[int, float]]] | None = None
 
     @property
     def done(self) -> bool:
@@ -143,6 +147,10 @@ class Sequence:
         self.sampler.accept(tid)
         self.tokens.append(tid)
         if tid in self.tok.eog_ids and not self.params.ignore_eos:
+            lp, top = (None, [])
+            if self.params.n_probs > 0:
+                lp, top = raw_logprobs(logits[: self.sampler.n_vocab], tid, self.params.n_probs)
+            self.eog = (tid, lp, top)
             self.finish("stop", "eos")  # the end-of-generation token is not text
             return None
         lp, top = (None, [])

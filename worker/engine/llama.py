@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from .attention import AttnBatch, attend
-from .model import Model, RopeTable, fuse_rows, linear, register, rms_norm, silu
+from .model import Model, RopeTable, embed, fuse_rows, linear, permute_rows, register, rms_norm, silu
 
 
 @register
@@ -53,11 +53,11 @@ class LlamaModel(Model):
         for i in range(self.n_layer):
             p = f"blk.{i}."
             wq, wk, wv = self._qkv_weights(p)                  # [n_head*hd | n_kv*hd | n_kv*hd, n_embd]
-            wq = wq.reshape(nh, hd, E)[:, perm].reshape(nh * hd, E)
-            wk = wk.reshape(nkv, hd, E)[:, perm].reshape(nkv * hd, E)
+            wq = permute_rows(wq, _head_rows(nh, hd, perm))   # [n_head*hd, n_embd] rows reordered per head
+            wk = permute_rows(wk, _head_rows(nkv, hd, perm))  # [n_kv*hd, n_embd]
             w[p + "attn_norm"] = t(p + "attn_norm.weight", (E,))                     # [n_embd]
             w[p + "wqkv"] = fuse_rows([wq, wk, wv])                                  # [(nh+2nkv)*hd, n_embd]
-            w[p + "wo"] = t(p + "attn_output.weight", (E, nh * hd))                  # [n_embd, n_head*hd]
+            w[p + "wo"] = self.matrix(p + "attn_output.weight", (E, nh * hd))                  # [n_embd, n_head*hd]
             w[p + "ffn_norm"] = t(p + "ffn_norm.weight", (E,))                       # [n_embd]
             w.update(self._gated_ffn_weights(p))    # wgu [2*n_ff, n_embd], wdown [n_embd, n_ff]
         return w
@@ -72,7 +72,7 @@ class LlamaModel(Model):
         nh, nkv, hd, nff = self.n_head, self.n_head_kv, self.head_dim, self.n_ff
         nq, nk = nh * hd, nkv * hd
         pos = batch.positions                                         # [T]
-        x = self.w["tok_embd"][tokens].astype(self.dtype)             # [T, n_embd]
+        x = embed(self.w["tok_embd"], tokens).astype(self.dtype)      # [T, n_embd]
         for il, (attn_norm, wqkv, wo, ffn_norm, wgu, wdown) in enumerate(self.layers):
             h = rms_norm(x, attn_norm, self.eps)                      # [T, n_embd]
             qkv = linear(h, wqkv)                                         # [T, (nh+2nkv)*hd]
@@ -81,7 +81,7 @@ class LlamaModel(Model):
             q = qk[:, :nh]                                            # [T, nh, hd]
             k = qk[:, nh:]                                            # [T, nkv, hd]
             v = qkv[:, nq + nk:].reshape(T, nkv, hd)                  # [T, nkv, hd]
-            a = attend(batch, il, q, k, v, self.scale)                # [T, nh*hd]
+            a = attend(batch, il, q, k, v, self.scale, f16=self.ggml_numerics)  # [T, nh*hd]
             x = x + linear(a, wo)                                         # [T, n_embd]
             h = rms_norm(x, ffn_norm, self.eps)                       # [T, n_embd]
             gu = linear(h, wgu)                                           # [T, 2*n_ff]
@@ -96,3 +96,8 @@ def _norm_to_neox_perm(head_dim: int, n_rot: int) -> np.ndarray:
     ``[0, 2, .., n_rot-2, 1, 3, .., n_rot-1, n_rot, .., head_dim-1]``.
     """
     return np.concatenate([np.arange(0, n_rot, 2), np.arange(1, n_rot, 2), np.arange(n_rot, head_dim)])
+
+
+def _head_rows(n_heads: int, head_dim: int, perm: np.ndarray) -> np.ndarray:
+    """Row indices ``[n_heads*head_dim]`` applying ``perm`` within each head's rows."""
+    return (np.arange(n_heads)[:, None] * head_dim + perm[None, :]).reshape(-1)

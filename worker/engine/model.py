@@ -35,6 +35,19 @@ from .errors import EngineError
 from .gguf_loader import GGUFFile, atomic_write_bytes, cache_root
 from .attention import AttnBatch, Segment, attention, attention_mask  # noqa: F401 (re-exported)
 from .kv_cache import KVEntry, KVShape
+from .quant import QConcat, QWeight, fuse, supports as quant_supports
+
+#: How weight matrices are held: ``"quantized"`` (the GGUF's own blocks as int8 levels + scales,
+#: multiplied by the kernels of :mod:`.quant`) or ``"f32"`` (dequantized once, sgemm; the reference).
+#: The default stays "f32" while the quantized path is not batch-invariant: its 8-bit activation
+#: rounding turns the float32 differences between batch shapes (sgemm vs the int8 kernel, chunk
+#: sizes) into different roundings, so a temperature-0 answer could change with the other requests
+#: sharing its forward pass (measured: one-pass vs token-by-token logits up to ~1.5 apart on SmolLM2).
+WEIGHT_MODES = ("quantized", "f32")
+DEFAULT_WEIGHTS = "f32"
+
+#: A prepared weight matrix: float32 ``[out, in]`` or a quantized form with ``shape`` and ``matmul``.
+Matrix = np.ndarray | QWeight | QConcat
 
 #: ``general.architecture`` -> Model subclass (filled by :func:`register`).
 ARCHITECTURES: dict[str, type[Model]] = {}
@@ -50,7 +63,8 @@ def register(cls: type[Model]) -> type[Model]:
 
 
 def load_model(gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.float32,
-               weight_cache: bool | None = None, cache_write: str = "background") -> Model:
+               weight_cache: bool | None = None, cache_write: str = "background",
+               weights: str = DEFAULT_WEIGHTS) -> Model:
     """Build the model for a parsed GGUF file.
 
     Args:
@@ -65,6 +79,9 @@ def load_model(gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.floa
         cache_write: on a cache miss, write the ``.npy`` files in a background
             thread (``"background"``: the model is usable at once; see
             :meth:`Model.wait_weight_cache`) or before returning (``"sync"``).
+        weights: ``"quantized"`` (weight matrices kept in the GGUF's quantized
+            blocks, multiplied as ggml's vec_dot does) or ``"f32"`` (dequantized
+            to float32, the reference path). A float64 model is always ``"f32"``.
     Returns:
         a :class:`Model` with an empty KV cache.
     Raises:
@@ -72,7 +89,7 @@ def load_model(gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.floa
             (or an unsupported feature such as a RoPE scaling type).
         EngineError("invalid_gguf"): missing/ill-typed hyperparameter, missing
             tensor or tensor of the wrong shape.
-        EngineError("invalid_params"): n_ctx not a positive integer, bad dtype.
+        EngineError("invalid_params"): n_ctx not a positive integer, bad dtype, unknown weights mode.
     """
     _register_builtin()
     arch = gguf.architecture
@@ -82,7 +99,9 @@ def load_model(gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.floa
                           f"architecture {arch!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))})")
     if cache_write not in ("background", "sync"):
         raise EngineError("invalid_params", f"cache_write must be 'background' or 'sync', got {cache_write!r}")
-    return cls(gguf, n_ctx, dtype=dtype, weight_cache=weight_cache, cache_write=cache_write)
+    if weights not in WEIGHT_MODES:
+        raise EngineError("invalid_params", f"weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}")
+    return cls(gguf, n_ctx, dtype=dtype, weight_cache=weight_cache, cache_write=cache_write, weights=weights)
 
 
 def _register_builtin() -> None:
@@ -152,16 +171,36 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / ms * w
 
 
-def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """``x @ w.T``: x ``[T, in]``, w ``[out, in]`` (C-contiguous) -> ``[T, out]`` (a transposed,
-    Fortran-ordered view; ``np.ascontiguousarray`` it where rows must be contiguous).
+def linear(x: np.ndarray, w: Matrix) -> np.ndarray:
+    """``x @ w.T``: x ``[T, in]``, w ``[out, in]`` -> ``[T, out]`` (for a float32 ``w``, a
+    transposed, Fortran-ordered view; ``np.ascontiguousarray`` it where rows must be contiguous).
+
+    A quantized ``w`` (:class:`~.quant.QWeight`) multiplies as ggml's vec_dot does
+    (activations quantized per block first; see :mod:`.quant`).
 
     Computed as ``(w @ x.T).T``: OpenBLAS then takes a faster kernel for the
     small row counts of batched decode (measured on this machine kind, 2 threads,
     SmolLM2's shapes: 1.1-1.6x at T=1, 1.9-2.0x at T=8, 1.4-1.6x at T=32, 1.1-1.2x
     at T=256; scripts/bench_engine.py). Same result up to float rounding.
     """
+    if not isinstance(w, np.ndarray):
+        return w.matmul(x)
     return (w @ x.T).T
+
+
+def embed(w: Matrix, tokens: np.ndarray) -> np.ndarray:
+    """Rows ``tokens [T]`` of an embedding matrix ``[n_vocab, n_embd]`` as float32 ``[T, n_embd]``
+    (dequantized rows for a quantized matrix, as ggml's ``get_rows``)."""
+    if isinstance(w, QWeight):
+        return w.dequantize_rows(tokens)
+    return w[tokens]
+
+
+def permute_rows(w: Matrix, rows: np.ndarray) -> Matrix:
+    """``w[rows]`` for a float32 or quantized ``[out, in]`` matrix (rows int ``[out]``)."""
+    if isinstance(w, QWeight):
+        return w.take_rows(rows)
+    return w[rows]
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -186,6 +225,17 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     inner *= x
     inner *= x.dtype.type(0.5)
     return inner
+
+
+def gelu_tanh_ggml(x: np.ndarray) -> np.ndarray:
+    """GELU as ggml's CPU kernel computes it (``ggml_vec_gelu_f32`` / ``ggml_vec_geglu_f32`` with
+    ``GGML_GELU_FP16``): the input rounded to float16, a float16 table of :func:`gelu_tanh`, 0 at
+    ``x <= -10`` and ``x`` at ``x >= 10``. float32 ``[...]`` -> same shape."""
+    y = gelu_tanh(x.astype(np.float16).astype(np.float32)).astype(np.float16).astype(np.float32)
+    y[x <= -10.0] = 0.0
+    big = x >= 10.0
+    y[big] = x[big]
+    return y
 
 
 class RopeTable:
@@ -256,24 +306,39 @@ class WeightCache:
     def __init__(self, fingerprint: str, layout: str) -> None:
         self.dir = cache_root() / "npy" / fingerprint / layout
 
-    def load(self) -> dict[str, np.ndarray] | None:
-        """The cached arrays (read-only memmaps), or None if absent/incomplete/corrupt."""
+    def load(self) -> dict[str, Matrix] | None:
+        """The cached arrays (read-only memmaps; quantized matrices rebuilt from their
+        ``name@q`` / ``name@d`` / ``name@m`` arrays), or None if absent/incomplete/corrupt."""
         try:
             manifest = json.loads((self.dir / "manifest.json").read_text())
-            out: dict[str, np.ndarray] = {}
+            flat: dict[str, np.ndarray] = {}
             for name, (shape, dtype) in manifest["arrays"].items():
                 arr = np.load(self.dir / f"{name}.npy", mmap_mode="r", allow_pickle=False)
                 if list(arr.shape) != shape or str(arr.dtype) != dtype:
                     return None
-                out[name] = np.asarray(arr)  # plain ndarray view of the memmap
+                flat[name] = np.asarray(arr)  # plain ndarray view of the memmap
+            out: dict[str, Matrix] = {n: a for n, a in flat.items() if "@" not in n}
+            for name, (act, types) in manifest.get("quantized", {}).items():
+                out[name] = QWeight(flat[name + "@q"], flat[name + "@d"], flat.get(name + "@m"), act, types)
             return out
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def save(self, arrays: dict[str, np.ndarray]) -> None:
+    def save(self, weights: dict[str, Matrix]) -> None:
         """Write every array, then the manifest (atomic renames). Errors are swallowed:
         a read-only or full disk only costs the next load time. Temp files left by a
-        killed writer (older than an hour) are removed."""
+        killed writer (older than an hour) are removed. A :class:`~.quant.QConcat` is not
+        cacheable: then nothing is written."""
+        arrays: dict[str, np.ndarray] = {}
+        quantized: dict[str, Any] = {}
+        for name, w in weights.items():
+            if isinstance(w, QWeight):
+                quantized[name] = [w.act, list(w.types)]
+                arrays.update({f"{name}@{k}": a for k, a in w.arrays().items()})
+            elif isinstance(w, np.ndarray):
+                arrays[name] = w
+            else:
+                return
         try:
             with _cache_lock:
                 self.dir.mkdir(parents=True, exist_ok=True)
@@ -294,7 +359,8 @@ class WeightCache:
                     finally:
                         if tmp.exists():
                             tmp.unlink()
-                manifest = {"arrays": {n: [list(a.shape), str(a.dtype)] for n, a in arrays.items()}}
+                manifest = {"arrays": {n: [list(a.shape), str(a.dtype)] for n, a in arrays.items()},
+                            "quantized": quantized}
                 atomic_write_bytes(self.dir / "manifest.json", json.dumps(manifest).encode())
         except OSError:
             pass
@@ -323,7 +389,8 @@ class Model:
     layout_version: ClassVar[int] = 1
 
     def __init__(self, gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.float32,
-                 weight_cache: bool | None = None, cache_write: str = "background") -> None:
+                 weight_cache: bool | None = None, cache_write: str = "background",
+                 weights: str = DEFAULT_WEIGHTS) -> None:
         try:
             self.dtype = np.dtype(dtype)
         except TypeError:
@@ -331,6 +398,11 @@ class Model:
         if self.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
             raise EngineError("invalid_params", f"dtype must be float32 or float64, got {dtype!r}")
         self.gguf = gguf
+        #: "quantized" or "f32" (a float64 reference model is always "f32")
+        self.weights = weights if self.dtype == np.float32 else "f32"
+        #: the quantized path also follows ggml's other roundings where they are cheap to
+        #: reproduce: q/k/v at float16 precision (f16 KV cache, flash attention), GELU's f16 table
+        self.ggml_numerics = self.weights == "quantized"
         self.metadata = gguf.metadata
         md = gguf.metadata
         self.n_ctx_train = hp_int(md, f"{self.arch}.context_length")
@@ -347,6 +419,8 @@ class Model:
         self.w = self._load_weights(weight_cache)
         self.load_timings["weights"] = time.perf_counter() - t0
         self.n_vocab = int(self.w["output"].shape[0] if "output" in self.w else self.w["tok_embd"].shape[0])
+        self.weight_bytes = sum(int(w.nbytes) if isinstance(w, (np.ndarray, QWeight))
+                                else sum(int(p.nbytes) for p in w.parts) for w in self.w.values())
         self._setup()
         self.cache = self._make_cache()
 
@@ -355,8 +429,9 @@ class Model:
     def _read_hparams(self, md: dict[str, Any]) -> None:
         raise NotImplementedError
 
-    def _build_weights(self) -> dict[str, np.ndarray]:
-        """Prepared float32 arrays by name (dequantized, fused, validated)."""
+    def _build_weights(self) -> dict[str, Matrix]:
+        """Prepared arrays by name (matrices from :meth:`matrix`, vectors from :meth:`tensor`;
+        fused, validated)."""
         raise NotImplementedError
 
     def _setup(self) -> None:
@@ -429,43 +504,43 @@ class Model:
             raise EngineError("invalid_gguf", f"{self.gguf.path}: missing tensor 'token_embd.weight'")
         n_vocab = tok.np_shape[0]
         w: dict[str, np.ndarray] = {
-            "tok_embd": t("token_embd.weight", (n_vocab, E)),  # [n_vocab, n_embd]
+            "tok_embd": self.matrix("token_embd.weight", (n_vocab, E)),  # [n_vocab, n_embd]
             "output_norm": t("output_norm.weight", (E,)),      # [n_embd]
         }
         if self.has_tensor("output.weight"):
-            w["output"] = t("output.weight", (n_vocab, E))     # [n_vocab, n_embd]
+            w["output"] = self.matrix("output.weight", (n_vocab, E))     # [n_vocab, n_embd]
         return w
 
-    def _qkv_weights(self, p: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _qkv_weights(self, p: str) -> tuple[Matrix, Matrix, Matrix]:
         """Block ``p``'s (e.g. ``"blk.3."``) Wq ``[n_head*hd, n_embd]``, Wk and Wv ``[n_kv*hd, n_embd]``."""
-        E, hd, t = self.n_embd, self.head_dim, self.tensor
+        E, hd, t = self.n_embd, self.head_dim, self.matrix
         return (t(p + "attn_q.weight", (self.n_head * hd, E)),      # [n_head*hd, n_embd]
                 t(p + "attn_k.weight", (self.n_head_kv * hd, E)),   # [n_kv*hd, n_embd]
                 t(p + "attn_v.weight", (self.n_head_kv * hd, E)))   # [n_kv*hd, n_embd]
 
-    def _gated_ffn_weights(self, p: str) -> dict[str, np.ndarray]:
+    def _gated_ffn_weights(self, p: str) -> dict[str, Matrix]:
         """Block ``p``'s ``wgu`` (gate rows, then up rows) ``[2*n_ff, n_embd]`` and ``wdown`` ``[n_embd, n_ff]``."""
-        E, nff, t = self.n_embd, self.n_ff, self.tensor
+        E, nff, t = self.n_embd, self.n_ff, self.matrix
         return {
             p + "wgu": fuse_rows([t(p + "ffn_gate.weight", (nff, E)),
                                   t(p + "ffn_up.weight", (nff, E))]),  # [2*n_ff, n_embd]
             p + "wdown": t(p + "ffn_down.weight", (E, nff)),           # [n_embd, n_ff]
         }
 
-    def _layer_weights(self, names: Sequence[str]) -> list[tuple[np.ndarray, ...]]:
+    def _layer_weights(self, names: Sequence[str]) -> list[tuple[Matrix, ...]]:
         """Per layer, the prepared arrays ``blk.{i}.{name}`` in the order of ``names``."""
         return [tuple(self.w[f"blk.{i}.{n}"] for n in names) for i in range(self.n_layer)]
 
     # -- weights ----------------------------------------------------------
 
-    def _load_weights(self, weight_cache: bool | None) -> dict[str, np.ndarray]:
+    def _load_weights(self, weight_cache: bool | None) -> dict[str, Matrix]:
         if weight_cache is None:
             weight_cache = os.environ.get(CACHE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
         use_cache = weight_cache and self.dtype == np.float32 and self.gguf.file_size >= WEIGHT_CACHE_MIN_BYTES
         cache = None
         if use_cache:
             t0 = time.perf_counter()
-            cache = WeightCache(self.gguf.fingerprint, f"{self.arch}-v{self.layout_version}")
+            cache = WeightCache(self.gguf.fingerprint, f"{self.arch}-v{self.layout_version}-{self.weights}")
             self.load_timings["fingerprint"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             arrays = cache.load()
@@ -489,6 +564,18 @@ class Model:
         if self.dtype != np.float32:
             arrays = {k: v.astype(self.dtype) for k, v in arrays.items()}
         return arrays
+
+    def matrix(self, name: str, shape: Sequence[int]) -> Matrix:
+        """A weight matrix ``[out, in]`` as the model multiplies with it: a :class:`~.quant.QWeight`
+        on the quantized path when the tensor's type has an int8 form, else dequantized float32.
+
+        Raises: EngineError("invalid_gguf") if missing or of another shape.
+        """
+        info = self.gguf.tensors.get(name)
+        if self.weights == "quantized" and info is not None and len(shape) == 2 \
+                and tuple(info.np_shape) == tuple(shape) and quant_supports(info.type.name):
+            return QWeight.from_raw(info.type.name, self.gguf.raw(name), int(shape[0]), int(shape[1]))
+        return self.tensor(name, shape)
 
     def tensor(self, name: str, shape: Sequence[int]) -> np.ndarray:
         """Dequantized float32 GGUF tensor, checked against the expected numpy shape.
@@ -615,14 +702,15 @@ class Model:
         return f"{type(self).__name__}(n_ctx={self.n_ctx}, n_vocab={self.n_vocab}, n_past={self.n_past})"
 
 
-def fuse_rows(parts: Sequence[np.ndarray]) -> np.ndarray:
-    """Stack ``[out_i, in]`` matrices into one C-contiguous ``[sum(out_i), in]``."""
-    return np.ascontiguousarray(np.concatenate(parts, axis=0))
+def fuse_rows(parts: Sequence[Matrix]) -> Matrix:
+    """Stack ``[out_i, in]`` matrices into one ``[sum(out_i), in]`` (C-contiguous float32, one
+    QWeight when the quantized parts are compatible, else a QConcat; :func:`.quant.fuse`)."""
+    return fuse(parts)
 
 
 __all__ = [
-    "ARCHITECTURES", "AttnBatch", "DEFAULT_MAX_CTX", "Model", "RopeTable", "Segment", "WeightCache", "attention", "attention_mask",
-    "fuse_rows", "gelu_tanh", "hp_float", "hp_int", "linear", "load_model", "register", "rms_norm", "rope_freq_scale",
-    "silu",
+    "ARCHITECTURES", "AttnBatch", "DEFAULT_MAX_CTX", "DEFAULT_WEIGHTS", "Matrix", "Model", "RopeTable", "Segment",
+    "WEIGHT_MODES", "WeightCache", "attention", "attention_mask", "embed", "fuse_rows", "gelu_tanh",
+    "gelu_tanh_ggml", "hp_float", "hp_int", "linear", "load_model", "permute_rows", "register", "rms_norm",
+    "rope_freq_scale", "silu",
 ]
-

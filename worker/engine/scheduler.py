@@ -428,7 +428,7 @@ class Scheduler:
             text=text, tail=tail, tokens=s.seq.tokens, finish_reason=s.seq.finish_reason,
             stop_type=s.seq.stop_type, stopping_word=s.seq.stopping_word, prompt_n=s.evaluated,
             prompt_ms=(t_first - t_admit) * 1e3, predicted_n=len(s.seq.tokens),
-            predicted_ms=(now - t_first) * 1e3, cache_n=s.n_keep, prompt_tokens=len(s.req.prompt))
+            predicted_ms=(now - t_first) * 1e3, cache_n=s.n_keep, prompt_tokens=len(s.req.prompt), eog=s.seq.eog)
         return Finished(s.req.id, res, None, slot)
 
 

@@ -1,0 +1,155 @@
+"""Quantized weights (worker/engine/quant.py) against the gguf package and ggml's own formulas.
+
+* unpacking a tensor's blocks to (q, d, m) reproduces ``gguf.quants.dequantize`` exactly, for
+  every type held quantized (random blocks, so every bit pattern of scales/levels occurs);
+* ``QWeight.matmul`` equals ggml's vec_dot written out here in float64 from the integer
+  levels (activations quantized by an independent port of ggml's ``quantize_row_q8_*``), on
+  both kernels (the int8 one for few rows, dequantized tiles + sgemm for many);
+* the two kernels agree with each other; fused matrices equal their parts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
+from gguf.quants import dequantize
+
+from worker.engine import quant
+
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"]
+
+
+def random_blocks(type_name: str, n_rows: int, n_cols: int, seed: int) -> np.ndarray:
+    """uint8 ``[n_rows, bytes_per_row]`` of random blocks whose fp16 scales are finite and small."""
+    qt = GGMLQuantizationType[type_name]
+    block, size = GGML_QUANT_SIZES[qt]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n_rows, n_cols // block, size), dtype=np.uint8)
+
+    def f16(at: int) -> None:
+        v = (rng.random((n_rows, n_cols // block)) * 0.02 + 1e-4).astype(np.float16)
+        raw[..., at:at + 2] = v.view(np.uint8).reshape(n_rows, n_cols // block, 2)
+
+    if type_name in ("Q8_0", "Q4_0", "Q5_0"):
+        f16(0)
+    elif type_name in ("Q4_1", "Q5_1", "Q4_K"):
+        f16(0)
+        f16(2)
+    elif type_name == "Q6_K":
+        f16(208)
+    return raw.reshape(n_rows, -1)
+
+
+def ref_quantize(x: np.ndarray, act: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml's activation quantization, float64 bookkeeping: (q int [T, K], d [T, K/A], s [T, K/32])."""
+    T, K = x.shape
+    A = 256 if act == "q8_K" else 32
+    xb = x.reshape(T, K // A, A).astype(np.float32)
+    if act == "q8_K":  # quantize_row_q8_K_ref
+        idx = np.abs(xb).argmax(axis=-1)
+        mx = np.take_along_axis(xb, idx[..., None], axis=-1)[..., 0]
+        iscale = np.where(mx != 0, np.float32(-127.0) / np.where(mx != 0, mx, 1), 0).astype(np.float32)
+        q = np.minimum(127, np.rint(xb * iscale[..., None])).astype(np.int64)
+        d = np.where(mx != 0, np.float32(1.0) / np.where(iscale != 0, iscale, 1), 0).astype(np.float32)
+        qs = q.reshape(T, K // 32, 32)
+        s = d.repeat(8, axis=1).astype(np.float64) * qs.sum(-1)
+        return q.reshape(T, K), d.astype(np.float64), s
+    amax = np.abs(xb).max(axis=-1)  # x86 quantize_row_q8_0 / q8_1
+    d = (amax / np.float32(127)).astype(np.float32)
+    inv = np.where(amax != 0, np.float32(127) / np.where(amax != 0, amax, 1), 0).astype(np.float32)
+    q = np.rint(xb * inv[..., None]).astype(np.int64)
+    s = d.astype(np.float64) * q.sum(-1)
+    if act == "q8_1":
+        s = s.astype(np.float16).astype(np.float64)
+    return q.reshape(T, K), d.astype(np.float16).astype(np.float64), s
+
+
+def ref_matmul(w: quant.QWeight, x: np.ndarray) -> np.ndarray:
+    """sum over weight blocks of d_w * d_x * sum(q_w * q_x) + m_w * s_x, in float64."""
+    q, d, m = w.q.astype(np.int64), w.d.astype(np.float64), w.m
+    O, nb, B = q.shape
+    qx, dx, sx = ref_quantize(x, w.act)
+    T, K = x.shape
+    A = 256 if w.act == "q8_K" else 32
+    dx_w = dx.repeat(A // B, axis=1) if A >= B else dx                # [T, nb] activation scale per weight block
+    isum = np.einsum("obj,tbj->tob", q, qx.reshape(T, nb, B))        # [T, O, nb] exact integers
+    out = (isum * d[None] * dx_w[:, None, :]).sum(-1)
+    if m is not None:
+        out += sx @ m.astype(np.float64).T
+    return out
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_unpack_reproduces_the_gguf_dequantization(type_name: str) -> None:
+    n_rows, n_cols = 24, 512
+    raw = random_blocks(type_name, n_rows, n_cols, seed=1)
+    w = quant.QWeight.from_raw(type_name, raw, n_rows, n_cols)
+    ref = dequantize(raw, GGMLQuantizationType[type_name]).reshape(n_rows, n_cols)
+    assert w.shape == (n_rows, n_cols)
+    np.testing.assert_array_equal(w.dequantize(), ref.astype(np.float32))
+    rows = np.array([5, 0, 23, 5])
+    np.testing.assert_array_equal(w.dequantize_rows(rows), ref[rows].astype(np.float32))
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("n_tok", [1, 3, 5, quant.BLAS_MIN_ROWS, 19])
+def test_matmul_is_ggml_vec_dot(type_name: str, n_tok: int) -> None:
+    n_rows, n_cols = 40, 512
+    w = quant.QWeight.from_raw(type_name, random_blocks(type_name, n_rows, n_cols, seed=2), n_rows, n_cols)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
+    x[0, :7] *= 40.0  # an outlier block
+    x[-1, 256:] = 0.0  # an all-zero block (scale 0)
+    got = w.matmul(x)
+    want = ref_matmul(w, x)
+    assert got.shape == (n_tok, n_rows) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q5_0"])
+def test_both_kernels_agree(type_name: str) -> None:
+    n_rows, n_cols = 64, 768 if type_name != "Q4_K" else 512
+    w = quant.QWeight.from_raw(type_name, random_blocks(type_name, n_rows, n_cols, seed=4), n_rows, n_cols)
+    x = np.random.default_rng(5).standard_normal((quant.BLAS_MIN_ROWS + 3, n_cols)).astype(np.float32)
+    many = w.matmul(x)                                   # sgemm path
+    few = np.concatenate([w.matmul(x[i:i + 1]) for i in range(x.shape[0])])  # int8 kernel, one row each
+    np.testing.assert_allclose(many, few, rtol=1e-5, atol=1e-5 * np.abs(few).max())
+
+
+def test_fused_matrices_equal_their_parts() -> None:
+    a = quant.QWeight.from_raw("Q5_0", random_blocks("Q5_0", 16, 256, seed=6), 16, 256)
+    b = quant.QWeight.from_raw("Q8_0", random_blocks("Q8_0", 8, 256, seed=7), 8, 256)
+    c = quant.QWeight.from_raw("Q4_K", random_blocks("Q4_K", 8, 256, seed=8), 8, 256)
+    x = np.random.default_rng(9).standard_normal((2, 256)).astype(np.float32)
+    ab = quant.fuse([a, b])                               # same block and activation type: one QWeight
+    assert isinstance(ab, quant.QWeight) and ab.shape == (24, 256) and ab.types == ("Q5_0", "Q8_0")
+    np.testing.assert_array_equal(ab.matmul(x), np.concatenate([a.matmul(x), b.matmul(x)], axis=1))
+    abc = quant.fuse([a, b, c])                           # Q8_K activations for c: a QConcat
+    assert isinstance(abc, quant.QConcat) and abc.shape == (32, 256)
+    np.testing.assert_array_equal(abc.matmul(x), np.concatenate([a.matmul(x), b.matmul(x), c.matmul(x)], axis=1))
+    perm = np.array([3, 1, 2, 0] + list(range(4, 16)))
+    np.testing.assert_array_equal(a.take_rows(perm).matmul(x), a.matmul(x)[:, perm])
+
+
+def test_activation_scales_round_like_fp16() -> None:
+    # the kernels' fp16 rounding of the Q8_0 scale equals numpy's float16 cast (incl. subnormals)
+    rng = np.random.default_rng(10)
+    x = (rng.standard_normal((64, 32)) * np.exp(rng.uniform(-14, 6, (64, 1)))).astype(np.float32)
+    xf, _ = quant.quantize_activations(x, "q8_0", False)
+    amax = np.abs(x).max(axis=-1)
+    d16 = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
+    q = np.rint(x * (np.float32(127) / amax)[:, None])
+    np.testing.assert_array_equal(xf, (q * d16[:, None]).astype(np.float32))
+
+
+def test_unsupported_type_is_refused() -> None:
+    assert not quant.supports("Q5_K") and not quant.supports("F16") and quant.supports("Q6_K")
+    with pytest.raises(Exception, match="no int8 form"):
+        quant.unpack("Q3_K", np.zeros((1, 110), np.uint8), 1, 256)
+
+
+def test_weight_modes_are_the_protocols() -> None:
+    from protocol.limits import WEIGHT_MODES
+    from worker.engine.model import DEFAULT_WEIGHTS, WEIGHT_MODES as ENGINE_MODES
+    assert ENGINE_MODES == WEIGHT_MODES and DEFAULT_WEIGHTS in WEIGHT_MODES

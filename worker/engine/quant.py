@@ -1,0 +1,343 @@
+"""Quantized weights held in memory, and the kernels that multiply with them.
+
+A :class:`QWeight` is one ``[out_features, in_features]`` weight matrix kept as
+the GGUF stored it, only unpacked to one signed byte per weight:
+
+* ``q``: int8 ``[O, nb, B]`` — the integer level of every weight (``nb = in / B``
+  blocks of ``B`` weights per row; B = 32, or 16 for Q6_K's sub-blocks),
+* ``d``: float32 ``[O, nb]`` — the block's scale,
+* ``m``: float32 ``[O, nb]`` or None — the block's offset (Q4_1, Q5_1, Q4_K),
+
+so weight ``w = d * q + m`` exactly as ggml's ``dequantize_row_*`` computes it
+(for Q4_K, ``d = d_super * sc`` and ``m = -dmin_super * mn`` of the 6-bit
+sub-block scale/min; both products are exact in float32).
+
+Multiplication follows ggml's CPU ``vec_dot`` kernels: the activations are
+first quantized per block to the type ggml pairs with the weight type
+(``type_traits_cpu[type].vec_dot_type``: Q8_0 for Q8_0/Q4_0/Q5_0, Q8_1 for
+Q4_1/Q5_1, Q8_K for the K-quants) with ggml's rounding rules
+(``quantize_row_q8_0`` / ``_q8_1`` of ggml-cpu's x86 path: ``d = amax/127``
+stored as fp16, ``q = rint(x * 127/amax)``; ``quantize_row_q8_K_ref``: ``d =
+max / -127`` in float32, ``q = min(127, nearest_int(x / d))``). A block's
+product is then ``d_w * d_x * sum(q_w * q_x) + m_w * s_x`` with ``s_x = d_x *
+sum(q_x)`` (fp16 for Q8_1, as ggml stores it). The kernels compute the same sum
+with the activations held as ``q_x * d_x`` in float32, which is equal up to
+float32 rounding (|rel| ~ 1e-7) and lets the compiler use FMA vectors on the
+int8 -> float32 conversions of the weights.
+
+Two kernels, chosen per call by the number of activation rows ``T``:
+
+* ``T < BLAS_MIN_ROWS`` (decode, small batches): numba-compiled, parallel over
+  output rows, reading the int8 weights directly (4 activation rows per pass).
+* otherwise (prefill chunks, large batches): the weight rows are dequantized in
+  tiles of ``TILE_ELEMS`` weights into a float32 scratch and multiplied by
+  OpenBLAS sgemm — with the *quantized* activations, so the numbers stay those
+  of the vec_dot path while sgemm's speed is kept.
+
+Kernels are compiled once and cached on disk by numba (``cache=True``; the
+directory is ``NUMBA_CACHE_DIR`` or ``__pycache__`` beside this file).
+
+Types with an int8 form here: F32/F16/BF16 are kept as float32 arrays (no
+QWeight); Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K become QWeights; any other
+type (Q2_K, Q3_K, Q5_K, IQ*) is dequantized to float32 by the gguf package
+(:func:`supports`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .errors import EngineError
+
+#: At or above this many activation rows a call dequantizes weight tiles and uses sgemm
+#: (measured: scripts/bench_quant.py; sgemm wins from here on this machine kind).
+BLAS_MIN_ROWS = 8
+#: Weights per float32 scratch tile of the sgemm path (4 MiB).
+TILE_ELEMS = 1 << 20
+
+QK = 32     # block of Q8_0 / Q4_* / Q5_*
+QK_K = 256  # super-block of the K-quants
+
+#: ggml type name -> activation quantization ggml pairs with it (``vec_dot_type``).
+ACT_TYPE = {"Q8_0": "q8_0", "Q4_0": "q8_0", "Q5_0": "q8_0", "Q4_1": "q8_1", "Q5_1": "q8_1",
+            "Q4_K": "q8_K", "Q6_K": "q8_K"}
+
+
+def supports(type_name: str) -> bool:
+    """True when a tensor of this ggml type (``GGMLQuantizationType.name``) is held as a :class:`QWeight`."""
+    return type_name in ACT_TYPE
+
+
+# ------------------------------------------------------------------ GGUF blocks -> (q, d, m)
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """uint8 ``[..., 2]`` little-endian fp16 -> float32 ``[...]``."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def unpack(type_name: str, raw: np.ndarray, n_rows: int, n_cols: int
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
+    """Unpack a GGUF tensor's stored blocks into ``(q, d, m, B)``.
+
+    Args:
+        type_name: ggml type (see :data:`ACT_TYPE`).
+        raw: uint8 ``[n_rows, bytes_per_row]`` stored bytes (``GGUFFile.raw``).
+        n_rows, n_cols: the matrix shape ``[out, in]``; ``n_cols`` a multiple of the block size.
+    Returns:
+        q int8 ``[n_rows, nb, B]``, d float32 ``[n_rows, nb]``, m float32 ``[n_rows, nb]`` or None, B.
+    Source: ggml ``block_*`` layouts (ggml-common.h) and ``dequantize_row_*`` (ggml-quants.c).
+    Raises: EngineError("invalid_gguf") for a type without an int8 form or a size mismatch.
+    """
+    R = n_rows
+    if type_name in ("Q4_K", "Q6_K"):
+        nsb = n_cols // QK_K
+        if n_cols % QK_K:
+            raise EngineError("invalid_gguf", f"{type_name} row of {n_cols} is not a multiple of {QK_K}")
+    else:
+        nsb = n_cols // QK
+        if n_cols % QK:
+            raise EngineError("invalid_gguf", f"{type_name} row of {n_cols} is not a multiple of {QK}")
+    bsize = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q6_K": 210}.get(type_name)
+    if bsize is None:
+        raise EngineError("invalid_gguf", f"tensor type {type_name} has no int8 form")
+    if raw.shape != (R, nsb * bsize):
+        raise EngineError("invalid_gguf", f"{type_name} tensor of {R}x{n_cols} has {raw.shape} bytes")
+    b = raw.reshape(R, nsb, bsize)
+    m: np.ndarray | None = None
+    if type_name == "Q8_0":
+        d = _f16(b[..., 0:2])                                        # [R, nb]
+        q = np.ascontiguousarray(b[..., 2:]).view(np.int8)           # [R, nb, 32]
+        return q, d, None, QK
+    if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        d = _f16(b[..., 0:2])                                        # [R, nb]
+        off = 2
+        if type_name in ("Q4_1", "Q5_1"):
+            m = _f16(b[..., 2:4])
+            off = 4
+        qh = None
+        if type_name in ("Q5_0", "Q5_1"):
+            qh = np.ascontiguousarray(b[..., off:off + 4]).view("<u4")[..., 0]  # [R, nb] uint32
+            off += 4
+        qs = b[..., off:off + 16]                                    # [R, nb, 16]
+        lo = (qs & 0x0F).astype(np.int16)                            # elements 0..15
+        hi = (qs >> 4).astype(np.int16)                              # elements 16..31
+        if qh is not None:
+            bits = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16)  # [R, nb, 32]
+            lo |= bits[..., :16] << 4
+            hi |= bits[..., 16:] << 4
+        q16 = np.concatenate([lo, hi], axis=-1)                      # [R, nb, 32]
+        if type_name == "Q4_0":
+            q16 -= 8
+        elif type_name == "Q5_0":
+            q16 -= 16
+        return q16.astype(np.int8), d, m, QK
+    if type_name == "Q4_K":
+        dd = _f16(b[..., 0:2])                                       # [R, nsb]
+        dmin = _f16(b[..., 2:4])                                     # [R, nsb]
+        sc = b[..., 4:16].astype(np.uint8)                           # [R, nsb, 12]
+        qs = b[..., 16:144]                                          # [R, nsb, 128]
+        # get_scale_min_k4(j): j < 4: sc=s[j]&63, mn=s[j+4]&63; else from the packed high bits
+        scale = np.empty((R, nsb, 8), np.float32)
+        mins = np.empty((R, nsb, 8), np.float32)
+        scale[..., :4] = sc[..., 0:4] & 63
+        mins[..., :4] = sc[..., 4:8] & 63
+        scale[..., 4:] = (sc[..., 8:12] & 0x0F) | ((sc[..., 0:4] >> 6) << 4)
+        mins[..., 4:] = (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)
+        q = np.empty((R, nsb, 8, 32), np.int8)
+        q4 = qs.reshape(R, nsb, 4, 32)
+        q[:, :, 0::2] = q4 & 0x0F                                    # sub-block 2c: low nibbles of chunk c
+        q[:, :, 1::2] = q4 >> 4                                      # sub-block 2c+1: high nibbles
+        d = (dd[..., None] * scale).reshape(R, nsb * 8)              # [R, nb] exact (11 x 6 bits)
+        m = (-(dmin[..., None] * mins)).reshape(R, nsb * 8)          # [R, nb]
+        return q.reshape(R, nsb * 8, 32), d, m, QK
+    # Q6_K: ql[128], qh[64], scales int8[16], d fp16
+    ql = b[..., 0:128].reshape(R, nsb, 2, 64)                        # per 128-half: 64 bytes
+    qh = b[..., 128:192].reshape(R, nsb, 2, 32)                      # per 128-half: 32 bytes
+    scales = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)  # [R, nsb, 16]
+    dd = _f16(b[..., 208:210])                                       # [R, nsb]
+    q = np.empty((R, nsb, 2, 4, 32), np.int16)
+    q[..., 0, :] = (ql[..., 0:32] & 0x0F) | (((qh >> 0) & 3) << 4)
+    q[..., 1, :] = (ql[..., 32:64] & 0x0F) | (((qh >> 2) & 3) << 4)
+    q[..., 2, :] = (ql[..., 0:32] >> 4) | (((qh >> 4) & 3) << 4)
+    q[..., 3, :] = (ql[..., 32:64] >> 4) | (((qh >> 6) & 3) << 4)
+    q -= 32
+    d = (dd[..., None] * scales).reshape(R, nsb * 16)                # [R, nb] exact (11 x 8 bits)
+    return q.astype(np.int8).reshape(R, nsb * 16, 16), d, None, 16
+
+
+# ------------------------------------------------------------------ numba kernels
+
+_kernels: dict[str, Any] = {}
+
+
+def _compile() -> dict[str, Any]:
+    """The kernels (compiled on first use, or loaded from numba's on-disk cache), once per process."""
+    if not _kernels:
+        from . import quant_kernels as k
+        _kernels.update(quant_q8_0=k.quant_q8_0, quant_q8_K=k.quant_q8_K, matmul_q=k.matmul_q, dequant=k.dequant)
+    return _kernels
+
+
+def set_num_threads(n: int) -> None:
+    """Threads of the numba kernels for calls from the calling thread (numba's setting is per
+    thread: call it on the thread that runs the model), at most ``NUMBA_NUM_THREADS``."""
+    import numba
+    numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
+
+
+_NO_M = np.zeros((0, 0), np.float32)
+_NO_M.flags.writeable = False
+
+
+def quantize_activations(x: np.ndarray, act: str, with_s: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize activation rows as ggml does before a vec_dot, returned dequantized.
+
+    Args:
+        x: float32 ``[T, K]``.
+        act: ``"q8_0"``, ``"q8_1"`` or ``"q8_K"``.
+        with_s: also compute ``s = d * sum(q)`` per 32-block (needed by weights with an offset).
+    Returns:
+        xf float32 ``[T, K]`` (``q * d``), xs float32 ``[T, K/32]`` (zeros when not ``with_s``).
+    """
+    k = _compile()
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    T, K = x.shape
+    xf = np.empty_like(x)
+    xs = np.zeros((T, K // QK), np.float32)
+    if act == "q8_K":
+        k["quant_q8_K"](x, xf, xs)
+    else:
+        k["quant_q8_0"](x, xf, xs, with_s or act == "q8_1", act == "q8_1")
+    return xf, xs
+
+
+class QWeight:
+    """A quantized ``[out, in]`` weight matrix (see the module docstring).
+
+    Attributes:
+        q: int8 ``[O, nb, B]``; d: float32 ``[O, nb]``; m: float32 ``[O, nb]`` or None.
+        act: activation quantization (``"q8_0"``, ``"q8_1"``, ``"q8_K"``).
+        types: the ggml type name(s) it came from (a fused matrix may list several).
+    """
+
+    __slots__ = ("q", "d", "m", "act", "types")
+
+    def __init__(self, q: np.ndarray, d: np.ndarray, m: np.ndarray | None, act: str, types: Sequence[str]) -> None:
+        for a in (q, d, m):
+            if a is not None:
+                a.flags.writeable = False  # immutable, and one kernel signature for built and memory-mapped weights
+        self.q, self.d, self.m, self.act, self.types = q, d, m, act, tuple(types)
+
+    @classmethod
+    def from_raw(cls, type_name: str, raw: np.ndarray, n_rows: int, n_cols: int) -> QWeight:
+        """From a GGUF tensor's stored bytes (uint8 ``[n_rows, bytes_per_row]``)."""
+        q, d, m, _ = unpack(type_name, raw, n_rows, n_cols)
+        return cls(q, d, m, ACT_TYPE[type_name], (type_name,))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(out_features, in_features)``."""
+        return int(self.q.shape[0]), int(self.q.shape[1] * self.q.shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.q.nbytes + self.d.nbytes + (self.m.nbytes if self.m is not None else 0))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The arrays to persist (``q``, ``d`` and, when present, ``m``)."""
+        out = {"q": self.q, "d": self.d}
+        if self.m is not None:
+            out["m"] = self.m
+        return out
+
+    def take_rows(self, rows: np.ndarray) -> QWeight:
+        """A copy with rows reordered/selected (``rows`` int ``[n]``)."""
+        return QWeight(np.ascontiguousarray(self.q[rows]), np.ascontiguousarray(self.d[rows]),
+                       None if self.m is None else np.ascontiguousarray(self.m[rows]), self.act, self.types)
+
+    def dequantize_rows(self, rows: np.ndarray) -> np.ndarray:
+        """float32 ``[len(rows), in]`` of the selected rows (embedding lookups)."""
+        q = self.q[rows].astype(np.float32)                      # [n, nb, B]
+        w = q * self.d[rows][..., None]
+        if self.m is not None:
+            w += self.m[rows][..., None]
+        return w.reshape(len(rows), -1)
+
+    def dequantize(self) -> np.ndarray:
+        """float32 ``[out, in]`` (tests, fallbacks)."""
+        return self.dequantize_rows(np.arange(self.q.shape[0]))
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        """``x @ W.T`` with ggml's activation quantization: x float32 ``[T, in]`` -> float32 ``[T, out]``
+        (C-contiguous below ``BLAS_MIN_ROWS`` rows, else a transposed view of a ``[out, T]`` array).
+
+        Raises: EngineError("invalid_params") when ``in`` differs.
+        """
+        O, K = self.shape
+        if x.ndim != 2 or x.shape[1] != K:
+            raise EngineError("invalid_params", f"matmul of {tuple(x.shape)} with a [{O}, {K}] weight")
+        k = _compile()
+        T = x.shape[0]
+        has_m = self.m is not None
+        xf, xs = quantize_activations(x, self.act, has_m)        # [T, K], [T, K/32]
+        nb, B = self.q.shape[1], self.q.shape[2]
+        m = self.m if has_m else _NO_M
+        if B != QK and has_m:
+            raise EngineError("invalid_params", "an offset needs 32-weight blocks")
+        if T < BLAS_MIN_ROWS:
+            out = np.empty((T, O), np.float32)
+            k["matmul_q"](self.q, self.d, m, has_m, xf.reshape(T, nb, B), xs, out)
+            return out
+        step = max(1, TILE_ELEMS // K)
+        tile = np.empty((min(step, O), K), np.float32)
+        out_t = np.empty((O, T), np.float32)                      # [O, T]: each tile's rows are contiguous
+        for r0 in range(0, O, step):
+            n = min(step, O - r0)
+            k["dequant"](self.q, self.d, m, has_m, r0, tile[:n])
+            np.matmul(tile[:n], xf.T, out=out_t[r0:r0 + n])       # [n, T] sgemm
+        if has_m:
+            # sgemm applied m to sum(xf) = d16 * sum(q) per block; ggml uses s (xs): add the difference
+            corr = xs - xf.reshape(T, nb, B).sum(axis=-1)          # [T, nb]
+            out_t += self.m @ corr.T                               # [O, T]
+        return out_t.T                                             # [T, O] (Fortran-ordered view)
+
+
+class QConcat:
+    """Row-wise concatenation of weights that cannot share one QWeight (different block or
+    activation types, or a float32 part): ``x @ [W0; W1; ...].T`` as one ``[T, sum(out)]``."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: Sequence[QWeight | np.ndarray]) -> None:
+        self.parts = list(parts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        """x float32 ``[T, in]`` -> ``[T, sum(out)]``."""
+        return np.concatenate([p.matmul(x) if isinstance(p, QWeight) else x @ p.T for p in self.parts], axis=1)
+
+
+def fuse(parts: Sequence[QWeight | np.ndarray]) -> QWeight | QConcat | np.ndarray:
+    """Stack ``[out_i, in]`` weights row-wise: one QWeight when all are QWeights of the same
+    block size, activation type and offset kind; float32 arrays concatenated; else a QConcat."""
+    if all(isinstance(p, np.ndarray) for p in parts):
+        return np.ascontiguousarray(np.concatenate(parts, axis=0))
+    qs = [p for p in parts if isinstance(p, QWeight)]
+    if len(qs) == len(parts):
+        first = qs[0]
+        if all(p.act == first.act and p.q.shape[1:] == first.q.shape[1:] and (p.m is None) == (first.m is None)
+               for p in qs):
+            return QWeight(np.concatenate([p.q for p in qs]), np.concatenate([p.d for p in qs]),
+                           None if first.m is None else np.concatenate([p.m for p in qs]),
+                           first.act, tuple(t for p in qs for t in p.types))
+    return QConcat(parts)
+
+
+__all__ = ["ACT_TYPE", "BLAS_MIN_ROWS", "QConcat", "QWeight", "fuse", "quantize_activations", "set_num_threads",
+           "supports", "unpack"]
