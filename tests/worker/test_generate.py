@@ -126,6 +126,11 @@ def test_greedy_until_eos_not_in_text() -> None:
     assert res.prompt_tokens == res.prompt_n == len(PROMPT) and res.cache_n == 0
     assert res.prompt_ms >= 0 and res.predicted_ms >= 0
     assert all(e.logprob is not None and len(e.top_logprobs) == 2 and e.top_logprobs[0][0] == e.id for e in events)
+    # the end-of-generation token is reported on the result, with its probabilities (llama.cpp lists it)
+    eog_id, eog_lp, eog_top = res.eog
+    assert eog_id == EOS and eog_lp is not None and eog_lp <= 0.0 and eog_top[0][0] == EOS and len(eog_top) == 2
+    res, _ = run(ScriptModel(say(reply, len(PROMPT))), PROMPT)
+    assert res.eog == (EOS, None, [])  # without n_probs: the id only
 
 
 def test_ignore_eos_runs_to_max_tokens() -> None:

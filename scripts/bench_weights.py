@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Weight paths side by side with llama-server on the same GGUF: cold first token, prefill,
+single-stream decode and resident memory.
+
+    .venv/bin/python scripts/bench_weights.py [--model smollm2|gemma3] [--llama-server PATH]
+        [--skip-llama] [--prompt-tokens 512] [--decode-tokens 128] [--repeat 3]
+
+Servers, one at a time (never two measured at once): llama-server (``-t 2 -c 2048 -np 1``),
+modelyard with ``weights = "f32"`` and with ``weights = "quantized"`` (``parallel = 1``,
+n_ctx 2048). For each:
+
+* ``cold_first_token_s``: from starting the server process to the first streamed token of a
+  short ``/completion`` (includes process start, model load, prompt and one decode step);
+* ``prefill_tok_s``: ``timings.prompt_per_second`` of a ~``--prompt-tokens`` prompt
+  (``cache_prompt: false``), best of ``--repeat``;
+* ``decode_tok_s``: ``timings.predicted_per_second`` of ``--decode-tokens`` greedy tokens
+  (``ignore_eos``), best of ``--repeat``;
+* ``rss_mib``: resident set of the serving process(es) after those requests (llama-server; the
+  router plus its worker for modelyard, and the worker alone).
+
+Prints one JSON line per server, then the ratios to llama-server and the load average.
+OPENBLAS_* are left as the machine sets them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_batching import MODELS, N_CTX, ROOT, post, stop  # noqa: E402
+
+
+def first_token_s(port: int, model: str, t_start: float, timeout: float = 600) -> float:
+    """Seconds from ``t_start`` to the first streamed token of a short /completion."""
+    while True:
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+            c.request("POST", "/completion", json.dumps({"model": model, "prompt": "Once upon a time",
+                                                         "n_predict": 4, "stream": True}),
+                      {"Content-Type": "application/json"})
+            r = c.getresponse()
+            if r.status == 200:
+                break
+            r.read()
+        except OSError:
+            pass
+        if time.monotonic() - t_start > timeout:
+            raise TimeoutError("no first token")
+        time.sleep(0.02)
+    while True:
+        line = r.readline()
+        if not line:
+            raise RuntimeError("stream ended before a token")
+        if line.startswith(b"data: ") and json.loads(line[6:]).get("content"):
+            t = time.monotonic() - t_start
+            r.read()
+            return t
+
+
+def rss_mib(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            total += psutil.Process(pid).memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return round(total / 2**20, 1)
+
+
+def measure(port: int, model: str, prompt: str, n_decode: int, repeat: int) -> dict:
+    prefill = decode = 0.0
+    for _ in range(repeat):
+        t = post(port, "/completion", {"model": model, "prompt": prompt, "n_predict": 1, "cache_prompt": False,
+                                       "temperature": 0})["timings"]
+        prefill = max(prefill, t["prompt_per_second"])
+        t = post(port, "/completion", {"model": model, "prompt": "The history of the city", "n_predict": n_decode,
+                                       "ignore_eos": True, "temperature": 0, "cache_prompt": False})["timings"]
+        decode = max(decode, t["predicted_per_second"])
+    return {"prefill_tok_s": round(prefill, 1), "decode_tok_s": round(decode, 1)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2", choices=sorted(MODELS))
+    ap.add_argument("--llama-server", default=None)
+    ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=3)
+    a = ap.parse_args()
+    gguf = (Path(os.environ.get("MODELYARD_MODELS_DIR") or ROOT / "models") / MODELS[a.model]).resolve()
+    srv = a.llama_server
+    if srv is None and not a.skip_llama:
+        srv = subprocess.run([str(ROOT.parent / "shared" / "tools" / "build-llama-server")], capture_output=True,
+                             text=True, check=True).stdout.strip().splitlines()[-1]
+    prompt = " ".join(f"word{i % 97}" for i in range(a.prompt_tokens // 3))  # ~3 tokens per word
+    tmp = Path(tempfile.mkdtemp(prefix="modelyard-bench-"))
+    rows: dict[str, dict] = {}
+    runs = ([("llama", None)] if srv else []) + [("f32", "f32"), ("quantized", "quantized")]
+    for label, weights in runs:
+        port = 8191
+        t0 = time.monotonic()
+        if weights is None:
+            proc = subprocess.Popen([srv, "-m", str(gguf), "-t", "2", "-c", str(N_CTX), "-np", "1", "--port",
+                                     str(port), "--host", "127.0.0.1"], stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, start_new_session=True)
+        else:
+            cfg = tmp / f"{label}.toml"
+            cfg.write_text(f'[server]\nport = {port}\n[models.m]\npath = "{gguf}"\nn_ctx = {N_CTX}\nparallel = 1\n'
+                           f'weights = "{weights}"\n')
+            proc = subprocess.Popen([sys.executable, "-m", "router", "serve", "--config", str(cfg), "--log-level",
+                                     "warning"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    start_new_session=True)
+        try:
+            row: dict = {"model": a.model, "server": label, "cold_first_token_s": round(first_token_s(port, "m", t0), 3)}
+            row.update(measure(port, "m", prompt, a.decode_tokens, a.repeat))
+            pids = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+            row["rss_mib"] = rss_mib(pids)
+            if weights is not None:
+                row["worker_rss_mib"] = rss_mib(pids[1:])
+            row["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+            rows[label] = row
+            print(json.dumps(row), flush=True)
+        finally:
+            stop(proc)
+            wait_closed(port)
+    if "llama" in rows:
+        ref = rows["llama"]
+        for label in ("f32", "quantized"):
+            r = rows[label]
+            print(json.dumps({"ratio_to_llama": label, "model": a.model,
+                              "decode": round(r["decode_tok_s"] / ref["decode_tok_s"], 3),
+                              "prefill": round(r["prefill_tok_s"] / ref["prefill_tok_s"], 3),
+                              "cold_first_token": round(r["cold_first_token_s"] / ref["cold_first_token_s"], 3),
+                              "rss": round(r["rss_mib"] / ref["rss_mib"], 3),
+                              "worker_rss": round(r["worker_rss_mib"] / ref["rss_mib"], 3),
+                              "loadavg": [round(x, 2) for x in os.getloadavg()]}), flush=True)
+    return 0
+
+
+def wait_closed(port: int, timeout: float = 30) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            http.client.HTTPConnection("127.0.0.1", port, timeout=1).request("GET", "/health")
+        except OSError:
+            return
+        time.sleep(0.2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
