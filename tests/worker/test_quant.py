@@ -153,3 +153,21 @@ def test_weight_modes_are_the_protocols() -> None:
     from protocol.limits import WEIGHT_MODES
     from worker.engine.model import DEFAULT_WEIGHTS, WEIGHT_MODES as ENGINE_MODES
     assert ENGINE_MODES == WEIGHT_MODES and DEFAULT_WEIGHTS in WEIGHT_MODES
+
+
+def test_a_float32_worker_never_imports_numba(tmp_path) -> None:
+    # numba costs ~90 MiB of RSS and 0.4 s at import: only the quantized path may pay it
+    import subprocess
+    import sys
+
+    from tests.paths import ROOT
+    from tests.worker.tiny_gguf import write_tiny_llama
+    path = write_tiny_llama(tmp_path / "t.gguf", qtype="Q8_0")
+    code = (f"import sys; from worker.engine import Engine, SamplingParams; from worker.threads import "
+            f"apply_blas_threads; e = Engine.load({str(path)!r}, weights='f32'); "
+            f"e.generate([1, 2, 3], SamplingParams(max_tokens=2)); apply_blas_threads(1); "
+            f"assert 'numba' not in sys.modules, 'numba imported'; "
+            f"q = Engine.load({str(path)!r}, weights='quantized'); q.generate([1, 2, 3], SamplingParams(max_tokens=2)); "
+            f"assert 'numba' in sys.modules")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
