@@ -69,7 +69,8 @@ class Engine:
 
     @classmethod
     def load(cls, gguf_path: str, n_ctx: int | None = None, chat_template: str | None = None, *,
-             parallel: int = 1, kv_budget_mib: float | None = None, n_batch: int | None = None) -> Engine:
+             parallel: int = 1, kv_budget_mib: float | None = None, n_batch: int | None = None,
+             progress: Callable[[str, int, int], None] | None = None) -> Engine:
         """Load a GGUF file.
 
         Args:
@@ -81,6 +82,12 @@ class Engine:
             kv_budget_mib: KV memory of all sequences and cached prefixes together,
                 MiB; None -> room for ``parallel`` full contexts (``parallel * n_ctx`` positions).
             n_batch: prompt tokens per step (prefill chunk); None -> 256.
+            progress: ``progress(stage, done, total)`` hears the load's steps, in order:
+                ``("reading_gguf", 0, 1)`` before the file's header and metadata are
+                read, ``("reading_gguf", 1, 1)`` after; ``("preparing_tensors", n, N)``
+                once per tensor dequantized into the weights (N: the file's tensors;
+                none when the prepared weights come from the weight cache). Called on
+                the loading thread; must not raise.
 
         Raises:
             EngineError: ``file_not_found``, ``invalid_gguf``,
@@ -105,7 +112,11 @@ class Engine:
         if kv_budget_mib is not None and (isinstance(kv_budget_mib, bool) or not isinstance(kv_budget_mib, (int, float))
                                           or not kv_budget_mib > 0):
             raise EngineError("invalid_params", f"kv_budget_mib must be a positive number, got {kv_budget_mib!r}")
+        if progress is not None:
+            progress("reading_gguf", 0, 1)
         gguf = _wrap(read_gguf, str(path))
+        if progress is not None:
+            progress("reading_gguf", 1, 1)
         md = gguf.metadata
         arch = gguf.architecture
         n_ctx_train = md.get(f"{arch}.context_length")
@@ -117,7 +128,7 @@ class Engine:
         if isinstance(source, str) and source.strip():
             template = ChatTemplate(source, tokenizer.bos_token, tokenizer.eos_token,
                                     strip_bos=tokenizer.add_bos, strip_eos=tokenizer.add_eos)
-        model = _wrap(load_model, gguf, n_ctx)
+        model = _wrap(lambda g, n: load_model(g, n, progress=progress), gguf, n_ctx)
         token_bytes = model.kv_shape.token_bytes
         budget_tokens = (parallel * int(model.n_ctx) if kv_budget_mib is None
                          else max(1, int(kv_budget_mib * 2**20) // token_bytes))

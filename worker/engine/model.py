@@ -26,7 +26,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -42,6 +42,9 @@ ARCHITECTURES: dict[str, type[Model]] = {}
 #: n_ctx used when the caller gives none: ``min(n_ctx_train, DEFAULT_MAX_CTX)``.
 DEFAULT_MAX_CTX = 8192
 
+#: ``progress(stage, done, total)``: hears the load's steps (see :class:`Model`); must not raise.
+LoadProgressFn = Callable[[str, int, int], None]
+
 
 def register(cls: type[Model]) -> type[Model]:
     """Class decorator: make ``cls`` loadable for ``general.architecture == cls.arch``."""
@@ -50,7 +53,8 @@ def register(cls: type[Model]) -> type[Model]:
 
 
 def load_model(gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.float32,
-               weight_cache: bool | None = None, cache_write: str = "background") -> Model:
+               weight_cache: bool | None = None, cache_write: str = "background",
+               progress: LoadProgressFn | None = None) -> Model:
     """Build the model for a parsed GGUF file.
 
     Args:
@@ -65,6 +69,7 @@ def load_model(gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.floa
         cache_write: on a cache miss, write the ``.npy`` files in a background
             thread (``"background"``: the model is usable at once; see
             :meth:`Model.wait_weight_cache`) or before returning (``"sync"``).
+        progress: see :class:`Model`.
     Returns:
         a :class:`Model` with an empty KV cache.
     Raises:
@@ -82,7 +87,7 @@ def load_model(gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.floa
                           f"architecture {arch!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))})")
     if cache_write not in ("background", "sync"):
         raise EngineError("invalid_params", f"cache_write must be 'background' or 'sync', got {cache_write!r}")
-    return cls(gguf, n_ctx, dtype=dtype, weight_cache=weight_cache, cache_write=cache_write)
+    return cls(gguf, n_ctx, dtype=dtype, weight_cache=weight_cache, cache_write=cache_write, progress=progress)
 
 
 def _register_builtin() -> None:
@@ -317,13 +322,20 @@ class Model:
         dtype: compute dtype (float32, or float64 for reference runs).
         load_timings: seconds spent per load phase (``weights``, ``cache_write``, ...).
         weights_from_cache: True when the prepared weights came from the .npy cache.
+
+    ``progress`` (optional) is called as ``progress("preparing_tensors", done, total)``
+    once per GGUF tensor dequantized while the weights are built (``total``: the file's
+    tensor count; a weight-cache hit builds none, so it is not called).
     """
 
     arch: ClassVar[str] = ""
     layout_version: ClassVar[int] = 1
 
     def __init__(self, gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.float32,
-                 weight_cache: bool | None = None, cache_write: str = "background") -> None:
+                 weight_cache: bool | None = None, cache_write: str = "background",
+                 progress: LoadProgressFn | None = None) -> None:
+        self._progress = progress
+        self._tensors_done = 0
         try:
             self.dtype = np.dtype(dtype)
         except TypeError:
@@ -502,7 +514,11 @@ class Model:
         if tuple(info.np_shape) != tuple(shape):
             raise EngineError("invalid_gguf", f"{self.gguf.path}: tensor {name!r} has shape "
                               f"{list(info.np_shape)}, expected {list(shape)}")
-        return self.gguf.tensor(name)
+        arr = self.gguf.tensor(name)
+        if self._progress is not None:
+            self._tensors_done += 1
+            self._progress("preparing_tensors", self._tensors_done, len(self.gguf.tensors))
+        return arr
 
     def has_tensor(self, name: str) -> bool:
         return self.gguf.has_tensor(name)
@@ -621,7 +637,7 @@ def fuse_rows(parts: Sequence[np.ndarray]) -> np.ndarray:
 
 
 __all__ = [
-    "ARCHITECTURES", "AttnBatch", "DEFAULT_MAX_CTX", "Model", "RopeTable", "Segment", "WeightCache", "attention", "attention_mask",
+    "ARCHITECTURES", "AttnBatch", "DEFAULT_MAX_CTX", "LoadProgressFn", "Model", "RopeTable", "Segment", "WeightCache", "attention", "attention_mask",
     "fuse_rows", "gelu_tanh", "hp_float", "hp_int", "linear", "load_model", "register", "rms_norm", "rope_freq_scale",
     "silu",
 ]
