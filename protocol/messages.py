@@ -68,7 +68,7 @@ class Hello(Message):
 
 
 #: LoadProgress stages, in the order a load goes through them.
-LOAD_STAGES = ("reading_gguf", "preparing_tensors")
+LOAD_STAGES = ("reading_gguf", "building_tokenizer", "preparing_tensors")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,7 +76,8 @@ class LoadProgress(Message):
     """Between Hello and Ready: how far the load is (id: the worker's own id).
 
     ``stage`` is one of LOAD_STAGES: ``reading_gguf`` (the file's header and metadata;
-    done 0 or 1 of total 1), ``preparing_tensors`` (``done`` of ``total`` GGUF tensors
+    done 0 or 1 of total 1), ``building_tokenizer`` (the vocabulary, merges and chat
+    template; 0 or 1 of 1), ``preparing_tensors`` (``done`` of ``total`` GGUF tensors
     dequantized into the engine's weights; absent when they come from the weight
     cache). ``0 <= done <= total``, ``total >= 1``. The worker sends a stage's first and
     last step and at most a few in between per second."""

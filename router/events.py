@@ -11,7 +11,7 @@ An event is a map: ``seq`` (1, 2, ... per router), ``at`` (unix time), ``model``
 * ``state`` — every transition: ``from``, ``to``, ``reason`` (may be null), ``condition``
 * ``loading`` — a load's progress: ``stage`` ``spawned`` (``pid``), ``connected``
   (the worker is loading), then the worker's own steps (``protocol.LoadProgress``,
-  with ``done`` and ``total``): ``reading_gguf`` (0/1, 1/1), ``preparing_tensors``
+  with ``done`` and ``total``): ``reading_gguf`` (0/1, 1/1), ``building_tokenizer`` (0/1, 1/1), ``preparing_tensors``
   (n/N GGUF tensors dequantized; none when the weight cache has them); ``still_loading``
   (``elapsed_s``, ``last``: the last step, e.g. ``"preparing_tensors 120/272"``, every
   5 s of a slow load), ``ready`` (``load_ms``, ``rss_bytes``)

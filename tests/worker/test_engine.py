@@ -105,8 +105,9 @@ def test_load_and_info(engine: Engine, tiny_path: Path) -> None:
 def test_load_reports_progress_once_per_tensor(tiny_path: Path) -> None:
     steps: list[tuple[str, int, int]] = []
     Engine.load(str(tiny_path), progress=lambda stage, done, total: steps.append((stage, done, total)))
-    assert steps[:2] == [("reading_gguf", 0, 1), ("reading_gguf", 1, 1)]
-    tensors = steps[2:]
+    assert steps[:4] == [("reading_gguf", 0, 1), ("reading_gguf", 1, 1), ("building_tokenizer", 0, 1),
+                         ("building_tokenizer", 1, 1)]
+    tensors = steps[4:]
     n = len(read_gguf(str(tiny_path)).tensors)
     assert tensors == [("preparing_tensors", i, n) for i in range(1, n + 1)]  # every tensor of the file, once
 

@@ -84,7 +84,8 @@ class Engine:
             n_batch: prompt tokens per step (prefill chunk); None -> 256.
             progress: ``progress(stage, done, total)`` hears the load's steps, in order:
                 ``("reading_gguf", 0, 1)`` before the file's header and metadata are
-                read, ``("reading_gguf", 1, 1)`` after; ``("preparing_tensors", n, N)``
+                read, ``("reading_gguf", 1, 1)`` after; ``("building_tokenizer", 0, 1)`` /
+                ``(…, 1, 1)`` around the tokenizer and chat template; ``("preparing_tensors", n, N)``
                 once per tensor dequantized into the weights (N: the file's tensors;
                 none when the prepared weights come from the weight cache). Called on
                 the loading thread; must not raise.
@@ -122,12 +123,16 @@ class Engine:
         n_ctx_train = md.get(f"{arch}.context_length")
         if isinstance(n_ctx_train, bool) or not isinstance(n_ctx_train, int) or n_ctx_train <= 0:
             raise EngineError("invalid_gguf", f"GGUF has no valid {arch}.context_length")
+        if progress is not None:
+            progress("building_tokenizer", 0, 1)
         tokenizer = _wrap(Tokenizer.from_metadata, md)
         source = resolve_template(chat_template) if chat_template is not None else md.get("tokenizer.chat_template")
         template = None
         if isinstance(source, str) and source.strip():
             template = ChatTemplate(source, tokenizer.bos_token, tokenizer.eos_token,
                                     strip_bos=tokenizer.add_bos, strip_eos=tokenizer.add_eos)
+        if progress is not None:
+            progress("building_tokenizer", 1, 1)
         model = _wrap(lambda g, n: load_model(g, n, progress=progress), gguf, n_ctx)
         token_bytes = model.kv_shape.token_bytes
         budget_tokens = (parallel * int(model.n_ctx) if kv_budget_mib is None
