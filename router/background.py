@@ -309,6 +309,7 @@ class BackgroundStore:
         return True
 
     def _end(self, job: Job, status: str, error: dict[str, Any] | None = None) -> None:
+        assert status in FINISHED, status
         if not job.running:
             return
         job.status = status

@@ -84,7 +84,7 @@ async def create(request: Request) -> Response:
     if len(given) != 1:
         raise BadRequest("a /v1/decode body has either 'messages' (a chat completion) or 'prompt' "
                          "(a text completion)", param="messages")
-    field, path, kind, handler = given[0]
+    _, path, kind, handler = given[0]
     for key in ("stream", "stream_options"):
         if key in body:
             raise BadRequest(f"'{key}' is not used by /v1/decode: read the result (SSE while it runs) "

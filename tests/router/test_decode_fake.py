@@ -246,3 +246,47 @@ def test_the_store_keeps_its_bounds_under_1000_ids(tmp_path: Path, monkeypatch: 
             assert seen["bytes"] <= store.max_bytes
 
     asyncio.run(go())
+
+
+CONFIG_QUEUED = """
+[server]
+models_dir = "."
+[models.a]
+path = "m.gguf"
+ping_interval_s = 0
+max_queue = 4
+"""
+
+
+def test_queued_while_loading_then_runs_and_a_queued_delete_leaves_the_queue(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = InProc(tmp_path, monkeypatch)
+    env.set_fake({"a": {"hold_load": True, "token_delay_s": 0}})
+
+    async def go() -> None:
+        async with env.app(CONFIG_QUEUED) as (pool, c):
+            with env.hold():  # the model's load is held: the POST is answered anyway, queued
+                first = (await c.post("/v1/decode", json={"model": "a", "prompt": "one", "max_tokens": 3})).json()
+                assert first["status"] == "queued" and first["worker"] is None
+                st = (await c.get(f"/v1/decode/{first['id']}", params={"stream": "false"})).json()
+                assert st["status"] == "queued" and st["worker"] is None
+            await until(lambda: not pool.get("a").busy and pool.get("a").worker is not None, "first done")
+            done = (await c.get(f"/v1/decode/{first['id']}")).json()
+            assert done["status"] == "completed" and done["worker"]["fingerprint"] == "f" * 64
+            assert done["result"]["choices"][0]["text"] == " w100 w101 w102"
+            with env.hold():  # one slot: a held generation runs, the next one waits in the queue
+                running = (await c.post("/v1/decode", json={"model": "a", "prompt": "[hold] two",
+                                                           "max_tokens": 3})).json()
+                queued = (await c.post("/v1/decode", json={"model": "a", "prompt": "three", "max_tokens": 3})).json()
+                assert running["status"] == "in_progress" and queued["status"] == "queued"
+                assert pool.get("a").queue_depth == 1
+                assert (await c.delete(f"/v1/decode/{queued['id']}")).json()["status"] == "cancelled"
+                await until(lambda: pool.get("a").queue_depth == 0, "the queue emptied")
+                assert pool.get("a").busy  # the other one goes on
+            await until(lambda: not pool.get("a").busy, "the held one finished")
+            assert (await c.get(f"/v1/decode/{running['id']}")).json()["status"] == "completed"
+            assert (await c.get(f"/v1/decode/{queued['id']}")).status_code == 404
+            log = [json.loads(line) for line in env.fake_log.read_text().splitlines()]
+            assert sum(e["event"] == "generate" for e in log) == 2  # the deleted one never reached the worker
+
+    asyncio.run(go())
