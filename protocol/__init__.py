@@ -8,6 +8,7 @@ from protocol.errors import ErrorCode
 from protocol.credentials import WorkerCredentials, read_credentials, secret_matches, write_credentials
 from protocol.messages import (
     FINISH_REASONS,
+    LOAD_STAGES,
     MAX_FRAME_BYTES,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
@@ -20,6 +21,7 @@ from protocol.messages import (
     Error,
     Generate,
     Hello,
+    LoadProgress,
     Message,
     Ping,
     Pong,
@@ -31,9 +33,9 @@ from protocol.messages import (
 )
 
 __all__ = [
-    "FINISH_REASONS", "MAX_FRAME_BYTES", "MESSAGE_TYPES", "PROTOCOL_VERSION",
+    "FINISH_REASONS", "LOAD_STAGES", "MAX_FRAME_BYTES", "MESSAGE_TYPES", "PROTOCOL_VERSION",
     "ApplyTemplate", "ApplyTemplateResult", "Cancel", "Detokenize", "DetokenizeResult", "Done",
-    "Error", "ErrorCode", "Generate", "Hello", "Message", "Ping", "Pong", "ProtocolError", "Ready", "Shutdown",
+    "Error", "ErrorCode", "Generate", "Hello", "LoadProgress", "Message", "Ping", "Pong", "ProtocolError", "Ready", "Shutdown",
     "Token", "Tokenize", "TokenizeResult", "WorkerCredentials", "decode", "encode", "read_credentials",
     "secret_matches", "write_credentials",
 ]

@@ -10,7 +10,9 @@ raises anything else and never returns a half-parsed record. Checks, in order:
 3. ``v`` == ``PROTOCOL_VERSION``; ``type`` is a known tag; ``id`` a 1..128-char str;
 4. every required field present, no unknown field, every value of its declared
    type (recursively: lists, maps, unions; bool is not an int; an int is
-   accepted where a float is declared and converted).
+   accepted where a float is declared and converted);
+5. the values together, by the record's ``value_problem`` (e.g. LoadProgress's
+   stage and counts).
 
 No pickle, no ext types: msgpack ext frames are rejected.
 """
@@ -145,6 +147,9 @@ def _validate_fields(cls: type[Message], obj: dict[str, Any], msg_id: str | None
             out[f.name] = _check(obj[f.name], hints[f.name])
         except _TypeMismatch as e:
             raise ProtocolError(f"{cls.TYPE}: field '{f.name}': {e}", msg_id) from None
+    problem = cls.value_problem(out)
+    if problem is not None:
+        raise ProtocolError(f"{cls.TYPE}: {problem}", msg_id)
     return out
 
 

@@ -11,7 +11,7 @@ use their own id). Field names follow OpenAI's and llama.cpp's wire names
 
 Direction:
 
-* worker -> router: Hello, Ready, Token, Done, Error, Pong, TokenizeResult,
+* worker -> router: Hello, LoadProgress, Ready, Token, Done, Error, Pong, TokenizeResult,
   DetokenizeResult, ApplyTemplateResult
 * router -> worker: Generate, Cancel, Ping, Shutdown, Tokenize, Detokenize,
   ApplyTemplate
@@ -42,6 +42,13 @@ class Message:
     TYPE: ClassVar[str] = ""
     id: str
 
+    @classmethod
+    def value_problem(cls, fields: dict[str, Any]) -> str | None:
+        """What is wrong with these type-checked field values (optional fields the frame
+        leaves out are absent from ``fields``), or None. The codec rejects a frame for which
+        this is not None, on encode and on decode."""
+        return None
+
 
 # --------------------------------------------------------------------- worker -> router
 
@@ -58,6 +65,35 @@ class Hello(Message):
     model: str  # configured model name
     pid: int
     auth: str = ""
+
+
+#: LoadProgress stages, in the order a load goes through them.
+LOAD_STAGES = ("reading_gguf", "building_tokenizer", "preparing_tensors")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadProgress(Message):
+    """Between Hello and Ready: how far the load is (id: the worker's own id).
+
+    ``stage`` is one of LOAD_STAGES: ``reading_gguf`` (the file's header and metadata;
+    done 0 or 1 of total 1), ``building_tokenizer`` (the vocabulary, merges and chat
+    template; 0 or 1 of 1), ``preparing_tensors`` (``done`` of ``total`` GGUF tensors
+    dequantized into the engine's weights; absent when they come from the weight
+    cache). ``0 <= done <= total``, ``total >= 1``. The worker sends a stage's first and
+    last step and at most a few in between per second."""
+
+    TYPE: ClassVar[str] = "load_progress"
+    stage: str
+    done: int
+    total: int
+
+    @classmethod
+    def value_problem(cls, fields: dict[str, Any]) -> str | None:
+        if fields["stage"] not in LOAD_STAGES:
+            return f"stage {fields['stage']!r} is not one of {list(LOAD_STAGES)}"
+        if not (fields["total"] >= 1 and 0 <= fields["done"] <= fields["total"]):
+            return f"done={fields['done']} total={fields['total']}: need 0 <= done <= total and total >= 1"
+        return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -270,7 +306,7 @@ class ApplyTemplate(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
-        Hello, Ready, Token, Done, Error, Pong, TokenizeResult, DetokenizeResult,
+        Hello, LoadProgress, Ready, Token, Done, Error, Pong, TokenizeResult, DetokenizeResult,
         ApplyTemplateResult, Generate, Cancel, Ping, Shutdown, Tokenize, Detokenize,
         ApplyTemplate,
     )

@@ -22,7 +22,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from router import admin, anthropic_api, llamacpp_api, llamacpp_router, openai_api, openai_responses
+from router import admin, anthropic_api, decode_api, llamacpp_api, llamacpp_router, openai_api, openai_responses
+from router.background import BackgroundStore
 from router.access_log import AccessLog
 from router.auth import BearerAuth
 from router.config import Config
@@ -102,10 +103,11 @@ def create_app(config: Config, *, worker_module: str | None = None,
         try:
             yield
         finally:
+            await app.state.background.close()  # its runs end (Cancel) before the workers stop
             await app.state.pool.close()
 
     routes = [Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
-              *openai_api.routes, *openai_responses.routes, *anthropic_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *admin.routes]
+              *openai_api.routes, *openai_responses.routes, *decode_api.routes, *anthropic_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *admin.routes]
     app = Starlette(
         routes=routes,
         # outermost first: the access log and X-Request-Id, request framing, metrics, then browser-origin rules (and CORS preflights), then keys
@@ -118,5 +120,8 @@ def create_app(config: Config, *, worker_module: str | None = None,
     )
     app.state.config = config
     app.state.responses = ResponseStore(config.server.responses_store_max, config.server.responses_store_ttl_s)
+    srv = config.server
+    app.state.background = BackgroundStore(srv.background_max, srv.background_ttl_s,
+                                           int(srv.background_max_mib * 2**20))
     app.state.metrics = registry
     return app

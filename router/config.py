@@ -124,6 +124,10 @@ class ServerConfig:
     # the Responses API's stored responses (router.response_store)
     responses_store_max: int = 256  # responses kept for GET /v1/responses/{id} and previous_response_id
     responses_store_ttl_s: float = 3600.0  # a stored response is forgotten this long after it was made
+    # background generations: POST /v1/decode, background Responses (router.background)
+    background_max: int = 256  # jobs kept, running or finished (the oldest finished is dropped first)
+    background_ttl_s: float = 3600.0  # a finished job is forgotten this long after it ended (0: never)
+    background_max_mib: float = 64.0  # the stored events of all jobs, MiB (oldest finished dropped first)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,7 +164,7 @@ _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases"}
 _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport", "shutdown_timeout_s",
                 "allowed_hosts", "cors_origins", "header_timeout_s", "body_timeout_s",
                 "keep_alive_timeout_s", "max_connections", "max_header_bytes", "max_loaded", "responses_store_max",
-                "responses_store_ttl_s"}
+                "responses_store_ttl_s", "background_max", "background_ttl_s", "background_max_mib"}
 
 #: A ``cors_origins`` entry: scheme://host[:port], nothing after it (or "*").
 _ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#]+$")
@@ -208,6 +212,9 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
         max_loaded=_int(server_raw, "max_loaded", "server", 0, 0, 100_000),
         responses_store_max=_int(server_raw, "responses_store_max", "server", 256, 0, 1_000_000),
         responses_store_ttl_s=_float(server_raw, "responses_store_ttl_s", "server", 3600.0, 0.0),
+        background_max=_int(server_raw, "background_max", "server", 256, 1, 1_000_000),
+        background_ttl_s=_float(server_raw, "background_ttl_s", "server", 3600.0, 0.0),
+        background_max_mib=_float(server_raw, "background_max_mib", "server", 64.0, 0.01),
     )
     check_public_bind(server)
 

@@ -10,8 +10,11 @@ An event is a map: ``seq`` (1, 2, ... per router), ``at`` (unix time), ``model``
 
 * ``state`` — every transition: ``from``, ``to``, ``reason`` (may be null), ``condition``
 * ``loading`` — a load's progress: ``stage`` ``spawned`` (``pid``), ``connected``
-  (the worker is reading the GGUF and preparing its weights), ``still_loading``
-  (``elapsed_s``, every 5 s of a slow load), ``ready`` (``load_ms``, ``rss_bytes``)
+  (the worker is loading), then the worker's own steps (``protocol.LoadProgress``,
+  with ``done`` and ``total``): ``reading_gguf`` (0/1, 1/1), ``building_tokenizer`` (0/1, 1/1), ``preparing_tensors``
+  (n/N GGUF tensors dequantized; none when the weight cache has them); ``still_loading``
+  (``elapsed_s``, ``last``: the last step, e.g. ``"preparing_tensors 120/272"``, every
+  5 s of a slow load), ``ready`` (``load_ms``, ``rss_bytes``)
 * ``waiting`` — a wanted load waits for room (``why``); ``refused`` (``code``, ``why``)
 * ``evicted`` (``for``: the model that needs the room), ``unloading`` (``reason``)
 * ``crashed`` (``reason``, ``exit_code``, ``signal``, ``restart_in_s``), ``load_failed``

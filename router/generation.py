@@ -97,13 +97,20 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate,
     """Admit ``msg``'s request (503 if full), wait its turn, send it, and return the
     run with its first frame. A client that leaves meanwhile cancels it
     (ClientDisconnected). Raises the ApiError of a worker Error frame; an invalid
-    constraint (``invalid_grammar``) names ``grammar_param``, the request field it came from."""
+    constraint (``invalid_grammar``) names ``grammar_param``, the request field it came from.
+    A background job's request (``router.background``) has ``state.run_hook(run, stage)``,
+    called once admitted (``"admitted"``) and once its Generate is sent (``"started"``)."""
     rid = getattr(request.state, "request_id", "")
     if rid:
         msg = dataclasses.replace(msg, trace_id=rid)  # the worker logs it with the generation
     run = Run(slot, msg.id, access=access_record(request.state))
+    hook = getattr(request.state, "run_hook", None)
     try:
+        if hook is not None:
+            hook(run, "admitted")
         await until_disconnect(request.receive, run.start(msg))
+        if hook is not None:
+            hook(run, "started")
         first = await until_disconnect(request.receive, run.next())
     except ContextLengthExceeded as e:  # the field at fault, as OpenAI names it
         run.close()

@@ -1,5 +1,6 @@
-"""OpenAI's Responses API: ``POST /v1/responses`` (JSON or SSE), ``POST
-/v1/responses/input_tokens``, ``GET`` / ``DELETE /v1/responses/{id}``.
+"""OpenAI's Responses API: ``POST /v1/responses`` (JSON or SSE, or in the background),
+``POST /v1/responses/input_tokens``, ``GET`` / ``DELETE /v1/responses/{id}``,
+``POST /v1/responses/{id}/cancel``.
 
 Request in: ``input`` (a string, or items: ``message`` with ``input_text`` /
 ``output_text`` parts and role user / assistant / system / developer,
@@ -16,8 +17,18 @@ true) and ``previous_response_id`` (the stored conversation is continued, see
 ``router.response_store``). ``metadata`` is stored and echoed; ``reasoning``,
 ``include``, ``user``, ``service_tier``, ``prompt_cache_key``,
 ``safety_identifier``, ``truncation``, ``max_tool_calls`` (it bounds built-in tool
-calls; there are none) and unknown fields are ignored; ``prompt``,
-``conversation`` and ``background: true`` are a 400.
+calls; there are none) and unknown fields are ignored; ``prompt`` and
+``conversation`` are a 400.
+
+``background: true`` (OpenAI's background mode, through ``router.background``): the
+answer is the response object at once, ``status`` ``queued`` or ``in_progress``;
+``GET /v1/responses/{id}`` shows it as it goes (the output so far) and then done
+(``completed``, ``incomplete``, ``failed`` or ``cancelled``); ``?stream=true`` replays
+its events from the first (``starting_after=N``: after sequence number N) and follows
+it; ``POST /v1/responses/{id}/cancel`` stops it (the worker's slot is freed) and
+answers it ``cancelled``; ``DELETE`` cancels and forgets it. It needs ``store`` (a 400
+with ``store: false``, as OpenAI) and cannot be combined with ``stream`` here (read
+the events with GET).
 
 Answer out: a ``response`` object with ``output`` items (one ``message`` with an
 ``output_text`` part, or ``function_call`` items), ``status`` ``completed`` or
@@ -52,6 +63,9 @@ from router.generation import OPENAI_DEFAULTS, begin, collect, read_sampling, st
 from router.metrics import label_request
 from router.params import INT32_MAX, get_bool, get_int, get_str, read_json
 from router.pool import ModelSlot, Pool
+from router.background import Job, new_job_id
+from router.background import store_of as background_of
+from router.decode_api import job_events, stream_query
 from router.response_store import ResponseStore
 from router.responses import JSONResponse
 from router.sse import SSEResponse, sse_named
@@ -245,8 +259,6 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
                      ("conversation", "use 'previous_response_id'")):
         if body.get(key) is not None:
             raise BadRequest(f"'{key}' is not supported: {why}", param=key)
-    if get_bool(body, "background", False):
-        raise BadRequest("'background' responses are not supported", param="background")
 
 
 def _parse(request: Request, body: dict[str, Any]) -> _Request:
@@ -280,6 +292,7 @@ def _parse(request: Request, body: dict[str, Any]) -> _Request:
     echo["parallel_tool_calls"] = choice.parallel
     echo["metadata"] = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
     echo["store"] = get_bool(body, "store", True)
+    echo["background"] = get_bool(body, "background", False)
     return _Request(model, slot, history, render_messages(turns, offered), offered, choice, grammar, json_schema,
                     "tools" if grammar is not None else ("text.format" if json_schema is not None else None), echo)
 
@@ -340,10 +353,15 @@ class _Answer:
 
 async def create(request: Request) -> Response:
     body = await read_json(request)
+    job = getattr(request.state, "background_job", None)  # set when this runs a background response
+    if job is None and get_bool(body, "background", False):
+        return await _start_background(request, body)
     req = _parse(request, body)
     max_tokens = get_int(body, "max_output_tokens", None, 1, INT32_MAX)
     streaming = get_bool(body, "stream", False)
-    ans = _Answer(req, "resp_" + _hex())
+    ans = _Answer(req, job.id if job is not None else "resp_" + _hex())
+    if job is not None:
+        job.snapshot = ans.obj
     msg = _generate(req, body, max_tokens, ans.id)
     run, first = await begin(request, req.slot, msg, grammar_param=req.constraint_param)
     parser = CallParser(req.choice.mode != "none", "call", frozenset(t.name for t in req.tools if t.custom))
@@ -460,17 +478,63 @@ def _not_found(rid: str) -> NotFound:
     return NotFound(f"No response with id '{rid}' found.", code="not_found", param="response_id")
 
 
+async def _start_background(request: Request, body: dict[str, Any]) -> Response:
+    if not get_bool(body, "store", True):
+        raise BadRequest("background responses must be stored: 'store' cannot be false with 'background'",
+                         param="store")
+    if get_bool(body, "stream", False):
+        raise BadRequest("'stream' with 'background' is not supported: follow the events with "
+                         "GET /v1/responses/{id}?stream=true", param="stream")
+    job = Job(new_job_id("resp_"), "response", str(body.get("model", "")))
+    await background_of(request).start(request, job, create, "/v1/responses", body)
+    return JSONResponse(_job_object(job))
+
+
+def _job_object(job: Job) -> dict[str, Any]:
+    """A background response as it stands: the final object once it has one, else the
+    object so far with the job's status (and its error)."""
+    obj = job.result() if not job.running else None
+    if obj is None:
+        obj = job.snapshot(job.status) if job.snapshot is not None else {"id": job.id, "object": "response",
+                                                                            "status": job.status, "output": []}
+    if job.status in ("cancelled", "failed"):  # ended without a final object of its own: say how
+        obj = {**obj, "status": job.status, "error": obj.get("error") or job.error}
+    return obj
+
+
 async def retrieve(request: Request) -> Response:
     rid = request.path_params["response_id"]
+    job = background_of(request).get(rid)
+    if job is not None:
+        if stream_query(request):
+            raw = request.query_params.get("starting_after", "-1")
+            if not raw.lstrip("-").isdigit() or int(raw) < -1:
+                raise BadRequest(f"'starting_after' must be a sequence number, got {raw!r}", param="starting_after")
+            return job_events(job, skip=int(raw) + 1)
+        return JSONResponse(_job_object(job))
     stored = store_of(request).get(rid)
     if stored is None:
         raise _not_found(rid)
     return JSONResponse(stored.response)
 
 
+async def cancel(request: Request) -> Response:
+    """OpenAI's ``POST /v1/responses/{id}/cancel``: a background response stops (a
+    finished one is answered as it is); other responses cannot be cancelled (400)."""
+    rid = request.path_params["response_id"]
+    job = background_of(request).cancel(rid)
+    if job is not None:
+        return JSONResponse(_job_object(job))
+    if store_of(request).get(rid) is not None:
+        raise BadRequest("Only responses created with 'background': true can be cancelled.",
+                         param="response_id")
+    raise _not_found(rid)
+
+
 async def delete(request: Request) -> Response:
     rid = request.path_params["response_id"]
-    if not store_of(request).delete(rid):
+    job = background_of(request).cancel(rid, forget=True)
+    if not store_of(request).delete(rid) and job is None:
         raise _not_found(rid)
     return JSONResponse({"id": rid, "object": "response", "deleted": True})
 
@@ -480,4 +544,5 @@ routes = [
     Route("/v1/responses/input_tokens", input_tokens, methods=["POST"]),
     Route("/v1/responses/{response_id}", retrieve, methods=["GET"]),
     Route("/v1/responses/{response_id}", delete, methods=["DELETE"]),
+    Route("/v1/responses/{response_id}/cancel", cancel, methods=["POST"]),
 ]

@@ -592,16 +592,22 @@ class ModelSlot:
         stage = ["spawning"]
 
         def progress(what: str, fields: dict[str, Any]) -> None:
-            stage[0] = what
+            if "total" in fields:  # the worker's own steps (LoadProgress)
+                step = f"{what} {fields['done']}/{fields['total']}"
+                if what != stage[0].split(" ")[0] or fields["done"] == fields["total"]:
+                    log.info("model %s: %s (%.1f s)", self.model.name, step.replace("_", " "), time.monotonic() - t0)
+                stage[0] = step
+            else:
+                stage[0] = what
             if what == "connected":
                 log.info("model %s: worker connected; reading the GGUF and preparing its weights", self.model.name)
             self._emit("loading", stage=what, **fields)
 
-        async def ticker() -> None:  # a slow load says so
+        async def ticker() -> None:  # a slow load says so, with the worker's last step
             while True:
                 await asyncio.sleep(LOAD_PROGRESS_INTERVAL_S)
                 elapsed = time.monotonic() - t0
-                log.info("model %s: still loading (%.0f s, %s)", self.model.name, elapsed, stage[0])
+                log.info("model %s: still loading (%.0f s, %s)", self.model.name, elapsed, stage[0].replace("_", " "))
                 self._emit("loading", stage="still_loading", elapsed_s=round(elapsed, 1), last=stage[0])
 
         tick = asyncio.create_task(ticker(), name=f"load-ticker-{self.model.name}")

@@ -33,6 +33,7 @@ from protocol import (
     Cancel,
     Error,
     Hello,
+    LoadProgress,
     Message,
     Ping,
     Pong,
@@ -166,6 +167,7 @@ class WorkerProcess:
         self._monitor: asyncio.Task[None] | None = None
         self.refused_peers = 0  # peers refused on this socket: bad Hello, failed CURVE handshake
         self._on_hello: Callable[[], None] | None = None
+        self._on_load_step: Callable[[LoadProgress], None] | None = None
 
     # ------------------------------------------------------------------ facts
 
@@ -207,7 +209,8 @@ class WorkerProcess:
 
     async def start(self, timeout_s: float, progress: Callable[[str, dict[str, Any]], None] | None = None) -> Ready:
         """Bind, spawn, and wait for Hello then Ready. ``progress(stage, fields)`` hears
-        ``spawned`` (``pid``) and ``connected`` (the worker's Hello: it is loading).
+        ``spawned`` (``pid``), ``connected`` (the worker's Hello: it is loading) and each
+        LoadProgress the worker sends (its ``stage``; ``done``, ``total``).
 
         Raises LoadFailed on Error(load_failed), process exit, or no Ready
         within ``timeout_s`` seconds (the process is then killed).
@@ -255,6 +258,7 @@ class WorkerProcess:
         if progress is not None:
             progress("spawned", {"pid": self._proc.pid})
             self._on_hello = lambda: progress("connected", {})
+            self._on_load_step = lambda m: progress(m.stage, {"done": m.done, "total": m.total})
         threading.Thread(target=self._wait_thread, args=(loop,), daemon=True,
                          name=f"worker-wait-{self._proc.pid}").start()
         exited = asyncio.ensure_future(self.exited.wait())
@@ -435,6 +439,10 @@ class WorkerProcess:
         q = self._streams.get(msg.id)
         if q is not None:
             q.put_nowait(msg)
+            return
+        if isinstance(msg, LoadProgress):
+            if not self._ready.done() and self._on_load_step is not None:
+                self._on_load_step(msg)
             return
         if isinstance(msg, Ready):
             if not self._ready.done():

@@ -11,7 +11,7 @@ the engine. The server only ever:
 * reads :attr:`BatchRunner.snapshot` (slots and KV use after the last step,
   published by the engine thread; reading it never waits for a step),
 * receives events (:class:`FrameOut` for Token frames, :class:`JobFinished`
-  with the job's Done or Error, :class:`Loaded`, :class:`LoadFailed`) through
+  with the job's Done or Error, :class:`LoadStep`, :class:`Loaded`, :class:`LoadFailed`) through
   the ``post`` callable it handed in.
 
 Threads: the *engine* thread loads the model, then loops: take prepared jobs,
@@ -56,7 +56,7 @@ from worker.threads import apply_blas_threads
 log = logging.getLogger("modelyard.worker")
 
 __all__ = [
-    "BatchRunner", "FrameOut", "Job", "JobFinished", "LoadFailed", "Loaded", "RunnerEvent", "RunnerSnapshot",
+    "BatchRunner", "FrameOut", "Job", "JobFinished", "LoadFailed", "LoadStep", "Loaded", "RunnerEvent", "RunnerSnapshot",
     "cancelled_done", "check_generate", "sampling_params",
 ]
 
@@ -111,6 +111,20 @@ class JobFinished:
 
 
 @dataclass(frozen=True)
+class LoadStep:
+    """A step of ``Engine.load`` (its ``progress`` callback, thinned out: every stage's
+    first and last step, at most one in LOAD_STEP_INTERVAL_S between them)."""
+
+    stage: str
+    done: int
+    total: int
+
+
+#: Least time between two LoadStep events of one stage (seconds).
+LOAD_STEP_INTERVAL_S = 0.25
+
+
+@dataclass(frozen=True)
 class Loaded:
     """The engine is loaded. ``load_ms``: wall time of ``Engine.load`` (ms)."""
 
@@ -125,7 +139,7 @@ class LoadFailed:
     reason: str
 
 
-RunnerEvent = FrameOut | JobFinished | Loaded | LoadFailed
+RunnerEvent = FrameOut | JobFinished | LoadStep | Loaded | LoadFailed
 
 
 # ----------------------------------------------------------------------------- Generate -> engine
@@ -383,11 +397,24 @@ class BatchRunner:
 
     # -- engine thread
 
+    def _load_progress(self) -> Callable[[str, int, int], None]:
+        """The ``progress`` callback handed to the loader: posts LoadStep events, thinned out."""
+        last: list[Any] = ["", 0.0]  # stage, monotonic time of its last post
+
+        def progress(stage: str, done: int, total: int) -> None:
+            now = time.monotonic()
+            if stage != last[0] or done >= total or done == 0 or now - last[1] >= LOAD_STEP_INTERVAL_S:
+                last[0], last[1] = stage, now
+                self._post(LoadStep(stage, int(done), int(total)))
+
+        return progress
+
     def _main(self) -> None:
         t0 = time.perf_counter()
         try:
             engine = self._loader(self._gguf_path, self._n_ctx, self._chat_template, parallel=self._parallel,
-                                  kv_budget_mib=self._kv_budget_mib, weights=self._weights)
+                                  kv_budget_mib=self._kv_budget_mib, weights=self._weights,
+                                  progress=self._load_progress())
         except EngineError as e:
             self._post(LoadFailed(f"{e.code}: {e.message}"))
             return

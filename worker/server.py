@@ -10,7 +10,7 @@ cancels requests at any time, even while a long prefill chunk is being
 computed, and notices within ~0.2 s that its parent process is gone.
 
 Sequence: connect, send Hello(id=worker id), load (in the runner thread),
-send Ready (or Error(code="load_failed") and exit status 1), then serve.
+send LoadProgress frames while loading, then Ready (or Error(code="load_failed") and exit status 1), then serve.
 
 Job queue: ``runner.capacity`` generations run at once (1: the depth-one
 queue); further Generates wait in arrival order, at most ``max_queue`` of them;
@@ -54,6 +54,7 @@ from protocol import (
     Error,
     Generate,
     Hello,
+    LoadProgress,
     Message,
     Ping,
     Pong,
@@ -71,6 +72,7 @@ from worker.runner import (
     Job,
     JobFinished,
     LoadFailed,
+    LoadStep,
     Loaded,
     RunnerEvent,
     BatchRunner,
@@ -86,14 +88,17 @@ UNKNOWN_ID = "unknown"  # id of an Error answering a frame whose id could not be
 
 
 def default_loader(gguf_path: str, n_ctx: int | None, chat_template: str | None, *, parallel: int = 1,
-                   kv_budget_mib: float | None = None, weights: str | None = None) -> Any:
+                   kv_budget_mib: float | None = None, weights: str | None = None,
+                   progress: Callable[[str, int, int], None] | None = None) -> Any:
     """``worker.engine.Engine.load`` (imported lazily: the engine pulls in numpy); no
-    ``kv_budget_mib`` -> ``protocol.limits.DEFAULT_KV_BUDGET_MIB``; no ``weights`` -> the engine's default."""
+    ``kv_budget_mib`` -> ``protocol.limits.DEFAULT_KV_BUDGET_MIB``; no ``weights`` -> the engine's
+    default; ``progress`` as Engine.load's."""
     from worker.engine import Engine
 
     extra = {} if weights is None else {"weights": weights}
     return Engine.load(gguf_path, n_ctx=n_ctx, chat_template=chat_template, parallel=parallel,
-                       kv_budget_mib=DEFAULT_KV_BUDGET_MIB if kv_budget_mib is None else kv_budget_mib, **extra)
+                       kv_budget_mib=DEFAULT_KV_BUDGET_MIB if kv_budget_mib is None else kv_budget_mib,
+                       progress=progress, **extra)
 
 
 @dataclass
@@ -319,6 +324,8 @@ class WorkerServer:
                     log.debug("request %s: Cancel -> Done in %.1f ms", job.id,
                               (time.monotonic() - job.cancel_at) * 1e3)
                 self._start_next()
+            elif isinstance(ev, LoadStep):
+                self._send(LoadProgress(id=self.worker_id, stage=ev.stage, done=ev.done, total=ev.total))
             elif isinstance(ev, Loaded):
                 self._on_loaded(ev)
             elif isinstance(ev, LoadFailed):

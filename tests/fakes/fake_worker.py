@@ -15,6 +15,8 @@ every spawn, so a test can change behaviour between spawns), a map of model name
     hang_at_load      bool   send Hello, never Ready
     hold_hello        bool   wait before connecting and sending Hello while the hold file exists
     hold_load         bool   wait before Ready while the hold file exists (see below)
+    load_steps        int    N: before the hold, LoadProgress reading_gguf 0/1 and 1/1, then
+                             preparing_tensors 1/N .. N/N (every step)
     hold_shutdown     bool   on Shutdown, wait while the hold file exists, then exit
     token_delay_s     float  sleep before each token (default 0.005)
     ignore_cancel     bool   keep generating after Cancel
@@ -68,6 +70,7 @@ from protocol import (
     Error,
     Generate,
     Hello,
+    LoadProgress,
     Message,
     Ping,
     Pong,
@@ -162,6 +165,11 @@ class FakeWorker:
             return 1
         if self.sw.get("hang_at_load"):
             await asyncio.sleep(3600)
+        if n_steps := int(self.sw.get("load_steps", 0)):
+            await self.send(LoadProgress(id="hello", stage="reading_gguf", done=0, total=1))
+            await self.send(LoadProgress(id="hello", stage="reading_gguf", done=1, total=1))
+            for i in range(1, n_steps + 1):
+                await self.send(LoadProgress(id="hello", stage="preparing_tensors", done=i, total=n_steps))
         while self.sw.get("hold_load") and _held():
             await asyncio.sleep(0.01)
         await self.send(Ready(

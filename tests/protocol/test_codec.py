@@ -23,6 +23,7 @@ from protocol import (
     Error,
     Generate,
     Hello,
+    LoadProgress,
     Ping,
     Pong,
     ProtocolError,
@@ -37,6 +38,8 @@ from protocol import (
 
 EXAMPLES = [
     Hello(id="w1", model="smollm2", pid=123),
+    LoadProgress(id="w1", stage="reading_gguf", done=0, total=1),
+    LoadProgress(id="w1", stage="preparing_tensors", done=273, total=273),
     Ready(id="w1", model="smollm2", architecture="llama", gguf_path="/m/x.gguf", file_size=98362432,
           fingerprint="ab" * 32, n_ctx=8192, n_ctx_train=8192, n_vocab=49152, has_chat_template=True,
           pid=123, load_ms=812.5),
@@ -111,6 +114,12 @@ GOOD = {"v": PROTOCOL_VERSION, "type": "cancel", "id": "r1"}
         (_raw(v=PROTOCOL_VERSION, type="generate", id="r", stop="\n"), "field 'stop'"),
         (_raw(v=PROTOCOL_VERSION, type="generate", id="r", messages=[1]), "field 'messages'"),
         (_raw(v=PROTOCOL_VERSION, type="token", id="r", text="a", token_id=1, piece="not-bytes"), "field 'piece'"),
+        (_raw(v=PROTOCOL_VERSION, type="load_progress", id="w", stage="dreaming", done=0, total=1), "stage"),
+        (_raw(v=PROTOCOL_VERSION, type="load_progress", id="w", stage="preparing_tensors", done=5, total=4),
+         "done=5 total=4"),
+        (_raw(v=PROTOCOL_VERSION, type="load_progress", id="w", stage="preparing_tensors", done=-1, total=4),
+         "done=-1"),
+        (_raw(v=PROTOCOL_VERSION, type="load_progress", id="w", stage="reading_gguf", done=0, total=0), "total=0"),
         (msgpack.packb({1: 2}), "malformed"),  # non-string map key
         (msgpack.packb(msgpack.ExtType(1, b"x")), "ext type"),
         (b"\x00" * (MAX_FRAME_BYTES + 1), "exceeds"),
@@ -137,6 +146,11 @@ def test_defaults_fill_optional_fields() -> None:
     msg = decode(_raw(v=PROTOCOL_VERSION, type="generate", id="r", prompt="x"))
     assert isinstance(msg, Generate)
     assert msg.stop == [] and msg.n_probs == 0 and msg.max_tokens is None
+
+
+def test_encode_refuses_out_of_range_load_progress() -> None:
+    with pytest.raises(ProtocolError, match="done=3 total=2"):
+        encode(LoadProgress(id="w", stage="preparing_tensors", done=3, total=2))
 
 
 def test_encode_refuses_invalid_record() -> None:

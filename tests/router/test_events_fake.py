@@ -108,6 +108,44 @@ def test_events_tell_the_whole_story_in_order(tmp_path: Path, monkeypatch: pytes
     asyncio.run(go())
 
 
+def test_worker_load_steps_reach_events_and_console(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    env = InProc(tmp_path, monkeypatch)
+    monkeypatch.setattr(router.pool, "LOAD_PROGRESS_INTERVAL_S", 0.02)
+    env.set_fake({"a": {"hold_load": True, "load_steps": 7}})
+    caplog.set_level("INFO", logger="modelyard")
+
+    async def go() -> None:
+        async with env.app(CONFIG) as (pool, c):
+            q = pool.events.subscribe()
+            got: list[dict[str, Any]] = []
+
+            def drain() -> list[dict[str, Any]]:
+                while not q.empty():
+                    ev = q.get_nowait()
+                    assert ev is not None
+                    got.append(ev)
+                return got
+
+            with env.hold():  # the load is held after its last step: a tick must name that step
+                ar = asyncio.create_task(c.post("/v1/chat/completions", json=chat("a")))
+                await until(lambda: any(e.get("last") == "preparing_tensors 7/7" for e in drain()),
+                            "a still-loading tick naming the last step")
+            assert (await ar).status_code == 200
+            drain()
+            steps = [(e["stage"], e["done"], e["total"]) for e in got if e["event"] == "loading" and "total" in e]
+            assert steps == [("reading_gguf", 0, 1), ("reading_gguf", 1, 1)] + [
+                ("preparing_tensors", i, 7) for i in range(1, 8)]
+            stages = [e["stage"] for e in got if e["event"] == "loading"]
+            assert stages.index("connected") < stages.index("reading_gguf") and stages[-1] == "ready"
+
+    asyncio.run(go())
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("model a:")]
+    assert any("reading gguf 0/1" in x for x in lines) and any("preparing tensors 7/7" in x for x in lines)
+    assert any("still loading" in x and "preparing tensors 7/7" in x for x in lines)
+    assert not any("preparing tensors 3/7" in x for x in lines)  # the console: a stage's start and end
+
+
 def test_sse_stream_snapshot_framing_and_end_at_shutdown(tmp_path: Path) -> None:
     dummy_gguf(tmp_path, "m.gguf")
     r = LiveRouter(tmp_path, CONFIG.replace("max_loaded = 1", "admin_key = \"adm\""))

@@ -125,7 +125,7 @@ def test_refusals_name_the_field(router: LiveRouter) -> None:
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
         ({"input": "x", "tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice.name"),
         ({}, "input"),
-        ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "background": True, "store": False}, "store"),
         ({"input": "x", "conversation": "conv_1"}, "conversation"),
         ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
     ]:

@@ -15,6 +15,7 @@ import pytest
 from tests.worker.test_tokenizer import MODELS, bpe_metadata, load_fixture
 from worker.engine import Engine, EngineError, GenerationResult, SamplingParams, TokenEvent
 from worker.engine.chat_template import CHATML_TEMPLATE
+from worker.engine.gguf_loader import read_gguf
 
 
 def write_tiny_llama(path: Path, chat_template: str | None = None, n_ctx_train: int = 128, seed: int = 0,
@@ -99,6 +100,17 @@ def test_load_and_info(engine: Engine, tiny_path: Path) -> None:
     assert isinstance(info.fingerprint, str) and info.fingerprint
     assert info.has_chat_template
     assert (info.bos_token, info.eos_token) == ("<|im_start|>", "<|im_end|>")
+
+
+@pytest.mark.parametrize("weights", ["f32", "quantized"])
+def test_load_reports_progress_once_per_tensor(tiny_path: Path, weights: str) -> None:
+    steps: list[tuple[str, int, int]] = []
+    Engine.load(str(tiny_path), weights=weights, progress=lambda stage, done, total: steps.append((stage, done, total)))
+    assert steps[:4] == [("reading_gguf", 0, 1), ("reading_gguf", 1, 1), ("building_tokenizer", 0, 1),
+                         ("building_tokenizer", 1, 1)]
+    tensors = steps[4:]
+    n = len(read_gguf(str(tiny_path)).tensors)
+    assert tensors == [("preparing_tensors", i, n) for i in range(1, n + 1)]  # every tensor of the file, once
 
 
 def test_load_errors(tmp_path: Path, tiny_path: Path) -> None:

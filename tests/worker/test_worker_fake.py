@@ -30,6 +30,7 @@ from protocol import (
     Error,
     Generate,
     Hello,
+    LoadProgress,
     Ping,
     Pong,
     Ready,
@@ -43,6 +44,7 @@ from tests.worker.fake_engine import EOS, FakeEngine
 from tests.worker.router_stub import RouterStub, garbage_frame
 from worker.engine import EngineError, SamplingParams
 from worker.server import WorkerConfig, WorkerServer
+from worker import runner
 
 
 @dataclass
@@ -131,6 +133,29 @@ def test_load_failure_is_an_error_frame_then_exit_1(start: Callable[..., Harness
     assert isinstance(err, Error) and err.code == "load_failed" and err.id == f"worker-{os.getpid()}"
     assert ("file_not_found" in err.message) if isinstance(exc, EngineError) else ("loader bug" in err.message)
     assert h.wait_exit() == 1
+
+
+def test_load_progress_frames_come_between_hello_and_ready(start: Callable[..., Harness],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runner, "LOAD_STEP_INTERVAL_S", 1e9)  # no step in between is due: first and last only
+    eng = FakeEngine()
+
+    def loader(*_: Any, progress: Callable[[str, int, int], None], **__: Any) -> FakeEngine:
+        progress("reading_gguf", 0, 1)
+        progress("reading_gguf", 1, 1)
+        for i in range(1, 201):
+            progress("preparing_tensors", i, 200)
+        return eng
+
+    h = start(loader=loader, handshake=False)
+    assert isinstance(h.stub.next(timeout_s=10), Hello)
+    frames = []
+    while not isinstance(m := h.stub.next(timeout_s=10), Ready):
+        frames.append(m)
+    assert all(isinstance(f, LoadProgress) and f.id == f"worker-{os.getpid()}" for f in frames)
+    steps = [(f.stage, f.done, f.total) for f in frames]
+    assert steps == [("reading_gguf", 0, 1), ("reading_gguf", 1, 1), ("preparing_tensors", 1, 200),
+                     ("preparing_tensors", 200, 200)]
 
 
 def test_a_request_sent_while_loading_runs_after_ready(start: Callable[..., Harness]) -> None:

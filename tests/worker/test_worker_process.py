@@ -38,6 +38,7 @@ from protocol import (
     Error,
     Generate,
     Hello,
+    LoadProgress,
     Ping,
     Pong,
     Ready,
@@ -144,6 +145,20 @@ def _ping(stub: RouterStub, ident: str) -> Pong:
 
 
 # ----------------------------------------------------------------------------- start-up, generation
+
+
+def test_load_progress_frames_before_ready(wa: Proc) -> None:
+    frames = [m for _, m in wa.stub.received]
+    before = frames[:next(i for i, m in enumerate(frames) if isinstance(m, Ready))]
+    steps = [(m.stage, m.done, m.total) for m in before if isinstance(m, LoadProgress)]
+    assert steps[:4] == [("reading_gguf", 0, 1), ("reading_gguf", 1, 1), ("building_tokenizer", 0, 1),
+                         ("building_tokenizer", 1, 1)]
+    prep = steps[4:]  # none when the prepared weights came from the weight cache
+    if prep:
+        n = prep[0][2]
+        assert prep[0] == ("preparing_tensors", 1, n) and prep[-1] == ("preparing_tensors", n, n)
+        assert [d for _, d, _ in prep] == sorted(set(d for _, d, _ in prep))
+    assert isinstance(before[0], Hello)
 
 
 def test_ready_describes_the_model(wa: Proc) -> None:

@@ -72,7 +72,8 @@ class Engine:
     @classmethod
     def load(cls, gguf_path: str, n_ctx: int | None = None, chat_template: str | None = None, *,
              parallel: int = 1, kv_budget_mib: float | None = None, n_batch: int | None = None,
-             weights: str | None = None) -> Engine:
+             weights: str | None = None,
+             progress: Callable[[str, int, int], None] | None = None) -> Engine:
         """Load a GGUF file.
 
         Args:
@@ -86,6 +87,13 @@ class Engine:
             n_batch: prompt tokens per step (prefill chunk); None -> 256.
             weights: ``"quantized"`` (the GGUF's blocks, ggml's vec_dot numerics) or ``"f32"``
                 (dequantized float32 reference); None -> ``model.DEFAULT_WEIGHTS`` ("f32").
+            progress: ``progress(stage, done, total)`` hears the load's steps, in order:
+                ``("reading_gguf", 0, 1)`` before the file's header and metadata are
+                read, ``("reading_gguf", 1, 1)`` after; ``("building_tokenizer", 0, 1)`` /
+                ``(…, 1, 1)`` around the tokenizer and chat template; ``("preparing_tensors", n, N)``
+                once per tensor dequantized into the weights (N: the file's tensors;
+                none when the prepared weights come from the weight cache). Called on
+                the loading thread; must not raise.
 
         Raises:
             EngineError: ``file_not_found``, ``invalid_gguf``,
@@ -113,19 +121,27 @@ class Engine:
         weights = DEFAULT_WEIGHTS if weights is None else weights
         if weights not in WEIGHT_MODES:
             raise EngineError("invalid_params", f"weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}")
+        if progress is not None:
+            progress("reading_gguf", 0, 1)
         gguf = _wrap(read_gguf, str(path))
+        if progress is not None:
+            progress("reading_gguf", 1, 1)
         md = gguf.metadata
         arch = gguf.architecture
         n_ctx_train = md.get(f"{arch}.context_length")
         if isinstance(n_ctx_train, bool) or not isinstance(n_ctx_train, int) or n_ctx_train <= 0:
             raise EngineError("invalid_gguf", f"GGUF has no valid {arch}.context_length")
+        if progress is not None:
+            progress("building_tokenizer", 0, 1)
         tokenizer = _wrap(Tokenizer.from_metadata, md)
         source = resolve_template(chat_template) if chat_template is not None else md.get("tokenizer.chat_template")
         template = None
         if isinstance(source, str) and source.strip():
             template = ChatTemplate(source, tokenizer.bos_token, tokenizer.eos_token,
                                     strip_bos=tokenizer.add_bos, strip_eos=tokenizer.add_eos)
-        model = _wrap(load_model, gguf, n_ctx, weights=weights)
+        if progress is not None:
+            progress("building_tokenizer", 1, 1)
+        model = _wrap(load_model, gguf, n_ctx, weights=weights, progress=progress)
         token_bytes = model.kv_shape.token_bytes
         budget_tokens = (parallel * int(model.n_ctx) if kv_budget_mib is None
                          else max(1, int(kv_budget_mib * 2**20) // token_bytes))

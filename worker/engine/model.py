@@ -26,7 +26,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -55,6 +55,9 @@ ARCHITECTURES: dict[str, type[Model]] = {}
 #: n_ctx used when the caller gives none: ``min(n_ctx_train, DEFAULT_MAX_CTX)``.
 DEFAULT_MAX_CTX = 8192
 
+#: ``progress(stage, done, total)``: hears the load's steps (see :class:`Model`); must not raise.
+LoadProgressFn = Callable[[str, int, int], None]
+
 
 def register(cls: type[Model]) -> type[Model]:
     """Class decorator: make ``cls`` loadable for ``general.architecture == cls.arch``."""
@@ -64,7 +67,7 @@ def register(cls: type[Model]) -> type[Model]:
 
 def load_model(gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.float32,
                weight_cache: bool | None = None, cache_write: str = "background",
-               weights: str = DEFAULT_WEIGHTS) -> Model:
+               weights: str = DEFAULT_WEIGHTS, progress: LoadProgressFn | None = None) -> Model:
     """Build the model for a parsed GGUF file.
 
     Args:
@@ -82,6 +85,7 @@ def load_model(gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.floa
         weights: ``"quantized"`` (weight matrices kept in the GGUF's quantized
             blocks, multiplied as ggml's vec_dot does) or ``"f32"`` (dequantized
             to float32, the reference path). A float64 model is always ``"f32"``.
+        progress: see :class:`Model`.
     Returns:
         a :class:`Model` with an empty KV cache.
     Raises:
@@ -101,7 +105,8 @@ def load_model(gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.floa
         raise EngineError("invalid_params", f"cache_write must be 'background' or 'sync', got {cache_write!r}")
     if weights not in WEIGHT_MODES:
         raise EngineError("invalid_params", f"weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}")
-    return cls(gguf, n_ctx, dtype=dtype, weight_cache=weight_cache, cache_write=cache_write, weights=weights)
+    return cls(gguf, n_ctx, dtype=dtype, weight_cache=weight_cache, cache_write=cache_write, weights=weights,
+               progress=progress)
 
 
 def _register_builtin() -> None:
@@ -383,6 +388,10 @@ class Model:
         dtype: compute dtype (float32, or float64 for reference runs).
         load_timings: seconds spent per load phase (``weights``, ``cache_write``, ...).
         weights_from_cache: True when the prepared weights came from the .npy cache.
+
+    ``progress`` (optional) is called as ``progress("preparing_tensors", done, total)``
+    once per GGUF tensor dequantized while the weights are built (``total``: the file's
+    tensor count; a weight-cache hit builds none, so it is not called).
     """
 
     arch: ClassVar[str] = ""
@@ -390,7 +399,9 @@ class Model:
 
     def __init__(self, gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.float32,
                  weight_cache: bool | None = None, cache_write: str = "background",
-                 weights: str = DEFAULT_WEIGHTS) -> None:
+                 weights: str = DEFAULT_WEIGHTS, progress: LoadProgressFn | None = None) -> None:
+        self._progress = progress
+        self._tensors_done = 0
         try:
             self.dtype = np.dtype(dtype)
         except TypeError:
@@ -574,7 +585,9 @@ class Model:
         info = self.gguf.tensors.get(name)
         if self.weights == "quantized" and info is not None and len(shape) == 2 \
                 and tuple(info.np_shape) == tuple(shape) and quant_supports(info.type.name):
-            return QWeight.from_raw(info.type.name, self.gguf.raw(name), int(shape[0]), int(shape[1]))
+            w = QWeight.from_raw(info.type.name, self.gguf.raw(name), int(shape[0]), int(shape[1]))
+            self._tensor_prepared()
+            return w
         return self.tensor(name, shape)
 
     def tensor(self, name: str, shape: Sequence[int]) -> np.ndarray:
@@ -589,7 +602,15 @@ class Model:
         if tuple(info.np_shape) != tuple(shape):
             raise EngineError("invalid_gguf", f"{self.gguf.path}: tensor {name!r} has shape "
                               f"{list(info.np_shape)}, expected {list(shape)}")
-        return self.gguf.tensor(name)
+        arr = self.gguf.tensor(name)
+        self._tensor_prepared()
+        return arr
+
+    def _tensor_prepared(self) -> None:
+        """One more GGUF tensor prepared into the weights: tell the load's progress callback."""
+        if self._progress is not None:
+            self._tensors_done += 1
+            self._progress("preparing_tensors", self._tensors_done, len(self.gguf.tensors))
 
     def has_tensor(self, name: str) -> bool:
         return self.gguf.has_tensor(name)
@@ -709,7 +730,7 @@ def fuse_rows(parts: Sequence[Matrix]) -> Matrix:
 
 
 __all__ = [
-    "ARCHITECTURES", "AttnBatch", "DEFAULT_MAX_CTX", "DEFAULT_WEIGHTS", "Matrix", "Model", "RopeTable", "Segment",
+    "ARCHITECTURES", "AttnBatch", "DEFAULT_MAX_CTX", "DEFAULT_WEIGHTS", "LoadProgressFn", "Matrix", "Model", "RopeTable", "Segment",
     "WEIGHT_MODES", "WeightCache", "attention", "attention_mask", "embed", "fuse_rows", "gelu_tanh",
     "gelu_tanh_ggml", "hp_float", "hp_int", "linear", "load_model", "permute_rows", "register", "rms_norm",
     "rope_freq_scale", "silu",
