@@ -92,6 +92,10 @@ class Token(Message):
     logprob: float | None = None  # of token_id under the raw distribution
     top_logprobs: list[list[Any]] = field(default_factory=list)  # [[id, logprob, piece bytes], ...]
     index: int = 0  # the choice this token belongs to (Generate.n > 1)
+    # set on the first token of choice 0 only (0 elsewhere): the prompt's token count and how
+    # many of them were reused from the KV cache, so a stream can report usage up front
+    prompt_tokens: int = 0
+    cache_n: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -248,6 +248,15 @@ def _usage(done: Done) -> dict[str, Any]:
             "cache_read_input_tokens": done.cache_n, "cache_creation_input_tokens": 0}
 
 
+def _start_usage(first: Token | Done) -> dict[str, Any]:
+    """``message_start``'s usage, as Anthropic sends it: the prompt's counts (the first
+    Token carries them; a Done, when nothing was generated) and 1 output token."""
+    if isinstance(first, Done):
+        return {**_usage(first), "output_tokens": first.completion_tokens}
+    return {"input_tokens": first.prompt_tokens - first.cache_n, "output_tokens": 1,
+            "cache_read_input_tokens": first.cache_n, "cache_creation_input_tokens": 0}
+
+
 def _tool_block(c: ToolCall) -> dict[str, Any]:
     return {"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)}
 
@@ -319,8 +328,7 @@ async def messages(request: Request) -> Response:
             state["started"] = True
             out_events.append(sse_named("message_start", {"type": "message_start", "message": {
                 "id": mid, "type": "message", "role": "assistant", "model": req.model, "content": [],
-                "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": 0, "output_tokens": 0}}}))
+                "stop_reason": None, "stop_sequence": None, "usage": _start_usage(item)}}))
             if not parser.mode == "undecided":  # plain text: the block opens at once, as Anthropic's
                 state["text_open"] = True
                 open_block({"type": "text", "text": ""})

@@ -66,14 +66,22 @@ def test_anthropic_messages_streamed_equals_non_streamed(claude: anthropic.Anthr
     m = claude.messages.create(**kw)  # type: ignore[arg-type]
     assert m.content[0].type == "text" and m.content[0].text.strip()
     assert m.stop_reason in ("end_turn", "max_tokens")
+    starts = []
     with claude.messages.stream(**kw) as s:  # type: ignore[arg-type]
-        deltas = [t for t in s.text_stream]
+        deltas = []
+        for ev in s:
+            if ev.type == "message_start":
+                starts.append(ev.message.usage)
+            elif ev.type == "text":
+                deltas.append(ev.text)
         final = s.get_final_message()
     assert "".join(deltas) == m.content[0].text == final.content[0].text  # type: ignore[union-attr]
     assert final.stop_reason == m.stop_reason and final.usage.output_tokens == m.usage.output_tokens
     n = claude.messages.count_tokens(model="smollm2", system="Answer briefly.", messages=MSG)  # type: ignore[arg-type]
-    for u in (m.usage, final.usage):
+    assert len(starts) == 1  # message_start reports the prompt up front, as Anthropic does
+    for u in (m.usage, final.usage, starts[0]):
         assert u.input_tokens + (u.cache_read_input_tokens or 0) == n.input_tokens
+    assert starts[0].cache_read_input_tokens == final.usage.cache_read_input_tokens > 0  # the prefix was reused
 
 
 def test_anthropic_max_tokens_and_stop_sequence(claude: anthropic.Anthropic) -> None:
