@@ -94,6 +94,34 @@ def test_anthropic_max_tokens_and_stop_sequence(claude: anthropic.Anthropic) -> 
     assert word not in m.content[0].text  # type: ignore[union-attr]
 
 
+def test_assistant_prefill_is_continued_on_every_route(router: LiveRouter, oai: openai.OpenAI,
+                                                       claude: anthropic.Anthropic) -> None:
+    """A last assistant message is continued, not closed (llama.cpp's prefill): chat,
+    /v1/messages and /v1/responses answer what /completion gives on the rendered prompt
+    (which ends with the prefill text), streamed as not."""
+    pre = "The three colours are"
+    msgs = MSG + [{"role": "assistant", "content": pre}]
+    prompt = httpx.post(f"{router.url}/apply-template", json={"model": "smollm2", "messages": msgs},
+                        timeout=60).json()["prompt"]
+    assert prompt.endswith("<|im_start|>assistant\n" + pre)
+    want = httpx.post(f"{router.url}/completion", json={"model": "smollm2", "prompt": prompt, "n_predict": 12,
+                                                       "temperature": 0}, timeout=300).json()["content"]
+    assert want.strip()
+    chat = oai.chat.completions.create(model="smollm2", messages=msgs, max_tokens=12)  # type: ignore[arg-type]
+    assert chat.choices[0].message.content == want
+    streamed = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(
+        model="smollm2", messages=msgs, max_tokens=12, stream=True) if c.choices)  # type: ignore[arg-type]
+    assert streamed == want
+    m = claude.messages.create(model="smollm2", max_tokens=12, messages=msgs)  # type: ignore[arg-type]
+    assert m.content[0].text == want  # type: ignore[union-attr]
+    n = claude.messages.count_tokens(model="smollm2", messages=msgs)  # type: ignore[arg-type]
+    assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == n.input_tokens \
+        == chat.usage.prompt_tokens  # type: ignore[union-attr]
+    r = oai.responses.create(model="smollm2", max_output_tokens=12, store=False, input=[
+        {"role": "user", "content": MSG[0]["content"]}, {"role": "assistant", "content": pre}])
+    assert r.output_text == want
+
+
 # ----------------------------------------------------------------------------- OpenAI Responses
 
 
