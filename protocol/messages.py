@@ -196,6 +196,9 @@ class Generate(Message):
     TYPE: ClassVar[str] = "generate"
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
+    # with messages: the template's ``tools`` (HF's shape, [{"type": "function", "function":
+    # {"name", "description", "parameters"}}]), for templates with their own tool syntax
+    tools: list[dict[str, Any]] | None = None
     add_special: bool = True
     parse_special: bool = True
     max_tokens: int | None = None

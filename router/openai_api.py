@@ -18,7 +18,8 @@ from starlette.routing import Route
 
 from protocol import Done, Generate, Token
 from protocol.limits import MAX_N, MAX_N_PROBS
-from router.constraints import json_format_constraint, tool_constraint
+from router.constraints import json_format_constraint
+from router.dialects import choose, content_text, function_tool, prepare
 from router.errors import BadRequest, NotFound
 from router.generation import (
     OPENAI_DEFAULTS,
@@ -39,7 +40,7 @@ from router.pool import ModelSlot, Pool
 from router.process import WorkerProcess
 from router.responses import JSONResponse
 from router.sse import SSEResponse, sse_event
-from router.tools import CallParser, ChatTurn, Tool, ToolCall, ToolChoice, render_messages
+from router.tools import ChatTurn, Tool, ToolCall, ToolChoice, render_messages
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
               "tool": "tool"}
@@ -147,33 +148,6 @@ def _final_events(final: dict[str, Any], done: Done, head: dict[str, Any], inclu
     return out
 
 
-def _content_text(content: Any, where: str) -> str:
-    """A message ``content``: a string, or content parts of type text / input_text
-    (joined with newlines; extra keys such as ``cache_control`` ignored)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise BadRequest(f"'{where}' must be a string or an array of content parts", param=where)
-    texts: list[str] = []
-    for j, part in enumerate(content):
-        pw = f"{where}[{j}]"
-        if isinstance(part, str):
-            texts.append(part)
-            continue
-        if not isinstance(part, dict):
-            raise BadRequest(f"'{pw}' must be an object", param=pw)
-        ptype = part.get("type")
-        if ptype in ("text", "input_text"):
-            t = part.get("text")
-            if not isinstance(t, str):
-                raise BadRequest(f"'{pw}.text' must be a string", param=f"{pw}.text")
-            texts.append(t)
-        else:
-            raise BadRequest(f"'{pw}': content parts of type {ptype!r} are not supported "
-                             "(text only)", param=pw)
-    return "\n".join(texts)
-
-
 def _tool_calls(m: dict[str, Any], where: str) -> list[ToolCall]:
     raw = m.get("tool_calls")
     if raw is None:
@@ -217,7 +191,7 @@ def parse_turns(body: dict[str, Any]) -> list[ChatTurn]:
                 raise BadRequest(f"'{where}.content' is required", param=f"{where}.content")
             text = ""
         else:
-            text = _content_text(content, f"{where}.content")
+            text = content_text(content, f"{where}.content", ("text", "input_text"))
         calls = _tool_calls(m, where) if role == "assistant" else []
         call_id = m.get("tool_call_id") if role == "tool" else None
         name = m.get("name") if role == "tool" and isinstance(m.get("name"), str) else None
@@ -225,15 +199,16 @@ def parse_turns(body: dict[str, Any]) -> list[ChatTurn]:
     return out
 
 
-def parse_messages(body: dict[str, Any], tools: list[Tool] | None = None) -> list[dict[str, Any]]:
+def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     """``messages`` as [{"role", "content": str}] for the worker's template (tool calls and
-    results in the generic tool format, ``tools`` described in the system message)."""
-    return render_messages(parse_turns(body), tools)
+    results in the generic tool format; ``/apply-template``)."""
+    return render_messages(parse_turns(body))
 
 
 def parse_tools(body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
     """``tools`` (function tools), ``tool_choice`` (``none`` / ``auto`` / ``required`` /
-    ``{"type": "function", "function": {"name"}}``) and ``parallel_tool_calls``."""
+    ``{"type": "function", "function": {"name"}}``) and ``parallel_tool_calls``.
+    Custom tools (``{"type": "custom", ...}``) are a 400 naming them."""
     raw = body.get("tools")
     tools: list[Tool] = []
     if raw is not None:
@@ -243,33 +218,21 @@ def parse_tools(body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
             where = f"tools[{i}]"
             if not isinstance(t, dict) or t.get("type", "function") != "function":
                 kind = t.get("type") if isinstance(t, dict) else None
-                raise BadRequest(f"'{where}': tools of type {kind!r} are not supported (function tools only)",
-                                 param=f"{where}.type")
+                raise BadRequest(f"'{where}': tools of type {kind!r} are not supported on chat completions "
+                                 "(function tools only; custom tools work on /v1/responses)", param=f"{where}.type")
             fn = t.get("function")
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-                raise BadRequest(f"'{where}.function.name' must be a non-empty string", param=f"{where}.function.name")
-            params = fn.get("parameters")
-            if params is None:
-                params = {"type": "object", "properties": {}}
-            if not isinstance(params, dict):
-                raise BadRequest(f"'{where}.function.parameters' must be a JSON Schema object",
-                                 param=f"{where}.function.parameters")
-            desc = fn.get("description")
-            tools.append(Tool(fn["name"], desc if isinstance(desc, str) else "", params))
+            if not isinstance(fn, dict):
+                raise BadRequest(f"'{where}.function' must be an object", param=f"{where}.function")
+            tools.append(function_tool(fn.get("name"), fn.get("description"), fn.get("parameters"),
+                                       f"{where}.function", "parameters"))
     parallel = get_bool(body, "parallel_tool_calls", True)
     tc = body.get("tool_choice")
     if tc is None:
         tc = "auto"
     if tc in ("none", "auto", "required"):
-        if tc == "required" and not tools:
-            raise BadRequest("'tool_choice' 'required' needs 'tools'", param="tool_choice")
-        return tools, ToolChoice("none" if tc == "none" or not tools else tc, None, parallel)
+        return tools, choose(tools, tc, None, parallel, "tool_choice")
     if isinstance(tc, dict) and tc.get("type") == "function" and isinstance(tc.get("function"), dict):
-        name = tc["function"].get("name")
-        if not isinstance(name, str) or name not in {t.name for t in tools}:
-            raise BadRequest(f"'tool_choice.function.name' must name one of the tools, got {name!r}",
-                             param="tool_choice.function.name")
-        return tools, ToolChoice("named", name, parallel)
+        return tools, choose(tools, "named", tc["function"].get("name"), parallel, "tool_choice.function")
     raise BadRequest("'tool_choice' must be 'none', 'auto', 'required' or "
                      "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
 
@@ -334,12 +297,8 @@ async def chat_completions(request: Request) -> Response:
     label_request(request, slot.model.name)
     refuse_unsupported_chat(body)
     tools, choice = parse_tools(body)
-    offered = tools if choice.mode != "none" else []
-    messages = parse_messages(body, offered)
-    text_schema = _response_format(body)
-    grammar = tool_constraint(offered, choice, text_schema)
-    json_schema = text_schema if grammar is None else None
-    param = "tools" if grammar is not None else ("response_format" if json_schema is not None else None)
+    prep = prepare(slot, parse_turns(body), tools, choice, _response_format(body), "response_format")
+    offered = prep.offered
     common = _common(body, slot, "chatcmpl")
     want_logprobs = get_bool(body, "logprobs", False)
     top_n = get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
@@ -348,15 +307,14 @@ async def chat_completions(request: Request) -> Response:
     top_n = top_n or 0
     streaming = get_bool(body, "stream", False)
     include_usage = _include_usage(body)
-    msg = Generate(messages=messages, n_probs=max(top_n, 1) if want_logprobs else 0, grammar=grammar,
-                   json_schema=json_schema, **common)
+    msg = Generate(n_probs=max(top_n, 1) if want_logprobs else 0, **prep.generate_fields(), **common)
 
-    run, first = await begin(request, slot, msg, grammar_param=param)
+    run, first = await begin(request, slot, msg, grammar_param=prep.constraint_param)
     worker = run.worker
     assert worker is not None
     rid, created, fp = msg.id, now_s(), _fingerprint(worker)
     n = msg.n
-    parsers = [CallParser(bool(offered)) for _ in range(n)]  # one per choice
+    parsers = [prep.parser() for _ in range(n)]  # one per choice
 
     if not streaming:
         tokens, done = await collect(request, run, first)

@@ -371,7 +371,7 @@ class BatchRunner:
             params = sampling_params(g)
             prompt: str | list[int]
             if g.messages is not None:
-                prompt = engine.tokenize_chat(g.messages)
+                prompt = engine.tokenize_chat(g.messages, tools=g.tools)
             else:
                 assert g.prompt is not None
                 prompt = g.prompt
