@@ -19,7 +19,7 @@ from starlette.routing import Route
 from protocol import Done, Generate, Token
 from protocol.limits import MAX_N, MAX_N_PROBS
 from router.constraints import json_format_constraint
-from router.dialects import choose, content_text, function_tool, prepare
+from router.dialects import choose, content_text, custom_tool, function_tool, prepare
 from router.errors import BadRequest, NotFound
 from router.generation import (
     OPENAI_DEFAULTS,
@@ -157,6 +157,15 @@ def _tool_calls(m: dict[str, Any], where: str) -> list[ToolCall]:
     calls: list[ToolCall] = []
     for k, c in enumerate(raw):
         cw = f"{where}.tool_calls[{k}]"
+        ident = c.get("id") if isinstance(c, dict) else None
+        ident = ident if isinstance(ident, str) else f"call_{k}"
+        if isinstance(c, dict) and c.get("type") == "custom":
+            cu = c.get("custom")
+            if not isinstance(cu, dict) or not isinstance(cu.get("name"), str) or not isinstance(cu.get("input"), str):
+                raise BadRequest(f"'{cw}' must be {{\"id\", \"type\": \"custom\", \"custom\": {{\"name\", "
+                                 "\"input\"}}", param=cw)
+            calls.append(ToolCall(ident, cu["name"], cu["input"], custom=True))
+            continue
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise BadRequest(f"'{cw}' must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
@@ -164,8 +173,7 @@ def _tool_calls(m: dict[str, Any], where: str) -> list[ToolCall]:
         args = fn.get("arguments", "")
         if not isinstance(args, str):
             args = json.dumps(args, ensure_ascii=False)  # some clients send the object itself
-        ident = c.get("id")
-        calls.append(ToolCall(ident if isinstance(ident, str) else f"call_{k}", fn["name"], args))
+        calls.append(ToolCall(ident, fn["name"], args))
     return calls
 
 
@@ -216,10 +224,16 @@ def parse_tools(body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
             raise BadRequest("'tools' must be an array", param="tools")
         for i, t in enumerate(raw):
             where = f"tools[{i}]"
-            if not isinstance(t, dict) or t.get("type", "function") != "function":
-                kind = t.get("type") if isinstance(t, dict) else None
-                raise BadRequest(f"'{where}': tools of type {kind!r} are not supported on chat completions "
-                                 "(function tools only; custom tools work on /v1/responses)", param=f"{where}.type")
+            kind = t.get("type", "function") if isinstance(t, dict) else None
+            if kind == "custom":
+                c = t.get("custom")
+                if not isinstance(c, dict):
+                    raise BadRequest(f"'{where}.custom' must be an object", param=f"{where}.custom")
+                tools.append(custom_tool(c.get("name"), c.get("description"), c.get("format"), f"{where}.custom"))
+                continue
+            if kind != "function":
+                raise BadRequest(f"'{where}': tools of type {kind!r} are not supported (function and custom tools)",
+                                 param=f"{where}.type")
             fn = t.get("function")
             if not isinstance(fn, dict):
                 raise BadRequest(f"'{where}.function' must be an object", param=f"{where}.function")
@@ -231,10 +245,11 @@ def parse_tools(body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
         tc = "auto"
     if tc in ("none", "auto", "required"):
         return tools, choose(tools, tc, None, parallel, "tool_choice")
-    if isinstance(tc, dict) and tc.get("type") == "function" and isinstance(tc.get("function"), dict):
-        return tools, choose(tools, "named", tc["function"].get("name"), parallel, "tool_choice.function")
-    raise BadRequest("'tool_choice' must be 'none', 'auto', 'required' or "
-                     "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
+    kind = tc.get("type") if isinstance(tc, dict) else None
+    if kind in ("function", "custom") and isinstance(tc.get(kind), dict):
+        return tools, choose(tools, "named", tc[kind].get("name"), parallel, f"tool_choice.{kind}")
+    raise BadRequest("'tool_choice' must be 'none', 'auto', 'required', {\"type\": \"function\", \"function\": "
+                     "{\"name\": ...}} or {\"type\": \"custom\", \"custom\": {\"name\": ...}}", param="tool_choice")
 
 
 def refuse_unsupported_chat(body: dict[str, Any]) -> None:
@@ -279,9 +294,12 @@ def _chat_logprobs(tokens: list[Token], n_top: int) -> list[dict[str, Any]]:
     return [_chat_logprob(p, n_top) for p in token_probs(tokens, n_top)]
 
 
-def _tool_calls_json(calls: list[ToolCall]) -> list[dict[str, Any]]:
-    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in calls]
+def _tool_call_json(c: ToolCall) -> dict[str, Any]:
+    """A call as chat completions write it: a function call's ``arguments`` JSON text, or a
+    custom tool's ``input`` text."""
+    if c.custom:
+        return {"id": c.id, "type": "custom", "custom": {"name": c.name, "input": c.arguments}}
+    return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
 
 
 def _chat_finish(finish: str, calls: list[ToolCall]) -> str:
@@ -332,7 +350,7 @@ async def chat_completions(request: Request) -> Response:
                 logprobs = {"content": _chat_logprobs(mine, top_n), "refusal": None}
             message: dict[str, Any] = {"role": "assistant", "content": out.content, "refusal": None}
             if out.calls:
-                message["tool_calls"] = _tool_calls_json(out.calls)
+                message["tool_calls"] = [_tool_call_json(c) for c in out.calls]
             choices.append({"index": i, "message": message, "logprobs": logprobs,
                             "finish_reason": _chat_finish(finish, out.calls)})
         return JSONResponse({
@@ -368,6 +386,9 @@ async def chat_completions(request: Request) -> Response:
         for c in calls:
             pending[i].clear()
             index = len(parsers[i].calls) - len(calls) + calls.index(c)
+            if c.custom:  # one fragment: the whole input
+                out.append(sse_event(chunk({"tool_calls": [{"index": index, **_tool_call_json(c)}]}, index=i)))
+                continue
             out.append(sse_event(chunk({"tool_calls": [{"index": index, "id": c.id, "type": "function",
                                                          "function": {"name": c.name, "arguments": ""}}]},
                                        index=i)))

@@ -360,6 +360,21 @@ def test_responses_custom_tool_with_a_lark_or_regex_grammar(oai: openai.OpenAI) 
         assert done == [call.input]  # type: ignore[union-attr]
 
 
+def test_chat_custom_tool_with_a_grammar(oai: openai.OpenAI) -> None:
+    """OpenAI chat custom tools: the input follows the tool's grammar, streamed == not."""
+    fmt = {"type": "grammar", "grammar": {"syntax": "regex", "definition": "[a-z]{1,8} [0-9]{2}"}}
+    kw: dict[str, Any] = dict(model="smollm2", messages=[{"role": "user", "content": "Shout hello."}], max_tokens=40,
+                              tools=[{"type": "custom", "custom": {"name": "shout", "format": fmt}}],
+                              tool_choice={"type": "custom", "custom": {"name": "shout"}})
+    r = oai.chat.completions.create(**kw)
+    call = r.choices[0].message.tool_calls[0]  # type: ignore[index]
+    assert r.choices[0].finish_reason == "tool_calls" and call.type == "custom" and call.custom.name == "shout"  # type: ignore[union-attr]
+    assert re.fullmatch(r"[a-z]{1,8} [0-9]{2}", call.custom.input)  # type: ignore[union-attr]
+    streamed = [d.model_extra["custom"]["input"] for ch in oai.chat.completions.create(**kw, stream=True)  # type: ignore[index]
+                if ch.choices for d in ch.choices[0].delta.tool_calls or []]
+    assert streamed == [call.custom.input]  # type: ignore[union-attr]
+
+
 def test_structured_output_on_responses_and_messages(oai: openai.OpenAI, claude: anthropic.Anthropic) -> None:
     schema = Person.model_json_schema()
     prompt = "Ann is 31 and likes red and blue. Describe her as JSON."
