@@ -40,7 +40,7 @@ from starlette.routing import Route
 
 from protocol import Done, Generate, Token
 from router.constraints import json_format_constraint
-from router.dialects import Prepared, choose, function_tool, prepare
+from router.dialects import Prepared, choose, function_tool, objects, prepare, tool_list
 from router.errors import ApiError, BadRequest, anthropic_error_payload
 from router.generation import OPENAI_DEFAULTS, begin, collect, new_id, read_sampling, stream
 from router.metrics import label_request
@@ -87,13 +87,7 @@ def _turns(body: dict[str, Any]) -> list[ChatTurn]:
         text = _text_blocks(system, "system")
         if text:
             turns.append(ChatTurn("system", text))
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise BadRequest("'messages' must be a non-empty array", param="messages")
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise BadRequest(f"'{where}' must be an object", param=where)
+    for where, m in objects(body.get("messages"), "messages"):
         role = m.get("role")
         if role not in ("user", "assistant"):
             raise BadRequest(f"'{where}.role' must be 'user' or 'assistant', got {role!r}", param=f"{where}.role")
@@ -141,22 +135,17 @@ def _turns(body: dict[str, Any]) -> list[ChatTurn]:
     return turns
 
 
+def _tool(t: dict[str, Any], where: str) -> Tool:
+    if t.get("type") not in (None, "custom"):
+        raise BadRequest(f"'{where}': server tools ({t.get('type')!r}) are not supported; "
+                         "only custom tools with an input_schema", param=f"{where}.type")
+    if not isinstance(t.get("input_schema"), dict):
+        raise BadRequest(f"'{where}.input_schema' must be a JSON Schema object", param=f"{where}.input_schema")
+    return function_tool(t.get("name"), t.get("description"), t["input_schema"], where, "input_schema")
+
+
 def _tools(body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
-    raw = body.get("tools")
-    tools: list[Tool] = []
-    if raw is not None:
-        if not isinstance(raw, list):
-            raise BadRequest("'tools' must be an array", param="tools")
-        for i, t in enumerate(raw):
-            where = f"tools[{i}]"
-            if not isinstance(t, dict):
-                raise BadRequest(f"'{where}' must be an object", param=where)
-            if t.get("type") not in (None, "custom"):
-                raise BadRequest(f"'{where}': server tools ({t.get('type')!r}) are not supported; "
-                                 "only custom tools with an input_schema", param=f"{where}.type")
-            if not isinstance(t.get("input_schema"), dict):
-                raise BadRequest(f"'{where}.input_schema' must be a JSON Schema object", param=f"{where}.input_schema")
-            tools.append(function_tool(t.get("name"), t.get("description"), t["input_schema"], where, "input_schema"))
+    tools = tool_list(body, _tool)
     tc = body.get("tool_choice")
     if tc is None:
         return tools, choose(tools, "auto", None, True, "tool_choice")
@@ -259,11 +248,7 @@ async def messages(request: Request) -> Response:
 
     if not streaming:
         tokens, done = await collect(request, run, first)
-        for t in tokens:
-            parser.feed(t.text)
-        parser.feed(done.text)
-        parser.finish()
-        out = parser.result()
+        out = parser.read([*(t.text for t in tokens), done.text])
         content = ([_tool_block(c) for c in out.calls] if out.content is None
                    else [{"type": "text", "text": out.content}])
         if not content:

@@ -9,6 +9,7 @@ the answer back, in the tool syntax of the model's template (``router.tools``).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,35 @@ def _syntax_of_text(template: str) -> ToolSyntax:
 def template_syntax(slot: ModelSlot) -> ToolSyntax:
     """The tool syntax of ``slot``'s chat template (the configured one, else the GGUF's)."""
     return _syntax_of_text(chat_template(slot))
+
+
+def objects(v: Any, param: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(where, item)`` for each item of ``v``, a non-empty array of objects at ``param``
+    (``messages``, ``input``). Raises BadRequest naming the field."""
+    if not isinstance(v, list) or not v:
+        raise BadRequest(f"'{param}' must be a non-empty array", param=param)
+    for i, item in enumerate(v):
+        where = f"{param}[{i}]"
+        if not isinstance(item, dict):
+            raise BadRequest(f"'{where}' must be an object", param=where)
+        yield where, item
+
+
+def tool_list(body: dict[str, Any], one: Callable[[dict[str, Any], str], Tool]) -> list[Tool]:
+    """``body["tools"]`` (absent: none) read by ``one(tool object, where)``, each checked
+    to be an object. Raises BadRequest naming the field."""
+    raw = body.get("tools")
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise BadRequest("'tools' must be an array", param="tools")
+    out: list[Tool] = []
+    for i, t in enumerate(raw):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise BadRequest(f"'{where}' must be an object", param=where)
+        out.append(one(t, where))
+    return out
 
 
 def _tool_name(name: Any, where: str) -> str:

@@ -19,7 +19,7 @@ from starlette.routing import Route
 from protocol import Done, Generate, Token
 from protocol.limits import MAX_N, MAX_N_PROBS
 from router.constraints import json_format_constraint
-from router.dialects import choose, content_text, custom_tool, function_tool, prepare
+from router.dialects import choose, content_text, custom_tool, function_tool, objects, prepare, tool_list
 from router.errors import BadRequest, NotFound
 from router.generation import (
     OPENAI_DEFAULTS,
@@ -181,14 +181,8 @@ def parse_turns(body: dict[str, Any]) -> list[ChatTurn]:
     """``messages`` as dialect-neutral turns: content parts joined, ``developer`` as
     ``system``, assistant ``tool_calls`` (content null, "" or missing) and ``tool``
     messages (``tool_call_id``) kept. Raises BadRequest naming the field."""
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise BadRequest("'messages' must be a non-empty array", param="messages")
     out: list[ChatTurn] = []
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise BadRequest(f"'{where}' must be an object", param=where)
+    for where, m in objects(body.get("messages"), "messages"):
         role = m.get("role")
         if not isinstance(role, str) or role not in CHAT_ROLES:
             raise BadRequest(f"'{where}.role' must be one of {sorted(CHAT_ROLES)}, got {role!r}",
@@ -213,32 +207,29 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return render_messages(parse_turns(body))
 
 
+def _tool(t: dict[str, Any], where: str) -> Tool:
+    kind = t.get("type", "function")
+    if kind == "custom":
+        c = t.get("custom")
+        if not isinstance(c, dict):
+            raise BadRequest(f"'{where}.custom' must be an object", param=f"{where}.custom")
+        return custom_tool(c.get("name"), c.get("description"), c.get("format"), f"{where}.custom")
+    if kind != "function":
+        raise BadRequest(f"'{where}': tools of type {kind!r} are not supported (function and custom tools)",
+                         param=f"{where}.type")
+    fn = t.get("function")
+    if not isinstance(fn, dict):
+        raise BadRequest(f"'{where}.function' must be an object", param=f"{where}.function")
+    return function_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), f"{where}.function",
+                         "parameters")
+
+
 def parse_tools(body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
-    """``tools`` (function tools), ``tool_choice`` (``none`` / ``auto`` / ``required`` /
-    ``{"type": "function", "function": {"name"}}``) and ``parallel_tool_calls``.
-    Custom tools (``{"type": "custom", ...}``) are a 400 naming them."""
-    raw = body.get("tools")
-    tools: list[Tool] = []
-    if raw is not None:
-        if not isinstance(raw, list):
-            raise BadRequest("'tools' must be an array", param="tools")
-        for i, t in enumerate(raw):
-            where = f"tools[{i}]"
-            kind = t.get("type", "function") if isinstance(t, dict) else None
-            if kind == "custom":
-                c = t.get("custom")
-                if not isinstance(c, dict):
-                    raise BadRequest(f"'{where}.custom' must be an object", param=f"{where}.custom")
-                tools.append(custom_tool(c.get("name"), c.get("description"), c.get("format"), f"{where}.custom"))
-                continue
-            if kind != "function":
-                raise BadRequest(f"'{where}': tools of type {kind!r} are not supported (function and custom tools)",
-                                 param=f"{where}.type")
-            fn = t.get("function")
-            if not isinstance(fn, dict):
-                raise BadRequest(f"'{where}.function' must be an object", param=f"{where}.function")
-            tools.append(function_tool(fn.get("name"), fn.get("description"), fn.get("parameters"),
-                                       f"{where}.function", "parameters"))
+    """``tools`` (function tools, and custom tools whose free-text input may follow a
+    ``grammar`` format, Lark or regex), ``tool_choice`` (``none`` / ``auto`` /
+    ``required`` / ``{"type": "function", "function": {"name"}}`` / ``{"type":
+    "custom", "custom": {"name"}}``) and ``parallel_tool_calls``."""
+    tools = tool_list(body, _tool)
     parallel = get_bool(body, "parallel_tool_calls", True)
     tc = body.get("tool_choice")
     if tc is None:
@@ -340,11 +331,7 @@ async def chat_completions(request: Request) -> Response:
         for i, (tail_text, finish) in enumerate(_choice_finals(done, n)):
             parser = parsers[i]
             mine = [t for t in tokens if t.index == i]
-            for t in mine:
-                parser.feed(t.text)
-            parser.feed(tail_text)
-            parser.finish()
-            out = parser.result()
+            out = parser.read([*(t.text for t in mine), tail_text])
             logprobs = None
             if want_logprobs and out.content is not None:
                 logprobs = {"content": _chat_logprobs(mine, top_n), "refusal": None}

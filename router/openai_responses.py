@@ -47,7 +47,7 @@ from starlette.routing import Route
 
 from protocol import Done, Generate, Token
 from router.constraints import json_format_constraint
-from router.dialects import Prepared, choose, content_text, custom_tool, function_tool, prepare
+from router.dialects import Prepared, choose, content_text, custom_tool, function_tool, objects, prepare, tool_list
 from router.errors import ApiError, BadRequest, NotFound
 from router.generation import OPENAI_DEFAULTS, begin, collect, read_sampling, stream
 from router.metrics import label_request
@@ -90,45 +90,25 @@ def _part_text(content: Any, where: str) -> str:
 def _input_turns(v: Any) -> list[ChatTurn]:
     if isinstance(v, str):
         return [ChatTurn("user", v)]
-    if not isinstance(v, list) or not v:
-        raise BadRequest("'input' must be a string or a non-empty array of items", param="input")
     turns: list[ChatTurn] = []
-    for i, item in enumerate(v):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise BadRequest(f"'{where}' must be an object", param=where)
+    for where, item in objects(v, "input"):
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
             if role not in _ROLES:
                 raise BadRequest(f"'{where}.role' must be one of {sorted(_ROLES)}, got {role!r}", param=f"{where}.role")
             turns.append(ChatTurn(_ROLES[role], _part_text(item.get("content", ""), f"{where}.content")))
-        elif kind == "function_call":
-            name, call_id, args = item.get("name"), item.get("call_id"), item.get("arguments", "")
-            if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(args, str):
-                raise BadRequest(f"'{where}': a function_call needs string 'call_id', 'name' and 'arguments'",
-                                 param=where)
-            call = ToolCall(call_id, name, args)
-            if turns and turns[-1].role == "assistant":
-                turns[-1].tool_calls.append(call)
-            else:
-                turns.append(ChatTurn("assistant", "", tool_calls=[call]))
-        elif kind == "function_call_output":
-            call_id = item.get("call_id")
-            if not isinstance(call_id, str):
-                raise BadRequest(f"'{where}.call_id' must be a string", param=f"{where}.call_id")
-            turns.append(ChatTurn("tool", _part_text(item.get("output", ""), f"{where}.output"), tool_call_id=call_id))
-        elif kind == "custom_tool_call":
-            name, call_id, text = item.get("name"), item.get("call_id"), item.get("input", "")
+        elif kind in ("function_call", "custom_tool_call"):
+            field = "arguments" if kind == "function_call" else "input"
+            name, call_id, text = item.get("name"), item.get("call_id"), item.get(field, "")
             if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(text, str):
-                raise BadRequest(f"'{where}': a custom_tool_call needs string 'call_id', 'name' and 'input'",
-                                 param=where)
-            call = ToolCall(call_id, name, text, custom=True)
+                raise BadRequest(f"'{where}': a {kind} needs string 'call_id', 'name' and '{field}'", param=where)
+            call = ToolCall(call_id, name, text, custom=kind == "custom_tool_call")
             if turns and turns[-1].role == "assistant":
                 turns[-1].tool_calls.append(call)
             else:
                 turns.append(ChatTurn("assistant", "", tool_calls=[call]))
-        elif kind == "custom_tool_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = item.get("call_id")
             if not isinstance(call_id, str):
                 raise BadRequest(f"'{where}.call_id' must be a string", param=f"{where}.call_id")
@@ -140,24 +120,17 @@ def _input_turns(v: Any) -> list[ChatTurn]:
     return turns
 
 
+def _tool(t: dict[str, Any], where: str) -> Tool:
+    if t.get("type") == "custom":
+        return custom_tool(t.get("name"), t.get("description"), t.get("format"), where)
+    if t.get("type") != "function":
+        raise BadRequest(f"'{where}': tools of type {t.get('type')!r} are not supported (function and "
+                         "custom tools only)", param=f"{where}.type")
+    return function_tool(t.get("name"), t.get("description"), t.get("parameters"), where, "parameters")
+
+
 def _tools(body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
-    raw = body.get("tools")
-    tools: list[Tool] = []
-    if raw is not None:
-        if not isinstance(raw, list):
-            raise BadRequest("'tools' must be an array", param="tools")
-        for i, t in enumerate(raw):
-            where = f"tools[{i}]"
-            if not isinstance(t, dict):
-                raise BadRequest(f"'{where}' must be an object", param=where)
-            if t.get("type") not in ("function", "custom"):
-                raise BadRequest(f"'{where}': tools of type {t.get('type')!r} are not supported (function and "
-                                 "custom tools only)", param=f"{where}.type")
-            if t["type"] == "custom":
-                tools.append(custom_tool(t.get("name"), t.get("description"), t.get("format"), where))
-            else:
-                tools.append(function_tool(t.get("name"), t.get("description"), t.get("parameters"), where,
-                                           "parameters"))
+    tools = tool_list(body, _tool)
     parallel = get_bool(body, "parallel_tool_calls", True)
     tc = body.get("tool_choice", "auto")
     if tc is None:
@@ -295,11 +268,7 @@ async def create(request: Request) -> Response:
 
     if not streaming:
         tokens, done = await collect(request, run, first)
-        for t in tokens:
-            parser.feed(t.text)
-        parser.feed(done.text)
-        parser.finish()
-        out = parser.result()
+        out = parser.read([*(t.text for t in tokens), done.text])
         status = "incomplete" if done.finish_reason == "length" else "completed"
         if out.content is None:
             ans.output = [_call_item(c, "completed") for c in out.calls]

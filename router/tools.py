@@ -58,6 +58,7 @@ import hashlib
 import json
 import re
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -395,6 +396,13 @@ class CallParser:
             return False
         return CALL_PREFIX in self.buf if self.syntax.block is not None else bool(self.buf.strip())
 
+    def read(self, pieces: Iterable[str]) -> ParsedOutput:
+        """The whole answer (the non-streaming path): ``pieces`` fed in order, then finished."""
+        for piece in pieces:
+            self.feed(piece)
+        self.finish()
+        return self.result()
+
     def result(self) -> ParsedOutput:
         if self.mode == "calls":
             return ParsedOutput(None, list(self.calls), self.truncated)
@@ -411,10 +419,7 @@ def _json_or_none(body: str) -> Any:
 def parse_output(text: str, enabled: bool, id_prefix: str = "call",
                  custom: frozenset[str] = frozenset(), syntax: ToolSyntax = GENERIC) -> ParsedOutput:
     """The whole text at once (the non-streaming path): same result as streaming it."""
-    p = CallParser(enabled, id_prefix, custom, syntax)
-    p.feed(text)
-    p.finish()
-    return p.result()
+    return CallParser(enabled, id_prefix, custom, syntax).read([text])
 
 
 @dataclass(frozen=True)
