@@ -259,6 +259,10 @@ def test_invalid_schema_or_grammar_is_400_before_any_token(router: LiveRouter, o
         {"name": "t", "input_schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}],
         "tool_choice": {"type": "any"}}, timeout=300)
     assert r.status_code == 400 and r.json()["type"] == "error" and r.json()["error"]["param"] == "tools"
+    with pytest.raises(openai.BadRequestError) as e:  # a custom tool's grammar on /v1/responses
+        oai.responses.create(model="smollm2", input="x", max_output_tokens=5, tool_choice="required", tools=[
+            {"type": "custom", "name": "t", "format": {"type": "grammar", "syntax": "lark", "definition": "start: ("}}])
+    assert e.value.code == "invalid_grammar" and e.value.param == "tools"
 
 
 def test_completion_json_schema_and_lark_grammar(router: LiveRouter) -> None:
