@@ -24,8 +24,10 @@ gives; ``output_tokens``). Streams carry Anthropic's named events in its order:
 ``error`` event. Errors on these routes are Anthropic-shaped (``router.errors``).
 
 Admission, the worker run, cancel-on-disconnect and the error path are the shared
-ones of ``router.generation``; tool calls use the generic tool format
-(``router.tools``) and the constraint built by ``router.constraints``.
+ones of ``router.generation``; tools, the constraint and the answer's parser come
+from ``router.dialects.prepare`` (the model template's own tool syntax, else the
+generic tool format of ``router.tools``). A last assistant message is a prefill: the
+answer continues it (the worker's chat template does it, as llama.cpp's server).
 """
 
 from __future__ import annotations

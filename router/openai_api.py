@@ -1,9 +1,11 @@
 """OpenAI-compatible routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
 
 Request and response shapes follow OpenAI's; responses also carry llama.cpp's
-``timings``. Unknown request fields are ignored. ``n`` other than 1, ``echo``,
-``best_of`` > 1, a non-empty ``suffix`` and non-text content parts are a clear
-400 (not supported), never silently wrong.
+``timings``. Unknown request fields are ignored. ``echo``, ``best_of`` > 1, a
+non-empty ``suffix`` and non-text content parts are a clear 400 (not supported),
+never silently wrong. Chat tools (function and custom), ``tool_choice`` and
+``response_format`` go through ``router.dialects.prepare`` (the template's own tool
+syntax, else the generic tool format); a last assistant message is a prefill.
 """
 
 from __future__ import annotations

@@ -30,8 +30,9 @@ Answer out: a ``response`` object with ``output`` items (one ``message`` with an
 ``response.incomplete``; a failure after the first byte is ``response.failed``.
 
 Shared with the other dialects: admission, the worker run, cancel-on-disconnect and
-the error path (``router.generation``), the generic tool format (``router.tools``)
-and the constraints (``router.constraints``).
+the error path (``router.generation``); tools, the constraint and the answer's parser
+(``router.dialects.prepare``: the template's own tool syntax, else the generic tool
+format of ``router.tools``).
 """
 
 from __future__ import annotations
