@@ -340,6 +340,9 @@ def test_responses_function_call_streamed_equals_non_streamed(oai: openai.OpenAI
     assert done_args == [(c.name, c.arguments) for c in calls]
     assert final is not None and [o.arguments for o in final.output if o.type == "function_call"] == \
         [c.arguments for c in calls]
+    n = oai.responses.input_tokens.count(model="smollm2", input=ASK[0]["content"], tools=tools,  # type: ignore[arg-type]
+                                         tool_choice="required")
+    assert n.input_tokens == r.usage.input_tokens == final.usage.input_tokens  # type: ignore[union-attr]
     after = oai.responses.create(model="smollm2", tools=tools, max_output_tokens=40, input=[
         ASK[0], {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
                  "arguments": calls[0].arguments},

@@ -29,6 +29,7 @@ from router.tools import (
     detect_syntax,
     parse_output,
     render_messages,
+    syntax_for,
     template_tools,
 )
 from tests.router.conftest import LiveRouter
@@ -77,6 +78,16 @@ def test_tools_and_history_reach_the_template_and_its_calls_parse_back(name: str
     if name == "mistral":  # its template demands 9-alphanumeric ids: the result points at the same one
         ident = call_text.split('"id": "')[1][:9]
         assert len(ident) == 9 and ident.isalnum() and f'"call_id": "{ident}"' in prompt
+
+
+def test_custom_tools_use_the_generic_format() -> None:
+    """Native syntaxes carry JSON arguments only: a custom (free-text) tool offered, or called
+    in the history, puts the request in the generic format."""
+    shout = Tool("shout", custom=True)
+    assert syntax_for(HERMES, [TOOL, shout], []) is GENERIC
+    assert syntax_for(MISTRAL, [TOOL], [ChatTurn("assistant", "", [ToolCall("c", "shout", "HI", custom=True)])]) \
+        is GENERIC
+    assert syntax_for(LLAMA3, [TOOL], HISTORY) is LLAMA3
 
 
 # ----------------------------------------------------------------------------- live, tiny GGUFs
