@@ -251,8 +251,11 @@ class _Answer:
         status = "incomplete" if done.finish_reason == "length" else "completed"
         resp = self.obj(status, done)
         if self.req.echo["store"]:
-            out = ChatTurn("assistant", text or "", tool_calls=list(calls))
-            store_of(request).put(self.id, resp, [*self.req.history, out])
+            history = list(self.req.history)
+            text = text or ""
+            if history and history[-1].role == "assistant" and not history[-1].tool_calls:
+                text = history.pop().content + text  # a prefill: the answer continues that turn
+            store_of(request).put(self.id, resp, [*history, ChatTurn("assistant", text, tool_calls=list(calls))])
         return resp
 
 
