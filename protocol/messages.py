@@ -128,6 +128,10 @@ class Token(Message):
     logprob: float | None = None  # of token_id under the raw distribution
     top_logprobs: list[list[Any]] = field(default_factory=list)  # [[id, logprob, piece bytes], ...]
     index: int = 0  # the choice this token belongs to (Generate.n > 1)
+    # set on the first token of choice 0 only (0 elsewhere): the prompt's token count and how
+    # many of them were reused from the KV cache, so a stream can report usage up front
+    prompt_tokens: int = 0
+    cache_n: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -233,6 +237,9 @@ class Generate(Message):
     TYPE: ClassVar[str] = "generate"
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
+    # with messages: the template's ``tools`` (HF's shape, [{"type": "function", "function":
+    # {"name", "description", "parameters"}}]), for templates with their own tool syntax
+    tools: list[dict[str, Any]] | None = None
     add_special: bool = True
     parse_special: bool = True
     max_tokens: int | None = None

@@ -24,8 +24,10 @@ gives; ``output_tokens``). Streams carry Anthropic's named events in its order:
 ``error`` event. Errors on these routes are Anthropic-shaped (``router.errors``).
 
 Admission, the worker run, cancel-on-disconnect and the error path are the shared
-ones of ``router.generation``; tool calls use the generic tool format
-(``router.tools``) and the constraint built by ``router.constraints``.
+ones of ``router.generation``; tools, the constraint and the answer's parser come
+from ``router.dialects.prepare`` (the model template's own tool syntax, else the
+generic tool format of ``router.tools``). A last assistant message is a prefill: the
+answer continues it (the worker's chat template does it, as llama.cpp's server).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from protocol import Done, Generate, Token
-from router.constraints import json_format_constraint, tool_constraint
+from router.constraints import json_format_constraint
+from router.dialects import Prepared, choose, function_tool, objects, prepare, tool_list
 from router.errors import ApiError, BadRequest, anthropic_error_payload
 from router.generation import OPENAI_DEFAULTS, begin, collect, new_id, read_sampling, stream
 from router.metrics import label_request
@@ -47,7 +50,7 @@ from router.params import INT32_MAX, get_bool, get_float, get_int, get_str, read
 from router.pool import ModelSlot, Pool
 from router.responses import JSONResponse
 from router.sse import SSEResponse, sse_named
-from router.tools import CallParser, ChatTurn, Tool, ToolCall, ToolChoice, render_messages
+from router.tools import ChatTurn, Tool, ToolCall, ToolChoice
 
 #: Content block types of earlier assistant turns that carry no text for the prompt.
 _DROPPED_BLOCKS = ("thinking", "redacted_thinking")
@@ -59,12 +62,7 @@ class _Request:
 
     model: str
     slot: ModelSlot
-    messages: list[dict[str, Any]]
-    tools: list[Tool]
-    choice: ToolChoice
-    grammar: str | None
-    json_schema: str | None
-    constraint_param: str | None
+    prep: Prepared
 
 
 def _text_blocks(v: Any, where: str) -> str:
@@ -91,13 +89,7 @@ def _turns(body: dict[str, Any]) -> list[ChatTurn]:
         text = _text_blocks(system, "system")
         if text:
             turns.append(ChatTurn("system", text))
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise BadRequest("'messages' must be a non-empty array", param="messages")
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise BadRequest(f"'{where}' must be an object", param=where)
+    for where, m in objects(body.get("messages"), "messages"):
         role = m.get("role")
         if role not in ("user", "assistant"):
             raise BadRequest(f"'{where}.role' must be 'user' or 'assistant', got {role!r}", param=f"{where}.role")
@@ -145,41 +137,25 @@ def _turns(body: dict[str, Any]) -> list[ChatTurn]:
     return turns
 
 
+def _tool(t: dict[str, Any], where: str) -> Tool:
+    if t.get("type") not in (None, "custom"):
+        raise BadRequest(f"'{where}': server tools ({t.get('type')!r}) are not supported; "
+                         "only custom tools with an input_schema", param=f"{where}.type")
+    if not isinstance(t.get("input_schema"), dict):
+        raise BadRequest(f"'{where}.input_schema' must be a JSON Schema object", param=f"{where}.input_schema")
+    return function_tool(t.get("name"), t.get("description"), t["input_schema"], where, "input_schema")
+
+
 def _tools(body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
-    raw = body.get("tools")
-    tools: list[Tool] = []
-    if raw is not None:
-        if not isinstance(raw, list):
-            raise BadRequest("'tools' must be an array", param="tools")
-        for i, t in enumerate(raw):
-            where = f"tools[{i}]"
-            if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
-                raise BadRequest(f"'{where}' must be an object with a 'name'", param=where)
-            if t.get("type") not in (None, "custom"):
-                raise BadRequest(f"'{where}': server tools ({t.get('type')!r}) are not supported; "
-                                 "only custom tools with an input_schema", param=f"{where}.type")
-            schema = t.get("input_schema")
-            if not isinstance(schema, dict):
-                raise BadRequest(f"'{where}.input_schema' must be a JSON Schema object", param=f"{where}.input_schema")
-            desc = t.get("description", "")
-            tools.append(Tool(t["name"], desc if isinstance(desc, str) else "", schema))
+    tools = tool_list(body, _tool)
     tc = body.get("tool_choice")
     if tc is None:
-        return tools, ToolChoice("auto" if tools else "none")
+        return tools, choose(tools, "auto", None, True, "tool_choice")
     if not isinstance(tc, dict) or tc.get("type") not in ("auto", "any", "tool", "none"):
         raise BadRequest("'tool_choice.type' must be one of 'auto', 'any', 'tool', 'none'", param="tool_choice")
     parallel = not get_bool(tc, "disable_parallel_tool_use", False)
-    kind = tc["type"]
-    if kind == "none" or not tools:
-        if kind in ("any", "tool"):
-            raise BadRequest(f"'tool_choice' {kind!r} requires 'tools'", param="tool_choice")
-        return tools, ToolChoice("none")
-    if kind == "tool":
-        name = tc.get("name")
-        if not isinstance(name, str) or name not in {t.name for t in tools}:
-            raise BadRequest(f"'tool_choice.name' must name one of the tools, got {name!r}", param="tool_choice.name")
-        return tools, ToolChoice("named", name, parallel)
-    return tools, ToolChoice("required" if kind == "any" else "auto", None, parallel)
+    mode = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[tc["type"]]
+    return tools, choose(tools, mode, tc.get("name"), parallel, "tool_choice")
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
@@ -213,12 +189,8 @@ async def _parse(request: Request, body: dict[str, Any]) -> _Request:
     _refuse_unsupported(body)
     turns = _turns(body)
     tools, choice = _tools(body)
-    offered = tools if choice.mode != "none" else []
     text_schema, fmt_param = _output_format(body)
-    grammar = tool_constraint(offered, choice, text_schema)
-    json_schema = text_schema if grammar is None else None
-    param = "tools" if grammar is not None else fmt_param
-    return _Request(model, slot, render_messages(turns, offered), offered, choice, grammar, json_schema, param)
+    return _Request(model, slot, prepare(slot, turns, tools, choice, text_schema, fmt_param))
 
 
 def _generate(req: _Request, body: dict[str, Any], max_tokens: int, prefix: str) -> Generate:
@@ -229,8 +201,7 @@ def _generate(req: _Request, body: dict[str, Any], max_tokens: int, prefix: str)
     if stops is not None and (not isinstance(stops, list) or not all(isinstance(s, str) for s in stops)):
         raise BadRequest("'stop_sequences' must be an array of strings", param="stop_sequences")
     sampling["stop"] = [s for s in (stops or []) if s]
-    return Generate(id=new_id(prefix), messages=req.messages, max_tokens=max_tokens, grammar=req.grammar,
-                    json_schema=req.json_schema, **sampling)
+    return Generate(id=new_id(prefix), max_tokens=max_tokens, **req.prep.generate_fields(), **sampling)
 
 
 def _stop_reason(done: Done, calls: list[ToolCall]) -> tuple[str, str | None]:
@@ -246,6 +217,15 @@ def _stop_reason(done: Done, calls: list[ToolCall]) -> tuple[str, str | None]:
 def _usage(done: Done) -> dict[str, Any]:
     return {"input_tokens": done.prompt_tokens - done.cache_n, "output_tokens": done.completion_tokens,
             "cache_read_input_tokens": done.cache_n, "cache_creation_input_tokens": 0}
+
+
+def _start_usage(first: Token | Done) -> dict[str, Any]:
+    """``message_start``'s usage, as Anthropic sends it: the prompt's counts (the first
+    Token carries them; a Done, when nothing was generated) and 1 output token."""
+    if isinstance(first, Done):
+        return {**_usage(first), "output_tokens": first.completion_tokens}
+    return {"input_tokens": first.prompt_tokens - first.cache_n, "output_tokens": 1,
+            "cache_read_input_tokens": first.cache_n, "cache_creation_input_tokens": 0}
 
 
 def _tool_block(c: ToolCall) -> dict[str, Any]:
@@ -264,17 +244,13 @@ async def messages(request: Request) -> Response:
         raise BadRequest("'max_tokens' is required", param="max_tokens")
     streaming = get_bool(body, "stream", False)
     msg = _generate(req, body, max_tokens, "msg")
-    run, first = await begin(request, req.slot, msg, grammar_param=req.constraint_param)
+    run, first = await begin(request, req.slot, msg, grammar_param=req.prep.constraint_param)
     mid = "msg_" + msg.id.split("-", 1)[1]
-    parser = CallParser(req.choice.mode != "none", "toolu")
+    parser = req.prep.parser("toolu")
 
     if not streaming:
         tokens, done = await collect(request, run, first)
-        for t in tokens:
-            parser.feed(t.text)
-        parser.feed(done.text)
-        parser.finish()
-        out = parser.result()
+        out = parser.read([*(t.text for t in tokens), done.text])
         content = ([_tool_block(c) for c in out.calls] if out.content is None
                    else [{"type": "text", "text": out.content}])
         if not content:
@@ -319,8 +295,7 @@ async def messages(request: Request) -> Response:
             state["started"] = True
             out_events.append(sse_named("message_start", {"type": "message_start", "message": {
                 "id": mid, "type": "message", "role": "assistant", "model": req.model, "content": [],
-                "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": 0, "output_tokens": 0}}}))
+                "stop_reason": None, "stop_sequence": None, "usage": _start_usage(item)}}))
             if not parser.mode == "undecided":  # plain text: the block opens at once, as Anthropic's
                 state["text_open"] = True
                 open_block({"type": "text", "text": ""})
@@ -351,7 +326,7 @@ async def count_tokens(request: Request) -> Response:
     body = await read_json(request)
     req = await _parse(request, body)
     msg = _generate(req, body, 0, "count")
-    run, first = await begin(request, req.slot, msg, grammar_param=req.constraint_param)
+    run, first = await begin(request, req.slot, msg, grammar_param=req.prep.constraint_param)
     _, done = await collect(request, run, first)
     return JSONResponse({"input_tokens": done.prompt_tokens})
 

@@ -29,7 +29,7 @@ import json
 from typing import Any
 
 from router.errors import BadRequest
-from router.tools import CALL_CLOSE, CALL_OPEN, Tool, ToolChoice
+from router.tools import CALL_CLOSE, GENERIC, Tool, ToolChoice, ToolSyntax
 
 #: How the JSON of a call is written (the worker's default for json_schema too).
 JSON_STYLE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -63,10 +63,10 @@ def closed(schema: Any) -> Any:
     return out
 
 
-def _call_schema(t: Tool) -> dict[str, Any]:
+def _call_schema(t: Tool, args_key: str = "arguments") -> dict[str, Any]:
     return {"type": "object",
-            "properties": {"name": {"const": t.name}, "arguments": closed(t.parameters)},
-            "required": ["name", "arguments"], "additionalProperties": False}
+            "properties": {"name": {"const": t.name}, args_key: closed(t.parameters)},
+            "required": ["name", args_key], "additionalProperties": False}
 
 
 def _lark_str(s: str) -> str:
@@ -87,28 +87,50 @@ def _custom_grammar(t: Tool) -> str:
     return definition
 
 
-def tool_constraint(tools: list[Tool], choice: ToolChoice, text_schema: str | None = None) -> str | None:
+#: Plain text of an ``auto`` choice, per syntax: anything that does not open a call.
+_TEXT = {
+    "generic": "/(.|\\n)*/ & ~/(.|\\n)*<\\/?tool(.|\\n)*/",  # no tool markup ("<tool", "</tool")
+    "hermes": "/(.|\\n)*/ & ~/(.|\\n)*<\\/?tool(.|\\n)*/",
+    "llama3": "/(\\s*[^\\s{](.|\\n)*)?/",  # a call is a reply that is a JSON object
+    "mistral": "/(.|\\n)*/ & ~/(.|\\n)*\\[TOOL_CALLS\\](.|\\n)*/",
+}
+
+
+def tool_constraint(tools: list[Tool], choice: ToolChoice, text_schema: str | None = None,
+                    syntax: ToolSyntax = GENERIC) -> str | None:
     """The grammar that makes the model's answer follow ``choice`` over ``tools`` (None:
-    unconstrained, when no tools are offered). ``text_schema``: the JSON Schema text a
-    plain reply must match (a response format); in ``auto`` mode the reply is then that
-    JSON or calls (``start: calls | %json {...}``).
+    unconstrained, when no tools are offered), in the template's tool ``syntax``.
+    ``text_schema``: the JSON Schema text a plain reply must match (a response format);
+    in ``auto`` mode the reply is then that JSON or calls (``start: calls | %json {...}``).
 
     Lark text, or, when custom tools are offered, llguidance's JSON grammar
     (``{"grammars": [main, one per custom tool]}``): a custom call's input is the
-    tool's own grammar, referenced from the main one as ``@custom_<i>``."""
+    tool's own grammar, referenced from the main one as ``@custom_<i>``. Custom tools
+    come only with the generic (block) syntax (``router.tools.syntax_for``)."""
     if choice.mode == "none" or not tools:
         return None
     pool = [t for t in tools if t.name == choice.name] if choice.mode == "named" else tools
     functions = [t for t in pool if not t.custom]
     customs = [t for t in pool if t.custom]
+    many = choice.parallel and choice.mode != "named" and syntax.parallel
     alts: list[str] = []
     lines: list[str] = []
+    calls_rule = "calls: call+" if many else "calls: call"
     if functions:
-        schemas = [_call_schema(t) for t in functions]
-        schema: dict[str, Any] = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-        schema = {**schema, "x-guidance": JSON_STYLE}
-        lines.append(f"json_call: {_lark_str(CALL_OPEN + chr(10))} %json {json.dumps(schema, ensure_ascii=False)} "
-                     f"{_lark_str(chr(10) + CALL_CLOSE)}")
+        schemas = [_call_schema(t, syntax.args_key) for t in functions]
+        one: dict[str, Any] = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        if syntax.array:  # Mistral: [TOOL_CALLS] and one JSON array of the calls
+            arr: dict[str, Any] = {"type": "array", "items": one, "minItems": 1}
+            if not many:
+                arr["maxItems"] = 1
+            lines.append(f"json_call: {_lark_str(syntax.prefix)} %json {_guided(arr)}")
+            calls_rule = "calls: call"
+        elif syntax.block is None:  # Llama 3: the reply is the call's JSON object
+            lines.append(f"json_call: %json {_guided(one)}")
+        else:
+            lines.append(f"json_call: {_lark_str(syntax.block[0])} %json {_guided(one)} {_lark_str(syntax.block[1])}")
+            if many and syntax.sep:
+                calls_rule = f"calls: call ({_lark_str(syntax.sep)} call)*"
         alts.append("json_call")
     subs: list[dict[str, Any]] = []
     for i, t in enumerate(customs):
@@ -116,20 +138,23 @@ def tool_constraint(tools: list[Tool], choice: ToolChoice, text_schema: str | No
                      f"@custom_{i} {_lark_str(chr(10) + CALL_CLOSE)}")
         alts.append(f"custom_call_{i}")
         subs.append({"name": f"custom_{i}", "lark_grammar": _custom_grammar(t)})
-    many = choice.parallel and choice.mode != "named"
-    text_rule = "TEXT" if text_schema is None else "%json " + json.dumps(
-        {**json.loads(text_schema), "x-guidance": JSON_STYLE}, ensure_ascii=False)
+    text_rule = "TEXT" if text_schema is None else "%json " + _guided(json.loads(text_schema))
     head = [
         f"start: calls | {text_rule}" if choice.mode == "auto" else "start: calls",
-        "calls: call+" if many else "calls: call",
+        calls_rule,
         "call: " + " | ".join(alts),
     ]
     if choice.mode == "auto" and text_schema is None:
-        lines.append("TEXT: /(.|\\n)*/ & ~/(.|\\n)*<\\/?tool(.|\\n)*/")
+        lines.append("TEXT: " + _TEXT[syntax.name])
     main = "\n".join(head + lines) + "\n"
     if not subs:
         return main
     return json.dumps({"grammars": [{"lark_grammar": main}, *subs]}, ensure_ascii=False)
+
+
+def _guided(schema: dict[str, Any]) -> str:
+    """A schema for ``%json``, written in the call style (:data:`JSON_STYLE`)."""
+    return json.dumps({**schema, "x-guidance": JSON_STYLE}, ensure_ascii=False)
 
 
 def schema_text(schema: Any, param: str) -> str:

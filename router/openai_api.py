@@ -1,9 +1,11 @@
 """OpenAI-compatible routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
 
 Request and response shapes follow OpenAI's; responses also carry llama.cpp's
-``timings``. Unknown request fields are ignored. ``n`` other than 1, ``echo``,
-``best_of`` > 1, a non-empty ``suffix`` and non-text content parts are a clear
-400 (not supported), never silently wrong.
+``timings``. Unknown request fields are ignored. ``echo``, ``best_of`` > 1, a
+non-empty ``suffix`` and non-text content parts are a clear 400 (not supported),
+never silently wrong. Chat tools (function and custom), ``tool_choice`` and
+``response_format`` go through ``router.dialects.prepare`` (the template's own tool
+syntax, else the generic tool format); a last assistant message is a prefill.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from starlette.routing import Route
 
 from protocol import Done, Generate, Token
 from protocol.limits import MAX_N, MAX_N_PROBS
-from router.constraints import json_format_constraint, tool_constraint
+from router.constraints import json_format_constraint
+from router.dialects import choose, content_text, custom_tool, function_tool, objects, prepare, tool_list
 from router.errors import BadRequest, NotFound
 from router.generation import (
     OPENAI_DEFAULTS,
@@ -39,7 +42,7 @@ from router.pool import ModelSlot, Pool
 from router.process import WorkerProcess
 from router.responses import JSONResponse
 from router.sse import SSEResponse, sse_event
-from router.tools import CallParser, ChatTurn, Tool, ToolCall, ToolChoice, render_messages
+from router.tools import ChatTurn, Tool, ToolCall, ToolChoice, render_messages
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
               "tool": "tool"}
@@ -147,33 +150,6 @@ def _final_events(final: dict[str, Any], done: Done, head: dict[str, Any], inclu
     return out
 
 
-def _content_text(content: Any, where: str) -> str:
-    """A message ``content``: a string, or content parts of type text / input_text
-    (joined with newlines; extra keys such as ``cache_control`` ignored)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise BadRequest(f"'{where}' must be a string or an array of content parts", param=where)
-    texts: list[str] = []
-    for j, part in enumerate(content):
-        pw = f"{where}[{j}]"
-        if isinstance(part, str):
-            texts.append(part)
-            continue
-        if not isinstance(part, dict):
-            raise BadRequest(f"'{pw}' must be an object", param=pw)
-        ptype = part.get("type")
-        if ptype in ("text", "input_text"):
-            t = part.get("text")
-            if not isinstance(t, str):
-                raise BadRequest(f"'{pw}.text' must be a string", param=f"{pw}.text")
-            texts.append(t)
-        else:
-            raise BadRequest(f"'{pw}': content parts of type {ptype!r} are not supported "
-                             "(text only)", param=pw)
-    return "\n".join(texts)
-
-
 def _tool_calls(m: dict[str, Any], where: str) -> list[ToolCall]:
     raw = m.get("tool_calls")
     if raw is None:
@@ -183,6 +159,15 @@ def _tool_calls(m: dict[str, Any], where: str) -> list[ToolCall]:
     calls: list[ToolCall] = []
     for k, c in enumerate(raw):
         cw = f"{where}.tool_calls[{k}]"
+        ident = c.get("id") if isinstance(c, dict) else None
+        ident = ident if isinstance(ident, str) else f"call_{k}"
+        if isinstance(c, dict) and c.get("type") == "custom":
+            cu = c.get("custom")
+            if not isinstance(cu, dict) or not isinstance(cu.get("name"), str) or not isinstance(cu.get("input"), str):
+                raise BadRequest(f"'{cw}' must be {{\"id\", \"type\": \"custom\", \"custom\": {{\"name\", "
+                                 "\"input\"}}", param=cw)
+            calls.append(ToolCall(ident, cu["name"], cu["input"], custom=True))
+            continue
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise BadRequest(f"'{cw}' must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
@@ -190,8 +175,7 @@ def _tool_calls(m: dict[str, Any], where: str) -> list[ToolCall]:
         args = fn.get("arguments", "")
         if not isinstance(args, str):
             args = json.dumps(args, ensure_ascii=False)  # some clients send the object itself
-        ident = c.get("id")
-        calls.append(ToolCall(ident if isinstance(ident, str) else f"call_{k}", fn["name"], args))
+        calls.append(ToolCall(ident, fn["name"], args))
     return calls
 
 
@@ -199,14 +183,8 @@ def parse_turns(body: dict[str, Any]) -> list[ChatTurn]:
     """``messages`` as dialect-neutral turns: content parts joined, ``developer`` as
     ``system``, assistant ``tool_calls`` (content null, "" or missing) and ``tool``
     messages (``tool_call_id``) kept. Raises BadRequest naming the field."""
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise BadRequest("'messages' must be a non-empty array", param="messages")
     out: list[ChatTurn] = []
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise BadRequest(f"'{where}' must be an object", param=where)
+    for where, m in objects(body.get("messages"), "messages"):
         role = m.get("role")
         if not isinstance(role, str) or role not in CHAT_ROLES:
             raise BadRequest(f"'{where}.role' must be one of {sorted(CHAT_ROLES)}, got {role!r}",
@@ -217,7 +195,7 @@ def parse_turns(body: dict[str, Any]) -> list[ChatTurn]:
                 raise BadRequest(f"'{where}.content' is required", param=f"{where}.content")
             text = ""
         else:
-            text = _content_text(content, f"{where}.content")
+            text = content_text(content, f"{where}.content", ("text", "input_text"))
         calls = _tool_calls(m, where) if role == "assistant" else []
         call_id = m.get("tool_call_id") if role == "tool" else None
         name = m.get("name") if role == "tool" and isinstance(m.get("name"), str) else None
@@ -225,53 +203,46 @@ def parse_turns(body: dict[str, Any]) -> list[ChatTurn]:
     return out
 
 
-def parse_messages(body: dict[str, Any], tools: list[Tool] | None = None) -> list[dict[str, Any]]:
+def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     """``messages`` as [{"role", "content": str}] for the worker's template (tool calls and
-    results in the generic tool format, ``tools`` described in the system message)."""
-    return render_messages(parse_turns(body), tools)
+    results in the generic tool format; ``/apply-template``)."""
+    return render_messages(parse_turns(body))
+
+
+def _tool(t: dict[str, Any], where: str) -> Tool:
+    kind = t.get("type", "function")
+    if kind == "custom":
+        c = t.get("custom")
+        if not isinstance(c, dict):
+            raise BadRequest(f"'{where}.custom' must be an object", param=f"{where}.custom")
+        return custom_tool(c.get("name"), c.get("description"), c.get("format"), f"{where}.custom")
+    if kind != "function":
+        raise BadRequest(f"'{where}': tools of type {kind!r} are not supported (function and custom tools)",
+                         param=f"{where}.type")
+    fn = t.get("function")
+    if not isinstance(fn, dict):
+        raise BadRequest(f"'{where}.function' must be an object", param=f"{where}.function")
+    return function_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), f"{where}.function",
+                         "parameters")
 
 
 def parse_tools(body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
-    """``tools`` (function tools), ``tool_choice`` (``none`` / ``auto`` / ``required`` /
-    ``{"type": "function", "function": {"name"}}``) and ``parallel_tool_calls``."""
-    raw = body.get("tools")
-    tools: list[Tool] = []
-    if raw is not None:
-        if not isinstance(raw, list):
-            raise BadRequest("'tools' must be an array", param="tools")
-        for i, t in enumerate(raw):
-            where = f"tools[{i}]"
-            if not isinstance(t, dict) or t.get("type", "function") != "function":
-                kind = t.get("type") if isinstance(t, dict) else None
-                raise BadRequest(f"'{where}': tools of type {kind!r} are not supported (function tools only)",
-                                 param=f"{where}.type")
-            fn = t.get("function")
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-                raise BadRequest(f"'{where}.function.name' must be a non-empty string", param=f"{where}.function.name")
-            params = fn.get("parameters")
-            if params is None:
-                params = {"type": "object", "properties": {}}
-            if not isinstance(params, dict):
-                raise BadRequest(f"'{where}.function.parameters' must be a JSON Schema object",
-                                 param=f"{where}.function.parameters")
-            desc = fn.get("description")
-            tools.append(Tool(fn["name"], desc if isinstance(desc, str) else "", params))
+    """``tools`` (function tools, and custom tools whose free-text input may follow a
+    ``grammar`` format, Lark or regex), ``tool_choice`` (``none`` / ``auto`` /
+    ``required`` / ``{"type": "function", "function": {"name"}}`` / ``{"type":
+    "custom", "custom": {"name"}}``) and ``parallel_tool_calls``."""
+    tools = tool_list(body, _tool)
     parallel = get_bool(body, "parallel_tool_calls", True)
     tc = body.get("tool_choice")
     if tc is None:
         tc = "auto"
     if tc in ("none", "auto", "required"):
-        if tc == "required" and not tools:
-            raise BadRequest("'tool_choice' 'required' needs 'tools'", param="tool_choice")
-        return tools, ToolChoice("none" if tc == "none" or not tools else tc, None, parallel)
-    if isinstance(tc, dict) and tc.get("type") == "function" and isinstance(tc.get("function"), dict):
-        name = tc["function"].get("name")
-        if not isinstance(name, str) or name not in {t.name for t in tools}:
-            raise BadRequest(f"'tool_choice.function.name' must name one of the tools, got {name!r}",
-                             param="tool_choice.function.name")
-        return tools, ToolChoice("named", name, parallel)
-    raise BadRequest("'tool_choice' must be 'none', 'auto', 'required' or "
-                     "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
+        return tools, choose(tools, tc, None, parallel, "tool_choice")
+    kind = tc.get("type") if isinstance(tc, dict) else None
+    if kind in ("function", "custom") and isinstance(tc.get(kind), dict):
+        return tools, choose(tools, "named", tc[kind].get("name"), parallel, f"tool_choice.{kind}")
+    raise BadRequest("'tool_choice' must be 'none', 'auto', 'required', {\"type\": \"function\", \"function\": "
+                     "{\"name\": ...}} or {\"type\": \"custom\", \"custom\": {\"name\": ...}}", param="tool_choice")
 
 
 def refuse_unsupported_chat(body: dict[str, Any]) -> None:
@@ -316,9 +287,12 @@ def _chat_logprobs(tokens: list[Token], n_top: int) -> list[dict[str, Any]]:
     return [_chat_logprob(p, n_top) for p in token_probs(tokens, n_top)]
 
 
-def _tool_calls_json(calls: list[ToolCall]) -> list[dict[str, Any]]:
-    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in calls]
+def _tool_call_json(c: ToolCall) -> dict[str, Any]:
+    """A call as chat completions write it: a function call's ``arguments`` JSON text, or a
+    custom tool's ``input`` text."""
+    if c.custom:
+        return {"id": c.id, "type": "custom", "custom": {"name": c.name, "input": c.arguments}}
+    return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
 
 
 def _chat_finish(finish: str, calls: list[ToolCall]) -> str:
@@ -334,12 +308,8 @@ async def chat_completions(request: Request) -> Response:
     label_request(request, slot.model.name)
     refuse_unsupported_chat(body)
     tools, choice = parse_tools(body)
-    offered = tools if choice.mode != "none" else []
-    messages = parse_messages(body, offered)
-    text_schema = _response_format(body)
-    grammar = tool_constraint(offered, choice, text_schema)
-    json_schema = text_schema if grammar is None else None
-    param = "tools" if grammar is not None else ("response_format" if json_schema is not None else None)
+    prep = prepare(slot, parse_turns(body), tools, choice, _response_format(body), "response_format")
+    offered = prep.offered
     common = _common(body, slot, "chatcmpl")
     want_logprobs = get_bool(body, "logprobs", False)
     top_n = get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
@@ -348,15 +318,14 @@ async def chat_completions(request: Request) -> Response:
     top_n = top_n or 0
     streaming = get_bool(body, "stream", False)
     include_usage = _include_usage(body)
-    msg = Generate(messages=messages, n_probs=max(top_n, 1) if want_logprobs else 0, grammar=grammar,
-                   json_schema=json_schema, **common)
+    msg = Generate(n_probs=max(top_n, 1) if want_logprobs else 0, **prep.generate_fields(), **common)
 
-    run, first = await begin(request, slot, msg, grammar_param=param)
+    run, first = await begin(request, slot, msg, grammar_param=prep.constraint_param)
     worker = run.worker
     assert worker is not None
     rid, created, fp = msg.id, now_s(), _fingerprint(worker)
     n = msg.n
-    parsers = [CallParser(bool(offered)) for _ in range(n)]  # one per choice
+    parsers = [prep.parser() for _ in range(n)]  # one per choice
 
     if not streaming:
         tokens, done = await collect(request, run, first)
@@ -364,17 +333,13 @@ async def chat_completions(request: Request) -> Response:
         for i, (tail_text, finish) in enumerate(_choice_finals(done, n)):
             parser = parsers[i]
             mine = [t for t in tokens if t.index == i]
-            for t in mine:
-                parser.feed(t.text)
-            parser.feed(tail_text)
-            parser.finish()
-            out = parser.result()
+            out = parser.read([*(t.text for t in mine), tail_text])
             logprobs = None
             if want_logprobs and out.content is not None:
                 logprobs = {"content": _chat_logprobs(mine, top_n), "refusal": None}
             message: dict[str, Any] = {"role": "assistant", "content": out.content, "refusal": None}
             if out.calls:
-                message["tool_calls"] = _tool_calls_json(out.calls)
+                message["tool_calls"] = [_tool_call_json(c) for c in out.calls]
             choices.append({"index": i, "message": message, "logprobs": logprobs,
                             "finish_reason": _chat_finish(finish, out.calls)})
         return JSONResponse({
@@ -410,6 +375,9 @@ async def chat_completions(request: Request) -> Response:
         for c in calls:
             pending[i].clear()
             index = len(parsers[i].calls) - len(calls) + calls.index(c)
+            if c.custom:  # one fragment: the whole input
+                out.append(sse_event(chunk({"tool_calls": [{"index": index, **_tool_call_json(c)}]}, index=i)))
+                continue
             out.append(sse_event(chunk({"tool_calls": [{"index": index, "id": c.id, "type": "function",
                                                          "function": {"name": c.name, "arguments": ""}}]},
                                        index=i)))

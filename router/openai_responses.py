@@ -41,8 +41,9 @@ Answer out: a ``response`` object with ``output`` items (one ``message`` with an
 ``response.incomplete``; a failure after the first byte is ``response.failed``.
 
 Shared with the other dialects: admission, the worker run, cancel-on-disconnect and
-the error path (``router.generation``), the generic tool format (``router.tools``)
-and the constraints (``router.constraints``).
+the error path (``router.generation``); tools, the constraint and the answer's parser
+(``router.dialects.prepare``: the template's own tool syntax, else the generic tool
+format of ``router.tools``).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from protocol import Done, Generate, Token
-from router.constraints import json_format_constraint, tool_constraint
+from router.constraints import json_format_constraint
+from router.dialects import Prepared, choose, content_text, custom_tool, function_tool, objects, prepare, tool_list
 from router.errors import ApiError, BadRequest, NotFound
 from router.generation import OPENAI_DEFAULTS, begin, collect, read_sampling, stream
 from router.metrics import label_request
@@ -69,7 +71,7 @@ from router.decode_api import job_events, stream_query
 from router.response_store import ResponseStore
 from router.responses import JSONResponse
 from router.sse import SSEResponse, sse_named
-from router.tools import CallParser, ChatTurn, Tool, ToolCall, ToolChoice, render_messages
+from router.tools import ChatTurn, Tool, ToolCall, ToolChoice
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -92,79 +94,36 @@ class _Request:
     model: str
     slot: ModelSlot
     history: list[ChatTurn]  # conversation without the instructions (what is stored)
-    messages: list[dict[str, Any]]  # template-ready prompt
-    tools: list[Tool]
-    choice: ToolChoice
-    grammar: str | None
-    json_schema: str | None
-    constraint_param: str | None
+    prep: Prepared  # the prompt, the template's tools, the constraint, the answer's parser
     echo: dict[str, Any] = field(default_factory=dict)
 
 
 def _part_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise BadRequest(f"'{where}' must be a string or an array of content parts", param=where)
-    texts: list[str] = []
-    for j, p in enumerate(content):
-        pw = f"{where}[{j}]"
-        if not isinstance(p, dict):
-            raise BadRequest(f"'{pw}' must be an object", param=pw)
-        kind = p.get("type")
-        if kind in _TEXT_PARTS:
-            if not isinstance(p.get("text"), str):
-                raise BadRequest(f"'{pw}.text' must be a string", param=f"{pw}.text")
-            texts.append(p["text"])
-        elif kind == "refusal" and isinstance(p.get("refusal"), str):
-            texts.append(p["refusal"])
-        else:
-            raise BadRequest(f"'{pw}': content parts of type {kind!r} are not supported (text only)", param=pw)
-    return "\n".join(texts)
+    return content_text(content, where, _TEXT_PARTS)
 
 
 def _input_turns(v: Any) -> list[ChatTurn]:
     if isinstance(v, str):
         return [ChatTurn("user", v)]
-    if not isinstance(v, list) or not v:
-        raise BadRequest("'input' must be a string or a non-empty array of items", param="input")
     turns: list[ChatTurn] = []
-    for i, item in enumerate(v):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise BadRequest(f"'{where}' must be an object", param=where)
+    for where, item in objects(v, "input"):
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
             if role not in _ROLES:
                 raise BadRequest(f"'{where}.role' must be one of {sorted(_ROLES)}, got {role!r}", param=f"{where}.role")
             turns.append(ChatTurn(_ROLES[role], _part_text(item.get("content", ""), f"{where}.content")))
-        elif kind == "function_call":
-            name, call_id, args = item.get("name"), item.get("call_id"), item.get("arguments", "")
-            if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(args, str):
-                raise BadRequest(f"'{where}': a function_call needs string 'call_id', 'name' and 'arguments'",
-                                 param=where)
-            call = ToolCall(call_id, name, args)
-            if turns and turns[-1].role == "assistant":
-                turns[-1].tool_calls.append(call)
-            else:
-                turns.append(ChatTurn("assistant", "", tool_calls=[call]))
-        elif kind == "function_call_output":
-            call_id = item.get("call_id")
-            if not isinstance(call_id, str):
-                raise BadRequest(f"'{where}.call_id' must be a string", param=f"{where}.call_id")
-            turns.append(ChatTurn("tool", _part_text(item.get("output", ""), f"{where}.output"), tool_call_id=call_id))
-        elif kind == "custom_tool_call":
-            name, call_id, text = item.get("name"), item.get("call_id"), item.get("input", "")
+        elif kind in ("function_call", "custom_tool_call"):
+            field = "arguments" if kind == "function_call" else "input"
+            name, call_id, text = item.get("name"), item.get("call_id"), item.get(field, "")
             if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(text, str):
-                raise BadRequest(f"'{where}': a custom_tool_call needs string 'call_id', 'name' and 'input'",
-                                 param=where)
-            call = ToolCall(call_id, name, text, custom=True)
+                raise BadRequest(f"'{where}': a {kind} needs string 'call_id', 'name' and '{field}'", param=where)
+            call = ToolCall(call_id, name, text, custom=kind == "custom_tool_call")
             if turns and turns[-1].role == "assistant":
                 turns[-1].tool_calls.append(call)
             else:
                 turns.append(ChatTurn("assistant", "", tool_calls=[call]))
-        elif kind == "custom_tool_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = item.get("call_id")
             if not isinstance(call_id, str):
                 raise BadRequest(f"'{where}.call_id' must be a string", param=f"{where}.call_id")
@@ -176,63 +135,25 @@ def _input_turns(v: Any) -> list[ChatTurn]:
     return turns
 
 
-def _custom_format(fmt: Any, where: str) -> tuple[str, str] | None:
-    """A custom tool's ``format``: ``{"type": "text"}`` (any text, None) or ``{"type":
-    "grammar", "syntax": "lark" | "regex", "definition"}`` (Codex's apply_patch grammar)."""
-    if fmt is None:
-        return None
-    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "grammar"):
-        raise BadRequest(f"'{where}.type' must be 'text' or 'grammar'", param=f"{where}.type")
-    if fmt["type"] == "text":
-        return None
-    syntax, definition = fmt.get("syntax"), fmt.get("definition")
-    if syntax not in ("lark", "regex") or not isinstance(definition, str) or not definition.strip():
-        raise BadRequest(f"'{where}' needs 'syntax' ('lark' or 'regex') and a 'definition'", param=where)
-    return syntax, definition
+def _tool(t: dict[str, Any], where: str) -> Tool:
+    if t.get("type") == "custom":
+        return custom_tool(t.get("name"), t.get("description"), t.get("format"), where)
+    if t.get("type") != "function":
+        raise BadRequest(f"'{where}': tools of type {t.get('type')!r} are not supported (function and "
+                         "custom tools only)", param=f"{where}.type")
+    return function_tool(t.get("name"), t.get("description"), t.get("parameters"), where, "parameters")
 
 
 def _tools(body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
-    raw = body.get("tools")
-    tools: list[Tool] = []
-    if raw is not None:
-        if not isinstance(raw, list):
-            raise BadRequest("'tools' must be an array", param="tools")
-        for i, t in enumerate(raw):
-            where = f"tools[{i}]"
-            if not isinstance(t, dict):
-                raise BadRequest(f"'{where}' must be an object", param=where)
-            if t.get("type") not in ("function", "custom"):
-                raise BadRequest(f"'{where}': tools of type {t.get('type')!r} are not supported (function and "
-                                 "custom tools only)", param=f"{where}.type")
-            name, params = t.get("name"), t.get("parameters")
-            if not isinstance(name, str) or not name or '"' in name or "\n" in name:
-                raise BadRequest(f"'{where}.name' must be a non-empty string without quotes or newlines",
-                                 param=f"{where}.name")
-            if t["type"] == "custom":
-                desc = t.get("description")
-                tools.append(Tool(name, desc if isinstance(desc, str) else "", custom=True,
-                                  grammar=_custom_format(t.get("format"), f"{where}.format")))
-                continue
-            if params is None:
-                params = {"type": "object", "properties": {}}
-            if not isinstance(params, dict):
-                raise BadRequest(f"'{where}.parameters' must be a JSON Schema object", param=f"{where}.parameters")
-            desc = t.get("description")
-            tools.append(Tool(name, desc if isinstance(desc, str) else "", params))
+    tools = tool_list(body, _tool)
     parallel = get_bool(body, "parallel_tool_calls", True)
     tc = body.get("tool_choice", "auto")
     if tc is None:
         tc = "auto"
     if tc in ("none", "auto", "required"):
-        if tc == "required" and not tools:
-            raise BadRequest("'tool_choice' 'required' needs 'tools'", param="tool_choice")
-        mode = "none" if tc == "none" or not tools else tc
-        return tools, ToolChoice(mode, None, parallel)
+        return tools, choose(tools, tc, None, parallel, "tool_choice")
     if isinstance(tc, dict) and tc.get("type") in ("function", "custom"):
-        name = tc.get("name")
-        if not isinstance(name, str) or name not in {t.name for t in tools}:
-            raise BadRequest(f"'tool_choice.name' must name one of the tools, got {name!r}", param="tool_choice.name")
-        return tools, ToolChoice("named", name, parallel)
+        return tools, choose(tools, "named", tc.get("name"), parallel, "tool_choice")
     raise BadRequest("'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\" | \"custom\", "
                      "\"name\": ...}",
                      param="tool_choice")
@@ -281,10 +202,8 @@ def _parse(request: Request, body: dict[str, Any]) -> _Request:
     instructions = get_str(body, "instructions", None)
     turns = ([ChatTurn("system", instructions)] if instructions else []) + history
     tools, choice = _tools(body)
-    offered = tools if choice.mode != "none" else []
     text_schema, fmt = _text_format(body)
-    grammar = tool_constraint(offered, choice, text_schema)
-    json_schema = text_schema if grammar is None else None
+    prep = prepare(slot, turns, tools, choice, text_schema, "text.format")
     echo = {k: body[k] for k in _ECHO if body.get(k) is not None}
     echo["text"] = {"format": fmt}
     echo["tools"] = [dict(t) for t in body.get("tools") or []]
@@ -293,15 +212,14 @@ def _parse(request: Request, body: dict[str, Any]) -> _Request:
     echo["metadata"] = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
     echo["store"] = get_bool(body, "store", True)
     echo["background"] = get_bool(body, "background", False)
-    return _Request(model, slot, history, render_messages(turns, offered), offered, choice, grammar, json_schema,
-                    "tools" if grammar is not None else ("text.format" if json_schema is not None else None), echo)
+    return _Request(model, slot, history, prep, echo)
 
 
 def _generate(req: _Request, body: dict[str, Any], max_tokens: int | None, rid: str) -> Generate:
     sampling = read_sampling({k: body[k] for k in ("temperature", "top_p") if k in body},
                              OPENAI_DEFAULTS, req.slot, openai=True)
-    return Generate(id=rid, messages=req.messages, max_tokens=max_tokens, grammar=req.grammar,
-                    json_schema=req.json_schema, cache_prompt=get_bool(body, "cache_prompt", True), **sampling)
+    return Generate(id=rid, max_tokens=max_tokens, cache_prompt=get_bool(body, "cache_prompt", True),
+                    **req.prep.generate_fields(), **sampling)
 
 
 def _usage(done: Done) -> dict[str, Any]:
@@ -346,8 +264,11 @@ class _Answer:
         status = "incomplete" if done.finish_reason == "length" else "completed"
         resp = self.obj(status, done)
         if self.req.echo["store"]:
-            out = ChatTurn("assistant", text or "", tool_calls=list(calls))
-            store_of(request).put(self.id, resp, [*self.req.history, out])
+            history = list(self.req.history)
+            text = text or ""
+            if history and history[-1].role == "assistant" and not history[-1].tool_calls:
+                text = history.pop().content + text  # a prefill: the answer continues that turn
+            store_of(request).put(self.id, resp, [*history, ChatTurn("assistant", text, tool_calls=list(calls))])
         return resp
 
 
@@ -363,17 +284,13 @@ async def create(request: Request) -> Response:
     if job is not None:
         job.snapshot = ans.obj
     msg = _generate(req, body, max_tokens, ans.id)
-    run, first = await begin(request, req.slot, msg, grammar_param=req.constraint_param)
-    parser = CallParser(req.choice.mode != "none", "call", frozenset(t.name for t in req.tools if t.custom))
+    run, first = await begin(request, req.slot, msg, grammar_param=req.prep.constraint_param)
+    parser = req.prep.parser()
     mid = "msg_" + _hex()
 
     if not streaming:
         tokens, done = await collect(request, run, first)
-        for t in tokens:
-            parser.feed(t.text)
-        parser.feed(done.text)
-        parser.finish()
-        out = parser.result()
+        out = parser.read([*(t.text for t in tokens), done.text])
         status = "incomplete" if done.finish_reason == "length" else "completed"
         if out.content is None:
             ans.output = [_call_item(c, "completed") for c in out.calls]
@@ -469,7 +386,7 @@ async def input_tokens(request: Request) -> Response:
     body = await read_json(request)
     req = _parse(request, body)
     msg = _generate(req, body, 0, "count-" + _hex())
-    run, first = await begin(request, req.slot, msg, grammar_param=req.constraint_param)
+    run, first = await begin(request, req.slot, msg, grammar_param=req.prep.constraint_param)
     _, done = await collect(request, run, first)
     return JSONResponse({"object": "response.input_tokens", "input_tokens": done.prompt_tokens})
 

@@ -36,16 +36,29 @@ the format is always this one (as llama.cpp's "generic" chat format):
   tags back instead of answering.
 
 Consecutive turns of one role are merged (blank line between), so templates that
-demand user/assistant alternation (Gemma) accept any history. The constraint
+demand user/assistant alternation (Gemma) accept any history.
+
+**Templates with their own tool syntax** (:class:`ToolSyntax`, found in the template
+text as llama.cpp's ``common/chat.cpp`` does) get the tools as HF templates expect
+them (``tools`` in the Jinja context, ``[{"type": "function", "function": {...}}]``),
+assistant ``tool_calls`` (``function.arguments`` an object) and ``tool`` messages
+(``tool_call_id``, ``name``) as they are, and the model's calls are written and read
+in that syntax: Hermes 2 Pro / Qwen 2.5 (``<tool_call>\n{"name", "arguments"}\n</tool_call>``,
+one block per call, newline between), Llama 3.1+ (the reply is one JSON object
+``{"name", "parameters"}``), Mistral (``[TOOL_CALLS]`` then a JSON array of
+``{"name", "arguments"}``; call ids given to the template as 9 alphanumerics, as its
+template demands). Custom (free-text) tools always use the generic format. The constraint
 (``router.constraints``) makes the model's calls well-formed; :class:`CallParser`
 reads them back, streaming or not, with the same result either way.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +69,48 @@ CALL_PREFIX = "<tool_call"
 _BLOCK = re.compile(r'<tool_call(?: name="([^"\n]*)")?>\n(.*?)\n</tool_call>', re.S)
 RESULT_HEAD = "The tool {name} returned:"
 RESULTS_CLOSE = "Answer the question with it."
+
+
+@dataclass(frozen=True)
+class ToolSyntax:
+    """How a chat template writes tool calls.
+
+    ``name``: generic | hermes | llama3 | mistral. ``native``: the template renders
+    tools, calls and results itself (they are passed to it structured; the generic
+    format writes them as text instead). ``prefix``: what a reply that calls tools
+    starts with (after whitespace). ``block``: (open, close) around each call's JSON
+    (None: the calls are bare JSON after ``prefix``). ``sep``: between two calls.
+    ``args_key``: the key of the arguments in a call's JSON. ``array``: the calls are
+    one JSON array. ``parallel``: the syntax can carry more than one call."""
+
+    name: str
+    native: bool
+    prefix: str
+    block: tuple[str, str] | None
+    sep: str = ""
+    args_key: str = "arguments"
+    array: bool = False
+    parallel: bool = True
+
+
+GENERIC = ToolSyntax("generic", False, CALL_PREFIX, (CALL_OPEN + "\n", "\n" + CALL_CLOSE))
+HERMES = ToolSyntax("hermes", True, CALL_PREFIX, (CALL_OPEN + "\n", "\n" + CALL_CLOSE), sep="\n")
+LLAMA3 = ToolSyntax("llama3", True, '{"', None, args_key="parameters", parallel=False)
+MISTRAL = ToolSyntax("mistral", True, "[TOOL_CALLS]", None, array=True)
+
+
+def detect_syntax(template: str) -> ToolSyntax:
+    """The tool syntax of a chat template text (as llama.cpp's ``common/chat.cpp`` tells
+    them apart); GENERIC when the template does not render ``tools`` itself."""
+    if "tools" not in template:
+        return GENERIC
+    if "[TOOL_CALLS]" in template:
+        return MISTRAL
+    if "<tool_call>" in template:
+        return HERMES
+    if "<|start_header_id|>" in template and ("ipython" in template or "<|python_tag|>" in template):
+        return LLAMA3
+    return GENERIC
 
 
 def new_call_id(prefix: str = "call") -> str:
@@ -115,10 +170,7 @@ def render_call(name: str, arguments: str, custom: bool = False) -> str:
     parses; a custom tool's input text as it is)."""
     if custom:
         return f'<tool_call name="{name}">\n{arguments}\n{CALL_CLOSE}'
-    try:
-        args: Any = json.loads(arguments) if arguments.strip() else {}
-    except json.JSONDecodeError:
-        args = arguments  # history as the client sent it: kept, never dropped
+    args = _args_object(arguments)
     return f"{CALL_OPEN}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{CALL_CLOSE}"
 
 
@@ -134,12 +186,18 @@ def tools_system_text(tools: list[Tool]) -> str:
     return text + "A result comes back as: " + RESULT_HEAD.format(name="<tool name>")
 
 
-def render_messages(turns: list[ChatTurn], tools: list[Tool] | None = None) -> list[dict[str, Any]]:
-    """``turns`` as template-ready ``[{"role", "content"}]`` (system / user / assistant only).
+def render_messages(turns: list[ChatTurn], tools: list[Tool] | None = None,
+                    syntax: ToolSyntax = GENERIC) -> list[dict[str, Any]]:
+    """``turns`` as template-ready messages.
 
-    Tool calls and tool results are written in the generic format, never dropped;
-    ``tools`` (when given) are described in the system message; consecutive turns of
-    one role are merged."""
+    GENERIC: ``[{"role", "content"}]`` (system / user / assistant only); tool calls and
+    tool results are written in the generic format, never dropped; ``tools`` (when
+    given) are described in the system message; consecutive turns of one role are
+    merged. A native syntax: the turns as they are (assistant ``tool_calls`` with
+    ``function.arguments`` an object, ``tool`` messages with ``tool_call_id`` and
+    ``name``); the template renders them and ``tools`` (see :func:`template_tools`)."""
+    if syntax.native:
+        return _native_messages(turns, syntax)
     names: dict[str, str] = {}
     out: list[dict[str, Any]] = []
 
@@ -173,6 +231,57 @@ def render_messages(turns: list[ChatTurn], tools: list[Tool] | None = None) -> l
     return out
 
 
+def _args_object(arguments: str) -> Any:
+    try:
+        return json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError:
+        return arguments  # history as the client sent it: kept, never dropped
+
+
+def _template_call_id(ident: str, syntax: ToolSyntax) -> str:
+    """A call id as the template needs it (Mistral's: 9 alphanumerics, derived from the id)."""
+    if syntax is MISTRAL and not (len(ident) == 9 and ident.isalnum()):
+        return hashlib.sha1(ident.encode()).hexdigest()[:9]
+    return ident
+
+
+def _native_messages(turns: list[ChatTurn], syntax: ToolSyntax) -> list[dict[str, Any]]:
+    names: dict[str, str] = {}
+    out: list[dict[str, Any]] = []
+    for t in turns:
+        if t.role == "assistant" and t.tool_calls:
+            for c in t.tool_calls:
+                names[c.id] = c.name
+            out.append({"role": "assistant", "content": t.content or None, "tool_calls": [
+                {"id": _template_call_id(c.id, syntax), "type": "function",
+                 "function": {"name": c.name, "arguments": _args_object(c.arguments)}} for c in t.tool_calls]})
+        elif t.role == "tool":
+            ident = t.tool_call_id or ""
+            out.append({"role": "tool", "content": t.content, "tool_call_id": _template_call_id(ident, syntax),
+                        "name": t.name or names.get(ident, "") or "tool"})
+        else:
+            out.append({"role": t.role, "content": t.content})
+    return out
+
+
+def template_tools(tools: list[Tool], syntax: ToolSyntax) -> list[dict[str, Any]] | None:
+    """The ``tools`` a native template gets (OpenAI's shape, as HF templates read it);
+    None for GENERIC (the tools are in the system text) or when none are offered."""
+    if not syntax.native or not tools:
+        return None
+    return [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                              "parameters": t.parameters}} for t in tools]
+
+
+def syntax_for(template_syntax: ToolSyntax, tools: list[Tool], turns: list[ChatTurn]) -> ToolSyntax:
+    """The syntax a request uses: the template's, or GENERIC when a custom (free-text)
+    tool is offered or called in the history (native syntaxes carry JSON arguments only)."""
+    if template_syntax.native and (any(t.custom for t in tools)
+                                   or any(c.custom for t in turns for c in t.tool_calls)):
+        return GENERIC
+    return template_syntax
+
+
 # ----------------------------------------------------------------------------- reading calls back
 
 
@@ -190,16 +299,19 @@ class CallParser:
     """Splits the model's text into content deltas and complete tool calls, incrementally.
 
     ``feed(delta)`` returns ``(content_delta, new_calls)``; ``finish()`` returns the
-    last of them. Text that may still be the start of ``<tool_call>`` (after
+    last of them. Text that may still be the start of a call (``syntax.prefix``, after
     leading whitespace) is held back; once the text cannot be a call it is content
     from then on, and once it is a call no byte of it reaches ``content``. Fed all
     at once or token by token, the same calls (same ids order, same arguments) come
-    out. ``id_prefix``: ``call`` (OpenAI) or ``toolu`` (Anthropic).
+    out. ``id_prefix``: ``call`` (OpenAI) or ``toolu`` (Anthropic). ``syntax``: the
+    template's tool syntax (:class:`ToolSyntax`).
     """
 
-    def __init__(self, enabled: bool, id_prefix: str = "call", custom: frozenset[str] = frozenset()) -> None:
+    def __init__(self, enabled: bool, id_prefix: str = "call", custom: frozenset[str] = frozenset(),
+                 syntax: ToolSyntax = GENERIC) -> None:
         self.mode = "undecided" if enabled else "text"
         self.custom = custom  # names of custom tools (their blocks carry raw input text)
+        self.syntax = syntax
         self.buf = ""
         self.calls: list[ToolCall] = []
         self.id_prefix = id_prefix
@@ -212,60 +324,84 @@ class CallParser:
         self.buf += delta
         if self.mode == "undecided":
             head = self.buf.lstrip()
+            prefix = self.syntax.prefix
             if not head:
                 return "", []
-            if head.startswith(CALL_PREFIX):
+            if head.startswith(prefix):
                 self.mode = "calls"
-            elif CALL_PREFIX.startswith(head):
+                self.buf = head
+            elif prefix.startswith(head):
                 return "", []
             else:
-                self.mode = "text"
-                text, self.buf = self.buf, ""
-                self.content_parts.append(text)
-                return text, []
-        return "", self._take_calls()
+                return self._as_text(), []
+        calls = self._take_calls()
+        if self.mode == "text":  # what looked like a call is JSON content (see _take_calls)
+            return "".join(self.content_parts), []
+        return "", calls
+
+    def _as_text(self) -> str:
+        self.mode = "text"
+        text, self.buf = self.buf, ""
+        self.content_parts.append(text)
+        return text
 
     def _take_calls(self) -> list[ToolCall]:
         new: list[ToolCall] = []
-        while True:
-            m = _BLOCK.search(self.buf)
-            if m is None:
-                break
-            self.buf = self.buf[m.end():]
-            name, body = m.group(1), m.group(2)
-            if name is not None:
-                if name in self.custom:
-                    new.append(ToolCall(new_call_id(self.id_prefix), name, body, custom=True))
-                continue
-            call = self._parse(body)
-            if call is not None:
-                new.append(call)
+        if self.syntax.block is not None:
+            while True:
+                m = _BLOCK.search(self.buf)
+                if m is None:
+                    break
+                self.buf = self.buf[m.end():]
+                name, body = m.group(1), m.group(2)
+                if name is not None:
+                    if name in self.custom:
+                        new.append(ToolCall(new_call_id(self.id_prefix), name, body, custom=True))
+                    continue
+                call = self._call(_json_or_none(body))
+                if call is not None:
+                    new.append(call)
+        elif not self.calls:  # bare JSON after the prefix: one object (Llama 3) or one array (Mistral)
+            body = self.buf[len(self.syntax.prefix):] if self.syntax.array else self.buf
+            try:
+                obj, _ = json.JSONDecoder().raw_decode(body)
+            except json.JSONDecodeError:
+                return []
+            items = obj if self.syntax.array and isinstance(obj, list) else [obj]
+            new = [c for c in (self._call(o) for o in items) if c is not None]
+            self.buf = ""
+            if not new:  # JSON that is no call (a JSON reply of an auto choice): it is content
+                self.buf = body
+                self._as_text()
+                return []
         self.calls.extend(new)
         return new
 
-    def _parse(self, body: str) -> ToolCall | None:
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError:
-            return None
+    def _call(self, obj: Any) -> ToolCall | None:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
-        args = obj.get("arguments", {})
+        args = obj.get(self.syntax.args_key, {})
         return ToolCall(new_call_id(self.id_prefix), obj["name"], json.dumps(args, ensure_ascii=False))
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The end of the text: held-back text that never became a call is content."""
         if self.mode == "undecided":
-            self.mode = "text"
-            text, self.buf = self.buf, ""
-            self.content_parts.append(text)
-            return text, []
+            return self._as_text(), []
         return "", []
 
     @property
     def truncated(self) -> bool:
         """A call was started but not closed (generation stopped inside it)."""
-        return self.mode == "calls" and CALL_PREFIX in self.buf
+        if self.mode != "calls":
+            return False
+        return CALL_PREFIX in self.buf if self.syntax.block is not None else bool(self.buf.strip())
+
+    def read(self, pieces: Iterable[str]) -> ParsedOutput:
+        """The whole answer (the non-streaming path): ``pieces`` fed in order, then finished."""
+        for piece in pieces:
+            self.feed(piece)
+        self.finish()
+        return self.result()
 
     def result(self) -> ParsedOutput:
         if self.mode == "calls":
@@ -273,13 +409,17 @@ class CallParser:
         return ParsedOutput("".join(self.content_parts), [])
 
 
+def _json_or_none(body: str) -> Any:
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError:
+        return None
+
+
 def parse_output(text: str, enabled: bool, id_prefix: str = "call",
-                 custom: frozenset[str] = frozenset()) -> ParsedOutput:
+                 custom: frozenset[str] = frozenset(), syntax: ToolSyntax = GENERIC) -> ParsedOutput:
     """The whole text at once (the non-streaming path): same result as streaming it."""
-    p = CallParser(enabled, id_prefix, custom)
-    p.feed(text)
-    p.finish()
-    return p.result()
+    return CallParser(enabled, id_prefix, custom, syntax).read([text])
 
 
 @dataclass(frozen=True)

@@ -386,7 +386,7 @@ class BatchRunner:
             params = sampling_params(g)
             prompt: str | list[int]
             if g.messages is not None:
-                prompt = engine.tokenize_chat(g.messages)
+                prompt = engine.tokenize_chat(g.messages, tools=g.tools)
             else:
                 assert g.prompt is not None
                 prompt = g.prompt
@@ -490,13 +490,16 @@ class BatchRunner:
                 params = dataclasses.replace(params, seed=params.seed + i)
             sid = run.seq_id(i)
 
-            def on_token(ev: Any, i: int = i) -> bool:
+            def on_token(ev: Any, i: int = i, sid: str = sid) -> bool:
                 # [id, logprob, piece]: the alternatives' exact bytes (a partial UTF-8 piece
                 # cannot be recovered from a detokenized string), same convention as ev.piece.
                 top = [[int(t), float(lp), engine.token_bytes(int(t), special=False)] for t, lp in ev.top_logprobs]
+                head = i == 0 and not run.first_token  # the first token carries the prompt's counts
                 self._post(FrameOut(Token(id=job.id, text=ev.text, token_id=int(ev.id), piece=bytes(ev.piece),
                                           logprob=None if ev.logprob is None else float(ev.logprob),
-                                          top_logprobs=top, index=i)))
+                                          top_logprobs=top, index=i,
+                                          prompt_tokens=len(run.ids) if head else 0,
+                                          cache_n=engine.cache_n(sid) if head else 0)))
                 job.tokens_sent += 1
                 if i == 0:
                     run.first_token = True

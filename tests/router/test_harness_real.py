@@ -66,14 +66,22 @@ def test_anthropic_messages_streamed_equals_non_streamed(claude: anthropic.Anthr
     m = claude.messages.create(**kw)  # type: ignore[arg-type]
     assert m.content[0].type == "text" and m.content[0].text.strip()
     assert m.stop_reason in ("end_turn", "max_tokens")
+    starts = []
     with claude.messages.stream(**kw) as s:  # type: ignore[arg-type]
-        deltas = [t for t in s.text_stream]
+        deltas = []
+        for ev in s:
+            if ev.type == "message_start":
+                starts.append(ev.message.usage)
+            elif ev.type == "text":
+                deltas.append(ev.text)
         final = s.get_final_message()
     assert "".join(deltas) == m.content[0].text == final.content[0].text  # type: ignore[union-attr]
     assert final.stop_reason == m.stop_reason and final.usage.output_tokens == m.usage.output_tokens
     n = claude.messages.count_tokens(model="smollm2", system="Answer briefly.", messages=MSG)  # type: ignore[arg-type]
-    for u in (m.usage, final.usage):
+    assert len(starts) == 1  # message_start reports the prompt up front, as Anthropic does
+    for u in (m.usage, final.usage, starts[0]):
         assert u.input_tokens + (u.cache_read_input_tokens or 0) == n.input_tokens
+    assert starts[0].cache_read_input_tokens == final.usage.cache_read_input_tokens > 0  # the prefix was reused
 
 
 def test_anthropic_max_tokens_and_stop_sequence(claude: anthropic.Anthropic) -> None:
@@ -84,6 +92,34 @@ def test_anthropic_max_tokens_and_stop_sequence(claude: anthropic.Anthropic) -> 
     m = claude.messages.create(model="smollm2", max_tokens=24, stop_sequences=[word], messages=MSG)  # type: ignore[arg-type]
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == word
     assert word not in m.content[0].text  # type: ignore[union-attr]
+
+
+def test_assistant_prefill_is_continued_on_every_route(router: LiveRouter, oai: openai.OpenAI,
+                                                       claude: anthropic.Anthropic) -> None:
+    """A last assistant message is continued, not closed (llama.cpp's prefill): chat,
+    /v1/messages and /v1/responses answer what /completion gives on the rendered prompt
+    (which ends with the prefill text), streamed as not."""
+    pre = "The three colours are"
+    msgs = MSG + [{"role": "assistant", "content": pre}]
+    prompt = httpx.post(f"{router.url}/apply-template", json={"model": "smollm2", "messages": msgs},
+                        timeout=60).json()["prompt"]
+    assert prompt.endswith("<|im_start|>assistant\n" + pre)
+    want = httpx.post(f"{router.url}/completion", json={"model": "smollm2", "prompt": prompt, "n_predict": 12,
+                                                       "temperature": 0}, timeout=300).json()["content"]
+    assert want.strip()
+    chat = oai.chat.completions.create(model="smollm2", messages=msgs, max_tokens=12)  # type: ignore[arg-type]
+    assert chat.choices[0].message.content == want
+    streamed = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(
+        model="smollm2", messages=msgs, max_tokens=12, stream=True) if c.choices)  # type: ignore[arg-type]
+    assert streamed == want
+    m = claude.messages.create(model="smollm2", max_tokens=12, messages=msgs)  # type: ignore[arg-type]
+    assert m.content[0].text == want  # type: ignore[union-attr]
+    n = claude.messages.count_tokens(model="smollm2", messages=msgs)  # type: ignore[arg-type]
+    assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == n.input_tokens \
+        == chat.usage.prompt_tokens  # type: ignore[union-attr]
+    r = oai.responses.create(model="smollm2", max_output_tokens=12, store=False, input=[
+        {"role": "user", "content": MSG[0]["content"]}, {"role": "assistant", "content": pre}])
+    assert r.output_text == want
 
 
 # ----------------------------------------------------------------------------- OpenAI Responses
@@ -223,6 +259,10 @@ def test_invalid_schema_or_grammar_is_400_before_any_token(router: LiveRouter, o
         {"name": "t", "input_schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}],
         "tool_choice": {"type": "any"}}, timeout=300)
     assert r.status_code == 400 and r.json()["type"] == "error" and r.json()["error"]["param"] == "tools"
+    with pytest.raises(openai.BadRequestError) as e:  # a custom tool's grammar on /v1/responses
+        oai.responses.create(model="smollm2", input="x", max_output_tokens=5, tool_choice="required", tools=[
+            {"type": "custom", "name": "t", "format": {"type": "grammar", "syntax": "lark", "definition": "start: ("}}])
+    assert e.value.code == "invalid_grammar" and e.value.param == "tools"
 
 
 def test_completion_json_schema_and_lark_grammar(router: LiveRouter) -> None:
@@ -300,6 +340,9 @@ def test_responses_function_call_streamed_equals_non_streamed(oai: openai.OpenAI
     assert done_args == [(c.name, c.arguments) for c in calls]
     assert final is not None and [o.arguments for o in final.output if o.type == "function_call"] == \
         [c.arguments for c in calls]
+    n = oai.responses.input_tokens.count(model="smollm2", input=ASK[0]["content"], tools=tools,  # type: ignore[arg-type]
+                                         tool_choice="required")
+    assert n.input_tokens == r.usage.input_tokens == final.usage.input_tokens  # type: ignore[union-attr]
     after = oai.responses.create(model="smollm2", tools=tools, max_output_tokens=40, input=[
         ASK[0], {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
                  "arguments": calls[0].arguments},
@@ -322,6 +365,21 @@ def test_responses_custom_tool_with_a_lark_or_regex_grammar(oai: openai.OpenAI) 
         done = [e.input for e in oai.responses.create(**kw, stream=True)
                 if e.type == "response.custom_tool_call_input.done"]
         assert done == [call.input]  # type: ignore[union-attr]
+
+
+def test_chat_custom_tool_with_a_grammar(oai: openai.OpenAI) -> None:
+    """OpenAI chat custom tools: the input follows the tool's grammar, streamed == not."""
+    fmt = {"type": "grammar", "grammar": {"syntax": "regex", "definition": "[a-z]{1,8} [0-9]{2}"}}
+    kw: dict[str, Any] = dict(model="smollm2", messages=[{"role": "user", "content": "Shout hello."}], max_tokens=40,
+                              tools=[{"type": "custom", "custom": {"name": "shout", "format": fmt}}],
+                              tool_choice={"type": "custom", "custom": {"name": "shout"}})
+    r = oai.chat.completions.create(**kw)
+    call = r.choices[0].message.tool_calls[0]  # type: ignore[index]
+    assert r.choices[0].finish_reason == "tool_calls" and call.type == "custom" and call.custom.name == "shout"  # type: ignore[union-attr]
+    assert re.fullmatch(r"[a-z]{1,8} [0-9]{2}", call.custom.input)  # type: ignore[union-attr]
+    streamed = [d.model_extra["custom"]["input"] for ch in oai.chat.completions.create(**kw, stream=True)  # type: ignore[index]
+                if ch.choices for d in ch.choices[0].delta.tool_calls or []]
+    assert streamed == [call.custom.input]  # type: ignore[union-attr]
 
 
 def test_structured_output_on_responses_and_messages(oai: openai.OpenAI, claude: anthropic.Anthropic) -> None:

@@ -118,6 +118,15 @@ def test_store_previous_response_and_bound(router: LiveRouter, client: openai.Op
         client.responses.retrieve(b.id)
 
 
+def test_a_prefill_is_stored_as_one_turn_with_its_continuation(router: LiveRouter, client: openai.OpenAI) -> None:
+    a = client.responses.create(model="alpha", max_output_tokens=2, input=[
+        {"role": "user", "content": "first"}, {"role": "assistant", "content": "Sure:"}])
+    client.responses.create(model="alpha", input="next", previous_response_id=a.id, max_output_tokens=2)
+    msgs = router.fake_events("generate")[-1]["messages"]
+    assert msgs == [{"role": "user", "content": "first"}, {"role": "assistant", "content": "Sure:" + a.output_text},
+                    {"role": "user", "content": "next"}]
+
+
 def test_refusals_name_the_field(router: LiveRouter) -> None:
     for body, param in [
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
@@ -182,3 +191,4 @@ def test_failure_mid_stream_is_response_failed(client: openai.OpenAI) -> None:
     assert evs[-1].response.status == "failed" and evs[-1].response.error is not None  # type: ignore[union-attr]
     assert evs[-1].response.error.code == "worker_crashed"  # type: ignore[union-attr]
     assert [e.sequence_number for e in evs] == list(range(len(evs)))
+

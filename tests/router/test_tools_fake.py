@@ -111,8 +111,40 @@ def test_history_with_tool_calls_is_rendered(router: LiveRouter) -> None:
     assert msgs[5]["content"] == "The tool get_weather returned:\n25 C\nAnswer the question with it."
 
 
+CUSTOM = [{"type": "custom", "custom": {"name": "shout", "description": "Shout",
+                                       "format": {"type": "grammar", "grammar": {"syntax": "regex", "definition": "[A-Z]+"}}}}]
+
+
+def test_chat_custom_tools(router: LiveRouter) -> None:
+    """OpenAI's custom tools on chat completions: the tool's grammar constrains the call's
+    input, the call comes back as ``{"type": "custom", "custom": {"name", "input"}}``
+    (streamed: one fragment with index and id), and goes back into history."""
+    c = router.client()
+    block = '<tool_call name="shout">\nHELLO\n</tool_call>'
+    kw: dict[str, Any] = dict(model="alpha", tools=CUSTOM, tool_choice={"type": "custom", "custom": {"name": "shout"}},
+                              messages=[{"role": "user", "content": reply(block)}])
+    r = c.chat.completions.create(**kw)
+    g = json.loads(last_generate(router)["grammar"])
+    assert {"name": "custom_0", "lark_grammar": "start: /[A-Z]+/\n"} in g["grammars"]
+    call = r.choices[0].message.tool_calls[0]  # type: ignore[index]
+    assert r.choices[0].finish_reason == "tool_calls" and call.type == "custom"
+    assert call.custom.name == "shout" and call.custom.input == "HELLO" and call.id.startswith("call_")  # type: ignore[union-attr]
+    deltas = [tc for ch in c.chat.completions.create(**kw, stream=True) if ch.choices
+              for tc in ch.choices[0].delta.tool_calls or []]
+    assert [(d.index, d.type, d.model_extra["custom"]) for d in deltas] == [  # type: ignore[index]
+        (0, "custom", {"name": "shout", "input": "HELLO"})]
+    c.chat.completions.create(model="alpha", max_tokens=2, tools=CUSTOM, messages=[
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"id": "call_9", "type": "custom", "custom": {"name": "shout", "input": "HI"}}]},
+        {"role": "tool", "tool_call_id": "call_9", "content": "done"}])
+    msgs = last_generate(router)["messages"]
+    assert msgs[2]["content"] == '<tool_call name="shout">\nHI\n</tool_call>' and "shout returned" in msgs[3]["content"]
+
+
 @pytest.mark.parametrize("body, param", [
     ({"tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
+    ({"tools": [{"type": "custom", "custom": {"name": "x", "format": {"type": "grammar", "grammar": {
+        "syntax": "ebnf", "definition": "x"}}}}]}, "tools[0].custom.format"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),

@@ -168,6 +168,9 @@ class FakeEngine:
         n_max = p.max_tokens if p.max_tokens is not None else self.info.n_ctx - len(ids)
         self._seqs[seq_id] = _Seq(seq_id, ids, p, on_token, keep, self._cache[:keep], slot, n_max, boom)
 
+    def cache_n(self, seq_id: str) -> int:
+        return 0
+
     def abort(self, seq_id: str) -> bool:
         s = self._seqs.get(seq_id)
         if s is None:

@@ -233,3 +233,21 @@ def test_gemma_template_on_real_gemma_tokenizer() -> None:
     assert ids.count(tok.bos_id) == 1
     assert ids.count(tok.token_id("<end_of_turn>")) == 1  # the user's text is not a turn end
     assert ids[-3:] == [tok.token_id("<start_of_turn>"), tok.token_id("model"), tok.token_id("\n")]
+
+
+def test_assistant_prefill_is_continued_not_closed() -> None:
+    """A last assistant message is continued, as llama.cpp's server does: the turns before it
+    with the generation prompt, then its content as it is (content: special texts not parsed)."""
+    t = ChatTemplate(resolve_template("chatml"))
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello <|im_end|>there"}]
+    want = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello <|im_end|>there"
+    assert t.render(msgs) == want
+    segs = t.render_segments(msgs)
+    assert "".join(s for s, _ in segs) == want and segs[-1] == ("Hello <|im_end|>there", False)
+    # without the generation prompt the assistant turn is a closed turn like any other
+    assert t.render(msgs, add_generation_prompt=False).endswith("there<|im_end|>\n")
+    with pytest.raises(EngineError, match="2 or more assistant"):
+        t.render(msgs + [{"role": "assistant", "content": "x"}])
+    g = ChatTemplate(resolve_template("gemma"), bos_token="<bos>", strip_bos=True)
+    assert g.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " Sure: "}]) \
+        == "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n Sure: "

@@ -135,3 +135,24 @@ def test_constraint_object(engine: Engine) -> None:
         c.advance(t)
     assert c.done and c.n_masks >= 2 and c.mask_ms > 0
     assert Constraint.create(engine.tokenizer, engine.info.n_vocab, None, None) is None
+
+
+def test_a_constraint_is_compiled_once(engine: Engine) -> None:
+    """check() on the prep thread compiles; the sequences' matchers are copies of that one
+    (each starts fresh: a copy advanced by one sequence leaves the next one's unchanged)."""
+    from worker.engine import constraints
+
+    g = 'start: "compiled once " /[0-9]/\n'
+    before = constraints.compilations
+    constraints.check(engine.tokenizer, engine.info.n_vocab, None, g)
+    a = Constraint.create(engine.tokenizer, engine.info.n_vocab, None, g)
+    b = Constraint.create(engine.tokenizer, engine.info.n_vocab, None, g)
+    assert constraints.compilations == before + 1
+    assert a is not None and b is not None
+    for t in engine.tokenize("compiled once 7", add_special=False):
+        a.advance(t)
+    assert a.done and not b.done and a.error is None
+    with pytest.raises(EngineError):  # failures are not cached: each is refused again
+        constraints.check(engine.tokenizer, engine.info.n_vocab, None, "start: nope\n")
+    with pytest.raises(EngineError):
+        constraints.check(engine.tokenizer, engine.info.n_vocab, None, "start: nope\n")

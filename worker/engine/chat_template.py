@@ -161,6 +161,16 @@ def normalize_messages(messages: Any, developer_known: bool) -> list[dict[str, A
     return out
 
 
+def _prefill(msgs: list[dict[str, Any]]) -> str | None:
+    """The content of a last assistant message to continue (None: no prefill)."""
+    last = msgs[-1]
+    if last["role"] != "assistant" or last.get("tool_calls"):
+        return None
+    if len(msgs) > 1 and msgs[-2]["role"] == "assistant":
+        raise EngineError("invalid_params", "Cannot have 2 or more assistant messages at the end of the list.")
+    return last["content"] if isinstance(last["content"], str) else ""
+
+
 _MARK_RE = re.compile("\U000F0000(\\d+)\U000F0001")
 
 
@@ -211,16 +221,21 @@ class ChatTemplate:
     def render(self, messages: Any, add_generation_prompt: bool = True, tools: list[Any] | None = None) -> str:
         """The prompt text for ``messages`` (BOS/EOS text stripped as configured).
 
+        Assistant prefill, as llama.cpp's server does it: with ``add_generation_prompt``, a
+        last ``assistant`` message (without ``tool_calls``) is not closed but continued —
+        the messages before it are rendered with the generation prompt and its content is
+        appended as it is, so the model's answer goes on from that text.
+
         Raises:
-            EngineError("invalid_params"): malformed messages.
+            EngineError("invalid_params"): malformed messages, or two assistant messages at
+                the end (a prefill follows a non-assistant turn).
             EngineError("template_error"): the template raised while rendering.
         """
-        msgs = normalize_messages(messages, self.developer_known)
+        msgs, prefill = self._split_prefill(messages, add_generation_prompt)
         real = self._render_raw(msgs, add_generation_prompt, tools)
-        if not ((self.strip_bos and real.startswith(self.bos_token))
-                or (self.strip_eos and real.endswith(self.eos_token))):
-            return real  # nothing to strip: the segments (a second rendering) are not needed
-        return "".join(t for t, _ in self._segments(msgs, real, add_generation_prompt, tools))
+        if (self.strip_bos and real.startswith(self.bos_token)) or (self.strip_eos and real.endswith(self.eos_token)):
+            real = "".join(t for t, _ in self._segments(msgs, real, add_generation_prompt, tools))
+        return real + (prefill or "")
 
     def render_segments(self, messages: Any, add_generation_prompt: bool = True,
                         tools: list[Any] | None = None) -> list[tuple[str, bool]]:
@@ -232,11 +247,17 @@ class ChatTemplate:
         When a template transforms content beyond that, contents are searched
         for in the real rendering in order; a content not found verbatim stays
         markup (and so can't be protected) -- the rendering itself is always
-        the real one.
+        the real one. A prefill (see :meth:`render`) is the last piece, content.
         """
-        msgs = normalize_messages(messages, self.developer_known)
-        return self._segments(msgs, self._render_raw(msgs, add_generation_prompt, tools),
+        msgs, prefill = self._split_prefill(messages, add_generation_prompt)
+        segs = self._segments(msgs, self._render_raw(msgs, add_generation_prompt, tools),
                               add_generation_prompt, tools)
+        return segs + [(prefill, False)] if prefill else segs
+
+    def _split_prefill(self, messages: Any, add_generation_prompt: bool) -> tuple[list[dict[str, Any]], str | None]:
+        msgs = normalize_messages(messages, self.developer_known)
+        prefill = _prefill(msgs) if add_generation_prompt else None
+        return (msgs[:-1], prefill) if prefill is not None else (msgs, None)
 
     def _segments(self, msgs: list[dict[str, Any]], real: str, add_generation_prompt: bool,
                   tools: list[Any] | None) -> list[tuple[str, bool]]:

@@ -16,12 +16,17 @@ its answers into what the sampler needs:
   JSON grammar form, which the router uses for custom tools).
 * :func:`check` — compile it now (on the prep thread) so an invalid schema or
   grammar is ``EngineError("invalid_grammar")`` before any token.
+* compiled once: the compiled matcher (fresh, never advanced) is kept in a small LRU
+  keyed by (tokenizer, constraint text); a sequence's :class:`Constraint` is a
+  ``deep_copy`` of it. So :func:`check` on the prep thread compiles, the engine
+  thread only copies, and a harness that sends the same tools every turn compiles
+  their grammar once.
 * :class:`Constraint` — one sequence's matcher: :meth:`Constraint.allowed` is the
   boolean mask ``[n_vocab]`` of the next token, :meth:`Constraint.advance` feeds the
   chosen token, :attr:`Constraint.done` says nothing more may follow.
 
 Thread use: one Constraint per sequence, used by the engine thread only; the cached
-LLTokenizer is immutable and shared.
+LLTokenizer and the cached fresh matchers are never advanced, only copied (under a lock).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -44,6 +50,12 @@ JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": 
 
 _cache_lock = threading.Lock()
 _cache: dict[tuple[int, int], tuple[Tokenizer, Any]] = {}
+#: Compiled matchers, fresh: (id of the LLTokenizer, json_schema, grammar) -> LLMatcher.
+_compiled: OrderedDict[tuple[int, str | None, str | None], Any] = OrderedDict()
+#: How many compiled constraints are kept (least recently used dropped first).
+COMPILED_CACHE_SIZE = 32
+#: How many compilations happened (tests and the benchmark read it).
+compilations = 0
 
 
 def vocab_bytes(tok: Tokenizer, n_vocab: int) -> list[bytes]:
@@ -132,18 +144,42 @@ def grammar_text(json_schema: str | None, grammar: str | None) -> str | None:
     return None
 
 
-def check(tok: Tokenizer, n_vocab: int, json_schema: str | None, grammar: str | None) -> None:
-    """Compile the request's constraint now. Raises EngineError("invalid_grammar") with
-    llguidance's message (it names the unsupported schema keyword or the grammar line)."""
+def _fresh(tok: Tokenizer, n_vocab: int, json_schema: str | None, grammar: str | None) -> Any:
+    """The compiled, never-advanced matcher of a constraint (None: unconstrained), from the
+    cache or compiled now. Raises EngineError("invalid_grammar") with llguidance's message
+    (it names the unsupported schema keyword or the grammar line); a failure is not cached."""
     import llguidance
 
+    global compilations
+    if json_schema is None and grammar is None:
+        return None
+    ll = ll_tokenizer(tok, n_vocab)
+    key = (id(ll), json_schema, grammar)
+    with _cache_lock:
+        hit = _compiled.get(key)
+        if hit is not None:
+            _compiled.move_to_end(key)
+            return hit
     g = grammar_text(json_schema, grammar)
-    if g is None:
-        return
-    err = llguidance.LLMatcher.validate_grammar(g, ll_tokenizer(tok, n_vocab))
-    if err:
+    assert g is not None
+    m = llguidance.LLMatcher(ll, g, log_level=0)
+    if m.is_error():
         raise EngineError("invalid_grammar", f"invalid {'json_schema' if json_schema is not None else 'grammar'}: "
-                          f"{err}")
+                          f"{m.get_error()}")
+    with _cache_lock:
+        compilations += 1
+        _compiled[key] = m
+        _compiled.move_to_end(key)
+        while len(_compiled) > COMPILED_CACHE_SIZE:
+            _compiled.popitem(last=False)
+    return m
+
+
+def check(tok: Tokenizer, n_vocab: int, json_schema: str | None, grammar: str | None) -> None:
+    """Compile the request's constraint now (kept for its sequence, see :func:`_fresh`).
+    Raises EngineError("invalid_grammar") with llguidance's message (it names the
+    unsupported schema keyword or the grammar line)."""
+    _fresh(tok, n_vocab, json_schema, grammar)
 
 
 class Constraint:
@@ -162,15 +198,13 @@ class Constraint:
 
     @classmethod
     def create(cls, tok: Tokenizer, n_vocab: int, json_schema: str | None, grammar: str | None) -> Constraint | None:
-        """The constraint of a request (None when it has none). Raises EngineError("invalid_grammar")."""
-        import llguidance
-
-        g = grammar_text(json_schema, grammar)
-        if g is None:
+        """The constraint of a request (None when it has none): a copy of the matcher
+        :func:`check` compiled (compiled now if it is not cached). Raises EngineError("invalid_grammar")."""
+        fresh = _fresh(tok, n_vocab, json_schema, grammar)
+        if fresh is None:
             return None
-        m = llguidance.LLMatcher(ll_tokenizer(tok, n_vocab), g, log_level=0)
-        if m.is_error():
-            raise EngineError("invalid_grammar", f"invalid constraint: {m.get_error()}")
+        with _cache_lock:
+            m = fresh.deep_copy()
         return cls(m, n_vocab)
 
     def allowed(self) -> np.ndarray:

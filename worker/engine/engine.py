@@ -308,6 +308,12 @@ class Engine:
         with self._lock:
             return self._sched.abort(seq_id)
 
+    def cache_n(self, seq_id: str) -> int:
+        """Prompt tokens a running sequence reused from the KV cache (known once its
+        prefill began, e.g. inside its first ``on_token``; 0 when unknown)."""
+        with self._lock:
+            return self._sched.cache_n(seq_id)
+
     @property
     def has_work(self) -> bool:
         """True while a sequence is waiting or running."""

@@ -247,6 +247,11 @@ class Scheduler:
         s.cancelled = True
         return True
 
+    def cache_n(self, seq_id: str) -> int:
+        """Prompt tokens ``seq_id`` reused from the KV cache (0 when unknown or not admitted yet)."""
+        s = self._by_id.get(seq_id)
+        return s.n_keep if s is not None else 0
+
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[Finished]:
