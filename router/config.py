@@ -95,6 +95,13 @@ class ModelConfig:
     max_crashes: int = 5
     crash_window_s: float = 300.0
     pinned: bool = False  # never evicted for another model (router.placement) nor unloaded for idleness
+    # KV states (worker.engine.kv_state): POST /slots/{id}?action=save|restore|erase files live in
+    # slot_save_path (None: slot actions are a 501); kv_cache_dir/<model name> keeps the idle KV
+    # caches across unload / eviction / stop, restored lazily on a prefix match (None: off),
+    # within kv_cache_mib of disk per model
+    slot_save_path: Path | None = None
+    kv_cache_dir: Path | None = None
+    kv_cache_mib: float = 1024.0
     sampling: dict[str, float | int] = field(default_factory=dict)
 
 
@@ -153,7 +160,8 @@ _MODEL_KEYS = {
     "path", "aliases", "n_ctx", "chat_template", "max_queue", "load_timeout_s",
     "cancel_timeout_s", "drain_timeout_s", "shutdown_grace_s", "ping_interval_s",
     "ping_timeout_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", "restart_backoff_s",
-    "restart_backoff_max_s", "max_crashes", "crash_window_s", "pinned", *SAMPLING_KEYS,
+    "restart_backoff_max_s", "max_crashes", "crash_window_s", "pinned", "slot_save_path", "kv_cache_dir",
+    "kv_cache_mib", *SAMPLING_KEYS,
 }
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases"}
 _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport", "shutdown_timeout_s",
@@ -280,6 +288,9 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
             max_crashes=_int(merged, "max_crashes", src("max_crashes"), 5, 1, 1_000_000),
             crash_window_s=_float(merged, "crash_window_s", src("crash_window_s"), 300.0, 0.0),
             pinned=_bool(merged, "pinned", src("pinned"), False),
+            slot_save_path=_opt_dir(merged, "slot_save_path", src("slot_save_path"), base_dir),
+            kv_cache_dir=_opt_dir(merged, "kv_cache_dir", src("kv_cache_dir"), base_dir),
+            kv_cache_mib=_float(merged, "kv_cache_mib", src("kv_cache_mib"), 1024.0, 0.0, float(1 << 30)),
             sampling=sampling,
         )
     return Config(server=server, models=models, source=source)
@@ -372,6 +383,18 @@ def _table(data: dict[str, Any], key: str, where: str) -> dict[str, Any]:
 def _check_id(ident: str, where: str) -> None:
     if not ident or len(ident) > 128 or any(c.isspace() for c in ident):
         raise ConfigError(where, f"invalid model id {ident!r} (1..128 characters, no whitespace)")
+
+
+def _opt_dir(t: dict[str, Any], key: str, where: str, base_dir: Path) -> Path | None:
+    """An optional directory (relative to the config file's directory); it need not exist yet,
+    but an existing non-directory there is an error."""
+    v = _opt_str(t, key, where)
+    if v is None:
+        return None
+    d = Path(v) if Path(v).is_absolute() else base_dir / v
+    if d.exists() and not d.is_dir():
+        raise ConfigError(f"{where}.{key}", f"not a directory: {d}")
+    return d.resolve()
 
 
 def _bool(t: dict[str, Any], key: str, where: str, default: bool) -> bool:

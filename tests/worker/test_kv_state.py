@@ -180,3 +180,46 @@ def test_tokenizer_fingerprint_covers_vocabulary_and_special_ids(tiny: dict[str,
     assert Tokenizer.from_metadata({**md, "tokenizer.ggml.eos_token_id": 2}).fingerprint != base
     merges = list(md["tokenizer.ggml.merges"])
     assert Tokenizer.from_metadata({**md, "tokenizer.ggml.merges": merges[:-1]}).fingerprint != base
+
+
+def test_disk_cache_budget_prefixes_and_corrupt_files(tiny: dict[str, Path], tmp_path: Path) -> None:
+    from worker.engine.kv_disk import DiskCache
+
+    e = Engine.load(str(tiny["f32"]), n_ctx=128, parallel=4)
+    base = e.tokenize(text_of(80, seed=2))[:30]
+    for extra in ([], e.tokenize(" one two three")[:3], e.tokenize(text_of(40, seed=9))[:20]):
+        e.generate(base + extra, greedy(2))
+    states = e.idle_states()
+    assert states and all(s.n_tokens for s in states)
+    one = states[0].n_tokens * states[0].identity.token_bytes
+    d = DiskCache(tmp_path / "c", budget_bytes=10 * one, identity=e.kv_identity)
+    written, _ = d.save(states)
+    assert written == len(states) == d.files
+    # a fresh index finds them; a prompt extending the newest state is served from disk
+    d2 = DiskCache(tmp_path / "c", budget_bytes=10 * one, identity=e.kv_identity)
+    assert d2.scan() == written
+    newest = states[0].tokens
+    path = d2.lookup(newest + [5, 6], have=0)
+    assert path is not None and d2.lookup(newest + [5, 6], have=len(newest) + 1) is None
+    st, _ = d2.load(path)
+    assert st.tokens == newest
+    # another identity's index ignores these files; a corrupt file is refused and deleted
+    other = Engine.load(str(tiny["f32"]), n_ctx=64)
+    assert DiskCache(tmp_path / "c", 10 * one, other.kv_identity).scan() == 0
+    raw = bytearray(path.read_bytes())
+    raw[-40] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(KVStateError):
+        d2.load(path)
+    assert not path.exists() and d2.files == written - 1
+    # a tight budget keeps only the most recent states; a prefix of a kept state is not kept
+    d3 = DiskCache(tmp_path / "small", budget_bytes=int(1.5 * one) + 4096, identity=e.kv_identity)
+    d3.save(states)
+    assert d3.files == 1
+    longer = states[0]
+    n = longer.n_tokens - 5
+    from worker.engine.kv_state import KVState
+
+    prefix = KVState(longer.identity, longer.tokens[:n], longer.k[:, :, :n], longer.v[:, :, :n])
+    d4 = DiskCache(tmp_path / "dedupe", budget_bytes=10 * one, identity=e.kv_identity)
+    assert d4.save([longer, prefix])[0] == 1 and d4.files == 1

@@ -349,14 +349,15 @@ class Engine:
             e = self._sched.slot_entry(id_slot)
             return self._snapshot(e)
 
-    def _snapshot(self, e: Any) -> KVState:
+    def _snapshot(self, e: Any, copy: bool = True) -> KVState:
         ident = self.kv_identity
         if e is None:
             s = self._sched.pool.shape
             return KVState(ident, [], np.zeros((s.n_layer, s.n_kv_head, 0, s.head_dim_k), s.dtype),
                            np.zeros((s.n_layer, s.n_kv_head, 0, s.head_dim_v), s.dtype))
         n = e.n_past
-        return KVState(ident, list(e.tokens), e.k[:, :, :n].copy(), e.v[:, :, :n].copy())
+        k, v = e.k[:, :, :n], e.v[:, :, :n]
+        return KVState(ident, list(e.tokens), k.copy() if copy else k, v.copy() if copy else v)
 
     def restore_slot(self, state: KVState, id_slot: int | None = None) -> int:
         """Load ``state`` into idle slot ``id_slot`` (replacing what it held), or with None into
@@ -380,10 +381,12 @@ class Engine:
         with self._lock:
             return self._sched.erase(id_slot)
 
-    def idle_states(self) -> list[KVState]:
-        """Copies of every idle KV entry (the prefix cache), most recently used first."""
+    def idle_states(self, copy: bool = True) -> list[KVState]:
+        """Every idle KV entry (the prefix cache), most recently used first: copies, or with
+        ``copy=False`` views valid only until the next add / step / restore (for a caller
+        that writes them out before touching the engine again)."""
         with self._lock:
-            return [self._snapshot(e) for e in reversed(self._sched.idle_entries()) if e.n_past]
+            return [self._snapshot(e, copy) for e in reversed(self._sched.idle_entries()) if e.n_past]
 
     def best_prefix(self, ids: Sequence[int]) -> int:
         """Tokens of ``ids`` (at most all but the last) the KV already holds as a prefix."""
