@@ -205,7 +205,8 @@ def test_disk_cache_budget_prefixes_and_corrupt_files(tiny: dict[str, Path], tmp
     assert st.tokens == newest
     # another identity's index ignores these files; a corrupt file is refused and deleted
     other = Engine.load(str(tiny["f32"]), n_ctx=64)
-    assert DiskCache(tmp_path / "c", 10 * one, other.kv_identity).scan() == 0
+    foreign = DiskCache(tmp_path / "c", 10 * one, other.kv_identity)
+    assert foreign.scan() == 0 and foreign.lookup(newest + [5, 6], have=0) is None
     raw = bytearray(path.read_bytes())
     raw[-40] ^= 0xFF
     path.write_bytes(bytes(raw))
@@ -223,3 +224,8 @@ def test_disk_cache_budget_prefixes_and_corrupt_files(tiny: dict[str, Path], tmp
     prefix = KVState(longer.identity, longer.tokens[:n], longer.k[:, :, :n], longer.v[:, :, :n])
     d4 = DiskCache(tmp_path / "dedupe", budget_bytes=10 * one, identity=e.kv_identity)
     assert d4.save([longer, prefix])[0] == 1 and d4.files == 1
+    # files of another identity count in the budget and are pruned by age, never loaded
+    f2 = DiskCache(tmp_path / "dedupe", budget_bytes=0, identity=other.kv_identity)
+    f2.scan()
+    f2.save([])
+    assert list((tmp_path / "dedupe").glob("*.kvstate")) == []

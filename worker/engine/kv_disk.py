@@ -6,7 +6,8 @@ extends — are written here (``worker.engine.kv_state`` format, atomically, one
 file each, named by a digest of identity and tokens), and the oldest files are
 pruned until the directory fits ``budget_bytes``. When the model loads again,
 :meth:`DiskCache.scan` reads only each file's header and token ids (files of
-another identity are skipped); :meth:`DiskCache.lookup` then tells, for a
+another identity are never used, only counted in the budget and pruned by age);
+:meth:`DiskCache.lookup` then tells, for a
 prompt, which file holds a longer prefix of it than the KV already does, and
 :meth:`DiskCache.load` reads and fully validates that file (a corrupt one is
 deleted and never loaded). Restoring is thus lazy: the first request that
@@ -47,6 +48,7 @@ class _File:
     tokens: list[int]
     size: int
     mtime: float
+    usable: bool = True  # False: a state of another identity (counted in the budget, pruned by age)
 
 
 class DiskCache:
@@ -63,7 +65,7 @@ class DiskCache:
     # ------------------------------------------------------------------ reading
 
     def scan(self) -> int:
-        """Index every readable state of this identity (header and tokens only); how many."""
+        """Index every readable state (header and tokens only); how many are of this identity."""
         self.dir.mkdir(parents=True, exist_ok=True)
         found: dict[str, _File] = {}
         for p in sorted(self.dir.glob(f"*{SUFFIX}")):
@@ -77,16 +79,16 @@ class DiskCache:
             if diff:
                 log.info("KV cache %s: %s is of another identity (%s differs); not used", self.dir, p.name,
                          ", ".join(d[0] for d in diff))
-                continue
-            found[p.name] = _File(p, tokens, size, mtime)
+            found[p.name] = _File(p, tokens, size, mtime, usable=not diff)
         with self._lock:
             self._files = found
-        return len(found)
+        return sum(f.usable for f in found.values())
 
     @property
     def files(self) -> int:
+        """Usable states indexed."""
         with self._lock:
-            return len(self._files)
+            return sum(f.usable for f in self._files.values())
 
     def lookup(self, ids: Sequence[int], have: int) -> Path | None:
         """The file holding the longest prefix of ``ids`` (at most all but the last token) when
@@ -94,7 +96,7 @@ class DiskCache:
         limit = len(ids) - 1
         best, best_n = None, have
         with self._lock:
-            files = list(self._files.values())
+            files = [f for f in self._files.values() if f.usable]
         for f in files:
             n = _common(f.tokens, ids, limit)
             if n > best_n and (n >= MIN_DISK_PREFIX or 2 * n >= len(ids)):
@@ -169,7 +171,7 @@ class DiskCache:
         keep: list[_File] = []
         used = 0
         for f in files:
-            if any(_extends(k.tokens, f.tokens) for k in keep) or used + f.size > self.budget:
+            if used + f.size > self.budget or (f.usable and any(k.usable and _extends(k.tokens, f.tokens) for k in keep)):
                 self._forget(f.path, delete=True)
                 continue
             keep.append(f)
