@@ -298,7 +298,7 @@ class SlotAction(Message):
 
     TYPE: ClassVar[str] = "slot_action"
     action: str  # one of SLOT_ACTIONS
-    id_slot: int
+    id_slot: int  # -1 with "restore": into the prefix cache, no slot (the disaggregated hand-over)
     filename: str = ""
 
 

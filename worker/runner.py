@@ -646,7 +646,8 @@ class BatchRunner:
         for op in self._deferred:
             msg = op.msg
             try:
-                if engine.slot_busy(msg.id_slot):
+                to_cache = msg.action == "restore" and msg.id_slot == -1  # the prefix cache, no slot
+                if not to_cache and engine.slot_busy(msg.id_slot):
                     waiting.append(op)  # llama.cpp defers a busy slot's action too
                     continue
                 if msg.action == "save":
@@ -654,7 +655,7 @@ class BatchRunner:
                     self._io_inbox.put(op)
                     continue
                 if msg.action == "restore":
-                    n = engine.restore_slot(op.state, msg.id_slot)
+                    n = engine.restore_slot(op.state, None if to_cache else msg.id_slot)
                     op.state = None
                     res = SlotActionResult(id=msg.id, action="restore", id_slot=msg.id_slot, filename=msg.filename,
                                            n_tokens=n, n_bytes=op.n_bytes, ms=(time.perf_counter() - op.t0) * 1e3)

@@ -51,6 +51,15 @@ slot_save_path = "{tmp / 'slots'}"
 [models.smol-plain]
 path = "{SMOLLM2.name}"
 n_ctx = 1024
+[models.smol-p]
+path = "{SMOLLM2.name}"
+n_ctx = 1024
+slot_save_path = "{tmp / 'slots'}"
+[models.smol-d]
+path = "{SMOLLM2.name}"
+n_ctx = 1024
+slot_save_path = "{tmp / 'slots'}"
+prefill_model = "smol-p"
 [models.smol-cache]
 path = "{SMOLLM2.name}"
 n_ctx = 4096
@@ -138,6 +147,100 @@ def test_slot_save_restore_into_a_fresh_worker_and_refusals(router: LiveRouter, 
     assert action(http, "smol-plain", 0, "save", "x.bin").status_code == 501
     erased = action(http, "smol", 1, "erase")
     assert erased.status_code == 200 and set(erased.json()) == {"id_slot", "n_erased"}
+
+
+def busy(http: httpx.Client, model: str) -> bool:
+    return any(s["is_processing"] for s in http.get("/slots", params={"model": model}).json())
+
+
+def wait_idle(router: LiveRouter, http: httpx.Client, *models: str) -> float:
+    """Seconds until no slot of ``models`` is processing (polled through /slots, fresh Pongs)."""
+    t0 = time.perf_counter()
+    router.wait_for(lambda: not any(busy(http, m) for m in models), 60, f"{models} idle")
+    return time.perf_counter() - t0
+
+
+def token_times(http: httpx.Client, model: str, prompt: str, n: int, stop_after: int | None = None,
+                on_token: Any = None) -> list[float]:
+    """Arrival times (perf_counter) of a /completion stream's tokens; closes after ``stop_after``."""
+    times: list[float] = []
+    with http.stream("POST", "/completion", json={"model": model, "prompt": prompt, "n_predict": n,
+                                                  "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]" or json.loads(line[6:]).get("stop"):
+                continue
+            times.append(time.perf_counter())
+            if on_token is not None:
+                on_token(len(times))
+            if stop_after is not None and len(times) >= stop_after:
+                break
+    return times
+
+
+def test_disaggregated_prefill_decode(router: LiveRouter) -> None:
+    import threading
+
+    http = router.http(timeout=300)
+    prompt = text_of(700, seed=21)
+    single = completion(http, "smol", prompt, 12)
+    split = completion(http, "smol-d", prompt, 12)
+    assert split["content"] == single["content"]
+    assert split["timings"]["cache_n"] == split["tokens_evaluated"] - 1 and split["timings"]["prompt_n"] == 1
+    chat = [{"role": "user", "content": "Say hello in French."}]
+    a = http.post("/v1/chat/completions", json={"model": "smol", "messages": chat, "temperature": 0, "max_tokens": 10})
+    b = http.post("/v1/chat/completions", json={"model": "smol-d", "messages": chat, "temperature": 0, "max_tokens": 10})
+    assert a.json()["choices"][0]["message"] == b.json()["choices"][0]["message"]
+
+    # cancel in each phase: every worker of the pair is free soon after the client leaves
+    freed: dict[str, float] = {}
+    def cancel_when(cond: Any, what: str, seed: int, words: int = 300) -> None:
+        """Send a streamed request on a raw socket, close it once ``cond()``; how long until
+        both workers of the pair are idle again."""
+        import socket
+
+        body = json.dumps({"model": "smol-d", "prompt": text_of(words, seed=seed), "n_predict": 200, "temperature": 0,
+                           "ignore_eos": True, "stream": True}).encode()
+        sock = socket.create_connection(("127.0.0.1", router.port))
+        sock.sendall(b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        router.wait_for(cond, 120, what)
+        t0 = time.perf_counter()
+        sock.close()
+        freed[what] = time.perf_counter() - t0 + wait_idle(router, http, "smol-p", "smol-d")
+
+    seen = {"p": False}
+
+    def after_prefill() -> bool:  # P has been busy and is idle again: the hand-over (or decode) runs
+        if busy(http, "smol-p"):
+            seen["p"] = True
+            return False
+        return seen["p"]
+
+    cancel_when(lambda: busy(http, "smol-p"), "prefill", 22, 700)  # a fresh prompt each: P prefills it all
+    cancel_when(after_prefill, "transfer", 24)
+    cancel_when(lambda: busy(http, "smol-d"), "decode", 25)
+    # the worst inter-token gap of a running stream while a long prompt arrives
+    gaps: dict[str, float] = {}
+    for model in ("smol", "smol-d"):
+        started = threading.Event()
+        other: list[threading.Thread] = []
+
+        def on_tok(i: int, model: str = model) -> None:
+            if i == 5 and not started.is_set():
+                started.set()
+                th = threading.Thread(target=lambda: completion(httpx.Client(base_url=router.url, timeout=300), model,
+                                                                text_of(700, seed=23), 1))
+                th.start()
+                other.append(th)
+
+        times = token_times(http, model, "Count slowly:", 120, on_token=on_tok)
+        for th in other:
+            th.join(300)
+        gaps[model] = max(b - a for a, b in zip(times[5:], times[6:]))
+    print(f"\n[kv] disaggregated: cancel frees both workers within {freed}; worst inter-token gap of a running "
+          f"stream while a 700-word prompt is prefilled: single worker {gaps['smol'] * 1e3:.0f} ms, "
+          f"split {gaps['smol-d'] * 1e3:.0f} ms")
 
 
 def chat_stream(http: httpx.Client, model: str, messages: list[dict[str, str]], n: int = 8) -> dict[str, Any]:
