@@ -213,6 +213,11 @@ class Generate(Message):
     json_schema: str | None = None
     grammar: str | None = None
     trace_id: str = ""  # the HTTP request's X-Request-Id, for the worker's log lines ("" if none)
+    # a plain file name (slot_filename_error): as the generation ends, the worker saves its KV entry
+    # to that file in its --slot-save-path, in the same step (nothing can take the entry over
+    # first), and sends the Done once the file is written (an Error if it cannot be); "" = no save.
+    # The disaggregated hand-over (router.disaggregate) uses it; n must be 1.
+    save_slot_to: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,10 +5,11 @@ all inside :func:`router.generation.begin` so every dialect gets them:
 
 1. **prefill** on P's worker: the same prompt (text, token ids or messages: P's
    worker renders and tokenizes it as the decode worker will) as a Generate of one
-   greedy token, admitted on P's own queue; its KV entry then holds the prompt.
-2. **transfer**: P's worker saves that slot to ``slot_save_path`` (a SlotAction,
-   the ``worker.engine.kv_state`` format: identity, checksums; written atomically)
-   and the decode worker restores it into its prefix cache (``id_slot`` -1), which
+   greedy token, admitted on P's own queue, with ``save_slot_to``: as it ends, in
+   the same engine step (no other sequence can take its entry over first), P's
+   worker saves its KV entry to ``slot_save_path`` (``worker.engine.kv_state``
+   format: identity, checksums; written atomically) and then sends its Done.
+2. **transfer**: the decode worker restores that file into its prefix cache (``id_slot`` -1), which
    checks the identity in full before a byte reaches its KV; the file is removed.
 3. **decode**: the request runs on this model's worker as usual; its prompt
    extends the restored tokens, so only the last prompt token is evaluated there
@@ -69,29 +70,27 @@ async def prefill_and_hand_over(pre: ModelSlot, slot: ModelSlot, msg: Generate,
     worker is unreachable or silent); a cancel (CancelledError) stops at once.
     """
     t0 = time.monotonic()
-    pmsg = dataclasses.replace(msg, id=f"{msg.id}-prefill", max_tokens=1, n=1, temperature=0.0, n_probs=0,
-                               json_schema=None, grammar=None, stop=[], logit_bias=[], ignore_eos=False)
-    run = Run(pre, pmsg.id)
-    try:
-        await run.start(pmsg)
-        item: Token | Done = await run.next()
-        while isinstance(item, Token):
-            item = await run.next()
-        done = item
-    finally:
-        run.close()
-    if done.finish_reason == "cancelled":
-        raise Unavailable("the prefill was cancelled by the server (model unloading or shutting down)",
-                          code="cancelled")
-    t1 = time.monotonic()
-    assert run.worker is not None
     filename = f"xfer-{msg.id}.kvstate"
     assert pre.model.slot_save_path is not None
     path = pre.model.slot_save_path / filename
+    pmsg = dataclasses.replace(msg, id=f"{msg.id}-prefill", max_tokens=1, n=1, temperature=0.0, n_probs=0,
+                               json_schema=None, grammar=None, stop=[], logit_bias=[], ignore_eos=False,
+                               save_slot_to=filename)
     try:
-        saved = await _act(run.worker, pre, SlotAction(id="x", action="save", id_slot=done.id_slot,
-                                                       filename=filename))
-        t2 = time.monotonic()
+        run = Run(pre, pmsg.id)
+        try:
+            await run.start(pmsg)
+            item: Token | Done = await run.next()
+            while isinstance(item, Token):
+                item = await run.next()
+            done = item  # sent once the state file is written (Generate.save_slot_to)
+        finally:
+            run.close()
+        if done.finish_reason == "cancelled":
+            raise Unavailable("the prefill was cancelled by the server (model unloading or shutting down)",
+                              code="cancelled")
+        t1 = t2 = time.monotonic()
+        n_bytes = path.stat().st_size if path.exists() else 0
         worker = await slot.ready_worker()
         restored = await _act(worker, slot, SlotAction(id="x", action="restore", id_slot=-1, filename=filename))
     finally:
@@ -100,12 +99,11 @@ async def prefill_and_hand_over(pre: ModelSlot, slot: ModelSlot, msg: Generate,
         except OSError:
             pass
     t3 = time.monotonic()
-    log.info("request %s: prefilled %d tokens on %s in %.0f ms; state %d bytes saved in %.0f ms, restored in "
-             "%.0f ms", msg.id, restored.n_tokens, pre.model.name, (t1 - t0) * 1e3, saved.n_bytes, (t2 - t1) * 1e3,
-             (t3 - t2) * 1e3)
+    log.info("request %s: prefilled and saved %d tokens (%d bytes) on %s in %.0f ms; restored in %.0f ms",
+             msg.id, restored.n_tokens, n_bytes, pre.model.name, (t1 - t0) * 1e3, (t3 - t2) * 1e3)
     if timings is not None:
-        timings.update(prefill_ms=(t1 - t0) * 1e3, save_ms=(t2 - t1) * 1e3, restore_ms=(t3 - t2) * 1e3,
-                       n_transferred=restored.n_tokens, bytes=saved.n_bytes)
+        timings.update(prefill_ms=(t1 - t0) * 1e3, restore_ms=(t3 - t2) * 1e3, n_transferred=restored.n_tokens,
+                       bytes=n_bytes)
 
 
 async def _act(worker: WorkerProcess, slot: ModelSlot, action: SlotAction) -> SlotActionResult:

@@ -251,6 +251,7 @@ class _SlotOp:
     t0: float  # perf_counter at arrival
     state: Any = None
     n_bytes: int = 0
+    final: Any = None  # a Generate's Done (save_slot_to): posted once the file is written
 
 
 @dataclass(frozen=True)
@@ -492,17 +493,22 @@ class BatchRunner:
                 st = op.state  # save: the engine thread's copy of the slot
                 self.slot_save_path.mkdir(parents=True, exist_ok=True)
                 n = write_state_file(path, encode_state(st.identity, st.tokens, st.k, st.v))
+                if op.final is not None:  # a generation's save_slot_to: its Done comes now
+                    self._post(JobFinished(msg.id, op.final))
+                    continue
                 self._post(FrameOut(SlotActionResult(id=msg.id, action="save", id_slot=msg.id_slot,
                                                      filename=msg.filename, n_tokens=st.n_tokens, n_bytes=n,
                                                      ms=(time.perf_counter() - op.t0) * 1e3)))
-            except EngineError as e:
-                self._post(FrameOut(Error(id=msg.id, code=e.code, message=e.message)))
-            except OSError as e:
-                self._post(FrameOut(Error(id=msg.id, code=INTERNAL_ERROR,
-                                          message=f"cannot write {msg.filename!r}: {e.strerror or e}"[:1000])))
             except Exception as e:  # noqa: BLE001 - a request never kills the worker
-                log.error("slot action %s failed:\n%s", msg.id, traceback.format_exc())
-                self._post(FrameOut(Error(id=msg.id, code=INTERNAL_ERROR, message=f"{type(e).__name__}: {e}"[:1000])))
+                if isinstance(e, EngineError):
+                    err = Error(id=msg.id, code=e.code, message=e.message)
+                elif isinstance(e, OSError):
+                    err = Error(id=msg.id, code=INTERNAL_ERROR,
+                                message=f"cannot write {msg.filename!r}: {e.strerror or e}"[:1000])
+                else:
+                    log.error("slot action %s failed:\n%s", msg.id, traceback.format_exc())
+                    err = Error(id=msg.id, code=INTERNAL_ERROR, message=f"{type(e).__name__}: {e}"[:1000])
+                self._post(JobFinished(msg.id, err) if op.final is not None else FrameOut(err))
 
     # -- engine thread
 
@@ -584,6 +590,13 @@ class BatchRunner:
                 self.engine.restore_slot(state, None)
             except EngineError as e:
                 log.warning("KV cache: a saved state of %d tokens not restored: %s", state.n_tokens, e.message)
+        save_to = getattr(job.msg, "save_slot_to", "")
+        if save_to:
+            why = ("no slot_save_path is configured" if self.slot_save_path is None
+                   else slot_filename_error(save_to) or ("n must be 1" if job.msg.n != 1 else None))
+            if why is not None:
+                self._end(job.id, Error(id=job.id, code=ErrorCode.INVALID_REQUEST, message=f"save_slot_to: {why}"))
+                return
         run = _Run(job, ids, p, max(1, int(job.msg.n)))
         self._runs[job.id] = run
         self._add_choices(run, upto=1)
@@ -708,6 +721,20 @@ class BatchRunner:
                  else cancelled_done(job_id) for i in range(run.n)]
         first = dones[0]
         assert isinstance(first, Done)
+        save_to = getattr(run.job.msg, "save_slot_to", "")
+        if run.n == 1 and save_to and run.finished.get(0) is not None and first.finish_reason != "cancelled":
+            # this very step ended it: its slot still holds its entry, nobody took it over yet
+            try:
+                state = self.engine.save_slot(run.finished[0].id_slot)
+            except EngineError as e:
+                self._end(job_id, Error(id=job_id, code=e.code, message=e.message))
+                return
+            op = _SlotOp(SlotAction(id=job_id, action="save", id_slot=run.finished[0].id_slot, filename=save_to),
+                         time.perf_counter(), state)
+            op.final = first
+            self._end(job_id, first, post=False)
+            self._io_inbox.put(op)  # the kvio thread writes it, then posts the Done
+            return
         if run.n == 1:
             self._end(job_id, first)
             return
@@ -733,11 +760,12 @@ class BatchRunner:
                     predicted_n=int(res.predicted_n), predicted_ms=float(res.predicted_ms),
                     cache_n=int(res.cache_n), id_slot=int(f.id_slot))
 
-    def _end(self, job_id: str, final: Done | Error) -> None:
+    def _end(self, job_id: str, final: Done | Error, post: bool = True) -> None:
         self._runs.pop(job_id, None)
         with self._lock:
             self._running.pop(job_id, None)
-        self._post(JobFinished(job_id, final))
+        if post:
+            self._post(JobFinished(job_id, final))
 
     def _reset(self, engine: Any) -> None:
         try:

@@ -182,7 +182,7 @@ def test_disaggregated_prefill_decode(router: LiveRouter) -> None:
     import threading
 
     http = router.http(timeout=300)
-    prompt = text_of(700, seed=21)
+    prompt = text_of(300, seed=21)
     single = completion(http, "smol", prompt, 12)
     split = completion(http, "smol-d", prompt, 12)
     assert split["content"] == single["content"]
@@ -217,10 +217,18 @@ def test_disaggregated_prefill_decode(router: LiveRouter) -> None:
             return False
         return seen["p"]
 
-    cancel_when(lambda: busy(http, "smol-p"), "prefill", 22, 700)  # a fresh prompt each: P prefills it all
+    cancel_when(lambda: busy(http, "smol-p"), "prefill", 22, 400)  # a fresh prompt each: P prefills it all
     cancel_when(after_prefill, "transfer", 24)
     cancel_when(lambda: busy(http, "smol-d"), "decode", 25)
-    # the worst inter-token gap of a running stream while a long prompt arrives
+    print(f"\n[kv] disaggregated: cancel frees both workers within {freed} s (prefill / hand-over / decode phase)")
+
+
+def test_disaggregated_running_streams_and_a_long_prompt(router: LiveRouter) -> None:
+    """The worst inter-token gap of a running stream while a long prompt arrives, one worker
+    against the split (reported, not asserted: the machine is shared)."""
+    import threading
+
+    http = router.http(timeout=300)
     gaps: dict[str, float] = {}
     for model in ("smol", "smol-d"):
         started = threading.Event()
@@ -230,17 +238,16 @@ def test_disaggregated_prefill_decode(router: LiveRouter) -> None:
             if i == 5 and not started.is_set():
                 started.set()
                 th = threading.Thread(target=lambda: completion(httpx.Client(base_url=router.url, timeout=300), model,
-                                                                text_of(700, seed=23), 1))
+                                                                text_of(500, seed=23), 1))
                 th.start()
                 other.append(th)
 
-        times = token_times(http, model, "Count slowly:", 120, on_token=on_tok)
+        times = token_times(http, model, "Count slowly:", 60, on_token=on_tok)
         for th in other:
             th.join(300)
         gaps[model] = max(b - a for a, b in zip(times[5:], times[6:]))
-    print(f"\n[kv] disaggregated: cancel frees both workers within {freed}; worst inter-token gap of a running "
-          f"stream while a 700-word prompt is prefilled: single worker {gaps['smol'] * 1e3:.0f} ms, "
-          f"split {gaps['smol-d'] * 1e3:.0f} ms")
+    print(f"\n[kv] worst inter-token gap of a running stream while a 500-word prompt is prefilled: single worker "
+          f"{gaps['smol'] * 1e3:.0f} ms, split {gaps['smol-d'] * 1e3:.0f} ms")
 
 
 def chat_stream(http: httpx.Client, model: str, messages: list[dict[str, str]], n: int = 8) -> dict[str, Any]:

@@ -101,3 +101,19 @@ def test_shutdown_saves_idle_kv_and_the_next_worker_restores_it(gguf: Path, tmp_
         proc.kill()
         proc.wait(10)
         stub.close()
+
+
+def test_generate_save_slot_to_writes_the_entry_before_its_done(worker, tmp_path: Path) -> None:
+    stub, _ = worker
+    stub.send(Generate(id="h1", prompt=PROMPT, max_tokens=1, temperature=0.0, save_slot_to="h.kvstate"))
+    toks, done = stub.stream("h1", 60)
+    assert isinstance(done, Done)
+    f = tmp_path / "slots" / "h.kvstate"
+    assert f.is_file()  # written before the Done was sent
+    from worker.engine.kv_state import read_state_tokens
+
+    _, tokens, _ = read_state_tokens(f)
+    assert tokens == PROMPT
+    stub.send(Generate(id="h2", prompt=PROMPT, max_tokens=1, save_slot_to="../x"))
+    _, err = stub.stream("h2", 60)
+    assert isinstance(err, Error) and err.code == "invalid_request" and "save_slot_to" in err.message
