@@ -216,6 +216,10 @@ async def _call(request: Request, slot: ModelSlot, make: Any, timeout_s: float =
     return ans
 
 
+#: One-shot call to a model's worker (other route modules use it: the slot actions).
+call_worker = _call
+
+
 def _piece(p: bytes) -> str | list[int]:
     try:
         return p.decode("utf-8")

@@ -51,7 +51,7 @@ from starlette.routing import Route
 
 from protocol import SLOT_ACTIONS, SlotAction, SlotActionResult, slot_filename_error
 from router.errors import ApiError, BadGateway, BadRequest, NotSupported, Unavailable, error_response
-from router.llamacpp_api import _call
+from router.llamacpp_api import call_worker
 from router.generation import LLAMACPP_DEFAULTS
 from router.gguf_meta import read_string
 from router.metrics import label_request
@@ -222,7 +222,7 @@ async def slot_action(request: Request) -> Response:
     await _ready(request, slot)
     if not 0 <= id_slot < slot.total_slots:
         raise BadRequest(f"Invalid slot ID {id_slot} (slots 0..{slot.total_slots - 1})", param="id_slot")
-    ans = await _call(request, slot, lambda i: SlotAction(id=i, action=action, id_slot=id_slot, filename=filename),
+    ans = await call_worker(request, slot, lambda i: SlotAction(id=i, action=action, id_slot=id_slot, filename=filename),
                       SLOT_ACTION_TIMEOUT_S)
     if not isinstance(ans, SlotActionResult):
         raise BadGateway(f"unexpected {ans.TYPE} answer to a slot action")
