@@ -27,15 +27,20 @@ from protocol.messages import (
     Pong,
     Ready,
     Shutdown,
+    SLOT_ACTIONS,
+    SlotAction,
+    SlotActionResult,
     Token,
     Tokenize,
     TokenizeResult,
+    slot_filename_error,
 )
 
 __all__ = [
     "FINISH_REASONS", "LOAD_STAGES", "MAX_FRAME_BYTES", "MESSAGE_TYPES", "PROTOCOL_VERSION",
     "ApplyTemplate", "ApplyTemplateResult", "Cancel", "Detokenize", "DetokenizeResult", "Done",
-    "Error", "ErrorCode", "Generate", "Hello", "LoadProgress", "Message", "Ping", "Pong", "ProtocolError", "Ready", "Shutdown",
+    "Error", "ErrorCode", "Generate", "Hello", "LoadProgress", "Message", "Ping", "Pong", "ProtocolError", "Ready",
+    "Shutdown", "SLOT_ACTIONS", "SlotAction", "SlotActionResult",
     "Token", "Tokenize", "TokenizeResult", "WorkerCredentials", "decode", "encode", "read_credentials",
-    "secret_matches", "write_credentials",
+    "secret_matches", "slot_filename_error", "write_credentials",
 ]

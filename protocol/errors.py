@@ -22,6 +22,8 @@ class ErrorCode(enum.StrEnum):
     NO_CHAT_TEMPLATE = "no_chat_template"
     TEMPLATE_ERROR = "template_error"
     INVALID_GRAMMAR = "invalid_grammar"
+    KV_STATE_MISMATCH = "kv_state_mismatch"  # a KV state of another model / quantization / n_ctx ...
+    KV_STATE_INVALID = "kv_state_invalid"  # a truncated, corrupt, foreign or missing state file
     # the worker cannot take it now (503)
     BUSY = "busy"
     # loading the model failed (the engine's codes name why)

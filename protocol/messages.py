@@ -12,9 +12,9 @@ use their own id). Field names follow OpenAI's and llama.cpp's wire names
 Direction:
 
 * worker -> router: Hello, LoadProgress, Ready, Token, Done, Error, Pong, TokenizeResult,
-  DetokenizeResult, ApplyTemplateResult
+  DetokenizeResult, ApplyTemplateResult, SlotActionResult
 * router -> worker: Generate, Cancel, Ping, Shutdown, Tokenize, Detokenize,
-  ApplyTemplate
+  ApplyTemplate, SlotAction
 
 This module only declares the records; ``protocol.codec`` encodes, decodes and
 validates them. It imports neither the router nor the worker.
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 #: Bumped on any incompatible change; a frame with another version is rejected.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 #: Largest frame either side accepts, in bytes (a 100 KB prompt as token ids is < 1 MiB).
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -261,6 +261,11 @@ class Generate(Message):
     json_schema: str | None = None
     grammar: str | None = None
     trace_id: str = ""  # the HTTP request's X-Request-Id, for the worker's log lines ("" if none)
+    # a plain file name (slot_filename_error): as the generation ends, the worker saves its KV entry
+    # to that file in its --slot-save-path, in the same step (nothing can take the entry over
+    # first), and sends the Done once the file is written (an Error if it cannot be); "" = no save.
+    # The disaggregated hand-over (router.disaggregate) uses it; n must be 1.
+    save_slot_to: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -309,12 +314,67 @@ class ApplyTemplate(Message):
     add_generation_prompt: bool = True
 
 
+#: SlotAction.action values (llama.cpp's ``POST /slots/{id}?action=``).
+SLOT_ACTIONS = ("save", "restore", "erase")
+
+
+def slot_filename_error(name: str) -> str | None:
+    """Why ``name`` is not a plain file name for a slot save directory (llama.cpp's
+    fs_validate_filename in spirit), or None: non-empty, at most 255 bytes, no path
+    separator, no ``..``, no control character or BOM, no leading/trailing whitespace,
+    no trailing dot."""
+    if not isinstance(name, str) or not name:
+        return "the filename is empty"
+    if len(name.encode("utf-8", "surrogatepass")) > 255:
+        return "the filename is longer than 255 bytes"
+    if "/" in name or "\\" in name or ".." in name:
+        return "the filename must not contain a path separator or '..'"
+    if any(ord(c) < 32 or ord(c) == 127 for c in name) or "\ufeff" in name:
+        return "the filename contains a control character"
+    if name != name.strip() or name.endswith("."):
+        return "the filename must not start or end with whitespace or end with '.'"
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlotAction(Message):
+    """Save, restore or erase KV slot ``id_slot`` (llama.cpp's slot actions).
+
+    ``filename`` (save / restore): a plain file name inside the worker's
+    ``--slot-save-path`` directory (no path separator, no ``..``; checked on both
+    sides). The state never crosses the wire: the worker reads / writes the file
+    (``worker.engine.kv_state`` format). A busy slot's action waits until the slot
+    is idle (llama.cpp defers it too). Answered by a SlotActionResult or an Error
+    ("kv_state_mismatch" naming the field, "kv_state_invalid", "invalid_params",
+    "kv_budget_exceeded", "invalid_request" when the worker has no save path).
+    """
+
+    TYPE: ClassVar[str] = "slot_action"
+    action: str  # one of SLOT_ACTIONS
+    id_slot: int  # -1 with "restore": into the prefix cache, no slot (the disaggregated hand-over)
+    filename: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlotActionResult(Message):
+    """A SlotAction done: ``n_tokens`` saved / restored / erased, ``n_bytes`` written / read,
+    ``ms`` its wall time (milliseconds)."""
+
+    TYPE: ClassVar[str] = "slot_action_result"
+    action: str
+    id_slot: int
+    filename: str = ""
+    n_tokens: int
+    n_bytes: int = 0
+    ms: float = 0.0
+
+
 #: Every message type by its wire tag.
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
         Hello, LoadProgress, Ready, Token, Done, Error, Pong, TokenizeResult, DetokenizeResult,
         ApplyTemplateResult, Generate, Cancel, Ping, Shutdown, Tokenize, Detokenize,
-        ApplyTemplate,
+        ApplyTemplate, SlotAction, SlotActionResult,
     )
 }

@@ -96,6 +96,17 @@ class ModelConfig:
     max_crashes: int = 5
     crash_window_s: float = 300.0
     pinned: bool = False  # never evicted for another model (router.placement) nor unloaded for idleness
+    # KV states (worker.engine.kv_state): POST /slots/{id}?action=save|restore|erase files live in
+    # slot_save_path (None: slot actions are a 501); kv_cache_dir/<model name> keeps the idle KV
+    # caches across unload / eviction / stop, restored lazily on a prefix match (None: off),
+    # within kv_cache_mib of disk per model
+    slot_save_path: Path | None = None
+    kv_cache_dir: Path | None = None
+    kv_cache_mib: float = 1024.0
+    # disaggregated prefill/decode (router.disaggregate): another configured model (same GGUF, same
+    # slot_save_path) whose worker prefills this model's prompts; the KV state is handed over
+    # through slot_save_path and this model's worker decodes. None: this worker does both
+    prefill_model: str | None = None
     sampling: dict[str, float | int] = field(default_factory=dict)
 
 
@@ -158,9 +169,10 @@ _MODEL_KEYS = {
     "path", "aliases", "n_ctx", "chat_template", "max_queue", "load_timeout_s",
     "cancel_timeout_s", "drain_timeout_s", "shutdown_grace_s", "ping_interval_s",
     "ping_timeout_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", "weights", "restart_backoff_s",
-    "restart_backoff_max_s", "max_crashes", "crash_window_s", "pinned", *SAMPLING_KEYS,
+    "restart_backoff_max_s", "max_crashes", "crash_window_s", "pinned", "slot_save_path", "kv_cache_dir",
+    "kv_cache_mib", "prefill_model", *SAMPLING_KEYS,
 }
-_DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases"}
+_DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases", "prefill_model"}
 _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport", "shutdown_timeout_s",
                 "allowed_hosts", "cors_origins", "header_timeout_s", "body_timeout_s",
                 "keep_alive_timeout_s", "max_connections", "max_header_bytes", "max_loaded", "responses_store_max",
@@ -289,9 +301,33 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
             max_crashes=_int(merged, "max_crashes", src("max_crashes"), 5, 1, 1_000_000),
             crash_window_s=_float(merged, "crash_window_s", src("crash_window_s"), 300.0, 0.0),
             pinned=_bool(merged, "pinned", src("pinned"), False),
+            slot_save_path=_opt_dir(merged, "slot_save_path", src("slot_save_path"), base_dir),
+            kv_cache_dir=_opt_dir(merged, "kv_cache_dir", src("kv_cache_dir"), base_dir),
+            kv_cache_mib=_float(merged, "kv_cache_mib", src("kv_cache_mib"), 1024.0, 0.0, float(1 << 30)),
+            prefill_model=_opt_str(table, "prefill_model", where),
             sampling=sampling,
         )
+    for name, m in models.items():
+        _check_prefill_model(name, m, models)
     return Config(server=server, models=models, source=source)
+
+
+def _check_prefill_model(name: str, m: ModelConfig, models: dict[str, ModelConfig]) -> None:
+    """``prefill_model`` names another model of the same GGUF and slot_save_path, itself not split.
+    Raises ConfigError naming the key."""
+    if m.prefill_model is None:
+        return
+    key = f"models.{name}.prefill_model"
+    p = models.get(m.prefill_model)
+    if p is None or p is m:
+        raise ConfigError(key, f"{m.prefill_model!r} is not another configured model (by its canonical name)")
+    if p.path != m.path:
+        raise ConfigError(key, f"{m.prefill_model!r} serves {p.path.name}, not {m.path.name}: the KV state "
+                          "is only valid for the same GGUF")
+    if m.slot_save_path is None or p.slot_save_path != m.slot_save_path:
+        raise ConfigError(key, "both models need the same slot_save_path (the KV state is handed over there)")
+    if p.prefill_model is not None:
+        raise ConfigError(key, f"{m.prefill_model!r} has a prefill_model itself")
 
 
 #: Where the models are when ``[server].models_dir`` is not set (``scripts/fetch_models.py``
@@ -381,6 +417,18 @@ def _table(data: dict[str, Any], key: str, where: str) -> dict[str, Any]:
 def _check_id(ident: str, where: str) -> None:
     if not ident or len(ident) > 128 or any(c.isspace() for c in ident):
         raise ConfigError(where, f"invalid model id {ident!r} (1..128 characters, no whitespace)")
+
+
+def _opt_dir(t: dict[str, Any], key: str, where: str, base_dir: Path) -> Path | None:
+    """An optional directory (relative to the config file's directory); it need not exist yet,
+    but an existing non-directory there is an error."""
+    v = _opt_str(t, key, where)
+    if v is None:
+        return None
+    d = Path(v) if Path(v).is_absolute() else base_dir / v
+    if d.exists() and not d.is_dir():
+        raise ConfigError(f"{where}.{key}", f"not a directory: {d}")
+    return d.resolve()
 
 
 def _bool(t: dict[str, Any], key: str, where: str, default: bool) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 
 from router.constraints import tool_constraint
 from router.errors import BadRequest
-from router.llamacpp_router import chat_template
+from router.gguf_meta import chat_template as model_chat_template
 from router.pool import ModelSlot
 from router.tools import (
     CallParser,
@@ -37,7 +37,7 @@ def _syntax_of_text(template: str) -> ToolSyntax:
 
 def template_syntax(slot: ModelSlot) -> ToolSyntax:
     """The tool syntax of ``slot``'s chat template (the configured one, else the GGUF's)."""
-    return _syntax_of_text(chat_template(slot))
+    return _syntax_of_text(model_chat_template(slot.model.chat_template, slot.model.path))
 
 
 def objects(v: Any, param: str) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -116,6 +116,14 @@ class Conflict(ApiError):
     default_code = "conflict"
 
 
+class NotSupported(ApiError):
+    """501: a capability this server was not configured for (llama.cpp's not_supported_error)."""
+
+    status = 501
+    type = "not_supported_error"
+    default_code = "not_supported"
+
+
 class Unavailable(ApiError):
     """503: try again later (Retry-After)."""
 
@@ -220,6 +228,8 @@ WORKER_CODES: dict[ErrorCode, type[ApiError]] = {
     ErrorCode.INTERNAL_ERROR: InternalError,
     ErrorCode.WORKER_GONE: BadGateway,
     ErrorCode.INVALID_GRAMMAR: BadRequest,
+    ErrorCode.KV_STATE_MISMATCH: BadRequest,
+    ErrorCode.KV_STATE_INVALID: BadRequest,
 }
 
 

@@ -26,6 +26,7 @@ from starlette.requests import Request
 
 from protocol import Done, Generate, Token
 from router.access_log import access_record
+from router.disaggregate import prefill_and_hand_over, prefill_slot
 from router.errors import ApiError, BadRequest, ContextLengthExceeded, InternalError, Unavailable, error_payload
 from protocol.limits import GENERATE_LIMITS
 from router.params import (
@@ -103,6 +104,14 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate,
     rid = getattr(request.state, "request_id", "")
     if rid:
         msg = dataclasses.replace(msg, trace_id=rid)  # the worker logs it with the generation
+    pre = prefill_slot(request, slot)
+    if pre is not None:  # disaggregated: another worker prefills, this one decodes (router.disaggregate)
+        try:
+            await until_disconnect(request.receive, prefill_and_hand_over(pre, slot, msg))
+        except ContextLengthExceeded as e:
+            if e.param is None:
+                e.param = "messages" if msg.messages is not None else "prompt"
+            raise
     run = Run(slot, msg.id, access=access_record(request.state))
     hook = getattr(request.state, "run_hook", None)
     try:

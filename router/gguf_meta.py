@@ -134,3 +134,11 @@ def _tensor_elements(path: str, size: int, mtime_ns: int) -> int | None:
             return total
     except (OSError, _Truncated, struct.error):
         return None
+
+
+def chat_template(configured: str | None, path: Path) -> str:
+    """A model's chat template: the configured one (text or built-in name), else the GGUF's
+    own ``tokenizer.chat_template``, else ""."""
+    if configured is not None:
+        return configured
+    return read_string(path, "tokenizer.chat_template") or ""

@@ -208,7 +208,7 @@ async def completion(request: Request) -> Response:
     return SSEResponse(stream(run, first, on_frame), run.close)
 
 
-async def _call(request: Request, slot: ModelSlot, make: Any) -> Message:
+async def _call(request: Request, slot: ModelSlot, make: Any, timeout_s: float = CALL_TIMEOUT_S) -> Message:
     """Send a one-shot request to the model's (loaded) worker; its answer, or the mapped ApiError.
     A request the protocol cannot carry is a 400 (checked before the model is loaded)."""
     try:
@@ -218,19 +218,23 @@ async def _call(request: Request, slot: ModelSlot, make: Any) -> Message:
     worker = await until_disconnect(request.receive, slot.ready_worker())
     msg = make(worker.new_call_id("call"))
     try:
-        ans = await until_disconnect(request.receive, worker.call(msg, CALL_TIMEOUT_S))
+        ans = await until_disconnect(request.receive, worker.call(msg, timeout_s))
     except ProtocolError as e:
         raise unsendable(e.reason) from None
     except WorkerUnreachable as e:
         raise BadGateway(f"model '{slot.model.name}' worker is unreachable: {e}", code="worker_crashed") from None
     except TimeoutError:
-        raise BadGateway(f"model '{slot.model.name}' worker did not answer within {CALL_TIMEOUT_S:g} s",
+        raise BadGateway(f"model '{slot.model.name}' worker did not answer within {timeout_s:g} s",
                          code="worker_timeout") from None
     if isinstance(ans, Error):
         if ans.code == ErrorCode.WORKER_GONE:
             raise BadGateway(f"model '{slot.model.name}' worker failed: {ans.message}", code="worker_crashed")
         raise from_worker_error(ans.code, ans.message)
     return ans
+
+
+#: One-shot call to a model's worker (other route modules use it: the slot actions).
+call_worker = _call
 
 
 def _piece(p: bytes) -> str | list[int]:

@@ -19,6 +19,16 @@ unknown model is a 404.
   ``id_task`` is the request id running in the slot (``null`` when idle);
   ``n_past`` the tokens its KV holds. ``?fail_on_no_slot=1``: 503 when every
   slot is busy.
+* ``POST /slots/{id_slot}?action=save|restore|erase`` — llama.cpp's slot actions (off,
+  a 501, unless the model's ``slot_save_path`` is set). ``{"filename": NAME}`` (save /
+  restore; the model in the query or the body): a plain name inside ``slot_save_path``
+  (a path separator or ``..`` is a 400). The worker writes / reads the file itself
+  (``worker.engine.kv_state``: identity, checksums); a restore of another model,
+  quantization or n_ctx is a 400 ``kv_state_mismatch`` naming the field, a truncated or
+  corrupt file a 400 ``kv_state_invalid``, and neither touches the slot. Answers, as
+  llama.cpp: save ``{id_slot, filename, n_saved, n_written, timings: {save_ms}}``,
+  restore ``{id_slot, filename, n_restored, n_read, timings: {restore_ms}}``, erase
+  ``{id_slot, n_erased}``. A busy slot's action waits until the slot is idle.
 * ``/models`` — ``status.value`` ``unloaded`` / ``loading`` / ``loaded``
   (``draining`` is still ``loaded``: it runs until its requests finish); a model
   whose worker failed or crashed is ``unloaded`` with ``failed: true`` and
@@ -39,9 +49,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from router.errors import ApiError, BadRequest, Unavailable, error_response
+from protocol import SLOT_ACTIONS, SlotAction, SlotActionResult, slot_filename_error
+from router.errors import ApiError, BadGateway, BadRequest, NotSupported, Unavailable, error_response
+from router.llamacpp_api import call_worker
 from router.generation import LLAMACPP_DEFAULTS
-from router.gguf_meta import read_string
+from router import gguf_meta
 from router.metrics import label_request
 from router.params import get_str, read_json
 from router.pool import ModelSlot, Pool
@@ -53,6 +65,8 @@ from router.sse import until_disconnect
 RANDOM_SEED = 0xFFFFFFFF
 #: How long /slots waits for the worker's Pong before using the router's own view, s.
 PROBE_TIMEOUT_S = 2.0
+#: How long a slot action may take (a busy slot's action waits for the slot), s.
+SLOT_ACTION_TIMEOUT_S = 120.0
 
 
 def build_info() -> str:
@@ -110,9 +124,7 @@ async def _ready(request: Request, slot: ModelSlot) -> None:
 
 def chat_template(slot: ModelSlot) -> str:
     """The configured template (text or built-in name), else the GGUF's own, else ""."""
-    if slot.model.chat_template is not None:
-        return slot.model.chat_template
-    return read_string(slot.model.path, "tokenizer.chat_template") or ""
+    return gguf_meta.chat_template(slot.model.chat_template, slot.model.path)
 
 
 def generation_params(slot: ModelSlot) -> dict[str, Any]:
@@ -177,6 +189,48 @@ async def slots(request: Request) -> Response:
     if request.query_params.get("fail_on_no_slot") in ("1", "true") and all(s["is_processing"] for s in out):
         raise Unavailable(f"model '{slot.model.name}' has no free slot", code="no_slot_available")
     return JSONResponse(out)
+
+
+async def slot_action(request: Request) -> Response:
+    """``POST /slots/{id_slot}?action=save|restore|erase`` (llama.cpp's answer fields)."""
+    action = request.query_params.get("action", "")
+    raw_id = request.path_params["id_slot"]
+    empty = request.headers.get("content-length") in (None, "0") and "transfer-encoding" not in request.headers
+    body = {} if empty else await read_json(request)
+    name = request.query_params.get("model") or get_str(body, "model", None)
+    slot = _named_slot(request, name)
+    if slot is None:
+        raise BadRequest(f"'model' is required; available models: {', '.join(_pool(request).config.ids())}",
+                         param="model")
+    if slot.model.slot_save_path is None:
+        raise NotSupported("This server does not support slots action: set slot_save_path for model "
+                           f"'{slot.model.name}' in the config")
+    if action not in SLOT_ACTIONS:
+        raise BadRequest(f"Invalid action {action!r}: expected one of {', '.join(SLOT_ACTIONS)}", param="action")
+    try:
+        id_slot = int(raw_id)
+    except ValueError:
+        raise BadRequest(f"Invalid slot ID {raw_id!r}", param="id_slot") from None
+    filename = ""
+    if action != "erase":
+        filename = get_str(body, "filename")
+        why = slot_filename_error(filename)
+        if why is not None:
+            raise BadRequest(f"Invalid filename: {why}", param="filename")
+    await _ready(request, slot)
+    if not 0 <= id_slot < slot.total_slots:
+        raise BadRequest(f"Invalid slot ID {id_slot} (slots 0..{slot.total_slots - 1})", param="id_slot")
+    ans = await call_worker(request, slot, lambda i: SlotAction(id=i, action=action, id_slot=id_slot, filename=filename),
+                      SLOT_ACTION_TIMEOUT_S)
+    if not isinstance(ans, SlotActionResult):
+        raise BadGateway(f"unexpected {ans.TYPE} answer to a slot action")
+    if action == "erase":
+        return JSONResponse({"id_slot": ans.id_slot, "n_erased": ans.n_tokens})
+    if action == "save":
+        return JSONResponse({"id_slot": ans.id_slot, "filename": ans.filename, "n_saved": ans.n_tokens,
+                             "n_written": ans.n_bytes, "timings": {"save_ms": ans.ms}})
+    return JSONResponse({"id_slot": ans.id_slot, "filename": ans.filename, "n_restored": ans.n_tokens,
+                         "n_read": ans.n_bytes, "timings": {"restore_ms": ans.ms}})
 
 
 # ----------------------------------------------------------------------------- /models
@@ -271,6 +325,7 @@ async def model_health(request: Request, name: str) -> Response:
 routes = [
     Route("/props", props, methods=["GET"]),
     Route("/slots", slots, methods=["GET"]),
+    Route("/slots/{id_slot}", slot_action, methods=["POST"]),
     Route("/models", list_models, methods=["GET"]),
     Route("/models/load", load, methods=["POST"]),
     Route("/models/unload", unload, methods=["POST"]),

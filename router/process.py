@@ -123,6 +123,10 @@ def worker_command(model: ModelConfig, endpoint: str, module: str | None = None,
         cmd += ["--kv-budget-mib", repr(float(model.kv_budget_mib))]
     if model.weights is not None:
         cmd += ["--weights", model.weights]
+    if model.slot_save_path is not None:
+        cmd += ["--slot-save-path", str(model.slot_save_path)]
+    if model.kv_cache_dir is not None:
+        cmd += ["--kv-cache-dir", str(model.kv_cache_dir / model.name), "--kv-cache-mib", repr(float(model.kv_cache_mib))]
     cmd += ["--max-queue", str(model.max_queue), "--parent-pid", str(os.getpid())]
     if auth_fd is not None:
         cmd += ["--auth-fd", str(auth_fd)]

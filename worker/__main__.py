@@ -74,6 +74,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="exit when this process is gone (default: the parent at start)")
     p.add_argument("--threads", type=_positive, default=None,
                    help="BLAS/OpenMP threads for this worker (default: as the environment says)")
+    p.add_argument("--slot-save-path", default=None,
+                   help="directory of slot save/restore files (POST /slots/{id}?action=...); default: off")
+    p.add_argument("--kv-cache-dir", default=None,
+                   help="directory where idle KV caches are saved on stop and restored lazily after a load")
+    p.add_argument("--kv-cache-mib", type=float, default=1024.0,
+                   help="disk budget of --kv-cache-dir, MiB (default 1024)")
     p.add_argument("--auth-fd", type=_non_negative, default=None,
                    help="inherited pipe with this worker's credentials (secret, CURVE keys)")
     args = p.parse_args(argv)
@@ -107,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     server = WorkerServer(WorkerConfig(
         model=args.model, gguf=args.gguf, endpoint=args.endpoint, n_ctx=args.n_ctx,
         chat_template=args.chat_template, max_queue=args.max_queue, parallel=args.parallel,
-        kv_budget_mib=args.kv_budget_mib, weights=args.weights, parent_pid=parent, credentials=credentials))
+        kv_budget_mib=args.kv_budget_mib, weights=args.weights, parent_pid=parent, credentials=credentials,
+        slot_save_path=args.slot_save_path, kv_cache_dir=args.kv_cache_dir, kv_cache_mib=args.kv_cache_mib))
     signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
     signal.signal(signal.SIGINT, lambda *_: server.request_stop())
     return server.serve()

@@ -33,6 +33,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from protocol.limits import GENERATE_LIMITS
@@ -45,9 +46,12 @@ from protocol import (
     Error,
     Generate,
     Message,
+    SlotAction,
+    SlotActionResult,
     Token,
     Tokenize,
     TokenizeResult,
+    slot_filename_error,
 )
 from protocol.errors import ErrorCode
 from worker.engine import EngineError, SamplingParams
@@ -56,8 +60,8 @@ from worker.threads import apply_blas_threads
 log = logging.getLogger("modelyard.worker")
 
 __all__ = [
-    "BatchRunner", "FrameOut", "Job", "JobFinished", "LoadFailed", "LoadStep", "Loaded", "RunnerEvent", "RunnerSnapshot",
-    "cancelled_done", "check_generate", "sampling_params",
+    "BatchRunner", "FrameOut", "Job", "JobFinished", "LoadFailed", "LoadStep", "Loaded", "Persisted", "RunnerEvent",
+    "RunnerSnapshot", "cancelled_done", "check_generate", "sampling_params",
 ]
 
 #: Error code for an unexpected exception (an engine or worker bug), never for bad input.
@@ -139,7 +143,17 @@ class LoadFailed:
     reason: str
 
 
-RunnerEvent = FrameOut | JobFinished | LoadStep | Loaded | LoadFailed
+@dataclass(frozen=True)
+class Persisted:
+    """The idle KV entries were saved to the KV cache directory (or there was nothing to do):
+    ``files`` written, ``n_bytes`` written, ``ms`` wall time."""
+
+    files: int = 0
+    n_bytes: int = 0
+    ms: float = 0.0
+
+
+RunnerEvent = FrameOut | JobFinished | LoadStep | Loaded | LoadFailed | Persisted
 
 
 # ----------------------------------------------------------------------------- Generate -> engine
@@ -242,6 +256,18 @@ class _Run:
         return self.job.id if self.n == 1 else f"{self.job.id}#{i}"
 
 
+@dataclass(eq=False)
+class _SlotOp:
+    """One slot action on its way: ``state`` is the slot's copy (save, after the engine thread
+    took it) or the validated file's content (restore, after the kvio thread read it)."""
+
+    msg: SlotAction
+    t0: float  # perf_counter at arrival
+    state: Any = None
+    n_bytes: int = 0
+    final: Any = None  # a Generate's Done (save_slot_to): posted once the file is written
+
+
 @dataclass(frozen=True)
 class RunnerSnapshot:
     """Slots and KV use after the engine's last step (Pong, /slots)."""
@@ -267,7 +293,8 @@ class BatchRunner:
 
     def __init__(self, loader: Callable[..., Any], gguf_path: str, n_ctx: int | None,
                  chat_template: str | None, post: Callable[[RunnerEvent], None], *, parallel: int = 1,
-                 kv_budget_mib: float | None = None, weights: str | None = None) -> None:
+                 kv_budget_mib: float | None = None, weights: str | None = None, slot_save_path: str | None = None,
+                 kv_cache_dir: str | None = None, kv_cache_mib: float = 0.0) -> None:
         self._loader = loader
         self._weights = weights
         self._gguf_path = gguf_path
@@ -290,6 +317,16 @@ class BatchRunner:
         self.snapshot = RunnerSnapshot()
         self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
         self._prep = threading.Thread(target=self._prep_main, name="prep", daemon=True)
+        # KV states (slot actions, the cache kept across restarts)
+        self.slot_save_path = Path(slot_save_path) if slot_save_path else None
+        self._kv_cache_dir = kv_cache_dir
+        self._kv_cache_bytes = int(max(0.0, kv_cache_mib) * 2**20)
+        self.disk: Any = None  # worker.engine.kv_disk.DiskCache once loaded (kv_cache_dir set)
+        self._io_inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # file work of slot actions
+        self._io = threading.Thread(target=self._io_main, name="kvio", daemon=True)
+        self._slot_ops: queue.SimpleQueue[_SlotOp] = queue.SimpleQueue()  # for the engine thread
+        self._deferred: list[_SlotOp] = []  # slot ops waiting for their slot to be idle
+        self._persist_wanted = threading.Event()
 
     # -- socket-thread side
 
@@ -309,6 +346,40 @@ class BatchRunner:
     def submit_text_op(self, msg: Tokenize | Detokenize | ApplyTemplate) -> None:
         """Answer ``msg`` from the prep thread (a FrameOut with its result or Error). After Loaded."""
         self._prep_inbox.put(msg)
+
+    def submit_slot_action(self, msg: SlotAction) -> None:
+        """Run a slot action (after Loaded); its SlotActionResult or Error comes as a FrameOut.
+        File work runs on the ``kvio`` thread, slot changes on the engine thread between steps
+        (deferred while the slot is busy)."""
+        t0 = time.perf_counter()
+        if self.slot_save_path is None:
+            self._post(FrameOut(Error(id=msg.id, code=ErrorCode.INVALID_REQUEST, message=(
+                "This server does not support slots action: no slot_save_path is configured"))))
+            return
+        if msg.action not in ("save", "restore", "erase"):
+            self._post(FrameOut(Error(id=msg.id, code=ErrorCode.INVALID_REQUEST,
+                                      message=f"Invalid action {msg.action!r} (save, restore or erase)")))
+            return
+        if msg.action != "erase":
+            why = slot_filename_error(msg.filename)
+            if why is not None:
+                self._post(FrameOut(Error(id=msg.id, code=ErrorCode.INVALID_REQUEST, message=f"Invalid filename: {why}")))
+                return
+        op = _SlotOp(msg, t0)
+        if msg.action == "restore":
+            self._io_inbox.put(op)  # read and validate the whole file first; the slot is touched after
+        else:
+            self._slot_ops.put(op)
+            self._wake.set()
+
+    def persist(self) -> bool:
+        """Save the idle KV entries to the KV cache directory once nothing runs (the engine thread
+        posts :class:`Persisted`). False when there is no cache directory or no engine."""
+        if self.disk is None or self.engine is None:
+            return False
+        self._persist_wanted.set()
+        self._wake.set()
+        return True
 
     def request_threads(self, n: int) -> None:
         """Use ``n`` BLAS threads (0: unchanged). Applied by the engine thread between two steps,
@@ -335,6 +406,7 @@ class BatchRunner:
             job.cancel.set()
         self._stop = True
         self._prep_inbox.put(None)
+        self._io_inbox.put(None)
         self._ready.put(None)
         self._wake.set()
         if not self._thread.is_alive():
@@ -356,7 +428,8 @@ class BatchRunner:
                 item = self._prepare(job)
             except Exception as e:  # noqa: BLE001 - a bug here must still end the job with a frame
                 log.error("preparing %s crashed:\n%s", job.id, traceback.format_exc())
-                item = (job, None, Error(id=job.id, code=INTERNAL_ERROR, message=f"{type(e).__name__}: {e}"[:1000]))
+                item = (job, None, Error(id=job.id, code=INTERNAL_ERROR, message=f"{type(e).__name__}: {e}"[:1000]),
+                        None)
             self._ready.put(item)
             self._wake.set()
 
@@ -378,8 +451,8 @@ class BatchRunner:
             log.error("%s %s failed:\n%s", msg.TYPE, msg.id, traceback.format_exc())
             return Error(id=msg.id, code=INTERNAL_ERROR, message=f"{type(e).__name__}: {e}"[:1000])
 
-    def _prepare(self, job: Job) -> tuple[Job, list[int] | None, Any]:
-        """``(job, prompt ids, params)`` or ``(job, None, Error)``."""
+    def _prepare(self, job: Job) -> tuple[Job, list[int] | None, Any, Any]:
+        """``(job, prompt ids, params, KV state from disk or None)`` or ``(job, None, Error, None)``."""
         g = job.msg
         engine = self.engine
         try:
@@ -392,8 +465,65 @@ class BatchRunner:
                 prompt = g.prompt
             ids, p = engine.prepare(prompt, params)
         except EngineError as e:
-            return job, None, Error(id=g.id, code=e.code, message=e.message)
-        return job, ids, p
+            return job, None, Error(id=g.id, code=e.code, message=e.message), None
+        return job, ids, p, self._disk_state(ids, p)
+
+    def _disk_state(self, ids: list[int], params: Any) -> Any:
+        """A saved KV state holding a longer prefix of ``ids`` than the KV does (read and
+        validated here, on the prep thread), or None."""
+        disk = self.disk
+        if disk is None or not disk.files or not getattr(params, "cache_prompt", True):
+            return None
+        path = disk.lookup(ids, self.engine.best_prefix(ids))
+        if path is None:
+            return None
+        from worker.engine.kv_state import KVStateError
+
+        try:
+            state, n = disk.load(path)
+        except KVStateError:
+            return None
+        log.info("KV cache: %s holds %d tokens of a %d-token prompt (%d bytes read)", path.name,
+                 state.n_tokens, len(ids), n)
+        return state
+
+    # -- kvio thread (slot files)
+
+    def _io_main(self) -> None:
+        from worker.engine.kv_state import encode_state, read_state_file, write_state_file
+
+        while True:
+            op = self._io_inbox.get()
+            if op is None:
+                return
+            msg = op.msg
+            assert self.slot_save_path is not None
+            path = self.slot_save_path / msg.filename
+            try:
+                if op.state is None:  # restore: read and validate, then the engine thread installs it
+                    op.state, op.n_bytes = read_state_file(path, self.engine.kv_identity)
+                    self._slot_ops.put(op)
+                    self._wake.set()
+                    continue
+                st = op.state  # save: the engine thread's copy of the slot
+                self.slot_save_path.mkdir(parents=True, exist_ok=True)
+                n = write_state_file(path, encode_state(st.identity, st.tokens, st.k, st.v))
+                if op.final is not None:  # a generation's save_slot_to: its Done comes now
+                    self._post(JobFinished(msg.id, op.final))
+                    continue
+                self._post(FrameOut(SlotActionResult(id=msg.id, action="save", id_slot=msg.id_slot,
+                                                     filename=msg.filename, n_tokens=st.n_tokens, n_bytes=n,
+                                                     ms=(time.perf_counter() - op.t0) * 1e3)))
+            except Exception as e:  # noqa: BLE001 - a request never kills the worker
+                if isinstance(e, EngineError):
+                    err = Error(id=msg.id, code=e.code, message=e.message)
+                elif isinstance(e, OSError):
+                    err = Error(id=msg.id, code=INTERNAL_ERROR,
+                                message=f"cannot write {msg.filename!r}: {e.strerror or e}"[:1000])
+                else:
+                    log.error("slot action %s failed:\n%s", msg.id, traceback.format_exc())
+                    err = Error(id=msg.id, code=INTERNAL_ERROR, message=f"{type(e).__name__}: {e}"[:1000])
+                self._post(JobFinished(msg.id, err) if op.final is not None else FrameOut(err))
 
     # -- engine thread
 
@@ -424,8 +554,11 @@ class BatchRunner:
             return
         self.engine = engine
         self.capacity = max(1, int(getattr(engine.info, "n_parallel", self._parallel) or 1))
+        if self._kv_cache_dir:
+            self._open_disk(engine)
         self._publish()
         self._prep.start()
+        self._io.start()
         self._post(Loaded(engine, (time.perf_counter() - t0) * 1e3))
         while not self._stop:
             if not engine.has_work:
@@ -447,6 +580,10 @@ class BatchRunner:
             if self._threads_wanted:
                 apply_blas_threads(self._threads_wanted)
                 self._threads_wanted = 0
+            self._run_slot_ops()
+            if self._persist_wanted.is_set() and not engine.has_work:
+                self._persist_wanted.clear()
+                self._persist(engine)
             if not engine.has_work:
                 continue
             try:
@@ -469,13 +606,25 @@ class BatchRunner:
                     self._finish_run(run, f if f.error is not None else None)
             self._publish()
 
-    def _add(self, job: Job, ids: list[int] | None, p: Any) -> None:
+    def _add(self, job: Job, ids: list[int] | None, p: Any, state: Any = None) -> None:
         if ids is None:
             self._end(job.id, p)
             return
         if job.cancel.is_set():  # cancelled while being prepared
             self._end(job.id, cancelled_done(job.id))
             return
+        if state is not None:  # a saved prefix of this prompt, validated on the prep thread
+            try:
+                self.engine.restore_slot(state, None)
+            except EngineError as e:
+                log.warning("KV cache: a saved state of %d tokens not restored: %s", state.n_tokens, e.message)
+        save_to = getattr(job.msg, "save_slot_to", "")
+        if save_to:
+            why = ("no slot_save_path is configured" if self.slot_save_path is None
+                   else slot_filename_error(save_to) or ("n must be 1" if job.msg.n != 1 else None))
+            if why is not None:
+                self._end(job.id, Error(id=job.id, code=ErrorCode.INVALID_REQUEST, message=f"save_slot_to: {why}"))
+                return
         run = _Run(job, ids, p, max(1, int(job.msg.n)))
         self._runs[job.id] = run
         self._add_choices(run, upto=1)
@@ -514,6 +663,70 @@ class BatchRunner:
             self._seq[sid] = (run, i)
             run.added = i + 1
 
+    # -- KV states (engine thread)
+
+    def _open_disk(self, engine: Any) -> None:
+        from worker.engine.kv_disk import DiskCache
+
+        try:
+            disk = DiskCache(self._kv_cache_dir, self._kv_cache_bytes, engine.kv_identity)
+            n = disk.scan()
+        except Exception as e:  # noqa: BLE001 - a bad cache directory disables the cache, not the worker
+            log.error("KV cache %s disabled: %s: %s", self._kv_cache_dir, type(e).__name__, e)
+            return
+        self.disk = disk
+        log.info("KV cache %s: %d saved states of this model", self._kv_cache_dir, n)
+
+    def _run_slot_ops(self) -> None:
+        while True:
+            try:
+                self._deferred.append(self._slot_ops.get_nowait())
+            except queue.Empty:
+                break
+        if not self._deferred:
+            return
+        engine = self.engine
+        waiting: list[_SlotOp] = []
+        for op in self._deferred:
+            msg = op.msg
+            try:
+                to_cache = msg.action == "restore" and msg.id_slot == -1  # the prefix cache, no slot
+                if not to_cache and engine.slot_busy(msg.id_slot):
+                    waiting.append(op)  # llama.cpp defers a busy slot's action too
+                    continue
+                if msg.action == "save":
+                    op.state = engine.save_slot(msg.id_slot)
+                    self._io_inbox.put(op)
+                    continue
+                if msg.action == "restore":
+                    n = engine.restore_slot(op.state, None if to_cache else msg.id_slot)
+                    op.state = None
+                    res = SlotActionResult(id=msg.id, action="restore", id_slot=msg.id_slot, filename=msg.filename,
+                                           n_tokens=n, n_bytes=op.n_bytes, ms=(time.perf_counter() - op.t0) * 1e3)
+                else:
+                    n = engine.erase_slot(msg.id_slot)
+                    res = SlotActionResult(id=msg.id, action="erase", id_slot=msg.id_slot, n_tokens=n,
+                                           ms=(time.perf_counter() - op.t0) * 1e3)
+                self._post(FrameOut(res))
+            except EngineError as e:
+                self._post(FrameOut(Error(id=msg.id, code=e.code, message=e.message)))
+            except Exception as e:  # noqa: BLE001 - a request never kills the worker
+                log.error("slot action %s failed:\n%s", msg.id, traceback.format_exc())
+                self._post(FrameOut(Error(id=msg.id, code=INTERNAL_ERROR, message=f"{type(e).__name__}: {e}"[:1000])))
+        self._deferred = waiting
+        self._publish()
+
+    def _persist(self, engine: Any) -> None:
+        t0 = time.perf_counter()
+        files = n_bytes = 0
+        try:
+            files, n_bytes = self.disk.save(engine.idle_states(copy=False))  # nothing runs meanwhile
+        except Exception:  # noqa: BLE001 - saving is best effort; the worker still exits cleanly
+            log.error("KV cache save failed:\n%s", traceback.format_exc())
+        ms = (time.perf_counter() - t0) * 1e3
+        log.info("KV cache %s: saved %d states (%d bytes) in %.0f ms", self._kv_cache_dir, files, n_bytes, ms)
+        self._post(Persisted(files, n_bytes, ms))
+
     def _abort(self, run: _Run) -> None:
         """Cancel every added choice of ``run``; the ones never added count as cancelled."""
         run.aborted = True
@@ -539,6 +752,20 @@ class BatchRunner:
                  else cancelled_done(job_id) for i in range(run.n)]
         first = dones[0]
         assert isinstance(first, Done)
+        save_to = getattr(run.job.msg, "save_slot_to", "")
+        if run.n == 1 and save_to and run.finished.get(0) is not None and first.finish_reason != "cancelled":
+            # this very step ended it: its slot still holds its entry, nobody took it over yet
+            try:
+                state = self.engine.save_slot(run.finished[0].id_slot)
+            except EngineError as e:
+                self._end(job_id, Error(id=job_id, code=e.code, message=e.message))
+                return
+            op = _SlotOp(SlotAction(id=job_id, action="save", id_slot=run.finished[0].id_slot, filename=save_to),
+                         time.perf_counter(), state)
+            op.final = first
+            self._end(job_id, first, post=False)
+            self._io_inbox.put(op)  # the kvio thread writes it, then posts the Done
+            return
         if run.n == 1:
             self._end(job_id, first)
             return
@@ -570,11 +797,12 @@ class BatchRunner:
                     predicted_n=int(res.predicted_n), predicted_ms=float(res.predicted_ms),
                     cache_n=int(res.cache_n), id_slot=int(f.id_slot), **eog)
 
-    def _end(self, job_id: str, final: Done | Error) -> None:
+    def _end(self, job_id: str, final: Done | Error, post: bool = True) -> None:
         self._runs.pop(job_id, None)
         with self._lock:
             self._running.pop(job_id, None)
-        self._post(JobFinished(job_id, final))
+        if post:
+            self._post(JobFinished(job_id, final))
 
     def _reset(self, engine: Any) -> None:
         try:

@@ -61,6 +61,7 @@ from protocol import (
     ProtocolError,
     Ready,
     Shutdown,
+    SlotAction,
     Token,
     Tokenize,
     WorkerCredentials,
@@ -74,6 +75,7 @@ from worker.runner import (
     LoadFailed,
     LoadStep,
     Loaded,
+    Persisted,
     RunnerEvent,
     BatchRunner,
     cancelled_done,
@@ -123,6 +125,11 @@ class WorkerConfig:
     linger_ms: ZMQ LINGER on exit (ms): how long unsent frames may delay exit.
     credentials: the per-spawn secret proven in Hello and, over tcp, the CURVE keys
         (``protocol.credentials``); None -> an empty secret, no CURVE.
+    slot_save_path: directory of SlotAction save / restore files; None -> slot actions refused.
+    kv_cache_dir: directory of this model's KV states kept across stops: on Shutdown / SIGTERM
+        the idle KV entries are saved there (most recent first, within ``kv_cache_mib``) before
+        exiting; at load they are indexed and restored lazily on a prefix match. None -> off.
+    kv_cache_mib: disk budget of ``kv_cache_dir`` (MiB).
     """
 
     model: str
@@ -141,6 +148,9 @@ class WorkerConfig:
     parent_check_s: float = 0.2
     linger_ms: int = 1000
     credentials: WorkerCredentials | None = None
+    slot_save_path: str | None = None
+    kv_cache_dir: str | None = None
+    kv_cache_mib: float = 1024.0
 
     def __post_init__(self) -> None:
         if not self.endpoint.startswith(("ipc://", "tcp://")):
@@ -205,7 +215,9 @@ class WorkerServer:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.runner = runner_factory(loader or default_loader, cfg.gguf, cfg.n_ctx, cfg.chat_template, self._post,
-                                     parallel=cfg.parallel, kv_budget_mib=cfg.kv_budget_mib, weights=cfg.weights)
+                                     parallel=cfg.parallel, kv_budget_mib=cfg.kv_budget_mib, weights=cfg.weights,
+                                     slot_save_path=cfg.slot_save_path, kv_cache_dir=cfg.kv_cache_dir,
+                                     kv_cache_mib=cfg.kv_cache_mib)
         self.engine: Any = None
         self.pending: deque[Job] = deque()
         self.running: dict[str, Job] = {}
@@ -216,6 +228,7 @@ class WorkerServer:
         self._stop_deadline = 0.0
         self._stop_reason = ""
         self._stop_requested = threading.Event()
+        self._persisting = False  # stopping: the idle KV entries are being saved (Persisted ends it)
         self._linger_ms = cfg.linger_ms
         self._dropped = 0  # frames dropped because the router was not reading
         self._watch = ParentWatch(cfg.parent_pid) if cfg.parent_pid is not None else None
@@ -326,6 +339,8 @@ class WorkerServer:
                 self._start_next()
             elif isinstance(ev, LoadStep):
                 self._send(LoadProgress(id=self.worker_id, stage=ev.stage, done=ev.done, total=ev.total))
+            elif isinstance(ev, Persisted):
+                self._persisting = False
             elif isinstance(ev, Loaded):
                 self._on_loaded(ev)
             elif isinstance(ev, LoadFailed):
@@ -435,6 +450,13 @@ class WorkerServer:
                 self._begin_stop("Shutdown received", self.cfg.shutdown_grace_s)
         elif isinstance(msg, (Tokenize, Detokenize, ApplyTemplate)):
             self._on_text_op(msg)
+        elif isinstance(msg, SlotAction):
+            if self.engine is None:
+                self._send(Error(id=msg.id, code=ErrorCode.BUSY, message="the model is still loading"))
+            elif self._stopping:
+                self._send(Error(id=msg.id, code=ErrorCode.BUSY, message="the worker is shutting down"))
+            else:
+                self.runner.submit_slot_action(msg)
         else:
             self._send(Error(id=msg.id, code=ErrorCode.PROTOCOL_ERROR,
                              message=f"unexpected message type {msg.TYPE!r}: the worker does not accept it"))
@@ -502,6 +524,8 @@ class WorkerServer:
             self._send(cancelled_done(self.pending.popleft().id))
         for job in self.running.values():
             self._cancel_running(job)
+        if linger_ms != 0 and self.engine is not None:  # not when the parent is gone: nobody to serve again
+            self._persisting = self.runner.persist()
         self._check_stopped(time.monotonic())
 
     def _check_stopped(self, now: float) -> None:
@@ -509,7 +533,8 @@ class WorkerServer:
             self._exit_code = 0  # still loading: nothing runs, nothing to wait for
             return
         if not self.running:
-            self._exit_code = 0
+            if not self._persisting:  # the KV cache is saved (the router's grace bounds how long)
+                self._exit_code = 0
         elif now >= self._stop_deadline:
             for job in self.running.values():
                 log.warning("request %s did not stop within the grace period; exiting anyway", job.id)

@@ -29,6 +29,8 @@ from protocol import (
     ProtocolError,
     Ready,
     Shutdown,
+    SlotAction,
+    SlotActionResult,
     Token,
     Tokenize,
     TokenizeResult,
@@ -64,6 +66,9 @@ EXAMPLES = [
     Tokenize(id="t1", content="Hello <|im_end|>", add_special=True, parse_special=False, with_pieces=True),
     Detokenize(id="t2", tokens=[1, 2, 3]),
     ApplyTemplate(id="t3", messages=[{"role": "user", "content": "hi"}], add_generation_prompt=False),
+    SlotAction(id="s1", action="save", id_slot=0, filename="conv.bin"),
+    SlotActionResult(id="s1", action="save", id_slot=0, filename="conv.bin", n_tokens=1745, n_bytes=14309796,
+                     ms=49.9),
 ]
 
 

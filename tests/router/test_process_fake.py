@@ -59,6 +59,21 @@ def test_n_threads_reaches_the_worker_command(tmp_path: Path) -> None:
     assert "--threads" not in worker_command(load_config(write(tmp_path, MINI)).models["one"], "ipc:///x.sock")
 
 
+def test_kv_state_keys_reach_the_worker_command(tmp_path: Path) -> None:
+    from router.process import worker_command
+
+    text = MINI.replace('[models.two]\npath = "m.gguf"\n', '[models.two]\npath = "m.gguf"\nslot_save_path = "s"\n'
+                        'prefill_model = "one"\n') + '[defaults]\nslot_save_path = "s"\nkv_cache_dir = "kv"\n'
+    cfg = load_config(write(tmp_path, text))
+    one, two = cfg.models["one"], cfg.models["two"]
+    assert two.prefill_model == "one" and one.prefill_model is None
+    cmd = worker_command(two, "ipc:///x.sock")
+    assert cmd[cmd.index("--slot-save-path") + 1] == str((tmp_path / "s").resolve())
+    assert cmd[cmd.index("--kv-cache-dir") + 1] == str((tmp_path / "kv").resolve() / "two")
+    assert cmd[cmd.index("--kv-cache-mib") + 1] == "1024.0"
+    assert "--slot-save-path" not in worker_command(load_config(write(tmp_path, MINI)).models["one"], "ipc:///x.sock")
+
+
 @pytest.mark.parametrize("extra,key", [
     ("[server]\nport = 'x'\n", "server.port"),
     ("[models.one]\nmax_queue = -1\n", "models.one.max_queue"),
@@ -73,6 +88,12 @@ def test_n_threads_reaches_the_worker_command(tmp_path: Path) -> None:
     ("[defaults]\nidle_ttl_s = 'never'\n", "defaults.idle_ttl_s"),
     ("[models.one]\nn_threads = 0\n", "models.one.n_threads"),
     ("[defaults]\nrepeat_penalty = 0\n", "defaults.repeat_penalty"),  # the worker needs > 0 (protocol.limits)
+    ("[models.one]\nprefill_model = 'nope'\n", "models.one.prefill_model"),
+    ("[models.one]\nprefill_model = 'two'\n", "models.one.prefill_model"),  # no common slot_save_path
+    ("[models.one]\nprefill_model = 'one'\nslot_save_path = 's'\n", "models.one.prefill_model"),
+    ("[defaults]\nprefill_model = 'two'\n", "defaults.prefill_model"),
+    ("[models.one]\nkv_cache_mib = -1\n", "models.one.kv_cache_mib"),
+    ("[models.one]\nslot_save_path = 'm.gguf'\n", "models.one.slot_save_path"),  # a file, not a directory
 ])
 def test_config_errors_name_the_key(tmp_path: Path, extra: str, key: str) -> None:
     base = MINI.replace("[server]\nmodels_dir = \".\"\n", "")

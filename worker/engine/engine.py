@@ -16,10 +16,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from . import constraints
 from .chat_template import ChatTemplate, resolve_template
 from .errors import EngineError
 from .generate import GenerationResult, TokenEvent
+from .kv_state import KV_LAYOUT_VERSION, KVIdentity, KVState
 from .sampling import SamplingParams
 from .scheduler import Finished, Scheduler, SeqRequest, SlotInfo, run_one
 from .tokenizer import Tokenizer
@@ -66,6 +69,7 @@ class Engine:
         self._sched = scheduler
         self._lock = threading.RLock()
         self._max_piece_chars: int | None = None  # longest token text in characters (lazy)
+        self._kv_identity: KVIdentity | None = None
 
     # ------------------------------------------------------------------ load
 
@@ -347,6 +351,79 @@ class Engine:
             if self._sched.has_work:
                 raise EngineError("invalid_params", "generate() while add()/step() sequences are live")
             return run_one(self._sched, SeqRequest("generate", ids, p, on_token), should_stop)
+
+    # ------------------------------------------------------------------ KV states
+
+    @property
+    def kv_identity(self) -> KVIdentity:
+        """What a KV state of this engine depends on (``worker.engine.kv_state``); the
+        tokenizer fingerprint is computed on first use."""
+        if self._kv_identity is None:
+            s = self._sched.pool.shape
+            self._kv_identity = KVIdentity(
+                architecture=self.info.architecture, model_fingerprint=self.info.fingerprint,
+                tokenizer_fingerprint=self.tokenizer.fingerprint, n_layer=s.n_layer, n_kv_head=s.n_kv_head,
+                head_dim_k=s.head_dim_k, head_dim_v=s.head_dim_v, kv_dtype=s.dtype.name,
+                kv_layout=KV_LAYOUT_VERSION, n_ctx=self.info.n_ctx)
+        return self._kv_identity
+
+    def slot_busy(self, id_slot: int) -> bool:
+        """True while a request runs in slot ``id_slot``. Raises EngineError("invalid_params")."""
+        with self._lock:
+            return self._sched.slot_busy(id_slot)
+
+    def save_slot(self, id_slot: int) -> KVState:
+        """A copy of what idle slot ``id_slot`` holds (0 tokens when it holds nothing).
+
+        Raises: EngineError("invalid_params"): a bad slot id, or the slot is processing.
+        """
+        with self._lock:
+            e = self._sched.slot_entry(id_slot)
+            return self._snapshot(e)
+
+    def _snapshot(self, e: Any, copy: bool = True) -> KVState:
+        ident = self.kv_identity
+        if e is None:
+            s = self._sched.pool.shape
+            return KVState(ident, [], np.zeros((s.n_layer, s.n_kv_head, 0, s.head_dim_k), s.dtype),
+                           np.zeros((s.n_layer, s.n_kv_head, 0, s.head_dim_v), s.dtype))
+        n = e.n_past
+        k, v = e.k[:, :, :n], e.v[:, :, :n]
+        return KVState(ident, list(e.tokens), k.copy() if copy else k, v.copy() if copy else v)
+
+    def restore_slot(self, state: KVState, id_slot: int | None = None) -> int:
+        """Load ``state`` into idle slot ``id_slot`` (replacing what it held), or with None into
+        the prefix cache only; the tokens restored. The next request whose prompt extends
+        those tokens reuses them.
+
+        Raises (the KV is unchanged): KVStateError("kv_state_mismatch") naming the field
+        when ``state`` is of another model / quantization / tokenizer / n_ctx / layout;
+        EngineError("invalid_params") a bad or busy slot; ("kv_budget_exceeded") no room.
+        """
+        self.kv_identity.check(state.identity)
+        with self._lock:
+            self._sched.install(state.tokens, state.k, state.v, id_slot)
+        return state.n_tokens
+
+    def erase_slot(self, id_slot: int) -> int:
+        """Forget idle slot ``id_slot``'s KV; the tokens it held.
+
+        Raises: EngineError("invalid_params"): a bad slot id, or the slot is processing.
+        """
+        with self._lock:
+            return self._sched.erase(id_slot)
+
+    def idle_states(self, copy: bool = True) -> list[KVState]:
+        """Every idle KV entry (the prefix cache), most recently used first: copies, or with
+        ``copy=False`` views valid only until the next add / step / restore (for a caller
+        that writes them out before touching the engine again)."""
+        with self._lock:
+            return [self._snapshot(e, copy) for e in reversed(self._sched.idle_entries()) if e.n_past]
+
+    def best_prefix(self, ids: Sequence[int]) -> int:
+        """Tokens of ``ids`` (at most all but the last) the KV already holds as a prefix."""
+        with self._lock:
+            return self._sched.best_prefix(list(ids))
 
     def reset_cache(self) -> None:
         """Forget every idle KV entry (the next request evaluates its whole prompt)."""

@@ -46,7 +46,9 @@ RWKV, PLaMo-2) -- loading such a file raises ``EngineError("unsupported_tokenize
 from __future__ import annotations
 
 import codecs
+import hashlib
 import heapq
+import struct
 import numbers
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -295,6 +297,9 @@ class Tokenizer:
         self._cross_re: re.Pattern[str] | None = None
         self._cross_unbounded = False
         self._memo: dict[str, tuple[int, ...]] = {}
+        self._merges: list[Any] = []  # tokenizer.ggml.merges as read (the fingerprint covers them)
+        self._fim: dict[str, int | None] = {}
+        self._fingerprint: str | None = None
 
     # ------------------------------------------------------------------ construction
 
@@ -434,6 +439,9 @@ class Tokenizer:
             attrs[texts["</s>"]] = ATTR_NORMAL
         self.eog_ids = frozenset(eog)
         self.attrs = attrs
+        self._fim = fim
+        merges_md = metadata.get("tokenizer.ggml.merges")
+        self._merges = merges_md if isinstance(merges_md, list) else []
 
         # special-token partition: longest text first (llama.cpp sorts by byte length)
         specials = [i for i in range(n) if attrs[i] & _SPECIAL_ATTRS]
@@ -451,6 +459,39 @@ class Tokenizer:
         else:
             self._init_spm()
         return self
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 hex digest of everything that decides which text a token id stands for:
+        the tokenizer model and pre-tokenizer, every token text, score and attribute, the
+        BPE merges, the special ids (bos, eos, eot, eom, unk, pad, fim, the end-of-generation
+        set) and the add_bos / add_eos / add_space_prefix flags. Two GGUFs with the same
+        vocabulary give the same digest; one changed token, merge or special id changes it.
+        Computed once, on first use (~0.1 s for a 262k vocabulary)."""
+        if self._fingerprint is None:
+            h = hashlib.sha256(b"modelyard-tokenizer-v1\0")
+
+            def text(t: str) -> None:
+                b = t.encode("utf-8", "surrogatepass")
+                h.update(struct.pack("<I", len(b)))
+                h.update(b)
+
+            text(self.model)
+            text(self.pre)
+            h.update(struct.pack("<I", self.n_vocab))
+            for t in self.tokens:
+                text(t)
+            h.update(struct.pack(f"<{self.n_vocab}d", *self.scores))
+            h.update(struct.pack(f"<{self.n_vocab}i", *self.attrs))
+            h.update(struct.pack("<I", len(self._merges)))
+            for m in self._merges:
+                text(str(m))
+            ids = [self.bos_id, self.eos_id, self.eot_id, self.eom_id, self.unk_id, self.pad_id,
+                   *(self._fim.get(k) for k in ("pre", "suf", "mid", "pad", "rep", "sep")), *sorted(self.eog_ids)]
+            h.update(struct.pack(f"<{len(ids)}q", *(-1 if i is None else i for i in ids)))
+            h.update(bytes([self.add_bos, self.add_eos, self.add_space_prefix]))
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
 
     def _init_bpe(self, metadata: Mapping[str, Any], pre: _PreTokenizer) -> None:
         from tokenizers import Regex
