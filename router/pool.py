@@ -80,7 +80,6 @@ from router.errors import (
     RestartBackoff,
     ServerShuttingDown,
     Unavailable,
-    WorkerCrashed,
     redact_paths,
 )
 from router.lifecycle import LOADED, Lifecycle, WorkerState
