@@ -65,8 +65,11 @@ from router.process import WorkerUnreachable
 from router.responses import JSONResponse
 from router.sse import SSEResponse, sse_event, until_disconnect
 
-#: How long a tokenize / detokenize / apply-template call may take, s.
-CALL_TIMEOUT_S = 120.0
+#: How long a tokenize / detokenize / apply-template call may take, s. Liveness is the ping
+#: loop's (router.pool: a silent worker is unresponsive, then killed, and the call ends with
+#: it); this bounds only a live worker that never answers the call. Three 7 MB /tokenize
+#: calls queue on the worker's text thread: the last waits for the two before it.
+CALL_TIMEOUT_S = 600.0
 
 
 def _slot(request: Request, body: dict[str, Any]) -> tuple[str, ModelSlot]:

@@ -19,7 +19,10 @@ Threads: the *engine* thread loads the model, then loops: take prepared jobs,
 forward over every live sequence), post the finished. The *prep* thread turns
 each submitted Generate into prompt ids (chat template, tokenizer, checks),
 so a large prompt being tokenized never stalls the running streams' steps.
-Neither touches the ZeroMQ socket: every frame goes through ``post``.
+The *text* thread answers Tokenize / Detokenize / ApplyTemplate, so three 7 MB
+``/tokenize`` calls never hold up a Generate's preparation (nor, the tokenizer
+releasing the GIL on long texts, the socket thread's Pongs and Token relaying).
+None touches the ZeroMQ socket: every frame goes through ``post``.
 """
 
 from __future__ import annotations
@@ -262,7 +265,8 @@ class BatchRunner:
         self._kv_budget_mib = kv_budget_mib
         self._post = post
         self.capacity = parallel
-        self._prep_inbox: queue.SimpleQueue[Job | Tokenize | Detokenize | ApplyTemplate | None] = queue.SimpleQueue()
+        self._prep_inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._text_inbox: queue.SimpleQueue[Tokenize | Detokenize | ApplyTemplate | None] = queue.SimpleQueue()
         self._ready: queue.SimpleQueue[tuple[Job, list[int] | None, Any] | None] = queue.SimpleQueue()
         self._running: dict[str, Job] = {}
         self._runs: dict[str, _Run] = {}  # job id -> its sequences in the engine (engine thread only)
@@ -275,6 +279,7 @@ class BatchRunner:
         self.snapshot = RunnerSnapshot()
         self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
         self._prep = threading.Thread(target=self._prep_main, name="prep", daemon=True)
+        self._text = threading.Thread(target=self._text_main, name="text", daemon=True)
 
     # -- socket-thread side
 
@@ -292,8 +297,9 @@ class BatchRunner:
         self._prep_inbox.put(job)
 
     def submit_text_op(self, msg: Tokenize | Detokenize | ApplyTemplate) -> None:
-        """Answer ``msg`` from the prep thread (a FrameOut with its result or Error). After Loaded."""
-        self._prep_inbox.put(msg)
+        """Answer ``msg`` from the text thread (a FrameOut with its result or Error), in
+        submission order. After Loaded."""
+        self._text_inbox.put(msg)
 
     def request_threads(self, n: int) -> None:
         """Use ``n`` BLAS threads (0: unchanged). Applied by the engine thread between two steps,
@@ -320,6 +326,7 @@ class BatchRunner:
             job.cancel.set()
         self._stop = True
         self._prep_inbox.put(None)
+        self._text_inbox.put(None)
         self._ready.put(None)
         self._wake.set()
         if not self._thread.is_alive():
@@ -334,9 +341,6 @@ class BatchRunner:
             job = self._prep_inbox.get()
             if job is None:
                 return
-            if not isinstance(job, Job):
-                self._post(FrameOut(self._text_op(job)))
-                continue
             try:
                 item = self._prepare(job)
             except Exception as e:  # noqa: BLE001 - a bug here must still end the job with a frame
@@ -344,6 +348,15 @@ class BatchRunner:
                 item = (job, None, Error(id=job.id, code=INTERNAL_ERROR, message=f"{type(e).__name__}: {e}"[:1000]))
             self._ready.put(item)
             self._wake.set()
+
+    # -- text thread
+
+    def _text_main(self) -> None:
+        while True:
+            msg = self._text_inbox.get()
+            if msg is None:
+                return
+            self._post(FrameOut(self._text_op(msg)))
 
     def _text_op(self, msg: Tokenize | Detokenize | ApplyTemplate) -> Message:
         eng = self.engine
@@ -398,6 +411,7 @@ class BatchRunner:
         self.capacity = max(1, int(getattr(engine.info, "n_parallel", self._parallel) or 1))
         self._publish()
         self._prep.start()
+        self._text.start()
         self._post(Loaded(engine, (time.perf_counter() - t0) * 1e3))
         while not self._stop:
             if not engine.has_work:
