@@ -579,13 +579,14 @@ def test_sigstop_of_a_real_worker_mid_stream(router: LiveRouter) -> None:
     t = threading.Thread(target=run, daemon=True)
     t.start()
     router.wait_for(lambda: stopped_at[0], what="SIGSTOP sent")
+    router.wait_for(lambda: router.admin("smol-stop")["state"] == "unresponsive", what="unresponsive")
+    blackout = time.monotonic() - stopped_at[0]
+    # a request arriving now is not handed to the silent worker (it has free slots): it waits
     waiting: list[httpx.Response] = []
     w = threading.Thread(target=lambda: waiting.append(httpx.post(router.url + "/v1/completions", timeout=300, json={
         "model": "smol-stop", "prompt": "Hello", "max_tokens": 3, "temperature": 0})), daemon=True)
     w.start()
-    router.wait_for(lambda: router.admin("smol-stop")["state"] == "unresponsive", what="unresponsive")
-    blackout = time.monotonic() - stopped_at[0]
-    assert router.admin("smol-stop")["queue_depth"] == 1
+    router.wait_for(lambda: router.admin("smol-stop")["queue_depth"] == 1, what="the request waiting")
     t.join(120)
     w.join(300)
     assert events[-1]["error"]["code"] == "worker_crashed" and "hung" in events[-1]["error"]["message"]

@@ -589,10 +589,11 @@ class Tokenizer:
             for f in fragments:
                 if f.text is None:
                     out.append(f.token)
-                elif self._bpe_placeholders:
-                    out.extend(i for i in self._hf_ids(f.text) if i < n_vocab)
-                else:
-                    out.extend(self._hf_ids(f.text))
+                    continue
+                ids = self._hf_ids(f.text)
+                if self._bpe_placeholders and ids and max(ids) >= n_vocab:  # max(): no per-token Python loop
+                    ids = [i for i in ids if i < n_vocab]
+                out.extend(ids)
         else:
             is_prev_special = True
             for f in fragments:
