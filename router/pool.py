@@ -969,6 +969,14 @@ class ModelSlot:
                 break
         for tid in list(self._running):
             wp.cancel(tid)
+        if drain and self._running and wp.alive:  # drain_timeout_s: their Done(cancelled) reaches the clients
+            deadline = time.monotonic() + self.model.cancel_timeout_s
+            while self._running and wp.alive and (left := deadline - time.monotonic()) > 0:
+                self._changed.clear()
+                try:
+                    await asyncio.wait_for(self._changed.wait(), left)
+                except TimeoutError:
+                    break
         await wp.stop(self.model.shutdown_grace_s)
         self._running.clear()
         self._cancel_watchers()
