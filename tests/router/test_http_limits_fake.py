@@ -194,3 +194,12 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_slot_freed(router: LiveR
                    json={"model": "big", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == " w100 w101"
     assert router.admin("big")["pid"] == pid
+
+
+def test_a_large_tokenize_answer_is_rendered_in_slices_as_the_same_json(router: LiveRouter) -> None:
+    small = httpx.post(router.url + "/tokenize", json={"model": "m", "content": "alpha beta"}, timeout=30).json()
+    n = 70_000  # beyond one slice (65536 ids): rendered a slice per event-loop turn
+    r = httpx.post(router.url + "/tokenize", json={"model": "m", "content": "alpha beta " * (n // 2)}, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    assert r.json() == {"tokens": small["tokens"] * (n // 2)}
+    assert r.content == json.dumps(r.json(), separators=(",", ":")).encode()
