@@ -26,6 +26,8 @@ import pytest
 
 from tests.router.conftest import LiveRouter, dummy_gguf
 
+pytestmark = pytest.mark.reliability  # issue 11's probes (README: -m reliability)
+
 CONFIG = """
 [server]
 models_dir = "."

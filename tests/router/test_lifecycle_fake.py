@@ -182,6 +182,7 @@ def test_disconnect_while_queued_leaves_the_queue(router: LiveRouter) -> None:
     assert not [e for e in router.fake_events("generate") if e["messages"][0]["content"] == "B-queued"]
 
 
+@pytest.mark.reliability
 def test_sigkill_mid_stream_gives_sse_error_and_next_request_succeeds(router: LiveRouter) -> None:
     with httpx.Client(base_url=router.url, timeout=30) as c:
         c.post("/admin/models/load", json={"model": "crash"}).raise_for_status()
@@ -205,6 +206,7 @@ def test_sigkill_mid_stream_gives_sse_error_and_next_request_succeeds(router: Li
         assert worker_pid(router, "crash") != pid
 
 
+@pytest.mark.reliability
 def test_crash_mid_request_fails_it_and_the_waiting_one_runs_on_the_restarted_worker(router: LiveRouter) -> None:
     async def go() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
@@ -258,6 +260,7 @@ def test_load_timeout(router: LiveRouter) -> None:
     router.set_fake(SWITCHES)
 
 
+@pytest.mark.reliability
 def test_hung_worker_is_killed_and_the_stream_gets_an_error(router: LiveRouter) -> None:
     with httpx.Client(base_url=router.url, timeout=30) as c:
         with c.stream("POST", "/v1/chat/completions", json=chat("hang", "[hang]", stream=True)) as r:

@@ -222,6 +222,7 @@ def test_disconnect_mid_stream_frees_the_worker(router: LiveRouter, client: open
     assert "hung" not in router.log_path.read_text(errors="replace")  # no Cancel went unanswered
 
 
+@pytest.mark.reliability
 def test_sigkill_worker_mid_stream(router: LiveRouter) -> None:
     httpx.post(router.url + "/admin/models/load", json={"model": "smol-kill"}, timeout=300).raise_for_status()
     pid = router.admin("smol-kill")["pid"]
@@ -596,6 +597,7 @@ def test_sigstop_of_a_real_worker_mid_stream(router: LiveRouter) -> None:
     httpx.post(router.url + "/admin/models/unload", json={"model": "smol-stop"}, timeout=60).raise_for_status()
 
 
+@pytest.mark.reliability
 def test_router_sigkill_leaves_no_orphan_workers(router: LiveRouter) -> None:
     client = router.client(timeout=300)
     client.completions.create(model="smollm2", prompt="Hi", max_tokens=1)
