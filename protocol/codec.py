@@ -157,6 +157,12 @@ class _TypeMismatch(Exception):
     pass
 
 
+#: Item types whose lists are checked in one pass over ``type()`` (exact types; anything
+#: else goes item by item through :func:`_check`, which gives the same answer).
+_EXACT_ITEMS: dict[Any, frozenset[type]] = {int: frozenset({int}), str: frozenset({str}),
+                                            bytes: frozenset({bytes}), float: frozenset({int, float})}
+
+
 def _check(value: Any, tp: Any) -> Any:
     """Return ``value`` (floats normalised) if it matches type ``tp``, else raise _TypeMismatch."""
     if tp is Any:
@@ -199,7 +205,12 @@ def _check(value: Any, tp: Any) -> Any:
         (item_tp,) = typing.get_args(tp) or (Any,)
         if item_tp is Any:
             return value
-        return [_check(v, item_tp) for v in value]
+        exact = _EXACT_ITEMS.get(item_tp)
+        if exact is not None:  # one C-level pass (a 2.5M-token TokenizeResult: ms, not seconds)
+            kinds = set(map(type, value))
+            if kinds <= exact:
+                return value if item_tp is not float or int not in kinds else list(map(float, value))
+        return [_check(v, item_tp) for v in value]  # the precise error, or subclasses (IntEnum, ...)
     if origin is dict:
         if not isinstance(value, dict):
             raise _TypeMismatch(f"expected map, got {type(value).__name__}")

@@ -14,8 +14,11 @@ on the ``modelyard.access`` logger at INFO, ``key=value`` pairs::
 
 ``model`` is the configured name a handler resolved (``-`` if none); the token
 figures and ``ttft_ms`` come from the generation (``-`` for other routes);
-``status`` 499 means the client left before any answer; ``disconnected`` is true
-when the client went away before the answer was complete.
+``status`` 499 means the client left (or was cut off for not reading:
+``stream_stall_timeout_s``) before the answer was complete — nginx's "client
+closed request" — even when a 200 stream had begun; ``disconnected`` is true then
+too. For a generation the client left, ``completion_tokens`` counts the tokens
+relayed to it (``prompt_tokens`` is ``-``: the worker's Done never came).
 """
 
 from __future__ import annotations
@@ -118,6 +121,8 @@ class AccessLog:
             failed = False
         finally:
             code = status[0] or (500 if failed else 499)
+            if status[0] and disconnected[0] and not complete[0]:
+                code = 499  # a started answer the client did not take in full
             rec = state.get("access", {})
             client = scope.get("client")
             fields = {

@@ -5,12 +5,12 @@ Layout::
     [server]            host, port, api_key, admin_key, models_dir, transport,
                         shutdown_timeout_s, allowed_hosts, cors_origins, header_timeout_s,
                         body_timeout_s, keep_alive_timeout_s, max_connections, max_header_bytes,
-                        max_loaded
+                        stream_stall_timeout_s, max_loaded
     [defaults]          any per-model key below except path/aliases; applies to every model
     [models.NAME]       path (required), aliases, n_ctx, chat_template, max_queue,
                         load_timeout_s, cancel_timeout_s, drain_timeout_s,
-                        shutdown_grace_s, ping_interval_s, ping_timeout_s, idle_ttl_s, n_threads,
-                        parallel, kv_budget_mib, restart_backoff_s, restart_backoff_max_s,
+                        shutdown_grace_s, ping_interval_s, ping_timeout_s, unresponsive_after_s,
+                        idle_ttl_s, n_threads, parallel, kv_budget_mib, restart_backoff_s, restart_backoff_max_s,
                         max_crashes, crash_window_s, pinned,
                         and default sampling values (temperature, top_p, top_k, min_p,
                         repeat_penalty, repeat_last_n, presence_penalty,
@@ -83,6 +83,9 @@ class ModelConfig:
     shutdown_grace_s: float = 5.0  # Shutdown sent -> still alive after this: SIGKILL
     ping_interval_s: float = 5.0  # liveness ping of a ready worker; 0 turns it off
     ping_timeout_s: float = 30.0  # no Pong within this: the worker is declared hung and killed
+    # no frame (Token, Pong) from a worker that owes one for this long: state unresponsive (no new
+    # jobs handed to it) until a frame comes, or it is killed at ping_timeout_s (router.pool)
+    unresponsive_after_s: float = 3.0
     idle_ttl_s: float = 0.0  # nothing running or waiting this long: unload the worker; 0 = never
     n_threads: int | None = None  # the worker's BLAS threads (python -m worker --threads); None: environment's
     parallel: int = 4  # KV slots: sequences the worker decodes at once (python -m worker --parallel)
@@ -131,6 +134,7 @@ class ServerConfig:
     keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
     max_connections: int = 256  # open connections beyond this get 503 (uvicorn's limit_concurrency)
     max_header_bytes: int = 16 * 1024  # a request head larger than this is a 400 (h11)
+    stream_stall_timeout_s: float = 30.0  # a client that reads nothing of its answer this long is cut off
     max_loaded: int = 0  # models holding a worker at once (0: no limit); router.placement evicts idle ones
     # the Responses API's stored responses (router.response_store)
     responses_store_max: int = 256  # responses kept for GET /v1/responses/{id} and previous_response_id
@@ -168,15 +172,15 @@ class Config:
 _MODEL_KEYS = {
     "path", "aliases", "n_ctx", "chat_template", "max_queue", "load_timeout_s",
     "cancel_timeout_s", "drain_timeout_s", "shutdown_grace_s", "ping_interval_s",
-    "ping_timeout_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", "weights", "restart_backoff_s",
-    "restart_backoff_max_s", "max_crashes", "crash_window_s", "pinned", "slot_save_path", "kv_cache_dir",
-    "kv_cache_mib", "prefill_model", *SAMPLING_KEYS,
+    "ping_timeout_s", "unresponsive_after_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", "weights",
+    "restart_backoff_s", "restart_backoff_max_s", "max_crashes", "crash_window_s", "pinned", "slot_save_path",
+    "kv_cache_dir", "kv_cache_mib", "prefill_model", *SAMPLING_KEYS,
 }
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases", "prefill_model"}
 _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport", "shutdown_timeout_s",
                 "allowed_hosts", "cors_origins", "header_timeout_s", "body_timeout_s",
-                "keep_alive_timeout_s", "max_connections", "max_header_bytes", "max_loaded", "responses_store_max",
-                "responses_store_ttl_s", "background_max", "background_ttl_s", "background_max_mib"}
+                "keep_alive_timeout_s", "max_connections", "max_header_bytes", "stream_stall_timeout_s", "max_loaded",
+                "responses_store_max", "responses_store_ttl_s", "background_max", "background_ttl_s", "background_max_mib"}
 
 #: A ``cors_origins`` entry: scheme://host[:port], nothing after it (or "*").
 _ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#]+$")
@@ -221,6 +225,7 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
         keep_alive_timeout_s=_float(server_raw, "keep_alive_timeout_s", "server", 5.0, 0.1),
         max_connections=_int(server_raw, "max_connections", "server", 256, 1, 1_000_000),
         max_header_bytes=_int(server_raw, "max_header_bytes", "server", 16 * 1024, 1024, 1024 * 1024),
+        stream_stall_timeout_s=_float(server_raw, "stream_stall_timeout_s", "server", 30.0, 0.1),
         max_loaded=_int(server_raw, "max_loaded", "server", 0, 0, 100_000),
         responses_store_max=_int(server_raw, "responses_store_max", "server", 256, 0, 1_000_000),
         responses_store_ttl_s=_float(server_raw, "responses_store_ttl_s", "server", 3600.0, 0.0),
@@ -276,6 +281,7 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
                 if bound is not None and not bound.contains(sampling[key]):
                     raise ConfigError(f"{src(key)}.{key}", f"must be {bound.describe()}, got {sampling[key]}")
         ping_interval = _float(merged, "ping_interval_s", src("ping_interval_s"), 5.0, 0.0)
+        ping_timeout = _float(merged, "ping_timeout_s", src("ping_timeout_s"), 30.0, 0.001)
         models[name] = ModelConfig(
             name=name,
             path=gguf.resolve(),
@@ -288,7 +294,9 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
             drain_timeout_s=_float(merged, "drain_timeout_s", src("drain_timeout_s"), 600.0, 0.0),
             shutdown_grace_s=_float(merged, "shutdown_grace_s", src("shutdown_grace_s"), 5.0, 0.0),
             ping_interval_s=ping_interval,
-            ping_timeout_s=_float(merged, "ping_timeout_s", src("ping_timeout_s"), 30.0, 0.001),
+            ping_timeout_s=ping_timeout,
+            unresponsive_after_s=min(ping_timeout, _float(merged, "unresponsive_after_s",
+                                                          src("unresponsive_after_s"), 3.0, 0.001)),
             idle_ttl_s=_float(merged, "idle_ttl_s", src("idle_ttl_s"), 0.0, 0.0),
             n_threads=(None if merged.get("n_threads") is None
                        else _int(merged, "n_threads", src("n_threads"), 1, 1, 1024)),

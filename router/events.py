@@ -17,6 +17,8 @@ An event is a map: ``seq`` (1, 2, ... per router), ``at`` (unix time), ``model``
   5 s of a slow load), ``ready`` (``load_ms``, ``rss_bytes``)
 * ``waiting`` — a wanted load waits for room (``why``); ``refused`` (``code``, ``why``)
 * ``evicted`` (``for``: the model that needs the room), ``unloading`` (``reason``)
+* ``unresponsive`` (``pid``, ``silent_s``: a ready worker owes a frame and sent none for
+  ``unresponsive_after_s``), ``responsive`` (``pid``: it answers again)
 * ``crashed`` (``reason``, ``exit_code``, ``signal``, ``restart_in_s``), ``load_failed``
   (``reason``, ``exit_code``), ``failed`` (``max_crashes`` reached: until an operator loads it)
 """

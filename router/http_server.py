@@ -14,8 +14,12 @@ uvicorn's own settings are used where they exist (:func:`uvicorn_settings`):
 uvicorn has no timeout for a request head that never completes (a slowloris
 client), so :class:`GuardedH11Protocol` adds ``server.header_timeout_s``: from
 the moment a connection opens, or a response on it completes, its next request
-head must arrive in full within that time, else the connection is closed. The
-body timeout (``server.body_timeout_s``) is applied where a body is read
+head must arrive in full within that time, else the connection is closed. A
+client that stops reading its answer (``server.stream_stall_timeout_s``): when the
+connection's write buffer is full (asyncio's ``pause_writing``) and stays full that
+long, the connection is aborted (one INFO line). The app then sees the client as
+gone (``http.disconnect``), exactly as if it had left: a stream is cancelled on its
+worker and its job slot freed. The body timeout (``server.body_timeout_s``) is applied where a body is read
 (``router.params.read_json``: 408).
 
 Framing (:class:`FramingGuard`): h11 accepts a request carrying both
@@ -46,15 +50,48 @@ class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol plus a request-head timeout (``header_timeout_s``)."""
 
     header_timeout_s: float = 10.0
+    stream_stall_timeout_s: float = 30.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._head_timer: asyncio.TimerHandle | None = None
+        self._stall_timer: asyncio.TimerHandle | None = None
         super().connection_made(transport)
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
+        self._disarm_stall_timer()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """The client does not read: its answer may wait ``stream_stall_timeout_s`` for it."""
+        super().pause_writing()
+        if self._stall_timer is None:
+            self._stall_timer = self.loop.call_later(self.stream_stall_timeout_s, self._stalled)
+
+    def resume_writing(self) -> None:
+        self._disarm_stall_timer()
+        super().resume_writing()
+
+    def _disarm_stall_timer(self) -> None:
+        timer = getattr(self, "_stall_timer", None)
+        if timer is not None:
+            timer.cancel()
+            self._stall_timer = None
+
+    def _stalled(self) -> None:
+        self._stall_timer = None
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        rid = cycle.scope.get("state", {}).get("request_id") if cycle is not None else None
+        what = f"{cycle.scope.get('method')} {cycle.scope.get('path')}" if cycle is not None else "a response"
+        peer = "%s:%d" % self.client if self.client else "a client"
+        if cycle is not None:
+            cycle.scope.setdefault("state", {})["stalled"] = True
+        log.info("closing the connection of %s: it read nothing of %s (request %s) for "
+                 "stream_stall_timeout_s=%g s", peer, what, rid or "-", self.stream_stall_timeout_s)
+        self.transport.abort()  # its unsent bytes are dropped; the app sees http.disconnect
 
     def handle_events(self) -> None:
         before = self.cycle
@@ -91,8 +128,9 @@ class GuardedH11Protocol(H11Protocol):
 
 
 def protocol_class(server: ServerConfig) -> type[GuardedH11Protocol]:
-    """:class:`GuardedH11Protocol` with ``server``'s head timeout."""
-    return type("RouterH11Protocol", (GuardedH11Protocol,), {"header_timeout_s": server.header_timeout_s})
+    """:class:`GuardedH11Protocol` with ``server``'s head and stall timeouts."""
+    return type("RouterH11Protocol", (GuardedH11Protocol,), {"header_timeout_s": server.header_timeout_s,
+                                                             "stream_stall_timeout_s": server.stream_stall_timeout_s})
 
 
 def uvicorn_settings(server: ServerConfig) -> dict[str, Any]:

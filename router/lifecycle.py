@@ -9,9 +9,20 @@ States of a model's worker::
     loading  --admin unload / router shutdown--> unloaded
     ready    --admin unload / idle_ttl_s / evicted / router shutdown--> draining
     ready    --process exit / killed as hung--> failed
+    ready    --a frame owed (running job, Ping) not seen for unresponsive_after_s--> unresponsive
+    unresponsive --any frame (Token, Pong) arrives--> ready
+    unresponsive --no Pong within ping_timeout_s: killed as hung / process exit--> failed
+    unresponsive --admin unload / router shutdown (no drain: it cannot finish)--> draining
     draining --running requests done, worker stopped--> unloaded
     failed   --next request after the crash backoff / admin load--> loading
     failed   --admin unload--> unloaded
+
+``unresponsive`` is a ready worker that has gone silent (SIGSTOPped, a stuck
+thread): it keeps its running requests (they fail with the SSE error event if it
+is killed) but no new job is handed to it; requests wait in the model's queue
+and run on it when it answers again, or on the restarted worker once it has
+been killed. The judge is ``pool.ModelSlot``'s ping loop (the one task that
+watches a ready worker's liveness).
 
 ``failed`` keeps the reason and the exit code; it is distinct from ``unloaded``
 (the operator's choice, idleness or eviction). :class:`Lifecycle` holds the state;
@@ -31,6 +42,7 @@ class WorkerState(enum.StrEnum):
     UNLOADED = "unloaded"
     LOADING = "loading"
     READY = "ready"
+    UNRESPONSIVE = "unresponsive"
     DRAINING = "draining"
     FAILED = "failed"
 
@@ -39,10 +51,15 @@ class WorkerState(enum.StrEnum):
 TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
     WorkerState.UNLOADED: frozenset({WorkerState.LOADING}),
     WorkerState.LOADING: frozenset({WorkerState.READY, WorkerState.FAILED, WorkerState.UNLOADED}),
-    WorkerState.READY: frozenset({WorkerState.DRAINING, WorkerState.FAILED}),
+    WorkerState.READY: frozenset({WorkerState.DRAINING, WorkerState.FAILED, WorkerState.UNRESPONSIVE}),
+    WorkerState.UNRESPONSIVE: frozenset({WorkerState.READY, WorkerState.FAILED, WorkerState.DRAINING}),
     WorkerState.DRAINING: frozenset({WorkerState.UNLOADED}),
     WorkerState.FAILED: frozenset({WorkerState.LOADING, WorkerState.UNLOADED}),
 }
+
+
+#: States in which the model holds a live, loaded worker (it may run requests).
+LOADED = frozenset({WorkerState.READY, WorkerState.UNRESPONSIVE})
 
 
 class Lifecycle:

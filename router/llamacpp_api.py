@@ -11,6 +11,7 @@ token ending inside a UTF-8 character (its ``bytes`` are exact).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from starlette.requests import Request
@@ -65,8 +66,11 @@ from router.process import WorkerUnreachable
 from router.responses import JSONResponse
 from router.sse import SSEResponse, sse_event, until_disconnect
 
-#: How long a tokenize / detokenize / apply-template call may take, s.
-CALL_TIMEOUT_S = 120.0
+#: How long a tokenize / detokenize / apply-template call may take, s. Liveness is the ping
+#: loop's (router.pool: a silent worker is unresponsive, then killed, and the call ends with
+#: it); this bounds only a live worker that never answers the call. Three 7 MB /tokenize
+#: calls queue on the worker's text thread: the last waits for the two before it.
+CALL_TIMEOUT_S = 600.0
 
 
 def _slot(request: Request, body: dict[str, Any]) -> tuple[str, ModelSlot]:
@@ -257,7 +261,27 @@ async def tokenize(request: Request) -> Response:
         raise BadGateway(f"unexpected {ans.TYPE} answer to tokenize")
     if with_pieces:
         return JSONResponse({"tokens": [{"id": t, "piece": _piece(p)} for t, p in zip(ans.tokens, ans.pieces)]})
+    if len(ans.tokens) > TOKENS_PER_SLICE:
+        return Response(await _token_list_json(ans.tokens), media_type="application/json")
     return JSONResponse({"tokens": ans.tokens})
+
+
+#: Token ids rendered per event-loop turn for a large /tokenize answer.
+TOKENS_PER_SLICE = 65536
+
+
+async def _token_list_json(tokens: list[int]) -> bytes:
+    """``{"tokens":[...]}`` exactly as :func:`router.responses.dumps` makes it, rendered a
+    slice at a time with the event loop free in between: 2.5M ids (a 7 MB text) take
+    ~0.8 s of encoding, which would otherwise pause every other stream of the router."""
+    parts = [b'{"tokens":[']
+    for i in range(0, len(tokens), TOKENS_PER_SLICE):
+        if i:
+            parts.append(b",")
+        parts.append(",".join(map(str, tokens[i:i + TOKENS_PER_SLICE])).encode("ascii"))
+        await asyncio.sleep(0)
+    parts.append(b"]}")
+    return b"".join(parts)
 
 
 async def detokenize(request: Request) -> Response:

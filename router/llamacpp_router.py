@@ -238,7 +238,8 @@ async def slot_action(request: Request) -> Response:
 
 def _status(slot: ModelSlot) -> dict[str, Any]:
     value = {WorkerState.UNLOADED: "unloaded", WorkerState.LOADING: "loading", WorkerState.READY: "loaded",
-             WorkerState.DRAINING: "loaded", WorkerState.FAILED: "unloaded"}[slot.state]
+             WorkerState.UNRESPONSIVE: "loaded", WorkerState.DRAINING: "loaded",
+             WorkerState.FAILED: "unloaded"}[slot.state]
     status: dict[str, Any] = {"value": value, "state": slot.state.value}
     w = slot.worker
     if w is not None and w.command:
@@ -286,7 +287,8 @@ async def load(request: Request) -> Response:
 
 async def unload(request: Request) -> Response:
     slot = await _body_slot(request)
-    if slot.state not in (WorkerState.LOADING, WorkerState.READY, WorkerState.DRAINING):
+    if slot.state not in (WorkerState.LOADING, WorkerState.READY, WorkerState.UNRESPONSIVE,
+                          WorkerState.DRAINING):
         raise BadRequest(f"model '{slot.model.name}' is not running ({slot.state.value})",
                          code="model_not_running", param="model")
     slot.begin_unload()
@@ -317,6 +319,8 @@ async def model_health(request: Request, name: str) -> Response:
         err = Unavailable(f"model '{slot.model.name}' failed: {slot.last_error}", code="model_load_failed")
     elif slot.state is WorkerState.DRAINING:
         err = Unavailable(f"model '{slot.model.name}' is being unloaded", code="model_unloading")
+    elif slot.state is WorkerState.UNRESPONSIVE:
+        err = Unavailable(f"model '{slot.model.name}' worker is unresponsive", code="model_unresponsive")
     else:
         err = Unavailable(f"model '{slot.model.name}' is not loaded", code="model_not_loaded")
     return error_response(err)

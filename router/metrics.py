@@ -28,11 +28,13 @@ from starlette.requests import Request
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from router.lifecycle import WorkerState
+
 #: ``Content-Type`` of the text exposition.
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 #: Worker states a model can be in (``modelyard_model_state``'s ``state`` label).
-STATES = ("unloaded", "loading", "ready", "draining", "failed")
+STATES = tuple(s.value for s in WorkerState)
 
 #: Where a cancelled request was: waiting for its turn, prefilling (no token yet), decoding.
 CANCEL_STAGES = ("queue", "prefill", "decode")

@@ -25,6 +25,20 @@ Crash backoff (``router.backoff``): a failed model starts again only once its
 backoff has passed (else 503 ``restart_backoff`` with the remaining wait), and not
 at all after ``max_crashes`` within ``crash_window_s`` until an operator loads it.
 
+Liveness (the ping loop, one task per ready worker, the only judge): every
+``ping_interval_s`` — every ``unresponsive_after_s / 2`` while it runs a request —
+the worker is pinged. A worker that owes a frame (a Pong, or a Token of a running
+job) and has sent none for ``unresponsive_after_s`` becomes ``unresponsive``: no
+new job is handed to it (requests wait in its queue), /admin/models,
+/admin/events and ``/metrics`` say so; any frame makes it ``ready`` again. With
+no Pong within ``ping_timeout_s`` it is killed as hung. A draining worker is not
+pinged (its stop is bounded by ``drain_timeout_s`` and ``shutdown_grace_s``).
+
+Crash with waiting requests: when a ready (or unresponsive) worker dies, its
+running requests fail (an SSE error event mid-stream) but the requests that were
+only waiting keep their place and run on the restarted worker, started once the
+crash backoff allows (they fail only if the model gives up: ``max_crashes``).
+
 Idle unload (``idle_ttl_s`` > 0, like Ollama's keep_alive; never for ``pinned`` models): a ready worker with
 nothing running or waiting for ``idle_ttl_s`` seconds is unloaded (drained, then
 stopped). The idle check and the switch to ``draining`` happen in one step, so a
@@ -65,10 +79,10 @@ from router.errors import (
     QueueFull,
     RestartBackoff,
     ServerShuttingDown,
-    WorkerCrashed,
+    Unavailable,
     redact_paths,
 )
-from router.lifecycle import Lifecycle, WorkerState
+from router.lifecycle import LOADED, Lifecycle, WorkerState
 from router import placement
 from router.placement import Decision, Estimate, MemoryProbe, Seat, SystemMemory
 from router.process import CurveKeypair, LoadFailed, WorkerProcess, new_curve_keypair
@@ -88,6 +102,7 @@ class Ticket:
     granted: asyncio.Future[WorkerProcess] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
     worker: WorkerProcess | None = None
+    started_at: float = 0.0  # when it was handed its worker (monotonic s)
 
 
 def _crash_policy(m: ModelConfig) -> CrashPolicy:
@@ -133,6 +148,8 @@ class ModelSlot:
         self._pending_model: ModelConfig | None = None  # a reload changed the config: applied once the worker stops
         self.retiring = False  # removed from the config: draining, then forgotten
         self._threads: tuple[WorkerProcess, int] | None = None  # the BLAS threads last sent to the worker
+        self._restart_task: asyncio.Task[None] | None = None  # restart for waiting requests after a crash
+        self.unresponsive_since: float | None = None  # unix time the worker went unresponsive
 
     @property
     def metrics(self) -> Metrics:
@@ -200,7 +217,7 @@ class ModelSlot:
         running, waiting = len(self._running), self.queue_depth
         return ModelGauges(
             model=self.model.name, state=self.state.value,
-            loaded=self.state in (WorkerState.READY, WorkerState.DRAINING),
+            loaded=self.state in LOADED or self.state is WorkerState.DRAINING,
             waiting=waiting, running=running, total_slots=len(slots),
             busy_slots=sum(1 for s in slots if s["is_processing"]),
             kv_tokens=pong.kv_tokens if pong is not None else 0,
@@ -231,6 +248,7 @@ class ModelSlot:
             "blas_threads": self.blas_threads,
             "last_exit_code": self.last_exit_code,
             "condition": self.condition(),
+            "unresponsive_since": self.unresponsive_since,
             "failures": self.failures.describe(self._pool.clock()),
             "spawn_count": self.spawn_count,
             "refused_peers": w.refused_peers if w is not None else 0,
@@ -261,7 +279,7 @@ class ModelSlot:
 
     def seat(self) -> Seat | None:
         """This model as placement sees it now, when it holds a worker (else None)."""
-        if self.state not in (WorkerState.LOADING, WorkerState.READY, WorkerState.DRAINING):
+        if self.state not in (WorkerState.LOADING, *LOADED, WorkerState.DRAINING):
             return None
         return Seat(name=self.model.name, state=self.state.value,
                     idle=self.state is WorkerState.READY and not self._running and self.queue_depth == 0,
@@ -276,7 +294,8 @@ class ModelSlot:
 
     def condition(self) -> str:
         """The state with its history, for operators: ``never_loaded``, ``unloaded``,
-        ``loading``, ``ready``, ``draining``, ``crashed`` (a ready worker died; restarts on
+        ``loading``, ``ready``, ``unresponsive`` (silent; killed at ping_timeout_s unless it
+        answers), ``draining``, ``crashed`` (a ready worker died; restarts on
         the next request after the backoff), ``load_failed`` (same, its load failed), or
         ``failed`` (``max_crashes`` within ``crash_window_s``: until an operator loads it)."""
         if self.state is WorkerState.FAILED:
@@ -368,6 +387,7 @@ class ModelSlot:
             if t.granted.done():
                 continue
             t.worker = self.worker
+            t.started_at = time.monotonic()
             self._running[t.id] = t
             t.granted.set_result(self.worker)
         if bool(self._running) != was_busy:
@@ -664,13 +684,71 @@ class ModelSlot:
         self._pump()
         self._pool.place()
 
+    def _watching(self, wp: WorkerProcess) -> bool:
+        """``wp`` is this slot's live worker in a state the ping loop judges (ready, unresponsive)."""
+        return wp.alive and self.worker is wp and self.state in LOADED
+
     async def _ping_loop(self, wp: WorkerProcess) -> None:
-        while wp.alive:
-            await asyncio.sleep(self.model.ping_interval_s)
-            if not wp.alive:
+        """The liveness judge of ``wp`` (see the module docstring). Ends when it is no
+        longer the ready (or unresponsive) worker: draining, stopped, gone."""
+        window = self.model.unresponsive_after_s
+        tick = max(0.01, min(window / 4, 0.25))
+        while self._watching(wp):
+            since = time.monotonic()
+            while self._watching(wp):  # the interval; a running job owes Tokens meanwhile
+                interval = self.model.ping_interval_s
+                if self._running:
+                    interval = min(interval, window / 2)
+                if time.monotonic() - since >= interval:
+                    break
+                self._judge(wp, None)
+                await asyncio.sleep(min(tick, interval))
+            if not self._watching(wp):
                 return
-            if await self._ping(wp, self.model.ping_timeout_s) is None and wp.alive:
+            sent = time.monotonic()
+            ping = asyncio.ensure_future(self._ping(wp, self.model.ping_timeout_s))
+            try:
+                while not ping.done():
+                    await asyncio.wait({ping}, timeout=tick)
+                    if self._watching(wp):
+                        self._judge(wp, sent)
+            finally:
+                ping.cancel()
+            if not self._watching(wp):
+                return  # draining or gone meanwhile: not a hung worker
+            if ping.result() is None:
                 wp.kill(f"worker hung: no Pong within ping_timeout_s={self.model.ping_timeout_s:g} s; killed")
+                return
+            self._judge(wp, None)
+
+    def _judge(self, wp: WorkerProcess, ping_sent: float | None) -> None:
+        """Move ``wp`` between ready and unresponsive. It owes a frame while it runs a
+        job (since its last frame or the latest job's start) or while a Ping sent at
+        ``ping_sent`` (monotonic s) is unanswered (since then or its last frame)."""
+        now = time.monotonic()
+        if self._running:
+            started = max(t.started_at for t in self._running.values())
+            silent = now - max(wp.last_frame_at, started)
+        elif ping_sent is not None:
+            silent = now - max(wp.last_frame_at, ping_sent)
+        else:
+            silent = 0.0
+        window = self.model.unresponsive_after_s
+        if self.state is WorkerState.READY and silent > window:
+            self.unresponsive_since = time.time()
+            log.warning("model %s: worker %s sent nothing for %.1f s (unresponsive_after_s=%g); "
+                        "no new requests go to it; killed if no Pong within ping_timeout_s=%g s",
+                        self.model.name, wp.pid, silent, window, self.model.ping_timeout_s)
+            self._set_state(WorkerState.UNRESPONSIVE, f"worker sent nothing for {silent:.1f} s")
+            self._emit("unresponsive", pid=wp.pid, silent_s=round(silent, 3))
+        elif self.state is WorkerState.UNRESPONSIVE and silent <= window:
+            was = self.unresponsive_since
+            self.unresponsive_since = None
+            log.warning("model %s: worker %s answers again after %.1f s unresponsive", self.model.name, wp.pid,
+                        time.time() - was if was is not None else 0.0)
+            self._set_state(WorkerState.READY)
+            self._emit("responsive", pid=wp.pid)
+            self._pump()
 
     async def _ping(self, wp: WorkerProcess, timeout_s: float) -> Pong | None:
         pong = await wp.ping(timeout_s)
@@ -696,8 +774,8 @@ class ModelSlot:
         ``idle_ttl_s`` after the last request finished, not later.
         """
         ttl = self.model.idle_ttl_s
-        while self.worker is wp and self.state is WorkerState.READY:
-            busy = bool(self._running) or self.queue_depth > 0
+        while self.worker is wp and self.state in LOADED:
+            busy = bool(self._running) or self.queue_depth > 0 or self.state is not WorkerState.READY
             left = self._last_active + ttl - time.monotonic()
             if busy or left > 0:
                 await asyncio.sleep(ttl if busy else left)
@@ -725,19 +803,37 @@ class ModelSlot:
         for tid in [tid for tid, t in self._running.items() if t.worker is wp]:
             del self._running[tid]
         self._cancel_watchers()
-        if self.state is WorkerState.READY:
+        if self.state in LOADED:
             self.worker = None
+            self.unresponsive_since = None
             self._crashed = True
             self.metrics.crashes.labels(self.model.name).inc()
             self._record_failure("crashed", f"worker crashed: {reason}", wp.exit_code)
             self._set_state(WorkerState.FAILED, f"worker crashed: {reason}")
-            self._fail_waiting(WorkerCrashed(
-                f"model '{self.model.name}' worker crashed ({redact_paths(reason)}); retry to restart it",
-                retry_after_s=self._failure_retry_after()))
+            if self.failures.given_up:
+                self._fail_waiting(ModelFailed(
+                    f"model '{self.model.name}' worker crashed ({redact_paths(reason)}) and has failed "
+                    f"{self.failures.policy.max_crashes} times within crash_window_s; it stays failed until an "
+                    f"operator loads it (POST /admin/models/load)"))
+            elif self.queue_depth > 0:  # those only waiting run on the restarted worker
+                self._restart_task = asyncio.create_task(self._restart_for_waiting(),
+                                                         name=f"restart-{self.model.name}")
             self._pool.place()  # its place is free
         else:
             self._changed.set()  # draining: the unload task finishes the job
         self._pool.share_cores()
+
+    async def _restart_for_waiting(self) -> None:
+        """After a crash: wait out the crash backoff, then load again for the requests
+        still waiting (they were admitted before the crash and keep their place)."""
+        left = self.failures.remaining(self._pool.clock())
+        if left > 0:
+            log.info("model %s: %d waiting request(s) run on the restarted worker in %.1f s (crash backoff)",
+                     self.model.name, self.queue_depth, left)
+            await asyncio.sleep(left)
+        self._restart_task = None
+        if self.state is WorkerState.FAILED and self.queue_depth > 0 and not self._pool.closing:
+            self._want_load()
 
     async def ready_worker(self, *, operator: bool = False) -> WorkerProcess:
         """The ready worker, starting it and waiting for its load if needed (for
@@ -762,6 +858,10 @@ class ModelSlot:
                 self._pool.place()  # the last one to leave may leave nobody wanting it
         if self.state is WorkerState.LOADING and self._load_task is not None:
             await asyncio.shield(self._load_task)
+        if self.state is WorkerState.UNRESPONSIVE:
+            raise Unavailable(f"model '{self.model.name}' worker is unresponsive (no answer for "
+                              f"unresponsive_after_s={self.model.unresponsive_after_s:g} s); retry shortly",
+                              code="model_unresponsive")
         if self.state is not WorkerState.READY or self.worker is None:
             raise ModelLoadFailed(f"model '{self.model.name}' is not loaded: "
                                   f"{redact_paths(self.last_error or str(self.state))}")
@@ -837,7 +937,10 @@ class ModelSlot:
             self._crashed = False
             if self._placement is not None:
                 self._drop_placement(ModelUnloading(f"model '{self.model.name}' was unloaded"))
-                self._fail_waiting(ModelUnloading(f"model '{self.model.name}' was unloaded"))
+            if self._restart_task is not None:
+                self._restart_task.cancel()
+                self._restart_task = None
+            self._fail_waiting(ModelUnloading(f"model '{self.model.name}' was unloaded"))
             self._set_state(WorkerState.UNLOADED)
             return asyncio.create_task(nothing())
         if self.state is WorkerState.LOADING:
@@ -847,8 +950,11 @@ class ModelSlot:
             self._fail_waiting(ModelUnloading(f"model '{self.model.name}' was unloaded while loading"))
             return asyncio.create_task(wp.stop(self.model.shutdown_grace_s) if wp is not None else nothing(),
                                        name=f"unload-{self.model.name}")
-        assert self.state is WorkerState.READY and self.worker is not None
+        assert self.state in LOADED and self.worker is not None
         wp = self.worker
+        if self.state is WorkerState.UNRESPONSIVE:
+            drain = False  # a silent worker cannot finish its requests: stop it now
+        self.unresponsive_since = None
         self._set_state(WorkerState.DRAINING)
         if not self._idle_unloading:
             self._fail_waiting(ModelUnloading(f"model '{self.model.name}' is being unloaded"))
@@ -869,6 +975,14 @@ class ModelSlot:
                 break
         for tid in list(self._running):
             wp.cancel(tid)
+        if drain and self._running and wp.alive:  # drain_timeout_s: their Done(cancelled) reaches the clients
+            deadline = time.monotonic() + self.model.cancel_timeout_s
+            while self._running and wp.alive and (left := deadline - time.monotonic()) > 0:
+                self._changed.clear()
+                try:
+                    await asyncio.wait_for(self._changed.wait(), left)
+                except TimeoutError:
+                    break
         await wp.stop(self.model.shutdown_grace_s)
         self._running.clear()
         self._cancel_watchers()

@@ -172,6 +172,7 @@ class WorkerProcess:
         self.refused_peers = 0  # peers refused on this socket: bad Hello, failed CURVE handshake
         self._on_hello: Callable[[], None] | None = None
         self._on_load_step: Callable[[LoadProgress], None] | None = None
+        self.last_frame_at = time.monotonic()  # when its own peer last sent a frame (monotonic s)
 
     # ------------------------------------------------------------------ facts
 
@@ -440,6 +441,7 @@ class WorkerProcess:
         if ident != self._identity:
             log.warning("ignoring %s from an unknown peer on %s's socket", msg.TYPE, self.model.name)
             return
+        self.last_frame_at = time.monotonic()  # liveness: any frame of the worker (router.pool judges)
         q = self._streams.get(msg.id)
         if q is not None:
             q.put_nowait(msg)

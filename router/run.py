@@ -55,7 +55,7 @@ class Run:
 
     async def wait_worker(self) -> WorkerProcess:
         """Wait for this request's turn (and the model's load). Raises ApiError
-        (ModelLoadFailed, WorkerCrashed, ModelUnloading) if it will never come."""
+        (ModelLoadFailed, ModelFailed, ModelUnloading) if it will never come."""
         self.worker = await self.slot.wait_turn(self.ticket)
         self.slot.metrics.queue_time.labels(self._model).observe(time.monotonic() - self.started_at)
         return self.worker
@@ -166,6 +166,8 @@ class Run:
             return
         self.finished = True
         self._count_cancel()
+        if not self._ended:  # the access log's figures: what reached the client (the Done comes later)
+            self._access["completion_tokens"] = self._n_tokens
         spawn(self._reap(self.worker, self._q))
 
     async def _reap(self, worker: WorkerProcess, q: asyncio.Queue[StreamItem] | None) -> None:

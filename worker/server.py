@@ -504,7 +504,7 @@ class WorkerServer:
         if self.engine is None:
             self._send(Error(id=msg.id, code=ErrorCode.BUSY, message="the model is still loading"))
             return
-        # answered by the runner's prep thread (FrameOut): a 7 MB tokenize never holds up this
+        # answered by the runner's text thread (FrameOut): a 7 MB tokenize never holds up this
         # loop's Pings and Token relaying, nor the engine's steps
         self.runner.submit_text_op(msg)
 

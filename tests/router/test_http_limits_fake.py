@@ -3,6 +3,9 @@
 * a request head that never completes (slowloris) is closed after header_timeout_s;
 * a body that never completes gets a 408 after body_timeout_s and the connection closes;
 * a client that leaves before its body is one INFO line, never an ERROR traceback;
+* a client that stops reading its stream is cut off after stream_stall_timeout_s: the
+  generation is cancelled on its worker (same pid: nothing killed), its slot freed,
+  one INFO line and a 499 access line;
 * connections beyond max_connections get 503; the router serves again once they go;
 * Transfer-Encoding + Content-Length: 400, the connection closed, the request pipelined
   behind it never runs (request smuggling).
@@ -23,16 +26,24 @@ import pytest
 
 from tests.router.conftest import LiveRouter, dummy_gguf
 
+pytestmark = pytest.mark.reliability  # issue 11's probes (README: -m reliability)
+
 CONFIG = """
 [server]
 models_dir = "."
 header_timeout_s = 0.5
 body_timeout_s = 0.5
 max_connections = 8
+stream_stall_timeout_s = 1.0
 [models.m]
 path = "m.gguf"
 ping_interval_s = 0
+[models.big]
+path = "m.gguf"
 """
+
+#: ``big`` streams fast, long and without end in sight: a client that does not read fills its buffers.
+FAKE = {"big": {"token_delay_s": 0.0, "length": 1_000_000, "n_ctx": 2_000_000}}
 
 #: Bound of any single socket wait (a hang fails the test instead of blocking it).
 WAIT_S = 30.0
@@ -42,6 +53,7 @@ WAIT_S = 30.0
 def router(module_tmp: Path) -> Iterator[LiveRouter]:
     dummy_gguf(module_tmp, "m.gguf")
     r = LiveRouter(module_tmp, CONFIG)
+    r.set_fake(FAKE)
     yield r
     r.stop()
 
@@ -146,3 +158,50 @@ def test_pipelined_requests_with_clean_framing_still_work(router: LiveRouter) ->
         s.sendall(req + req[:-2] + b"Connection: close\r\n\r\n")
         raw = _read_to_eof(s)
     assert raw.count(b"HTTP/1.1 200") == 2
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_its_slot_freed(router: LiveRouter) -> None:
+    with router.http() as c:
+        c.post("/admin/models/load", json={"model": "big"}).raise_for_status()
+        pid = router.admin("big")["pid"]
+    before = router.log_path.read_text(errors="replace")
+    body = json.dumps({"model": "big", "stream": True, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the router's buffers fill soon
+    s.settimeout(WAIT_S)
+    s.connect(("127.0.0.1", router.port))
+    with s:
+        s.sendall(_head("/v1/chat/completions", Content_Type="application/json", X_Request_Id="r-stall",
+                        Content_Length=str(len(body))) + body)
+        # read nothing: the router gives up on this client after stream_stall_timeout_s
+        line = "stream_stall_timeout_s=1"
+        router.wait_for(lambda: line in router.log_path.read_text(errors="replace")[len(before):],
+                        what="the stall INFO line")
+        st = router.wait_for(lambda: (a := router.admin("big"))["in_flight"] == [] and a, what="the slot freed")
+        assert st["pid"] == pid and st["state"] == "ready"  # cancelled, not killed
+        new = router.log_path.read_text(errors="replace")[len(before):]
+        access = router.wait_for(lambda: [ln for ln in router.log_path.read_text(errors="replace").splitlines()
+                                          if "request_id=r-stall " in ln], what="the access line")[0]
+        assert "status=499" in access and "disconnected=true" in access
+        assert int(access.split("completion_tokens=")[1].split()[0]) > 0
+        assert "Traceback" not in new and " ERROR " not in new
+        stall = next(ln for ln in new.splitlines() if line in ln)
+        assert " INFO " in stall and "r-stall" in stall
+        try:
+            while s.recv(65536):  # what was buffered, then the end: the connection was aborted
+                pass
+        except ConnectionResetError:
+            pass
+    r = httpx.post(router.url + "/v1/chat/completions", timeout=30,
+                   json={"model": "big", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == " w100 w101"
+    assert router.admin("big")["pid"] == pid
+
+
+def test_a_large_tokenize_answer_is_rendered_in_slices_as_the_same_json(router: LiveRouter) -> None:
+    small = httpx.post(router.url + "/tokenize", json={"model": "m", "content": "alpha beta"}, timeout=30).json()
+    n = 70_000  # beyond one slice (65536 ids): rendered a slice per event-loop turn
+    r = httpx.post(router.url + "/tokenize", json={"model": "m", "content": "alpha beta " * (n // 2)}, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    assert r.json() == {"tokens": small["tokens"] * (n // 2)}
+    assert r.content == json.dumps(r.json(), separators=(",", ":")).encode()

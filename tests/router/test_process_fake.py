@@ -171,6 +171,7 @@ def test_sigterm_stops_every_worker(tmp_path: Path) -> None:
     assert len(r.fake_events("shutdown")) == 2  # asked politely first
 
 
+@pytest.mark.reliability
 def test_sigkill_of_the_router_leaves_no_orphans(tmp_path: Path) -> None:
     r, workers = _router_with_two_workers(tmp_path)
     os.kill(r.proc.pid, signal.SIGKILL)

@@ -19,6 +19,8 @@ from router.config import ConfigError, load_config
 from router.security import host_name, is_json_media_type, loopback_name
 from tests.router.conftest import LiveRouter, dummy_gguf
 
+pytestmark = pytest.mark.reliability  # issue 11's probes (README: -m reliability)
+
 CONFIG = """
 [server]
 models_dir = "."

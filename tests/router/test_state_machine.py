@@ -9,7 +9,8 @@ def test_every_state_has_its_documented_exits() -> None:
     assert TRANSITIONS == {
         S.UNLOADED: {S.LOADING},
         S.LOADING: {S.READY, S.FAILED, S.UNLOADED},
-        S.READY: {S.DRAINING, S.FAILED},
+        S.READY: {S.DRAINING, S.FAILED, S.UNRESPONSIVE},
+        S.UNRESPONSIVE: {S.READY, S.FAILED, S.DRAINING},
         S.DRAINING: {S.UNLOADED},
         S.FAILED: {S.LOADING, S.UNLOADED},
     }

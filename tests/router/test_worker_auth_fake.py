@@ -27,6 +27,8 @@ from protocol.credentials import secret_matches
 from router.process import worker_command
 from tests.router.conftest import LiveRouter, dummy_gguf
 
+pytestmark = pytest.mark.reliability  # issue 11's probes (README: -m reliability)
+
 CONFIG = """
 [server]
 models_dir = "."

@@ -13,6 +13,13 @@ Knobs (attributes, settable by a test at any time):
     prefill_chunk   prompt tokens per prefill chunk (default 4)
     length          tokens before the end-of-generation token (default 8)
 
+Holding steps (instead of racing a delay): ``allow(n)`` lets the next ``n`` calls of
+``step()`` run and holds the one after, until more are allowed; ``allow(tokens=n)``
+holds the first step after ``n`` more tokens were decoded (``allow(None)``: free
+running, the default). ``held`` is set while a step waits; ``prepared`` counts the
+prompts ``prepare`` has turned into ids (the worker's prep thread). A step held for
+30 s raises (a test that forgot to let it go fails instead of hanging).
+
 A text prompt containing the word ``boom`` raises RuntimeError
 after the first token: an engine bug, which the worker must survive.
 
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -63,6 +71,12 @@ class FakeEngine:
         self.length = 8
         self._cache: list[int] = []
         self.generate_calls = 0
+        self._budget: int | None = None  # steps allowed before holding (None: free running)
+        self._token_limit: int | None = None  # hold once this many tokens were decoded in all
+        self._decoded = 0
+        self._cond = threading.Condition()
+        self.held = threading.Event()  # a step is waiting for allow()
+        self.prepared = 0
 
     @classmethod
     def load(cls, gguf_path: str, n_ctx: int | None = None, chat_template: str | None = None, *,
@@ -137,6 +151,7 @@ class FakeEngine:
     # ---------------------------------------------------------------- batch API (docs/ENGINE-API.md)
 
     def prepare(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
+        self.prepared += 1
         p = params.validated(self.info.n_vocab)
         ids = self.tokenize(prompt, p.add_special, p.parse_special) if isinstance(prompt, str) else self._check(prompt)
         if not ids:
@@ -191,7 +206,31 @@ class FakeEngine:
     def kv_tokens(self) -> int:
         return len(self._cache) + sum(len(s.ctx) for s in self._seqs.values())
 
+    def allow(self, n: int | None = None, *, tokens: int | None = None) -> None:
+        """Let the next ``n`` steps run (or those until ``tokens`` more tokens are decoded),
+        then hold; neither: never hold."""
+        with self._cond:
+            self._budget = n
+            self._token_limit = None if tokens is None else self._decoded + tokens
+            self._cond.notify_all()
+
+    def _holding(self) -> bool:
+        return ((self._budget is not None and self._budget <= 0)
+                or (self._token_limit is not None and self._decoded >= self._token_limit))
+
+    def _take_step(self) -> None:
+        with self._cond:
+            if self._holding():
+                self.held.set()
+                ok = self._cond.wait_for(lambda: not self._holding(), timeout=30)
+                self.held.clear()
+                if not ok:
+                    raise RuntimeError("fake engine step held for 30 s: the test never let it go")
+            if self._budget is not None:
+                self._budget -= 1
+
     def step(self) -> list[Finished]:
+        self._take_step()
         live = list(self._seqs.values())
         if any(s.n_done < len(s.ids) for s in live):
             time.sleep(self.chunk_delay_s)
@@ -232,6 +271,7 @@ class FakeEngine:
         h = zlib.crc32(b",".join(str(t).encode() for t in s.ctx))
         tid = EOS if len(s.tokens) >= self.length and not s.p.ignore_eos else 10 + h % (self.info.n_vocab - 10)
         s.tokens.append(tid)
+        self._decoded += 1
         s.ctx.append(tid)
         if tid == EOS:
             s.finish, s.stop_type = "stop", "eos"

@@ -307,3 +307,15 @@ def test_gemma3_greedy_completion_matches_llama_cpp() -> None:
         res = eng.generate(entry["prompt"], greedy(max_tokens=n_tokens))
         assert res.prompt_tokens == len(entry["prompt_ids"])
         assert matching_prefix(res.tokens, entry) >= min(first_near_tie(entry), n_tokens)
+
+
+def test_the_default_n_ctx_is_the_training_context_capped_at_8192(tmp_path: Path) -> None:
+    """README: ``n_ctx`` defaults to ``min(n_ctx_train, 8192)``."""
+    from tests.worker.tiny_gguf import write_tiny_llama as write_tiny
+
+    long = write_tiny(tmp_path / "long.gguf", n_ctx_train=32768)
+    short = write_tiny(tmp_path / "short.gguf", n_ctx_train=300)
+    info = Engine.load(str(long), kv_budget_mib=64).info
+    assert (info.n_ctx, info.n_ctx_train) == (8192, 32768)
+    assert Engine.load(str(short)).info.n_ctx == 300
+    assert Engine.load(str(long), n_ctx=512, kv_budget_mib=64).info.n_ctx == 512  # an explicit n_ctx is kept

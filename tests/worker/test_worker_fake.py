@@ -61,6 +61,13 @@ class Harness:
         assert not self.thread.is_alive(), f"worker did not exit within {timeout_s} s"
         return int(self.result["code"])
 
+    def wait(self, cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+        """Until ``cond()`` holds (an observed state), at most ``timeout_s`` s."""
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.002)
+
     def ping(self, ident: str = "p") -> Pong:
         self.stub.send(Ping(id=ident))
         m = self.stub.next_for(ident)
@@ -242,11 +249,12 @@ def test_chat_messages_go_through_tokenize_chat(start: Callable[..., Harness]) -
 
 def test_two_generates_at_once_run_one_after_the_other(start: Callable[..., Harness]) -> None:
     h = start()
-    h.engine.token_delay_s = 0.01
+    h.engine.allow(0)  # "a" is held at its first step while "b" arrives
     h.stub.send(Generate(id="a", prompt="first request", temperature=0.0))
     h.stub.send(Generate(id="b", prompt="second request", temperature=0.0))
     pong = h.ping()
     assert pong.busy and pong.running_ids == ["a"] and pong.queue_len == 1
+    h.engine.allow(None)
     ta, da = h.stub.stream("a")
     tb, db = h.stub.stream("b")
     assert isinstance(da, Done) and isinstance(db, Done) and ta and tb
@@ -267,15 +275,20 @@ def test_parallel_slots_interleave_and_a_cancel_leaves_the_others_unchanged(star
                      on_token=events.append)
         solo[rid] = [e.id for e in events]
     eng = FakeEngine(parallel=3)
-    eng.token_delay_s = 0.01
+    eng.allow(0)  # held until all three are prepared: they then step together
     h = start(eng, parallel=3, max_queue=0)
     for rid, text in prompts.items():
         h.stub.send(Generate(id=rid, prompt=text, temperature=0.0, max_tokens=30, ignore_eos=True,
                              cache_prompt=False))
-    first_c = h.stub.next(lambda m: isinstance(m, Token) and m.id == "c", 10)
+    h.wait(lambda: eng.prepared == 3 and eng.held.is_set(), "three prepared, a step held")
     pong = h.ping()
     assert sorted(pong.running_ids) == ["a", "b", "c"] and pong.queue_len == 0
+    eng.allow(6)  # a few steps (each at most one chunk or token per sequence, 30 tokens each): then held
+    first_c = h.stub.next(lambda m: isinstance(m, Token) and m.id == "c", 10)
+    h.wait(eng.held.is_set, "the next step held")
     h.stub.send(Cancel(id="b"))
+    h.ping("p-cancel")  # the Cancel was handled before this Pong: b stops at the next step
+    eng.allow(None)
     streams = {rid: h.stub.stream(rid) for rid in prompts}
     streams["c"] = ([first_c, *streams["c"][0]], streams["c"][1])  # type: ignore[list-item]
     order = [m.id for _, m in h.stub.received if isinstance(m, Token)]
@@ -293,21 +306,23 @@ def test_parallel_slots_interleave_and_a_cancel_leaves_the_others_unchanged(star
 
 def test_queue_beyond_max_queue_answers_busy(start: Callable[..., Harness]) -> None:
     h = start(max_queue=1)
-    h.engine.token_delay_s = 0.02
+    h.engine.allow(0)  # "a" held: "b" waits, "c" is one too many
     for rid in ("a", "b", "c"):
         h.stub.send(Generate(id=rid, prompt=f"request {rid}", temperature=0.0))
     err = h.stub.next_for("c", 10)
     assert isinstance(err, Error) and err.code == "busy" and "max_queue=1" in err.message
+    h.engine.allow(None)
     assert isinstance(h.stub.stream("a")[1], Done) and isinstance(h.stub.stream("b")[1], Done)
 
 
 def test_duplicate_request_id_is_refused(start: Callable[..., Harness]) -> None:
     h = start()
-    h.engine.token_delay_s = 0.02
+    h.engine.allow(0)  # the first "a" is still running when the second arrives
     h.stub.send(Generate(id="a", prompt="x y", temperature=0.0))
     h.stub.send(Generate(id="a", prompt="x y", temperature=0.0))
     first = h.stub.next(lambda m: isinstance(m, Error), 10)
     assert first.id == "a" and first.code == "invalid_request" and "already in use" in first.message
+    h.engine.allow(None)
     _, done = h.stub.stream("a")
     assert isinstance(done, Done)
 
@@ -317,44 +332,48 @@ def test_duplicate_request_id_is_refused(start: Callable[..., Harness]) -> None:
 
 def test_cancel_mid_decode_stops_within_a_token(start: Callable[..., Harness]) -> None:
     h = start()
-    h.engine.token_delay_s = 0.05
     h.engine.length = 1000
+    h.engine.allow(tokens=2)  # two tokens, then the next step is held (a token "in flight")
     h.stub.send(Generate(id="a", prompt="tell me everything", temperature=0.0))
     first = [h.stub.next_for("a"), h.stub.next_for("a")]
     assert all(isinstance(m, Token) for m in first)
+    h.wait(h.engine.held.is_set, "the third token's step held")
     sent_at = h.stub.send(Cancel(id="a"))
+    h.ping()  # the Cancel was handled before this Pong
+    h.engine.allow(None)
     tokens, done = h.stub.stream("a", 10)
     latency = h.stub.received[-1][0] - sent_at
     assert isinstance(done, Done) and (done.finish_reason, done.stop_type) == ("cancelled", "cancelled")
-    assert len(tokens) <= 2  # at most the token in flight (+ one already on the wire)
+    assert len(tokens) <= 1  # at most the token whose step was under way
     assert done.completion_tokens == len(first) + len(tokens)
-    print(f"fake engine: Cancel -> Done mid-decode {latency * 1e3:.1f} ms (token time 50 ms)")
+    print(f"fake engine: Cancel -> Done mid-decode {latency * 1e3:.1f} ms")
 
 
 def test_cancel_mid_prefill_stops_between_chunks(start: Callable[..., Harness]) -> None:
     h = start()
-    h.engine.chunk_delay_s = 0.05
-    prompt = " ".join(f"word{i}" for i in range(400))  # 401 tokens = 101 chunks of 4 = ~5 s of prefill
+    h.engine.allow(1)  # one prefill chunk, then held
+    prompt = " ".join(f"word{i}" for i in range(400))  # 401 tokens = 101 chunks of 4
     h.stub.send(Generate(id="a", prompt=prompt, temperature=0.0, max_tokens=5))
-    deadline = time.monotonic() + 30
-    while not h.engine.cached_tokens and time.monotonic() < deadline:  # first chunk prefilled
-        time.sleep(0.005)
+    h.wait(h.engine.held.is_set, "the second chunk held")
     sent_at = h.stub.send(Cancel(id="a"))
+    h.ping()  # the Cancel was handled before this Pong
+    h.engine.allow(None)
     tokens, done = h.stub.stream("a", 10)
     latency = h.stub.received[-1][0] - sent_at
     assert isinstance(done, Done) and done.finish_reason == "cancelled" and tokens == []
     assert done.completion_tokens == 0 and 0 < done.prompt_n < done.prompt_tokens == 401
-    print(f"fake engine: Cancel -> Done mid-prefill {latency * 1e3:.1f} ms (chunk time 50 ms)")
+    print(f"fake engine: Cancel -> Done mid-prefill {latency * 1e3:.1f} ms")
 
 
 def test_cancel_of_a_queued_request_removes_it(start: Callable[..., Harness]) -> None:
     h = start()
-    h.engine.token_delay_s = 0.02
+    h.engine.allow(0)  # "a" held: "b" stays queued
     h.stub.send(Generate(id="a", prompt="running one", temperature=0.0))
     h.stub.send(Generate(id="b", prompt="queued one", temperature=0.0))
     h.stub.send(Cancel(id="b"))
     done_b = h.stub.next_for("b", 10)
     assert isinstance(done_b, Done) and done_b.finish_reason == "cancelled" and done_b.completion_tokens == 0
+    h.engine.allow(None)
     _, done_a = h.stub.stream("a")
     assert isinstance(done_a, Done) and done_a.finish_reason == "stop"  # the running one is untouched
     ids = [m.id for _, m in h.stub.received if isinstance(m, (Token, Done))]
@@ -368,8 +387,7 @@ def test_cancel_of_an_unknown_or_finished_id_is_ignored(start: Callable[..., Har
     assert isinstance(h.stub.stream("a")[1], Done)
     h.stub.send(Cancel(id="a"))
     h.stub.send(Cancel(id="never-seen"))
-    assert h.ping().busy is False
-    time.sleep(0.1)
+    assert h.ping().busy is False  # both Cancels were handled (ignored) before this Pong
     assert not [m for _, m in h.stub.received if m.id == "never-seen"]
     assert len([m for _, m in h.stub.received if isinstance(m, (Done, Error)) and m.id == "a"]) == 1
 
@@ -380,11 +398,13 @@ def test_after_a_cancel_the_next_output_equals_a_fresh_engines(start: Callable[.
     ref_tokens, _ = fresh.stub.stream("ref")
 
     h = start()
-    h.engine.token_delay_s = 0.02
     h.engine.length = 1000
+    h.engine.allow(tokens=1)  # one token, then held
     h.stub.send(Generate(id="x", prompt="the same prompt and more", temperature=0.0))
     h.stub.next_for("x")
     h.stub.send(Cancel(id="x"))
+    h.ping()
+    h.engine.allow(None)
     assert h.stub.stream("x")[1].finish_reason == "cancelled"
     h.engine.length = 8
     h.stub.send(Generate(id="y", prompt="the same prompt", temperature=0.0))
@@ -397,8 +417,8 @@ def test_after_a_cancel_the_next_output_equals_a_fresh_engines(start: Callable[.
 
 def test_ping_and_text_ops_are_answered_mid_generation(start: Callable[..., Harness]) -> None:
     h = start()
-    h.engine.token_delay_s = 0.05
     h.engine.length = 40
+    h.engine.allow(tokens=1)  # one token, then held: "a" is mid-generation throughout
     h.stub.send(Generate(id="a", prompt="a long one", temperature=0.0))
     h.stub.next_for("a")  # generating now
     pong = h.ping()
@@ -411,6 +431,7 @@ def test_ping_and_text_ops_are_answered_mid_generation(start: Callable[..., Harn
     assert tok.pieces == [h.engine.token_bytes(t) for t in tok.tokens]
     assert isinstance(det, DetokenizeResult) and det.content == " w12 w13"
     assert isinstance(tpl, ApplyTemplateResult) and tpl.prompt.endswith("<|im_start|>assistant\n")
+    h.engine.allow(None)
     tokens, done = h.stub.stream("a")
     assert isinstance(done, Done) and done.finish_reason == "stop"  # all answered before the generation ended
     assert h.stub.received.index(next(x for x in h.stub.received if x[1].id == "at")) < len(h.stub.received) - 1
@@ -449,8 +470,8 @@ def test_bad_requests_get_precise_errors_and_the_worker_keeps_serving(
 
 def test_bad_sampling_values_are_refused_at_once_not_after_the_queue(start: Callable[..., Harness]) -> None:
     h = start()
-    h.engine.token_delay_s = 0.05
     h.engine.length = 1000
+    h.engine.allow(tokens=1)  # "long" holds after its first token
     h.stub.send(Generate(id="long", prompt="runs a while", temperature=0.0))
     h.stub.next_for("long")
     for rid, msg in {"b1": Generate(id="b1", prompt="x", top_p=2.0), "b2": Generate(id="b2", prompt=[1, 4000]),
@@ -459,6 +480,8 @@ def test_bad_sampling_values_are_refused_at_once_not_after_the_queue(start: Call
         assert isinstance(h.stub.next_for(rid, 10), Error)
     assert h.ping().running_ids == ["long"]  # answered while "long" still runs
     h.stub.send(Cancel(id="long"))
+    h.ping("p2")
+    h.engine.allow(None)
     assert h.stub.stream("long")[1].finish_reason == "cancelled"
 
 
@@ -504,14 +527,16 @@ def test_200_garbage_frames_each_get_a_protocol_error_then_a_request_works(start
 
 def test_shutdown_cancels_running_and_queued_then_exits_0(start: Callable[..., Harness]) -> None:
     h = start()
-    h.engine.token_delay_s = 0.05
     h.engine.length = 1000
+    h.engine.allow(tokens=1)  # "a" holds after its first token; "b" waits
     h.stub.send(Generate(id="a", prompt="runs", temperature=0.0))
     h.stub.send(Generate(id="b", prompt="waits", temperature=0.0))
     h.stub.next_for("a")
     h.stub.send(Shutdown(id="s"))
+    db_early = h.stub.next_for("b", 10)  # the queued one is answered as Shutdown is handled
+    h.engine.allow(None)
     _, da = h.stub.stream("a", 10)
-    db = h.stub.next_for("b", 10)
+    db = db_early
     assert isinstance(da, Done) and da.finish_reason == "cancelled"
     assert isinstance(db, Done) and db.finish_reason == "cancelled" and db.completion_tokens == 0
     assert h.wait_exit(5) == 0
@@ -521,8 +546,8 @@ def test_exits_when_the_parent_process_is_gone(start: Callable[..., Harness]) ->
     parent = subprocess.Popen(["sleep", "60"])
     try:
         h = start(parent_pid=parent.pid, endpoint="tcp://127.0.0.1:*")
-        h.engine.token_delay_s = 0.05
         h.engine.length = 1000
+        h.engine.allow(tokens=1)  # mid-generation (held) when the parent dies
         h.stub.send(Generate(id="a", prompt="runs", temperature=0.0))
         h.stub.next_for("a")
         parent.kill()
@@ -532,6 +557,7 @@ def test_exits_when_the_parent_process_is_gone(start: Callable[..., Harness]) ->
         took = time.monotonic() - t0
     finally:
         parent.kill()
+        h.engine.allow(None)
     assert not h.thread.is_alive() and h.result["code"] == 0
     report("fake engine: parent killed -> worker loop returned", took, 2.0)
 

@@ -50,12 +50,20 @@ import hashlib
 import heapq
 import struct
 import numbers
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import EngineError
+
+# tokenizers' rayon pool off (one text at a time; no oversubscription, no fork warnings);
+# encode_batch is used for its GIL release alone (Tokenizer._hf_ids)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+#: Fragments at least this long (chars) are tokenized with the GIL released.
+_GIL_FREE_CHARS = 4096
 
 __all__ = [
     "ATTR_UNDEFINED",
@@ -618,17 +626,15 @@ class Tokenizer:
             assert self.bos_id is not None
             out.append(self.bos_id)
         if self.model == "gpt2":
-            # one encode per fragment: encode_batch would start tokenizers' thread pool
-            # (oversubscribing the machine and making later forks warn)
-            encode = self._hf.encode
             n_vocab = len(self.tokens)
             for f in fragments:
                 if f.text is None:
                     out.append(f.token)
-                elif self._bpe_placeholders:
-                    out.extend(i for i in encode(f.text, add_special_tokens=False).ids if i < n_vocab)
-                else:
-                    out.extend(encode(f.text, add_special_tokens=False).ids)
+                    continue
+                ids = self._hf_ids(f.text)
+                if self._bpe_placeholders and ids and max(ids) >= n_vocab:  # max(): no per-token Python loop
+                    ids = [i for i in ids if i < n_vocab]
+                out.extend(ids)
         else:
             is_prev_special = True
             for f in fragments:
@@ -645,6 +651,17 @@ class Tokenizer:
             assert self.eos_id is not None
             out.append(self.eos_id)
         return out
+
+    def _hf_ids(self, text: str) -> list[int]:
+        """The BPE ids of one fragment (no specials). ``Tokenizer.encode`` holds the GIL for
+        the whole call (a 7 MB text: ~15 s in which no other thread of the process runs —
+        the worker's socket thread could not answer a Ping); ``encode_batch`` gives the
+        same ids and releases the GIL, so long texts go through it, one at a time (its
+        thread pool stays off: TOKENIZERS_PARALLELISM, set at import unless the
+        environment says otherwise)."""
+        if len(text) < _GIL_FREE_CHARS:
+            return self._hf.encode(text, add_special_tokens=False).ids
+        return self._hf.encode_batch([text], add_special_tokens=False)[0].ids
 
     def _prefix_chain(self, tid: int, parse_special: bool) -> tuple[int, ...]:
         """Special tokens (usable in this mode) whose text is a proper prefix of ``tid``'s, longest first."""
