@@ -394,7 +394,8 @@ def test_threads_flag_sets_the_blas_thread_count_before_numpy_loads(sockdir: str
         assert isinstance(stub.next(timeout_s=60), Hello)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 1  # the load fails (no file); the threads were set before it
-        assert "BLAS/OpenMP threads: 1 (OPENBLAS_NUM_THREADS=1, OMP_NUM_THREADS=1, MKL_NUM_THREADS=1)" in err.decode()
+        assert ("BLAS/OpenMP threads: 1 (OPENBLAS_NUM_THREADS=1, OMP_NUM_THREADS=1, MKL_NUM_THREADS=1, "
+                "NUMBA_NUM_THREADS=1)") in err.decode()
     finally:
         stub.close()
 
