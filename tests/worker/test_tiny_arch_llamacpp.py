@@ -13,8 +13,9 @@ gguf-py's quantizer are deterministic) and run by the engine:
   activations and vec_dot) with its f16 q/k/v rounding off (``ggml_numerics = False``,
   as ``exact`` has an f32 KV cache). Measured: max 2e-6 .. 6e-6 (Q4_K_M: 2e-5);
 * each path with its own numerics against ``ggml`` (f16 KV cache, flash attention), looser:
-  the engine rounds q/k/v to f16 on the quantized path but does not reproduce flash
-  attention's f16 accumulator of softmax·V (ggml-cpu ``ops.cpp``: ``VKQ16``), and on
+  the engine rounds q/k/v to f16 on the quantized path as flash attention does (one key:
+  within 3e-6) but not the roundings of its accumulation over keys (ggml-cpu ``ops.cpp``:
+  an f16 accumulator of softmax·V, ``VKQ16``; a tiled kernel for longer prompts), and on
   quantized files such a 1e-3 difference moves an activation across an 8-bit level in
   the next matmul, which these tiny random models amplify. F32 files, quantized path:
   max <= 2e-2 (measured 6e-3 / 8.5e-3). Quantized files, both paths: Q8_0 mean
@@ -117,8 +118,9 @@ def test_within_1e3_of_llamacpp(files: dict[str, Path], name: str) -> None:
 @pytest.mark.parametrize("name", F32_FILES)
 def test_quantized_path_on_f32_file_follows_f16_kv(files: dict[str, Path], name: str) -> None:
     d = np.abs(ours(files[name], "quantized") - recorded(name, "ggml"))
-    print(f"{name} quantized vs llama.cpp ggml: max {d.max():.2e} mean {d.mean():.2e}")
+    print(f"{name} quantized vs llama.cpp ggml: max {d.max():.2e} mean {d.mean():.2e} (one key: {d[0].max():.2e})")
     assert d.max() <= F16_KV_BOUND
+    assert d[0].max() <= 1e-4  # one key: the f16 rounding of q/k/v is llama.cpp's (measured 3e-6)
 
 
 @pytest.mark.parametrize("weights", ["f32", "quantized"])
