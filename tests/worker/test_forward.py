@@ -208,6 +208,33 @@ def test_reference_qwen_variants(tmp_path: Path) -> None:
     assert "output" in m2.w and "output_b" in m2.w and "blk.0.bqkv" in m2.w
 
 
+@pytest.mark.parametrize("bias", ["fused", "separate"])
+def test_qwen2_fused_qkv_equals_separate(tmp_path: Path, bias: str) -> None:
+    """A file with one ``attn_qkv.weight`` (and ``attn_qkv.bias`` or the three separate biases,
+    both accepted by llama.cpp's ``create_tensor_qkv``) gives the same logits as separate Q/K/V."""
+    from tests.worker.tiny_gguf import write_gguf
+
+    src = write_tiny_qwen(tmp_path / "sep.gguf", "qwen2")
+    g = read_gguf(src)
+    md = {k: v for k, v in g.metadata.items() if k.startswith("qwen2.")}
+    tensors = {}
+    for name in g.tensors:
+        kind = name.split(".")[-2] if name.startswith("blk.") else ""
+        if kind in ("attn_q", "attn_k", "attn_v") and (name.endswith(".weight") or bias == "fused"):
+            continue
+        tensors[name] = (g.tensor(name), "F32")
+    for i in range(md["qwen2.block_count"]):
+        p = f"blk.{i}."
+        tensors[p + "attn_qkv.weight"] = (np.concatenate([g.tensor(p + f"attn_{x}.weight") for x in "qkv"]), "F32")
+        if bias == "fused":
+            tensors[p + "attn_qkv.bias"] = (np.concatenate([g.tensor(p + f"attn_{x}.bias") for x in "qkv"]), "F32")
+    fused = write_gguf(tmp_path / "fused.gguf", "qwen2", md, tensors)
+    assert "blk.0.attn_qkv.weight" in read_gguf(fused).tensors and "blk.0.attn_q.weight" not in read_gguf(fused).tensors
+    a = load_model(read_gguf(src), dtype=np.float64).forward(PROMPT, all_logits=True)
+    b = load_model(read_gguf(fused), dtype=np.float64).forward(PROMPT, all_logits=True)
+    np.testing.assert_allclose(a, b, atol=1e-9)
+
+
 def test_reference_gemma3_pattern_and_swa_base(tmp_path: Path) -> None:
     """A per-layer sliding_window_pattern array and a freq_base_swa key are honoured."""
     pattern = [True, False, True, True, False, True]
