@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import base64
 import hashlib
+import importlib.metadata
 import json
 import os
 import socket
@@ -145,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                   "post_sampling_probs false) after every prefix of `prompt` on tiny random-weight qwen2/qwen3 "
                   "GGUFs; recorded by scripts/record_tiny_arch_llamacpp.py"),
         "llama": version[-1] if version else args.server.name,
+        "writer_versions": {"gguf": importlib.metadata.version("gguf"), "numpy": np.__version__},
         "settings": {k: " ".join(v) for k, v in SETTINGS.items()},
         "prompt": PROMPT,
         "n_vocab": TINY_VOCAB_SIZE,

@@ -77,7 +77,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         assert rec["writer"] == "write_tiny_qwen"
         path = write_tiny_qwen(d / f"{name}.gguf", **rec["kwargs"])
         assert hashlib.sha256(path.read_bytes()).hexdigest() == rec["sha256"], \
-            f"{name}: the regenerated GGUF differs from the one llama.cpp was run on"
+            (f"{name}: the regenerated GGUF differs from the one llama.cpp was run on (recorded with "
+             f"{DATA['writer_versions']}; re-record with scripts/record_tiny_arch_llamacpp.py if gguf-py changed)")
         out[name] = path
     return out
 
