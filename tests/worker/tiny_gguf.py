@@ -360,7 +360,8 @@ def write_tiny_qwen(path: str | Path, arch: str = "qwen2", *, qtype: str = "F32"
                     n_head: int = 4, n_head_kv: int = 2, head_dim: int | None = None, n_layer: int = 2,
                     n_ff: int = 128, n_ctx_train: int = 256, rope_base: float = 1e6, eps: float = 1e-6,
                     tied: bool = True, biases: bool | None = None, output_bias: bool = False, seed: int = 0,
-                    qtype_overrides: Mapping[str, str] | None = None, chat_template: str | None = CHATML_TEMPLATE, omit: Iterable[str] = (),
+                    qtype_overrides: Mapping[str, str] | None = None,
+                    chat_template: str | None = CHATML_TEMPLATE, omit: Iterable[str] = (),
                     extra_metadata: Mapping[str, Any] | None = None) -> Path:
     """Write a tiny ``qwen2`` or ``qwen3`` GGUF with random weights and the tiny BPE tokenizer.
 
