@@ -5,6 +5,8 @@
 * :func:`write_tiny_gemma3` -- a ``gemma3``-architecture model (q/k norms,
   four norms per layer, head_dim != n_embd / n_head, sliding window with the
   5-local-1-global layer pattern, one KV head).
+* :func:`write_tiny_qwen` -- a ``qwen2`` (q/k/v biases) or ``qwen3`` (per-head
+  q/k norms, head_dim from ``attention.key_length`` != n_embd / n_head) model.
 * :func:`write_gguf` -- the generic writer both use (any metadata, any tensors,
   each tensor quantized to the requested ggml type with ``gguf.quants.quantize``).
 
@@ -170,6 +172,8 @@ def write_gguf(path: str | Path, arch: str, metadata: Mapping[str, Any],
             ``{arch}`` as a placeholder.
         tensors: ``name -> (float array numpy-shaped, ggml type name)``; 1-D
             tensors are always stored F32 (like llama.cpp's converter does for norms).
+            A uint8 array with a quantized type is written as those blocks
+            (``[rows, bytes per row]``, e.g. from :func:`random_kquant`).
         tokenizer: add the tiny BPE tokenizer keys.
         chat_template: ``tokenizer.chat_template`` (None: omitted).
     """
@@ -194,6 +198,10 @@ def write_gguf(path: str | Path, arch: str, metadata: Mapping[str, Any],
         add_tiny_tokenizer(wr, chat_template)
     for name, (arr, q) in tensors.items():
         qt = _qtype(q)
+        if isinstance(arr, np.ndarray) and arr.dtype == np.uint8 and qt not in (GGMLQuantizationType.F32,
+                                                                               GGMLQuantizationType.F16):
+            wr.add_tensor(name, arr, raw_dtype=qt)  # already quantized blocks [rows, bytes per row]
+            continue
         arr = np.asarray(arr, dtype=np.float32)
         if arr.ndim == 1 or qt == GGMLQuantizationType.F32:
             wr.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
@@ -210,6 +218,33 @@ def write_gguf(path: str | Path, arch: str, metadata: Mapping[str, Any],
 
 def _rand(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
     return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+#: standard deviation of a random block value per unit of its f16 scale d (see :func:`random_kquant`)
+_KQUANT_STD = {"Q4_K": 263.0, "Q6_K": 1369.0}
+
+
+def random_kquant(rng: np.random.Generator, n_rows: int, n_cols: int, qtype: str, scale: float) -> np.ndarray:
+    """Random but valid ``Q4_K`` / ``Q6_K`` blocks ``uint8 [n_rows, bytes per row]`` whose values
+    have mean ~0 and standard deviation ~``scale`` (gguf-py has no K-quant quantizer).
+
+    Every byte is random except the f16 super-block scales: Q4_K ``d = scale/263``,
+    ``dmin = 7.5 d`` (random 6-bit scales/mins and 4-bit levels: ``E[sc*q] = 7.5 E[m]``);
+    Q6_K ``d = scale/1369`` (random int8 scales, 6-bit levels minus 32). ``n_cols % 256 == 0``.
+    """
+    from gguf import GGML_QUANT_SIZES
+    qt = _qtype(qtype)
+    block, size = GGML_QUANT_SIZES[qt]
+    if qtype not in _KQUANT_STD or n_cols % block:
+        raise ValueError(f"random_kquant makes Q4_K / Q6_K rows of multiples of {block} values, got {qtype} {n_cols}")
+    raw = rng.integers(0, 256, (n_rows * n_cols // block, size), dtype=np.uint8)
+    d = np.float16(scale / _KQUANT_STD[qtype])
+    if qtype == "Q4_K":
+        raw[:, 0:2] = np.full(raw.shape[0], d, np.float16).view(np.uint8).reshape(-1, 2)
+        raw[:, 2:4] = np.full(raw.shape[0], np.float16(7.5 * float(d)), np.float16).view(np.uint8).reshape(-1, 2)
+    else:
+        raw[:, 208:210] = np.full(raw.shape[0], d, np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(n_rows, -1)
 
 
 def tiny_llama_tensors(*, n_vocab: int, n_embd: int, n_head: int, n_head_kv: int, n_layer: int, n_ff: int,
@@ -321,8 +356,88 @@ def write_tiny_gemma3(path: str | Path, *, qtype: str = "F32", n_embd: int = 64,
     return write_gguf(path, "gemma3", md, t, chat_template=chat_template)
 
 
+def write_tiny_qwen(path: str | Path, arch: str = "qwen2", *, qtype: str = "F32", n_embd: int = 64,
+                    n_head: int = 4, n_head_kv: int = 2, head_dim: int | None = None, n_layer: int = 2,
+                    n_ff: int = 128, n_ctx_train: int = 256, rope_base: float = 1e6, eps: float = 1e-6,
+                    tied: bool = True, biases: bool | None = None, output_bias: bool = False, seed: int = 0,
+                    qtype_overrides: Mapping[str, str] | None = None,
+                    chat_template: str | None = CHATML_TEMPLATE, omit: Iterable[str] = (),
+                    extra_metadata: Mapping[str, Any] | None = None) -> Path:
+    """Write a tiny ``qwen2`` or ``qwen3`` GGUF with random weights and the tiny BPE tokenizer.
+
+    qwen2: q/k/v biases (``biases`` default True), head_dim = n_embd / n_head, an optional
+    ``output.bias``. qwen3: per-head ``attn_q_norm`` / ``attn_k_norm`` ``[head_dim]``,
+    ``attention.key_length`` = head_dim (default 32 with 4 heads over n_embd 64, so
+    n_head * head_dim != n_embd as in Qwen3), no biases by default. ``qtype`` applies to
+    every 2-D weight (biases and norms are F32, as llama.cpp's converter stores them);
+    ``qtype_overrides`` maps a tensor kind (``token_embd``, ``output``, ``attn_q`` ..
+    ``ffn_down``) to another type. ``Q4_K`` / ``Q6_K`` weights are :func:`random_kquant`
+    blocks (gguf-py cannot quantize to them), the others are quantized random normals.
+    """
+    if arch not in ("qwen2", "qwen3"):
+        raise ValueError(f"arch must be qwen2 or qwen3, got {arch!r}")
+    qwen3 = arch == "qwen3"
+    hd = head_dim or (32 if qwen3 else n_embd // n_head)
+    biases = (not qwen3) if biases is None else biases
+    rng = np.random.default_rng(seed)
+    n_vocab = TINY_VOCAB_SIZE
+    md: dict[str, Any] = {
+        "{arch}.context_length": n_ctx_train,
+        "{arch}.embedding_length": n_embd,
+        "{arch}.block_count": n_layer,
+        "{arch}.feed_forward_length": n_ff,
+        "{arch}.attention.head_count": n_head,
+        "{arch}.attention.head_count_kv": n_head_kv,
+        "{arch}.rope.freq_base": float(rope_base),
+        "{arch}.attention.layer_norm_rms_epsilon": float(eps),
+    }
+    if qwen3:
+        md["{arch}.attention.key_length"] = hd
+        md["{arch}.attention.value_length"] = hd
+    md.update(extra_metadata or {})
+    over = dict(qtype_overrides or {})
+
+    def mat(kind: str, n_out: int, n_in: int, scale: float) -> tuple[np.ndarray, str]:
+        qt = over.get(kind, qtype)
+        if qt in _KQUANT_STD:
+            return random_kquant(rng, n_out, n_in, qt, scale), qt
+        return _rand(rng, n_out, n_in, scale=scale), qt
+
+    t: dict[str, tuple[np.ndarray, str]] = {
+        "token_embd.weight": mat("token_embd", n_vocab, n_embd, 0.25),  # logits of O(1) when tied
+        "output_norm.weight": (1.0 + _rand(rng, n_embd, scale=0.1), "F32"),
+    }
+    if not tied:
+        t["output.weight"] = mat("output", n_vocab, n_embd, n_embd ** -0.5)
+    if output_bias:
+        t["output.bias"] = (_rand(rng, n_vocab, scale=0.5), "F32")
+    nq, nk = n_head * hd, n_head_kv * hd
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        t[p + "attn_norm.weight"] = (1.0 + _rand(rng, n_embd, scale=0.1), "F32")
+        t[p + "attn_q.weight"] = mat("attn_q", nq, n_embd, n_embd ** -0.5)
+        t[p + "attn_k.weight"] = mat("attn_k", nk, n_embd, n_embd ** -0.5)
+        t[p + "attn_v.weight"] = mat("attn_v", nk, n_embd, n_embd ** -0.5)
+        if biases:
+            t[p + "attn_q.bias"] = (_rand(rng, nq, scale=0.5), "F32")
+            t[p + "attn_k.bias"] = (_rand(rng, nk, scale=0.5), "F32")
+            t[p + "attn_v.bias"] = (_rand(rng, nk, scale=0.5), "F32")
+        if qwen3:
+            t[p + "attn_q_norm.weight"] = (1.0 + _rand(rng, hd, scale=0.1), "F32")
+            t[p + "attn_k_norm.weight"] = (1.0 + _rand(rng, hd, scale=0.1), "F32")
+        t[p + "attn_output.weight"] = mat("attn_output", n_embd, nq, nq ** -0.5)
+        t[p + "ffn_norm.weight"] = (1.0 + _rand(rng, n_embd, scale=0.1), "F32")
+        t[p + "ffn_gate.weight"] = mat("ffn_gate", n_ff, n_embd, n_embd ** -0.5)
+        t[p + "ffn_up.weight"] = mat("ffn_up", n_ff, n_embd, n_embd ** -0.5)
+        t[p + "ffn_down.weight"] = mat("ffn_down", n_embd, n_ff, n_ff ** -0.5)
+    for name in omit:
+        t.pop(name, None)
+    return write_gguf(path, arch, md, t, chat_template=chat_template)
+
+
 __all__ = [
     "BOS_ID", "BPE_CORPUS", "CHATML_TEMPLATE", "EOS_ID", "IM_END_ID", "N_MERGES", "SPECIAL_TOKENS",
     "TINY_VOCAB_SIZE", "USER_DEFINED_ID", "GGUFValueType", "add_tiny_tokenizer", "bytes_to_unicode",
     "tiny_bpe_vocab", "tiny_llama_tensors", "write_gguf", "write_tiny_gemma3", "write_tiny_llama",
+    "write_tiny_qwen", "random_kquant",
 ]

@@ -111,7 +111,7 @@ def load_model(gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.floa
 
 def _register_builtin() -> None:
     # imported here (not at module top) so that llama.py / gemma3.py can import this module
-    from . import gemma3, llama  # noqa: F401
+    from . import gemma3, llama, qwen2, qwen3  # noqa: F401
 
 
 # ------------------------------------------------------------------ hparams helpers
