@@ -140,12 +140,12 @@ def matmul_q(q3, d, m, has_m, xf3, xs, out):
             t += 1
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(fastmath=True, cache=True)
 def dequant(q3, d, m, has_m, r0, out):
     # out [n, nb*B] = d * q (+ m) of rows r0 .. r0+n-1
     n = out.shape[0]
     nb, B = q3.shape[1], q3.shape[2]
-    for i in prange(n):
+    for i in range(n):  # serial: the sgemm that follows has the cores (no two thread pools spinning)
         r = r0 + i
         for b in range(nb):
             db = d[r, b]
