@@ -2,7 +2,7 @@
 """Concurrency inside one worker vs llama-server, side by side on the same GGUF.
 
     .venv/bin/python scripts/bench_batching.py [--model smollm2|gemma3] [--conc 1,4,8,16,32]
-        [--max-tokens 64] [--llama-server PATH] [--skip-llama] [--gap] [--turn2]
+        [--max-tokens 64] [--llama-server PATH] [--skip-llama] [--gap] [--turn2] [--weights f32|quantized]
 
 Both servers are started by this script and are alive at once; each
 measurement runs on llama-server first, then on modelyard, one after the other
@@ -72,10 +72,10 @@ def start_llama(srv: str, gguf: Path, parallel: int, port: int) -> subprocess.Po
     return p
 
 
-def start_modelyard(gguf: Path, parallel: int, port: int, tmp: Path) -> subprocess.Popen:
+def start_modelyard(gguf: Path, parallel: int, port: int, tmp: Path, weights: str = "f32") -> subprocess.Popen:
     cfg = tmp / f"bench-{parallel}.toml"
     cfg.write_text(f'[server]\nport = {port}\n[models.m]\npath = "{gguf}"\nn_ctx = {N_CTX}\n'
-                   f'parallel = {parallel}\nmax_queue = 64\n')
+                   f'parallel = {parallel}\nmax_queue = 64\nweights = "{weights}"\n')
     p = subprocess.Popen([sys.executable, "-m", "router", "serve", "--config", str(cfg), "--log-level", "warning"],
                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     wait_http(port, "/health")
@@ -158,6 +158,7 @@ def main() -> int:
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--gap", action="store_true")
     ap.add_argument("--turn2", action="store_true")
+    ap.add_argument("--weights", default="f32", choices=("f32", "quantized"), help="modelyard's weights key")
     a = ap.parse_args()
     gguf = (Path(os.environ.get("MODELYARD_MODELS_DIR") or ROOT / "models") / MODELS[a.model]).resolve()
     srv = a.llama_server
@@ -171,10 +172,10 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="modelyard-bench-"))
     for parallel, cs in sorted(groups.items()):
         llama = start_llama(srv, gguf, parallel, 8181) if srv else None
-        ours = start_modelyard(gguf, parallel, 8182, tmp)
+        ours = start_modelyard(gguf, parallel, 8182, tmp, a.weights)
         try:
             for c in cs:
-                row: dict = {"model": a.model, "parallel": parallel, "concurrency": c}
+                row: dict = {"model": a.model, "weights": a.weights, "parallel": parallel, "concurrency": c}
                 if llama:
                     row["llama"] = loadgen(8181, "m", c, a.max_tokens)
                 row["modelyard"] = loadgen(8182, "m", c, a.max_tokens)
