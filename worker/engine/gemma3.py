@@ -38,7 +38,7 @@ import numpy as np
 
 from .errors import EngineError
 from .attention import AttnBatch, attend
-from .model import Model, RopeTable, embed, fuse_rows, gelu_tanh, gelu_tanh_ggml, hp_float, hp_int, linear, register, rms_norm
+from .model import Model, RopeTable, embed, fuse_rows, gated_ffn, gelu_tanh, gelu_tanh_ggml, hp_float, hp_int, linear, register, rms_norm
 
 
 @register
@@ -121,10 +121,8 @@ class Gemma3Model(Model):
             a = attend(batch, il, q, k, v, 1.0, self.window if swa else None, f16=self.ggml_numerics)  # [T, nh*hd]
             sa = x + rms_norm(linear(a, wo), post_attn_norm, self.eps)      # [T, n_embd]
             h = rms_norm(sa, ffn_norm, self.eps)                       # [T, n_embd]
-            gu = linear(h, wgu)                                            # [T, 2*n_ff]
             gelu = gelu_tanh_ggml if self.ggml_numerics else gelu_tanh
-            f = gelu(gu[:, :nff]) * gu[:, nff:]                        # [T, n_ff]
-            x = sa + rms_norm(linear(f, wdown), post_ffw_norm, self.eps)    # [T, n_embd]
+            x = sa + rms_norm(gated_ffn(h, wgu, wdown, nff, gelu), post_ffw_norm, self.eps)  # [T, n_embd]
         return rms_norm(x, self.w["output_norm"], self.eps)            # [T, n_embd]
 
     def _output(self, h: np.ndarray) -> np.ndarray:

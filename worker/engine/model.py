@@ -193,6 +193,17 @@ def linear(x: np.ndarray, w: Matrix) -> np.ndarray:
     return (w @ x.T).T
 
 
+def gated_ffn(h: np.ndarray, wgu: Matrix, wdown: Matrix, n_ff: int, act: Any) -> np.ndarray:
+    """The gated feed-forward of llama-style blocks: ``Wdown . (act(Wgate . h) * Wup . h)``.
+
+    Args: h ``[T, n_embd]``; wgu ``[2*n_ff, n_embd]`` (gate rows, then up rows, see
+    ``Model._gated_ffn_weights``); wdown ``[n_embd, n_ff]``; act elementwise (silu, gelu).
+    Returns ``[T, n_embd]``. Source: llama-graph.cpp ``build_ffn`` with LLM_FFN_PAR.
+    """
+    gu = linear(h, wgu)                               # [T, 2*n_ff]
+    return linear(act(gu[:, :n_ff]) * gu[:, n_ff:], wdown)  # [T, n_ff] -> [T, n_embd]
+
+
 def embed(w: Matrix, tokens: np.ndarray) -> np.ndarray:
     """Rows ``tokens [T]`` of an embedding matrix ``[n_vocab, n_embd]`` as float32 ``[T, n_embd]``
     (dequantized rows for a quantized matrix, as ggml's ``get_rows``)."""
@@ -731,7 +742,7 @@ def fuse_rows(parts: Sequence[Matrix]) -> Matrix:
 
 __all__ = [
     "ARCHITECTURES", "AttnBatch", "DEFAULT_MAX_CTX", "DEFAULT_WEIGHTS", "LoadProgressFn", "Matrix", "Model", "RopeTable", "Segment",
-    "WEIGHT_MODES", "WeightCache", "attention", "attention_mask", "embed", "fuse_rows", "gelu_tanh",
+    "WEIGHT_MODES", "WeightCache", "attention", "attention_mask", "embed", "fuse_rows", "gated_ffn", "gelu_tanh",
     "gelu_tanh_ggml", "hp_float", "hp_int", "linear", "load_model", "permute_rows", "register", "rms_norm",
     "rope_freq_scale", "silu",
 ]

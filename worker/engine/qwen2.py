@@ -31,7 +31,7 @@ import numpy as np
 
 from .attention import AttnBatch, attend
 from .errors import EngineError
-from .model import Matrix, Model, RopeTable, embed, fuse_rows, linear, register, rms_norm, silu
+from .model import Matrix, Model, RopeTable, embed, fuse_rows, gated_ffn, linear, register, rms_norm, silu
 
 
 @register
@@ -129,9 +129,7 @@ class Qwen2Model(Model):
             a = attend(batch, il, q, k, v, self.scale, f16=self.ggml_numerics)  # [T, nh*hd]
             x = x + linear(a, wo)                                     # [T, n_embd]
             h = rms_norm(x, ffn_norm, self.eps)                       # [T, n_embd]
-            gu = linear(h, wgu)                                       # [T, 2*n_ff]
-            f = silu(gu[:, :nff]) * gu[:, nff:]                       # [T, n_ff]
-            x = x + linear(f, wdown)                                  # [T, n_embd]
+            x = x + gated_ffn(h, wgu, wdown, nff, silu)               # [T, n_embd]
         return rms_norm(x, self.w["output_norm"], self.eps)           # [T, n_embd]
 
     def _output(self, h: np.ndarray) -> np.ndarray:
