@@ -73,17 +73,23 @@ def _fmt(v: Any) -> str:
     return s if s and not any(c.isspace() or c in '"=' for c in s) else '"' + s.replace('"', "'") + '"'
 
 
+
+def route_template(routes: list[BaseRoute], scope: Scope, fallback: str) -> str:
+    """The path template (e.g. ``/slots/{id_slot}``) of the first route matching ``scope``,
+    else ``fallback`` — the one matching rule of the access log and the metrics labels."""
+    for route in routes:
+        match, _ = route.matches(scope)
+        if match is not Match.NONE:
+            return str(getattr(route, "path", fallback))
+    return fallback
+
 class AccessLog:
     def __init__(self, app: ASGIApp, routes: list[BaseRoute]) -> None:
         self.app = app
         self.routes = routes
 
     def _template(self, scope: Scope) -> str:
-        for route in self.routes:
-            match, _ = route.matches(scope)
-            if match is not Match.NONE:
-                return str(getattr(route, "path", "other"))
-        return scope.get("path", "other")
+        return route_template(self.routes, scope, scope.get("path", "other"))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -25,9 +25,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from starlette.requests import Request
-from starlette.routing import BaseRoute, Match
+from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from router.access_log import route_template
 from router.lifecycle import WorkerState
 
 #: ``Content-Type`` of the text exposition.
@@ -177,11 +178,7 @@ class RequestMetrics:
         self.routes = routes
 
     def _template(self, scope: Scope) -> str:
-        for route in self.routes:
-            match, _ = route.matches(scope)
-            if match is not Match.NONE:
-                return str(getattr(route, "path", "other"))
-        return "other"  # unknown paths share one label (no unbounded label values)
+        return route_template(self.routes, scope, "other")  # unknown paths share one label (bounded values)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
