@@ -74,7 +74,7 @@ def _lark_str(s: str) -> str:
 
 
 #: Free text of a custom tool without a grammar (it may not close its block).
-_FREE_INPUT = "start: /(.|\\n)*/ & ~/(.|\\n)*<\\/tool_call>(.|\\n)*/\n"
+_FREE_INPUT = "start: FREE\nFREE: /(.|\\n)*/ & ~/(.|\\n)*<\\/tool_call>(.|\\n)*/\n"  # `&` joins terminals only
 
 
 def _custom_grammar(t: Tool) -> str:

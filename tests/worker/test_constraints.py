@@ -156,3 +156,35 @@ def test_a_constraint_is_compiled_once(engine: Engine) -> None:
         constraints.check(engine.tokenizer, engine.info.n_vocab, None, "start: nope\n")
     with pytest.raises(EngineError):
         constraints.check(engine.tokenizer, engine.info.n_vocab, None, "start: nope\n")
+
+
+def test_every_tool_constraint_the_router_builds_compiles(engine: Engine) -> None:
+    """Each shape of tool grammar (function and custom tools: free text, regex, Lark;
+    every choice mode; every tool syntax; with a response format) is accepted by
+    llguidance, and a free-text custom tool's call can be generated and parsed back."""
+    from router.constraints import tool_constraint
+    from router.tools import HERMES, LLAMA3, MISTRAL, Tool, ToolChoice, parse_output
+
+    fn = Tool("get_weather", "weather", {"type": "object", "properties": {"city": {"type": "string"}},
+                                         "required": ["city"]})
+    free = Tool("apply_patch", "patch", custom=True)
+    regex = Tool("code", "two letters", custom=True, grammar=("regex", "[a-z]{2}"))
+    lark = Tool("shout", "words", custom=True, grammar=("lark", 'start: "HEY" | "HO"'))
+    tok, n = engine.tokenizer, engine.info.n_vocab
+    from worker.engine.constraints import check
+    choices = [ToolChoice("auto"), ToolChoice("required"), ToolChoice("required", parallel=False)]
+    for tools in ([fn], [free], [fn, free, regex, lark]):
+        for choice in choices + [ToolChoice("named", tools[-1].name)]:
+            for fmt in (None, json.dumps({"type": "object"})):
+                g = tool_constraint(tools, choice, fmt)
+                assert g is not None
+                check(tok, n, None, g)
+    for syntax in (HERMES, LLAMA3, MISTRAL):
+        for choice in choices:
+            check(tok, n, None, tool_constraint([fn], choice, None, syntax))
+    g = tool_constraint([free], ToolChoice("required", parallel=False))
+    r = engine.generate(_chat(engine, "Write a patch."), SamplingParams(temperature=0, max_tokens=40, grammar=g))
+    assert r.text.strip(), r
+    if r.finish_reason == "stop":
+        out = parse_output(r.text, True, custom=frozenset({"apply_patch"}))
+        assert [c.name for c in out.calls] == ["apply_patch"] and out.calls[0].custom, r.text
