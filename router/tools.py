@@ -316,6 +316,7 @@ class CallParser:
         self.calls: list[ToolCall] = []
         self.id_prefix = id_prefix
         self.content_parts: list[str] = []
+        self.cut_open = False  # the text ended inside a call's opening markup
 
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
         if self.mode == "text":
@@ -384,8 +385,17 @@ class CallParser:
         return ToolCall(new_call_id(self.id_prefix), obj["name"], json.dumps(args, ensure_ascii=False))
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        """The end of the text: held-back text that never became a call is content."""
+        """The end of the text: held-back text that never became a call is content —
+        except the start of a call's markup (``<tool_`` of ``<tool_call>``, ``[TOOL_`` of
+        ``[TOOL_CALLS]``) cut off by the end of the generation: that is a truncated call,
+        and no byte of it reaches content. (Llama 3's prefix is JSON, ``{"``: a reply cut
+        there stays content.)"""
         if self.mode == "undecided":
+            head = self.buf.lstrip()
+            prefix = self.syntax.prefix
+            if head and prefix.startswith(head) and not prefix.startswith("{"):
+                self.mode, self.buf, self.cut_open = "calls", head, True
+                return "", []
             return self._as_text(), []
         return "", []
 
@@ -394,6 +404,8 @@ class CallParser:
         """A call was started but not closed (generation stopped inside it)."""
         if self.mode != "calls":
             return False
+        if self.cut_open:
+            return True
         return CALL_PREFIX in self.buf if self.syntax.block is not None else bool(self.buf.strip())
 
     def read(self, pieces: Iterable[str]) -> ParsedOutput:
