@@ -229,3 +229,13 @@ def test_disk_cache_budget_prefixes_and_corrupt_files(tiny: dict[str, Path], tmp
     f2.scan()
     f2.save([])
     assert list((tmp_path / "dedupe").glob("*.kvstate")) == []
+
+
+def test_an_empty_slot_saves_and_restores_as_zero_tokens(tiny: dict[str, Path], tmp_path: Path) -> None:
+    """llama.cpp saves an empty slot as n_saved 0; restoring it leaves the slot empty."""
+    e = Engine.load(str(tiny["f32"]), n_ctx=128, parallel=2)
+    f = tmp_path / "empty.kvstate"
+    assert save(e, f, id_slot=1) > 0
+    assert read_state_tokens(f)[1] == []
+    assert restore(e, f, id_slot=0) == 0
+    assert [s.n_past for s in e.slots()] == [0, 0]

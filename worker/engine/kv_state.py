@@ -196,7 +196,10 @@ def encode_state(identity: KVIdentity, tokens: Sequence[int], k: np.ndarray, v: 
     h = hashlib.sha256()
 
     def pieces(b: bytes | memoryview) -> Iterator[bytes]:
-        mv = memoryview(b).cast("B")
+        mv = memoryview(b)
+        if mv.nbytes == 0:  # an empty entry (n_tokens 0): nothing to write
+            return
+        mv = mv.cast("B")
         for i in range(0, len(mv), chunk_bytes):
             part = bytes(mv[i:i + chunk_bytes])
             h.update(part)
