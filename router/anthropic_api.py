@@ -134,7 +134,21 @@ def _turns(body: dict[str, Any]) -> list[ChatTurn]:
                                  "message", param=bw)
         if texts or calls or role == "assistant":
             turns.append(ChatTurn(role, "\n".join(texts), tool_calls=calls))
-    return turns
+    return _combine_assistants(turns)
+
+
+def _combine_assistants(turns: list[ChatTurn]) -> list[ChatTurn]:
+    """Consecutive assistant turns as one (Anthropic combines consecutive turns of one role;
+    user turns are combined by the rendering, tool results stay their own turns)."""
+    out: list[ChatTurn] = []
+    for t in turns:
+        if out and t.role == out[-1].role == "assistant":
+            prev = out[-1]
+            out[-1] = ChatTurn("assistant", "\n\n".join(x for x in (prev.content, t.content) if x),
+                               prev.tool_calls + t.tool_calls)
+        else:
+            out.append(t)
+    return out
 
 
 def _tool(t: dict[str, Any], where: str) -> Tool:

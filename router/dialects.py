@@ -23,6 +23,7 @@ from router.tools import (
     Tool,
     ToolChoice,
     ToolSyntax,
+    TrailingAssistants,
     detect_syntax,
     render_messages,
     syntax_for,
@@ -177,7 +178,8 @@ class Prepared:
 
 
 def prepare(slot: ModelSlot, turns: list[ChatTurn], tools: list[Tool], choice: ToolChoice,
-            text_schema: str | None, format_param: str | None, tools_param: str = "tools") -> Prepared:
+            text_schema: str | None, format_param: str | None, tools_param: str = "tools",
+            messages_param: str = "messages") -> Prepared:
     """Turns + tools + a response format (``text_schema``, the JSON Schema text from
     ``format_param``) as a :class:`Prepared`, in ``slot``'s template tool syntax.
     ``choice`` none: the tools are neither described nor parsed."""
@@ -186,5 +188,8 @@ def prepare(slot: ModelSlot, turns: list[ChatTurn], tools: list[Tool], choice: T
     grammar = tool_constraint(offered, choice, text_schema, syntax)
     json_schema = text_schema if grammar is None else None
     param = tools_param if grammar is not None else (format_param if json_schema is not None else None)
-    return Prepared(render_messages(turns, offered, syntax), template_tools(offered, syntax), offered, choice,
-                    syntax, grammar, json_schema, param)
+    try:
+        messages = render_messages(turns, offered, syntax)
+    except TrailingAssistants as e:
+        raise BadRequest(str(e), param=messages_param) from None
+    return Prepared(messages, template_tools(offered, syntax), offered, choice, syntax, grammar, json_schema, param)

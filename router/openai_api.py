@@ -42,7 +42,7 @@ from router.pool import ModelSlot, Pool
 from router.process import WorkerProcess
 from router.responses import JSONResponse
 from router.sse import SSEResponse, sse_event
-from router.tools import ChatTurn, Tool, ToolCall, ToolChoice, render_messages
+from router.tools import ChatTurn, Tool, ToolCall, ToolChoice, TrailingAssistants, render_messages
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
               "tool": "tool"}
@@ -206,7 +206,10 @@ def parse_turns(body: dict[str, Any]) -> list[ChatTurn]:
 def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     """``messages`` as [{"role", "content": str}] for the worker's template (tool calls and
     results in the generic tool format; ``/apply-template``)."""
-    return render_messages(parse_turns(body))
+    try:
+        return render_messages(parse_turns(body))
+    except TrailingAssistants as e:
+        raise BadRequest(str(e), param="messages") from None
 
 
 def _tool(t: dict[str, Any], where: str) -> Tool:

@@ -203,7 +203,7 @@ def _parse(request: Request, body: dict[str, Any]) -> _Request:
     turns = ([ChatTurn("system", instructions)] if instructions else []) + history
     tools, choice = _tools(body)
     text_schema, fmt = _text_format(body)
-    prep = prepare(slot, turns, tools, choice, text_schema, "text.format")
+    prep = prepare(slot, turns, tools, choice, text_schema, "text.format", messages_param="input")
     echo = {k: body[k] for k in _ECHO if body.get(k) is not None}
     echo["text"] = {"format": fmt}
     echo["tools"] = [dict(t) for t in body.get("tools") or []]

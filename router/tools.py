@@ -186,6 +186,11 @@ def tools_system_text(tools: list[Tool]) -> str:
     return text + "A result comes back as: " + RESULT_HEAD.format(name="<tool name>")
 
 
+class TrailingAssistants(ValueError):
+    """Two assistant messages end the conversation: an assistant prefill continues one
+    message after a non-assistant turn (llama.cpp refuses the same); a 400 of the dialect."""
+
+
 def render_messages(turns: list[ChatTurn], tools: list[Tool] | None = None,
                     syntax: ToolSyntax = GENERIC) -> list[dict[str, Any]]:
     """``turns`` as template-ready messages.
@@ -195,7 +200,11 @@ def render_messages(turns: list[ChatTurn], tools: list[Tool] | None = None,
     given) are described in the system message; consecutive turns of one role are
     merged. A native syntax: the turns as they are (assistant ``tool_calls`` with
     ``function.arguments`` an object, ``tool`` messages with ``tool_call_id`` and
-    ``name``); the template renders them and ``tools`` (see :func:`template_tools`)."""
+    ``name``); the template renders them and ``tools`` (see :func:`template_tools`).
+
+    Raises TrailingAssistants when the last two turns are plain assistant messages."""
+    if len(turns) > 1 and turns[-1].role == turns[-2].role == "assistant" and not turns[-1].tool_calls:
+        raise TrailingAssistants("Cannot have 2 or more assistant messages at the end of the list.")
     if syntax.native:
         return _native_messages(turns, syntax)
     names: dict[str, str] = {}

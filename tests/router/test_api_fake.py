@@ -495,3 +495,28 @@ def test_leniency_real_clients_need(router: LiveRouter) -> None:
         assert resp.status_code == 200, (path, resp.text)
         msgs = router.fake_events("generate")[-1]["messages"]
         assert msgs[-1] == {"role": "assistant", "content": "Sure,"} and msgs[0]["role"] == "system", (path, msgs)
+
+
+def test_two_trailing_assistant_messages_are_a_400_on_every_chat_route(router: LiveRouter) -> None:
+    """An assistant prefill continues one message; two at the end are refused, as llama.cpp
+    does ("Cannot have 2 or more assistant messages at the end of the list"), not merged."""
+    two = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"},
+           {"role": "assistant", "content": "x"}]
+    for path, body, param in [
+        ("/v1/chat/completions", {"messages": two, "max_tokens": 2}, "messages"),
+        ("/v1/responses", {"input": two, "max_output_tokens": 2}, "input"),
+        ("/apply-template", {"messages": two}, "messages"),
+    ]:
+        r = httpx.post(router.url + path, json={"model": "alpha", **body}, timeout=30)
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"]
+        assert "2 or more assistant messages" in err["message"], (path, err)
+        if param is not None:
+            assert err.get("param") == param, (path, err)
+    # Anthropic's Messages API documents that consecutive turns of one role are combined
+    r = httpx.post(router.url + "/v1/messages", json={"model": "alpha", "messages": two, "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert router.fake_events("generate")[-1]["messages"][-1] == {"role": "assistant", "content": "Hello\n\nx"}
+    ok = two[:2] + [{"role": "user", "content": "more"}, {"role": "assistant", "content": "Sure,"}]
+    assert httpx.post(router.url + "/v1/chat/completions", json={"model": "alpha", "messages": ok, "max_tokens": 2},
+                      timeout=30).status_code == 200
