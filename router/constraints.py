@@ -29,6 +29,7 @@ import json
 from typing import Any
 
 from router.errors import BadRequest
+from router.params import get_str
 from router.tools import CALL_CLOSE, GENERIC, Tool, ToolChoice, ToolSyntax
 
 #: How the JSON of a call is written (the worker's default for json_schema too).
@@ -192,3 +193,22 @@ def json_format_constraint(fmt: dict[str, Any], param: str) -> str | None:
         return schema_text(closed(schema) if strict else schema, where)
     raise BadRequest(f"'{param}.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
                      param=f"{param}.type")
+
+
+def llamacpp_constraint(body: dict[str, Any]) -> tuple[str | None, str | None, str | None]:
+    """llama.cpp's own constraint fields (``/completion``, and its OpenAI routes too):
+    ``json_schema`` (a JSON Schema object) or ``grammar`` (a Lark grammar, llguidance's
+    dialect; a leading ``%llguidance {}`` line, as llama.cpp takes it, is accepted) as
+    (json_schema text, grammar, the field). An empty grammar is no constraint, as in
+    llama.cpp. Both at once is a 400."""
+    schema = body.get("json_schema")
+    grammar = get_str(body, "grammar", None)
+    if grammar is not None and not grammar.strip():
+        grammar = None
+    if schema is not None and grammar is not None:
+        raise BadRequest("give at most one of 'json_schema' and 'grammar'", param="grammar")
+    if schema is not None:
+        return schema_text(schema, "json_schema"), None, "json_schema"
+    if grammar is not None:
+        return None, grammar, "grammar"
+    return None, None, None

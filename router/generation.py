@@ -42,6 +42,7 @@ from router.params import (
 )
 from router.pool import ModelSlot
 from router.run import Run
+from router.samplers import refuse_unimplemented
 from router.sse import sse_event, until_disconnect
 
 log = logging.getLogger("modelyard.generation")
@@ -69,6 +70,7 @@ def read_sampling(body: dict[str, Any], api_defaults: dict[str, Any], slot: Mode
     Bounds: ``protocol.limits.GENERATE_LIMITS`` (the worker's too); integer bounds (see router.params): ``seed`` in [-2**63, 2**64-1] (negative: random),
     ``top_k`` and ``repeat_last_n`` at most INT32_MAX. ``openai`` applies OpenAI's
     stricter rules (temperature in [0, 2], logit_bias values in [-100, 100])."""
+    refuse_unimplemented(body)  # mirostat, typical_p, DRY, XTC, ... only at their neutral values
     d = {**api_defaults, **slot.model.sampling}
     t_lo, t_hi = (0.0, 2.0) if openai else (None, None)
     seed = get_int(body, "seed", d["seed"], SEED_MIN, SEED_MAX)

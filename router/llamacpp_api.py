@@ -35,7 +35,7 @@ from protocol import (
 )
 from protocol.errors import ErrorCode
 from protocol.limits import GENERATE_LIMITS
-from router.constraints import schema_text
+from router.constraints import llamacpp_constraint
 from router.errors import BadGateway, BadRequest, from_worker_error, unsendable
 from router.generation import (
     LLAMACPP_DEFAULTS,
@@ -115,24 +115,6 @@ def _prompt(body: dict[str, Any]) -> str | list[int]:
     return prompt
 
 
-def _constraint(body: dict[str, Any]) -> tuple[str | None, str | None, str | None]:
-    """``json_schema`` (a JSON Schema object) or ``grammar`` (a Lark grammar, llguidance's
-    dialect; a leading ``%llguidance {}`` line, as llama.cpp takes it, is accepted) as
-    (json_schema text, grammar, the field). An empty grammar is no constraint, as in
-    llama.cpp. Both at once is a 400."""
-    schema = body.get("json_schema")
-    grammar = get_str(body, "grammar", None)
-    if grammar is not None and not grammar.strip():
-        grammar = None
-    if schema is not None and grammar is not None:
-        raise BadRequest("give at most one of 'json_schema' and 'grammar'", param="grammar")
-    if schema is not None:
-        return schema_text(schema, "json_schema"), None, "json_schema"
-    if grammar is not None:
-        return None, grammar, "grammar"
-    return None, None, None
-
-
 async def completion(request: Request) -> Response:
     body = await read_json(request)
     name, slot = _slot(request, body)
@@ -144,7 +126,10 @@ async def completion(request: Request) -> Response:
     n_probs = get_bounded(body, "n_probs", 0, GENERATE_LIMITS["n_probs"], integer=True)
     return_tokens = get_bool(body, "return_tokens", False)
     streaming = get_bool(body, "stream", False)
-    json_schema, grammar, param = _constraint(body)
+    json_schema, grammar, param = llamacpp_constraint(body)
+    # a slot that exists is accepted; which slot runs is the prefix cache's choice (the text does not
+    # depend on it; the answer's id_slot says which ran), as llama.cpp does when id_slot is -1
+    get_int(body, "id_slot", -1, -1, slot.model.parallel - 1)
     msg = Generate(
         id=new_id("cmpl"), prompt=prompt, max_tokens=max_tokens, n_probs=n_probs,
         cache_prompt=get_bool(body, "cache_prompt", True), ignore_eos=get_bool(body, "ignore_eos", False),

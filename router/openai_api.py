@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from protocol import Done, Generate, Token
 from protocol.limits import MAX_N, MAX_N_PROBS
-from router.constraints import json_format_constraint
+from router.constraints import json_format_constraint, llamacpp_constraint
 from router.dialects import choose, content_text, custom_tool, function_tool, objects, prepare, tool_list
 from router.errors import BadRequest, NotFound
 from router.generation import (
@@ -37,7 +37,7 @@ from router.generation import (
     usage_of,
 )
 from router.metrics import label_request
-from router.params import INT32_MAX, get_bool, get_int, get_prompt, get_str, read_json
+from router.params import INT32_MAX, INT32_MIN, get_bool, get_int, get_prompt, get_str, read_json
 from router.pool import ModelSlot, Pool
 from router.process import WorkerProcess
 from router.responses import JSONResponse
@@ -93,9 +93,15 @@ async def get_model(request: Request) -> Response:
 
 def _common(body: dict[str, Any], slot: ModelSlot, prefix: str) -> dict[str, Any]:
     n = get_int(body, "n", 1, 1, MAX_N)  # choices: n sequences from one prefilled prompt
+    if body.get("n_probs") is not None:
+        raise BadRequest("'n_probs' is llama.cpp's /completion field; on this route use 'logprobs' "
+                         "(and 'top_logprobs')", param="n_probs")
     max_tokens = get_int(body, "max_completion_tokens", None, 1, INT32_MAX)
     if max_tokens is None:
         max_tokens = get_int(body, "max_tokens", None, 1, INT32_MAX)
+    n_predict = get_int(body, "n_predict", None, INT32_MIN, INT32_MAX)  # llama.cpp's name: it wins there
+    if n_predict is not None:
+        max_tokens = None if n_predict < 0 else n_predict  # negative: until n_ctx, as on /completion
     return {"id": new_id(prefix), "max_tokens": max_tokens, "n": n,
             "ignore_eos": get_bool(body, "ignore_eos", False),  # llama.cpp extension
             "cache_prompt": get_bool(body, "cache_prompt", True),  # llama.cpp extension
@@ -311,7 +317,18 @@ async def chat_completions(request: Request) -> Response:
     label_request(request, slot.model.name)
     refuse_unsupported_chat(body)
     tools, choice = parse_tools(body)
-    prep = prepare(slot, parse_turns(body), tools, choice, _response_format(body), "response_format")
+    schema, grammar, cparam = llamacpp_constraint(body)  # llama.cpp's extensions on its OpenAI route
+    if cparam is not None and body.get("response_format") is not None:
+        raise BadRequest(f"give at most one of 'response_format' and '{cparam}'", param=cparam)
+    text_schema, fmt_param = (schema, "json_schema") if schema is not None else (_response_format(body),
+                                                                               "response_format")
+    prep = prepare(slot, parse_turns(body), tools, choice, text_schema, fmt_param)
+    fields, constraint_param = prep.generate_fields(), prep.constraint_param
+    if grammar is not None:
+        if prep.grammar is not None:
+            raise BadRequest("'grammar' cannot be combined with tools (their calls are a grammar already)",
+                             param="grammar")
+        fields["grammar"], constraint_param = grammar, "grammar"
     offered = prep.offered
     common = _common(body, slot, "chatcmpl")
     want_logprobs = get_bool(body, "logprobs", False)
@@ -321,9 +338,9 @@ async def chat_completions(request: Request) -> Response:
     top_n = top_n or 0
     streaming = get_bool(body, "stream", False)
     include_usage = _include_usage(body)
-    msg = Generate(n_probs=max(top_n, 1) if want_logprobs else 0, **prep.generate_fields(), **common)
+    msg = Generate(n_probs=max(top_n, 1) if want_logprobs else 0, **fields, **common)
 
-    run, first = await begin(request, slot, msg, grammar_param=prep.constraint_param)
+    run, first = await begin(request, slot, msg, grammar_param=constraint_param)
     worker = run.worker
     assert worker is not None
     rid, created, fp = msg.id, now_s(), _fingerprint(worker)
@@ -488,9 +505,11 @@ async def completions(request: Request) -> Response:
     n_lp = get_int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     streaming = get_bool(body, "stream", False)
     include_usage = _include_usage(body)
-    msg = Generate(prompt=prompt, n_probs=max(n_lp, 1) if n_lp is not None else 0, **common)
+    json_schema, grammar, cparam = llamacpp_constraint(body)  # llama.cpp's extensions on its OpenAI route
+    msg = Generate(prompt=prompt, n_probs=max(n_lp, 1) if n_lp is not None else 0, json_schema=json_schema,
+                   grammar=grammar, **common)
 
-    run, first = await begin(request, slot, msg)
+    run, first = await begin(request, slot, msg, grammar_param=cparam)
     worker = run.worker
     assert worker is not None
     rid, created, fp = msg.id, now_s(), _fingerprint(worker)

@@ -520,3 +520,63 @@ def test_two_trailing_assistant_messages_are_a_400_on_every_chat_route(router: L
     ok = two[:2] + [{"role": "user", "content": "more"}, {"role": "assistant", "content": "Sure,"}]
     assert httpx.post(router.url + "/v1/chat/completions", json={"model": "alpha", "messages": ok, "max_tokens": 2},
                       timeout=30).status_code == 200
+
+
+def _post(router: LiveRouter, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(router.url + path, json={"model": "alpha", **body}, timeout=30)
+
+
+@pytest.mark.parametrize("path,base", [
+    ("/completion", {"prompt": "x", "n_predict": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+])
+def test_llamacpp_samplers_the_engine_lacks_are_400_unless_neutral(router: LiveRouter, path: str,
+                                                                   base: dict[str, Any]) -> None:
+    """mirostat, typical-p, DRY, XTC, top-n-sigma, dynamic temperature, post-sampling probs
+    and a sampler order other than the engine's are refused naming the field; their
+    neutral values (what llama.cpp's webui sends by default) are accepted."""
+    for field, value in [("mirostat", 2), ("typical_p", 0.5), ("dry_multiplier", 0.8), ("xtc_probability", 0.5),
+                         ("top_n_sigma", 1.0), ("dynatemp_range", 0.5), ("min_keep", 5),
+                         ("post_sampling_probs", True), ("samplers", ["temperature", "top_k", "top_p", "min_p",
+                                                                       "penalties"]),
+                         ("samplers", "kpt"), ("samplers", "ekpmtq"), ("samplers", ["bogus"]), ("mirostat", "x")]:
+        r = _post(router, path, {**base, field: value})
+        assert r.status_code == 400, (path, field, value, r.text)
+        assert r.json()["error"]["param"] == field, r.text
+    neutral = {"mirostat": 0, "typical_p": 1.0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "top_n_sigma": -1,
+               "dynatemp_range": 0.0, "min_keep": 0, "post_sampling_probs": False, "samplers": "edkypmxt",
+               "n_keep": 0}
+    assert _post(router, path, {**base, **neutral}).status_code == 200
+    order = ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]
+    assert _post(router, path, {**base, "samplers": order}).status_code == 200
+
+
+def test_llamacpp_constraint_and_length_fields_on_the_openai_routes(router: LiveRouter) -> None:
+    """llama.cpp's json_schema / grammar / n_predict reach the worker on its OpenAI routes
+    too (not ignored); n_probs there is refused (logprobs is the field)."""
+    msgs = [{"role": "user", "content": "x"}]
+    schema = {"type": "integer"}
+    assert _post(router, "/v1/chat/completions", {"messages": msgs, "json_schema": schema}).status_code == 200
+    assert json.loads(router.fake_events("generate")[-1]["json_schema"]) == schema
+    assert _post(router, "/v1/chat/completions", {"messages": msgs, "grammar": 'start: "yes"'}).status_code == 200
+    assert router.fake_events("generate")[-1]["grammar"] == 'start: "yes"'
+    assert _post(router, "/v1/completions", {"prompt": "x", "json_schema": schema}).status_code == 200
+    assert json.loads(router.fake_events("generate")[-1]["json_schema"]) == schema
+    assert _post(router, "/v1/chat/completions", {"messages": msgs, "max_tokens": 5, "n_predict": 2}).status_code == 200
+    assert router.fake_events("generate")[-1]["max_tokens"] == 2
+    for body, param in [({"json_schema": schema, "response_format": {"type": "json_object"}}, "json_schema"),
+                        ({"grammar": 'start: "a"', "tools": [{"type": "function", "function": {"name": "f"}}],
+                          "tool_choice": "required"}, "grammar"),
+                        ({"json_schema": schema, "grammar": 'start: "a"'}, "grammar"),
+                        ({"n_probs": 3}, "n_probs")]:
+        r = _post(router, "/v1/chat/completions", {"messages": msgs, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_id_slot_outside_the_slots_is_a_400(router: LiveRouter) -> None:
+    ok = _post(router, "/completion", {"prompt": "x", "n_predict": 1, "id_slot": 0})
+    assert ok.status_code == 200 and ok.json()["id_slot"] >= 0
+    for bad in (7, -2, "1"):
+        r = _post(router, "/completion", {"prompt": "x", "n_predict": 1, "id_slot": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "id_slot", r.text
