@@ -256,5 +256,19 @@ def token_probs(tokens: list[Token], n_top: int) -> list[TokenProb]:
     return out
 
 
+def openai_logprob(tp: TokenProb, n_top: int) -> dict[str, Any]:
+    """One token's logprob object as OpenAI writes it (chat ``logprobs.content[i]``, the
+    Responses API's ``output_text.logprobs[i]``): token, logprob, bytes, top_logprobs."""
+    return {
+        "token": tp.text,
+        "logprob": tp.logprob,
+        "bytes": list(tp.piece),
+        "top_logprobs": [
+            {"token": p.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(p)}
+            for _, p, lp in tp.top[:n_top]
+        ],
+    }
+
+
 def now_s() -> int:
     return int(time.time())

@@ -30,6 +30,7 @@ from router.generation import (
     collect,
     new_id,
     now_s,
+    openai_logprob,
     read_sampling,
     stream,
     timings_of,
@@ -280,20 +281,8 @@ def _response_format(body: dict[str, Any]) -> str | None:
 # ----------------------------------------------------------------------------- chat
 
 
-def _chat_logprob(tp: TokenProb, n_top: int) -> dict[str, Any]:
-    return {
-        "token": tp.text,
-        "logprob": tp.logprob,
-        "bytes": list(tp.piece),
-        "top_logprobs": [
-            {"token": p.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(p)}
-            for _, p, lp in tp.top[:n_top]
-        ],
-    }
-
-
 def _chat_logprobs(tokens: list[Token], n_top: int) -> list[dict[str, Any]]:
-    return [_chat_logprob(p, n_top) for p in token_probs(tokens, n_top)]
+    return [openai_logprob(p, n_top) for p in token_probs(tokens, n_top)]
 
 
 def _tool_call_json(c: ToolCall) -> dict[str, Any]:

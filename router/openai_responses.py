@@ -12,10 +12,12 @@ free-text input may follow a ``grammar`` format in Lark or regex syntax, as Code
 ``apply_patch``), ``tool_choice`` (``none`` / ``auto`` / ``required`` /
 ``{"type": "function" | "custom", "name"}``),
 ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p``,
-``text.format`` (``text``, ``json_object``, ``json_schema``), ``store`` (default
+``text.format`` (``text``, ``json_object``, ``json_schema``), ``include`` with
+``message.output_text.logprobs`` (the output text's token logprobs, ``top_logprobs``
+alternatives each; other ``include`` values are ignored), ``store`` (default
 true) and ``previous_response_id`` (the stored conversation is continued, see
 ``router.response_store``). ``metadata`` is stored and echoed; ``reasoning``,
-``include``, ``user``, ``service_tier``, ``prompt_cache_key``,
+``user``, ``service_tier``, ``prompt_cache_key``,
 ``safety_identifier``, ``truncation``, ``max_tool_calls`` (it bounds built-in tool
 calls; there are none) and unknown fields are ignored; ``prompt`` and
 ``conversation`` are a 400.
@@ -58,10 +60,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from protocol import Done, Generate, Token
+from protocol.limits import MAX_N_PROBS as MAX_TOP_LOGPROBS
 from router.constraints import json_format_constraint
 from router.dialects import Prepared, choose, content_text, custom_tool, function_tool, objects, prepare, tool_list
 from router.errors import ApiError, BadRequest, NotFound
-from router.generation import OPENAI_DEFAULTS, begin, collect, read_sampling, stream
+from router.generation import OPENAI_DEFAULTS, begin, collect, openai_logprob, read_sampling, stream, token_probs
 from router.metrics import label_request
 from router.params import INT32_MAX, get_bool, get_int, get_str, read_json
 from router.pool import ModelSlot, Pool
@@ -76,7 +79,10 @@ from router.tools import ChatTurn, Tool, ToolCall, ToolChoice
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 #: Request fields echoed in the response object as they came (when given).
-_ECHO = ("instructions", "max_output_tokens", "previous_response_id", "temperature", "top_p", "user")
+_ECHO = ("instructions", "max_output_tokens", "previous_response_id", "temperature", "top_p", "top_logprobs",
+         "user")
+#: The ``include`` value that asks for the output text's token logprobs.
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
 
 
 def _hex() -> str:
@@ -96,6 +102,7 @@ class _Request:
     history: list[ChatTurn]  # conversation without the instructions (what is stored)
     prep: Prepared  # the prompt, the template's tools, the constraint, the answer's parser
     echo: dict[str, Any] = field(default_factory=dict)
+    n_top: int | None = None  # logprobs wanted (include message.output_text.logprobs): alternatives per token
 
 
 def _part_text(content: Any, where: str) -> str:
@@ -212,14 +219,25 @@ def _parse(request: Request, body: dict[str, Any]) -> _Request:
     echo["metadata"] = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
     echo["store"] = get_bool(body, "store", True)
     echo["background"] = get_bool(body, "background", False)
-    return _Request(model, slot, history, prep, echo)
+    return _Request(model, slot, history, prep, echo, _logprobs_wanted(body))
+
+
+def _logprobs_wanted(body: dict[str, Any]) -> int | None:
+    """``top_logprobs`` (0-20) when ``include`` asks for the output text's logprobs, else None;
+    ``top_logprobs`` without that ``include`` is only echoed (as OpenAI does)."""
+    top = get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    include = body.get("include")
+    if include is not None and (not isinstance(include, list) or not all(isinstance(i, str) for i in include)):
+        raise BadRequest("'include' must be an array of strings", param="include")
+    return (top or 0) if include and INCLUDE_LOGPROBS in include else None
 
 
 def _generate(req: _Request, body: dict[str, Any], max_tokens: int | None, rid: str) -> Generate:
     sampling = read_sampling({k: body[k] for k in ("temperature", "top_p") if k in body},
                              OPENAI_DEFAULTS, req.slot, openai=True)
+    n_probs = 0 if req.n_top is None else max(req.n_top, 1)
     return Generate(id=rid, max_tokens=max_tokens, cache_prompt=get_bool(body, "cache_prompt", True),
-                    **req.prep.generate_fields(), **sampling)
+                    n_probs=n_probs, **req.prep.generate_fields(), **sampling)
 
 
 def _usage(done: Done) -> dict[str, Any]:
@@ -228,9 +246,16 @@ def _usage(done: Done) -> dict[str, Any]:
             "total_tokens": done.prompt_tokens + done.completion_tokens}
 
 
-def _message_item(mid: str, text: str, status: str) -> dict[str, Any]:
+def _message_item(mid: str, text: str, status: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"type": "message", "id": mid, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
+
+
+def _logprobs(req: _Request, tokens: list[Token]) -> list[dict[str, Any]]:
+    """The ``output_text.logprobs`` of ``tokens`` (empty unless asked for)."""
+    if req.n_top is None:
+        return []
+    return [openai_logprob(p, req.n_top) for p in token_probs(tokens, req.n_top)]
 
 
 def _call_item(c: ToolCall, status: str, arguments: str | None = None) -> dict[str, Any]:
@@ -249,11 +274,13 @@ class _Answer:
         self.req = req
         self.id = rid
         self.created_at = int(time.time())
+        self.completed_at: int | None = None
         self.output: list[dict[str, Any]] = []
 
     def obj(self, status: str, done: Done | None = None, error: ApiError | None = None) -> dict[str, Any]:
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+                "completed_at": self.completed_at if status == "completed" else None,
                 "model": self.req.model, "output": list(self.output), "error": (
                     {"code": error.code or "server_error", "message": error.message} if error else None),
                 "incomplete_details": incomplete, "usage": _usage(done) if done is not None else None,
@@ -262,6 +289,7 @@ class _Answer:
 
     def finish(self, request: Request, done: Done, calls: list[ToolCall], text: str | None) -> dict[str, Any]:
         status = "incomplete" if done.finish_reason == "length" else "completed"
+        self.completed_at = int(time.time())
         resp = self.obj(status, done)
         if self.req.echo["store"]:
             history = list(self.req.history)
@@ -295,12 +323,14 @@ async def create(request: Request) -> Response:
         if out.content is None:
             ans.output = [_call_item(c, "completed") for c in out.calls]
         if not ans.output:
-            ans.output = [_message_item(mid, out.content or "", status)]
+            ans.output = [_message_item(mid, out.content or "", status, _logprobs(req, tokens))]
         return JSONResponse(ans.finish(request, done, out.calls, out.content))
 
     seq = 0
     events: list[bytes] = []
     text_parts: list[str] = []
+    all_lp: list[dict[str, Any]] = []  # the output text's logprobs (when asked for)
+    pending_lp: list[dict[str, Any]] = []  # those of tokens whose text has not been sent yet
     msg_open = False
     started = False
 
@@ -320,10 +350,11 @@ async def create(request: Request) -> Response:
     def close_message(status: str) -> None:
         text = "".join(text_parts)
         idx = len(ans.output) - 1
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        ev("response.output_text.done", item_id=mid, output_index=idx, content_index=0, text=text, logprobs=[])
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": list(all_lp)}
+        ev("response.output_text.done", item_id=mid, output_index=idx, content_index=0, text=text,
+           logprobs=list(all_lp))
         ev("response.content_part.done", item_id=mid, output_index=idx, content_index=0, part=part)
-        ans.output[idx] = _message_item(mid, text, status)
+        ans.output[idx] = _message_item(mid, text, status, all_lp)
         ev("response.output_item.done", output_index=idx, item=ans.output[idx])
 
     def emit(text: str, calls: list[ToolCall]) -> None:
@@ -332,7 +363,8 @@ async def create(request: Request) -> Response:
                 open_message()
             text_parts.append(text)
             ev("response.output_text.delta", item_id=mid, output_index=len(ans.output) - 1, content_index=0,
-               delta=text, logprobs=[])
+               delta=text, logprobs=list(pending_lp))
+            pending_lp.clear()
         for c in calls:
             ans.output.append(_call_item(c, "in_progress", ""))
             idx = len(ans.output) - 1
@@ -357,6 +389,10 @@ async def create(request: Request) -> Response:
             ev("response.in_progress", response=ans.obj("in_progress"))
             if parser.mode != "undecided":
                 open_message()
+        if isinstance(item, Token):
+            lp = _logprobs(req, [item])
+            all_lp.extend(lp)
+            pending_lp.extend(lp)
         emit(*parser.feed(item.text))
         if isinstance(item, Token):
             return list(events)

@@ -185,10 +185,31 @@ def test_custom_tool_calls_and_history(router: LiveRouter, client: openai.OpenAI
     assert r2.status_code == 400 and r2.json()["error"]["param"] == "tools[0].format"
 
 
+def test_output_text_logprobs_when_included_streamed_and_not(client: openai.OpenAI) -> None:
+    """include message.output_text.logprobs + top_logprobs: each output token's logprob and
+    alternatives (the same streamed as not); without the include none are sent; a completed
+    response has completed_at."""
+    kw: dict[str, Any] = {"model": "alpha", "input": "hi [len=3]", "include": ["message.output_text.logprobs"],
+                          "top_logprobs": 2}
+    r = client.responses.create(**kw)
+    assert r.status == "completed" and r.completed_at is not None and r.completed_at >= r.created_at
+    part = r.output[0].content[0]  # type: ignore[union-attr]
+    lps = part.logprobs
+    assert lps is not None and "".join(lp.token for lp in lps) == r.output_text and len(lps) == 3
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in lps)
+    assert r.top_logprobs == 2
+    evs = list(client.responses.create(**kw, stream=True))
+    streamed = [lp for e in evs if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in lps]
+    done = next(e for e in evs if e.type == "response.output_text.done")
+    assert [lp.token for lp in done.logprobs] == [lp.token for lp in lps]
+    plain = client.responses.create(model="alpha", input="hi [len=3]", top_logprobs=2)
+    assert plain.output[0].content[0].logprobs == []  # type: ignore[union-attr]
+
+
 def test_failure_mid_stream_is_response_failed(client: openai.OpenAI) -> None:
     evs = list(client.responses.create(model="alpha", input="hi [crash]", stream=True))
     assert evs[0].type == "response.created" and evs[-1].type == "response.failed"
     assert evs[-1].response.status == "failed" and evs[-1].response.error is not None  # type: ignore[union-attr]
     assert evs[-1].response.error.code == "worker_crashed"  # type: ignore[union-attr]
     assert [e.sequence_number for e in evs] == list(range(len(evs)))
-
