@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -81,7 +82,35 @@ async def read_json(request: Request) -> dict[str, Any]:
         raise BadRequest(f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise BadRequest(f"request body must be a JSON object, got {json_type(data)}")
+    if re.search(rb"\\u[dD][89a-fA-F]", body):  # a UTF-16 surrogate escape: paired ones are fine
+        where = _lone_surrogate(data, "")
+        if where is not None:
+            raise BadRequest(f"'{where or 'body'}' holds a lone UTF-16 surrogate escape (\\ud800-\\udfff "
+                             "without its pair): not valid Unicode text", param=where or None)
     return data
+
+
+def _lone_surrogate(v: Any, where: str) -> str | None:
+    """The path of the first string (or key) in ``v`` with an unpaired surrogate, or None."""
+    if isinstance(v, str):
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+        return None
+    if isinstance(v, dict):
+        for k, x in v.items():
+            sub = f"{where}.{k}" if where else str(k)
+            found = _lone_surrogate(k, sub) if isinstance(k, str) else None
+            found = found if found is not None else _lone_surrogate(x, sub)
+            if found is not None:
+                return found
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            found = _lone_surrogate(x, f"{where}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 def json_type(v: Any) -> str:

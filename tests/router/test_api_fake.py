@@ -373,14 +373,14 @@ def test_malformed_bodies_get_400(router: LiveRouter, path: str, body: Any, para
     ("/admin/models/load", {}),
     ("/admin/models/unload", {}),
 ])
-def test_a_lone_surrogate_in_the_model_name_is_a_404_not_a_500(router: LiveRouter, path: str,
+def test_a_lone_surrogate_in_the_model_name_is_a_400_not_a_500(router: LiveRouter, path: str,
                                                                 extra: dict[str, Any]) -> None:
     body = json.dumps({"model": "MODEL", **extra}).replace('"MODEL"', '"\\ud800x"')  # a lone-surrogate escape
     r = httpx.post(router.url + path, content=body.encode(), headers={"content-type": "application/json"},
                    timeout=30)
-    assert r.status_code == 404, r.text
-    err = r.json()["error"]  # valid JSON: the surrogate comes back as a \ud800 escape
-    assert err["code"] == "model_not_found" and "\ud800x" in err["message"]
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]  # not valid Unicode text: refused where the body is read, naming the field
+    assert err["param"] == "model" and "surrogate" in err["message"]
 
 
 def test_a_body_over_the_limit_is_413(router: LiveRouter) -> None:
@@ -580,3 +580,16 @@ def test_id_slot_outside_the_slots_is_a_400(router: LiveRouter) -> None:
     for bad in (7, -2, "1"):
         r = _post(router, "/completion", {"prompt": "x", "n_predict": 1, "id_slot": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "id_slot", r.text
+
+
+def test_a_lone_surrogate_is_a_400_naming_where_it_is(router: LiveRouter) -> None:
+    """JSON may spell an unpaired UTF-16 surrogate (\\ud800); it is not Unicode text: a 400
+    naming the field, not an internal encoding error. A paired one (an emoji) is fine."""
+    raw = b'{"model": "alpha", "messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 1}'
+    r = httpx.post(router.url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content", r.text
+    assert "surrogate" in r.json()["error"]["message"]
+    ok = b'{"model": "alpha", "messages": [{"role": "user", "content": "a\\ud83d\\ude00b"}], "max_tokens": 1}'
+    assert httpx.post(router.url + "/v1/chat/completions", content=ok, headers={"content-type": "application/json"},
+                      timeout=30).status_code == 200
