@@ -50,7 +50,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from protocol import SLOT_ACTIONS, SlotAction, SlotActionResult, slot_filename_error
-from router.errors import ApiError, BadGateway, BadRequest, NotSupported, Unavailable, error_response
+from router.errors import ApiError, BadGateway, BadRequest, NotSupported, Unavailable, error_response, redact_paths
 from router.llamacpp_api import call_worker
 from router.generation import LLAMACPP_DEFAULTS
 from router import gguf_meta
@@ -166,7 +166,7 @@ async def props(request: Request) -> Response:
         },
         "total_slots": slot.total_slots,
         "model_alias": slot.model.name,
-        "model_path": str(slot.model.path),
+        "model_path": redact_paths(str(slot.model.path)),
         "chat_template": chat_template(slot),
         "modalities": {"vision": False, "audio": False},
         "build_info": build_info(),
@@ -243,7 +243,7 @@ def _status(slot: ModelSlot) -> dict[str, Any]:
     status: dict[str, Any] = {"value": value, "state": slot.state.value}
     w = slot.worker
     if w is not None and w.command:
-        status["args"] = list(w.command)
+        status["args"] = [redact_paths(a) for a in w.command]  # a client's view: no absolute paths
     if slot.state is WorkerState.FAILED:
         status["failed"] = True
         status["exit_code"] = slot.last_exit_code
@@ -257,7 +257,7 @@ def model_entry(slot: ModelSlot) -> dict[str, Any]:
     return {
         "id": m.name, "aliases": list(m.aliases), "tags": [], "object": "model", "owned_by": "modelyard",
         "created": int(m.path.stat().st_mtime) if m.path.exists() else 0,
-        "path": str(m.path), "status": _status(slot),
+        "path": redact_paths(str(m.path)), "status": _status(slot),
         "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
         "source": "config",
     }

@@ -345,7 +345,7 @@ def test_props_slots_and_metrics_after_real_requests(router: LiveRouter) -> None
     counters move by exactly what the answers report."""
     props = httpx.get(router.url + "/props", params={"model": "smollm2"}, timeout=300).json()
     assert props["total_slots"] >= 1 and props["default_generation_settings"]["n_ctx"] == 512
-    assert props["model_path"] == str(SMOLLM2.resolve())
+    assert props["model_path"] == f".../{SMOLLM2.name}"
     assert "<|im_start|>" in props["chat_template"]  # the GGUF's own, read from its header
     assert props["default_generation_settings"]["params"]["temperature"] == 0.8
     slots = httpx.get(router.url + "/slots", params={"model": "smollm2"}, timeout=60).json()
