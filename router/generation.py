@@ -130,13 +130,27 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate,
         raise
     except BadRequest as e:
         run.close()
-        if e.code == "invalid_grammar" and e.param is None:
-            e.param = grammar_param
+        if e.param is None:
+            e.param = _worker_error_param(e, msg, grammar_param)
         raise
     except BaseException:
         run.close()
         raise
     return run, first
+
+
+def _worker_error_param(e: BadRequest, msg: Generate, grammar_param: str | None) -> str | None:
+    """The request field a worker's 400 is about (the worker knows Generate's fields, the
+    router the dialect's): the constraint's field, the prompt (``messages`` for chat), or
+    a sampling field the message names."""
+    if e.code == "invalid_grammar":
+        return grammar_param
+    if e.code in ("invalid_token", "empty_prompt"):
+        return "messages" if msg.messages is not None else "prompt"
+    for name in ("logit_bias", "stop", "seed"):
+        if name in e.message:
+            return name
+    return None
 
 
 async def collect(request: Request, run: Run, first: Token | Done) -> tuple[list[Token], Done]:

@@ -593,3 +593,10 @@ def test_a_lone_surrogate_is_a_400_naming_where_it_is(router: LiveRouter) -> Non
     ok = b'{"model": "alpha", "messages": [{"role": "user", "content": "a\\ud83d\\ude00b"}], "max_tokens": 1}'
     assert httpx.post(router.url + "/v1/chat/completions", content=ok, headers={"content-type": "application/json"},
                       timeout=30).status_code == 200
+
+
+def test_worker_side_400s_name_the_field(router: LiveRouter) -> None:
+    """Errors the worker finds (a token id outside the vocabulary, an empty prompt) name the
+    request field as the router's own checks do."""
+    r = _post(router, "/v1/completions", {"prompt": [999999], "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
