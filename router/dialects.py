@@ -66,7 +66,10 @@ def tool_list(body: dict[str, Any], one: Callable[[dict[str, Any], str], Tool]) 
         where = f"tools[{i}]"
         if not isinstance(t, dict):
             raise BadRequest(f"'{where}' must be an object", param=where)
-        out.append(one(t, where))
+        tool = one(t, where)
+        if any(o.name == tool.name for o in out):  # a call names its tool: two of one name are ambiguous
+            raise BadRequest(f"'{where}': tool names must be unique, '{tool.name}' is given twice", param=where)
+        out.append(tool)
     return out
 
 

@@ -205,6 +205,9 @@ def parse_turns(body: dict[str, Any]) -> list[ChatTurn]:
             text = content_text(content, f"{where}.content", ("text", "input_text"))
         calls = _tool_calls(m, where) if role == "assistant" else []
         call_id = m.get("tool_call_id") if role == "tool" else None
+        if role == "tool" and (not isinstance(call_id, str) or not call_id):
+            raise BadRequest(f"'{where}.tool_call_id' is required in a tool message (the id of the call it "
+                             "answers)", param=f"{where}.tool_call_id")
         name = m.get("name") if role == "tool" and isinstance(m.get("name"), str) else None
         out.append(ChatTurn(CHAT_ROLES[role], text, calls, call_id if isinstance(call_id, str) else None, name))
     return out

@@ -154,6 +154,8 @@ def test_chat_custom_tools(router: LiveRouter) -> None:
     ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ({"function_call": "auto"}, "function_call"),
     ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"tools": TOOLS + TOOLS[:1]}, f"tools[{len(TOOLS)}]"),  # a second tool of one name
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "r"}]}, "messages[1].tool_call_id"),
 ])
 def test_bad_tool_fields_are_400_naming_them(router: LiveRouter, body: dict[str, Any], param: str) -> None:
     r = httpx.post(router.url + "/v1/chat/completions", json={
