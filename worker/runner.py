@@ -697,7 +697,7 @@ class BatchRunner:
                 return not job.cancel.is_set()
 
             try:
-                engine.add(sid, run.ids, params, on_token)
+                engine.add(sid, run.ids, params, on_token, job.cancel.is_set)
             except EngineError as e:
                 self._abort(run)
                 self._end(job.id, Error(id=job.id, code=e.code, message=e.message))
