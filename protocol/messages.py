@@ -357,7 +357,7 @@ class SlotAction(Message):
 
     ``filename`` (save / restore): a plain file name inside the worker's
     ``--slot-save-path`` directory (no path separator, no ``..``; checked on both
-    sides). The state never crosses the wire: the worker reads / writes the file
+    sides). A slot action's state never crosses the wire: the worker reads / writes the file
     (``worker.engine.kv_state`` format). A busy slot's action waits until the slot
     is idle (llama.cpp defers it too). Answered by a SlotActionResult or an Error
     ("kv_state_mismatch" naming the field, "kv_state_invalid", "invalid_params",

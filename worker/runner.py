@@ -5,9 +5,9 @@ the engine. The server only ever:
 
 * ``submit(job)``s a :class:`Job` while fewer than ``capacity`` jobs run
   (``capacity`` = the engine's KV slots, config ``parallel``),
-* ``cancel(job_id)``s a running job (sets its cancel flag; the engine thread
-  aborts it before the next step, so it leaves the batch within one step and
-  the others go on unchanged),
+* ``cancel(job_id)``s a running job (sets its cancel flag, which the engine
+  polls before each step and between the layers of a forward pass: it leaves the
+  batch without waiting for the pass running now, and the others go on unchanged),
 * reads :attr:`BatchRunner.snapshot` (slots and KV use after the last step,
   published by the engine thread; reading it never waits for a step),
 * receives events (:class:`FrameOut` for Token frames, :class:`JobFinished`
