@@ -70,6 +70,9 @@ def test_wire_and_file_hand_over_give_the_single_worker_text(router: LiveRouter,
         body = r.json()
         assert body["content"] == one.json()["content"], model
         assert body["timings"]["cache_n"] == len(PROMPT) - 1 and body["timings"]["prompt_n"] == 1, model
+    # cache_prompt false: the prefill worker evaluates it afresh, the decode worker still uses the state
+    r = completion(http, "split", cache_prompt=False)
+    assert r.json()["content"] == one.json()["content"] and r.json()["timings"]["cache_n"] == len(PROMPT) - 1
     # streamed too
     text = []
     with http.stream("POST", "/completion", json={"model": "split", "prompt": PROMPT, "n_predict": 8,
