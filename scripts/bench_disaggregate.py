@@ -2,7 +2,7 @@
 """Disaggregated prefill/decode on a real model, through a live router: text, cancel, stalls.
 
     .venv/bin/python scripts/bench_disaggregate.py --model models/SmolLM2-135M-Instruct.Q4_1.gguf \\
-        [--long-words 1400] [--repeat 2] [--only text,cancel,gap]
+        [--long-words 1950] [--repeat 2] [--only text,cancel,gap]
 
 It starts ``python -m router serve`` on a config with three models of the one GGUF:
 ``m`` (one worker does everything), ``m-p`` (the prefill worker) and ``m-d``
@@ -18,7 +18,7 @@ It starts ``python -m router serve`` on a config with three models of the one GG
   wire), ``decode`` (after the first streamed token on ``m-d``) and ``single`` (the long
   prompt's prefill on ``m``).
 * **gap**: the worst inter-token gap of a running decode stream (a short prompt, 60
-  tokens) while a long prompt (``--long-words``, ~2,000 tokens for 1,400 words) arrives on
+  tokens) while a long prompt (``--long-words``, ~2,000 tokens for the default 1,950 words) arrives on
   the same model: ``m`` (one worker) vs ``m-d`` (split), alternated ``--repeat`` times.
 
 Prints one JSON line per measurement and the load average (the machine may be shared:
@@ -211,10 +211,14 @@ def bench_gap(r: Router, args: argparse.Namespace, rep: int) -> None:
         times = token_times(r, model, args.stream_tokens, on_tok)
         for t in th:
             t.join()
-        during = [b - a for a, b in zip(times, times[1:]) if b >= spans["t0"] and a <= spans["t1"]]
-        base = [b - a for a, b in zip(times[1:5], times[2:5])]
-        emit(what="gap", model=model, rep=rep, worst_gap_ms=round(max(during) * 1e3) if during else None,
-             tokens_during=len(during), median_gap_before_ms=round(sorted(base)[len(base) // 2] * 1e3) if base else None,
+        pairs = [(a, b) for a, b in zip(times, times[1:]) if b >= spans["t0"] and a <= spans["t1"]]
+        during = sorted(b - a for a, b in pairs)
+        worst = max(pairs, key=lambda p: p[1] - p[0]) if pairs else None
+        base = sorted(b - a for a, b in zip(times[1:5], times[2:5]))
+        emit(what="gap", model=model, rep=rep, worst_gap_ms=round(during[-1] * 1e3) if during else None,
+             worst_gap_at_s=round(worst[0] - spans["t0"], 2) if worst else None,
+             p50_gap_during_ms=round(during[len(during) // 2] * 1e3) if during else None,
+             tokens_during=len(during), median_gap_before_ms=round(base[len(base) // 2] * 1e3) if base else None,
              long_prompt_s=round(spans["t1"] - spans["t0"], 2))
 
 
@@ -222,7 +226,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
     ap.add_argument("--n-ctx", type=int, default=4096)
-    ap.add_argument("--long-words", type=int, default=1400, help="words of the long prompt (~1.4 tokens each)")
+    ap.add_argument("--long-words", type=int, default=1950, help="words of the long prompt (~2,000 tokens)")
     ap.add_argument("--stream-tokens", type=int, default=150)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--only", default="text,cancel,gap")
