@@ -45,7 +45,7 @@ def alone(engine: Engine, ids: list[int], n: int) -> list[int]:
 
 class StopAfter:
     """A should_stop that turns true on its ``k``-th call once armed (calls: one before each
-    step, then one before each layer's attention)."""
+    step, then one before and one after each layer's attention)."""
 
     def __init__(self, k: int) -> None:
         self.k, self.calls, self.armed = k, 0, False
@@ -64,7 +64,7 @@ def test_cancel_during_a_long_prefill_ends_it_mid_pass(engine: Engine) -> None:
     engine.reset_cache()
     engine._sched.n_batch = 256  # the whole prompt in one pass  # noqa: SLF001
     try:
-        stop = StopAfter(3)  # step start, layer 0, then true before layer 1
+        stop = StopAfter(4)  # step start, before / after layer 0's attention, then true before layer 1
         stop.armed = True
         engine.add("long", ids, greedy(4), should_stop=stop)
         before = engine.step_stats

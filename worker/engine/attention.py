@@ -10,8 +10,8 @@ every layer. The architectures run their QKV / O / FFN matmuls once over all
 the sequences (each sees its own keys).
 
 Interrupting a step: ``AttnBatch(interrupt=...)`` is polled by :func:`attend` before
-each layer's attention (every architecture calls it once per layer, so this is
-the one place); when it returns True, :class:`StepInterrupted` abandons the
+and after each layer's attention (every architecture calls it once per layer, so this
+is the one place); when it returns True, :class:`StepInterrupted` abandons the
 forward pass. That is safe because a pass only *writes* K/V at positions
 ``pos0 ..`` of its entries and the caller appends the tokens after the pass
 returned: an abandoned pass leaves ``entry.tokens`` as they were, and the K/V
@@ -99,12 +99,13 @@ class AttnBatch:
             self._masks[key] = got
         return got
 
-    def checkpoint(self, layer: int) -> None:
-        """Called before layer ``layer``'s attention: raise :class:`StepInterrupted` when
-        ``interrupt()`` is true, else count the layer."""
+    def checkpoint(self, layer: int, count: bool = True) -> None:
+        """Called before layer ``layer``'s attention (``count``: the layer is counted) and after
+        it: raise :class:`StepInterrupted` when ``interrupt()`` is true."""
         if self.interrupt is not None and self.interrupt():
             raise StepInterrupted(layer)
-        self.layers_run += 1
+        if count:
+            self.layers_run += 1
 
 
 def attend(batch: AttnBatch, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
@@ -123,7 +124,8 @@ def attend(batch: AttnBatch, layer: int, q: np.ndarray, k: np.ndarray, v: np.nda
     Returns:
         ``[N, n_head * hd_v]``.
     Raises:
-        StepInterrupted: ``batch.interrupt()`` was true (checked first, before anything is stored).
+        StepInterrupted: ``batch.interrupt()`` was true (checked first, before anything is
+            stored, and once more after attending).
     """
     batch.checkpoint(layer)
     if f16:
@@ -138,6 +140,7 @@ def attend(batch: AttnBatch, layer: int, q: np.ndarray, k: np.ndarray, v: np.nda
         k0, mask, col0 = batch.mask(i, window)
         out[rows] = attention(q[rows], s.kv.keys(layer, k0, end), s.kv.values(layer, k0, end), mask, scale,
                               col0)
+    batch.checkpoint(layer, count=False)  # again before the layer's output projection and FFN
     return out
 
 
