@@ -2,7 +2,7 @@
 """Disaggregated prefill/decode on a real model, through a live router: text, cancel, stalls.
 
     .venv/bin/python scripts/bench_disaggregate.py --model models/SmolLM2-135M-Instruct.Q4_1.gguf \\
-        [--long-words 1950] [--repeat 2] [--only text,cancel,gap]
+        [--long-words 1950] [--repeat 2] [--only text,cancel,gap] [--stream-tokens 150] [--gap-models m,m-d]
 
 It starts ``python -m router serve`` on a config with three models of the one GGUF:
 ``m`` (one worker does everything), ``m-p`` (the prefill worker) and ``m-d``
@@ -17,8 +17,8 @@ It starts ``python -m router serve`` on a config with three models of the one GG
   (``m-p`` has finished its prefill, ``m-d`` has not started decoding: the state is on the
   wire), ``decode`` (after the first streamed token on ``m-d``) and ``single`` (the long
   prompt's prefill on ``m``).
-* **gap**: the worst inter-token gap of a running decode stream (a short prompt, 60
-  tokens) while a long prompt (``--long-words``, ~2,000 tokens for the default 1,950 words) arrives on
+* **gap**: the worst inter-token gap of a running decode stream (a short prompt,
+  ``--stream-tokens``; make it outlast the long prompt, transfer included) while a long prompt (``--long-words``, ~2,000 tokens for the default 1,950 words) arrives on
   the same model: ``m`` (one worker) vs ``m-d`` (split), alternated ``--repeat`` times.
 
 Prints one JSON line per measurement and the load average (the machine may be shared:
@@ -191,7 +191,7 @@ def token_times(r: Router, model: str, n: int, on_token) -> list[float]:  # noqa
 
 
 def bench_gap(r: Router, args: argparse.Namespace, rep: int) -> None:
-    for model in ("m", "m-d"):
+    for model in args.gap_models.split(","):
         spans: dict[str, float] = {}
         th: list[threading.Thread] = []
 
@@ -229,6 +229,7 @@ def main() -> None:
     ap.add_argument("--long-words", type=int, default=1950, help="words of the long prompt (~2,000 tokens)")
     ap.add_argument("--stream-tokens", type=int, default=150)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--gap-models", default="m,m-d", help="which variants the gap measurement runs")
     ap.add_argument("--only", default="text,cancel,gap")
     args = ap.parse_args()
     only = set(args.only.split(","))
