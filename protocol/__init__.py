@@ -8,6 +8,10 @@ from protocol.errors import ErrorCode
 from protocol.credentials import WorkerCredentials, read_credentials, secret_matches, write_credentials
 from protocol.messages import (
     FINISH_REASONS,
+    KV_CHUNK_BYTES,
+    KV_CHUNK_MAX_BYTES,
+    KV_STREAM_IDLE_S,
+    KV_WINDOW,
     LOAD_STAGES,
     MAX_FRAME_BYTES,
     MESSAGE_TYPES,
@@ -21,6 +25,8 @@ from protocol.messages import (
     Error,
     Generate,
     Hello,
+    KVAck,
+    KVChunk,
     LoadProgress,
     Message,
     Ping,
@@ -37,9 +43,9 @@ from protocol.messages import (
 )
 
 __all__ = [
-    "FINISH_REASONS", "LOAD_STAGES", "MAX_FRAME_BYTES", "MESSAGE_TYPES", "PROTOCOL_VERSION",
+    "FINISH_REASONS", "KV_CHUNK_BYTES", "KV_CHUNK_MAX_BYTES", "KV_STREAM_IDLE_S", "KV_WINDOW", "LOAD_STAGES", "MAX_FRAME_BYTES", "MESSAGE_TYPES", "PROTOCOL_VERSION",
     "ApplyTemplate", "ApplyTemplateResult", "Cancel", "Detokenize", "DetokenizeResult", "Done",
-    "Error", "ErrorCode", "Generate", "Hello", "LoadProgress", "Message", "Ping", "Pong", "ProtocolError", "Ready",
+    "Error", "ErrorCode", "Generate", "Hello", "KVAck", "KVChunk", "LoadProgress", "Message", "Ping", "Pong", "ProtocolError", "Ready",
     "Shutdown", "SLOT_ACTIONS", "SlotAction", "SlotActionResult",
     "Token", "Tokenize", "TokenizeResult", "WorkerCredentials", "decode", "encode", "read_credentials",
     "secret_matches", "slot_filename_error", "write_credentials",

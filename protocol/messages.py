@@ -12,9 +12,10 @@ use their own id). Field names follow OpenAI's and llama.cpp's wire names
 Direction:
 
 * worker -> router: Hello, LoadProgress, Ready, Token, Done, Error, Pong, TokenizeResult,
-  DetokenizeResult, ApplyTemplateResult, SlotActionResult
+  DetokenizeResult, ApplyTemplateResult, SlotActionResult, KVChunk (a prefill worker's
+  state), KVAck (a decode worker took a chunk)
 * router -> worker: Generate, Cancel, Ping, Shutdown, Tokenize, Detokenize,
-  ApplyTemplate, SlotAction
+  ApplyTemplate, SlotAction, KVChunk (to a decode worker), KVAck (credit to a prefill worker)
 
 This module only declares the records; ``protocol.codec`` encodes, decodes and
 validates them. It imports neither the router nor the worker.
@@ -26,10 +27,20 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 #: Bumped on any incompatible change; a frame with another version is rejected.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 #: Largest frame either side accepts, in bytes (a 100 KB prompt as token ids is < 1 MiB).
 MAX_FRAME_BYTES = 16 * 1024 * 1024
+
+#: KV-state streams (KVChunk): what a sender puts in one chunk (bytes) ...
+KV_CHUNK_BYTES = 1024 * 1024
+#: ... and the most a KVChunk may carry (validated on both sides; far within MAX_FRAME_BYTES).
+KV_CHUNK_MAX_BYTES = 4 * 1024 * 1024
+#: Chunks a sender may have sent beyond the last one acknowledged (KVAck): with the router
+#: relaying, at most this many chunks of one stream are in flight, so memory stays bounded.
+KV_WINDOW = 4
+#: A KV stream with no chunk (receiver) or no acknowledgement (sender) for this long is dropped (s).
+KV_STREAM_IDLE_S = 60.0
 
 #: finish_reason values carried by Done.
 FINISH_REASONS = ("stop", "length", "cancelled")
@@ -266,6 +277,10 @@ class Generate(Message):
     # first), and sends the Done once the file is written (an Error if it cannot be); "" = no save.
     # The disaggregated hand-over (router.disaggregate) uses it; n must be 1.
     save_slot_to: str = ""
+    # True: as the generation ends (same step), the worker streams its KV entry's state
+    # (worker.engine.kv_state format) as KVChunk frames with this id, at most KV_WINDOW beyond
+    # the last KVAck it got, then sends the Done. n must be 1; not with save_slot_to.
+    stream_state: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -342,7 +357,7 @@ class SlotAction(Message):
 
     ``filename`` (save / restore): a plain file name inside the worker's
     ``--slot-save-path`` directory (no path separator, no ``..``; checked on both
-    sides). The state never crosses the wire: the worker reads / writes the file
+    sides). A slot action's state never crosses the wire: the worker reads / writes the file
     (``worker.engine.kv_state`` format). A busy slot's action waits until the slot
     is idle (llama.cpp defers it too). Answered by a SlotActionResult or an Error
     ("kv_state_mismatch" naming the field, "kv_state_invalid", "invalid_params",
@@ -369,12 +384,54 @@ class SlotActionResult(Message):
     ms: float = 0.0
 
 
+@dataclass(frozen=True, kw_only=True)
+class KVChunk(Message):
+    """One piece of a KV state stream (``worker.engine.kv_state`` format, opaque here).
+
+    ``seq``: 0, 1, 2, ... within the stream ``id``; ``data``: 1..KV_CHUNK_MAX_BYTES bytes;
+    ``last``: the stream's final chunk. A prefill worker sends them for a Generate with
+    ``stream_state`` (id = the Generate's); the router relays the bytes to the decode worker
+    under its own transfer id, without looking into them. The decode worker validates the
+    stream as it arrives (identity before any payload byte, checksums at the end), answers a
+    KVAck per chunk, and after the last one a SlotActionResult (``action`` "restore",
+    ``id_slot`` -1: the state is in its prefix cache) or an Error ("kv_state_mismatch",
+    "kv_state_invalid", "kv_budget_exceeded", "protocol_error" for a chunk out of order, "busy").
+    A Cancel with the transfer id drops a partial stream (nothing is installed)."""
+
+    TYPE: ClassVar[str] = "kv_chunk"
+    seq: int
+    data: bytes
+    last: bool = False
+
+    @classmethod
+    def value_problem(cls, fields: dict[str, Any]) -> str | None:
+        if fields["seq"] < 0:
+            return f"seq must be >= 0, got {fields['seq']}"
+        if not 1 <= len(fields["data"]) <= KV_CHUNK_MAX_BYTES:
+            return f"data of {len(fields['data'])} bytes: a chunk carries 1..{KV_CHUNK_MAX_BYTES} bytes"
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVAck(Message):
+    """Chunk ``seq`` of KV stream ``id`` was taken: from a decode worker to the router, and
+    relayed by the router to the prefill worker as its credit (it may send up to chunk
+    ``seq + KV_WINDOW``)."""
+
+    TYPE: ClassVar[str] = "kv_ack"
+    seq: int
+
+    @classmethod
+    def value_problem(cls, fields: dict[str, Any]) -> str | None:
+        return None if fields["seq"] >= 0 else f"seq must be >= 0, got {fields['seq']}"
+
+
 #: Every message type by its wire tag.
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
         Hello, LoadProgress, Ready, Token, Done, Error, Pong, TokenizeResult, DetokenizeResult,
         ApplyTemplateResult, Generate, Cancel, Ping, Shutdown, Tokenize, Detokenize,
-        ApplyTemplate, SlotAction, SlotActionResult,
+        ApplyTemplate, SlotAction, SlotActionResult, KVChunk, KVAck,
     )
 }

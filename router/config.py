@@ -106,10 +106,12 @@ class ModelConfig:
     slot_save_path: Path | None = None
     kv_cache_dir: Path | None = None
     kv_cache_mib: float = 1024.0
-    # disaggregated prefill/decode (router.disaggregate): another configured model (same GGUF, same
-    # slot_save_path) whose worker prefills this model's prompts; the KV state is handed over
-    # through slot_save_path and this model's worker decodes. None: this worker does both
+    # disaggregated prefill/decode (router.disaggregate): another configured model (same GGUF)
+    # whose worker prefills this model's prompts; this model's worker decodes. None: this worker
+    # does both. kv_transfer: how the KV state moves between them: "wire" (KVChunk frames
+    # relayed by the router, the default) or "file" (through a slot_save_path both share)
     prefill_model: str | None = None
+    kv_transfer: str = "wire"
     sampling: dict[str, float | int] = field(default_factory=dict)
 
 
@@ -174,9 +176,11 @@ _MODEL_KEYS = {
     "cancel_timeout_s", "drain_timeout_s", "shutdown_grace_s", "ping_interval_s",
     "ping_timeout_s", "unresponsive_after_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", "weights",
     "restart_backoff_s", "restart_backoff_max_s", "max_crashes", "crash_window_s", "pinned", "slot_save_path",
-    "kv_cache_dir", "kv_cache_mib", "prefill_model", *SAMPLING_KEYS,
+    "kv_cache_dir", "kv_cache_mib", "prefill_model", "kv_transfer", *SAMPLING_KEYS,
 }
-_DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases", "prefill_model"}
+_DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases", "prefill_model", "kv_transfer"}
+#: ``kv_transfer`` values (router.disaggregate).
+KV_TRANSFERS = ("wire", "file")
 _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport", "shutdown_timeout_s",
                 "allowed_hosts", "cors_origins", "header_timeout_s", "body_timeout_s",
                 "keep_alive_timeout_s", "max_connections", "max_header_bytes", "stream_stall_timeout_s", "max_loaded",
@@ -313,6 +317,7 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
             kv_cache_dir=_opt_dir(merged, "kv_cache_dir", src("kv_cache_dir"), base_dir),
             kv_cache_mib=_float(merged, "kv_cache_mib", src("kv_cache_mib"), 1024.0, 0.0, float(1 << 30)),
             prefill_model=_opt_str(table, "prefill_model", where),
+            kv_transfer=_kv_transfer(table, where),
             sampling=sampling,
         )
     for name, m in models.items():
@@ -321,8 +326,8 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
 
 
 def _check_prefill_model(name: str, m: ModelConfig, models: dict[str, ModelConfig]) -> None:
-    """``prefill_model`` names another model of the same GGUF and slot_save_path, itself not split.
-    Raises ConfigError naming the key."""
+    """``prefill_model`` names another model of the same GGUF (and, with ``kv_transfer = "file"``,
+    the same slot_save_path), itself not split. Raises ConfigError naming the key."""
     if m.prefill_model is None:
         return
     key = f"models.{name}.prefill_model"
@@ -332,8 +337,9 @@ def _check_prefill_model(name: str, m: ModelConfig, models: dict[str, ModelConfi
     if p.path != m.path:
         raise ConfigError(key, f"{m.prefill_model!r} serves {p.path.name}, not {m.path.name}: the KV state "
                           "is only valid for the same GGUF")
-    if m.slot_save_path is None or p.slot_save_path != m.slot_save_path:
-        raise ConfigError(key, "both models need the same slot_save_path (the KV state is handed over there)")
+    if m.kv_transfer == "file" and (m.slot_save_path is None or p.slot_save_path != m.slot_save_path):
+        raise ConfigError(key, 'with kv_transfer = "file" both models need the same slot_save_path (the KV '
+                          "state is handed over there)")
     if p.prefill_model is not None:
         raise ConfigError(key, f"{m.prefill_model!r} has a prefill_model itself")
 
@@ -457,6 +463,22 @@ def _weights(t: dict[str, Any], where: str) -> str | None:
     v = _opt_str(t, "weights", where)
     if v is not None and v not in WEIGHT_MODES:
         raise ConfigError(f"{where}.weights", f"expected one of {', '.join(WEIGHT_MODES)}, got {v!r}")
+    return v
+
+
+def _kv_transfer(t: dict[str, Any], where: str) -> str:
+    if "kv_transfer" in t and "prefill_model" not in t:
+        raise ConfigError(f"{where}.kv_transfer", "only a model with a prefill_model hands KV states over")
+    return _choice(t, "kv_transfer", where, KV_TRANSFERS)
+
+
+def _choice(t: dict[str, Any], key: str, where: str, choices: tuple[str, ...]) -> str:
+    """``t[key]``, one of ``choices`` (default: the first)."""
+    v = _opt_str(t, key, where)
+    if v is None:
+        return choices[0]
+    if v not in choices:
+        raise ConfigError(f"{where}.{key}", f"expected one of {', '.join(choices)}, got {v!r}")
     return v
 
 

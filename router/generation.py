@@ -114,6 +114,10 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate,
             if e.param is None:
                 e.param = "messages" if msg.messages is not None else "prompt"
             raise
+        # the decode worker reuses the prefix just handed over even with cache_prompt false: the
+        # prefill worker evaluated this prompt afresh (cache_prompt as asked), and the state is that
+        # very evaluation (a prefix is only ever reused for the same tokens)
+        msg = dataclasses.replace(msg, cache_prompt=True)
     run = Run(slot, msg.id, access=access_record(request.state))
     hook = getattr(request.state, "run_hook", None)
     try:

@@ -22,7 +22,7 @@ import logging
 import time
 from typing import Any
 
-from protocol import Done, Error, Generate, ProtocolError, Token, encode
+from protocol import Done, Error, Generate, KVChunk, ProtocolError, Token, encode
 from router.errors import ApiError, BadGateway, ServerShuttingDown, from_worker_error, unsendable
 from router.pool import ModelSlot, Ticket
 from router.process import Aborted, StreamItem, WorkerGone, WorkerProcess, WorkerUnreachable
@@ -79,8 +79,8 @@ class Run:
             raise BadGateway(f"model '{self.slot.model.name}' worker is unreachable: {e}",
                              code="worker_crashed") from None
 
-    async def next(self) -> Token | Done:
-        """The next Token, or the final Done. Raises the mapped ApiError for a
+    async def next(self) -> Token | Done | KVChunk:
+        """The next Token (or, for a Generate with ``stream_state``, KVChunk), or the final Done. Raises the mapped ApiError for a
         worker Error frame, BadGateway(code="worker_crashed") if the worker died,
         ServerShuttingDown if the router ended it (``close()`` then cancels it)."""
         assert self._q is not None, "start() first"
@@ -105,6 +105,8 @@ class Run:
                 return item
             if isinstance(item, Token):
                 self._on_token()
+                return item
+            if isinstance(item, KVChunk):
                 return item
             log.warning("unexpected %s frame for request %s", item.TYPE, self.id)
 

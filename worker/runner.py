@@ -5,9 +5,9 @@ the engine. The server only ever:
 
 * ``submit(job)``s a :class:`Job` while fewer than ``capacity`` jobs run
   (``capacity`` = the engine's KV slots, config ``parallel``),
-* ``cancel(job_id)``s a running job (sets its cancel flag; the engine thread
-  aborts it before the next step, so it leaves the batch within one step and
-  the others go on unchanged),
+* ``cancel(job_id)``s a running job (sets its cancel flag, which the engine
+  polls before each step and between the layers of a forward pass: it leaves the
+  batch without waiting for the pass running now, and the others go on unchanged),
 * reads :attr:`BatchRunner.snapshot` (slots and KV use after the last step,
   published by the engine thread; reading it never waits for a step),
 * receives events (:class:`FrameOut` for Token frames, :class:`JobFinished`
@@ -65,7 +65,7 @@ log = logging.getLogger("modelyard.worker")
 
 __all__ = [
     "BatchRunner", "FrameOut", "Job", "JobFinished", "LoadFailed", "LoadStep", "Loaded", "Persisted", "RunnerEvent",
-    "RunnerSnapshot", "cancelled_done", "check_generate", "sampling_params",
+    "RunnerSnapshot", "StateOut", "cancelled_done", "check_generate", "sampling_params",
 ]
 
 #: Error code for an unexpected exception (an engine or worker bug), never for bad input.
@@ -157,7 +157,18 @@ class Persisted:
     ms: float = 0.0
 
 
-RunnerEvent = FrameOut | JobFinished | LoadStep | Loaded | LoadFailed | Persisted
+@dataclass(frozen=True)
+class StateOut:
+    """A ``stream_state`` generation ended: ``state`` is its KV entry (a copy, taken in the step
+    it ended), ``final`` its Done; the socket thread streams the state, then sends ``final``.
+    Like JobFinished, it frees the runner for another job."""
+
+    job_id: str
+    state: Any
+    final: Done
+
+
+RunnerEvent = FrameOut | JobFinished | LoadStep | Loaded | LoadFailed | Persisted | StateOut
 
 
 # ----------------------------------------------------------------------------- Generate -> engine
@@ -399,6 +410,14 @@ class BatchRunner:
         else:
             self._slot_ops.put(op)
             self._wake.set()
+
+    def install_state(self, stream_id: str, state: Any, n_bytes: int, t0: float) -> None:
+        """Put a fully validated KV state (a KVChunk stream's) into the prefix cache, on the
+        engine thread between steps; answered (FrameOut) by a SlotActionResult (action "restore",
+        id_slot -1, id ``stream_id``) or an Error ("kv_budget_exceeded", ...). After Loaded."""
+        op = _SlotOp(SlotAction(id=stream_id, action="restore", id_slot=-1), t0, state, n_bytes)
+        self._slot_ops.put(op)
+        self._wake.set()
 
     def persist(self) -> bool:
         """Save the idle KV entries to the KV cache directory once nothing runs (the engine thread
@@ -667,6 +686,10 @@ class BatchRunner:
             if why is not None:
                 self._end(job.id, Error(id=job.id, code=ErrorCode.INVALID_REQUEST, message=f"save_slot_to: {why}"))
                 return
+        if getattr(job.msg, "stream_state", False) and (job.msg.n != 1 or save_to):
+            self._end(job.id, Error(id=job.id, code=ErrorCode.INVALID_REQUEST,
+                                    message="stream_state: n must be 1, and not with save_slot_to"))
+            return
         run = _Run(job, ids, p, max(1, int(job.msg.n)))
         self._runs[job.id] = run
         self._add_choices(run, upto=1)
@@ -697,7 +720,7 @@ class BatchRunner:
                 return not job.cancel.is_set()
 
             try:
-                engine.add(sid, run.ids, params, on_token)
+                engine.add(sid, run.ids, params, on_token, job.cancel.is_set)
             except EngineError as e:
                 self._abort(run)
                 self._end(job.id, Error(id=job.id, code=e.code, message=e.message))
@@ -729,6 +752,7 @@ class BatchRunner:
             return
         engine = self.engine
         waiting: list[_SlotOp] = []
+        answers: list[Message] = []  # posted once the snapshot shows what they did
         for op in self._deferred:
             msg = op.msg
             try:
@@ -749,14 +773,16 @@ class BatchRunner:
                     n = engine.erase_slot(msg.id_slot)
                     res = SlotActionResult(id=msg.id, action="erase", id_slot=msg.id_slot, n_tokens=n,
                                            ms=(time.perf_counter() - op.t0) * 1e3)
-                self._post(FrameOut(res))
+                answers.append(res)
             except EngineError as e:
-                self._post(FrameOut(Error(id=msg.id, code=e.code, message=e.message)))
+                answers.append(Error(id=msg.id, code=e.code, message=e.message))
             except Exception as e:  # noqa: BLE001 - a request never kills the worker
                 log.error("slot action %s failed:\n%s", msg.id, traceback.format_exc())
-                self._post(FrameOut(Error(id=msg.id, code=INTERNAL_ERROR, message=f"{type(e).__name__}: {e}"[:1000])))
+                answers.append(Error(id=msg.id, code=INTERNAL_ERROR, message=f"{type(e).__name__}: {e}"[:1000]))
         self._deferred = waiting
         self._publish()
+        for a in answers:
+            self._post(FrameOut(a))
 
     def _persist(self, engine: Any) -> None:
         t0 = time.perf_counter()
@@ -795,6 +821,17 @@ class BatchRunner:
         first = dones[0]
         assert isinstance(first, Done)
         save_to = getattr(run.job.msg, "save_slot_to", "")
+        if run.n == 1 and getattr(run.job.msg, "stream_state", False) and run.finished.get(0) is not None \
+                and first.finish_reason != "cancelled":
+            # this very step ended it: its slot still holds its entry; the socket thread streams it
+            try:
+                state = self.engine.save_slot(run.finished[0].id_slot)
+            except EngineError as e:
+                self._end(job_id, Error(id=job_id, code=e.code, message=e.message))
+                return
+            self._end(job_id, first, post=False)
+            self._post(StateOut(job_id, state, first))
+            return
         if run.n == 1 and save_to and run.finished.get(0) is not None and first.finish_reason != "cancelled":
             # this very step ended it: its slot still holds its entry, nobody took it over yet
             try:

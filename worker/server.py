@@ -16,10 +16,18 @@ Job queue: ``runner.capacity`` generations run at once (1: the depth-one
 queue); further Generates wait in arrival order, at most ``max_queue`` of them;
 beyond that the worker answers Error(code="busy"). Cancel of a waiting request
 removes it and answers Done(finish_reason="cancelled") with zero tokens; of the
-running one, it sets the job's cancel flag, which the engine polls between
-prefill chunks and before each decoded token; the engine then returns and the
-runner answers Done(finish_reason="cancelled"). Cancel of an unknown id is
-ignored.
+running one, it sets the job's cancel flag, which the engine polls before each
+step and between the layers of each forward pass (a long prefill chunk is
+abandoned mid-pass); the runner then answers Done(finish_reason="cancelled").
+Cancel of an unknown id is ignored.
+
+KV-state streams (``worker.kvstream``): a Generate with ``stream_state`` ends
+with its KV entry streamed as KVChunk frames (at most ``KV_WINDOW`` beyond the
+last KVAck) before its Done; a Cancel meanwhile drops the stream and answers
+Done cancelled. Incoming KVChunk streams (a decode worker's side) are validated
+chunk by chunk on this thread, acknowledged, and the state handed to the engine
+thread only once complete and valid; a Cancel, an error or ``KV_STREAM_IDLE_S``
+without a chunk drops a partial one (nothing is installed).
 
 Exit: on Shutdown (or SIGTERM via :meth:`WorkerServer.request_stop`) every
 waiting request is answered Done cancelled, the running one is cancelled and its
@@ -47,6 +55,7 @@ import zmq
 from protocol.errors import ErrorCode
 from protocol.limits import DEFAULT_KV_BUDGET_MIB
 from protocol import (
+    KV_STREAM_IDLE_S,
     MAX_FRAME_BYTES,
     ApplyTemplate,
     Cancel,
@@ -54,6 +63,8 @@ from protocol import (
     Error,
     Generate,
     Hello,
+    KVAck,
+    KVChunk,
     LoadProgress,
     Message,
     Ping,
@@ -78,6 +89,7 @@ from worker.runner import (
     Persisted,
     RunnerEvent,
     BatchRunner,
+    StateOut,
     cancelled_done,
     check_generate,
 )
@@ -87,6 +99,8 @@ log = logging.getLogger("modelyard.worker")
 __all__ = ["ParentWatch", "WorkerConfig", "WorkerServer", "default_loader"]
 
 UNKNOWN_ID = "unknown"  # id of an Error answering a frame whose id could not be read
+#: Incoming KV-state streams a worker validates at once (each holds up to one state in memory).
+MAX_KV_RECEIVERS = 4
 
 
 def default_loader(gguf_path: str, n_ctx: int | None, chat_template: str | None, *, parallel: int = 1,
@@ -232,6 +246,8 @@ class WorkerServer:
         self._linger_ms = cfg.linger_ms
         self._dropped = 0  # frames dropped because the router was not reading
         self._watch = ParentWatch(cfg.parent_pid) if cfg.parent_pid is not None else None
+        self._senders: dict[str, Any] = {}  # job id -> worker.kvstream.StateSender (stream_state)
+        self._receivers: dict[str, Any] = {}  # stream id -> worker.kvstream.StateReceiver
 
     # ------------------------------------------------------------------ public
 
@@ -291,6 +307,8 @@ class WorkerServer:
                         if self._watch.gone():
                             self._begin_stop(f"parent process {self.cfg.parent_pid} is gone",
                                              self.cfg.parent_gone_grace_s, linger_ms=0)
+                if self._senders or self._receivers:
+                    self._drop_idle_streams(now)
                 if self._stopping:
                     self._check_stopped(now)
         except Exception:  # a bug in the loop itself: say so, exit non-zero rather than hang
@@ -337,6 +355,8 @@ class WorkerServer:
                     log.debug("request %s: Cancel -> Done in %.1f ms", job.id,
                               (time.monotonic() - job.cancel_at) * 1e3)
                 self._start_next()
+            elif isinstance(ev, StateOut):
+                self._on_state_out(ev)
             elif isinstance(ev, LoadStep):
                 self._send(LoadProgress(id=self.worker_id, stage=ev.stage, done=ev.done, total=ev.total))
             elif isinstance(ev, Persisted):
@@ -450,6 +470,13 @@ class WorkerServer:
                 self._begin_stop("Shutdown received", self.cfg.shutdown_grace_s)
         elif isinstance(msg, (Tokenize, Detokenize, ApplyTemplate)):
             self._on_text_op(msg)
+        elif isinstance(msg, KVChunk):
+            self._on_kv_chunk(msg)
+        elif isinstance(msg, KVAck):
+            sender = self._senders.get(msg.id)
+            if sender is not None:  # else: a stream that ended or was cancelled
+                sender.ack(msg.seq)
+                self._pump(sender)
         elif isinstance(msg, SlotAction):
             if self.engine is None:
                 self._send(Error(id=msg.id, code=ErrorCode.BUSY, message="the model is still loading"))
@@ -485,6 +512,9 @@ class WorkerServer:
         self._start_next()
 
     def _on_cancel(self, job_id: str) -> None:
+        if self._receivers.pop(job_id, None) is not None:
+            log.info("KV stream %s cancelled: the partial state is dropped", job_id)
+            return
         for job in self.pending:
             if job.id == job_id:
                 self.pending.remove(job)
@@ -498,7 +528,88 @@ class WorkerServer:
     def _cancel_running(self, job: Job) -> None:
         if job.cancel_at is None:
             job.cancel_at = time.monotonic()
+        job.cancel.set()  # also seen by a StateOut still on its way (the runner is done with the job)
+        if self._senders.pop(job.id, None) is not None:  # its engine part is over: end it here
+            self._end_streamed(job.id, cancelled_done(job.id, job.tokens_sent))
+            return
         self.runner.cancel(job.id)
+
+    # ------------------------------------------------------------------ KV-state streams
+
+    def _on_state_out(self, ev: StateOut) -> None:
+        from worker.kvstream import StateSender
+
+        job = self.running.get(ev.job_id)
+        if job is None:  # given up on at exit (answered already)
+            return
+        if job.cancel.is_set():
+            self._end_streamed(job.id, cancelled_done(job.id, job.tokens_sent))
+            return
+        sender = StateSender(job.id, ev.state, ev.final)
+        self._senders[job.id] = sender
+        self._pump(sender)
+
+    def _pump(self, sender: Any) -> None:
+        """Send the chunks ``sender``'s window allows; after the last one, the job's Done."""
+        for seq, data, last in sender.take():
+            self._send(KVChunk(id=sender.job_id, seq=seq, data=data, last=last))
+        if sender.done:
+            self._senders.pop(sender.job_id, None)
+            log.info("request %s: streamed its KV state (%d tokens, %d bytes)", sender.job_id, sender.n_tokens,
+                     sender.n_bytes)
+            self._end_streamed(sender.job_id, sender.final)
+
+    def _end_streamed(self, job_id: str, final: Message) -> None:
+        if self.running.pop(job_id, None) is not None:
+            self._send(final)
+        self._start_next()
+
+    def _on_kv_chunk(self, msg: KVChunk) -> None:
+        from worker.engine.kv_state import KVStateError
+        from worker.kvstream import StateReceiver, StreamOrderError
+
+        rcv = self._receivers.get(msg.id)
+        if rcv is None:
+            why = ("the model is still loading" if self.engine is None
+                   else "the worker is shutting down" if self._stopping
+                   else f"{len(self._receivers)} KV streams are already arriving" if len(self._receivers) >= MAX_KV_RECEIVERS
+                   else None)
+            if why is not None:
+                self._send(Error(id=msg.id, code=ErrorCode.BUSY, message=why))
+                return
+            if msg.seq != 0:
+                self._send(Error(id=msg.id, code=ErrorCode.PROTOCOL_ERROR,
+                                 message=f"KV chunk {msg.seq} of a stream that is not open here"))
+                return
+            rcv = self._receivers[msg.id] = StateReceiver(msg.id, self.engine.kv_identity)
+        try:
+            rcv.feed(msg.seq, msg.data)
+            self._send(KVAck(id=msg.id, seq=msg.seq))
+            if not msg.last:
+                return
+            state = rcv.finish()
+        except (KVStateError, StreamOrderError) as e:
+            del self._receivers[msg.id]
+            code = e.code if isinstance(e, KVStateError) else ErrorCode.PROTOCOL_ERROR
+            text = e.message if isinstance(e, KVStateError) else str(e)
+            log.warning("KV stream %s refused: %s: %s", msg.id, code, text)
+            self._send(Error(id=msg.id, code=code, message=text))
+            return
+        del self._receivers[msg.id]
+        self.runner.install_state(msg.id, state, rcv.n_bytes, rcv.t0)  # answered by the engine thread
+
+    def _drop_idle_streams(self, now: float) -> None:
+        for sid, rcv in list(self._receivers.items()):
+            if now - rcv.last_activity > KV_STREAM_IDLE_S:
+                del self._receivers[sid]
+                log.warning("KV stream %s: no chunk for %.0f s; the partial state is dropped", sid, KV_STREAM_IDLE_S)
+        for jid, snd in list(self._senders.items()):
+            if now - snd.last_activity > KV_STREAM_IDLE_S:
+                del self._senders[jid]
+                log.warning("request %s: its KV stream got no acknowledgement for %.0f s; dropped", jid,
+                            KV_STREAM_IDLE_S)
+                self._end_streamed(jid, Error(id=jid, code=ErrorCode.INTERNAL_ERROR, message=(
+                    f"the KV state stream was not acknowledged within {KV_STREAM_IDLE_S:g} s")))
 
     def _on_text_op(self, msg: Tokenize | Detokenize | ApplyTemplate) -> None:
         if self.engine is None:
@@ -522,7 +633,7 @@ class WorkerServer:
         self._stop_deadline = time.monotonic() + grace_s
         while self.pending:
             self._send(cancelled_done(self.pending.popleft().id))
-        for job in self.running.values():
+        for job in list(self.running.values()):
             self._cancel_running(job)
         if linger_ms != 0 and self.engine is not None:  # not when the parent is gone: nobody to serve again
             self._persisting = self.runner.persist()

@@ -23,6 +23,8 @@ from protocol import (
     Error,
     Generate,
     Hello,
+    KVAck,
+    KVChunk,
     LoadProgress,
     Ping,
     Pong,
@@ -69,6 +71,10 @@ EXAMPLES = [
     SlotAction(id="s1", action="save", id_slot=0, filename="conv.bin"),
     SlotActionResult(id="s1", action="save", id_slot=0, filename="conv.bin", n_tokens=1745, n_bytes=14309796,
                      ms=49.9),
+    Generate(id="r4", prompt=[1, 2], max_tokens=1, stream_state=True),
+    KVChunk(id="x1", seq=0, data=b"MYKVSTAT\x01\x00", last=False),
+    KVChunk(id="x1", seq=7, data=bytes(range(256)) * 4, last=True),
+    KVAck(id="x1", seq=3),
 ]
 
 

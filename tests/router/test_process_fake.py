@@ -66,7 +66,7 @@ def test_kv_state_keys_reach_the_worker_command(tmp_path: Path) -> None:
                         'prefill_model = "one"\n') + '[defaults]\nslot_save_path = "s"\nkv_cache_dir = "kv"\n'
     cfg = load_config(write(tmp_path, text))
     one, two = cfg.models["one"], cfg.models["two"]
-    assert two.prefill_model == "one" and one.prefill_model is None
+    assert two.prefill_model == "one" and one.prefill_model is None and two.kv_transfer == "wire"
     cmd = worker_command(two, "ipc:///x.sock")
     assert cmd[cmd.index("--slot-save-path") + 1] == str((tmp_path / "s").resolve())
     assert cmd[cmd.index("--kv-cache-dir") + 1] == str((tmp_path / "kv").resolve() / "two")
@@ -89,7 +89,10 @@ def test_kv_state_keys_reach_the_worker_command(tmp_path: Path) -> None:
     ("[models.one]\nn_threads = 0\n", "models.one.n_threads"),
     ("[defaults]\nrepeat_penalty = 0\n", "defaults.repeat_penalty"),  # the worker needs > 0 (protocol.limits)
     ("[models.one]\nprefill_model = 'nope'\n", "models.one.prefill_model"),
-    ("[models.one]\nprefill_model = 'two'\n", "models.one.prefill_model"),  # no common slot_save_path
+    ("[models.one]\nprefill_model = 'two'\nkv_transfer = 'file'\n", "models.one.prefill_model"),  # no common slot_save_path
+    ("[models.one]\nprefill_model = 'two'\nkv_transfer = 'pigeon'\n", "models.one.kv_transfer"),
+    ("[models.one]\nkv_transfer = 'file'\n", "models.one.kv_transfer"),  # not split
+    ("[defaults]\nkv_transfer = 'file'\n", "defaults.kv_transfer"),
     ("[models.one]\nprefill_model = 'one'\nslot_save_path = 's'\n", "models.one.prefill_model"),
     ("[defaults]\nprefill_model = 'two'\n", "defaults.prefill_model"),
     ("[models.one]\nkv_cache_mib = -1\n", "models.one.kv_cache_mib"),

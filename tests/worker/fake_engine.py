@@ -167,7 +167,8 @@ class FakeEngine:
             ids = ids + [3]  # id 3 marks "explode after the first token" (a text-free signal for add)
         return ids, p
 
-    def add(self, seq_id: str, ids: list[int], p: SamplingParams, on_token: Any = None) -> None:
+    def add(self, seq_id: str, ids: list[int], p: SamplingParams, on_token: Any = None,
+            should_stop: Any = None) -> None:  # should_stop: the real engine's mid-pass cancel (not modelled)
         if seq_id in self._seqs:
             raise EngineError("invalid_params", f"sequence id {seq_id!r} is already in use")
         self.generate_calls += 1

@@ -9,6 +9,16 @@ every layer. The architectures run their QKV / O / FFN matmuls once over all
 ``N`` rows and call :func:`attend` per layer; only attention itself loops over
 the sequences (each sees its own keys).
 
+Interrupting a step: ``AttnBatch(interrupt=...)`` is polled by :func:`attend` before
+and after each layer's attention (every architecture calls it once per layer, so this
+is the one place); when it returns True, :class:`StepInterrupted` abandons the
+forward pass. That is safe because a pass only *writes* K/V at positions
+``pos0 ..`` of its entries and the caller appends the tokens after the pass
+returned: an abandoned pass leaves ``entry.tokens`` as they were, and the K/V
+it wrote past ``n_past`` are never read before they are written again (a step
+reads keys ``< pos0 + n`` only after storing its own ``pos0 .. pos0+n-1``; the
+prefix-cache copy, a take-over's truncate and a state save read ``< n_past`` only).
+
 Masks follow llama.cpp: a key at p0 is visible to a query at p1 when ``p0 <=
 p1`` and, with a sliding window, ``p1 - p0 < window``
 (``LLAMA_SWA_TYPE_STANDARD``, ``llama_hparams::is_masked_swa``).
@@ -16,7 +26,7 @@ p1`` and, with a sliding window, ``p1 - p0 < window``
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +34,16 @@ import numpy as np
 
 from .kv_cache import KVEntry
 
-__all__ = ["AttnBatch", "Segment", "attend", "attention", "attention_mask"]
+__all__ = ["AttnBatch", "Segment", "StepInterrupted", "attend", "attention", "attention_mask"]
+
+
+class StepInterrupted(Exception):
+    """A forward pass abandoned between two layers because ``AttnBatch.interrupt()`` said so
+    (``layer``: the layer it had reached, 0-based). The entries' tokens are unchanged."""
+
+    def __init__(self, layer: int) -> None:
+        super().__init__(f"forward pass interrupted before layer {layer}")
+        self.layer = layer
 
 
 @dataclass
@@ -44,12 +63,17 @@ class AttnBatch:
     Args:
         segments: in row order, covering rows ``0 .. N-1`` without gaps.
         dtype: compute dtype (for the additive masks).
+        interrupt: polled before each layer's attention (see the module docstring); True
+            abandons the pass with :class:`StepInterrupted`. None: never.
     Attributes:
         positions: ``[N]`` int64, the position of every row.
+        layers_run: layers whose attention this pass has started (the checkpoint counter).
     """
 
-    def __init__(self, segments: Seq[Segment], dtype: Any) -> None:
+    def __init__(self, segments: Seq[Segment], dtype: Any, interrupt: Callable[[], Any] | None = None) -> None:
         self.segments = list(segments)
+        self.interrupt = interrupt
+        self.layers_run = 0
         self.dtype = np.dtype(dtype)
         self.n_tokens = sum(s.n for s in self.segments)
         self.positions = (np.concatenate([np.arange(s.pos0, s.pos0 + s.n) for s in self.segments])
@@ -75,6 +99,14 @@ class AttnBatch:
             self._masks[key] = got
         return got
 
+    def checkpoint(self, layer: int, count: bool = True) -> None:
+        """Called before layer ``layer``'s attention (``count``: the layer is counted) and after
+        it: raise :class:`StepInterrupted` when ``interrupt()`` is true."""
+        if self.interrupt is not None and self.interrupt():
+            raise StepInterrupted(layer)
+        if count:
+            self.layers_run += 1
+
 
 def attend(batch: AttnBatch, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
            window: int | None = None, f16: bool = False) -> np.ndarray:
@@ -91,7 +123,11 @@ def attend(batch: AttnBatch, layer: int, q: np.ndarray, k: np.ndarray, v: np.nda
             llama.cpp's f16 KV cache and its flash attention (q converted to K's f16) do.
     Returns:
         ``[N, n_head * hd_v]``.
+    Raises:
+        StepInterrupted: ``batch.interrupt()`` was true (checked first, before anything is
+            stored, and once more after attending).
     """
+    batch.checkpoint(layer)
     if f16:
         q, k, v = (round_f16(a) for a in (q, k, v))
     n, n_head, _ = q.shape
@@ -104,6 +140,7 @@ def attend(batch: AttnBatch, layer: int, q: np.ndarray, k: np.ndarray, v: np.nda
         k0, mask, col0 = batch.mask(i, window)
         out[rows] = attention(q[rows], s.kv.keys(layer, k0, end), s.kv.values(layer, k0, end), mask, scale,
                               col0)
+    batch.checkpoint(layer, count=False)  # again before the layer's output projection and FFN
     return out
 
 

@@ -290,16 +290,20 @@ class Engine:
         return ids, p
 
     def add(self, seq_id: str, prompt: list[int], params: SamplingParams,
-            on_token: Callable[[TokenEvent], Any] | None = None) -> None:
+            on_token: Callable[[TokenEvent], Any] | None = None,
+            should_stop: Callable[[], Any] | None = None) -> None:
         """Queue a sequence (``prompt``/``params`` from :meth:`prepare`); it joins the
         batch at the next :meth:`step`. ``on_token`` gets each token (returning
-        ``False`` cancels it).
+        ``False`` cancels it). ``should_stop()`` (e.g. ``threading.Event.is_set`` of a flag
+        another thread sets) is polled before each step and between the layers of each
+        forward pass: True cancels it without waiting for the pass running now (the step
+        is abandoned mid-pass; the other sequences of that batch run again next step).
 
         Raises: EngineError("invalid_params") for an id in use; :meth:`prepare`'s
         "context_length_exceeded" / "kv_budget_exceeded".
         """
         with self._lock:
-            self._sched.add(SeqRequest(seq_id, list(prompt), params, on_token))
+            self._sched.add(SeqRequest(seq_id, list(prompt), params, on_token, should_stop))
 
     def step(self) -> list[Finished]:
         """One batched forward pass over every live sequence; the ones that ended
@@ -329,6 +333,13 @@ class Engine:
             return self._sched.slot_info()
 
     @property
+    def step_stats(self) -> dict[str, int]:
+        """Counters of the batch scheduler (a copy): ``passes`` forward passes started,
+        ``interrupted`` of them abandoned mid-pass by a ``should_stop``, ``layers`` layers
+        started over all passes, ``last_layers`` layers the last pass started."""
+        return dict(self._sched.stats)
+
+    @property
     def kv_tokens(self) -> int:
         """KV positions holding valid tokens (running sequences and the prefix cache)."""
         with self._lock:
@@ -340,8 +351,8 @@ class Engine:
         """Generate a completion of ``prompt`` alone (text or token ids): :meth:`prepare`,
         then steps until it ends.
 
-        ``should_stop()`` is polled before each step; ``on_token`` returning
-        ``False`` also stops; either gives finish_reason "cancelled".
+        ``should_stop()`` is polled before each step and between the layers of a forward
+        pass; ``on_token`` returning ``False`` also stops; either gives finish_reason "cancelled".
 
         Raises (before any token): :meth:`prepare`'s errors. Exceptions raised
         by the model or by on_token propagate (the KV holds only verified tokens).
@@ -350,7 +361,7 @@ class Engine:
         with self._lock:
             if self._sched.has_work:
                 raise EngineError("invalid_params", "generate() while add()/step() sequences are live")
-            return run_one(self._sched, SeqRequest("generate", ids, p, on_token), should_stop)
+            return run_one(self._sched, SeqRequest("generate", ids, p, on_token, should_stop), should_stop)
 
     # ------------------------------------------------------------------ KV states
 

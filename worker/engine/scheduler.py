@@ -42,7 +42,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .attention import AttnBatch, Segment
+from .attention import AttnBatch, Segment, StepInterrupted
 from .errors import EngineError
 from .generate import GenerationResult, Sequence, TokenEvent, check_context
 from .kv_cache import KVEntry, KVPool, KVShape
@@ -83,12 +83,17 @@ class SeqRequest:
 
     ``prompt``: token ids, validated and non-empty; ``params``: validated;
     ``on_token`` gets every generated token (returning ``False`` cancels).
+    ``should_stop``: polled before every step *and between the layers of a forward pass*
+    (it may be called from the engine thread only, but may read state other threads set,
+    e.g. ``threading.Event.is_set``); True cancels the sequence at once: a step it is part
+    of is abandoned mid-pass and the others of that batch run again at the next step.
     """
 
     id: str
     prompt: list[int]
     params: SamplingParams
     on_token: Callable[[TokenEvent], Any] | None = None
+    should_stop: Callable[[], Any] | None = None
 
 
 @dataclass
@@ -171,6 +176,9 @@ class Scheduler:
         self.waiting: deque[_Seq] = deque()
         self._by_id: dict[str, _Seq] = {}
         self._clock = 0  # steps run (the LRU clock)
+        #: counters: forward passes run / abandoned mid-pass by a cancel, layers started over all
+        #: passes (``AttnBatch.layers_run``), layers of the last pass
+        self.stats = {"passes": 0, "interrupted": 0, "layers": 0, "last_layers": 0}
 
     # ------------------------------------------------------------------ facts
 
@@ -323,7 +331,8 @@ class Scheduler:
 
     def abort(self, seq_id: str) -> bool:
         """Cancel ``seq_id``: it leaves at the next step with finish_reason "cancelled".
-        False when unknown (or already finished)."""
+        False when unknown (or already finished). (A cancel that must not wait for the step
+        running now goes through ``SeqRequest.should_stop``.)"""
         s = self._by_id.get(seq_id)
         if s is None:
             return False
@@ -342,10 +351,13 @@ class Scheduler:
 
         Never raises for a sequence's fault: a model error ends every sequence
         of that batch with ``Finished.error``; a callback error ends its own.
+        A sequence whose ``should_stop()`` turns true while the pass runs ends it between two
+        layers: the step returns at once with that sequence (and any other stopped one)
+        cancelled; the rest of the batch appended nothing and runs again at the next step.
         """
         self._clock += 1
         done: list[Finished] = []
-        for s in [s for s in self._by_id.values() if s.cancelled]:
+        for s in [s for s in self._by_id.values() if s.cancelled or self._stopped(s)]:
             if not s.seq.done:
                 s.seq.finish("cancelled", "cancelled")
             done.append(self._finish(s))
@@ -379,13 +391,29 @@ class Scheduler:
         for seg, (_, _, want) in zip(segs, parts):
             if want:
                 rows.append(seg.start + seg.n - 1)
+        watched = [s for s, _, _ in parts if s.req.should_stop is not None]
+        batch = AttnBatch(segs, self.model.dtype,
+                          (lambda: any(self._stopped(s) for s in watched)) if watched else None)
+        self.stats["passes"] += 1
         try:
-            logits = self.model.forward_batch(np.asarray(tokens, dtype=np.int64),
-                                              AttnBatch(segs, self.model.dtype), rows)  # [R, n_vocab]
+            logits = self.model.forward_batch(np.asarray(tokens, dtype=np.int64), batch, rows)  # [R, n_vocab]
+        except StepInterrupted:
+            # nothing was appended: the K/V written past each entry's n_past are never read
+            # before being written again (attention module docstring)
+            self.stats["interrupted"] += 1
+            for s in watched:
+                if self._stopped(s):
+                    if not s.seq.done:
+                        s.seq.finish("cancelled", "cancelled")
+                    done.append(self._finish(s))
+            return done
         except Exception as e:  # noqa: BLE001 - a model failure ends this batch's sequences, not the worker
             for s, _, _ in parts:
                 done.append(self._finish(s, e))
             return done
+        finally:
+            self.stats["layers"] += batch.layers_run
+            self.stats["last_layers"] = batch.layers_run
         now = time.perf_counter()
         r = 0
         for s, fed, want in parts:
@@ -411,6 +439,15 @@ class Scheduler:
         return done
 
     # ------------------------------------------------------------------ internals
+
+    @staticmethod
+    def _stopped(s: _Seq) -> bool:
+        stop = s.req.should_stop
+        if stop is None or s.cancelled:
+            return s.cancelled
+        if stop():
+            s.cancelled = True  # sticky: a flag read once as set stays set
+        return s.cancelled
 
     def _admit(self) -> None:
         """Move waiting sequences into free slots, first come first served, while their KV fits."""
