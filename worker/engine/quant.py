@@ -19,20 +19,19 @@ Q4_1/Q5_1, Q8_K for the K-quants) with ggml's rounding rules
 (``quantize_row_q8_0`` / ``_q8_1`` of ggml-cpu's x86 path: ``d = amax/127``
 stored as fp16, ``q = rint(x * 127/amax)``; ``quantize_row_q8_K_ref``: ``d =
 max / -127`` in float32, ``q = min(127, nearest_int(x / d))``). A block's
-product is then ``d_w * d_x * sum(q_w * q_x) + m_w * s_x`` with ``s_x = d_x *
-sum(q_x)`` (fp16 for Q8_1, as ggml stores it). The kernels compute the same sum
-with the activations held as ``q_x * d_x`` in float32, which is equal up to
-float32 rounding (|rel| ~ 1e-7) and lets the compiler use FMA vectors on the
-int8 -> float32 conversions of the weights.
+product is then ``(d_w * d_x) * sum(q_w * q_x) + m_w * s_x`` with ``s_x = d_x *
+sum(q_x)`` (fp16 for Q8_1, as ggml stores it). The integer sum is computed in
+float32 on integer values, which is exact (``|sum| < 2^24`` for every type), so
+it equals ggml's int32 sum whatever order the vectorized loop adds in.
 
-Two kernels, chosen per call by the number of activation rows ``T``:
-
-* ``T < BLAS_MIN_ROWS`` (decode, small batches): numba-compiled, parallel over
-  output rows, reading the int8 weights directly (4 activation rows per pass).
-* otherwise (prefill chunks, large batches): the weight rows are dequantized in
-  tiles of ``TILE_ELEMS`` weights into a float32 scratch and multiplied by
-  OpenBLAS sgemm — with the *quantized* activations, so the numbers stay those
-  of the vec_dot path while sgemm's speed is kept.
+One kernel for every number of activation rows ``T`` (decode, batched decode,
+prefill chunks): numba-compiled, parallel over blocks of output rows, reading
+the int8 weights directly, 4 activation rows per pass over a weight row. It is
+**row-deterministic**: the blocks of a row are accumulated in order with the
+same float32 operations whatever ``T`` is and whichever other rows share the
+call, so a sequence's outputs do not depend on the batch it runs in (sgemm's
+results do: OpenBLAS picks other kernels and blockings by the matrix shape,
+measured bit differences between ``N = 1 .. 300`` rows on this machine).
 
 Kernels are compiled once and cached on disk by numba (``cache=True``; the
 directory is ``NUMBA_CACHE_DIR`` or ``__pycache__`` beside this file).
@@ -51,12 +50,6 @@ from typing import Any
 import numpy as np
 
 from .errors import EngineError
-
-#: At or above this many activation rows a call dequantizes weight tiles and uses sgemm
-#: (measured: scripts/bench_quant.py; sgemm wins from here on this machine kind).
-BLAS_MIN_ROWS = 8
-#: Weights per float32 scratch tile of the sgemm path (4 MiB).
-TILE_ELEMS = 1 << 20
 
 QK = 32     # block of Q8_0 / Q4_* / Q5_*
 QK_K = 256  # super-block of the K-quants
@@ -178,7 +171,7 @@ def _compile() -> dict[str, Any]:
     """The kernels (compiled on first use, or loaded from numba's on-disk cache), once per process."""
     if not _kernels:
         from . import quant_kernels as k
-        _kernels.update(quant_q8_0=k.quant_q8_0, quant_q8_K=k.quant_q8_K, matmul_q=k.matmul_q, dequant=k.dequant)
+        _kernels.update(quant_q8_0=k.quant_q8_0, quant_q8_K=k.quant_q8_K, matmul_q=k.matmul_q)
         if _threads is not None:
             set_num_threads(_threads)
     return _kernels
@@ -202,26 +195,30 @@ _NO_M = np.zeros((0, 0), np.float32)
 _NO_M.flags.writeable = False
 
 
-def quantize_activations(x: np.ndarray, act: str, with_s: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Quantize activation rows as ggml does before a vec_dot, returned dequantized.
+def quantize_activations(x: np.ndarray, act: str, with_s: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Quantize activation rows as ggml does before a vec_dot.
 
     Args:
         x: float32 ``[T, K]``.
         act: ``"q8_0"``, ``"q8_1"`` or ``"q8_K"``.
         with_s: also compute ``s = d * sum(q)`` per 32-block (needed by weights with an offset).
     Returns:
-        xf float32 ``[T, K]`` (``q * d``), xs float32 ``[T, K/32]`` (zeros when not ``with_s``).
+        xq float32 ``[T, K]`` (the integer levels ``q``), dx float32 ``[T, K/32]`` (the scale
+        ``d`` of each 32-block: fp16-rounded for q8_0/q8_1, the super-block's for q8_K),
+        xs float32 ``[T, K/32]`` (``s``; zeros when not ``with_s``). ``xq * dx`` is the
+        dequantized activation.
     """
     k = _compile()
     x = np.ascontiguousarray(x, dtype=np.float32)
     T, K = x.shape
-    xf = np.empty_like(x)
+    xq = np.empty_like(x)
+    dx = np.empty((T, K // QK), np.float32)
     xs = np.zeros((T, K // QK), np.float32)
     if act == "q8_K":
-        k["quant_q8_K"](x, xf, xs)
+        k["quant_q8_K"](x, xq, dx, xs)
     else:
-        k["quant_q8_0"](x, xf, xs, with_s or act == "q8_1", act == "q8_1")
-    return xf, xs
+        k["quant_q8_0"](x, xq, dx, xs, with_s or act == "q8_1", act == "q8_1")
+    return xq, dx, xs
 
 
 class QWeight:
@@ -281,8 +278,8 @@ class QWeight:
         return self.dequantize_rows(np.arange(self.q.shape[0]))
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
-        """``x @ W.T`` with ggml's activation quantization: x float32 ``[T, in]`` -> float32 ``[T, out]``
-        (C-contiguous below ``BLAS_MIN_ROWS`` rows, else a transposed view of a ``[out, T]`` array).
+        """``x @ W.T`` with ggml's activation quantization: x float32 ``[T, in]`` -> float32
+        ``[T, out]`` (C-contiguous), row-deterministic (see the module docstring).
 
         Raises: EngineError("invalid_params") when ``in`` differs.
         """
@@ -292,27 +289,13 @@ class QWeight:
         k = _compile()
         T = x.shape[0]
         has_m = self.m is not None
-        xf, xs = quantize_activations(x, self.act, has_m)        # [T, K], [T, K/32]
+        xq, dx, xs = quantize_activations(x, self.act, has_m)    # [T, K], [T, K/32], [T, K/32]
         nb, B = self.q.shape[1], self.q.shape[2]
-        m = self.m if has_m else _NO_M
         if B != QK and has_m:
             raise EngineError("invalid_params", "an offset needs 32-weight blocks")
-        if T < BLAS_MIN_ROWS:
-            out = np.empty((T, O), np.float32)
-            k["matmul_q"](self.q, self.d, m, has_m, xf.reshape(T, nb, B), xs, out)
-            return out
-        step = max(1, TILE_ELEMS // K)
-        tile = np.empty((min(step, O), K), np.float32)
-        out_t = np.empty((O, T), np.float32)                      # [O, T]: each tile's rows are contiguous
-        for r0 in range(0, O, step):
-            n = min(step, O - r0)
-            k["dequant"](self.q, self.d, m, has_m, r0, tile[:n])
-            np.matmul(tile[:n], xf.T, out=out_t[r0:r0 + n])       # [n, T] sgemm
-        if has_m:
-            # sgemm applied m to sum(xf) = d16 * sum(q) per block; ggml uses s (xs): add the difference
-            corr = xs - xf.reshape(T, nb, B).sum(axis=-1)          # [T, nb]
-            out_t += self.m @ corr.T                               # [O, T]
-        return out_t.T                                             # [T, O] (Fortran-ordered view)
+        out = np.empty((T, O), np.float32)
+        k["matmul_q"](self.q, self.d, self.m if has_m else _NO_M, has_m, xq.reshape(T, nb, B), dx, xs, out)
+        return out
 
 
 class QConcat:
@@ -349,5 +332,5 @@ def fuse(parts: Sequence[QWeight | np.ndarray]) -> QWeight | QConcat | np.ndarra
     return QConcat(parts)
 
 
-__all__ = ["ACT_TYPE", "BLAS_MIN_ROWS", "QConcat", "QWeight", "fuse", "quantize_activations", "set_num_threads",
+__all__ = ["ACT_TYPE", "QConcat", "QWeight", "fuse", "quantize_activations", "set_num_threads",
            "supports", "unpack"]
