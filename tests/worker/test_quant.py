@@ -67,7 +67,7 @@ def ref_quantize(x: np.ndarray, act: str) -> tuple[np.ndarray, np.ndarray, np.nd
 
 def ref_matmul(w: quant.QWeight, x: np.ndarray) -> np.ndarray:
     """sum over weight blocks of d_w * d_x * sum(q_w * q_x) + m_w * s_x, in float64."""
-    q, d, m = w.q.astype(np.int64), w.d.astype(np.float64), w.m
+    q, d, m = w.levels(np.arange(w.shape[0])).astype(np.int64), w.d.astype(np.float64), w.m
     O, nb, B = q.shape
     qx, dx, sx = ref_quantize(x, w.act)
     T, K = x.shape
@@ -124,17 +124,32 @@ def test_rows_do_not_depend_on_the_batch(type_name: str) -> None:
 
 def test_fused_matrices_equal_their_parts() -> None:
     a = quant.QWeight.from_raw("Q5_0", random_blocks("Q5_0", 16, 256, seed=6), 16, 256)
+    a2 = quant.QWeight.from_raw("Q5_0", random_blocks("Q5_0", 8, 256, seed=11), 8, 256)
     b = quant.QWeight.from_raw("Q8_0", random_blocks("Q8_0", 8, 256, seed=7), 8, 256)
     c = quant.QWeight.from_raw("Q4_K", random_blocks("Q4_K", 8, 256, seed=8), 8, 256)
     x = np.random.default_rng(9).standard_normal((2, 256)).astype(np.float32)
-    ab = quant.fuse([a, b])                               # same block and activation type: one QWeight
-    assert isinstance(ab, quant.QWeight) and ab.shape == (24, 256) and ab.types == ("Q5_0", "Q8_0")
-    np.testing.assert_array_equal(ab.matmul(x), np.concatenate([a.matmul(x), b.matmul(x)], axis=1))
-    abc = quant.fuse([a, b, c])                           # Q8_K activations for c: a QConcat
-    assert isinstance(abc, quant.QConcat) and abc.shape == (32, 256)
-    np.testing.assert_array_equal(abc.matmul(x), np.concatenate([a.matmul(x), b.matmul(x), c.matmul(x)], axis=1))
+    aa = quant.fuse([a, a2])                              # same form, block and activation type: one QWeight
+    assert isinstance(aa, quant.QWeight) and aa.shape == (24, 256) and aa.types == ("Q5_0", "Q5_0")
+    np.testing.assert_array_equal(aa.matmul(x), np.concatenate([a.matmul(x), a2.matmul(x)], axis=1))
+    abc = quant.fuse([a, a2, b, c])                       # packed + int8 + Q8_K activations: a QConcat of 3
+    assert isinstance(abc, quant.QConcat) and abc.shape == (40, 256) and len(abc.parts) == 3
+    np.testing.assert_array_equal(abc.matmul(x), np.concatenate([a.matmul(x), a2.matmul(x), b.matmul(x),
+                                                                 c.matmul(x)], axis=1))
     perm = np.array([3, 1, 2, 0] + list(range(4, 16)))
     np.testing.assert_array_equal(a.take_rows(perm).matmul(x), a.matmul(x)[:, perm])
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_4_and_5_bit_types_stay_packed(type_name: str) -> None:
+    # half the bytes of an int8 level per weight (plus a uint32 of fifth bits per 32 for Q5_*)
+    w = quant.QWeight.from_raw(type_name, random_blocks(type_name, 8, 256, seed=12), 8, 256)
+    packed = type_name in quant.PACKED_BIAS
+    assert (w.kind == "packed") == packed
+    level_bytes = w.q.nbytes + (w.qh.nbytes if w.qh is not None else 0)
+    assert level_bytes == 8 * 256 * ({"Q5_0": 5, "Q5_1": 5}.get(type_name, 4 if packed else 8)) // 8
+    again = quant.QWeight.from_arrays({k: np.array(a) for k, a in w.arrays().items()}, w.meta())
+    x = np.random.default_rng(13).standard_normal((3, 256)).astype(np.float32)
+    np.testing.assert_array_equal(again.matmul(x), w.matmul(x))
 
 
 def test_activation_scales_round_like_fp16() -> None:

@@ -171,7 +171,8 @@ def _compile() -> dict[str, Any]:
     """The kernels (compiled on first use, or loaded from numba's on-disk cache), once per process."""
     if not _kernels:
         from . import quant_kernels as k
-        _kernels.update(quant_q8_0=k.quant_q8_0, quant_q8_K=k.quant_q8_K, matmul_q=k.matmul_q)
+        _kernels.update(quant_q8_0=k.quant_q8_0, quant_q8_K=k.quant_q8_K, matmul_q=k.matmul_q,
+                        matmul_qp=k.matmul_qp)
         if _threads is not None:
             set_num_threads(_threads)
     return _kernels
@@ -221,53 +222,119 @@ def quantize_activations(x: np.ndarray, act: str, with_s: bool) -> tuple[np.ndar
     return xq, dx, xs
 
 
+#: Types kept packed in memory (4-bit nibbles, plus the fifth bits of Q5_*): the level of a
+#: weight is ``nibble (| bit << 4) - PACKED_BIAS[type]``.
+PACKED_BIAS = {"Q4_0": 8, "Q4_1": 0, "Q4_K": 0, "Q5_0": 16, "Q5_1": 0}
+#: Version of the in-memory forms below, recorded in the weight cache's manifest (a cache of
+#: another version is rebuilt).
+FORMAT_VERSION = 2
+
+
+def pack(q: np.ndarray, bias: int, five: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """Levels int8 ``[O, nb, 32]`` -> ``(qs uint8 [O, nb, 16], qh uint32 [O, nb] or None)``: byte j
+    holds ``q[j] + bias`` in its low nibble and ``q[j+16] + bias`` in its high one; bit j of qh is
+    the fifth bit of ``q[j] + bias`` (the ``block_q4_*`` / ``block_q5_*`` layouts of ggml-common.h)."""
+    u = (q.astype(np.int16) + bias).astype(np.uint8)                       # [O, nb, 32] in 0..31
+    qs = (u[..., :16] & 0x0F) | ((u[..., 16:] & 0x0F) << 4)
+    qh = None
+    if five:
+        bits = ((u >> 4) & 1).astype(np.uint32)                              # [O, nb, 32]
+        qh = (bits << np.arange(32, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
+    return np.ascontiguousarray(qs), qh
+
+
 class QWeight:
     """A quantized ``[out, in]`` weight matrix (see the module docstring).
 
+    Two in-memory forms (``kind``):
+
+    * ``"i8"``: q int8 ``[O, nb, B]``, the level of every weight (Q8_0, Q6_K; B = 32, or 16 for
+      Q6_K's sub-blocks);
+    * ``"packed"``: q uint8 ``[O, nb, 16]`` (two 4-bit levels per byte, as the GGUF stores
+      Q4_0/Q4_1/Q5_*; Q4_K repacked to that layout) and, for 5-bit types, qh uint32 ``[O, nb]``
+      (the fifth bits); level = ``nibble | bit << 4`` minus ``bias`` (8 for Q4_0, 16 for Q5_0).
+
     Attributes:
-        q: int8 ``[O, nb, B]``; d: float32 ``[O, nb]``; m: float32 ``[O, nb]`` or None.
+        q, qh: as above (qh None unless 5-bit); d: float32 ``[O, nb]``; m: float32 ``[O, nb]`` or None.
         act: activation quantization (``"q8_0"``, ``"q8_1"``, ``"q8_K"``).
         types: the ggml type name(s) it came from (a fused matrix may list several).
     """
 
-    __slots__ = ("q", "d", "m", "act", "types")
+    __slots__ = ("q", "qh", "d", "m", "act", "types", "kind", "bias")
 
-    def __init__(self, q: np.ndarray, d: np.ndarray, m: np.ndarray | None, act: str, types: Sequence[str]) -> None:
-        for a in (q, d, m):
+    def __init__(self, q: np.ndarray, d: np.ndarray, m: np.ndarray | None, act: str, types: Sequence[str],
+                 kind: str = "i8", bias: int = 0, qh: np.ndarray | None = None) -> None:
+        if kind not in ("i8", "packed"):
+            raise EngineError("invalid_params", f"unknown quantized form {kind!r}")
+        for a in (q, d, m, qh):
             if a is not None:
                 a.flags.writeable = False  # immutable, and one kernel signature for built and memory-mapped weights
-        self.q, self.d, self.m, self.act, self.types = q, d, m, act, tuple(types)
+        self.q, self.qh, self.d, self.m, self.act, self.types = q, qh, d, m, act, tuple(types)
+        self.kind, self.bias = kind, int(bias)
 
     @classmethod
     def from_raw(cls, type_name: str, raw: np.ndarray, n_rows: int, n_cols: int) -> QWeight:
         """From a GGUF tensor's stored bytes (uint8 ``[n_rows, bytes_per_row]``)."""
         q, d, m, _ = unpack(type_name, raw, n_rows, n_cols)
+        if type_name in PACKED_BIAS:
+            bias = PACKED_BIAS[type_name]
+            qs, qh = pack(q, bias, type_name.startswith("Q5"))
+            return cls(qs, d, m, ACT_TYPE[type_name], (type_name,), "packed", bias, qh)
         return cls(q, d, m, ACT_TYPE[type_name], (type_name,))
 
     @property
     def shape(self) -> tuple[int, int]:
         """``(out_features, in_features)``."""
-        return int(self.q.shape[0]), int(self.q.shape[1] * self.q.shape[2])
+        per = 32 if self.kind == "packed" else self.q.shape[2]
+        return int(self.q.shape[0]), int(self.q.shape[1] * per)
 
     @property
     def nbytes(self) -> int:
-        return int(self.q.nbytes + self.d.nbytes + (self.m.nbytes if self.m is not None else 0))
+        return int(sum(a.nbytes for a in (self.q, self.qh, self.d, self.m) if a is not None))
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """The arrays to persist (``q``, ``d`` and, when present, ``m``)."""
+        """The arrays to persist (``q``, ``d`` and, when present, ``m`` and ``qh``)."""
         out = {"q": self.q, "d": self.d}
         if self.m is not None:
             out["m"] = self.m
+        if self.qh is not None:
+            out["qh"] = self.qh
         return out
+
+    def meta(self) -> list[Any]:
+        """What rebuilds it with its :meth:`arrays` (:meth:`from_arrays`): JSON-able."""
+        return [self.act, list(self.types), self.kind, self.bias]
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray], meta: Sequence[Any]) -> QWeight:
+        """Inverse of :meth:`arrays` + :meth:`meta`. Raises KeyError/ValueError on a mismatch."""
+        act, types, kind, bias = meta
+        return cls(arrays["q"], arrays["d"], arrays.get("m"), act, types, kind, bias, arrays.get("qh"))
+
+    def _compatible(self, o: QWeight) -> bool:
+        return (self.act == o.act and self.kind == o.kind and self.bias == o.bias and self.q.shape[1:] == o.q.shape[1:]
+                and (self.m is None) == (o.m is None) and (self.qh is None) == (o.qh is None))
 
     def take_rows(self, rows: np.ndarray) -> QWeight:
         """A copy with rows reordered/selected (``rows`` int ``[n]``)."""
-        return QWeight(np.ascontiguousarray(self.q[rows]), np.ascontiguousarray(self.d[rows]),
-                       None if self.m is None else np.ascontiguousarray(self.m[rows]), self.act, self.types)
+        def sel(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else np.ascontiguousarray(a[rows])
+        return QWeight(sel(self.q), sel(self.d), sel(self.m), self.act, self.types, self.kind, self.bias, sel(self.qh))
+
+    def levels(self, rows: np.ndarray) -> np.ndarray:
+        """int16 ``[len(rows), nb, B]``: the integer level of every weight of the selected rows."""
+        q = self.q[rows]
+        if self.kind == "i8":
+            return q.astype(np.int16)
+        lv = np.concatenate([q & 0x0F, q >> 4], axis=-1).astype(np.int16)          # [n, nb, 32]
+        if self.qh is not None:
+            bits = (self.qh[rows][..., None] >> np.arange(32, dtype=np.uint32)) & 1  # [n, nb, 32]
+            lv |= bits.astype(np.int16) << 4
+        return lv - self.bias
 
     def dequantize_rows(self, rows: np.ndarray) -> np.ndarray:
         """float32 ``[len(rows), in]`` of the selected rows (embedding lookups)."""
-        q = self.q[rows].astype(np.float32)                      # [n, nb, B]
+        q = self.levels(rows).astype(np.float32)                 # [n, nb, B]
         w = q * self.d[rows][..., None]
         if self.m is not None:
             w += self.m[rows][..., None]
@@ -286,21 +353,37 @@ class QWeight:
         O, K = self.shape
         if x.ndim != 2 or x.shape[1] != K:
             raise EngineError("invalid_params", f"matmul of {tuple(x.shape)} with a [{O}, {K}] weight")
+        xq, dx, xs = quantize_activations(x, self.act, self.m is not None)  # [T, K], [T, K/32], [T, K/32]
+        out = np.empty((x.shape[0], O), np.float32)
+        self.matmul_quantized(xq, dx, xs, out)
+        return out
+
+    def matmul_quantized(self, xq: np.ndarray, dx: np.ndarray, xs: np.ndarray, out: np.ndarray) -> None:
+        """``out[T, O] = x @ W.T`` from activations already quantized (:func:`quantize_activations`
+        with this weight's ``act``; ``xs`` filled when it has an offset). ``out`` may be a column slice."""
         k = _compile()
-        T = x.shape[0]
+        T = xq.shape[0]
         has_m = self.m is not None
-        xq, dx, xs = quantize_activations(x, self.act, has_m)    # [T, K], [T, K/32], [T, K/32]
+        m = self.m if has_m else _NO_M
+        if self.kind == "packed":
+            qh = self.qh if self.qh is not None else _NO_H
+            k["matmul_qp"](self.q, qh, self.qh is not None, float(self.bias), self.d, m, has_m,
+                           xq.reshape(T, self.q.shape[1], 32), dx, xs, out)
+            return
         nb, B = self.q.shape[1], self.q.shape[2]
         if B != QK and has_m:
             raise EngineError("invalid_params", "an offset needs 32-weight blocks")
-        out = np.empty((T, O), np.float32)
-        k["matmul_q"](self.q, self.d, self.m if has_m else _NO_M, has_m, xq.reshape(T, nb, B), dx, xs, out)
-        return out
+        k["matmul_q"](self.q, self.d, m, has_m, xq.reshape(T, nb, B), dx, xs, out)
+
+
+_NO_H = np.zeros((0, 0), np.uint32)
+_NO_H.flags.writeable = False
 
 
 class QConcat:
-    """Row-wise concatenation of weights that cannot share one QWeight (different block or
-    activation types, or a float32 part): ``x @ [W0; W1; ...].T`` as one ``[T, sum(out)]``."""
+    """Row-wise concatenation of weights that cannot share one QWeight (different forms, block
+    or activation types, or a float32 part): ``x @ [W0; W1; ...].T`` as one ``[T, sum(out)]``.
+    Parts of one activation type share one quantization of ``x``."""
 
     __slots__ = ("parts",)
 
@@ -311,26 +394,56 @@ class QConcat:
     def shape(self) -> tuple[int, int]:
         return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(int(p.nbytes) for p in self.parts)
+
     def matmul(self, x: np.ndarray) -> np.ndarray:
         """x float32 ``[T, in]`` -> ``[T, sum(out)]``."""
-        return np.concatenate([p.matmul(x) if isinstance(p, QWeight) else x @ p.T for p in self.parts], axis=1)
+        O, K = self.shape
+        if x.ndim != 2 or x.shape[1] != K:
+            raise EngineError("invalid_params", f"matmul of {tuple(x.shape)} with a [{O}, {K}] weight")
+        out = np.empty((x.shape[0], O), np.float32)
+        quantized: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        with_s = any(isinstance(p, QWeight) and p.m is not None for p in self.parts)
+        o0 = 0
+        for p in self.parts:
+            o1 = o0 + p.shape[0]
+            if isinstance(p, QWeight):
+                if p.act not in quantized:
+                    quantized[p.act] = quantize_activations(x, p.act, with_s)
+                p.matmul_quantized(*quantized[p.act], out[:, o0:o1])
+            else:
+                out[:, o0:o1] = x @ p.T
+            o0 = o1
+        return out
 
 
 def fuse(parts: Sequence[QWeight | np.ndarray]) -> QWeight | QConcat | np.ndarray:
-    """Stack ``[out_i, in]`` weights row-wise: one QWeight when all are QWeights of the same
-    block size, activation type and offset kind; float32 arrays concatenated; else a QConcat."""
+    """Stack ``[out_i, in]`` weights row-wise: float32 arrays concatenated; runs of adjacent
+    QWeights of the same form, block and activation type merged into one QWeight; one QWeight
+    when that is all, else a QConcat of the runs."""
     if all(isinstance(p, np.ndarray) for p in parts):
         return np.ascontiguousarray(np.concatenate(parts, axis=0))
-    qs = [p for p in parts if isinstance(p, QWeight)]
-    if len(qs) == len(parts):
+    runs: list[list[QWeight | np.ndarray]] = []
+    for p in parts:
+        prev = runs[-1][-1] if runs else None
+        if isinstance(p, QWeight) and isinstance(prev, QWeight) and prev._compatible(p):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    merged: list[QWeight | np.ndarray] = []
+    for run in runs:
+        if len(run) == 1:
+            merged.append(run[0])
+            continue
+        qs = [p for p in run if isinstance(p, QWeight)]
         first = qs[0]
-        if all(p.act == first.act and p.q.shape[1:] == first.q.shape[1:] and (p.m is None) == (first.m is None)
-               for p in qs):
-            return QWeight(np.concatenate([p.q for p in qs]), np.concatenate([p.d for p in qs]),
-                           None if first.m is None else np.concatenate([p.m for p in qs]),
-                           first.act, tuple(t for p in qs for t in p.types))
-    return QConcat(parts)
+        cat = (lambda name: None if getattr(first, name) is None else np.concatenate([getattr(p, name) for p in qs]))
+        merged.append(QWeight(cat("q"), cat("d"), cat("m"), first.act, tuple(t for p in qs for t in p.types),
+                              first.kind, first.bias, cat("qh")))
+    return merged[0] if len(merged) == 1 else QConcat(merged)
 
 
-__all__ = ["ACT_TYPE", "QConcat", "QWeight", "fuse", "quantize_activations", "set_num_threads",
+__all__ = ["ACT_TYPE", "FORMAT_VERSION", "PACKED_BIAS", "QConcat", "QWeight", "fuse", "pack", "quantize_activations", "set_num_threads",
            "supports", "unpack"]
