@@ -325,7 +325,7 @@ class WeightCache:
 
     def load(self) -> dict[str, Matrix] | None:
         """The cached arrays (read-only memmaps; quantized matrices rebuilt from their
-        ``name@q`` / ``name@d`` / ``name@m`` / ``name@qh`` arrays, a concatenation from its parts
+        ``name@q`` / ``name@d`` / ``name@m`` arrays, a concatenation from its parts
         ``name#i``), or None if absent/incomplete/corrupt or of another quantized form."""
         try:
             manifest = json.loads((self.dir / "manifest.json").read_text())

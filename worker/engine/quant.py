@@ -222,25 +222,21 @@ def quantize_activations(x: np.ndarray, act: str, with_s: bool) -> tuple[np.ndar
     return xq, dx, xs
 
 
-#: Types kept packed in memory (4-bit nibbles, plus the fifth bits of Q5_*): the level of a
-#: weight is ``nibble (| bit << 4) - PACKED_BIAS[type]``.
-PACKED_BIAS = {"Q4_0": 8, "Q4_1": 0, "Q4_K": 0, "Q5_0": 16, "Q5_1": 0}
+#: Types kept packed in memory (two 4-bit levels per byte): the level of a weight is
+#: ``nibble - PACKED_BIAS[type]``. (5-bit types stay int8: unpacking their fifth bits in the
+#: kernel measured 2.3x the CPU time of int8 at one row, 4x at 32 rows.)
+PACKED_BIAS = {"Q4_0": 8, "Q4_1": 0, "Q4_K": 0}
 #: Version of the in-memory forms below, recorded in the weight cache's manifest (a cache of
 #: another version is rebuilt).
 FORMAT_VERSION = 2
 
 
-def pack(q: np.ndarray, bias: int, five: bool) -> tuple[np.ndarray, np.ndarray | None]:
-    """Levels int8 ``[O, nb, 32]`` -> ``(qs uint8 [O, nb, 16], qh uint32 [O, nb] or None)``: byte j
-    holds ``q[j] + bias`` in its low nibble and ``q[j+16] + bias`` in its high one; bit j of qh is
-    the fifth bit of ``q[j] + bias`` (the ``block_q4_*`` / ``block_q5_*`` layouts of ggml-common.h)."""
-    u = (q.astype(np.int16) + bias).astype(np.uint8)                       # [O, nb, 32] in 0..31
-    qs = (u[..., :16] & 0x0F) | ((u[..., 16:] & 0x0F) << 4)
-    qh = None
-    if five:
-        bits = ((u >> 4) & 1).astype(np.uint32)                              # [O, nb, 32]
-        qh = (bits << np.arange(32, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
-    return np.ascontiguousarray(qs), qh
+def pack(q: np.ndarray, bias: int) -> np.ndarray:
+    """Levels int8 ``[O, nb, 32]`` -> qs uint8 ``[O, nb, 16]``: byte j holds ``q[j] + bias`` in its
+    low nibble and ``q[j+16] + bias`` in its high one (the ``block_q4_0`` / ``block_q4_1`` layout
+    of ggml-common.h)."""
+    u = (q.astype(np.int16) + bias).astype(np.uint8)                       # [O, nb, 32] in 0..15
+    return np.ascontiguousarray((u[..., :16] & 0x0F) | ((u[..., 16:] & 0x0F) << 4))
 
 
 class QWeight:
@@ -251,25 +247,24 @@ class QWeight:
     * ``"i8"``: q int8 ``[O, nb, B]``, the level of every weight (Q8_0, Q6_K; B = 32, or 16 for
       Q6_K's sub-blocks);
     * ``"packed"``: q uint8 ``[O, nb, 16]`` (two 4-bit levels per byte, as the GGUF stores
-      Q4_0/Q4_1/Q5_*; Q4_K repacked to that layout) and, for 5-bit types, qh uint32 ``[O, nb]``
-      (the fifth bits); level = ``nibble | bit << 4`` minus ``bias`` (8 for Q4_0, 16 for Q5_0).
+      Q4_0/Q4_1; Q4_K repacked to that layout); level = nibble minus ``bias`` (8 for Q4_0).
 
     Attributes:
-        q, qh: as above (qh None unless 5-bit); d: float32 ``[O, nb]``; m: float32 ``[O, nb]`` or None.
+        q: as above; d: float32 ``[O, nb]``; m: float32 ``[O, nb]`` or None.
         act: activation quantization (``"q8_0"``, ``"q8_1"``, ``"q8_K"``).
         types: the ggml type name(s) it came from (a fused matrix may list several).
     """
 
-    __slots__ = ("q", "qh", "d", "m", "act", "types", "kind", "bias")
+    __slots__ = ("q", "d", "m", "act", "types", "kind", "bias")
 
     def __init__(self, q: np.ndarray, d: np.ndarray, m: np.ndarray | None, act: str, types: Sequence[str],
-                 kind: str = "i8", bias: int = 0, qh: np.ndarray | None = None) -> None:
+                 kind: str = "i8", bias: int = 0) -> None:
         if kind not in ("i8", "packed"):
             raise EngineError("invalid_params", f"unknown quantized form {kind!r}")
-        for a in (q, d, m, qh):
+        for a in (q, d, m):
             if a is not None:
                 a.flags.writeable = False  # immutable, and one kernel signature for built and memory-mapped weights
-        self.q, self.qh, self.d, self.m, self.act, self.types = q, qh, d, m, act, tuple(types)
+        self.q, self.d, self.m, self.act, self.types = q, d, m, act, tuple(types)
         self.kind, self.bias = kind, int(bias)
 
     @classmethod
@@ -278,8 +273,7 @@ class QWeight:
         q, d, m, _ = unpack(type_name, raw, n_rows, n_cols)
         if type_name in PACKED_BIAS:
             bias = PACKED_BIAS[type_name]
-            qs, qh = pack(q, bias, type_name.startswith("Q5"))
-            return cls(qs, d, m, ACT_TYPE[type_name], (type_name,), "packed", bias, qh)
+            return cls(pack(q, bias), d, m, ACT_TYPE[type_name], (type_name,), "packed", bias)
         return cls(q, d, m, ACT_TYPE[type_name], (type_name,))
 
     @property
@@ -290,15 +284,13 @@ class QWeight:
 
     @property
     def nbytes(self) -> int:
-        return int(sum(a.nbytes for a in (self.q, self.qh, self.d, self.m) if a is not None))
+        return int(sum(a.nbytes for a in (self.q, self.d, self.m) if a is not None))
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """The arrays to persist (``q``, ``d`` and, when present, ``m`` and ``qh``)."""
+        """The arrays to persist (``q``, ``d`` and, when present, ``m``)."""
         out = {"q": self.q, "d": self.d}
         if self.m is not None:
             out["m"] = self.m
-        if self.qh is not None:
-            out["qh"] = self.qh
         return out
 
     def meta(self) -> list[Any]:
@@ -309,17 +301,17 @@ class QWeight:
     def from_arrays(cls, arrays: dict[str, np.ndarray], meta: Sequence[Any]) -> QWeight:
         """Inverse of :meth:`arrays` + :meth:`meta`. Raises KeyError/ValueError on a mismatch."""
         act, types, kind, bias = meta
-        return cls(arrays["q"], arrays["d"], arrays.get("m"), act, types, kind, bias, arrays.get("qh"))
+        return cls(arrays["q"], arrays["d"], arrays.get("m"), act, types, kind, bias)
 
     def _compatible(self, o: QWeight) -> bool:
         return (self.act == o.act and self.kind == o.kind and self.bias == o.bias and self.q.shape[1:] == o.q.shape[1:]
-                and (self.m is None) == (o.m is None) and (self.qh is None) == (o.qh is None))
+                and (self.m is None) == (o.m is None))
 
     def take_rows(self, rows: np.ndarray) -> QWeight:
         """A copy with rows reordered/selected (``rows`` int ``[n]``)."""
         def sel(a: np.ndarray | None) -> np.ndarray | None:
             return None if a is None else np.ascontiguousarray(a[rows])
-        return QWeight(sel(self.q), sel(self.d), sel(self.m), self.act, self.types, self.kind, self.bias, sel(self.qh))
+        return QWeight(sel(self.q), sel(self.d), sel(self.m), self.act, self.types, self.kind, self.bias)
 
     def levels(self, rows: np.ndarray) -> np.ndarray:
         """int16 ``[len(rows), nb, B]``: the integer level of every weight of the selected rows."""
@@ -327,9 +319,6 @@ class QWeight:
         if self.kind == "i8":
             return q.astype(np.int16)
         lv = np.concatenate([q & 0x0F, q >> 4], axis=-1).astype(np.int16)          # [n, nb, 32]
-        if self.qh is not None:
-            bits = (self.qh[rows][..., None] >> np.arange(32, dtype=np.uint32)) & 1  # [n, nb, 32]
-            lv |= bits.astype(np.int16) << 4
         return lv - self.bias
 
     def dequantize_rows(self, rows: np.ndarray) -> np.ndarray:
@@ -366,18 +355,12 @@ class QWeight:
         has_m = self.m is not None
         m = self.m if has_m else _NO_M
         if self.kind == "packed":
-            qh = self.qh if self.qh is not None else _NO_H
-            k["matmul_qp"](self.q, qh, self.qh is not None, float(self.bias), self.d, m, has_m,
-                           xq.reshape(T, self.q.shape[1], 32), dx, xs, out)
+            k["matmul_qp"](self.q, float(self.bias), self.d, m, has_m, xq.reshape(T, self.q.shape[1], 32), dx, xs, out)
             return
         nb, B = self.q.shape[1], self.q.shape[2]
         if B != QK and has_m:
             raise EngineError("invalid_params", "an offset needs 32-weight blocks")
         k["matmul_q"](self.q, self.d, m, has_m, xq.reshape(T, nb, B), dx, xs, out)
-
-
-_NO_H = np.zeros((0, 0), np.uint32)
-_NO_H.flags.writeable = False
 
 
 class QConcat:
@@ -441,7 +424,7 @@ def fuse(parts: Sequence[QWeight | np.ndarray]) -> QWeight | QConcat | np.ndarra
         first = qs[0]
         cat = (lambda name: None if getattr(first, name) is None else np.concatenate([getattr(p, name) for p in qs]))
         merged.append(QWeight(cat("q"), cat("d"), cat("m"), first.act, tuple(t for p in qs for t in p.types),
-                              first.kind, first.bias, cat("qh")))
+                              first.kind, first.bias))
     return merged[0] if len(merged) == 1 else QConcat(merged)
 
 

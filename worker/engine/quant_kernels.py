@@ -160,11 +160,12 @@ def matmul_q(q3, d, m, has_m, xq3, dx, xs, out):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def matmul_qp(qs, qh, has_h, bias, d, m, has_m, xq3, dx, xs, out):
-    # 4/5-bit weights packed as the GGUF stores them: qs uint8 [O, nb, 16] (byte j: element j in
-    # the low nibble, element j+16 in the high one), qh uint32 [O, nb] (bit j: the fifth bit of
-    # element j) when has_h; level = nibble (| bit << 4) - bias. Same sums and accumulation
-    # order as matmul_q (exact block sums, blocks in order, the same operations for every row).
+def matmul_qp(qs, bias, d, m, has_m, xq3, dx, xs, out):
+    # 4-bit weights packed as the GGUF stores them: qs uint8 [O, nb, H=16] (byte j: element j in
+    # the low nibble, element j+16 in the high one); level = nibble - bias. Same sums and
+    # accumulation order as matmul_q (exact block sums, blocks in order, the same operations for
+    # every row). The loops run to H read from the shape (not a constant 16): a constant trip
+    # count lets LLVM unroll them and vectorize the block loop instead, reordering the blocks.
     O, nb, H = qs.shape
     T = xq3.shape[0]
     fb = f32(bias)
@@ -182,25 +183,14 @@ def matmul_qp(qs, qh, has_h, bias, d, m, has_m, xq3, dx, xs, out):
                     s1 = f32(0.0)
                     s2 = f32(0.0)
                     s3 = f32(0.0)
-                    if has_h:
-                        h = qh[r, b]
-                        for j in range(H):
-                            v = np.int32(qs[r, b, j])
-                            wl = f32((v & 15) | (np.int32((h >> j) & 1) << 4)) - fb
-                            wh = f32((v >> 4) | (np.int32((h >> (j + H)) & 1) << 4)) - fb
-                            s0 += wl * xq3[t, b, j] + wh * xq3[t, b, j + H]
-                            s1 += wl * xq3[t + 1, b, j] + wh * xq3[t + 1, b, j + H]
-                            s2 += wl * xq3[t + 2, b, j] + wh * xq3[t + 2, b, j + H]
-                            s3 += wl * xq3[t + 3, b, j] + wh * xq3[t + 3, b, j + H]
-                    else:
-                        for j in range(H):
-                            v = np.int32(qs[r, b, j])
-                            wl = f32(v & 15) - fb
-                            wh = f32(v >> 4) - fb
-                            s0 += wl * xq3[t, b, j] + wh * xq3[t, b, j + H]
-                            s1 += wl * xq3[t + 1, b, j] + wh * xq3[t + 1, b, j + H]
-                            s2 += wl * xq3[t + 2, b, j] + wh * xq3[t + 2, b, j + H]
-                            s3 += wl * xq3[t + 3, b, j] + wh * xq3[t + 3, b, j + H]
+                    for j in range(H):
+                        v = np.int32(qs[r, b, j])
+                        wl = f32(v & 15) - fb
+                        wh = f32(v >> 4) - fb
+                        s0 += wl * xq3[t, b, j] + wh * xq3[t, b, j + H]
+                        s1 += wl * xq3[t + 1, b, j] + wh * xq3[t + 1, b, j + H]
+                        s2 += wl * xq3[t + 2, b, j] + wh * xq3[t + 2, b, j + H]
+                        s3 += wl * xq3[t + 3, b, j] + wh * xq3[t + 3, b, j + H]
                     db = d[r, b]
                     a0 += (db * dx[t, b]) * s0
                     a1 += (db * dx[t + 1, b]) * s1
@@ -222,22 +212,9 @@ def matmul_qp(qs, qh, has_h, bias, d, m, has_m, xq3, dx, xs, out):
                 acc = f32(0.0)
                 for b in range(nb):
                     s = f32(0.0)
-                    if has_h:
-                        h = qh[r, b]
-                        for j in range(H):
-                            s += f32((np.int32(qs[r, b, j]) & 15) | (np.int32((h >> j) & 1) << 4)) * xq3[t, b, j]
-                        for j in range(H):
-                            s += f32((np.int32(qs[r, b, j]) >> 4) | (np.int32((h >> (j + H)) & 1) << 4)) * xq3[t, b, j + H]
-                    else:
-                        for j in range(H):
-                            s += f32(np.int32(qs[r, b, j]) & 15) * xq3[t, b, j]
-                        for j in range(H):
-                            s += f32(np.int32(qs[r, b, j]) >> 4) * xq3[t, b, j + H]
-                    if bias != 0.0:
-                        sx = f32(0.0)
-                        for j in range(2 * H):
-                            sx += xq3[t, b, j]
-                        s -= fb * sx
+                    for j in range(H):
+                        v = np.int32(qs[r, b, j])
+                        s += (f32(v & 15) - fb) * xq3[t, b, j] + (f32(v >> 4) - fb) * xq3[t, b, j + H]
                     acc += (d[r, b] * dx[t, b]) * s
                     if has_m:
                         acc += m[r, b] * xs[t, b]
