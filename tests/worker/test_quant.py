@@ -96,15 +96,21 @@ def test_unpack_reproduces_the_gguf_dequantization(type_name: str) -> None:
 @pytest.mark.parametrize("n_tok", [1, 3, 5, 8, 19])
 def test_matmul_is_ggml_vec_dot(type_name: str, n_tok: int) -> None:
     n_rows, n_cols = 40, 512
-    w = quant.QWeight.from_raw(type_name, random_blocks(type_name, n_rows, n_cols, seed=2), n_rows, n_cols)
+    raw = random_blocks(type_name, n_rows, n_cols, seed=2)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
     x[0, :7] *= 40.0  # an outlier block
     x[-1, 256:] = 0.0  # an all-zero block (scale 0)
-    got = w.matmul(x)
-    want = ref_matmul(w, x)
-    assert got.shape == (n_tok, n_rows) and got.dtype == np.float32
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    outs = []
+    for packed in ([False, True] if type_name in quant.PACKED_BIAS else [False]):
+        w = quant.QWeight.from_raw(type_name, raw, n_rows, n_cols, packed=packed)
+        got = w.matmul(x)
+        want = ref_matmul(w, x)
+        assert got.shape == (n_tok, n_rows) and got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+        outs.append(got)
+    for got in outs[1:]:
+        np.testing.assert_array_equal(got, outs[0])  # packed and int8 forms: the same bits
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -112,7 +118,8 @@ def test_rows_do_not_depend_on_the_batch(type_name: str) -> None:
     # every row count the scheduler produces (decode batches, prefill chunks, both mixed):
     # a row's result is the same bits alone, at any position of any call
     n_rows, n_cols = 72, 512
-    w = quant.QWeight.from_raw(type_name, random_blocks(type_name, n_rows, n_cols, seed=4), n_rows, n_cols)
+    w = quant.QWeight.from_raw(type_name, random_blocks(type_name, n_rows, n_cols, seed=4), n_rows, n_cols,
+                               packed=type_name in quant.PACKED_BIAS)
     x = np.random.default_rng(5).standard_normal((70, n_cols)).astype(np.float32)
     alone = np.concatenate([w.matmul(x[i:i + 1]) for i in range(x.shape[0])])    # [70, 72]
     for start, n in [(0, 2), (1, 3), (0, 4), (3, 5), (2, 8), (5, 17), (0, 32), (7, 33), (0, 70)]:
@@ -125,7 +132,7 @@ def test_rows_do_not_depend_on_the_batch(type_name: str) -> None:
 def test_fused_matrices_equal_their_parts() -> None:
     a = quant.QWeight.from_raw("Q5_0", random_blocks("Q5_0", 16, 256, seed=6), 16, 256)
     a2 = quant.QWeight.from_raw("Q5_0", random_blocks("Q5_0", 8, 256, seed=11), 8, 256)
-    b = quant.QWeight.from_raw("Q4_0", random_blocks("Q4_0", 8, 256, seed=7), 8, 256)
+    b = quant.QWeight.from_raw("Q4_0", random_blocks("Q4_0", 8, 256, seed=7), 8, 256, packed=True)
     c = quant.QWeight.from_raw("Q4_K", random_blocks("Q4_K", 8, 256, seed=8), 8, 256)
     x = np.random.default_rng(9).standard_normal((2, 256)).astype(np.float32)
     aa = quant.fuse([a, a2])                              # same form, block and activation type: one QWeight
@@ -140,9 +147,9 @@ def test_fused_matrices_equal_their_parts() -> None:
 
 
 @pytest.mark.parametrize("type_name", TYPES)
-def test_4_and_5_bit_types_stay_packed(type_name: str) -> None:
+def test_4_bit_types_can_stay_packed(type_name: str) -> None:
     # 4-bit types: half the bytes of an int8 level per weight
-    w = quant.QWeight.from_raw(type_name, random_blocks(type_name, 8, 256, seed=12), 8, 256)
+    w = quant.QWeight.from_raw(type_name, random_blocks(type_name, 8, 256, seed=12), 8, 256, packed=True)
     packed = type_name in quant.PACKED_BIAS
     assert (w.kind == "packed") == packed
     assert w.q.nbytes == 8 * 256 * (4 if packed else 8) // 8

@@ -36,7 +36,7 @@ from .errors import EngineError
 from .gguf_loader import GGUFFile, atomic_write_bytes, cache_root
 from .attention import AttnBatch, Segment, attention, attention_mask  # noqa: F401 (re-exported)
 from .kv_cache import KVEntry, KVShape
-from .quant import FORMAT_VERSION as QUANT_FORMAT, QConcat, QWeight, fuse, supports as quant_supports
+from .quant import QConcat, QWeight, format_tag as quant_format, fuse, supports as quant_supports
 
 #: How weight matrices are held: ``"quantized"`` (the GGUF's own blocks as int8 levels + scales,
 #: multiplied by the kernels of :mod:`.quant`) or ``"f32"`` (dequantized once, sgemm; the reference).
@@ -335,7 +335,7 @@ class WeightCache:
                 if list(arr.shape) != shape or str(arr.dtype) != dtype:
                     return None
                 flat[name] = np.asarray(arr)  # plain ndarray view of the memmap
-            if manifest.get("quant_format") != QUANT_FORMAT and manifest.get("quantized"):
+            if manifest.get("quant_format") != quant_format() and manifest.get("quantized"):
                 return None  # quantized weights of another in-memory form: rebuilt
             out: dict[str, Matrix] = {n: a for n, a in flat.items() if "@" not in n and "#" not in n}
             for name, meta in manifest.get("quantized", {}).items():
@@ -395,7 +395,7 @@ class WeightCache:
                         if tmp.exists():
                             tmp.unlink()
                 manifest = {"arrays": {n: [list(a.shape), str(a.dtype)] for n, a in arrays.items()},
-                            "quantized": quantized, "concat": concat, "quant_format": QUANT_FORMAT}
+                            "quantized": quantized, "concat": concat, "quant_format": quant_format()}
                 atomic_write_bytes(self.dir / "manifest.json", json.dumps(manifest).encode())
         except OSError:
             pass
