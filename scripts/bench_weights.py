@@ -4,6 +4,7 @@ single-stream decode and resident memory.
 
     .venv/bin/python scripts/bench_weights.py [--model smollm2|gemma3] [--llama-server PATH]
         [--skip-llama] [--prompt-tokens 512] [--decode-tokens 128] [--repeat 3]
+    .venv/bin/python scripts/bench_weights.py --kernels [--model ...] [--threads 2]
 
 Servers, one at a time (never two measured at once): llama-server (``-t 2 -c 2048 -np 1``),
 modelyard with ``weights = "f32"`` and with ``weights = "quantized"`` (``parallel = 1``,
@@ -20,6 +21,11 @@ n_ctx 2048). For each:
 
 Prints one JSON line per server, then the ratios to llama-server and the load average.
 OPENBLAS_* are left as the machine sets them.
+
+``--kernels [--threads N]``: no servers; the model's own weight matrices (one block's fused
+QKV, O, gate/up and down, and the output projection) multiplied in-process by the quantized
+kernel and by sgemm on their float32 dequantization, at 1, 4, 8, 32, 128 and 256 rows
+(alternating, best of 5): microseconds per call and the quantized/sgemm time ratio.
 """
 
 from __future__ import annotations
@@ -89,6 +95,45 @@ def measure(port: int, model: str, prompt: str, n_decode: int, repeat: int) -> d
     return {"prefill_tok_s": round(prefill, 1), "decode_tok_s": round(decode, 1)}
 
 
+def bench_kernels(gguf: Path, threads: int) -> None:
+    """Quantized kernel vs sgemm on the model's matrices, in this process (see the docstring)."""
+    import numpy as np
+    from threadpoolctl import threadpool_limits
+
+    sys.path.insert(0, str(ROOT))
+    from worker.engine.gguf_loader import read_gguf
+    from worker.engine.model import load_model
+    from worker.engine.quant import set_num_threads
+
+    threadpool_limits(limits=threads, user_api="blas")
+    set_num_threads(threads)
+    m = load_model(read_gguf(str(gguf)), n_ctx=256, weights="quantized", weight_cache=False)
+    names = [n for n in ("blk.0.wqkv", "blk.0.wo", "blk.0.wgu", "blk.0.wdown") if n in m.w] + ["tok_embd"]
+    rng = np.random.default_rng(0)
+    for name in names:
+        w = m.w[name]
+        wf = np.concatenate([p.dequantize() if hasattr(p, "dequantize") else p for p in getattr(w, "parts", [w])])
+        for T in (1, 4, 8, 32, 128, 256):
+            if name == "tok_embd" and T > 8:
+                continue
+            x = rng.standard_normal((T, wf.shape[1])).astype(np.float32)
+            fns = {"quantized": lambda: w.matmul(x), "sgemm": lambda: (wf @ x.T).T}
+            best = {k: float("inf") for k in fns}
+            for f in fns.values():
+                f()
+            reps = max(1, 64 // T)
+            for _ in range(5):
+                for k, f in fns.items():
+                    t0 = time.perf_counter()
+                    for _ in range(reps):
+                        f()
+                    best[k] = min(best[k], (time.perf_counter() - t0) / reps)
+            print(json.dumps({"matrix": name, "shape": list(wf.shape), "rows": T, "threads": threads,
+                              "quantized_us": round(best["quantized"] * 1e6), "sgemm_us": round(best["sgemm"] * 1e6),
+                              "ratio": round(best["quantized"] / best["sgemm"], 3),
+                              "loadavg": [round(v, 2) for v in os.getloadavg()]}), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2", choices=sorted(MODELS))
@@ -97,8 +142,13 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--kernels", action="store_true", help="kernel vs sgemm in-process, no servers")
+    ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     gguf = (Path(os.environ.get("MODELYARD_MODELS_DIR") or ROOT / "models") / MODELS[a.model]).resolve()
+    if a.kernels:
+        bench_kernels(gguf, a.threads)
+        return 0
     srv = a.llama_server
     if srv is None and not a.skip_llama:
         srv = subprocess.run([str(ROOT.parent / "shared" / "tools" / "build-llama-server")], capture_output=True,

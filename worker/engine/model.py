@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import threading
 import time
@@ -35,14 +36,14 @@ from .errors import EngineError
 from .gguf_loader import GGUFFile, atomic_write_bytes, cache_root
 from .attention import AttnBatch, Segment, attention, attention_mask  # noqa: F401 (re-exported)
 from .kv_cache import KVEntry, KVShape
-from .quant import QConcat, QWeight, fuse, supports as quant_supports
+from .quant import QConcat, QWeight, format_tag as quant_format, fuse, supports as quant_supports
 
 #: How weight matrices are held: ``"quantized"`` (the GGUF's own blocks as int8 levels + scales,
 #: multiplied by the kernels of :mod:`.quant`) or ``"f32"`` (dequantized once, sgemm; the reference).
-#: The default stays "f32" while the quantized path is not batch-invariant: its 8-bit activation
-#: rounding turns the float32 differences between batch shapes (sgemm vs the int8 kernel, chunk
-#: sizes) into different roundings, so a temperature-0 answer could change with the other requests
-#: sharing its forward pass (measured: one-pass vs token-by-token logits up to ~1.5 apart on SmolLM2).
+#: The default stays "f32": the quantized path is batch-invariant (one row-deterministic kernel for
+#: every row count, see :mod:`.quant`) and decodes faster, but its prefill (the same kernel on 128-256
+#: rows) is slower than sgemm's on float32 weights (measured per MAC on one thread: ~0.4-0.5x at 32-128
+#: rows), and sgemm is not row-deterministic (OpenBLAS's results change with the row count).
 WEIGHT_MODES = ("quantized", "f32")
 DEFAULT_WEIGHTS = "f32"
 
@@ -324,7 +325,8 @@ class WeightCache:
 
     def load(self) -> dict[str, Matrix] | None:
         """The cached arrays (read-only memmaps; quantized matrices rebuilt from their
-        ``name@q`` / ``name@d`` / ``name@m`` arrays), or None if absent/incomplete/corrupt."""
+        ``name@q`` / ``name@d`` / ``name@m`` arrays, a concatenation from its parts
+        ``name#i``), or None if absent/incomplete/corrupt or of another quantized form."""
         try:
             manifest = json.loads((self.dir / "manifest.json").read_text())
             flat: dict[str, np.ndarray] = {}
@@ -333,9 +335,15 @@ class WeightCache:
                 if list(arr.shape) != shape or str(arr.dtype) != dtype:
                     return None
                 flat[name] = np.asarray(arr)  # plain ndarray view of the memmap
-            out: dict[str, Matrix] = {n: a for n, a in flat.items() if "@" not in n}
-            for name, (act, types) in manifest.get("quantized", {}).items():
-                out[name] = QWeight(flat[name + "@q"], flat[name + "@d"], flat.get(name + "@m"), act, types)
+            if manifest.get("quant_format") != quant_format() and manifest.get("quantized"):
+                return None  # quantized weights of another in-memory form: rebuilt
+            out: dict[str, Matrix] = {n: a for n, a in flat.items() if "@" not in n and "#" not in n}
+            for name, meta in manifest.get("quantized", {}).items():
+                out[name] = QWeight.from_arrays({k.split("@", 1)[1]: a for k, a in flat.items()
+                                                 if k.startswith(name + "@")}, meta)
+            for name, n_parts in manifest.get("concat", {}).items():
+                out[name] = QConcat([out.pop(f"{name}#{i}") if f"{name}#{i}" in out else flat[f"{name}#{i}"]
+                                     for i in range(n_parts)])
             return out
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -343,17 +351,28 @@ class WeightCache:
     def save(self, weights: dict[str, Matrix]) -> None:
         """Write every array, then the manifest (atomic renames). Errors are swallowed:
         a read-only or full disk only costs the next load time. Temp files left by a
-        killed writer (older than an hour) are removed. A :class:`~.quant.QConcat` is not
-        cacheable: then nothing is written."""
+        killed writer (older than an hour) are removed. A :class:`~.quant.QConcat` is saved
+        part by part."""
         arrays: dict[str, np.ndarray] = {}
         quantized: dict[str, Any] = {}
-        for name, w in weights.items():
+        concat: dict[str, int] = {}
+
+        def put(name: str, w: Any) -> bool:
             if isinstance(w, QWeight):
-                quantized[name] = [w.act, list(w.types)]
+                quantized[name] = w.meta()
                 arrays.update({f"{name}@{k}": a for k, a in w.arrays().items()})
             elif isinstance(w, np.ndarray):
                 arrays[name] = w
             else:
+                return False
+            return True
+
+        for name, w in weights.items():
+            if isinstance(w, QConcat):
+                concat[name] = len(w.parts)
+                if not all(put(f"{name}#{i}", p) for i, p in enumerate(w.parts)):
+                    return
+            elif not put(name, w):
                 return
         try:
             with _cache_lock:
@@ -376,7 +395,7 @@ class WeightCache:
                         if tmp.exists():
                             tmp.unlink()
                 manifest = {"arrays": {n: [list(a.shape), str(a.dtype)] for n, a in arrays.items()},
-                            "quantized": quantized}
+                            "quantized": quantized, "concat": concat, "quant_format": quant_format()}
                 atomic_write_bytes(self.dir / "manifest.json", json.dumps(manifest).encode())
         except OSError:
             pass
@@ -441,8 +460,7 @@ class Model:
         self.w = self._load_weights(weight_cache)
         self.load_timings["weights"] = time.perf_counter() - t0
         self.n_vocab = int(self.w["output"].shape[0] if "output" in self.w else self.w["tok_embd"].shape[0])
-        self.weight_bytes = sum(int(w.nbytes) if isinstance(w, (np.ndarray, QWeight))
-                                else sum(int(p.nbytes) for p in w.parts) for w in self.w.values())
+        self.weight_bytes = sum(int(w.nbytes) for w in self.w.values())
         self._setup()
         self.cache = self._make_cache()
 
@@ -574,6 +592,7 @@ class Model:
         t0 = time.perf_counter()
         arrays = self._build_weights()
         self.load_timings["dequantize"] = time.perf_counter() - t0
+        self._release_gguf_pages()
         if cache is not None:
             if self._cache_write == "sync":
                 t0 = time.perf_counter()
@@ -586,6 +605,18 @@ class Model:
         if self.dtype != np.float32:
             arrays = {k: v.astype(self.dtype) for k, v in arrays.items()}
         return arrays
+
+    def _release_gguf_pages(self) -> None:
+        """Drop the GGUF mapping's pages from this process's resident set once the weights are
+        built (they are copies): ``MADV_DONTNEED`` on the read-only file mapping; a later read
+        faults them in again from the page cache. Without it the worker's RSS counts the whole
+        file on top of the prepared weights (SmolLM2: ~100 MiB)."""
+        mm = getattr(getattr(self.gguf, "_data", None), "_mmap", None)
+        if mm is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                mm.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):
+                pass
 
     def matrix(self, name: str, shape: Sequence[int]) -> Matrix:
         """A weight matrix ``[out, in]`` as the model multiplies with it: a :class:`~.quant.QWeight`

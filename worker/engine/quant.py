@@ -19,20 +19,19 @@ Q4_1/Q5_1, Q8_K for the K-quants) with ggml's rounding rules
 (``quantize_row_q8_0`` / ``_q8_1`` of ggml-cpu's x86 path: ``d = amax/127``
 stored as fp16, ``q = rint(x * 127/amax)``; ``quantize_row_q8_K_ref``: ``d =
 max / -127`` in float32, ``q = min(127, nearest_int(x / d))``). A block's
-product is then ``d_w * d_x * sum(q_w * q_x) + m_w * s_x`` with ``s_x = d_x *
-sum(q_x)`` (fp16 for Q8_1, as ggml stores it). The kernels compute the same sum
-with the activations held as ``q_x * d_x`` in float32, which is equal up to
-float32 rounding (|rel| ~ 1e-7) and lets the compiler use FMA vectors on the
-int8 -> float32 conversions of the weights.
+product is then ``(d_w * d_x) * sum(q_w * q_x) + m_w * s_x`` with ``s_x = d_x *
+sum(q_x)`` (fp16 for Q8_1, as ggml stores it). The integer sum is computed in
+float32 on integer values, which is exact (``|sum| < 2^24`` for every type), so
+it equals ggml's int32 sum whatever order the vectorized loop adds in.
 
-Two kernels, chosen per call by the number of activation rows ``T``:
-
-* ``T < BLAS_MIN_ROWS`` (decode, small batches): numba-compiled, parallel over
-  output rows, reading the int8 weights directly (4 activation rows per pass).
-* otherwise (prefill chunks, large batches): the weight rows are dequantized in
-  tiles of ``TILE_ELEMS`` weights into a float32 scratch and multiplied by
-  OpenBLAS sgemm — with the *quantized* activations, so the numbers stay those
-  of the vec_dot path while sgemm's speed is kept.
+One kernel for every number of activation rows ``T`` (decode, batched decode,
+prefill chunks): numba-compiled, parallel over blocks of output rows, reading
+the int8 weights directly, 4 activation rows per pass over a weight row. It is
+**row-deterministic**: the blocks of a row are accumulated in order with the
+same float32 operations whatever ``T`` is and whichever other rows share the
+call, so a sequence's outputs do not depend on the batch it runs in (sgemm's
+results do: OpenBLAS picks other kernels and blockings by the matrix shape,
+measured bit differences between ``N = 1 .. 300`` rows on this machine).
 
 Kernels are compiled once and cached on disk by numba (``cache=True``; the
 directory is ``NUMBA_CACHE_DIR`` or ``__pycache__`` beside this file).
@@ -45,18 +44,13 @@ type (Q2_K, Q3_K, Q5_K, IQ*) is dequantized to float32 by the gguf package
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from .errors import EngineError
-
-#: At or above this many activation rows a call dequantizes weight tiles and uses sgemm
-#: (measured: scripts/bench_quant.py; sgemm wins from here on this machine kind).
-BLAS_MIN_ROWS = 8
-#: Weights per float32 scratch tile of the sgemm path (4 MiB).
-TILE_ELEMS = 1 << 20
 
 QK = 32     # block of Q8_0 / Q4_* / Q5_*
 QK_K = 256  # super-block of the K-quants
@@ -178,7 +172,8 @@ def _compile() -> dict[str, Any]:
     """The kernels (compiled on first use, or loaded from numba's on-disk cache), once per process."""
     if not _kernels:
         from . import quant_kernels as k
-        _kernels.update(quant_q8_0=k.quant_q8_0, quant_q8_K=k.quant_q8_K, matmul_q=k.matmul_q, dequant=k.dequant)
+        _kernels.update(quant_q8_0=k.quant_q8_0, quant_q8_K=k.quant_q8_K, matmul_q=k.matmul_q,
+                        matmul_qp=k.matmul_qp)
         if _threads is not None:
             set_num_threads(_threads)
     return _kernels
@@ -202,59 +197,112 @@ _NO_M = np.zeros((0, 0), np.float32)
 _NO_M.flags.writeable = False
 
 
-def quantize_activations(x: np.ndarray, act: str, with_s: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Quantize activation rows as ggml does before a vec_dot, returned dequantized.
+def quantize_activations(x: np.ndarray, act: str, with_s: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Quantize activation rows as ggml does before a vec_dot.
 
     Args:
         x: float32 ``[T, K]``.
         act: ``"q8_0"``, ``"q8_1"`` or ``"q8_K"``.
         with_s: also compute ``s = d * sum(q)`` per 32-block (needed by weights with an offset).
     Returns:
-        xf float32 ``[T, K]`` (``q * d``), xs float32 ``[T, K/32]`` (zeros when not ``with_s``).
+        xq float32 ``[T, K]`` (the integer levels ``q``), dx float32 ``[T, K/32]`` (the scale
+        ``d`` of each 32-block: fp16-rounded for q8_0/q8_1, the super-block's for q8_K),
+        xs float32 ``[T, K/32]`` (``s``; zeros when not ``with_s``). ``xq * dx`` is the
+        dequantized activation.
     """
     k = _compile()
     x = np.ascontiguousarray(x, dtype=np.float32)
     T, K = x.shape
-    xf = np.empty_like(x)
+    xq = np.empty_like(x)
+    dx = np.empty((T, K // QK), np.float32)
     xs = np.zeros((T, K // QK), np.float32)
     if act == "q8_K":
-        k["quant_q8_K"](x, xf, xs)
+        k["quant_q8_K"](x, xq, dx, xs)
     else:
-        k["quant_q8_0"](x, xf, xs, with_s or act == "q8_1", act == "q8_1")
-    return xf, xs
+        k["quant_q8_0"](x, xq, dx, xs, with_s or act == "q8_1", act == "q8_1")
+    return xq, dx, xs
+
+
+#: Types that can be kept packed in memory (two 4-bit levels per byte): the level of a weight is
+#: ``nibble - PACKED_BIAS[type]``. (5-bit types stay int8: unpacking their fifth bits in the
+#: kernel measured 2.3x the CPU time of int8 at one row, 4x at 32 rows.)
+PACKED_BIAS = {"Q4_0": 8, "Q4_1": 0, "Q4_K": 0}
+#: Environment switch of the packed form (``MODELYARD_QUANT_PACK=1``): half the bytes of the
+#: 4-bit weights (SmolLM2: 106 MiB of weights instead of 157, worker RSS -70 MiB) but ~15 % more
+#: CPU per decoded token (measured: SmolLM2 27.6 vs 23.9 ms of CPU per token on one thread; the
+#: kernels are compute-bound here, so the unpacking costs more than the bytes save). Off by default.
+PACK_ENV = "MODELYARD_QUANT_PACK"
+
+
+def pack_4bit() -> bool:
+    """Whether 4-bit types are held packed (:data:`PACK_ENV`, read at each load)."""
+    return os.environ.get(PACK_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+#: Version of the in-memory forms below, recorded in the weight cache's manifest (a cache of
+#: another version is rebuilt; :func:`format_tag` adds the packing switch).
+FORMAT_VERSION = 2
+
+
+def format_tag() -> str:
+    """The weight cache's tag of the quantized forms this process builds (version + packing)."""
+    return f"{FORMAT_VERSION}{'-packed' if pack_4bit() else ''}"
+
+
+def pack(q: np.ndarray, bias: int) -> np.ndarray:
+    """Levels int8 ``[O, nb, 32]`` -> qs uint8 ``[O, nb, 16]``: byte j holds ``q[j] + bias`` in its
+    low nibble and ``q[j+16] + bias`` in its high one (the ``block_q4_0`` / ``block_q4_1`` layout
+    of ggml-common.h)."""
+    u = (q.astype(np.int16) + bias).astype(np.uint8)                       # [O, nb, 32] in 0..15
+    return np.ascontiguousarray((u[..., :16] & 0x0F) | ((u[..., 16:] & 0x0F) << 4))
 
 
 class QWeight:
     """A quantized ``[out, in]`` weight matrix (see the module docstring).
 
+    Two in-memory forms (``kind``):
+
+    * ``"i8"``: q int8 ``[O, nb, B]``, the level of every weight (Q8_0, Q6_K; B = 32, or 16 for
+      Q6_K's sub-blocks);
+    * ``"packed"``: q uint8 ``[O, nb, 16]`` (two 4-bit levels per byte, as the GGUF stores
+      Q4_0/Q4_1; Q4_K repacked to that layout); level = nibble minus ``bias`` (8 for Q4_0).
+
     Attributes:
-        q: int8 ``[O, nb, B]``; d: float32 ``[O, nb]``; m: float32 ``[O, nb]`` or None.
+        q: as above; d: float32 ``[O, nb]``; m: float32 ``[O, nb]`` or None.
         act: activation quantization (``"q8_0"``, ``"q8_1"``, ``"q8_K"``).
         types: the ggml type name(s) it came from (a fused matrix may list several).
     """
 
-    __slots__ = ("q", "d", "m", "act", "types")
+    __slots__ = ("q", "d", "m", "act", "types", "kind", "bias")
 
-    def __init__(self, q: np.ndarray, d: np.ndarray, m: np.ndarray | None, act: str, types: Sequence[str]) -> None:
+    def __init__(self, q: np.ndarray, d: np.ndarray, m: np.ndarray | None, act: str, types: Sequence[str],
+                 kind: str = "i8", bias: int = 0) -> None:
+        if kind not in ("i8", "packed"):
+            raise EngineError("invalid_params", f"unknown quantized form {kind!r}")
         for a in (q, d, m):
             if a is not None:
                 a.flags.writeable = False  # immutable, and one kernel signature for built and memory-mapped weights
         self.q, self.d, self.m, self.act, self.types = q, d, m, act, tuple(types)
+        self.kind, self.bias = kind, int(bias)
 
     @classmethod
-    def from_raw(cls, type_name: str, raw: np.ndarray, n_rows: int, n_cols: int) -> QWeight:
-        """From a GGUF tensor's stored bytes (uint8 ``[n_rows, bytes_per_row]``)."""
+    def from_raw(cls, type_name: str, raw: np.ndarray, n_rows: int, n_cols: int,
+                 packed: bool | None = None) -> QWeight:
+        """From a GGUF tensor's stored bytes (uint8 ``[n_rows, bytes_per_row]``); ``packed``: keep a
+        4-bit type packed (None: :func:`pack_4bit`)."""
         q, d, m, _ = unpack(type_name, raw, n_rows, n_cols)
+        if type_name in PACKED_BIAS and (pack_4bit() if packed is None else packed):
+            bias = PACKED_BIAS[type_name]
+            return cls(pack(q, bias), d, m, ACT_TYPE[type_name], (type_name,), "packed", bias)
         return cls(q, d, m, ACT_TYPE[type_name], (type_name,))
 
     @property
     def shape(self) -> tuple[int, int]:
         """``(out_features, in_features)``."""
-        return int(self.q.shape[0]), int(self.q.shape[1] * self.q.shape[2])
+        per = 32 if self.kind == "packed" else self.q.shape[2]
+        return int(self.q.shape[0]), int(self.q.shape[1] * per)
 
     @property
     def nbytes(self) -> int:
-        return int(self.q.nbytes + self.d.nbytes + (self.m.nbytes if self.m is not None else 0))
+        return int(sum(a.nbytes for a in (self.q, self.d, self.m) if a is not None))
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The arrays to persist (``q``, ``d`` and, when present, ``m``)."""
@@ -263,14 +311,37 @@ class QWeight:
             out["m"] = self.m
         return out
 
+    def meta(self) -> list[Any]:
+        """What rebuilds it with its :meth:`arrays` (:meth:`from_arrays`): JSON-able."""
+        return [self.act, list(self.types), self.kind, self.bias]
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray], meta: Sequence[Any]) -> QWeight:
+        """Inverse of :meth:`arrays` + :meth:`meta`. Raises KeyError/ValueError on a mismatch."""
+        act, types, kind, bias = meta
+        return cls(arrays["q"], arrays["d"], arrays.get("m"), act, types, kind, bias)
+
+    def _compatible(self, o: QWeight) -> bool:
+        return (self.act == o.act and self.kind == o.kind and self.bias == o.bias and self.q.shape[1:] == o.q.shape[1:]
+                and (self.m is None) == (o.m is None))
+
     def take_rows(self, rows: np.ndarray) -> QWeight:
         """A copy with rows reordered/selected (``rows`` int ``[n]``)."""
-        return QWeight(np.ascontiguousarray(self.q[rows]), np.ascontiguousarray(self.d[rows]),
-                       None if self.m is None else np.ascontiguousarray(self.m[rows]), self.act, self.types)
+        def sel(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else np.ascontiguousarray(a[rows])
+        return QWeight(sel(self.q), sel(self.d), sel(self.m), self.act, self.types, self.kind, self.bias)
+
+    def levels(self, rows: np.ndarray) -> np.ndarray:
+        """int16 ``[len(rows), nb, B]``: the integer level of every weight of the selected rows."""
+        q = self.q[rows]
+        if self.kind == "i8":
+            return q.astype(np.int16)
+        lv = np.concatenate([q & 0x0F, q >> 4], axis=-1).astype(np.int16)          # [n, nb, 32]
+        return lv - self.bias
 
     def dequantize_rows(self, rows: np.ndarray) -> np.ndarray:
         """float32 ``[len(rows), in]`` of the selected rows (embedding lookups)."""
-        q = self.q[rows].astype(np.float32)                      # [n, nb, B]
+        q = self.levels(rows).astype(np.float32)                 # [n, nb, B]
         w = q * self.d[rows][..., None]
         if self.m is not None:
             w += self.m[rows][..., None]
@@ -281,43 +352,39 @@ class QWeight:
         return self.dequantize_rows(np.arange(self.q.shape[0]))
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
-        """``x @ W.T`` with ggml's activation quantization: x float32 ``[T, in]`` -> float32 ``[T, out]``
-        (C-contiguous below ``BLAS_MIN_ROWS`` rows, else a transposed view of a ``[out, T]`` array).
+        """``x @ W.T`` with ggml's activation quantization: x float32 ``[T, in]`` -> float32
+        ``[T, out]`` (C-contiguous), row-deterministic (see the module docstring).
 
         Raises: EngineError("invalid_params") when ``in`` differs.
         """
         O, K = self.shape
         if x.ndim != 2 or x.shape[1] != K:
             raise EngineError("invalid_params", f"matmul of {tuple(x.shape)} with a [{O}, {K}] weight")
+        xq, dx, xs = quantize_activations(x, self.act, self.m is not None)  # [T, K], [T, K/32], [T, K/32]
+        out = np.empty((x.shape[0], O), np.float32)
+        self.matmul_quantized(xq, dx, xs, out)
+        return out
+
+    def matmul_quantized(self, xq: np.ndarray, dx: np.ndarray, xs: np.ndarray, out: np.ndarray) -> None:
+        """``out[T, O] = x @ W.T`` from activations already quantized (:func:`quantize_activations`
+        with this weight's ``act``; ``xs`` filled when it has an offset). ``out`` may be a column slice."""
         k = _compile()
-        T = x.shape[0]
+        T = xq.shape[0]
         has_m = self.m is not None
-        xf, xs = quantize_activations(x, self.act, has_m)        # [T, K], [T, K/32]
-        nb, B = self.q.shape[1], self.q.shape[2]
         m = self.m if has_m else _NO_M
+        if self.kind == "packed":
+            k["matmul_qp"](self.q, float(self.bias), self.d, m, has_m, xq.reshape(T, self.q.shape[1], 32), dx, xs, out)
+            return
+        nb, B = self.q.shape[1], self.q.shape[2]
         if B != QK and has_m:
             raise EngineError("invalid_params", "an offset needs 32-weight blocks")
-        if T < BLAS_MIN_ROWS:
-            out = np.empty((T, O), np.float32)
-            k["matmul_q"](self.q, self.d, m, has_m, xf.reshape(T, nb, B), xs, out)
-            return out
-        step = max(1, TILE_ELEMS // K)
-        tile = np.empty((min(step, O), K), np.float32)
-        out_t = np.empty((O, T), np.float32)                      # [O, T]: each tile's rows are contiguous
-        for r0 in range(0, O, step):
-            n = min(step, O - r0)
-            k["dequant"](self.q, self.d, m, has_m, r0, tile[:n])
-            np.matmul(tile[:n], xf.T, out=out_t[r0:r0 + n])       # [n, T] sgemm
-        if has_m:
-            # sgemm applied m to sum(xf) = d16 * sum(q) per block; ggml uses s (xs): add the difference
-            corr = xs - xf.reshape(T, nb, B).sum(axis=-1)          # [T, nb]
-            out_t += self.m @ corr.T                               # [O, T]
-        return out_t.T                                             # [T, O] (Fortran-ordered view)
+        k["matmul_q"](self.q, self.d, m, has_m, xq.reshape(T, nb, B), dx, xs, out)
 
 
 class QConcat:
-    """Row-wise concatenation of weights that cannot share one QWeight (different block or
-    activation types, or a float32 part): ``x @ [W0; W1; ...].T`` as one ``[T, sum(out)]``."""
+    """Row-wise concatenation of weights that cannot share one QWeight (different forms, block
+    or activation types, or a float32 part): ``x @ [W0; W1; ...].T`` as one ``[T, sum(out)]``.
+    Parts of one activation type share one quantization of ``x``."""
 
     __slots__ = ("parts",)
 
@@ -328,26 +395,56 @@ class QConcat:
     def shape(self) -> tuple[int, int]:
         return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(int(p.nbytes) for p in self.parts)
+
     def matmul(self, x: np.ndarray) -> np.ndarray:
         """x float32 ``[T, in]`` -> ``[T, sum(out)]``."""
-        return np.concatenate([p.matmul(x) if isinstance(p, QWeight) else x @ p.T for p in self.parts], axis=1)
+        O, K = self.shape
+        if x.ndim != 2 or x.shape[1] != K:
+            raise EngineError("invalid_params", f"matmul of {tuple(x.shape)} with a [{O}, {K}] weight")
+        out = np.empty((x.shape[0], O), np.float32)
+        quantized: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        with_s = any(isinstance(p, QWeight) and p.m is not None for p in self.parts)
+        o0 = 0
+        for p in self.parts:
+            o1 = o0 + p.shape[0]
+            if isinstance(p, QWeight):
+                if p.act not in quantized:
+                    quantized[p.act] = quantize_activations(x, p.act, with_s)
+                p.matmul_quantized(*quantized[p.act], out[:, o0:o1])
+            else:
+                out[:, o0:o1] = x @ p.T
+            o0 = o1
+        return out
 
 
 def fuse(parts: Sequence[QWeight | np.ndarray]) -> QWeight | QConcat | np.ndarray:
-    """Stack ``[out_i, in]`` weights row-wise: one QWeight when all are QWeights of the same
-    block size, activation type and offset kind; float32 arrays concatenated; else a QConcat."""
+    """Stack ``[out_i, in]`` weights row-wise: float32 arrays concatenated; runs of adjacent
+    QWeights of the same form, block and activation type merged into one QWeight; one QWeight
+    when that is all, else a QConcat of the runs."""
     if all(isinstance(p, np.ndarray) for p in parts):
         return np.ascontiguousarray(np.concatenate(parts, axis=0))
-    qs = [p for p in parts if isinstance(p, QWeight)]
-    if len(qs) == len(parts):
+    runs: list[list[QWeight | np.ndarray]] = []
+    for p in parts:
+        prev = runs[-1][-1] if runs else None
+        if isinstance(p, QWeight) and isinstance(prev, QWeight) and prev._compatible(p):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    merged: list[QWeight | np.ndarray] = []
+    for run in runs:
+        if len(run) == 1:
+            merged.append(run[0])
+            continue
+        qs = [p for p in run if isinstance(p, QWeight)]
         first = qs[0]
-        if all(p.act == first.act and p.q.shape[1:] == first.q.shape[1:] and (p.m is None) == (first.m is None)
-               for p in qs):
-            return QWeight(np.concatenate([p.q for p in qs]), np.concatenate([p.d for p in qs]),
-                           None if first.m is None else np.concatenate([p.m for p in qs]),
-                           first.act, tuple(t for p in qs for t in p.types))
-    return QConcat(parts)
+        cat = (lambda name: None if getattr(first, name) is None else np.concatenate([getattr(p, name) for p in qs]))
+        merged.append(QWeight(cat("q"), cat("d"), cat("m"), first.act, tuple(t for p in qs for t in p.types),
+                              first.kind, first.bias))
+    return merged[0] if len(merged) == 1 else QConcat(merged)
 
 
-__all__ = ["ACT_TYPE", "BLAS_MIN_ROWS", "QConcat", "QWeight", "fuse", "quantize_activations", "set_num_threads",
+__all__ = ["ACT_TYPE", "FORMAT_VERSION", "PACKED_BIAS", "PACK_ENV", "format_tag", "pack_4bit", "QConcat", "QWeight", "fuse", "pack", "quantize_activations", "set_num_threads",
            "supports", "unpack"]
