@@ -446,5 +446,5 @@ def fuse(parts: Sequence[QWeight | np.ndarray]) -> QWeight | QConcat | np.ndarra
     return merged[0] if len(merged) == 1 else QConcat(merged)
 
 
-__all__ = ["ACT_TYPE", "FORMAT_VERSION", "PACKED_BIAS", "PACK_ENV", "format_tag", "pack_4bit", "QConcat", "QWeight", "fuse", "pack", "quantize_activations", "set_num_threads",
-           "supports", "unpack"]
+__all__ = ["ACT_TYPE", "FORMAT_VERSION", "PACKED_BIAS", "PACK_ENV", "QConcat", "QWeight", "format_tag", "fuse",
+           "pack", "pack_4bit", "quantize_activations", "set_num_threads", "supports", "unpack"]
