@@ -100,9 +100,11 @@ def create_app(config: Config, *, worker_module: str | None = None,
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         app.state.pool = Pool(config, worker_module=worker_module, metrics=registry, **(pool_options or {}))
+        lag_probe = asyncio.get_running_loop().create_task(registry.watch_event_loop(), name="loop-lag")
         try:
             yield
         finally:
+            lag_probe.cancel()
             await app.state.background.close()  # its runs end (Cancel) before the workers stop
             await app.state.pool.close()
 
