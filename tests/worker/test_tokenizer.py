@@ -489,10 +489,13 @@ def test_spm_user_defined_runs(spm: Tokenizer) -> None:
 @settings(max_examples=400, deadline=None)
 @given(st.text(alphabet="abcxd ><\né", max_size=40), st.booleans())
 def test_spm_matches_llama_cpp_reference(text: str, parse_special: bool) -> None:
-    """Word splitting + memo give exactly llama.cpp's whole-fragment result (">▁<" spans words)."""
+    """Word splitting + memo give exactly llama.cpp's whole-fragment result (">▁<" spans words),
+    also when a long text is split into chunks (here: at every word boundary)."""
     tok = Tokenizer.from_metadata(spm_metadata())
-    assert tok.tokenize(text, add_special=False, parse_special=parse_special) == ref_tokenize_spm(
-        tok, text, parse_special)
+    want = ref_tokenize_spm(tok, text, parse_special)
+    assert tok.tokenize(text, add_special=False, parse_special=parse_special) == want
+    with mock.patch.object(tokenizer_module, "_CHUNK_CHARS", 1):
+        assert tok.tokenize(text, add_special=False, parse_special=parse_special) == want
     assert tok.detokenize(tok.tokenize(text, add_special=False, parse_special=False)) == text
 
 

@@ -52,7 +52,7 @@ import struct
 import numbers
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -319,6 +319,7 @@ class Tokenizer:
         self._byte_ids: list[int] = []
         self._cross_re: re.Pattern[str] | None = None
         self._cross_unbounded = False
+        self._cross_reach = 0  # the longest cross-space token, chars
         self._memo: dict[str, tuple[int, ...]] = {}
         self._merges: list[Any] = []  # tokenizer.ggml.merges as read (the fingerprint covers them)
         self._fim: dict[str, int | None] = {}
@@ -567,6 +568,7 @@ class Tokenizer:
             self._cross_unbounded = True
         elif cross:
             self._cross_re = re.compile("(?=(" + _trie_regex(cross) + "))")
+            self._cross_reach = max(map(len, cross))
 
     # ------------------------------------------------------------------ properties
 
@@ -770,15 +772,54 @@ class Tokenizer:
         text = text.replace(" ", _SPM_SPACE)
         out: list[int] = []
         memo = self._memo
-        for word in self._spm_words(text):
-            ids = memo.get(word)
-            if ids is None:
-                ids = self._spm_word(word)
-                if len(memo) >= self._MEMO_LIMIT:
-                    memo.clear()
-                memo[word] = ids
-            out.extend(ids)
+        for chunk in self._spm_chunks(text):
+            for word in self._spm_words(chunk):
+                ids = memo.get(word)
+                if ids is None:
+                    ids = self._spm_word(word)
+                    if len(memo) >= self._MEMO_LIMIT:
+                        memo.clear()
+                    memo[word] = ids
+                out.extend(ids)
         return out
+
+    def _spm_chunks(self, text: str) -> Iterator[str]:
+        """``text`` (spaces escaped) in pieces of about ``_CHUNK_CHARS``, each cut at a word
+        boundary of :meth:`_spm_words` (an escaped space no cross-space token spans), so the
+        words of the pieces are the words of the whole: splitting a 7 MB text into its
+        ~1.3M words in one ``str.split`` (or scanning it for cross-space tokens in one
+        regex step) would hold the GIL for ~0.2 s."""
+        n = len(text)
+        if n <= _CHUNK_CHARS or self._cross_unbounded:
+            yield text
+            return
+        start = 0
+        while start < n:
+            cut = n
+            p = start + _CHUNK_CHARS
+            while p < n:
+                p = text.find(_SPM_SPACE, p)
+                if p == -1:
+                    break
+                if self._spm_boundary(text, p):
+                    cut = p
+                    break
+                p += 1
+            yield text[start:cut]
+            start = cut
+
+    def _spm_boundary(self, text: str, p: int) -> bool:
+        """True if ``_spm_words(text)`` starts a word at ``p`` (``text[p]`` is U+2581): no
+        cross-space token occurrence starts before ``p`` and ends after it."""
+        if self._cross_re is None:
+            return True
+        reach = self._cross_reach
+        for m in self._cross_re.finditer(text, max(0, p - reach), p + reach):
+            if m.start() >= p:
+                break
+            if m.start() + len(m.group(1)) > p:
+                return False
+        return True
 
     def _spm_words(self, text: str) -> list[str]:
         """Split at escaped spaces where no vocabulary token can span the boundary.
