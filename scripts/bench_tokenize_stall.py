@@ -2,7 +2,7 @@
 """How long huge /tokenize calls pause a running stream on the same model, and the router's loop.
 
     .venv/bin/python scripts/bench_tokenize_stall.py [--model smollm2|gemma3] [--mb 7] [--calls 3]
-        [--quiet-s 15]
+        [--quiet-s 15] [--log FILE]
 
 Starts a router (real models, n_ctx 512) on a free port, keeps one temperature-0 stream of
 that model running (in a process of its own, so the callers' work cannot pause its
@@ -98,6 +98,7 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=7.0)
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--quiet-s", type=float, default=15.0)
+    ap.add_argument("--log", type=Path, help="copy the router's log (workers' output included) here")
     a = ap.parse_args()
     name = NAMES[a.model]
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,6 +135,8 @@ def main() -> None:
         finally:
             router.stop(timeout=60)
             router.kill()
+            if a.log:
+                a.log.write_bytes(router.log_path.read_bytes())
 
     def phase(lo: str, hi: str) -> dict[str, float]:
         gs = [b - a_ for a_, b in pairs if marks[lo] <= b < marks[hi]]
