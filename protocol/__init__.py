@@ -38,6 +38,7 @@ from protocol.messages import (
     SlotActionResult,
     Token,
     Tokenize,
+    TokenIds,
     TokenizeResult,
     slot_filename_error,
 )
@@ -47,6 +48,6 @@ __all__ = [
     "ApplyTemplate", "ApplyTemplateResult", "Cancel", "Detokenize", "DetokenizeResult", "Done",
     "Error", "ErrorCode", "Generate", "Hello", "KVAck", "KVChunk", "LoadProgress", "Message", "Ping", "Pong", "ProtocolError", "Ready",
     "Shutdown", "SLOT_ACTIONS", "SlotAction", "SlotActionResult",
-    "Token", "Tokenize", "TokenizeResult", "WorkerCredentials", "decode", "encode", "read_credentials",
+    "Token", "TokenIds", "Tokenize", "TokenizeResult", "WorkerCredentials", "decode", "encode", "read_credentials",
     "secret_matches", "slot_filename_error", "write_credentials",
 ]

@@ -10,7 +10,8 @@ raises anything else and never returns a half-parsed record. Checks, in order:
 3. ``v`` == ``PROTOCOL_VERSION``; ``type`` is a known tag; ``id`` a 1..128-char str;
 4. every required field present, no unknown field, every value of its declared
    type (recursively: lists, maps, unions; bool is not an int; an int is
-   accepted where a float is declared and converted);
+   accepted where a float is declared and converted; a ``TokenIds`` is a ``bin``
+   whose length is a multiple of 4);
 5. the values together, by the record's ``value_problem`` (e.g. LoadProgress's
    stage and counts).
 
@@ -26,7 +27,7 @@ from typing import Any, Union
 
 import msgpack
 
-from protocol.messages import MAX_FRAME_BYTES, MESSAGE_TYPES, PROTOCOL_VERSION, Message
+from protocol.messages import MAX_FRAME_BYTES, MESSAGE_TYPES, PROTOCOL_VERSION, Message, TokenIds
 
 MAX_ID_LEN = 128
 _ENVELOPE = ("v", "type", "id")
@@ -195,6 +196,13 @@ def _check(value: Any, tp: Any) -> Any:
         if isinstance(value, str):
             return value
         raise _TypeMismatch(f"expected str, got {type(value).__name__}")
+    if tp is TokenIds:  # the one rule for packed ids: whole 4-byte items
+        if not isinstance(value, bytes):
+            raise _TypeMismatch(f"expected token ids (bytes), got {type(value).__name__}")
+        if len(value) % TokenIds.ITEM_BYTES:
+            raise _TypeMismatch(f"token ids: {len(value)} bytes is not a whole number of "
+                                f"{TokenIds.ITEM_BYTES}-byte ids")
+        return value if type(value) is TokenIds else TokenIds(value)
     if tp is bytes:
         if isinstance(value, bytes):
             return value

@@ -36,6 +36,7 @@ import asyncio
 import logging
 from typing import Any
 
+import h11
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -92,6 +93,23 @@ class GuardedH11Protocol(H11Protocol):
         log.info("closing the connection of %s: it read nothing of %s (request %s) for "
                  "stream_stall_timeout_s=%g s", peer, what, rid or "-", self.stream_stall_timeout_s)
         self.transport.abort()  # its unsent bytes are dropped; the app sees http.disconnect
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's 400 for an invalid request (e.g. a bad chunk of a body) — but the app may
+        already be answering that request: its answer is dropped from now on (it sees the
+        client as gone), and if the answer has begun, a 400 cannot follow it on the wire, so
+        the connection is just closed (uvicorn would raise inside ``data_received`` and
+        asyncio log a traceback; the app's next send would raise a second one)."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True
+            cycle.message_event.set()
+        if self.conn.our_state is not h11.IDLE:  # an answer to this request has begun (or ended)
+            log.info("closing the connection of %s: invalid request data after its answer began (%s)",
+                     "%s:%d" % self.client if self.client else "a client", msg)
+            self.transport.close()
+            return
+        super().send_400_response(msg)
 
     def handle_events(self) -> None:
         before = self.cycle

@@ -30,6 +30,7 @@ from protocol import (
     ProtocolError,
     Token,
     Tokenize,
+    TokenIds,
     TokenizeResult,
     encode,
 )
@@ -63,7 +64,7 @@ from router.params import (
 )
 from router.pool import ModelSlot, Pool
 from router.process import WorkerUnreachable
-from router.responses import JSONResponse
+from router.responses import JSONResponse, dumps
 from router.sse import SSEResponse, sse_event, until_disconnect
 
 #: How long a tokenize / detokenize / apply-template call may take, s. Liveness is the ping
@@ -245,26 +246,44 @@ async def tokenize(request: Request) -> Response:
     if not isinstance(ans, TokenizeResult):
         raise BadGateway(f"unexpected {ans.TYPE} answer to tokenize")
     if with_pieces:
-        return JSONResponse({"tokens": [{"id": t, "piece": _piece(p)} for t, p in zip(ans.tokens, ans.pieces)]})
-    if len(ans.tokens) > TOKENS_PER_SLICE:
-        return Response(await _token_list_json(ans.tokens), media_type="application/json")
-    return JSONResponse({"tokens": ans.tokens})
+        return Response(await _pieces_json(ans), media_type="application/json")
+    return Response(await _token_list_json(ans), media_type="application/json")
 
 
-#: Token ids rendered per event-loop turn for a large /tokenize answer.
+#: Token ids rendered per event-loop turn for a /tokenize answer (~10 ms of work each).
 TOKENS_PER_SLICE = 65536
+#: Tokens with their pieces rendered per event-loop turn (a dict and a JSON object each).
+PIECES_PER_SLICE = 8192
 
 
-async def _token_list_json(tokens: list[int]) -> bytes:
+async def _token_list_json(ans: TokenizeResult) -> bytes:
     """``{"tokens":[...]}`` exactly as :func:`router.responses.dumps` makes it, rendered a
-    slice at a time with the event loop free in between: 2.5M ids (a 7 MB text) take
-    ~0.8 s of encoding, which would otherwise pause every other stream of the router."""
+    slice at a time from the packed ids with the event loop free in between: 2.5M ids (a
+    7 MB text) take ~0.8 s of encoding, which would otherwise pause every other stream
+    of the router."""
+    ids = ans.tokens.view()
     parts = [b'{"tokens":[']
-    for i in range(0, len(tokens), TOKENS_PER_SLICE):
+    for i in range(0, len(ids), TOKENS_PER_SLICE):
         if i:
             parts.append(b",")
-        parts.append(",".join(map(str, tokens[i:i + TOKENS_PER_SLICE])).encode("ascii"))
-        await asyncio.sleep(0)
+            await asyncio.sleep(0)
+        parts.append(",".join(map(str, ids[i:i + TOKENS_PER_SLICE])).encode("ascii"))
+    parts.append(b"]}")
+    return b"".join(parts)
+
+
+async def _pieces_json(ans: TokenizeResult) -> bytes:
+    """``{"tokens":[{"id":..,"piece":..},...]}`` (a piece that is not UTF-8 as its byte
+    values), rendered a slice at a time like :func:`_token_list_json`."""
+    ids = ans.tokens.view()
+    parts = [b'{"tokens":[']
+    for i in range(0, len(ids), PIECES_PER_SLICE):
+        if i:
+            parts.append(b",")
+            await asyncio.sleep(0)
+        chunk = [{"id": t, "piece": _piece(p)}
+                 for t, p in zip(ids[i:i + PIECES_PER_SLICE], ans.piece_slice(i, i + PIECES_PER_SLICE))]
+        parts.append(dumps(chunk)[1:-1])
     parts.append(b"]}")
     return b"".join(parts)
 
@@ -278,7 +297,8 @@ async def detokenize(request: Request) -> Response:
     tokens = get_token_list(raw, "tokens")
     if tokens is None:
         raise BadRequest("'tokens' must be a list of token ids", param="tokens")
-    ans = await _call(request, slot, lambda i: Detokenize(id=i, tokens=tokens))
+    packed = TokenIds.of(tokens)  # ids in [0, MAX_TOKEN_ID]: int32 (get_token_list)
+    ans = await _call(request, slot, lambda i: Detokenize(id=i, tokens=packed))
     if not isinstance(ans, DetokenizeResult):
         raise BadGateway(f"unexpected {ans.TYPE} answer to detokenize")
     return JSONResponse({"content": ans.content})

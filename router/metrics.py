@@ -18,10 +18,11 @@ separate counts. Names are ``modelyard_*`` and follow vLLM's where one exists
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from starlette.requests import Request
@@ -46,6 +47,11 @@ _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4
                 5.0, 10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0,
                 120.0, 240.0, 480.0, 960.0, 1920.0)
+_LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+#: How often the event-loop lag probe sets its timer, s (:meth:`Metrics.watch_event_loop`).
+LOOP_LAG_INTERVAL_S = 0.02
+
 _LOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -106,8 +112,28 @@ class Metrics:
                                     buckets=_E2E_BUCKETS, registry=reg)
         self.load_time = Histogram("modelyard_model_load_seconds", "Worker spawn to Ready", ["model"],
                                    buckets=_LOAD_BUCKETS, registry=reg)
+        self.loop_lag = Histogram("modelyard_event_loop_lag_seconds", "How late the router's event loop ran "
+                                  f"a timer set every {LOOP_LAG_INTERVAL_S:g} s (while it is late, every "
+                                  "stream of the router waits)", buckets=_LAG_BUCKETS, registry=reg)
+        self.loop_lag_max = Gauge("modelyard_event_loop_lag_max_seconds", "The longest event-loop lag "
+                                  "seen since the router started", registry=reg)
         for m in models:
             self.add_model(m)
+
+    async def watch_event_loop(self) -> None:
+        """Measure the event loop's lag until cancelled: sleep ``LOOP_LAG_INTERVAL_S``, observe
+        how much later than asked the loop woke this task (s, >= 0): a callback that blocks
+        the loop (decoding a huge frame, rendering a huge answer) shows up here."""
+        loop = asyncio.get_running_loop()
+        worst = 0.0
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(LOOP_LAG_INTERVAL_S)
+            lag = max(0.0, loop.time() - t0 - LOOP_LAG_INTERVAL_S)
+            self.loop_lag.observe(lag)
+            if lag > worst:
+                worst = lag
+                self.loop_lag_max.set(lag)
 
     def add_model(self, m: str) -> None:
         """Start ``m``'s per-model counters at 0 (at start, and for a model a reload adds)."""

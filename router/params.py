@@ -304,13 +304,18 @@ def _token_id(v: Any) -> int | None:
 def get_token_list(v: Any, key: str) -> list[int] | None:
     """``v`` as a list of token ids if it is one (non-empty, ints), else None.
     Raises BadRequest for an id outside [0, MAX_TOKEN_ID]."""
-    if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+    if not isinstance(v, list) or not v:
+        return None
+    # C-level passes first (a 1M-id body: ~30 ms of the event loop instead of ~0.2 s); the
+    # item-by-item loops only name the offender
+    if set(map(type, v)) != {int} and not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        return None
+    if not (0 <= min(v) and max(v) <= MAX_TOKEN_ID):
         for t in v:
             if not 0 <= t <= MAX_TOKEN_ID:
                 raise BadRequest(f"'{key}': token ids must be integers in [0, {MAX_TOKEN_ID}], got {_show(t)}",
                                  param=key)
-        return list(v)
-    return None
+    return list(v)
 
 
 def get_prompt(v: Any, key: str) -> str | list[int] | None:

@@ -230,14 +230,14 @@ class FakeWorker:
             self.task = asyncio.get_running_loop().create_task(self.generate(msg))
         elif isinstance(msg, Tokenize):
             ids = tokenize(msg.content, msg.add_special)
-            await self.send(TokenizeResult(id=msg.id, tokens=ids,
-                                           pieces=[piece(i) for i in ids] if msg.with_pieces else []))
+            await self.send(TokenizeResult.of(msg.id, ids, [piece(i) for i in ids] if msg.with_pieces else None))
         elif isinstance(msg, Detokenize):
-            bad = [t for t in msg.tokens if not 0 <= t < N_VOCAB]
+            toks = msg.tokens.tolist()
+            bad = [t for t in toks if not 0 <= t < N_VOCAB]
             if bad:
                 await self.send(Error(id=msg.id, code="invalid_token", message=f"invalid token id {bad[0]}"))
             else:
-                await self.send(DetokenizeResult(id=msg.id, content=b"".join(piece(t) for t in msg.tokens)
+                await self.send(DetokenizeResult(id=msg.id, content=b"".join(piece(t) for t in toks)
                                                  .decode("utf-8", "replace")))
         elif isinstance(msg, ApplyTemplate):
             if self.sw.get("no_template"):

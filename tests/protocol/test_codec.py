@@ -35,6 +35,7 @@ from protocol import (
     SlotActionResult,
     Token,
     Tokenize,
+    TokenIds,
     TokenizeResult,
     decode,
     encode,
@@ -55,7 +56,8 @@ EXAMPLES = [
     Error(id="r1", code="context_length_exceeded", message="maximum context length is 8192 tokens"),
     Pong(id="p1", busy=True, queue_len=1, running_ids=["r1"], slots=[{"id": 0, "id_task": "r1", "is_processing": True, "n_past": 5}], pid=123),
     Pong(id="p2", busy=False, queue_len=0, pid=123),
-    TokenizeResult(id="t1", tokens=[1, 2, 3], pieces=[b"a", b"b", b"\xff"]),
+    TokenizeResult.of("t1", [1, 2, 3], [b"a", b"b", b"\xff"]),
+    TokenizeResult.of("t0", []),
     DetokenizeResult(id="t2", content="hello"),
     ApplyTemplateResult(id="t3", prompt="<|im_start|>user\nhi<|im_end|>\n"),
     Generate(id="r1", prompt="Once upon a time", max_tokens=16, temperature=0.0, stop=["\n"], n_probs=5,
@@ -66,7 +68,7 @@ EXAMPLES = [
     Ping(id="p1"),
     Shutdown(id="s1"),
     Tokenize(id="t1", content="Hello <|im_end|>", add_special=True, parse_special=False, with_pieces=True),
-    Detokenize(id="t2", tokens=[1, 2, 3]),
+    Detokenize(id="t2", tokens=TokenIds.of([1, 2, 3])),
     ApplyTemplate(id="t3", messages=[{"role": "user", "content": "hi"}], add_generation_prompt=False),
     SlotAction(id="s1", action="save", id_slot=0, filename="conv.bin"),
     SlotActionResult(id="s1", action="save", id_slot=0, filename="conv.bin", n_tokens=1745, n_bytes=14309796,
@@ -244,5 +246,29 @@ def test_encode_turns_unpackable_int_into_protocol_error(big: int) -> None:
     """An int msgpack cannot carry is a ProtocolError at the sender, never OverflowError."""
     with pytest.raises(ProtocolError, match="cannot encode"):
         encode(Generate(id="r", prompt="x", seed=big))
-    with pytest.raises(ProtocolError, match="cannot encode"):
-        encode(Detokenize(id="d", tokens=[1, big]))
+    with pytest.raises(OverflowError):  # token ids are int32: TokenIds.of refuses it before any frame
+        TokenIds.of([1, big])
+
+
+def test_token_ids_travel_as_int32_bytes_whose_length_is_checked() -> None:
+    """TokenIds is the one packed form of token-id lists: int32 little-endian, a whole number
+    of 4-byte ids on encode and on decode; pieces and their ends agree with the tokens."""
+    ids = [0, 1, 49151, 2**31 - 1]
+    res = TokenizeResult.of("t", ids, [b"a", b"", b"\xff\xfe", b"xyz"])
+    back = decode(encode(res))
+    assert isinstance(back, TokenizeResult) and type(back.tokens) is TokenIds
+    assert back.tokens == b"".join(i.to_bytes(4, "little") for i in ids)
+    assert back.tokens.count == 4 and list(back.tokens.view()) == ids and back.tokens.tolist() == ids
+    assert back.piece_slice(0, 4) == [b"a", b"", b"\xff\xfe", b"xyz"] and back.piece_slice(2, 3) == [b"\xff\xfe"]
+    body = msgpack.unpackb(encode(Detokenize(id="d", tokens=TokenIds.of(ids))))
+    for bad in (b"\0\0\0", b"\0" * 5, [1, 2]):
+        with pytest.raises(ProtocolError, match="'tokens'"):
+            decode(msgpack.packb({**body, "tokens": bad}))
+        with pytest.raises(ProtocolError, match="'tokens'"):
+            encode(Detokenize(id="d", tokens=bad))  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError, match="piece_ends"):
+        encode(TokenizeResult(id="t", tokens=TokenIds.of([1, 2]), pieces=b"ab", piece_ends=TokenIds.of([1])))
+    with pytest.raises(ProtocolError, match="piece_ends ends at 3"):
+        encode(TokenizeResult(id="t", tokens=TokenIds.of([1, 2]), pieces=b"ab", piece_ends=TokenIds.of([1, 3])))
+    with pytest.raises(ProtocolError, match="pieces without piece_ends"):
+        encode(TokenizeResult(id="t", tokens=TokenIds.of([1]), pieces=b"a"))

@@ -167,7 +167,7 @@ def test_a_request_the_protocol_cannot_carry_is_400_never_sent(router: LiveRoute
 
 def test_encode_raises_protocol_error_only() -> None:
     for msg in (Generate(id="g", prompt="hi", seed=2**64), Generate(id="g", prompt=[2**70]),
-                Generate(id="g", prompt="hi", top_k=-(2**63) - 1), Detokenize(id="d", tokens=[2**64]),
+                Generate(id="g", prompt="hi", top_k=-(2**63) - 1), Detokenize(id="d", tokens=b"\0\0\0"),
                 Tokenize(id="t", content="\ud800")):
         with pytest.raises(ProtocolError):
             encode(msg)

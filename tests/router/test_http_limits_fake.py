@@ -205,3 +205,29 @@ def test_a_large_tokenize_answer_is_rendered_in_slices_as_the_same_json(router: 
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
     assert r.json() == {"tokens": small["tokens"] * (n // 2)}
     assert r.content == json.dumps(r.json(), separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize("when", ["together", "after_the_answer_began"])
+def test_a_bad_chunk_behind_a_request_being_answered_closes_without_a_traceback(router: LiveRouter, when: str) -> None:
+    """An invalid chunked body arriving while (or before) the app answers its request: the
+    connection is closed (a 400 if nothing was sent yet), one log line, no traceback (the
+    HTTP fuzz found both orders: uvicorn's 400 could not be framed behind a started answer,
+    and the app's answer could not be sent once h11 was in its error state)."""
+    log0 = len(router.log_path.read_bytes())
+    head = b"HEAD /admin/models HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+    with _connect(router) as s:
+        if when == "together":
+            s.sendall(head + b"zz\r\n")
+        else:
+            s.sendall(head)
+            got = b""
+            while b"\r\n\r\n" not in got:  # the answer's head arrived: the response is under way
+                chunk = s.recv(65536)
+                assert chunk, got
+                got += chunk
+            s.sendall(b"zz\r\n")
+        _read_to_eof(s)  # the server closes the connection
+    r = httpx.get(router.url + "/health", timeout=30)
+    assert r.status_code == 200
+    router.wait_for(lambda: b"/health" in router.log_path.read_bytes()[log0:], what="the next request logged")
+    assert b"Traceback" not in router.log_path.read_bytes()[log0:]

@@ -12,12 +12,14 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.paths import GEMMA3_PATH, SMOLLM2_PATH
+import worker.engine.tokenizer as tokenizer_module
 from worker.engine.errors import EngineError
 from worker.engine.tokenizer import (
     _BYTE_TO_UNICODE,
@@ -68,7 +70,7 @@ def real_metadata(model: str) -> dict[str, Any]:
     return _META_CACHE[model]
 
 
-_TOK_CACHE: dict[str, Tokenizer] = {}
+_TOK_CACHE: dict[Any, Tokenizer] = {}
 
 
 def real_tokenizer(model: str) -> Tokenizer:
@@ -389,8 +391,12 @@ SPECIAL_ALPHABET = list("<|>imstarend_xud2 ") + ["<|im_start|>", "<|im_end|>", "
 def test_partition_matches_llama_cpp_reference(parts: list[str], parse_special: bool) -> None:
     tok = Tokenizer.from_metadata(bpe_metadata())
     text = "".join(parts)
+    want = ref_partition(tok, text, parse_special)
     got = [(f.text, f.token) for f in tok._partition(text, parse_special, None)] if text else []
-    assert got == ref_partition(tok, text, parse_special)
+    assert got == want
+    with mock.patch.object(tokenizer_module, "_SCAN_CHARS", 3):  # the scan in tiny windows finds the same
+        got = [(f.text, f.token) for f in tok._partition(text, parse_special, None)] if text else []
+    assert got == want
 
 
 def test_pieces_protect_user_content(bpe: Tokenizer) -> None:
@@ -483,10 +489,13 @@ def test_spm_user_defined_runs(spm: Tokenizer) -> None:
 @settings(max_examples=400, deadline=None)
 @given(st.text(alphabet="abcxd ><\né", max_size=40), st.booleans())
 def test_spm_matches_llama_cpp_reference(text: str, parse_special: bool) -> None:
-    """Word splitting + memo give exactly llama.cpp's whole-fragment result (">▁<" spans words)."""
+    """Word splitting + memo give exactly llama.cpp's whole-fragment result (">▁<" spans words),
+    also when a long text is split into chunks (here: at every word boundary)."""
     tok = Tokenizer.from_metadata(spm_metadata())
-    assert tok.tokenize(text, add_special=False, parse_special=parse_special) == ref_tokenize_spm(
-        tok, text, parse_special)
+    want = ref_tokenize_spm(tok, text, parse_special)
+    assert tok.tokenize(text, add_special=False, parse_special=parse_special) == want
+    with mock.patch.object(tokenizer_module, "_CHUNK_CHARS", 1):
+        assert tok.tokenize(text, add_special=False, parse_special=parse_special) == want
     assert tok.detokenize(tok.tokenize(text, add_special=False, parse_special=False)) == text
 
 
@@ -555,3 +564,29 @@ def test_incremental_decoder_never_emits_half_characters() -> None:
     dec = IncrementalUTF8Decoder()
     assert dec.feed(b"a\xf0\x9f") == "a"
     assert dec.flush() == "\ufffd"
+
+
+#: One name per distinct row of the pre-tokenizer table.
+PRE_ROWS = {row: name for name, row in reversed(list(tokenizer_module._PRE_TOKENIZERS.items()))}
+CUT_ALPHABET = ["a", "b", "Z", " ", "  ", "\n", "\r\n", "\t", "1", "23", "'s", "'", ".", ",", "é", "中", "ß", "-"]
+
+
+@pytest.mark.slow
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.sampled_from(CUT_ALPHABET), max_size=40))
+def test_long_texts_in_chunks_give_the_ids_of_the_whole_on_every_pre_tokenizer(parts: list[str]) -> None:
+    """A long fragment is encoded in chunks cut at a space between ASCII letters (_CUT): on
+    every row of the pre-tokenizer table (SmolLM2's vocabulary and merges) the chunks'
+    ids, concatenated, are those of one encode of the whole text."""
+    text = "".join(parts)
+    for row, name in PRE_ROWS.items():
+        key = ("chunks", name)
+        if key not in _TOK_CACHE:
+            _TOK_CACHE[key] = Tokenizer.from_metadata({**real_metadata("smollm2"), "tokenizer.ggml.pre": name})
+        tok = _TOK_CACHE[key]
+        whole: list[int] = []
+        tok._keep_ids(tok._hf.encode(text, add_special_tokens=False).ids, whole)
+        chunked: list[int] = []
+        with mock.patch.multiple(tokenizer_module, _GIL_FREE_CHARS=0, _CHUNK_CHARS=1):
+            tok._hf_ids(text, chunked)
+        assert chunked == whole, (name, row.regexes)

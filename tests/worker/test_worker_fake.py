@@ -37,6 +37,7 @@ from protocol import (
     Shutdown,
     Token,
     Tokenize,
+    TokenIds,
     TokenizeResult,
 )
 from tests.timing import report
@@ -424,11 +425,11 @@ def test_ping_and_text_ops_are_answered_mid_generation(start: Callable[..., Harn
     pong = h.ping()
     assert pong.busy and pong.running_ids == ["a"] and pong.queue_len == 0 and pong.pid == os.getpid()
     h.stub.send(Tokenize(id="t", content="hello world", add_special=True, with_pieces=True))
-    h.stub.send(Detokenize(id="d", tokens=[12, 13]))
+    h.stub.send(Detokenize(id="d", tokens=TokenIds.of([12, 13])))
     h.stub.send(ApplyTemplate(id="at", messages=[{"role": "user", "content": "hi"}]))
     tok, det, tpl = h.stub.next_for("t"), h.stub.next_for("d"), h.stub.next_for("at")
-    assert isinstance(tok, TokenizeResult) and tok.tokens == h.engine.tokenize("hello world")
-    assert tok.pieces == [h.engine.token_bytes(t) for t in tok.tokens]
+    assert isinstance(tok, TokenizeResult) and tok.tokens.tolist() == h.engine.tokenize("hello world")
+    assert tok.piece_slice(0, tok.tokens.count) == [h.engine.token_bytes(t) for t in tok.tokens.tolist()]
     assert isinstance(det, DetokenizeResult) and det.content == " w12 w13"
     assert isinstance(tpl, ApplyTemplateResult) and tpl.prompt.endswith("<|im_start|>assistant\n")
     h.engine.allow(None)
@@ -452,7 +453,7 @@ def test_ping_and_text_ops_are_answered_mid_generation(start: Callable[..., Harn
     (Generate(id="r"), "invalid_request"),
     (Generate(id="r", prompt="x", messages=[{"role": "user", "content": "x"}]), "invalid_request"),
     (Generate(id="r", messages=[{"role": 5}]), "invalid_params"),
-    (Detokenize(id="r", tokens=[1, 99999]), "invalid_token"),
+    (Detokenize(id="r", tokens=TokenIds.of([1, 99999])), "invalid_token"),
     (Ping(id="r"), None),
 ])
 def test_bad_requests_get_precise_errors_and_the_worker_keeps_serving(

@@ -52,7 +52,7 @@ import struct
 import numbers
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +64,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 #: Fragments at least this long (chars) are tokenized with the GIL released.
 _GIL_FREE_CHARS = 4096
+
+#: Special-token texts are searched for in windows of this many chars (``Tokenizer._partition``).
+_SCAN_CHARS = 1 << 18
+
+#: Longer fragments are encoded in chunks of about this many chars (``Tokenizer._hf_ids``).
+_CHUNK_CHARS = 1 << 16
+
+#: Where a long fragment may be cut: at a space between two ASCII letters. No regex of the
+#: pre-tokenizer table can match a letter followed by a space (letters are matched as
+#: ``[^\r\n\p{L}\p{N}]?\p{L}+`` / `` ?\p{L}+`` or contractions, spaces only in all-space or
+#: space-prefixed matches), so every row splits there, and neither side of the cut is seen
+#: by a lookahead (``\s+(?!\S)`` needs whitespace before the cut): the ids of the whole
+#: fragment are the ids of its chunks, concatenated. tests/worker/test_tokenizer.py checks
+#: this on every row of the table. A new row must keep it.
+_CUT = re.compile(r"[A-Za-z] [A-Za-z]")
 
 __all__ = [
     "ATTR_UNDEFINED",
@@ -304,6 +319,7 @@ class Tokenizer:
         self._byte_ids: list[int] = []
         self._cross_re: re.Pattern[str] | None = None
         self._cross_unbounded = False
+        self._cross_reach = 0  # the longest cross-space token, chars
         self._memo: dict[str, tuple[int, ...]] = {}
         self._merges: list[Any] = []  # tokenizer.ggml.merges as read (the fingerprint covers them)
         self._fim: dict[str, int | None] = {}
@@ -552,6 +568,7 @@ class Tokenizer:
             self._cross_unbounded = True
         elif cross:
             self._cross_re = re.compile("(?=(" + _trie_regex(cross) + "))")
+            self._cross_reach = max(map(len, cross))
 
     # ------------------------------------------------------------------ properties
 
@@ -626,15 +643,11 @@ class Tokenizer:
             assert self.bos_id is not None
             out.append(self.bos_id)
         if self.model == "gpt2":
-            n_vocab = len(self.tokens)
             for f in fragments:
                 if f.text is None:
                     out.append(f.token)
                     continue
-                ids = self._hf_ids(f.text)
-                if self._bpe_placeholders and ids and max(ids) >= n_vocab:  # max(): no per-token Python loop
-                    ids = [i for i in ids if i < n_vocab]
-                out.extend(ids)
+                self._hf_ids(f.text, out)
         else:
             is_prev_special = True
             for f in fragments:
@@ -652,16 +665,32 @@ class Tokenizer:
             out.append(self.eos_id)
         return out
 
-    def _hf_ids(self, text: str) -> list[int]:
-        """The BPE ids of one fragment (no specials). ``Tokenizer.encode`` holds the GIL for
-        the whole call (a 7 MB text: ~15 s in which no other thread of the process runs —
-        the worker's socket thread could not answer a Ping); ``encode_batch`` gives the
-        same ids and releases the GIL, so long texts go through it, one at a time (its
-        thread pool stays off: TOKENIZERS_PARALLELISM, set at import unless the
-        environment says otherwise)."""
+    def _hf_ids(self, text: str, out: list[int]) -> None:
+        """Append the BPE ids of one fragment (no specials) to ``out``. ``Tokenizer.encode``
+        holds the GIL for the whole call (a 7 MB text: ~15 s in which no other thread of the
+        process runs — the worker's socket thread could not answer a Ping); ``encode_batch``
+        gives the same ids and releases the GIL, so long texts go through it, one at a time
+        (its thread pool stays off: TOKENIZERS_PARALLELISM, set at import unless the
+        environment says otherwise), and texts over ``_CHUNK_CHARS`` in chunks cut at
+        ``_CUT``: freeing the Encoding of a 7 MB text (2.5M ids, each with its token string
+        and offsets) holds the GIL for ~1 s, building its id list ~0.15 s; per 64K-char
+        chunk, ~10 ms."""
         if len(text) < _GIL_FREE_CHARS:
-            return self._hf.encode(text, add_special_tokens=False).ids
-        return self._hf.encode_batch([text], add_special_tokens=False)[0].ids
+            self._keep_ids(self._hf.encode(text, add_special_tokens=False).ids, out)
+            return
+        start, n = 0, len(text)
+        while start < n:
+            m = _CUT.search(text, start + _CHUNK_CHARS) if n - start > _CHUNK_CHARS else None
+            end = m.start() + 1 if m is not None else n
+            self._keep_ids(self._hf.encode_batch([text[start:end]], add_special_tokens=False)[0].ids, out)
+            start = end
+
+    def _keep_ids(self, ids: list[int], out: list[int]) -> None:
+        """``out += ids`` without the placeholder ids of bytes the vocabulary lacks (``_init_bpe``)."""
+        if self._bpe_placeholders and ids and max(ids) >= len(self.tokens):  # max(): no per-token Python loop
+            n_vocab = len(self.tokens)
+            ids = [i for i in ids if i < n_vocab]
+        out.extend(ids)
 
     def _prefix_chain(self, tid: int, parse_special: bool) -> tuple[int, ...]:
         """Special tokens (usable in this mode) whose text is a proper prefix of ``tid``'s, longest first."""
@@ -695,7 +724,14 @@ class Tokenizer:
         if regex is None:
             return [_Fragment(text, -1)]
         rank, tok2id, attrs, lens = self._special_rank, self._tok2id, self.attrs, self._special_len
-        heap = [(rank[tid], m.start(), tid) for m in regex.finditer(text) for tid in (tok2id[m.group(1)],)]
+        # The scan in windows (the pattern is a lookahead, so a window that reaches the longest
+        # special text past its end finds exactly the whole text's candidates in it): one
+        # finditer step over 7 MB with no special token in it would hold the GIL for ~0.1 s.
+        reach = max(lens.values())
+        heap = [(rank[tid], m.start(), tid)
+                for a in range(0, len(text), _SCAN_CHARS)
+                for m in regex.finditer(text, a, a + _SCAN_CHARS + reach) if m.start() < a + _SCAN_CHARS
+                for tid in (tok2id[m.group(1)],)]
         if not heap:
             return [_Fragment(text, -1)]
         heapq.heapify(heap)
@@ -736,15 +772,54 @@ class Tokenizer:
         text = text.replace(" ", _SPM_SPACE)
         out: list[int] = []
         memo = self._memo
-        for word in self._spm_words(text):
-            ids = memo.get(word)
-            if ids is None:
-                ids = self._spm_word(word)
-                if len(memo) >= self._MEMO_LIMIT:
-                    memo.clear()
-                memo[word] = ids
-            out.extend(ids)
+        for chunk in self._spm_chunks(text):
+            for word in self._spm_words(chunk):
+                ids = memo.get(word)
+                if ids is None:
+                    ids = self._spm_word(word)
+                    if len(memo) >= self._MEMO_LIMIT:
+                        memo.clear()
+                    memo[word] = ids
+                out.extend(ids)
         return out
+
+    def _spm_chunks(self, text: str) -> Iterator[str]:
+        """``text`` (spaces escaped) in pieces of about ``_CHUNK_CHARS``, each cut at a word
+        boundary of :meth:`_spm_words` (an escaped space no cross-space token spans), so the
+        words of the pieces are the words of the whole: splitting a 7 MB text into its
+        ~1.3M words in one ``str.split`` (or scanning it for cross-space tokens in one
+        regex step) would hold the GIL for ~0.2 s."""
+        n = len(text)
+        if n <= _CHUNK_CHARS or self._cross_unbounded:
+            yield text
+            return
+        start = 0
+        while start < n:
+            cut = n
+            p = start + _CHUNK_CHARS
+            while p < n:
+                p = text.find(_SPM_SPACE, p)
+                if p == -1:
+                    break
+                if self._spm_boundary(text, p):
+                    cut = p
+                    break
+                p += 1
+            yield text[start:cut]
+            start = cut
+
+    def _spm_boundary(self, text: str, p: int) -> bool:
+        """True if ``_spm_words(text)`` starts a word at ``p`` (``text[p]`` is U+2581): no
+        cross-space token occurrence starts before ``p`` and ends after it."""
+        if self._cross_re is None:
+            return True
+        reach = self._cross_reach
+        for m in self._cross_re.finditer(text, max(0, p - reach), p + reach):
+            if m.start() >= p:
+                break
+            if m.start() + len(m.group(1)) > p:
+                return False
+        return True
 
     def _spm_words(self, text: str) -> list[str]:
         """Split at escaped spaces where no vocabulary token can span the boundary.
