@@ -40,7 +40,7 @@ class EngineInfo:
     n_ctx_train: int
     n_vocab: int
     file_size: int  # bytes
-    fingerprint: str  # hex digest identifying the file content
+    fingerprint: str  # hex SHA-256 of the file (gguf_loader's identity rule); "" until computed (Engine.fingerprint)
     has_chat_template: bool
     bos_token: str | None
     eos_token: str | None
@@ -128,6 +128,7 @@ class Engine:
         if progress is not None:
             progress("reading_gguf", 0, 1)
         gguf = _wrap(read_gguf, str(path))
+        gguf.start_fingerprint()  # hashed on a background thread while the model is built
         if progress is not None:
             progress("reading_gguf", 1, 1)
         md = gguf.metadata
@@ -159,7 +160,7 @@ class Engine:
             n_ctx_train=n_ctx_train,
             n_vocab=int(model.n_vocab),
             file_size=int(gguf.file_size),
-            fingerprint=str(gguf.fingerprint),
+            fingerprint=gguf.fingerprint_nowait() or "",
             has_chat_template=template is not None,
             bos_token=tokenizer.bos_token,
             eos_token=tokenizer.eos_token,
@@ -352,16 +353,38 @@ class Engine:
                 raise EngineError("invalid_params", "generate() while add()/step() sequences are live")
             return run_one(self._sched, SeqRequest("generate", ids, p, on_token), should_stop)
 
-    # ------------------------------------------------------------------ KV states
+    # ------------------------------------------------------------------ identity, KV states
+
+    @property
+    def fingerprint(self) -> str:
+        """The GGUF's content fingerprint (hex SHA-256 of the file, ``GGUFFile.fingerprint``),
+        waiting for the background hash ``load`` started if it is still running (a file seen
+        before is known at once). ``info.fingerprint`` is "" until then, the digest after."""
+        fp = self._gguf.fingerprint
+        if self.info.fingerprint != fp:
+            self.info = replace(self.info, fingerprint=fp)
+        return fp
+
+    def on_fingerprint(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(fingerprint)`` once it is known: at once if it is, else on the hashing
+        thread when it finishes (``info.fingerprint`` is updated first). Not called if the file
+        was closed before."""
+        def done(fut: Any) -> None:
+            if fut.exception() is None:
+                callback(self.fingerprint)
+
+        self._gguf.start_fingerprint().add_done_callback(done)
 
     @property
     def kv_identity(self) -> KVIdentity:
-        """What a KV state of this engine depends on (``worker.engine.kv_state``); the
-        tokenizer fingerprint is computed on first use."""
+        """What a KV state of this engine depends on (``worker.engine.kv_state``), with the full
+        content fingerprint (waited for if still being computed: a state from another file is
+        always refused, naming ``model_fingerprint``); the tokenizer fingerprint is computed
+        on first use."""
         if self._kv_identity is None:
             s = self._sched.pool.shape
             self._kv_identity = KVIdentity(
-                architecture=self.info.architecture, model_fingerprint=self.info.fingerprint,
+                architecture=self.info.architecture, model_fingerprint=self.fingerprint,
                 tokenizer_fingerprint=self.tokenizer.fingerprint, n_layer=s.n_layer, n_kv_head=s.n_kv_head,
                 head_dim_k=s.head_dim_k, head_dim_v=s.head_dim_v, kv_dtype=s.dtype.name,
                 kv_layout=KV_LAYOUT_VERSION, n_ctx=self.info.n_ctx)
