@@ -67,6 +67,19 @@ def fma32(typingctx, a, b, c):
 
 
 @intrinsic
+def _pow2_f64(typingctx, n):
+    """``2.0 ** n`` as a float64 for an int64 ``n`` in [-1022, 1023] (its exponent bits)."""
+    if n != types.int64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        bits = builder.shl(builder.add(args[0], ir.Constant(ir.IntType(64), 1023)), ir.Constant(ir.IntType(64), 52))
+        return builder.bitcast(bits, ir.DoubleType())
+
+    return types.float64(types.int64), codegen
+
+
+@intrinsic
 def f16r(typingctx, x):
     """float32 ``x`` rounded to the nearest binary16 (ties to even, subnormals, overflow to inf:
     the ``_mm512_cvtps_ph(x, 0)`` / ``GGML_CPU_FP32_TO_FP16`` rounding), returned as float32
@@ -107,7 +120,7 @@ def v_expf(x):
     j = fma32(fma32(fma32(_VE_C5, b, _VE_C4), u, fma32(_VE_C3, b, _VE_C2)), u, fma32(_VE_C1, b, f32(1.0)))
     if abs(n) > f32(192.0):
         return f32(0.0) if n <= f32(0.0) else f32(np.inf)
-    return f32(math.ldexp(np.float64(j), int(n)))   # scalef: j * 2^n rounded once
+    return f32(np.float64(j) * _pow2_f64(np.int64(n)))   # scalef: j * 2^n (exact in double), rounded once
 
 
 @njit(cache=True, inline="always")
