@@ -170,14 +170,16 @@ class LoadProgress(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class Ready(Message):
-    """Sent once the model is loaded: the worker's model identity."""
+    """Sent once the model is loaded: the worker's model identity. ``fingerprint`` is "" when
+    the worker was still hashing a file it never saw (the first token does not wait for it);
+    it then sends Ready again, identical but for the fingerprint, once the hash is done."""
 
     TYPE: ClassVar[str] = "ready"
     model: str  # configured model name
     architecture: str  # general.architecture, e.g. "llama", "gemma3"
     gguf_path: str
     file_size: int  # bytes
-    fingerprint: str  # content fingerprint of the GGUF file (hex)
+    fingerprint: str  # content fingerprint of the GGUF file (hex SHA-256), "" until computed
     n_ctx: int  # KV cache size, tokens
     n_ctx_train: int
     n_vocab: int

@@ -129,7 +129,8 @@ def _usage_null(include_usage: bool) -> dict[str, Any]:
 def _fingerprint(worker: WorkerProcess | None) -> str | None:
     if worker is None or worker.ready is None:
         return None
-    return f"fp_{worker.ready.fingerprint[:12]}"
+    fp = worker.ready.fingerprint  # "" while the worker is still hashing a file it never saw
+    return f"fp_{fp[:12]}" if fp else None
 
 
 def _envelope(rid: str, obj: str, created: int, model: str, fp: str | None) -> dict[str, Any]:

@@ -13,6 +13,7 @@ receives a :class:`WorkerGone` at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -163,6 +164,7 @@ class WorkerProcess:
         self.kill_reason: str | None = None  # set when we killed it (hung, stop)
         self._stop_requested = False
         self.ready: Ready | None = None
+        self._late_fingerprint = ""  # from a second Ready (sent when the file's hash finished after load)
         self.started_at = time.time()
         self._exit_callbacks: list[Callable[[WorkerProcess], None]] = []
         self._call_ids = itertools.count(1)
@@ -274,6 +276,8 @@ class WorkerProcess:
             exited.cancel()
         if self._ready.done() and not self._ready.cancelled() and self._ready.exception() is None:
             self.ready = self._ready.result()
+            if not self.ready.fingerprint and self._late_fingerprint:
+                self.ready = dataclasses.replace(self.ready, fingerprint=self._late_fingerprint)
             return self.ready
         if self._ready.done() and not self._ready.cancelled():
             err = self._ready.exception()
@@ -453,6 +457,10 @@ class WorkerProcess:
         if isinstance(msg, Ready):
             if not self._ready.done():
                 self._ready.set_result(msg)
+            elif msg.fingerprint:  # the second Ready: the fingerprint the worker was still computing
+                self._late_fingerprint = msg.fingerprint
+                if self.ready is not None and not self.ready.fingerprint:
+                    self.ready = dataclasses.replace(self.ready, fingerprint=msg.fingerprint)
             return
         if isinstance(msg, Error) and not self._ready.done():
             self._ready.set_exception(LoadFailed(f"{msg.code}: {msg.message}"))

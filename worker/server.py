@@ -46,7 +46,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import psutil
@@ -378,13 +378,18 @@ class WorkerServer:
             file_size = int(info.file_size)
         except (TypeError, ValueError):
             file_size = os.path.getsize(self.cfg.gguf)
-        self._send(Ready(
+        ready = Ready(
             id=self.worker_id, model=self.cfg.model, architecture=str(info.architecture), gguf_path=self.cfg.gguf,
             file_size=file_size, fingerprint=str(info.fingerprint), n_ctx=int(info.n_ctx),
             n_ctx_train=int(info.n_ctx_train), n_vocab=int(info.n_vocab),
             has_chat_template=bool(info.has_chat_template), pid=self.pid, load_ms=float(ev.load_ms),
             max_jobs=int(self.runner.capacity),
-            kv_budget_tokens=int(getattr(info, "kv_budget_tokens", 0) or 0)))
+            kv_budget_tokens=int(getattr(info, "kv_budget_tokens", 0) or 0))
+        self._send(ready)
+        if not ready.fingerprint and hasattr(ev.engine, "on_fingerprint"):
+            # a file never seen before is still being hashed (gguf_loader): serve now, and send
+            # Ready again with the fingerprint once known (the router takes it from there)
+            ev.engine.on_fingerprint(lambda fp: self._post(FrameOut(replace(ready, fingerprint=fp))))
         log.info("worker %s loaded %s (%s, n_ctx=%d) in %.0f ms", self.pid, self.cfg.model, info.architecture,
                  info.n_ctx, ev.load_ms)
         if self._stopping:  # Shutdown arrived while loading: nothing runs, leave now

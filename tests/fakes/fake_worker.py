@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import dataclasses
 import json
 import os
 import re
@@ -172,12 +173,24 @@ class FakeWorker:
                 await self.send(LoadProgress(id="hello", stage="preparing_tensors", done=i, total=n_steps))
         while self.sw.get("hold_load") and _held():
             await asyncio.sleep(0.01)
-        await self.send(Ready(
+        ready = Ready(
             id="ready", model=self.args.model, architecture="fake", gguf_path=self.args.gguf,
             file_size=os.path.getsize(self.args.gguf), fingerprint="f" * 64, n_ctx=self.n_ctx,
             n_ctx_train=4096, n_vocab=N_VOCAB, has_chat_template=not self.sw.get("no_template"),
             pid=os.getpid(), load_ms=(time.monotonic() - t0) * 1000, max_jobs=self.max_jobs,
-            kv_budget_tokens=self.max_jobs * self.n_ctx))
+            kv_budget_tokens=self.max_jobs * self.n_ctx)
+        if self.sw.get("late_fingerprint"):  # as a real worker still hashing a never-seen file
+            await self.send(dataclasses.replace(ready, fingerprint=""))
+
+            async def fingerprint_later() -> None:
+                while _held():
+                    await asyncio.sleep(0.01)
+                await self.send(ready)
+                _log("fingerprint")
+
+            self._late = asyncio.ensure_future(fingerprint_later())
+        else:
+            await self.send(ready)
         _log("ready", model=self.args.model)
         while True:
             msg = decode(await self.sock.recv())

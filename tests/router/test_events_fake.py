@@ -177,3 +177,22 @@ def test_sse_stream_snapshot_framing_and_end_at_shutdown(tmp_path: Path) -> None
         assert ended.wait(30)  # the stream ended with the router, it did not hold the shutdown
     finally:
         r.kill()
+
+
+def test_a_fingerprint_announced_after_ready_reaches_system_fingerprint(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker still hashing its file sends Ready with no fingerprint, then again with it: requests
+    are served at once (no system_fingerprint), and the fingerprint shows once announced."""
+    env = InProc(tmp_path, monkeypatch)
+    env.set_fake({"a": {"late_fingerprint": True}})
+
+    async def go() -> None:
+        async with env.app(CONFIG) as (pool, c):
+            with env.hold():  # the worker's "hash" stays in progress
+                r = await c.post("/v1/chat/completions", json=chat("a"))
+                assert r.status_code == 200 and r.json()["system_fingerprint"] is None
+            await until(lambda: pool.get("a").worker.ready.fingerprint == "f" * 64, "the router took it")
+            r = await c.post("/v1/chat/completions", json=chat("a"))
+            assert r.status_code == 200 and r.json()["system_fingerprint"] == "fp_" + "f" * 12
+
+    asyncio.run(go())

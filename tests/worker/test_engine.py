@@ -319,3 +319,35 @@ def test_the_default_n_ctx_is_the_training_context_capped_at_8192(tmp_path: Path
     assert (info.n_ctx, info.n_ctx_train) == (8192, 32768)
     assert Engine.load(str(short)).info.n_ctx == 300
     assert Engine.load(str(long), n_ctx=512, kv_budget_mib=64).info.n_ctx == 512  # an explicit n_ctx is kept
+
+
+def test_first_token_does_not_wait_for_the_fingerprint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file never seen before is hashed in the background: load and generation go on while the
+    hash is held; the fingerprint, the callback and the KV identity come once it is done."""
+    import hashlib
+
+    from tests.worker.test_gguf_loader import GatedHashlib
+    from worker.engine import gguf_loader
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_loader, "SHA256_MEMO_MIN_BYTES", 0)
+    gate = GatedHashlib()
+    monkeypatch.setattr(gguf_loader, "hashlib", gate)
+    path = write_tiny_llama(tmp_path / "t.gguf", chat_template=CHATML_TEMPLATE, seed=7)
+    e = Engine.load(str(path))
+    assert e.info.fingerprint == ""
+    import threading
+
+    got: list[str] = []
+    called = threading.Event()
+    e.on_fingerprint(lambda fp: (got.append(fp), called.set()))
+    res = e.generate(e.tokenize(PROMPT), greedy(max_tokens=3))
+    assert len(res.tokens) == 3 and got == [] and gate.updates == 0   # generated while the hash was held
+    gate.go.set()
+    want = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert e.fingerprint == want and e.kv_identity.model_fingerprint == want
+    assert e.info.fingerprint == want
+    assert called.wait(60) and got == [want]
+    later: list[str] = []
+    e.on_fingerprint(later.append)                        # known: called at once
+    assert later == [want]

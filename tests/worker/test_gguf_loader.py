@@ -372,3 +372,72 @@ def test_chunked_dequant_bit_identical(tmp_path: Path, monkeypatch: pytest.Monke
     want = gguf.quants.dequantize(raw, qt).reshape(13, 96)
     assert got.dtype == np.float32 and got.shape == (13, 96) and got.flags.c_contiguous
     assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
+
+
+class GatedHashlib:
+    """Stands in for ``gguf_loader.hashlib``: the background hasher (``sha256()`` without data)
+    waits in each ``update`` until ``go`` is set, so a test holds the hash where it wants it."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.go = threading.Event()
+        self.updates = 0
+
+    def sha256(self, data: bytes | None = None):
+        if data is not None:
+            return hashlib.sha256(data)
+        gate, real = self, hashlib.sha256()
+
+        class Hasher:
+            def update(self, chunk) -> None:
+                gate.go.wait()
+                gate.updates += 1
+                real.update(chunk)
+
+            def hexdigest(self) -> str:
+                return real.hexdigest()
+
+        return Hasher()
+
+
+def test_fingerprint_is_hashed_in_the_background(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file never seen before: reading it does not hash it; the hash runs on a thread, whoever
+    needs the fingerprint waits for it; the memo makes the next open know it at once."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_loader, "SHA256_MEMO_MIN_BYTES", 0)
+    gate = GatedHashlib()
+    monkeypatch.setattr(gguf_loader, "hashlib", gate)
+    a = write_tiny_llama(tmp_path / "a.gguf", seed=3)
+    g = read_gguf(a)
+    fut = g.start_fingerprint()
+    assert g.start_fingerprint() is fut                    # one hash per file
+    assert not fut.done() and g.fingerprint_nowait() is None
+    gate.go.set()
+    want = hashlib.sha256(a.read_bytes()).hexdigest()
+    assert g.fingerprint == want and fut.result() == want
+    again = read_gguf(a)
+    assert again.start_fingerprint().done() and again.fingerprint_nowait() == want   # from the memo
+    assert gate.updates == 1                               # the memo was not re-hashed
+
+
+def test_close_stops_a_background_hash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_loader, "SHA256_MEMO_MIN_BYTES", 0)
+    monkeypatch.setattr(gguf_loader, "HASH_CHUNK_BYTES", 1024)
+    gate = GatedHashlib()
+    monkeypatch.setattr(gguf_loader, "hashlib", gate)
+    g = read_gguf(write_tiny_llama(tmp_path / "a.gguf", seed=4))
+    fut = g.start_fingerprint()
+    closer = threading.Thread(target=g.close)
+    closer.start()
+    while not g._closing:  # close() has begun (it waits for the hashing thread)
+        closer.join(0.01)
+    gate.go.set()
+    closer.join()
+    with pytest.raises(EngineError) as ei:
+        fut.result()
+    assert ei.value.code == "invalid_gguf" and "closed" in ei.value.message
+    assert not (tmp_path / "cache" / "modelyard" / "sha256").exists()   # no memo of a partial hash

@@ -12,17 +12,23 @@ gguf-py's quantizer are deterministic) and run by the engine:
   quantized files on the quantized path (``weights="quantized"``: ggml's 8-bit
   activations and vec_dot) with its f16 q/k/v rounding off (``ggml_numerics = False``,
   as ``exact`` has an f32 KV cache). Measured: max 2e-6 .. 6e-6 (Q4_K_M: 2e-5);
-* each path with its own numerics against ``ggml`` (f16 KV cache, flash attention), looser:
-  the engine rounds q/k/v to f16 on the quantized path as flash attention does (one key:
-  within 3e-6) but not the roundings of its accumulation over keys (ggml-cpu ``ops.cpp``:
-  an f16 accumulator of softmax·V, ``VKQ16``; a tiled kernel for longer prompts), and on
-  quantized files such a 1e-3 difference moves an activation across an 8-bit level in
-  the next matmul, which these tiny random models amplify. F32 files, quantized path:
-  max <= 2e-2 (measured 6e-3 / 8.5e-3). Quantized files, both paths: Q8_0 mean
-  |dlogprob| <= 0.06, max <= 0.6 (tests/fixtures/README.md's bounds; measured mean
-  0.009 .. 0.028, max 0.05 .. 0.17); Q4_K_M (activations in blocks of 256) mean <= 0.15,
-  max <= 1.0 (measured mean 0.087 / 0.108, max 0.52 / 0.55). A wrong architecture
-  detail costs far more (``test_wrong_detail_is_visible``).
+* the quantized path against ``ggml`` (f16 KV cache, flash attention), which it follows:
+  its attention is ggml-cpu's flash attention reproduced bit for bit
+  (``worker/engine/attn_kernels.py``, tests/worker/test_attn_kernels.py). On the quantized
+  files, token by token (every matmul on the int8 vec_dot kernel): max 1.6e-6 .. 1.1e-5,
+  asserted <= 1e-4 — the issue's 1e-3 under llama.cpp's default numerics. In one pass the
+  matmuls of 8 or more rows take the dequantize-and-sgemm kernel instead (quant.py, equal
+  only up to float32 rounding), and on these tiny random models a float32 rounding that
+  moves an activation across an 8-bit level is amplified: qwen3-q8_0 max 0.099 from the
+  8-token prefix on (2e-6 with that kernel off); bounds (mean, max) as below. On the F32
+  files the float32 matmuls (BLAS) differ from ggml's in the last bit, which moves f16
+  roundings of q/k/v: max 6e-4 / 2.6e-3 (was 6e-3 / 8.5e-3 before the flash-attention
+  kernels), asserted <= 5e-3;
+* the float32 path against ``ggml`` on the quantized files, looser (no 8-bit
+  activations, no f16 KV): Q8_0 mean |dlogprob| <= 0.06, max <= 0.6
+  (tests/fixtures/README.md's bounds; measured mean 0.011 / 0.028, max 0.05 / 0.17);
+  Q4_K_M (activations in blocks of 256) mean <= 0.15, max <= 1.0 (measured mean 0.108,
+  max 0.52). A wrong architecture detail costs far more (``test_wrong_detail_is_visible``).
 
 The measured numbers are printed (run with ``-s`` to see them).
 """
@@ -47,7 +53,9 @@ PROMPT: list[int] = DATA["prompt"]
 N_VOCAB: int = DATA["n_vocab"]
 
 F32_BOUND = 1e-3
-F16_KV_BOUND = 2e-2
+F16_KV_BOUND = 5e-3
+#: quantized files, quantized path token by token, against llama.cpp's default numerics
+GGML_BOUND = 1e-4
 #: ggml type of the file's weights -> (mean, max) bound on |dlogprob| for the quantized files
 QUANT_BOUNDS = {"Q8_0": (0.06, 0.6), "Q4_K": (0.15, 1.0)}
 
@@ -122,6 +130,14 @@ def test_quantized_path_on_f32_file_follows_f16_kv(files: dict[str, Path], name:
     print(f"{name} quantized vs llama.cpp ggml: max {d.max():.2e} mean {d.mean():.2e} (one key: {d[0].max():.2e})")
     assert d.max() <= F16_KV_BOUND
     assert d[0].max() <= 1e-4  # one key: the f16 rounding of q/k/v is llama.cpp's (measured 3e-6)
+
+
+@pytest.mark.parametrize("name", QUANT_FILES)
+def test_quantized_path_within_1e4_of_llamacpp_defaults(files: dict[str, Path], name: str) -> None:
+    """Token by token (int8 vec_dot matmuls, ggml's flash attention): llama.cpp's default run."""
+    d = np.abs(ours(files[name], "quantized", tokenwise=True) - recorded(name, "ggml"))
+    print(f"{name} quantized token by token vs llama.cpp ggml: max {d.max():.2e} mean {d.mean():.2e}")
+    assert d.max() <= GGML_BOUND
 
 
 @pytest.mark.parametrize("weights", ["f32", "quantized"])

@@ -22,6 +22,30 @@ prefix-cache copy, a take-over's truncate and a state save read ``< n_past`` onl
 Masks follow llama.cpp: a key at p0 is visible to a query at p1 when ``p0 <=
 p1`` and, with a sliding window, ``p1 - p0 < window``
 (``LLAMA_SWA_TYPE_STANDARD``, ``llama_hparams::is_masked_swa``).
+
+Two numerics, chosen by the caller (``attend(..., f16=)``):
+
+* ``f16=False`` (the float32 path): plain scaled dot-product attention in NumPy
+  (:func:`attention`), the reference.
+* ``f16=True`` (the quantized path, which follows ggml): llama.cpp's default CPU setting,
+  an f16 KV cache and flash attention. K and V are stored rounded to f16, and attention is
+  ggml-cpu's ``flash_attn_ext`` reproduced operation by operation by the numba kernels of
+  :mod:`.attn_kernels`, on the code path llama.cpp would take for this sequence alone
+  (:func:`ggml_fa_mode`): a segment of one row (decode) over at least
+  ``SPLIT_KV_MIN_CELLS`` cells takes the split-KV path (``GGML_DECODE_THREADS`` chunks), a
+  segment of at least ``attn_kernels.TILE_Q`` rows (prefill) the tiled f32 path, any other
+  the one-row path with its f16 softmax·V accumulator. llama.cpp's cells of a sequence
+  alone in a fresh cache are its positions in order, and its KV view is padded to
+  ``KV_PAD`` cells; the engine takes both as such (llama.cpp itself departs from that
+  only when cells are reused out of order — several sequences sharing a unified cache,
+  or a sliding-window cache that wrapped around after ``window + n_ubatch`` positions).
+
+  Batch invariance: a row's output depends on its query, its sequence's keys and values,
+  and its own segment's row count and length — never on the other sequences of the step
+  nor on the thread count (every (row, head) is computed by one thread, in a fixed
+  order). Like llama.cpp's, it does depend on how the sequence's own tokens were cut into
+  steps: a prefill row (tiled, Q in f32) and the same row decoded alone (Q and the
+  softmax·V sum in f16) differ at f16 precision.
 """
 
 from __future__ import annotations
@@ -34,7 +58,8 @@ import numpy as np
 
 from .kv_cache import KVEntry
 
-__all__ = ["AttnBatch", "Segment", "StepInterrupted", "attend", "attention", "attention_mask"]
+__all__ = ["AttnBatch", "Segment", "StepInterrupted", "attend", "attention", "attention_mask", "ggml_attention",
+           "ggml_fa_mode"]
 
 
 class StepInterrupted(Exception):
@@ -44,6 +69,15 @@ class StepInterrupted(Exception):
     def __init__(self, layer: int) -> None:
         super().__init__(f"forward pass interrupted before layer {layer}")
         self.layer = layer
+
+
+#: llama.cpp pads its KV view to a multiple of this many cells (``llama_kv_cache::get_n_kv``)
+KV_PAD = 256
+#: ggml-cpu takes its split-KV path for one query row over at least this many cells (ops.cpp)
+SPLIT_KV_MIN_CELLS = 512
+#: llama.cpp's decode thread count that the split-KV path cuts the cells by: the reference
+#: fixtures' setting (llama-server ``-t 2``, tests/fixtures/README.md) and this machine kind's cores
+GGML_DECODE_THREADS = 2
 
 
 @dataclass
@@ -119,8 +153,9 @@ def attend(batch: AttnBatch, layer: int, q: np.ndarray, k: np.ndarray, v: np.nda
         k: ``[N, n_kv, hd_k]`` keys after RoPE; v: ``[N, n_kv, hd_v]``.
         scale: multiplies ``q.k`` (llama.cpp ``kq_scale``).
         window: sliding-window size for this layer, or None (global attention).
-        f16: round q, k and v to float16 precision first (kept in the compute dtype), as
-            llama.cpp's f16 KV cache and its flash attention (q converted to K's f16) do.
+        f16: llama.cpp's f16 KV cache and CPU flash attention (the module docstring): k and v
+            are stored rounded to f16 and attention runs in :func:`ggml_attention`. False:
+            the float32 reference (:func:`attention`).
     Returns:
         ``[N, n_head * hd_v]``.
     Raises:
@@ -129,7 +164,7 @@ def attend(batch: AttnBatch, layer: int, q: np.ndarray, k: np.ndarray, v: np.nda
     """
     batch.checkpoint(layer)
     if f16:
-        q, k, v = (round_f16(a) for a in (q, k, v))
+        k, v = round_f16(k), round_f16(v)
     n, n_head, _ = q.shape
     hd_v = v.shape[2]
     out = np.empty((n, n_head * hd_v), dtype=q.dtype)   # [N, n_head*hd_v]
@@ -137,10 +172,66 @@ def attend(batch: AttnBatch, layer: int, q: np.ndarray, k: np.ndarray, v: np.nda
         rows = slice(s.start, s.start + s.n)
         s.kv.store(layer, s.pos0, k[rows], v[rows])
         end = s.pos0 + s.n
+        if f16:  # the whole layer of the entry (C-contiguous, key index = position)
+            out[rows] = ggml_attention(q[rows], s.kv.k[layer], s.kv.v[layer], s.pos0, 0, window, scale)
+            continue
         k0, mask, col0 = batch.mask(i, window)
         out[rows] = attention(q[rows], s.kv.keys(layer, k0, end), s.kv.values(layer, k0, end), mask, scale,
                               col0)
     batch.checkpoint(layer, count=False)  # again before the layer's output projection and FFN
+    return out
+
+
+def ggml_fa_mode(n_rows: int, end: int) -> tuple[int, int]:
+    """``(mode, n_cells)``: the ggml-cpu flash-attention path llama.cpp takes for ``n_rows``
+    query rows of one sequence whose keys end at position ``end`` (exclusive), and its KV view
+    length (``max(KV_PAD, end rounded up to KV_PAD)``); mode is one of ``attn_kernels.MODE_*``
+    (ops.cpp ``ggml_compute_forward_flash_attn_ext_f16``: split-KV for one row over at least
+    ``SPLIT_KV_MIN_CELLS`` cells, tiled from ``TILE_Q`` rows, else the one-row kernel)."""
+    from . import attn_kernels as ak
+
+    n_cells = max(KV_PAD, -(-end // KV_PAD) * KV_PAD)
+    if n_rows == 1 and n_cells >= SPLIT_KV_MIN_CELLS:
+        return ak.MODE_SPLIT, n_cells
+    if n_rows >= ak.TILE_Q:
+        return ak.MODE_TILED, n_cells
+    return ak.MODE_VEC, n_cells
+
+
+def ggml_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, qpos0: int, kpos0: int,
+                   window: int | None, scale: float, softcap: float = 0.0) -> np.ndarray:
+    """One sequence's attention for one layer as llama.cpp's CPU flash attention computes it
+    over an f16 KV cache (:mod:`.attn_kernels`, path from :func:`ggml_fa_mode`).
+
+    Args:
+        q: ``[T, n_head, hd_k]`` queries at positions ``qpos0 .. qpos0+T-1`` (after RoPE and
+            any q scaling; rounded to f16 inside where ggml does).
+        keys: ``[n_kv, S, hd_k]`` f16-valued keys at positions ``kpos0 .. kpos0+S-1``, covering
+            every key a query may see (``kpos0 + S >= qpos0 + T``; keys beyond are not read);
+            values ``[n_kv, S, hd_v]``. Best C-contiguous float32 (else copied).
+        window: sliding-window size, or None.
+        scale: multiplies ``q.k`` (``kq_scale``); softcap: llama.cpp's ``logit_softcap`` (0: none).
+    Returns:
+        float32 ``[T, n_head * hd_v]``.
+    """
+    from . import attn_kernels as ak
+
+    t, n_head, _ = q.shape
+    hd_v = values.shape[2]
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    keys = np.ascontiguousarray(keys, dtype=np.float32)
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    out = np.empty((t, n_head * hd_v), dtype=np.float32)
+    mode, n_cells = ggml_fa_mode(t, qpos0 + t)
+    sc = np.float32(scale)
+    cap = np.float32(softcap)
+    if cap != 0:
+        sc = np.float32(sc / cap)   # ggml: scale /= logit_softcap, then softcap * tanh(s)
+    w = int(window or 0)
+    if mode == ak.MODE_TILED:
+        ak.fa_tiled(q, keys, values, qpos0, kpos0, w, sc, cap, out)
+    else:
+        ak.fa_vec(q, keys, values, qpos0, kpos0, w, sc, cap, mode, n_cells, GGML_DECODE_THREADS, out)
     return out
 
 

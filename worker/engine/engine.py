@@ -40,7 +40,7 @@ class EngineInfo:
     n_ctx_train: int
     n_vocab: int
     file_size: int  # bytes
-    fingerprint: str  # hex digest identifying the file content
+    fingerprint: str  # hex SHA-256 of the file (gguf_loader's identity rule); "" until computed (Engine.fingerprint)
     has_chat_template: bool
     bos_token: str | None
     eos_token: str | None
@@ -128,6 +128,12 @@ class Engine:
         if progress is not None:
             progress("reading_gguf", 0, 1)
         gguf = _wrap(read_gguf, str(path))
+        gguf.start_fingerprint()  # hashed on a background thread while the model is built
+        warm = None
+        if weights == "quantized":  # numba's import and cached kernels load while the model is built
+            types = {t.type.name for t in gguf.tensors.values()}
+            warm = threading.Thread(target=_warm_up_kernels, args=(types,), daemon=True, name="modelyard-warm-up")
+            warm.start()
         if progress is not None:
             progress("reading_gguf", 1, 1)
         md = gguf.metadata
@@ -146,6 +152,8 @@ class Engine:
         if progress is not None:
             progress("building_tokenizer", 1, 1)
         model = _wrap(load_model, gguf, n_ctx, weights=weights, progress=progress)
+        if warm is not None:
+            warm.join()  # before any kernel runs on this thread (one numba parallel launch at a time)
         token_bytes = model.kv_shape.token_bytes
         budget_tokens = (parallel * int(model.n_ctx) if kv_budget_mib is None
                          else max(1, int(kv_budget_mib * 2**20) // token_bytes))
@@ -159,7 +167,7 @@ class Engine:
             n_ctx_train=n_ctx_train,
             n_vocab=int(model.n_vocab),
             file_size=int(gguf.file_size),
-            fingerprint=str(gguf.fingerprint),
+            fingerprint=gguf.fingerprint_nowait() or "",
             has_chat_template=template is not None,
             bos_token=tokenizer.bos_token,
             eos_token=tokenizer.eos_token,
@@ -363,16 +371,38 @@ class Engine:
                 raise EngineError("invalid_params", "generate() while add()/step() sequences are live")
             return run_one(self._sched, SeqRequest("generate", ids, p, on_token, should_stop), should_stop)
 
-    # ------------------------------------------------------------------ KV states
+    # ------------------------------------------------------------------ identity, KV states
+
+    @property
+    def fingerprint(self) -> str:
+        """The GGUF's content fingerprint (hex SHA-256 of the file, ``GGUFFile.fingerprint``),
+        waiting for the background hash ``load`` started if it is still running (a file seen
+        before is known at once). ``info.fingerprint`` is "" until then, the digest after."""
+        fp = self._gguf.fingerprint
+        if self.info.fingerprint != fp:
+            self.info = replace(self.info, fingerprint=fp)
+        return fp
+
+    def on_fingerprint(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(fingerprint)`` once it is known: at once if it is, else on the hashing
+        thread when it finishes (``info.fingerprint`` is updated first). Not called if the file
+        was closed before."""
+        def done(fut: Any) -> None:
+            if fut.exception() is None:
+                callback(self.fingerprint)
+
+        self._gguf.start_fingerprint().add_done_callback(done)
 
     @property
     def kv_identity(self) -> KVIdentity:
-        """What a KV state of this engine depends on (``worker.engine.kv_state``); the
-        tokenizer fingerprint is computed on first use."""
+        """What a KV state of this engine depends on (``worker.engine.kv_state``), with the full
+        content fingerprint (waited for if still being computed: a state from another file is
+        always refused, naming ``model_fingerprint``); the tokenizer fingerprint is computed
+        on first use."""
         if self._kv_identity is None:
             s = self._sched.pool.shape
             self._kv_identity = KVIdentity(
-                architecture=self.info.architecture, model_fingerprint=self.info.fingerprint,
+                architecture=self.info.architecture, model_fingerprint=self.fingerprint,
                 tokenizer_fingerprint=self.tokenizer.fingerprint, n_layer=s.n_layer, n_kv_head=s.n_kv_head,
                 head_dim_k=s.head_dim_k, head_dim_v=s.head_dim_v, kv_dtype=s.dtype.name,
                 kv_layout=KV_LAYOUT_VERSION, n_ctx=self.info.n_ctx)
@@ -462,3 +492,30 @@ def _wrap(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise
     except Exception as e:
         raise EngineError("invalid_gguf", f"cannot load GGUF: {type(e).__name__}: {e}") from e
+
+
+def _warm_up_kernels(type_names: set[str]) -> None:
+    """Import numba and load (from its on-disk cache) every kernel the quantized path calls, on
+    tiny inputs of the production types: the int8 matmul and its activation quantization for
+    each weight type in ``type_names``, the dequantize-and-sgemm tile, both flash-attention
+    kernels. Run on a thread during ``Engine.load`` (joined before it returns), so that the
+    ~0.4 s import and ~0.3 s of kernel loading overlap the GGUF reading, the tokenizer build and
+    the weight unpacking instead of delaying the first token. Errors are ignored: the kernels
+    are then loaded at first use as before."""
+    try:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        from . import attention, quant
+
+        for name in sorted(type_names):
+            if not quant.supports(name):
+                continue
+            block, tsize = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+            w = quant.QWeight.from_raw(name, np.zeros((8, 256 // block * tsize), np.uint8), 8, 256)
+            for rows in (1, quant.BLAS_MIN_ROWS):
+                w.matmul(np.zeros((rows, 256), np.float32))
+        for rows, end in ((1, 1), (64, 64)):
+            kv = np.zeros((1, end, 8), np.float32)
+            attention.ggml_attention(np.zeros((rows, 1, 8), np.float32), kv, kv, end - rows, 0, None, 1.0)
+    except Exception:  # noqa: BLE001 - only a warm-up
+        pass

@@ -24,8 +24,9 @@ import mmap
 import os
 import struct
 import tempfile
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,8 @@ SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 #: files smaller than this are hashed on every access instead of memoised on disk
 SHA256_MEMO_MIN_BYTES = 16 << 20
+#: Bytes hashed per step of the background fingerprint (between two checks of close()).
+HASH_CHUNK_BYTES = 16 << 20
 
 #: ggml tensor types this engine can dequantize.
 SUPPORTED_TENSOR_TYPES: frozenset[GGMLQuantizationType] = frozenset({
@@ -223,6 +226,10 @@ class GGUFFile:
         self._mtime_ns = mtime_ns
         self._inode = inode
         self._data = data
+        self._fp: Future[str] | None = None
+        self._fp_lock = threading.Lock()
+        self._fp_thread: threading.Thread | None = None
+        self._closing = False
 
     def __repr__(self) -> str:
         return (f"GGUFFile({self.path!r}, arch={self.metadata.get('general.architecture')!r}, "
@@ -236,38 +243,74 @@ class GGUFFile:
             raise EngineError("invalid_gguf", f"{self.path}: missing general.architecture")
         return arch
 
-    @cached_property
+    @property
     def fingerprint(self) -> str:
-        """Full SHA-256 hex digest of the file's bytes.
+        """Full SHA-256 hex digest of the file's bytes — the file's identity.
 
-        It equals ``sha256sum FILE``. Computing it reads the whole file once
-        (~0.1 s per 100 MB when cached by the OS); the result is memoised on
-        disk under ``$XDG_CACHE_HOME/modelyard/sha256/`` keyed by (real path,
-        size, mtime_ns, inode), so a warm load costs one small JSON read. A file
-        modified in place gets a new mtime and is hashed again. Files under
-        ``SHA256_MEMO_MIN_BYTES`` (16 MiB) are simply hashed (no memo file).
+        Identity rule: the fingerprint equals ``sha256sum FILE`` (every byte, header and
+        tensor data), so two files share it only if they are the same bytes; the weight cache
+        and the KV-state identity (``kv_state.KVIdentity.model_fingerprint``) rely on that.
+        It is computed lazily: :meth:`start_fingerprint` (called by ``Engine.load`` right
+        after opening the file) hashes on a background thread while the model is built —
+        hashlib releases the GIL, so on a second core it costs the load nothing — and this
+        property waits for that thread (or hashes here if it was never started). Only what
+        needs the identity waits (KV-state save/restore, the weight-cache write, the worker's
+        ``Ready``/``/props`` fingerprint, which is sent again once known); the first token
+        does not. The digest is memoised on disk under
+        ``$XDG_CACHE_HOME/modelyard/sha256/`` keyed by (real path, size, mtime_ns, inode), so
+        a file seen before is known at once (one small JSON read). A file modified in place
+        gets a new mtime and is hashed again. Files under ``SHA256_MEMO_MIN_BYTES`` (16 MiB)
+        are simply hashed (no memo file, no thread).
+
+        Raises: EngineError("invalid_gguf") if the file was closed before the hash finished.
         """
-        if self.file_size < SHA256_MEMO_MIN_BYTES:
-            return hashlib.sha256(self._data).hexdigest()
-        key = f"{os.path.realpath(self.path)}|{self.file_size}|{self._mtime_ns}|{self._inode}"
-        key_hash = hashlib.sha256(key.encode()).hexdigest()[:32]
-        memo = cache_root() / "sha256" / f"{key_hash}.json"
-        try:
-            rec = json.loads(memo.read_text())
-            if rec.get("key") == key and isinstance(rec.get("sha256"), str) and len(rec["sha256"]) == 64:
-                return rec["sha256"]
-        except (OSError, ValueError):
-            pass
+        return self.start_fingerprint().result()
+
+    def fingerprint_nowait(self) -> str | None:
+        """The fingerprint if already known (memo, small file, or the background hash done), else None."""
+        fut = self.start_fingerprint()
+        return fut.result() if fut.done() else None
+
+    def start_fingerprint(self) -> Future[str]:
+        """Start computing :attr:`fingerprint` (no-op once started); its Future. A memoised or
+        small file's Future is already done; otherwise a daemon thread hashes the file."""
+        with self._fp_lock:
+            if self._fp is not None:
+                return self._fp
+            fut: Future[str] = Future()
+            self._fp = fut
+            if self.file_size < SHA256_MEMO_MIN_BYTES:
+                fut.set_result(hashlib.sha256(self._data).hexdigest())
+                return fut
+            key = f"{os.path.realpath(self.path)}|{self.file_size}|{self._mtime_ns}|{self._inode}"
+            memo = cache_root() / "sha256" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+            try:
+                rec = json.loads(memo.read_text())
+                if rec.get("key") == key and isinstance(rec.get("sha256"), str) and len(rec["sha256"]) == 64:
+                    fut.set_result(rec["sha256"])
+                    return fut
+            except (OSError, ValueError):
+                pass
+            self._fp_thread = threading.Thread(target=self._hash, args=(fut, key, memo), daemon=True,
+                                               name="modelyard-gguf-sha256")
+            self._fp_thread.start()
+            return fut
+
+    def _hash(self, fut: Future[str], key: str, memo: Path) -> None:
         h = hashlib.sha256()
-        step = 16 << 20
+        step = HASH_CHUNK_BYTES
+        data = self._data
         for off in range(0, self.file_size, step):
-            h.update(self._data[off:off + step])
+            if self._closing:
+                fut.set_exception(EngineError("invalid_gguf", f"{self.path}: closed before its fingerprint was computed"))
+                return
+            h.update(data[off:off + step])
         digest = h.hexdigest()
         try:
             atomic_write_bytes(memo, json.dumps({"key": key, "sha256": digest}).encode())
         except OSError:
             pass  # read-only cache dir: just recompute next time
-        return digest
+        fut.set_result(digest)
 
     def raw(self, name: str) -> np.ndarray:
         """Stored bytes of a tensor, memory-mapped (no copy).
@@ -307,7 +350,11 @@ class GGUFFile:
             raise EngineError("invalid_gguf", f"{self.path}: no tensor named {name!r}") from None
 
     def close(self) -> None:
-        """Drop the memory map (tensors already returned stay valid)."""
+        """Drop the memory map (tensors already returned stay valid). A background hash still
+        running stops (its fingerprint then raises)."""
+        self._closing = True
+        if self._fp_thread is not None and self._fp_thread is not threading.current_thread():
+            self._fp_thread.join()
         mm = getattr(self._data, "_mmap", None)
         self._data = None  # type: ignore[assignment]
         if mm is not None:

@@ -577,30 +577,40 @@ class Model:
         if weight_cache is None:
             weight_cache = os.environ.get(CACHE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
         use_cache = weight_cache and self.dtype == np.float32 and self.gguf.file_size >= WEIGHT_CACHE_MIN_BYTES
-        cache = None
+        layout = f"{self.arch}-v{self.layout_version}-{self.weights}"
         if use_cache:
+            # the cache is keyed by the content fingerprint; a file never seen before (no memo:
+            # gguf_loader hashes it in the background) cannot have a cache entry we could find
+            # without waiting for the hash, so its weights are built and the write waits instead
             t0 = time.perf_counter()
-            cache = WeightCache(self.gguf.fingerprint, f"{self.arch}-v{self.layout_version}-{self.weights}")
+            fp = self.gguf.fingerprint_nowait()
             self.load_timings["fingerprint"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            arrays = cache.load()
-            self.load_timings["cache_read"] = time.perf_counter() - t0
-            if arrays is not None:
-                self.weights_from_cache = True
-                return arrays
+            if fp is not None:
+                t0 = time.perf_counter()
+                arrays = WeightCache(fp, layout).load()
+                self.load_timings["cache_read"] = time.perf_counter() - t0
+                if arrays is not None:
+                    self.weights_from_cache = True
+                    return arrays
         self.weights_from_cache = False
         t0 = time.perf_counter()
         arrays = self._build_weights()
         self.load_timings["dequantize"] = time.perf_counter() - t0
         self._release_gguf_pages()
-        if cache is not None:
+        if use_cache:
+            def save() -> None:
+                try:
+                    fp = self.gguf.fingerprint
+                except EngineError:
+                    return  # the file was closed first: nothing to key the entry by
+                WeightCache(fp, layout).save(arrays)
+
             if self._cache_write == "sync":
                 t0 = time.perf_counter()
-                cache.save(arrays)
+                save()
                 self.load_timings["cache_write"] = time.perf_counter() - t0
             else:
-                self._cache_thread = threading.Thread(target=cache.save, args=(arrays,), daemon=True,
-                                                      name="modelyard-weight-cache-write")
+                self._cache_thread = threading.Thread(target=save, daemon=True, name="modelyard-weight-cache-write")
                 self._cache_thread.start()
         if self.dtype != np.float32:
             arrays = {k: v.astype(self.dtype) for k, v in arrays.items()}

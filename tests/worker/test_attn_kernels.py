@@ -1,0 +1,159 @@
+"""The quantized path's attention against llama.cpp's own CPU flash attention, bit for bit.
+
+``tests/fixtures/flash-attn.llamacpp.json`` (scripts/record_flash_attn_llamacpp.py) holds
+what ggml-cpu's ``ggml_flash_attn_ext`` (llama.cpp's libggml-cpu.so, 2 threads) computed on
+the seeded inputs of ``tests/worker/flash_attn_cases.py``: every path (one-row with its
+f16 softmax·V accumulator, split-KV decode, tiled prefill), head sizes 16..256, GQA,
+sliding windows, softcap. :func:`worker.engine.attention.ggml_attention` must give the
+same bytes. Also: the path choice, batch invariance through :func:`attention.attend`
+(other sequences, thread count), and the f16 rounding helper.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.worker.flash_attn_cases import CASES, Case, inputs_sha256, make_inputs
+from worker.engine import attention as A
+from worker.engine.kv_cache import KVEntry, KVShape
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "flash-attn.llamacpp.json"
+DATA = json.loads(FIXTURE.read_text())
+RECORDED = {r["case"]["name"]: r for r in DATA["cases"]}
+
+
+def run_case(c: Case) -> np.ndarray:
+    q, k, v = make_inputs(c)
+    end = c.qpos0 + c.n_q
+    k0 = max(0, c.qpos0 - c.window + 1) if c.window else 0
+    keys = k[:, k0:end].astype(np.float32)
+    values = v[:, k0:end].astype(np.float32)
+    return A.ggml_attention(q, keys, values, c.qpos0, k0, c.window or None, c.scale, c.softcap)
+
+
+def test_fixture_covers_every_path() -> None:
+    from worker.engine import attn_kernels as ak
+
+    assert [c.as_dict() for c in CASES] == [r["case"] for r in DATA["cases"]]
+    modes = {A.ggml_fa_mode(c.n_q, c.qpos0 + c.n_q)[0] for c in CASES}
+    assert modes == {ak.MODE_VEC, ak.MODE_SPLIT, ak.MODE_TILED}
+    assert any(c.window for c in CASES) and any(c.softcap for c in CASES) and any(c.n_head > c.n_kv for c in CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bit_identical_to_llamacpp(case: Case) -> None:
+    rec = RECORDED[case.name]
+    assert inputs_sha256(case) == rec["inputs_sha256"], \
+        f"the seeded inputs changed (recorded with numpy {DATA['numpy']}): re-record with scripts/record_flash_attn_llamacpp.py"
+    got = run_case(case).astype("<f4")
+    assert got.shape == (case.n_q, case.n_head * case.dv)
+    for row, key in ((0, "first_row"), (-1, "last_row")):
+        want = np.frombuffer(base64.b64decode(rec[key]), "<f4")
+        assert np.array_equal(got[row], want), \
+            f"{case.name} row {row}: max |diff| {np.abs(got[row] - want).max():.3e}"
+    assert hashlib.sha256(got.tobytes()).hexdigest() == rec["out_sha256"]
+
+
+def test_mode_follows_llamacpp() -> None:
+    from worker.engine import attn_kernels as ak
+
+    assert A.ggml_fa_mode(1, 1) == (ak.MODE_VEC, 256)
+    assert A.ggml_fa_mode(1, 256) == (ak.MODE_VEC, 256)
+    assert A.ggml_fa_mode(1, 257) == (ak.MODE_SPLIT, 512)       # n_kv padded to 512 cells
+    assert A.ggml_fa_mode(2, 700) == (ak.MODE_VEC, 768)         # split only for one row
+    assert A.ggml_fa_mode(63, 900) == (ak.MODE_VEC, 1024)
+    assert A.ggml_fa_mode(64, 64) == (ak.MODE_TILED, 256)
+
+
+def test_f16_round_matches_numpy() -> None:
+    """The kernels' binary16 rounding (ties to even, subnormals, overflow) is numpy's."""
+    import numba
+
+    from worker.engine.attn_kernels import f16r
+
+    @numba.njit
+    def rnd(x, out):
+        for i in range(x.shape[0]):
+            out[i] = f16r(x[i])
+
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
+    x = bits.view(np.float32)
+    x = x[np.isfinite(x)]
+    edge = np.array([0.0, -0.0, 65504.0, 65519.99, 65520.0, -65520.0, 6.1035156e-05, 6.1e-05, 2.98e-08,
+                     5.96e-08, 1e-9, 1.0 + 2**-11, 1.0 + 3 * 2**-11, np.inf, -np.inf], np.float32)
+    ties = (np.arange(1, 2049, dtype=np.float32) + 0.5) * np.float32(2**-24)   # subnormal halfway points
+    x = np.concatenate([x, edge, ties, x * np.float32(1e-30), x * np.float32(1e-36)])
+    out = np.empty_like(x)
+    rnd(x, out)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).astype(np.float32)
+    assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
+
+
+def _entry(n_layer: int, n_kv: int, hd: int, cap: int) -> KVEntry:
+    return KVEntry(KVShape(n_layer, n_kv, hd, hd), cap)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_attend_is_batch_invariant(window: int | None) -> None:
+    """One step over three sequences (a decode over > 256 keys: split-KV; a 70-row prefill chunk:
+    tiled; a 5-row chunk: one-row kernel) gives each sequence's rows the bits it gets alone,
+    whatever the thread count."""
+    import numba
+
+    rng = np.random.default_rng(5)
+    n_head, n_kv, hd = 4, 2, 64
+    lens = [(300, 1), (0, 70), (12, 5)]   # (positions already held, rows this step)
+
+    def prepared() -> list[KVEntry]:
+        out = []
+        for past, n in lens:
+            e = _entry(1, n_kv, hd, past + n)
+            if past:
+                kv = np.random.default_rng(past).standard_normal((2, past, n_kv, hd)).astype(np.float32)
+                e.store(0, 0, A.round_f16(kv[0]), A.round_f16(kv[1]))
+                e.tokens.extend(range(past))
+            out.append(e)
+        return out
+
+    n_tot = sum(n for _, n in lens)
+    q = rng.standard_normal((n_tot, n_head, hd)).astype(np.float32)
+    k = rng.standard_normal((n_tot, n_kv, hd)).astype(np.float32)
+    v = rng.standard_normal((n_tot, n_kv, hd)).astype(np.float32)
+    entries = prepared()
+    segs, start = [], 0
+    for e, (past, n) in zip(entries, lens):
+        segs.append(A.Segment(e, start, n, past))
+        start += n
+    together = A.attend(A.AttnBatch(segs, np.float32), 0, q, k, v, 0.125, window, f16=True)
+    start = 0
+    for i, (e, (past, n)) in enumerate(zip(prepared(), lens)):
+        rows = slice(start, start + n)
+        for threads in (1, numba.config.NUMBA_NUM_THREADS):
+            numba.set_num_threads(threads)
+            e.truncate(past)
+            alone = A.attend(A.AttnBatch([A.Segment(e, 0, n, past)], np.float32), 0, q[rows], k[rows], v[rows],
+                             0.125, window, f16=True)
+            assert np.array_equal(alone, together[rows]), (i, threads)
+        start += n
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+def test_attend_f16_stores_f16_values_and_matches_reference_closely() -> None:
+    """The ggml path keeps K/V at f16 precision and stays within f16 noise of the float32 reference."""
+    rng = np.random.default_rng(9)
+    n, n_head, n_kv, hd = 20, 4, 2, 32
+    q, k, v = (rng.standard_normal((n, h, hd)).astype(np.float32) for h in (n_head, n_kv, n_kv))
+    e16, e32 = _entry(1, n_kv, hd, n), _entry(1, n_kv, hd, n)
+    got = A.attend(A.AttnBatch([A.Segment(e16, 0, n, 0)], np.float32), 0, q, k, v, 0.2, None, f16=True)
+    ref = A.attend(A.AttnBatch([A.Segment(e32, 0, n, 0)], np.float32), 0, q, k, v, 0.2, None, f16=False)
+    kk = e16.keys(0, 0, n)
+    assert np.array_equal(kk, A.round_f16(kk)) and not np.array_equal(kk, e32.keys(0, 0, n))
+    assert np.abs(got - ref).max() < 5e-3

@@ -1,0 +1,335 @@
+"""numba kernels of llama.cpp's CPU flash attention, used by :mod:`.attention` on the ggml path.
+
+They reproduce, operation by operation, ``ggml_compute_forward_flash_attn_ext_f16`` of
+ggml-cpu ``ops.cpp`` (llama.cpp b11434, x86-64 with AVX-512F and no AVX512-FP16, as built
+with ``GGML_NATIVE`` on this machine kind) over an f16 K/V cache. Of its three code paths
+the caller picks the one llama.cpp would run for the sequence alone (:func:`.attention.ggml_fa_mode`):
+
+* ``MODE_VEC`` — ``..._f16_one_chunk``: per query row and head, Q rounded to f16, each
+  visible key in cell order: ``s = ggml_vec_dot_f16(K, Q) * scale`` (f32 FMA lanes of
+  16 in 4 accumulators per 64 elements, ``_mm512_reduce_add_ps``, leftovers summed in
+  double), an online softmax with libm ``expf`` (``S = S*ms + vs`` fused), and the
+  softmax·V sum kept in **f16** (``VKQ16``): ``ggml_vec_scale_f16`` on a new maximum,
+  ``ggml_vec_mad_f16`` (``f16(fma(v, vs, acc))``) for every key; then ``VKQ * (1/S)``.
+* ``MODE_SPLIT`` — the split-KV decode path (one query row, ``n_kv >= 512`` cells): the
+  cells ``0 .. n_kv-1`` are cut into ``n_chunks`` (llama.cpp's thread count) equal
+  chunks, each run as above without the division, and the partial ``(M, S, VKQ)`` are
+  merged in f32 (``ggml_flash_attn_ext_reduce_partials``).
+* ``MODE_TILED`` — ``..._tiled`` (``>= 64`` query rows in the batch): Q kept in f32, tiles
+  of 64 cells; per tile ``KQ = Q·K`` (one FMA chain per score, ``simd_gemm``), scale, a
+  tile maximum, ``expf`` rescaling of the f32 accumulator on a new maximum, the tile's
+  softmax by ggml's AVX-512 ``ggml_v_expf`` polynomial summed per 16 lanes into a double,
+  ``VKQ += KQ·V`` (one FMA chain per output), and ``VKQ * (1/S)`` at the end.
+
+Cells are positions here (llama.cpp's cells of one sequence in a fresh cache are its
+positions in order; see :mod:`.attention`). Masked cells (causal, sliding window) are
+skipped exactly as ggml's ``-INFINITY`` mask entries are. Every (query row, head) is
+computed by one thread from its own inputs only, so the result does not depend on the
+other rows or sequences of the batch, nor on the thread count.
+
+Arrays: ``q`` float32 ``[T, n_head, DK]`` (after RoPE and any q scaling); ``keys`` float32
+``[n_kv_head, S, DK]`` and ``values`` ``[n_kv_head, S, DV]`` holding f16 values (the KV
+cache), key ``i`` at position ``kpos0 + i``; query row ``t`` at position ``qpos0 + t``;
+``out`` float32 ``[T, n_head * DV]``. Query head ``h`` reads KV head ``h // (n_head / n_kv_head)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+f32 = numba.float32
+
+MODE_VEC = 0
+MODE_SPLIT = 1
+MODE_TILED = 2
+
+#: ggml_fa_tile_config (ggml-cpu common.h): query rows and KV cells per tile of the tiled path
+TILE_Q = 64
+TILE_KV = 64
+
+
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """``a * b + c`` rounded once (float32 FMA, as ``_mm512_fmadd_ps``)."""
+    if not (a == types.float32 and b == types.float32 and c == types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fma(*args)
+
+    return types.float32(types.float32, types.float32, types.float32), codegen
+
+
+@intrinsic
+def _pow2_f64(typingctx, n):
+    """``2.0 ** n`` as a float64 for an int64 ``n`` in [-1022, 1023] (its exponent bits)."""
+    if n != types.int64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        bits = builder.shl(builder.add(args[0], ir.Constant(ir.IntType(64), 1023)), ir.Constant(ir.IntType(64), 52))
+        return builder.bitcast(bits, ir.DoubleType())
+
+    return types.float64(types.int64), codegen
+
+
+@intrinsic
+def f16r(typingctx, x):
+    """float32 ``x`` rounded to the nearest binary16 (ties to even, subnormals, overflow to inf:
+    the ``_mm512_cvtps_ph(x, 0)`` / ``GGML_CPU_FP32_TO_FP16`` rounding), returned as float32
+    (LLVM ``fptrunc`` to half and back: F16C's vcvtps2ph where the CPU has it)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.float32), codegen
+
+
+@njit(cache=True, inline="always")
+def _expf(x):
+    return f32(math.exp(x))   # float32 exp: llvm.exp.f32 -> libm expf, as ggml's scalar expf
+
+
+_VE_R = f32(float.fromhex("0x1.8p23"))
+_VE_L2E = f32(float.fromhex("0x1.715476p+0"))
+_VE_LN2HI = f32(float.fromhex("0x1.62e4p-1"))
+_VE_LN2LO = f32(float.fromhex("0x1.7f7d1cp-20"))
+_VE_C5 = f32(float.fromhex("0x1.0e4020p-7"))
+_VE_C4 = f32(float.fromhex("0x1.573e2ep-5"))
+_VE_C3 = f32(float.fromhex("0x1.555e66p-3"))
+_VE_C2 = f32(float.fromhex("0x1.fffdb6p-2"))
+_VE_C1 = f32(float.fromhex("0x1.ffffecp-1"))
+
+
+@njit(cache=True, inline="always")
+def v_expf(x):
+    """One lane of ggml's AVX-512 ``ggml_v_expf`` (vec.h): exp by a degree-5 polynomial and
+    ``_mm512_scalef_ps``; 0 below and inf above its range."""
+    z = fma32(x, _VE_L2E, _VE_R)
+    n = z - _VE_R
+    b = fma32(-n, _VE_LN2LO, fma32(-n, _VE_LN2HI, x))
+    u = b * b
+    j = fma32(fma32(fma32(_VE_C5, b, _VE_C4), u, fma32(_VE_C3, b, _VE_C2)), u, fma32(_VE_C1, b, f32(1.0)))
+    if abs(n) > f32(192.0):
+        return f32(0.0) if n <= f32(0.0) else f32(np.inf)
+    return f32(np.float64(j) * _pow2_f64(np.int64(n)))   # scalef: j * 2^n (exact in double), rounded once
+
+
+@njit(cache=True, inline="always")
+def _sum16(v, o):
+    # _mm512_reduce_add_ps of v[o .. o+15] (GCC: halves, quarters, {2,3,0,1} shuffle, last pair)
+    t0 = v[o + 8] + v[o + 0]
+    t1 = v[o + 9] + v[o + 1]
+    t2 = v[o + 10] + v[o + 2]
+    t3 = v[o + 11] + v[o + 3]
+    t4 = v[o + 12] + v[o + 4]
+    t5 = v[o + 13] + v[o + 5]
+    t6 = v[o + 14] + v[o + 6]
+    t7 = v[o + 15] + v[o + 7]
+    u0 = t4 + t0
+    u1 = t5 + t1
+    u2 = t6 + t2
+    u3 = t7 + t3
+    return (u0 + u2) + (u1 + u3)
+
+
+@njit(cache=True, inline="always")
+def dot_f16(keys, g, i, y, acc):
+    """``ggml_vec_dot_f16`` (AVX-512F, no FP16) of key ``keys[g, i]`` and the f16-valued ``y``:
+    per 64 elements 4 x 16 FMA lanes, ``GGML_F32x16_REDUCE``, the leftovers summed in double;
+    ``acc`` a float32 scratch of 64."""
+    n = y.shape[0]
+    np_ = n & ~63
+    sumf = 0.0
+    if np_ > 0:
+        for t in range(64):
+            acc[t] = keys[g, i, t] * y[t]             # fma(x, y, 0): the product, exact for f16 inputs
+        for st in range(1, np_ // 64):            # (a stepped range does not vectorize in numba)
+            j = st * 64
+            for t in range(64):
+                acc[t] = fma32(keys[g, i, j + t], y[j + t], acc[t])
+        for t in range(16):                       # x0+x2, x1+x3, then x0+x1
+            acc[t] = (acc[t] + acc[32 + t]) + (acc[16 + t] + acc[48 + t])
+        sumf = np.float64(_sum16(acc, 0))
+    for j in range(np_, n):
+        sumf += np.float64(keys[g, i, j] * y[j])
+    return f32(sumf)
+
+
+@njit(cache=True)
+def _vec_chunk(q16, keys, values, g, i0, i1, scale, softcap, vkq, dacc, sbuf):
+    # one_chunk over key indices i0 .. i1-1 (all visible): vkq f16-valued [DV] (reset here); -> (M, S).
+    # The scores do not depend on the softmax state: all computed first (sbuf), then the online softmax.
+    dv = vkq.shape[0]
+    for i in range(i0, i1):
+        s = dot_f16(keys, g, i, q16, dacc) * scale
+        if softcap != f32(0.0):
+            s = softcap * f32(math.tanh(s))
+        sbuf[i - i0] = s
+    for d in range(dv):
+        vkq[d] = f32(0.0)
+    S = f32(0.0)
+    M = f32(-np.inf)
+    for i in range(i0, i1):
+        s = sbuf[i - i0]
+        ms = f32(1.0)
+        vs = f32(1.0)
+        if s > M:
+            mold = M
+            M = s
+            ms = _expf(mold - M)
+            for d in range(dv):
+                vkq[d] = f16r(vkq[d] * ms)
+        else:
+            vs = _expf(s - M)
+        for d in range(dv):
+            vkq[d] = f16r(fma32(values[g, i, d], vs, vkq[d]))
+        S = fma32(S, ms, vs)
+    return M, S
+
+
+@njit(cache=True)
+def _vec_rowhead(q, keys, values, t, h, g, qpos0, kpos0, window, scale, softcap, mode, n_cells, n_chunks, out):
+    dk = q.shape[2]
+    dv = values.shape[2]
+    q16 = np.empty(dk, np.float32)
+    for d in range(dk):
+        q16[d] = f16r(q[t, h, d])
+    vkq = np.empty(dv, np.float32)
+    dacc = np.empty(64, np.float32)
+    qp = qpos0 + t
+    sbuf = np.empty(qp + 1, np.float32)
+    lo = 0 if window == 0 else max(0, qp - window + 1)   # visible positions lo .. qp
+    o0 = h * dv
+    if mode == MODE_SPLIT:
+        cs = (n_cells + n_chunks - 1) // n_chunks
+        mf = f32(-np.inf)
+        sf = f32(0.0)
+        acc = np.zeros(dv, np.float32)
+        for c in range(n_chunks):
+            a = max(c * cs, lo)
+            b = min((c + 1) * cs, n_cells, qp + 1)
+            if a >= b:
+                continue
+            mc, sc = _vec_chunk(q16, keys, values, g, a - kpos0, b - kpos0, scale, softcap, vkq, dacc, sbuf)
+            if sc == f32(0.0):
+                continue
+            mn = max(mf, mc)
+            so = _expf(mf - mn)
+            sn = _expf(mc - mn)
+            for d in range(dv):
+                acc[d] = fma32(acc[d], so, vkq[d] * sn)
+            sf = fma32(sf, so, sc * sn)
+            mf = mn
+        inv = f32(1.0) / sf if sf != f32(0.0) else f32(0.0)
+        for d in range(dv):
+            out[t, o0 + d] = acc[d] * inv
+    else:
+        mc, sc = _vec_chunk(q16, keys, values, g, lo - kpos0, qp + 1 - kpos0, scale, softcap, vkq, dacc, sbuf)
+        inv = f32(1.0) / sc if sc != f32(0.0) else f32(0.0)
+        for d in range(dv):
+            out[t, o0 + d] = vkq[d] * inv
+
+
+@njit(cache=True, parallel=True)
+def fa_vec(q, keys, values, qpos0, kpos0, window, scale, softcap, mode, n_cells, n_chunks, out):
+    """MODE_VEC / MODE_SPLIT over every (row, head) of ``q``; see the module docstring.
+    window 0: none; n_cells / n_chunks: llama.cpp's KV view length and thread count (split)."""
+    T, n_head, dk = q.shape
+    grp = n_head // values.shape[0]
+    for item in prange(T * n_head):
+        t = item // n_head
+        h = item % n_head
+        _vec_rowhead(q, keys, values, t, h, h // grp, qpos0, kpos0, window, scale, softcap, mode, n_cells,
+                     n_chunks, out)
+
+
+@njit(cache=True, parallel=True)
+def fa_tiled(q, keys, values, qpos0, kpos0, window, scale, softcap, out):
+    """MODE_TILED over every (row, head) of ``q``; see the module docstring. Work items are
+    (head, block of TILE_Q rows): the K tile is packed transposed once per block."""
+    T, n_head, dk = q.shape
+    n_kv, S_len, dv = values.shape
+    grp = n_head // n_kv
+    nqb = (T + TILE_Q - 1) // TILE_Q
+    for item in prange(n_head * nqb):
+        h = item // nqb
+        t0 = (item % nqb) * TILE_Q
+        t1 = min(T, t0 + TILE_Q)
+        g = h // grp
+        kt = np.empty((dk, TILE_KV), np.float32)      # K tile transposed
+        kq = np.empty(TILE_KV, np.float32)
+        vkq = np.zeros((t1 - t0, dv), np.float32)
+        M = np.full(t1 - t0, -np.inf, np.float32)
+        S = np.zeros(t1 - t0, np.float32)
+        qlo = qpos0 + t0
+        qhi = qpos0 + t1 - 1
+        first = 0 if window == 0 else max(0, qlo - window + 1)
+        c_start = (first // TILE_KV) * TILE_KV
+        for c0 in range(c_start, qhi + 1, TILE_KV):
+            for tk in range(TILE_KV):
+                p = c0 + tk
+                if p >= kpos0 and p <= qhi:
+                    for d in range(dk):
+                        kt[d, tk] = keys[g, p - kpos0, d]
+                else:
+                    for d in range(dk):
+                        kt[d, tk] = f32(0.0)
+            for r in range(t1 - t0):
+                qp = qlo + r
+                lo = 0 if window == 0 else max(0, qp - window + 1)
+                a = max(c0, lo)
+                b = min(c0 + TILE_KV, qp + 1)
+                if a >= b:
+                    continue
+                for tk in range(TILE_KV):
+                    kq[tk] = f32(0.0)
+                for d in range(dk):
+                    qd = q[t0 + r, h, d]
+                    for tk in range(TILE_KV):
+                        kq[tk] = fma32(kt[d, tk], qd, kq[tk])
+                for tk in range(TILE_KV):
+                    p = c0 + tk
+                    if p < a or p >= b:
+                        kq[tk] = f32(-np.inf)
+                    else:
+                        s = kq[tk] * scale
+                        if softcap != f32(0.0):
+                            s = softcap * f32(math.tanh(s))
+                        kq[tk] = s
+                tmax = f32(-np.inf)
+                for tk in range(TILE_KV):
+                    if kq[tk] > tmax:
+                        tmax = kq[tk]
+                mold = M[r]
+                mnew = max(mold, tmax)
+                if mnew > mold:
+                    ms = _expf(mold - mnew)
+                    for d in range(dv):
+                        vkq[r, d] = vkq[r, d] * ms
+                    S[r] = S[r] * ms
+                M[r] = mnew
+                tsum = 0.0
+                for bi in range(TILE_KV // 16):
+                    blk = bi * 16
+                    for tk in range(blk, blk + 16):
+                        kq[tk] = v_expf(kq[tk] - mnew)
+                    tsum += np.float64(_sum16(kq, blk))
+                S[r] = f32(np.float64(S[r]) + tsum)
+                for tk in range(a - c0, b - c0):
+                    w = kq[tk]
+                    i = c0 + tk - kpos0
+                    for d in range(dv):
+                        vkq[r, d] = fma32(w, values[g, i, d], vkq[r, d])
+        for r in range(t1 - t0):
+            inv = f32(1.0) / S[r] if S[r] != f32(0.0) else f32(0.0)
+            for d in range(dv):
+                out[t0 + r, h * dv + d] = vkq[r, d] * inv
