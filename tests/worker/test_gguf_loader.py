@@ -441,3 +441,23 @@ def test_close_stops_a_background_hash(tmp_path: Path, monkeypatch: pytest.Monke
         fut.result()
     assert ei.value.code == "invalid_gguf" and "closed" in ei.value.message
     assert not (tmp_path / "cache" / "modelyard" / "sha256").exists()   # no memo of a partial hash
+
+
+def test_the_background_hash_reads_the_file_it_mapped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fingerprint is the sha256 of the opened file; a file replaced at its path after it
+    was opened is not hashed in its place (an error, never another file's digest)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_loader, "SHA256_MEMO_MIN_BYTES", 0)
+    a = tmp_path / "a.gguf"
+    write_tiny_llama(a)
+    g = read_gguf(a)
+    want = hashlib.sha256(a.read_bytes()).hexdigest()
+    assert g.fingerprint == want
+    g.release_pages()  # the mapping stays readable after its pages are dropped
+    assert g.raw(next(iter(g.tensors))).size > 0
+    b = tmp_path / "b.gguf"
+    write_tiny_llama(b)
+    g2 = read_gguf(b)
+    os.replace(a, b)  # b's path now names another file (another inode)
+    with pytest.raises(EngineError, match="replaced"):
+        _ = g2.fingerprint

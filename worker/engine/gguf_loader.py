@@ -297,14 +297,28 @@ class GGUFFile:
             return fut
 
     def _hash(self, fut: Future[str], key: str, memo: Path) -> None:
+        # read through the file, not the mapping: the mapping's pages would stay in this process's
+        # resident set (the whole file, on top of the prepared weights); the opened file must be
+        # the one mapped (same inode and size), else the hash would name another file
         h = hashlib.sha256()
-        step = HASH_CHUNK_BYTES
-        data = self._data
-        for off in range(0, self.file_size, step):
-            if self._closing:
-                fut.set_exception(EngineError("invalid_gguf", f"{self.path}: closed before its fingerprint was computed"))
-                return
-            h.update(data[off:off + step])
+        buf = memoryview(bytearray(HASH_CHUNK_BYTES))
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                st = os.fstat(f.fileno())
+                if st.st_ino != self._inode or st.st_size != self.file_size:
+                    raise OSError(f"{self.path} was replaced after it was opened")
+                while True:
+                    if self._closing:
+                        fut.set_exception(EngineError("invalid_gguf",
+                                                      f"{self.path}: closed before its fingerprint was computed"))
+                        return
+                    n = f.readinto(buf)
+                    if not n:
+                        break
+                    h.update(buf[:n])
+        except OSError as e:
+            fut.set_exception(EngineError("invalid_gguf", f"{self.path}: cannot hash it: {e}"))
+            return
         digest = h.hexdigest()
         try:
             atomic_write_bytes(memo, json.dumps({"key": key, "sha256": digest}).encode())
@@ -348,6 +362,17 @@ class GGUFFile:
             return self.tensors[name]
         except KeyError:
             raise EngineError("invalid_gguf", f"{self.path}: no tensor named {name!r}") from None
+
+    def release_pages(self) -> None:
+        """Drop this process's resident pages of the mapping (``MADV_DONTNEED`` on a read-only
+        file mapping: the data stays valid, a later read faults it in again from the page
+        cache). For after the weights are built from it (they are copies)."""
+        mm = getattr(self._data, "_mmap", None)
+        if mm is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                mm.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):
+                pass
 
     def close(self) -> None:
         """Drop the memory map (tensors already returned stay valid). A background hash still

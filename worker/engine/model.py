@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import threading
 import time
@@ -596,7 +595,7 @@ class Model:
         t0 = time.perf_counter()
         arrays = self._build_weights()
         self.load_timings["dequantize"] = time.perf_counter() - t0
-        self._release_gguf_pages()
+        self.gguf.release_pages()  # the weights are copies: the file's pages need not stay resident
         if use_cache:
             def save() -> None:
                 try:
@@ -615,18 +614,6 @@ class Model:
         if self.dtype != np.float32:
             arrays = {k: v.astype(self.dtype) for k, v in arrays.items()}
         return arrays
-
-    def _release_gguf_pages(self) -> None:
-        """Drop the GGUF mapping's pages from this process's resident set once the weights are
-        built (they are copies): ``MADV_DONTNEED`` on the read-only file mapping; a later read
-        faults them in again from the page cache. Without it the worker's RSS counts the whole
-        file on top of the prepared weights (SmolLM2: ~100 MiB)."""
-        mm = getattr(getattr(self.gguf, "_data", None), "_mmap", None)
-        if mm is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
-            try:
-                mm.madvise(mmap.MADV_DONTNEED)
-            except (OSError, ValueError):
-                pass
 
     def matrix(self, name: str, shape: Sequence[int]) -> Matrix:
         """A weight matrix ``[out, in]`` as the model multiplies with it: a :class:`~.quant.QWeight`
