@@ -75,7 +75,9 @@ def test_burst_to_a_third_model_evicts_the_idle_lru_one_and_loads_once(router: L
                             events.append(line[6:])
 
             s = asyncio.create_task(stream())
-            await router.until(lambda: len(events) >= 1, what="gemma3 streaming")
+            # its first token pays the first touch of the memory-mapped weights (1 GiB of float32
+            # for Gemma, from disk when the page cache has dropped them): wait as long as the request may
+            await router.until(lambda: len(events) >= 1, timeout=300, what="gemma3 streaming")
             burst = await asyncio.gather(*(c.post("/v1/chat/completions", json={
                 "model": "smol-third", "messages": MSG, "max_tokens": 4, "temperature": 0}) for _ in range(8)))
             await s
