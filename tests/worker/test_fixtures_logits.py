@@ -1,7 +1,11 @@
 """Teacher-forced agreement with llama.cpp on every ``greedy`` fixture entry of both models.
 
-Rules (``tests/fixtures/README.md``): feed ``prompt_ids + ids`` in one
-pass with all logits; for each step i, look at the log-softmax after
+Rules (``tests/fixtures/README.md``): feed the tokens as the recording did —
+``prompt_ids`` in one batch (llama.cpp splits it into micro-batches of
+``N_UBATCH`` = 512, its default ``n_ubatch``), then ``ids`` one token at a time
+(measured: llama.cpp itself run that way reproduces every recorded logprob of
+both files exactly, while all of ``prompt_ids + ids`` in one pass differs from
+them by 0.006 on average); for each step i, look at the log-softmax after
 ``prompt_ids + ids[:i]``:
 
 * top-1 equals ``steps[i].id`` where llama.cpp's top-2 gap >= 0.6 nats, else our
@@ -9,7 +13,9 @@ pass with all logits; for each step i, look at the log-softmax after
 * |our logprob of steps[i].id - steps[i].logprob|: mean <= 0.06, max <= 0.6 per file.
 
 Both weight paths are checked: the float32 reference (``weights="f32"``) and the
-quantized one (``weights="quantized"``: ggml's 8-bit activations, f16 attention inputs).
+quantized one (``weights="quantized"``: ggml's kernels reproduced operation by operation),
+and the quantized one must be the closer to llama.cpp (the issue's acceptance);
+on SmolLM2 it reproduces every recorded logprob (all its ops are reproduced bit for bit).
 The top-2 rule for near-ties applies to the float32 path only: quantized inference is
 chaotic in its roundings (a 1e-7 difference flips an 8-bit level and grows through the
 layers), so among near-tied tokens either path may pick a third, and its largest single
@@ -31,6 +37,7 @@ from tests.worker.conftest import GEMMA3_FIXTURES, SMOLLM2_FIXTURES, load_fixtur
 from worker.engine.model import load_model
 
 MEAN_BOUND = 0.06
+N_UBATCH = 512
 MAX_BOUND = 0.6
 GAP = 0.6
 
@@ -48,10 +55,13 @@ def _check_file(gguf, fixture_path: Path, label: str, weights: str) -> float:
     for k, e in enumerate(entries):
         ids = list(e["prompt_ids"]) + list(e["ids"])
         model.reset()
-        p0 = len(e["prompt_ids"]) - 1
-        logits = model.forward(ids, all_logits=True)  # [T, n_vocab] float32, one pass
-        rows = logits[p0:p0 + len(e["steps"])].astype(np.float64)  # the teacher-forced steps only
-        del logits
+        prompt = list(e["prompt_ids"])
+        last = None
+        for c in range(0, len(prompt), N_UBATCH):
+            last = model.forward(prompt[c:c + N_UBATCH])                 # [n_vocab] after the last chunk
+        steps = [last] + [model.forward([t]) for t in e["ids"][:len(e["steps"]) - 1]]
+        rows = np.stack(steps).astype(np.float64)                       # [steps, n_vocab]
+        assert len(ids) == len(prompt) + len(e["ids"])
         m = rows.max(axis=-1, keepdims=True)
         logp = rows - m - np.log(np.exp(rows - m).sum(axis=-1, keepdims=True))
         assert len(e["steps"]) == len(e["ids"])
@@ -80,12 +90,15 @@ def _check_file(gguf, fixture_path: Path, label: str, weights: str) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("weights", ["f32", "quantized"])
-def test_smollm2_teacher_forced(smollm2_gguf, weights: str) -> None:
-    _check_file(smollm2_gguf, SMOLLM2_FIXTURES, "SmolLM2-135M-Instruct Q4_1", weights)
+def test_smollm2_teacher_forced(smollm2_gguf) -> None:
+    f32 = _check_file(smollm2_gguf, SMOLLM2_FIXTURES, "SmolLM2-135M-Instruct Q4_1", "f32")
+    quantized = _check_file(smollm2_gguf, SMOLLM2_FIXTURES, "SmolLM2-135M-Instruct Q4_1", "quantized")
+    assert quantized < f32, f"quantized mean |dlogprob| {quantized:.4f} not below the f32 path's {f32:.4f}"
+    assert quantized <= 1e-5, f"SmolLM2's quantized path reproduces llama.cpp: mean {quantized:.2e}"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("weights", ["f32", "quantized"])
-def test_gemma3_teacher_forced(gemma3_gguf, weights: str) -> None:
-    _check_file(gemma3_gguf, GEMMA3_FIXTURES, "Gemma 3 270M Q4_K_M", weights)
+def test_gemma3_teacher_forced(gemma3_gguf) -> None:
+    f32 = _check_file(gemma3_gguf, GEMMA3_FIXTURES, "Gemma 3 270M Q4_K_M", "f32")
+    quantized = _check_file(gemma3_gguf, GEMMA3_FIXTURES, "Gemma 3 270M Q4_K_M", "quantized")
+    assert quantized < f32, f"quantized mean |dlogprob| {quantized:.4f} not below the f32 path's {f32:.4f}"

@@ -67,7 +67,8 @@ def ref_quantize(x: np.ndarray, act: str) -> tuple[np.ndarray, np.ndarray, np.nd
 
 def ref_matmul(w: quant.QWeight, x: np.ndarray) -> np.ndarray:
     """sum over weight blocks of d_w * d_x * sum(q_w * q_x) + m_w * s_x, in float64."""
-    q, d, m = w.levels(np.arange(w.shape[0])).astype(np.int64), w.d.astype(np.float64), w.m
+    q, d, m = w.plain()
+    q, d = q.astype(np.int64), d.astype(np.float64)
     O, nb, B = q.shape
     qx, dx, sx = ref_quantize(x, w.act)
     T, K = x.shape
@@ -101,16 +102,121 @@ def test_matmul_is_ggml_vec_dot(type_name: str, n_tok: int) -> None:
     x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
     x[0, :7] *= 40.0  # an outlier block
     x[-1, 256:] = 0.0  # an all-zero block (scale 0)
-    outs = []
-    for packed in ([False, True] if type_name in quant.PACKED_BIAS else [False]):
-        w = quant.QWeight.from_raw(type_name, raw, n_rows, n_cols, packed=packed)
-        got = w.matmul(x)
-        want = ref_matmul(w, x)
-        assert got.shape == (n_tok, n_rows) and got.dtype == np.float32
-        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
-        outs.append(got)
-    for got in outs[1:]:
-        np.testing.assert_array_equal(got, outs[0])  # packed and int8 forms: the same bits
+    w = quant.QWeight.from_raw(type_name, raw, n_rows, n_cols)
+    got = w.matmul(x)
+    want = ref_matmul(w, x)
+    assert got.shape == (n_tok, n_rows) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def ggml_avx2_order(w: quant.QWeight, x: np.ndarray) -> np.ndarray:
+    """float32 ``[T, O]``: ggml's x86 AVX2 ``vec_dot`` of a 32-block type, one rounding at a time
+    (eight lanes of four elements, ``acc_l = fma(d_w*d_x, isum_l, acc_l)`` over the blocks,
+    ``hsum_float_8``, then ``+ summs`` = the in-order fma sum of ``m_w * s_x``), in numpy
+    scalars: an independent port of ggml-cpu/arch/x86/quants.c."""
+    f32 = np.float32
+
+    def fma(a, b, c):  # one rounding: the product of two float32 is exact in float64
+        return f32(np.float64(a) * np.float64(b) + np.float64(c))
+
+    q, d, m = w.plain()
+    xq, dx, xs = quant.quantize_activations(x, w.act, m is not None)
+    T, O, nb = x.shape[0], q.shape[0], q.shape[1]
+    lanes = (q.astype(np.int64)[None] * xq.astype(np.int64).reshape(T, 1, nb, 32)).reshape(T, O, nb, 8, 4).sum(-1)
+    out = np.empty((T, O), np.float32)
+    for t in range(T):
+        for r in range(O):
+            acc = [f32(0)] * 8
+            summs = f32(0)
+            for b in range(nb):
+                dd = f32(d[r, b] * dx[t, b])
+                acc = [fma(dd, f32(lanes[t, r, b, j]), acc[j]) for j in range(8)]
+                if m is not None:
+                    summs = fma(m[r, b], xs[t, b], summs)
+            h = [f32(acc[j] + acc[j + 4]) for j in range(4)]
+            out[t, r] = f32(f32(f32(h[0] + h[2]) + f32(h[1] + h[3])) + summs)
+    return out
+
+
+@pytest.mark.parametrize("type_name", quant.LANE_TYPES)
+def test_32_block_types_sum_in_ggml_avx2_order(type_name: str) -> None:
+    # bit for bit what llama.cpp computes on x86 (vec_dot for one row, tinyBLAS from two on:
+    # the same order), for row counts that are and are not multiples of the 16 interleaved rows
+    for n_rows, n_tok in ((16, 1), (21, 3), (40, 5)):
+        w = quant.QWeight.from_raw(type_name, random_blocks(type_name, n_rows, 256, seed=n_rows), n_rows, 256)
+        assert w.kind == "lanes"
+        x = np.random.default_rng(n_tok).standard_normal((n_tok, 256)).astype(np.float32)
+        x[0, :5] *= 30.0
+        np.testing.assert_array_equal(w.matmul(x), ggml_avx2_order(w, x))
+
+
+def _fma(a, b, c):
+    return np.float32(np.float64(a) * np.float64(b) + np.float64(c))  # one rounding (exact product)
+
+
+def ggml_q4k_order(raw_bytes: np.ndarray, n_rows: int, x: np.ndarray) -> np.ndarray:
+    """ggml's repacked x86 Q4_K gemv/gemm: per super-block exact integers isum = sum_j sc_j *
+    dot_j and imin = sum_j mn_j * bsum_j; acc = fma(isum, d*d_x, acc), accm = fma(imin, dmin*d_x,
+    accm); out = acc - accm. An independent port (numpy scalars) of ggml-cpu/arch/x86/repack.cpp."""
+    raw = quant.kquant_parts("Q4_K", raw_bytes, n_rows, x.shape[1])
+    xq, dx, _ = quant.quantize_activations(x, "q8_K", False)
+    xi = xq.astype(np.int64)
+    T, O, nsb = x.shape[0], n_rows, x.shape[1] // 256
+    qs = raw["q"].reshape(O, nsb, 4, 32).astype(np.int64)
+    lv = np.stack([qs & 15, qs >> 4], axis=3).reshape(O, nsb, 8, 32)          # sub-block 2c, 2c+1
+    out = np.empty((T, O), np.float32)
+    for t in range(T):
+        xb = xi[t].reshape(nsb, 8, 32)
+        for r in range(O):
+            acc = accm = np.float32(0)
+            for b in range(nsb):
+                isum = int((raw["sc"][r, b].astype(np.int64) * (lv[r, b] * xb[b]).sum(-1)).sum())
+                imin = int((raw["mn"][r, b].astype(np.int64) * xb[b].sum(-1)).sum())
+                dy = dx[t, b * 8]
+                acc = _fma(np.float32(isum), np.float32(raw["d"][r, b] * dy), acc)
+                accm = _fma(np.float32(imin), np.float32(raw["m"][r, b] * dy), accm)
+            out[t, r] = np.float32(acc - accm)
+    return out
+
+
+def ggml_q6k_order(raw_bytes: np.ndarray, n_rows: int, x: np.ndarray) -> np.ndarray:
+    """ggml_vec_dot_q6_K_q8_K, x86 AVX2: per super-block eight int32 lanes (lane l: elements
+    with e % 32 in [4l, 4l+4), scaled; minus 32 * the scaled bsums of sub-blocks 2l, 2l+1),
+    acc_l = fma(d_x*d, lane_l, acc_l); hsum_float_8. An independent port (numpy scalars)."""
+    raw = quant.kquant_parts("Q6_K", raw_bytes, n_rows, x.shape[1])
+    xq, dx, _ = quant.quantize_activations(x, "q8_K", False)
+    xi = xq.astype(np.int64)
+    T, O, nsb = x.shape[0], n_rows, x.shape[1] // 256
+    e = np.arange(256)
+    lane_of = (e % 32) // 4
+    out = np.empty((T, O), np.float32)
+    for t in range(T):
+        for r in range(O):
+            acc = [np.float32(0)] * 8
+            for b in range(nsb):
+                sc = raw["sc"][r, b].astype(np.int64)
+                q6 = raw["q"][r, b].astype(np.int64)
+                xe = xi[t, b * 256:(b + 1) * 256]
+                main = np.bincount(lane_of, weights=sc[e // 16] * q6 * xe, minlength=8).astype(np.int64)
+                bs = xe.reshape(16, 16).sum(-1)
+                sub = 32 * (bs * sc).reshape(8, 2).sum(-1)
+                d = np.float32(dx[t, b * 8] * raw["d"][r, b])
+                acc = [_fma(d, np.float32(main[l] - sub[l]), acc[l]) for l in range(8)]
+            h = [np.float32(acc[j] + acc[j + 4]) for j in range(4)]
+            out[t, r] = np.float32(np.float32(h[0] + h[2]) + np.float32(h[1] + h[3]))
+    return out
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_k_quants_sum_in_ggml_x86_order(type_name: str) -> None:
+    # bit for bit what llama.cpp computes on this machine kind (repacked Q4_K, Q6_K's vec_dot)
+    ref = ggml_q4k_order if type_name == "Q4_K" else ggml_q6k_order
+    for n_rows, n_tok in ((8, 1), (19, 4)):
+        raw = random_blocks(type_name, n_rows, 512, seed=n_rows)
+        w = quant.QWeight.from_raw(type_name, raw, n_rows, 512)
+        x = np.random.default_rng(n_tok).standard_normal((n_tok, 512)).astype(np.float32)
+        x[0, :5] *= 30.0
+        np.testing.assert_array_equal(w.matmul(x), ref(raw, n_rows, x))
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -118,8 +224,7 @@ def test_rows_do_not_depend_on_the_batch(type_name: str) -> None:
     # every row count the scheduler produces (decode batches, prefill chunks, both mixed):
     # a row's result is the same bits alone, at any position of any call
     n_rows, n_cols = 72, 512
-    w = quant.QWeight.from_raw(type_name, random_blocks(type_name, n_rows, n_cols, seed=4), n_rows, n_cols,
-                               packed=type_name in quant.PACKED_BIAS)
+    w = quant.QWeight.from_raw(type_name, random_blocks(type_name, n_rows, n_cols, seed=4), n_rows, n_cols)
     x = np.random.default_rng(5).standard_normal((70, n_cols)).astype(np.float32)
     alone = np.concatenate([w.matmul(x[i:i + 1]) for i in range(x.shape[0])])    # [70, 72]
     for start, n in [(0, 2), (1, 3), (0, 4), (3, 5), (2, 8), (5, 17), (0, 32), (7, 33), (0, 70)]:
@@ -132,13 +237,13 @@ def test_rows_do_not_depend_on_the_batch(type_name: str) -> None:
 def test_fused_matrices_equal_their_parts() -> None:
     a = quant.QWeight.from_raw("Q5_0", random_blocks("Q5_0", 16, 256, seed=6), 16, 256)
     a2 = quant.QWeight.from_raw("Q5_0", random_blocks("Q5_0", 8, 256, seed=11), 8, 256)
-    b = quant.QWeight.from_raw("Q4_0", random_blocks("Q4_0", 8, 256, seed=7), 8, 256, packed=True)
+    b = quant.QWeight.from_raw("Q4_1", random_blocks("Q4_1", 8, 256, seed=7), 8, 256)
     c = quant.QWeight.from_raw("Q4_K", random_blocks("Q4_K", 8, 256, seed=8), 8, 256)
     x = np.random.default_rng(9).standard_normal((2, 256)).astype(np.float32)
     aa = quant.fuse([a, a2])                              # same form, block and activation type: one QWeight
     assert isinstance(aa, quant.QWeight) and aa.shape == (24, 256) and aa.types == ("Q5_0", "Q5_0")
     np.testing.assert_array_equal(aa.matmul(x), np.concatenate([a.matmul(x), a2.matmul(x)], axis=1))
-    abc = quant.fuse([a, a2, b, c])                       # int8, packed, Q8_K activations: a QConcat of 3
+    abc = quant.fuse([a, a2, b, c])                       # Q8_0, Q8_1 and Q8_K activations: a QConcat of 3
     assert isinstance(abc, quant.QConcat) and abc.shape == (40, 256) and len(abc.parts) == 3
     np.testing.assert_array_equal(abc.matmul(x), np.concatenate([a.matmul(x), a2.matmul(x), b.matmul(x),
                                                                  c.matmul(x)], axis=1))
@@ -147,15 +252,14 @@ def test_fused_matrices_equal_their_parts() -> None:
 
 
 @pytest.mark.parametrize("type_name", TYPES)
-def test_4_bit_types_can_stay_packed(type_name: str) -> None:
-    # 4-bit types: half the bytes of an int8 level per weight
-    w = quant.QWeight.from_raw(type_name, random_blocks(type_name, 8, 256, seed=12), 8, 256, packed=True)
-    packed = type_name in quant.PACKED_BIAS
-    assert (w.kind == "packed") == packed
-    assert w.q.nbytes == 8 * 256 * (4 if packed else 8) // 8
+def test_forms_persist_and_come_back(type_name: str) -> None:
+    # the weight cache stores arrays() + meta(): the rebuilt weight multiplies to the same bits
+    w = quant.QWeight.from_raw(type_name, random_blocks(type_name, 8, 256, seed=12), 8, 256)
     again = quant.QWeight.from_arrays({k: np.array(a) for k, a in w.arrays().items()}, w.meta())
     x = np.random.default_rng(13).standard_normal((3, 256)).astype(np.float32)
+    assert again.shape == w.shape == (8, 256) and again.kind == w.kind
     np.testing.assert_array_equal(again.matmul(x), w.matmul(x))
+    np.testing.assert_array_equal(again.dequantize(), w.dequantize())
 
 
 def test_activation_scales_round_like_fp16() -> None:

@@ -333,3 +333,22 @@ def fa_tiled(q, keys, values, qpos0, kpos0, window, scale, softcap, out):
             inv = f32(1.0) / S[r] if S[r] != f32(0.0) else f32(0.0)
             for d in range(dv):
                 out[t0 + r, h * dv + d] = vkq[r, d] * inv
+
+
+@njit(cache=True)
+def silu_rows(x, out):
+    # ggml_vec_swiglu_f32 / ggml_vec_silu_f32 (ggml-cpu vec.cpp, AVX512F+DQ) per row of x f32
+    # [T, n]: blocks of 16 by ggml_v_silu (x / (1 + ggml_v_expf(0 - x)), vec.h), the leftover
+    # elements by ggml_silu_f32 (x / (1 + expf(-x)), libm expf)
+    T, n = x.shape
+    one = f32(1.0)
+    for t in range(T):
+        i = 0
+        while i + 15 < n:
+            for k in range(i, i + 16):
+                v = x[t, k]
+                out[t, k] = v / (one + v_expf(f32(0.0) - v))
+            i += 16
+        for k in range(i, n):
+            v = x[t, k]
+            out[t, k] = v / (one + _expf(-v))

@@ -94,8 +94,10 @@ class Gemma3Model(Model):
         return w
 
     def _setup(self) -> None:
-        self.rope_global = RopeTable(self.n_ctx, self.n_rot, self.rope_base, self.rope_scale, dtype=self.dtype)
-        self.rope_swa = RopeTable(self.n_ctx, self.n_rot, self.rope_base_swa, 1.0, dtype=self.dtype)
+        self.rope_global = RopeTable(self.n_ctx, self.n_rot, self.rope_base, self.rope_scale, dtype=self.dtype,
+                                     libm=self.ggml_numerics)
+        self.rope_swa = RopeTable(self.n_ctx, self.n_rot, self.rope_base_swa, 1.0, dtype=self.dtype,
+                                  libm=self.ggml_numerics)
         self.layers = self._layer_weights(("attn_norm", "wqkv", "q_norm", "k_norm", "wo", "post_attn_norm",
                                            "ffn_norm", "wgu", "wdown", "post_ffw_norm"))
 

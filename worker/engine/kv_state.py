@@ -61,7 +61,7 @@ __all__ = [
 
 #: The engine's KV layout: keys stored after RoPE, ``[n_layer, n_kv_head, position, head_dim]``
 #: in the model's compute dtype. Bumped when what a stored K/V means changes.
-KV_LAYOUT_VERSION = 1
+KV_LAYOUT_VERSION = 2
 #: The state file/stream format (this module's layout above).
 STATE_FORMAT_VERSION = 1
 MAGIC = b"MYKVSTAT"

@@ -8,11 +8,11 @@ Block (llama.cpp ``src/models/llama.cpp``, ``llm_build_llama``)::
 
 RoPE: llama.cpp's ``convert_hf_to_gguf.py`` permutes the rows of Q and K for
 arch ``llama`` (``LlamaModel.permute``), so the stored weights expect rotation
-of *adjacent* pairs ``(x[2i], x[2i+1])`` (ggml ``LLAMA_ROPE_TYPE_NORM``). At
-load we reorder each head's first ``n_rot`` rows of Wq and Wk to
-``[0, 2, 4, .., 1, 3, 5, ..]``; the adjacent pairs then sit at ``(i, i +
-n_rot/2)`` and the "NEOX" rotation applies. q.k is unchanged by a common
-permutation of q and k, so attention and logits are identical.
+of *adjacent* pairs ``(x[2i], x[2i+1])`` (ggml ``LLAMA_ROPE_TYPE_NORM``,
+``RopeTable.apply_norm``). Q and K keep the stored order of their head
+dimensions: q.k summed in another order rounds differently, and the quantized
+path reproduces llama.cpp's flash attention bit for bit (the KV cache holds K in
+that order, :data:`~.kv_state.KV_LAYOUT_VERSION` 2).
 
 Hyperparameters (``llama.*``): context_length, embedding_length, block_count,
 feed_forward_length, attention.head_count, attention.head_count_kv (default
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from .attention import AttnBatch, attend
-from .model import Model, RopeTable, embed, fuse_rows, gated_ffn, linear, permute_rows, register, rms_norm, silu
+from .model import Model, RopeTable, embed, fuse_rows, gated_ffn, linear, register, rms_norm, silu, silu_ggml
 
 
 @register
@@ -37,7 +37,7 @@ class LlamaModel(Model):
     """SmolLM2-style llama model; see the module docstring for the block."""
 
     arch = "llama"
-    layout_version = 1
+    layout_version = 2
 
     def _read_hparams(self, md: dict[str, Any]) -> None:
         self._read_attention_hparams(md, check_embd_divisible=True)
@@ -49,12 +49,9 @@ class LlamaModel(Model):
         w = self._embedding_weights()                          # tok_embd, output_norm, [output]
         if self.has_tensor("rope_freqs.weight"):
             w["rope_freqs"] = t("rope_freqs.weight", (self.n_rot // 2,))  # [n_rot/2]
-        perm = _norm_to_neox_perm(hd, self.n_rot)
         for i in range(self.n_layer):
             p = f"blk.{i}."
             wq, wk, wv = self._qkv_weights(p)                  # [n_head*hd | n_kv*hd | n_kv*hd, n_embd]
-            wq = permute_rows(wq, _head_rows(nh, hd, perm))   # [n_head*hd, n_embd] rows reordered per head
-            wk = permute_rows(wk, _head_rows(nkv, hd, perm))  # [n_kv*hd, n_embd]
             w[p + "attn_norm"] = t(p + "attn_norm.weight", (E,))                     # [n_embd]
             w[p + "wqkv"] = fuse_rows([wq, wk, wv])                                  # [(nh+2nkv)*hd, n_embd]
             w[p + "wo"] = self.matrix(p + "attn_output.weight", (E, nh * hd))                  # [n_embd, n_head*hd]
@@ -64,7 +61,7 @@ class LlamaModel(Model):
 
     def _setup(self) -> None:
         self.rope = RopeTable(self.n_ctx, self.n_rot, self.rope_base, self.rope_scale,
-                              self.w.get("rope_freqs"), dtype=self.dtype)
+                              self.w.get("rope_freqs"), dtype=self.dtype, libm=self.ggml_numerics)
         self.layers = self._layer_weights(("attn_norm", "wqkv", "wo", "ffn_norm", "wgu", "wdown"))
 
     def _forward_hidden(self, tokens: np.ndarray, batch: AttnBatch) -> np.ndarray:
@@ -72,30 +69,18 @@ class LlamaModel(Model):
         nh, nkv, hd, nff = self.n_head, self.n_head_kv, self.head_dim, self.n_ff
         nq, nk = nh * hd, nkv * hd
         pos = batch.positions                                         # [T]
+        act = silu_ggml if self.ggml_numerics else silu
         x = embed(self.w["tok_embd"], tokens).astype(self.dtype)      # [T, n_embd]
         for il, (attn_norm, wqkv, wo, ffn_norm, wgu, wdown) in enumerate(self.layers):
             h = rms_norm(x, attn_norm, self.eps)                      # [T, n_embd]
             qkv = linear(h, wqkv)                                         # [T, (nh+2nkv)*hd]
             qk = qkv[:, :nq + nk].reshape(T, nh + nkv, hd)            # [T, nh+nkv, hd] q heads then k heads
-            self.rope.apply_neox(qk, pos)                             # [T, nh+nkv, hd] rotated in place
+            self.rope.apply_norm(qk, pos)                             # [T, nh+nkv, hd] rotated in place
             q = qk[:, :nh]                                            # [T, nh, hd]
             k = qk[:, nh:]                                            # [T, nkv, hd]
             v = qkv[:, nq + nk:].reshape(T, nkv, hd)                  # [T, nkv, hd]
             a = attend(batch, il, q, k, v, self.scale, f16=self.ggml_numerics)  # [T, nh*hd]
             x = x + linear(a, wo)                                         # [T, n_embd]
             h = rms_norm(x, ffn_norm, self.eps)                       # [T, n_embd]
-            x = x + gated_ffn(h, wgu, wdown, nff, silu)               # [T, n_embd]
+            x = x + gated_ffn(h, wgu, wdown, nff, act)                # [T, n_embd]
         return rms_norm(x, self.w["output_norm"], self.eps)           # [T, n_embd]
-
-
-def _norm_to_neox_perm(head_dim: int, n_rot: int) -> np.ndarray:
-    """Row order within a head that turns adjacent-pair RoPE into half-split RoPE.
-
-    ``[0, 2, .., n_rot-2, 1, 3, .., n_rot-1, n_rot, .., head_dim-1]``.
-    """
-    return np.concatenate([np.arange(0, n_rot, 2), np.arange(1, n_rot, 2), np.arange(n_rot, head_dim)])
-
-
-def _head_rows(n_heads: int, head_dim: int, perm: np.ndarray) -> np.ndarray:
-    """Row indices ``[n_heads*head_dim]`` applying ``perm`` within each head's rows."""
-    return (np.arange(n_heads)[:, None] * head_dim + perm[None, :]).reshape(-1)

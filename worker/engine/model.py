@@ -35,7 +35,7 @@ from .errors import EngineError
 from .gguf_loader import GGUFFile, atomic_write_bytes, cache_root
 from .attention import AttnBatch, Segment, attention, attention_mask  # noqa: F401 (re-exported)
 from .kv_cache import KVEntry, KVShape
-from .quant import QConcat, QWeight, format_tag as quant_format, fuse, supports as quant_supports
+from .quant import QConcat, QWeight, cos_sin_libm, format_tag as quant_format, fuse, supports as quant_supports
 
 #: How weight matrices are held: ``"quantized"`` (the GGUF's own blocks as int8 levels + scales,
 #: multiplied by the kernels of :mod:`.quant`) or ``"f32"`` (dequantized once, sgemm; the reference).
@@ -162,18 +162,23 @@ def rope_freq_scale(md: dict[str, Any], arch: str) -> float:
 # ------------------------------------------------------------------ numpy layers
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """RMSNorm over the last axis: ``x / sqrt(mean(x^2) + eps) * w``.
+    """RMSNorm over the last axis: ``x * (1 / sqrt(mean(x^2) + eps)) * w``, rounded as ggml rounds.
 
     Args: x ``[..., n]``, w ``[n]`` (weights used as stored; Gemma's ``1 + w``
     is already folded in by convert_hf_to_gguf.py). Returns ``[..., n]``, x's dtype.
     Source: ggml ``ggml_compute_forward_rms_norm_f32`` then ``ggml_mul``
-    (llama-graph.cpp ``build_norm`` with LLM_NORM_RMS).
+    (llama-graph.cpp ``build_norm`` with LLM_NORM_RMS): the squares are float32
+    products summed in double (``ggml_float``), ``mean`` is rounded to float32,
+    ``scale = 1.0f/sqrtf(mean + eps)`` in float32, and ``y = (x*scale)*w`` — a
+    multiplication by the reciprocal, not a division (1 ULP apart otherwise, which
+    flips 8-bit activation levels downstream on the quantized path). A float64 ``x``
+    is computed in float64 throughout.
     """
-    ms = np.einsum("...i,...i->...", x, x)[..., None]  # [..., 1] sum of squares
-    ms *= 1.0 / x.shape[-1]
-    ms += eps
-    np.sqrt(ms, out=ms)
-    return x / ms * w
+    dt = x.dtype
+    sq = np.multiply(x, x).astype(np.float64, copy=False)               # [..., n] x*x in x's dtype, summed in double
+    mean = (sq.sum(axis=-1, keepdims=True) / x.shape[-1]).astype(dt)   # [..., 1]
+    scale = dt.type(1.0) / np.sqrt(mean + dt.type(eps))                # [..., 1] in x's dtype
+    return (x * scale) * w
 
 
 def linear(x: np.ndarray, w: Matrix) -> np.ndarray:
@@ -212,16 +217,21 @@ def embed(w: Matrix, tokens: np.ndarray) -> np.ndarray:
     return w[tokens]
 
 
-def permute_rows(w: Matrix, rows: np.ndarray) -> Matrix:
-    """``w[rows]`` for a float32 or quantized ``[out, in]`` matrix (rows int ``[out]``)."""
-    if isinstance(w, QWeight):
-        return w.take_rows(rows)
-    return w[rows]
-
-
 def silu(x: np.ndarray) -> np.ndarray:
     """``x * sigmoid(x)`` (ggml_silu), same shape and dtype."""
     return x / (1.0 + np.exp(-x))
+
+
+def silu_ggml(x: np.ndarray) -> np.ndarray:
+    """SiLU as ggml's CPU kernels compute it on this machine kind (``ggml_vec_swiglu_f32``,
+    AVX-512: ``x / (1 + ggml_v_expf(-x))`` in blocks of 16 per row, libm ``expf`` for the rest;
+    :func:`.attn_kernels.silu_rows`). float32 ``[T, n]`` -> float32 ``[T, n]``."""
+    from . import attn_kernels
+
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(x)
+    attn_kernels.silu_rows(x, out)
+    return out
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -255,48 +265,85 @@ def gelu_tanh_ggml(x: np.ndarray) -> np.ndarray:
 
 
 class RopeTable:
-    """cos/sin of RoPE angles for every position ``0 .. n_ctx-1``.
+    """cos/sin of RoPE angles for every position ``0 .. n_ctx-1``, rounded as ggml rounds them.
 
-    ``theta[p, i] = p * freq_scale * base^(-2i/n_rot) / freq_factor[i]`` for
-    ``i < n_rot/2``, computed in float64 and stored in the compute dtype.
-    Source: ggml-cpu ops.cpp ``rope_yarn`` with ext_factor 0 (no YaRN),
-    ``ggml_rope_cache_init``; ``freq_factors`` from the optional
-    ``rope_freqs.weight`` tensor (Llama 3.1 style).
+    ``theta[p, i] = freq_scale * (p * theta_scale^i) / freq_factor[i]`` for ``i < n_rot/2``
+    with ``theta_scale = powf(base, -2.0f/n_rot)`` and the powers built by repeated float32
+    multiplication (``theta *= theta_scale``), cos/sin of the float32 angle rounded to float32.
+    Source: ggml-cpu ops.cpp ``ggml_compute_forward_rope_flt`` / ``ggml_rope_cache_init`` /
+    ``rope_yarn`` with ext_factor 0 (no YaRN); ``freq_factors`` from the optional
+    ``rope_freqs.weight`` tensor (Llama 3.1 style). A float64 table (``dtype=np.float64``,
+    reference runs) takes the exact angles ``p * base^(-2i/n_rot)`` instead. ``libm``: cos/sin
+    by the C library's ``cosf``/``sinf`` as ggml calls them (the quantized path; glibc's are not
+    correctly rounded, ~1 % of a table differs), else float64 cos/sin rounded to float32.
 
-    Attributes: cos, sin: ``[n_ctx, n_rot/2]``.
+    Attributes: cos, sin: ``[n_ctx, n_rot/2]`` in ``dtype``.
     """
 
     def __init__(self, n_ctx: int, n_rot: int, base: float, freq_scale: float = 1.0,
-                 freq_factors: np.ndarray | None = None, dtype: Any = np.float32) -> None:
+                 freq_factors: np.ndarray | None = None, dtype: Any = np.float32, libm: bool = False) -> None:
         if n_rot <= 0 or n_rot % 2:
             raise EngineError("invalid_gguf", f"RoPE dimension count must be positive and even, got {n_rot}")
         self.n_rot = n_rot
-        inv = base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)  # [n_rot/2]
-        if freq_factors is not None:
-            inv = inv / np.asarray(freq_factors, dtype=np.float64)
-        ang = np.arange(n_ctx, dtype=np.float64)[:, None] * (freq_scale * inv)[None, :]  # [n_ctx, n_rot/2]
-        self.cos = np.cos(ang).astype(dtype)
-        self.sin = np.sin(ang).astype(dtype)
+        self.dtype = np.dtype(dtype)
+        half = n_rot // 2
+        pos = np.arange(n_ctx, dtype=np.float64)
+        if self.dtype == np.float64:
+            inv = base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)   # [n_rot/2]
+            if freq_factors is not None:
+                inv = inv / np.asarray(freq_factors, dtype=np.float64)
+            ang = pos[:, None] * (freq_scale * inv)[None, :]                     # [n_ctx, n_rot/2]
+        else:
+            f32 = np.float32
+            # powf of float32 arguments, correctly rounded (what glibc's powf returns here)
+            theta_scale = f32(np.float64(f32(base)) ** np.float64(f32(-2.0) / f32(n_rot)))
+            ang = np.empty((n_ctx, half), np.float32)                            # [n_ctx, n_rot/2]
+            ang[:, 0] = pos.astype(np.float32)
+            for i in range(1, half):
+                np.multiply(ang[:, i - 1], theta_scale, out=ang[:, i])           # theta *= theta_scale
+            if freq_factors is not None:
+                ang /= np.asarray(freq_factors, dtype=np.float32)[None, :]
+            ang *= f32(freq_scale)
+            if libm:
+                self.cos, self.sin = cos_sin_libm(ang)
+                return
+            ang = ang.astype(np.float64)
+        self.cos = np.cos(ang).astype(self.dtype)
+        self.sin = np.sin(ang).astype(self.dtype)
 
     def apply_neox(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Rotate pairs ``(x[i], x[i + n_rot/2])`` ("NEOX" pairing), in place.
-
-        Args: x ``[T, n_heads, head_dim]``; positions ``[T]`` int, each in
-        ``[0, n_ctx)``; dims ``>= n_rot`` are left unchanged. Returns x.
-        Source: ggml-cpu ops.cpp ``rotate_pairs`` with ``n_offset = n_dims/2``.
-        (llama-arch "NORM" pairing of adjacent dims is turned into this one by
-        permuting the Q/K weight rows at load, see ``llama.py``.)
-        """
+        """Rotate pairs ``(x[i], x[i + n_rot/2])`` ("NEOX" pairing, ggml ``rotate_pairs`` with
+        ``n_offset = n_dims/2``), in place; see :meth:`_rotate`. Returns x."""
         half = self.n_rot // 2
+        self._rotate(x[..., :half], x[..., half:self.n_rot], positions)
+        return x
+
+    def apply_norm(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Rotate adjacent pairs ``(x[2i], x[2i+1])`` ("NORM" pairing of llama-arch models, ggml
+        ``rotate_pairs`` with ``n_offset = 1``), in place; see :meth:`_rotate`. Returns x."""
+        self._rotate(x[..., 0:self.n_rot:2], x[..., 1:self.n_rot:2], positions)
+        return x
+
+    def _rotate(self, x0: np.ndarray, x1: np.ndarray, positions: np.ndarray) -> None:
+        """``(x0, x1) <- (x0*cos - x1*sin, x0*sin + x1*cos)`` in place.
+
+        Args: x0, x1 ``[T, n_heads, n_rot/2]`` views of the pair members; positions ``[T]``
+        int, each in ``[0, n_ctx)``; dims ``>= n_rot`` are not touched.
+        Source: ggml-cpu ops.cpp ``rotate_pairs``, which GCC (-ffp-contract=fast, FMA)
+        compiles to ``fma(x0, cos, -(x1*sin))`` and ``fma(x0, sin, x1*cos)``; in float32 that
+        is what is computed here (the fma through float64, where the product is exact).
+        """
         cos = self.cos[positions][:, None, :]   # [T, 1, n_rot/2]
         sin = self.sin[positions][:, None, :]   # [T, 1, n_rot/2]
-        x1 = x[..., :half]                      # [T, H, n_rot/2]
-        x2 = x[..., half:self.n_rot]            # [T, H, n_rot/2]
-        r1 = x1 * cos - x2 * sin
-        r2 = x2 * cos + x1 * sin
-        x[..., :half] = r1
-        x[..., half:self.n_rot] = r2
-        return x
+        if x0.dtype == np.float64:
+            r0 = x0 * cos - x1 * sin
+            r1 = x1 * cos + x0 * sin
+        else:
+            a = x0.astype(np.float64)
+            r0 = (a * cos - (x1 * sin)).astype(x0.dtype)   # fma(x0, cos, -(x1*sin))
+            r1 = (a * sin + (x1 * cos)).astype(x0.dtype)   # fma(x0, sin, x1*cos)
+        x0[...] = r0
+        x1[...] = r1
 
 
 # ------------------------------------------------------------------ weight cache
@@ -771,6 +818,6 @@ def fuse_rows(parts: Sequence[Matrix]) -> Matrix:
 __all__ = [
     "ARCHITECTURES", "AttnBatch", "DEFAULT_MAX_CTX", "DEFAULT_WEIGHTS", "LoadProgressFn", "Matrix", "Model", "RopeTable", "Segment",
     "WEIGHT_MODES", "WeightCache", "attention", "attention_mask", "embed", "fuse_rows", "gated_ffn", "gelu_tanh",
-    "gelu_tanh_ggml", "hp_float", "hp_int", "linear", "load_model", "permute_rows", "register", "rms_norm",
+    "gelu_tanh_ggml", "silu_ggml", "hp_float", "hp_int", "linear", "load_model", "register", "rms_norm",
     "rope_freq_scale", "silu",
 ]

@@ -55,6 +55,12 @@ from .errors import EngineError
 QK = 32     # block of Q8_0 / Q4_* / Q5_*
 QK_K = 256  # super-block of the K-quants
 
+#: Types multiplied in the "lanes" form (:func:`to_lanes`), summed exactly as ggml's x86 AVX2
+#: vec_dot / tinyBLAS kernels sum them (eight float32 lanes of four elements per block).
+LANE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+#: Output rows interleaved in the lanes form (one 16-float vector per lane update).
+LANE_ROWS = 16
+
 #: ggml type name -> activation quantization ggml pairs with it (``vec_dot_type``).
 ACT_TYPE = {"Q8_0": "q8_0", "Q4_0": "q8_0", "Q5_0": "q8_0", "Q4_1": "q8_1", "Q5_1": "q8_1",
             "Q4_K": "q8_K", "Q6_K": "q8_K"}
@@ -172,8 +178,8 @@ def _compile() -> dict[str, Any]:
     """The kernels (compiled on first use, or loaded from numba's on-disk cache), once per process."""
     if not _kernels:
         from . import quant_kernels as k
-        _kernels.update(quant_q8_0=k.quant_q8_0, quant_q8_K=k.quant_q8_K, matmul_q=k.matmul_q,
-                        matmul_qp=k.matmul_qp)
+        _kernels.update(quant_q8_0=k.quant_q8_0, quant_q8_K=k.quant_q8_K, matmul_lanes=k.matmul_lanes,
+                        matmul_q4k=k.matmul_q4k, matmul_q6k=k.matmul_q6k, cos_sin_f32=k.cos_sin_f32)
         if _threads is not None:
             set_num_threads(_threads)
     return _kernels
@@ -193,8 +199,8 @@ def set_num_threads(n: int) -> None:
     numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
 
 
-_NO_M = np.zeros((0, 0), np.float32)
-_NO_M.flags.writeable = False
+_NO_M3 = np.zeros((0, 0, 0), np.float32)
+_NO_M3.flags.writeable = False
 
 
 def quantize_activations(x: np.ndarray, act: str, with_s: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -223,133 +229,218 @@ def quantize_activations(x: np.ndarray, act: str, with_s: bool) -> tuple[np.ndar
     return xq, dx, xs
 
 
-#: Types that can be kept packed in memory (two 4-bit levels per byte): the level of a weight is
-#: ``nibble - PACKED_BIAS[type]``. (5-bit types stay int8: unpacking their fifth bits in the
-#: kernel measured 2.3x the CPU time of int8 at one row, 4x at 32 rows.)
-PACKED_BIAS = {"Q4_0": 8, "Q4_1": 0, "Q4_K": 0}
-#: Environment switch of the packed form (``MODELYARD_QUANT_PACK=1``): half the bytes of the
-#: 4-bit weights (SmolLM2: 106 MiB of weights instead of 157, worker RSS -70 MiB) but ~15 % more
-#: CPU per decoded token (measured: SmolLM2 27.6 vs 23.9 ms of CPU per token on one thread; the
-#: kernels are compute-bound here, so the unpacking costs more than the bytes save). Off by default.
-PACK_ENV = "MODELYARD_QUANT_PACK"
+def cos_sin_libm(ang: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(cosf(ang), sinf(ang))`` float32, shaped as ``ang`` (float32): the C library's own
+    functions, as ggml's RoPE calls them (through the numba kernels)."""
+    ang = np.ascontiguousarray(ang, dtype=np.float32)
+    cos, sin = np.empty_like(ang), np.empty_like(ang)
+    _compile()["cos_sin_f32"](ang, cos, sin)
+    return cos, sin
 
 
-def pack_4bit() -> bool:
-    """Whether 4-bit types are held packed (:data:`PACK_ENV`, read at each load)."""
-    return os.environ.get(PACK_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 #: Version of the in-memory forms below, recorded in the weight cache's manifest (a cache of
-#: another version is rebuilt; :func:`format_tag` adds the packing switch).
-FORMAT_VERSION = 2
+#: another version is rebuilt).
+FORMAT_VERSION = 4
 
 
 def format_tag() -> str:
-    """The weight cache's tag of the quantized forms this process builds (version + packing)."""
-    return f"{FORMAT_VERSION}{'-packed' if pack_4bit() else ''}"
+    """The weight cache's tag of the quantized forms this process builds."""
+    return str(FORMAT_VERSION)
 
 
-def pack(q: np.ndarray, bias: int) -> np.ndarray:
-    """Levels int8 ``[O, nb, 32]`` -> qs uint8 ``[O, nb, 16]``: byte j holds ``q[j] + bias`` in its
-    low nibble and ``q[j+16] + bias`` in its high one (the ``block_q4_0`` / ``block_q4_1`` layout
-    of ggml-common.h)."""
-    u = (q.astype(np.int16) + bias).astype(np.uint8)                       # [O, nb, 32] in 0..15
-    return np.ascontiguousarray((u[..., :16] & 0x0F) | ((u[..., 16:] & 0x0F) << 4))
+def kquant_parts(type_name: str, raw: np.ndarray, n_rows: int, n_cols: int) -> dict[str, np.ndarray]:
+    """The kernel form of a Q4_K / Q6_K tensor from its stored bytes (uint8 ``[n_rows, bytes]``).
+
+    Q4_K: ``q`` uint8 ``[O, nsb, 128]`` (the stored nibbles), ``sc`` / ``mn`` uint8 ``[O, nsb, 8]``
+    (the 6-bit sub-block scales and mins, ``get_scale_min_k4``), ``d`` / ``m`` float32 ``[O, nsb]``
+    (the super-block's fp16 ``d`` and ``dmin``). Q6_K: ``q`` uint8 ``[O, nsb, 256]`` (the 6-bit
+    levels, unsigned 0..63), ``sc`` int8 ``[O, nsb, 16]``, ``d`` float32 ``[O, nsb]``.
+    Source: ggml-common.h ``block_q4_K`` / ``block_q6_K``, ggml-quants.c ``dequantize_row_*``.
+    Raises: EngineError("invalid_gguf") on a size mismatch.
+    """
+    R, nsb = n_rows, n_cols // QK_K
+    bsize = {"Q4_K": 144, "Q6_K": 210}[type_name]
+    if n_cols % QK_K or raw.shape != (R, nsb * bsize):
+        raise EngineError("invalid_gguf", f"{type_name} tensor of {R}x{n_cols} has {raw.shape} bytes")
+    b = raw.reshape(R, nsb, bsize)
+    if type_name == "Q4_K":
+        s = b[..., 4:16].astype(np.uint8)                             # [R, nsb, 12]
+        sc = np.empty((R, nsb, 8), np.uint8)
+        mn = np.empty((R, nsb, 8), np.uint8)
+        sc[..., :4] = s[..., 0:4] & 63
+        mn[..., :4] = s[..., 4:8] & 63
+        sc[..., 4:] = (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)
+        mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+        return {"q": np.ascontiguousarray(b[..., 16:144]), "sc": sc, "mn": mn,
+                "d": _f16(b[..., 0:2]), "m": _f16(b[..., 2:4])}
+    ql = b[..., 0:128].reshape(R, nsb, 2, 64)                          # per 128-half: 64 bytes
+    qh = b[..., 128:192].reshape(R, nsb, 2, 32)                        # per 128-half: 32 bytes
+    q = np.empty((R, nsb, 2, 4, 32), np.uint8)
+    q[..., 0, :] = (ql[..., 0:32] & 0x0F) | (((qh >> 0) & 3) << 4)
+    q[..., 1, :] = (ql[..., 32:64] & 0x0F) | (((qh >> 2) & 3) << 4)
+    q[..., 2, :] = (ql[..., 0:32] >> 4) | (((qh >> 4) & 3) << 4)
+    q[..., 3, :] = (ql[..., 32:64] >> 4) | (((qh >> 6) & 3) << 4)
+    return {"q": q.reshape(R, nsb, 256), "sc": np.ascontiguousarray(b[..., 192:208]).view(np.int8),
+            "d": _f16(b[..., 208:210])}
+
+
+def lane_order(a: np.ndarray) -> np.ndarray:
+    """``[..., 32]`` blocks in element order -> lane order: position ``8j + l`` holds element
+    ``4l + j`` (lane l of ggml's AVX2 dot products sums elements 4l..4l+3). A copy."""
+    sh = a.shape
+    return np.ascontiguousarray(a.reshape(sh[:-1] + (8, 4)).swapaxes(-1, -2)).reshape(sh)
+
+
+def element_order(a: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`lane_order`. A copy."""
+    sh = a.shape
+    return np.ascontiguousarray(a.reshape(sh[:-1] + (4, 8)).swapaxes(-1, -2)).reshape(sh)
+
+
+def to_lanes(q: np.ndarray, d: np.ndarray, m: np.ndarray | None
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Plain ``q`` int8 ``[O, nb, 32]``, ``d``/``m`` float32 ``[O, nb]`` -> the lanes form:
+    ``wi`` int8 ``[ng, nb, 32, LANE_ROWS]`` (lane-ordered blocks, rows interleaved by
+    :data:`LANE_ROWS`), ``d``/``m`` float32 ``[ng, nb, LANE_ROWS]``; ``O`` padded with zero rows to
+    ``ng * LANE_ROWS``."""
+    O, nb, _ = q.shape
+    G = LANE_ROWS
+    ng = -(-O // G)
+    pad = ng * G - O
+
+    def inter(a: np.ndarray) -> np.ndarray:
+        if pad:
+            a = np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
+        a = a.reshape((ng, G) + a.shape[1:])
+        return np.ascontiguousarray(np.moveaxis(a, 1, -1))
+    return inter(lane_order(q)), inter(d), None if m is None else inter(m)
+
+
+def from_lanes(wi: np.ndarray, d: np.ndarray, m: np.ndarray | None, rows: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The plain ``(q [n, nb, 32], d [n, nb], m)`` of ``rows`` (int ``[n]``) of a lanes form."""
+    g, i = np.divmod(np.asarray(rows, dtype=np.int64), LANE_ROWS)
+    return (element_order(wi[g, :, :, i]), np.ascontiguousarray(d[g, :, i]),
+            None if m is None else np.ascontiguousarray(m[g, :, i]))
 
 
 class QWeight:
-    """A quantized ``[out, in]`` weight matrix (see the module docstring).
+    """A quantized ``[out, in]`` weight matrix (see the module docstring), in the form its
+    exact kernel reads (``kind``):
 
-    Two in-memory forms (``kind``):
-
-    * ``"i8"``: q int8 ``[O, nb, B]``, the level of every weight (Q8_0, Q6_K; B = 32, or 16 for
-      Q6_K's sub-blocks);
-    * ``"packed"``: q uint8 ``[O, nb, 16]`` (two 4-bit levels per byte, as the GGUF stores
-      Q4_0/Q4_1; Q4_K repacked to that layout); level = nibble minus ``bias`` (8 for Q4_0).
+    * ``"lanes"`` (:data:`LANE_TYPES`, :func:`to_lanes`): q int8 ``[ng, nb, 32, 16]`` levels,
+      d / m float32 ``[ng, nb, 16]`` (block scale / offset), rows interleaved by 16 and padded;
+      ``quant_kernels.matmul_lanes``;
+    * ``"q4k"`` / ``"q6k"`` (:func:`kquant_parts`): per super-block the stored levels ``q``,
+      integer sub-block scales ``sc`` (and mins ``mn``), fp16 ``d`` (and ``dmin`` as ``m``);
+      ``quant_kernels.matmul_q4k`` / ``matmul_q6k``.
 
     Attributes:
-        q: as above; d: float32 ``[O, nb]``; m: float32 ``[O, nb]`` or None.
+        q, d, m, sc, mn: as above (None where a form has none); n_rows: ``O``.
         act: activation quantization (``"q8_0"``, ``"q8_1"``, ``"q8_K"``).
         types: the ggml type name(s) it came from (a fused matrix may list several).
     """
 
-    __slots__ = ("q", "d", "m", "act", "types", "kind", "bias")
+    __slots__ = ("q", "d", "m", "sc", "mn", "act", "types", "kind", "n_rows")
+    KINDS = ("lanes", "q4k", "q6k")
 
-    def __init__(self, q: np.ndarray, d: np.ndarray, m: np.ndarray | None, act: str, types: Sequence[str],
-                 kind: str = "i8", bias: int = 0) -> None:
-        if kind not in ("i8", "packed"):
+    def __init__(self, kind: str, act: str, types: Sequence[str], n_rows: int, q: np.ndarray, d: np.ndarray,
+                 m: np.ndarray | None = None, sc: np.ndarray | None = None, mn: np.ndarray | None = None) -> None:
+        if kind not in self.KINDS:
             raise EngineError("invalid_params", f"unknown quantized form {kind!r}")
-        for a in (q, d, m):
+        for a in (q, d, m, sc, mn):
             if a is not None:
                 a.flags.writeable = False  # immutable, and one kernel signature for built and memory-mapped weights
-        self.q, self.d, self.m, self.act, self.types = q, d, m, act, tuple(types)
-        self.kind, self.bias = kind, int(bias)
+        self.q, self.d, self.m, self.sc, self.mn = q, d, m, sc, mn
+        self.kind, self.act, self.types, self.n_rows = kind, act, tuple(types), int(n_rows)
 
     @classmethod
-    def from_raw(cls, type_name: str, raw: np.ndarray, n_rows: int, n_cols: int,
-                 packed: bool | None = None) -> QWeight:
-        """From a GGUF tensor's stored bytes (uint8 ``[n_rows, bytes_per_row]``); ``packed``: keep a
-        4-bit type packed (None: :func:`pack_4bit`)."""
+    def lanes(cls, q: np.ndarray, d: np.ndarray, m: np.ndarray | None, act: str, types: Sequence[str]) -> QWeight:
+        """The lanes form of plain ``q`` int8 ``[O, nb, 32]``, ``d``/``m`` ``[O, nb]``."""
+        wi, di, mi = to_lanes(q, d, m)
+        return cls("lanes", act, types, q.shape[0], wi, di, mi)
+
+    @classmethod
+    def from_raw(cls, type_name: str, raw: np.ndarray, n_rows: int, n_cols: int) -> QWeight:
+        """From a GGUF tensor's stored bytes (uint8 ``[n_rows, bytes_per_row]``).
+        Raises: EngineError("invalid_gguf") for a type without a kernel or a size mismatch."""
+        if type_name in ("Q4_K", "Q6_K"):
+            parts = kquant_parts(type_name, raw, n_rows, n_cols)
+            return cls(type_name.lower().replace("_", ""), ACT_TYPE[type_name], (type_name,), n_rows, **parts)
         q, d, m, _ = unpack(type_name, raw, n_rows, n_cols)
-        if type_name in PACKED_BIAS and (pack_4bit() if packed is None else packed):
-            bias = PACKED_BIAS[type_name]
-            return cls(pack(q, bias), d, m, ACT_TYPE[type_name], (type_name,), "packed", bias)
-        return cls(q, d, m, ACT_TYPE[type_name], (type_name,))
+        return cls.lanes(q, d, m, ACT_TYPE[type_name], (type_name,))
+
+    def plain(self, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """``(q, d, m)`` of ``rows`` (all when None) as per-block levels: q int8 ``[n, nb, B]``
+        (B = 32, or 16 for Q6_K), d / m float32 ``[n, nb]``; weight ``w = d * q + m`` exactly as
+        ggml's ``dequantize_row_*`` computes it (for Q4_K ``d = d_super * sc`` and ``m =
+        -dmin_super * mn``, for Q6_K ``d = d_super * sc``: products exact in float32)."""
+        rows = np.arange(self.n_rows) if rows is None else np.asarray(rows, dtype=np.int64)
+        if self.kind == "lanes":
+            return from_lanes(self.q, self.d, self.m, rows)
+        n, nsb = len(rows), self.q.shape[1]
+        d = self.d[rows][..., None]                                          # [n, nsb, 1]
+        if self.kind == "q4k":
+            qs = self.q[rows].reshape(n, nsb, 4, 32)
+            q = np.empty((n, nsb, 8, 32), np.int8)
+            q[:, :, 0::2] = qs & 0x0F                                        # sub-block 2c: low nibbles of chunk c
+            q[:, :, 1::2] = qs >> 4                                          # sub-block 2c+1: high nibbles
+            m = -(self.m[rows][..., None] * self.mn[rows].astype(np.float32))
+            return (q.reshape(n, nsb * 8, 32), (d * self.sc[rows].astype(np.float32)).reshape(n, -1),
+                    m.reshape(n, -1))
+        q = (self.q[rows].astype(np.int16) - 32).astype(np.int8).reshape(n, nsb * 16, 16)
+        return q, (d * self.sc[rows].astype(np.float32)).reshape(n, -1), None
 
     @property
     def shape(self) -> tuple[int, int]:
         """``(out_features, in_features)``."""
-        per = 32 if self.kind == "packed" else self.q.shape[2]
-        return int(self.q.shape[0]), int(self.q.shape[1] * per)
+        return self.n_rows, int(self.q.shape[1] * (QK if self.kind == "lanes" else QK_K))
 
     @property
     def nbytes(self) -> int:
-        return int(sum(a.nbytes for a in (self.q, self.d, self.m) if a is not None))
+        return int(sum(a.nbytes for a in self.arrays().values()))
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """The arrays to persist (``q``, ``d`` and, when present, ``m``)."""
-        out = {"q": self.q, "d": self.d}
-        if self.m is not None:
-            out["m"] = self.m
-        return out
+        """The arrays to persist (those of its form that are present)."""
+        return {k: getattr(self, k) for k in ("q", "d", "m", "sc", "mn") if getattr(self, k) is not None}
 
     def meta(self) -> list[Any]:
         """What rebuilds it with its :meth:`arrays` (:meth:`from_arrays`): JSON-able."""
-        return [self.act, list(self.types), self.kind, self.bias]
+        return [self.kind, self.act, list(self.types), self.n_rows]
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray], meta: Sequence[Any]) -> QWeight:
-        """Inverse of :meth:`arrays` + :meth:`meta`. Raises KeyError/ValueError on a mismatch."""
-        act, types, kind, bias = meta
-        return cls(arrays["q"], arrays["d"], arrays.get("m"), act, types, kind, bias)
+        """Inverse of :meth:`arrays` + :meth:`meta`. Raises KeyError/ValueError/EngineError on a mismatch."""
+        kind, act, types, n_rows = meta
+        return cls(kind, act, types, n_rows, **arrays)
 
     def _compatible(self, o: QWeight) -> bool:
-        return (self.act == o.act and self.kind == o.kind and self.bias == o.bias and self.q.shape[1:] == o.q.shape[1:]
+        return (self.act == o.act and self.kind == o.kind and self.q.shape[1:] == o.q.shape[1:]
                 and (self.m is None) == (o.m is None))
 
     def take_rows(self, rows: np.ndarray) -> QWeight:
         """A copy with rows reordered/selected (``rows`` int ``[n]``)."""
-        def sel(a: np.ndarray | None) -> np.ndarray | None:
-            return None if a is None else np.ascontiguousarray(a[rows])
-        return QWeight(sel(self.q), sel(self.d), sel(self.m), self.act, self.types, self.kind, self.bias)
+        rows = np.asarray(rows, dtype=np.int64)
+        if self.kind == "lanes":
+            return QWeight.lanes(*self.plain(rows), self.act, self.types)
+        sel = {k: np.ascontiguousarray(a[rows]) for k, a in self.arrays().items()}
+        return QWeight(self.kind, self.act, self.types, len(rows), **sel)
 
     def levels(self, rows: np.ndarray) -> np.ndarray:
         """int16 ``[len(rows), nb, B]``: the integer level of every weight of the selected rows."""
-        q = self.q[rows]
-        if self.kind == "i8":
-            return q.astype(np.int16)
-        lv = np.concatenate([q & 0x0F, q >> 4], axis=-1).astype(np.int16)          # [n, nb, 32]
-        return lv - self.bias
+        return self.plain(rows)[0].astype(np.int16)
 
     def dequantize_rows(self, rows: np.ndarray) -> np.ndarray:
         """float32 ``[len(rows), in]`` of the selected rows (embedding lookups)."""
-        q = self.levels(rows).astype(np.float32)                 # [n, nb, B]
-        w = q * self.d[rows][..., None]
-        if self.m is not None:
-            w += self.m[rows][..., None]
+        q, d, m = self.plain(rows)
+        w = q.astype(np.float32) * d[..., None]                  # [n, nb, B]
+        if m is not None:
+            w += m[..., None]
         return w.reshape(len(rows), -1)
 
     def dequantize(self) -> np.ndarray:
         """float32 ``[out, in]`` (tests, fallbacks)."""
-        return self.dequantize_rows(np.arange(self.q.shape[0]))
+        return self.dequantize_rows(np.arange(self.n_rows))
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         """``x @ W.T`` with ggml's activation quantization: x float32 ``[T, in]`` -> float32
@@ -370,15 +461,29 @@ class QWeight:
         with this weight's ``act``; ``xs`` filled when it has an offset). ``out`` may be a column slice."""
         k = _compile()
         T = xq.shape[0]
-        has_m = self.m is not None
-        m = self.m if has_m else _NO_M
-        if self.kind == "packed":
-            k["matmul_qp"](self.q, float(self.bias), self.d, m, has_m, xq.reshape(T, self.q.shape[1], 32), dx, xs, out)
+        if self.kind == "lanes":
+            nb = self.q.shape[1]
+            xl = lane_order(xq.reshape(T, nb, 32))                   # [T, nb, 32] lane order
+            m = self.m if self.m is not None else _NO_M3
+            full = self.q.shape[0] * LANE_ROWS
+            if full == self.n_rows and out.flags.c_contiguous:
+                k["matmul_lanes"](self.q, self.d, m, self.m is not None, xl, dx, xs, out)
+            else:
+                tmp = np.empty((T, full), np.float32)
+                k["matmul_lanes"](self.q, self.d, m, self.m is not None, xl, dx, xs, tmp)
+                out[:] = tmp[:, :self.n_rows]
             return
-        nb, B = self.q.shape[1], self.q.shape[2]
-        if B != QK and has_m:
-            raise EngineError("invalid_params", "an offset needs 32-weight blocks")
-        k["matmul_q"](self.q, self.d, m, has_m, xq.reshape(T, nb, B), dx, xs, out)
+        xi = xq.astype(np.int8)                                          # [T, K] the q8_K levels
+        dy = np.ascontiguousarray(dx[:, ::QK_K // QK])                   # [T, nsb] the super-block d
+        res = out if out.flags.c_contiguous else np.empty((T, self.n_rows), np.float32)
+        if self.kind == "q4k":
+            bs32 = xi.reshape(T, -1, 32).sum(-1, dtype=np.int32)         # [T, K/32]
+            k["matmul_q4k"](self.q, self.sc, self.mn, self.d, self.m, xi, dy, bs32, res)
+        else:
+            bs16 = xi.reshape(T, -1, 16).sum(-1, dtype=np.int32)         # [T, K/16]
+            k["matmul_q6k"](self.q, self.sc, self.d, xi, dy, bs16, res)
+        if res is not out:
+            out[:] = res
 
 
 class QConcat:
@@ -440,11 +545,18 @@ def fuse(parts: Sequence[QWeight | np.ndarray]) -> QWeight | QConcat | np.ndarra
             continue
         qs = [p for p in run if isinstance(p, QWeight)]
         first = qs[0]
-        cat = (lambda name: None if getattr(first, name) is None else np.concatenate([getattr(p, name) for p in qs]))
-        merged.append(QWeight(cat("q"), cat("d"), cat("m"), first.act, tuple(t for p in qs for t in p.types),
-                              first.kind, first.bias))
+        if first.kind == "lanes":
+            plains = [p.plain() for p in qs]
+            mm = None if plains[0][2] is None else np.concatenate([pl[2] for pl in plains])
+            merged.append(QWeight.lanes(np.concatenate([pl[0] for pl in plains]),
+                                        np.concatenate([pl[1] for pl in plains]), mm, first.act,
+                                        tuple(t for p in qs for t in p.types)))
+            continue
+        cat = {k: np.concatenate([p.arrays()[k] for p in qs]) for k in first.arrays()}
+        merged.append(QWeight(first.kind, first.act, tuple(t for p in qs for t in p.types),
+                              sum(p.n_rows for p in qs), **cat))
     return merged[0] if len(merged) == 1 else QConcat(merged)
 
 
-__all__ = ["ACT_TYPE", "FORMAT_VERSION", "PACKED_BIAS", "PACK_ENV", "QConcat", "QWeight", "format_tag", "fuse",
-           "pack", "pack_4bit", "quantize_activations", "set_num_threads", "supports", "unpack"]
+__all__ = ["ACT_TYPE", "FORMAT_VERSION", "LANE_ROWS", "LANE_TYPES", "QConcat", "QWeight", "cos_sin_libm",
+           "format_tag", "fuse", "kquant_parts", "quantize_activations", "set_num_threads", "supports", "unpack"]

@@ -15,6 +15,8 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from .attn_kernels import fma32
+
 f32 = numba.float32
 
 
@@ -98,125 +100,140 @@ def quant_q8_K(x, xq, dx, xs):
 ROW_BLOCK = 16
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def matmul_q(q3, d, m, has_m, xq3, dx, xs, out):
-    # out[t, r] = sum_b (d[r,b] * dx[t,b']) * isum(r, b, t)  (+ m[r,b] * xs[t,b]),  b' = b*B/32,
-    # isum = sum_j q3[r,b,j] * xq3[t,b,j]: integers held in float32, exact (|isum| < 2^24), so
-    # the order the vectorized j loop sums in cannot change it; the blocks are accumulated in
-    # order b = 0, 1, .. with the same operations for every row t, whichever tile (4 rows or
-    # the 1-row tail) it falls in: a row's result does not depend on T or on the other rows.
-    O, nb, B = q3.shape
-    T = xq3.shape[0]
-    sh = 1 if B == 16 else 0
-    for rb in prange((O + ROW_BLOCK - 1) // ROW_BLOCK):
-        r1 = min(O, rb * ROW_BLOCK + ROW_BLOCK)
-        t = 0
-        while t + 4 <= T:
-            for r in range(rb * ROW_BLOCK, r1):
-                a0 = f32(0.0)
-                a1 = f32(0.0)
-                a2 = f32(0.0)
-                a3 = f32(0.0)
-                for b in range(nb):
-                    s0 = f32(0.0)
-                    s1 = f32(0.0)
-                    s2 = f32(0.0)
-                    s3 = f32(0.0)
-                    for j in range(B):
-                        w = f32(q3[r, b, j])
-                        s0 += w * xq3[t, b, j]
-                        s1 += w * xq3[t + 1, b, j]
-                        s2 += w * xq3[t + 2, b, j]
-                        s3 += w * xq3[t + 3, b, j]
-                    db = d[r, b]
-                    bx = b >> sh
-                    a0 += (db * dx[t, bx]) * s0
-                    a1 += (db * dx[t + 1, bx]) * s1
-                    a2 += (db * dx[t + 2, bx]) * s2
-                    a3 += (db * dx[t + 3, bx]) * s3
-                    if has_m:
-                        mb = m[r, b]
-                        a0 += mb * xs[t, b]
-                        a1 += mb * xs[t + 1, b]
-                        a2 += mb * xs[t + 2, b]
-                        a3 += mb * xs[t + 3, b]
-                out[t, r] = a0
-                out[t + 1, r] = a1
-                out[t + 2, r] = a2
-                out[t + 3, r] = a3
-            t += 4
-        while t < T:
-            for r in range(rb * ROW_BLOCK, r1):
-                acc = f32(0.0)
-                for b in range(nb):
-                    s = f32(0.0)
-                    for j in range(B):
-                        s += f32(q3[r, b, j]) * xq3[t, b, j]
-                    acc += (d[r, b] * dx[t, b >> sh]) * s
-                    if has_m:
-                        acc += m[r, b] * xs[t, b]
-                out[t, r] = acc
-            t += 1
+#: float flags of the lane kernel: contraction to FMA (ggml's _mm256_fmadd_ps, and GCC's
+#: -ffp-contract=fast for ``summs += m*s``), no reassociation: the order is the result.
+_LANE_MATH = {"contract", "nnan", "ninf", "nsz"}
+from .quant import LANE_ROWS  # noqa: E402  (one fact: the lanes form of quant.py)
+#: row groups per work item of the lane kernel's parallel loop
+_LANE_CHUNK = 4
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def matmul_qp(qs, bias, d, m, has_m, xq3, dx, xs, out):
-    # 4-bit weights packed as the GGUF stores them: qs uint8 [O, nb, H=16] (byte j: element j in
-    # the low nibble, element j+16 in the high one); level = nibble - bias. Same sums and
-    # accumulation order as matmul_q (exact block sums, blocks in order, the same operations for
-    # every row). The loops run to H read from the shape (not a constant 16): a constant trip
-    # count lets LLVM unroll them and vectorize the block loop instead, reordering the blocks.
-    O, nb, H = qs.shape
+@njit(parallel=True, fastmath=_LANE_MATH, cache=True)
+def matmul_lanes(wi, d, m, has_m, xq3, dx, xs, out):
+    # ggml's x86 AVX2 vec_dot of the 32-weight block types (ggml_vec_dot_q4_0_q8_0, _q4_1_q8_1,
+    # _q5_0_q8_0, _q5_1_q8_1, _q8_0_q8_0 in ggml-cpu/arch/x86/quants.c; llamafile's
+    # tinyBLAS_Q0_AVX, used from two rows on, sums the same way): per output, eight float32
+    # lanes, lane l holding elements 4l..4l+3 of every block (maddubs + madd), acc_l =
+    # fma(d_w*d_x, isum_l, acc_l) over the blocks in order; then hsum_float_8 ((l, l+4) pairs,
+    # then (0,2) + (1,3)) and + summs, the in-order fma sum of m_w * s_x.
+    # Layout ("lanes" form of quant.QWeight): block positions in lane order (position 8j+l holds
+    # element 4l+j, for weights and activations alike) and 16 output rows interleaved, so the
+    # innermost loop runs over 16 rows with contiguous loads (one zmm). isum_l is an integer
+    # (|isum| < 2^24) computed exactly, so its own order does not matter.
+    # wi int8 [ng, nb, 32, 16]; d, m f32 [ng, nb, 16]; xq3 f32 [T, nb, 32] (lane order);
+    # dx, xs f32 [T, nb]; out f32 [T, ng*16].
+    ng, nb = wi.shape[0], wi.shape[1]
     T = xq3.shape[0]
-    fb = f32(bias)
+    G = LANE_ROWS
+    for c in prange((ng + _LANE_CHUNK - 1) // _LANE_CHUNK):
+        acc = np.empty((8, G), np.float32)
+        summs = np.empty(G, np.float32)
+        dd = np.empty(G, np.float32)
+        for g in range(c * _LANE_CHUNK, min(ng, c * _LANE_CHUNK + _LANE_CHUNK)):
+            for t in range(T):
+                acc[:] = 0.0
+                summs[:] = 0.0
+                for b in range(nb):
+                    dxb = dx[t, b]
+                    for i in range(G):
+                        dd[i] = d[g, b, i] * dxb
+                    for l in range(8):
+                        x0 = xq3[t, b, l]
+                        x1 = xq3[t, b, 8 + l]
+                        x2 = xq3[t, b, 16 + l]
+                        x3 = xq3[t, b, 24 + l]
+                        for i in range(G):
+                            p = (f32(wi[g, b, l, i]) * x0 + f32(wi[g, b, 8 + l, i]) * x1
+                                 + f32(wi[g, b, 16 + l, i]) * x2 + f32(wi[g, b, 24 + l, i]) * x3)
+                            acc[l, i] += dd[i] * p
+                    if has_m:
+                        xsb = xs[t, b]
+                        for i in range(G):
+                            summs[i] += m[g, b, i] * xsb
+                for i in range(G):
+                    out[t, g * G + i] = ((((acc[0, i] + acc[4, i]) + (acc[2, i] + acc[6, i]))
+                                          + ((acc[1, i] + acc[5, i]) + (acc[3, i] + acc[7, i]))) + summs[i])
+
+
+@njit(cache=True)
+def cos_sin_f32(ang, cos, sin):
+    # cosf / sinf of float32 angles, element by element: numba lowers math.cos of a float32 to
+    # the C library's cosf — the very function ggml's rope_yarn calls (glibc's is not correctly
+    # rounded: ~1 % of a RoPE table differs from a float64 cos rounded to float32)
+    a = ang.reshape(-1)
+    c = cos.reshape(-1)
+    s = sin.reshape(-1)
+    for i in range(a.size):
+        c[i] = math.cos(a[i])
+        s[i] = math.sin(a[i])
+
+
+@njit(parallel=True, cache=True)
+def matmul_q4k(qs, sc, mn, dw, dmin, xi, dy, bs32, out):
+    # ggml's repacked Q4_K kernels on x86 (ggml_gemv_q4_K_8x8_q8_K / ggml_gemm_q4_K_8x8_q8_K,
+    # ggml-cpu/arch/x86/repack.cpp; llama.cpp repacks every Q4_K matrix with a row count divisible
+    # by 8 on AVX2 machines): per output and super-block the exact integers
+    # isum = sum_j sc_j * sum_k q4 * q8 and imin = sum_j mn_j * bsum_j, then
+    # acc = fma(isum, d_w*d_x, acc), accm = fma(imin, dmin_w*d_x, accm); out = acc - accm.
+    # qs uint8 [O, nsb, 128] (the GGUF's bytes: chunk c of 32 holds sub-block 2c in the low
+    # nibbles, 2c+1 in the high ones); sc, mn uint8 [O, nsb, 8]; dw, dmin f32 [O, nsb];
+    # xi int8 [T, K]; dy f32 [T, nsb]; bs32 int32 [T, K/32] (sums of q8 per 32); out [T, O].
+    O, nsb = qs.shape[0], qs.shape[1]
+    T = xi.shape[0]
     for rb in prange((O + ROW_BLOCK - 1) // ROW_BLOCK):
-        r1 = min(O, rb * ROW_BLOCK + ROW_BLOCK)
-        t = 0
-        while t + 4 <= T:
-            for r in range(rb * ROW_BLOCK, r1):
-                a0 = f32(0.0)
-                a1 = f32(0.0)
-                a2 = f32(0.0)
-                a3 = f32(0.0)
-                for b in range(nb):
-                    s0 = f32(0.0)
-                    s1 = f32(0.0)
-                    s2 = f32(0.0)
-                    s3 = f32(0.0)
-                    for j in range(H):
-                        v = np.int32(qs[r, b, j])
-                        wl = f32(v & 15) - fb
-                        wh = f32(v >> 4) - fb
-                        s0 += wl * xq3[t, b, j] + wh * xq3[t, b, j + H]
-                        s1 += wl * xq3[t + 1, b, j] + wh * xq3[t + 1, b, j + H]
-                        s2 += wl * xq3[t + 2, b, j] + wh * xq3[t + 2, b, j + H]
-                        s3 += wl * xq3[t + 3, b, j] + wh * xq3[t + 3, b, j + H]
-                    db = d[r, b]
-                    a0 += (db * dx[t, b]) * s0
-                    a1 += (db * dx[t + 1, b]) * s1
-                    a2 += (db * dx[t + 2, b]) * s2
-                    a3 += (db * dx[t + 3, b]) * s3
-                    if has_m:
-                        mb = m[r, b]
-                        a0 += mb * xs[t, b]
-                        a1 += mb * xs[t + 1, b]
-                        a2 += mb * xs[t + 2, b]
-                        a3 += mb * xs[t + 3, b]
-                out[t, r] = a0
-                out[t + 1, r] = a1
-                out[t + 2, r] = a2
-                out[t + 3, r] = a3
-            t += 4
-        while t < T:
-            for r in range(rb * ROW_BLOCK, r1):
+        for r in range(rb * ROW_BLOCK, min(O, rb * ROW_BLOCK + ROW_BLOCK)):
+            for t in range(T):
                 acc = f32(0.0)
-                for b in range(nb):
-                    s = f32(0.0)
-                    for j in range(H):
-                        v = np.int32(qs[r, b, j])
-                        s += (f32(v & 15) - fb) * xq3[t, b, j] + (f32(v >> 4) - fb) * xq3[t, b, j + H]
-                    acc += (d[r, b] * dx[t, b]) * s
-                    if has_m:
-                        acc += m[r, b] * xs[t, b]
-                out[t, r] = acc
-            t += 1
+                accm = f32(0.0)
+                for b in range(nsb):
+                    isum = 0
+                    imin = 0
+                    o = b * 256
+                    for c in range(4):
+                        slo = 0
+                        shi = 0
+                        for k in range(32):
+                            v = np.int32(qs[r, b, c * 32 + k])
+                            slo += (v & 15) * np.int32(xi[t, o + c * 64 + k])
+                            shi += (v >> 4) * np.int32(xi[t, o + c * 64 + 32 + k])
+                        isum += np.int32(sc[r, b, 2 * c]) * slo + np.int32(sc[r, b, 2 * c + 1]) * shi
+                    for j in range(8):
+                        imin += np.int32(mn[r, b, j]) * bs32[t, b * 8 + j]
+                    acc = fma32(f32(isum), dw[r, b] * dy[t, b], acc)
+                    accm = fma32(f32(imin), dmin[r, b] * dy[t, b], accm)
+                out[t, r] = acc - accm
+
+
+@njit(parallel=True, cache=True)
+def matmul_q6k(q6, sc, dw, xi, dy, bs16, out):
+    # ggml_vec_dot_q6_K_q8_K, x86 AVX2 (ggml-cpu/arch/x86/quants.c; Q6_K is not repacked on x86):
+    # per super-block eight int32 lanes, lane l = sum over the elements e with e % 32 in
+    # [4l, 4l+4) of sc[e/16] * q6[e] * q8[e] (q6 unsigned, 0..63), minus 32 * (bsum16[2l] *
+    # sc[2l] + bsum16[2l+1] * sc[2l+1]); acc_l = fma(d_x*d_w, lane_l, acc_l) over the
+    # super-blocks; then hsum_float_8. q6 uint8 [O, nsb, 256]; sc int8 [O, nsb, 16]; dw f32
+    # [O, nsb]; xi int8 [T, K]; dy f32 [T, nsb]; bs16 int32 [T, K/16]; out [T, O].
+    O, nsb = q6.shape[0], q6.shape[1]
+    T = xi.shape[0]
+    for rb in prange((O + ROW_BLOCK - 1) // ROW_BLOCK):
+        lanes = np.empty(8, np.int32)
+        acc = np.empty(8, np.float32)
+        for r in range(rb * ROW_BLOCK, min(O, rb * ROW_BLOCK + ROW_BLOCK)):
+            for t in range(T):
+                acc[:] = 0.0
+                for b in range(nsb):
+                    o = b * 256
+                    for l in range(8):
+                        lanes[l] = 0
+                    for v in range(8):
+                        for l in range(8):
+                            s = 0
+                            for k in range(4):
+                                e = v * 32 + 4 * l + k
+                                s += np.int32(q6[r, b, e]) * np.int32(xi[t, o + e])
+                            lanes[l] += np.int32(sc[r, b, 2 * v + (l >> 2)]) * s
+                    d = dy[t, b] * dw[r, b]
+                    for l in range(8):
+                        sub = (bs16[t, b * 16 + 2 * l] * np.int32(sc[r, b, 2 * l])
+                               + bs16[t, b * 16 + 2 * l + 1] * np.int32(sc[r, b, 2 * l + 1]))
+                        acc[l] = fma32(d, f32(lanes[l] - 32 * sub), acc[l])
+                out[t, r] = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))

@@ -31,7 +31,7 @@ import numpy as np
 
 from .attention import AttnBatch, attend
 from .errors import EngineError
-from .model import Matrix, Model, RopeTable, embed, fuse_rows, gated_ffn, linear, register, rms_norm, silu
+from .model import Matrix, Model, RopeTable, embed, fuse_rows, gated_ffn, linear, register, rms_norm, silu, silu_ggml
 
 
 @register
@@ -101,7 +101,8 @@ class Qwen2Model(Model):
         return w
 
     def _setup(self) -> None:
-        self.rope = RopeTable(self.n_ctx, self.n_rot, self.rope_base, self.rope_scale, dtype=self.dtype)
+        self.rope = RopeTable(self.n_ctx, self.n_rot, self.rope_base, self.rope_scale, dtype=self.dtype,
+                                     libm=self.ggml_numerics)
         self.layers = [(self.w[f"blk.{i}.attn_norm"], self.w[f"blk.{i}.wqkv"], self.w.get(f"blk.{i}.bqkv"),
                         self.w.get(f"blk.{i}.q_norm"), self.w.get(f"blk.{i}.k_norm"), self.w[f"blk.{i}.wo"],
                         self.w[f"blk.{i}.ffn_norm"], self.w[f"blk.{i}.wgu"], self.w[f"blk.{i}.wdown"])
@@ -129,7 +130,7 @@ class Qwen2Model(Model):
             a = attend(batch, il, q, k, v, self.scale, f16=self.ggml_numerics)  # [T, nh*hd]
             x = x + linear(a, wo)                                     # [T, n_embd]
             h = rms_norm(x, ffn_norm, self.eps)                       # [T, n_embd]
-            x = x + gated_ffn(h, wgu, wdown, nff, silu)               # [T, n_embd]
+            x = x + gated_ffn(h, wgu, wdown, nff, silu_ggml if self.ggml_numerics else silu)  # [T, n_embd]
         return rms_norm(x, self.w["output_norm"], self.eps)           # [T, n_embd]
 
     def _output(self, h: np.ndarray) -> np.ndarray:
