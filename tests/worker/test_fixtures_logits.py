@@ -14,8 +14,9 @@ them by 0.006 on average); for each step i, look at the log-softmax after
 
 Both weight paths are checked: the float32 reference (``weights="f32"``) and the
 quantized one (``weights="quantized"``: ggml's kernels reproduced operation by operation),
-and the quantized one must be the closer to llama.cpp (the issue's acceptance);
-on SmolLM2 it reproduces every recorded logprob (all its ops are reproduced bit for bit).
+and the quantized one must be the closer to llama.cpp (the issue's acceptance). On both
+files it reproduces every recorded logprob: every op of both models is reproduced bit for
+bit, with the kernel llama.cpp picks for the row count (see :mod:`worker.engine.quant`).
 The top-2 rule for near-ties applies to the float32 path only: quantized inference is
 chaotic in its roundings (a 1e-7 difference flips an 8-bit level and grows through the
 layers), so among near-tied tokens either path may pick a third, and its largest single
@@ -94,7 +95,7 @@ def test_smollm2_teacher_forced(smollm2_gguf) -> None:
     f32 = _check_file(smollm2_gguf, SMOLLM2_FIXTURES, "SmolLM2-135M-Instruct Q4_1", "f32")
     quantized = _check_file(smollm2_gguf, SMOLLM2_FIXTURES, "SmolLM2-135M-Instruct Q4_1", "quantized")
     assert quantized < f32, f"quantized mean |dlogprob| {quantized:.4f} not below the f32 path's {f32:.4f}"
-    assert quantized <= 1e-5, f"SmolLM2's quantized path reproduces llama.cpp: mean {quantized:.2e}"
+    assert quantized <= 1e-6, f"the quantized path reproduces llama.cpp: mean {quantized:.2e}"
 
 
 @pytest.mark.slow
@@ -102,3 +103,4 @@ def test_gemma3_teacher_forced(gemma3_gguf) -> None:
     f32 = _check_file(gemma3_gguf, GEMMA3_FIXTURES, "Gemma 3 270M Q4_K_M", "f32")
     quantized = _check_file(gemma3_gguf, GEMMA3_FIXTURES, "Gemma 3 270M Q4_K_M", "quantized")
     assert quantized < f32, f"quantized mean |dlogprob| {quantized:.4f} not below the f32 path's {f32:.4f}"
+    assert quantized <= 1e-6, f"the quantized path reproduces llama.cpp: mean {quantized:.2e}"

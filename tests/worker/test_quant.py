@@ -155,9 +155,10 @@ def _fma(a, b, c):
 
 
 def ggml_q4k_order(raw_bytes: np.ndarray, n_rows: int, x: np.ndarray) -> np.ndarray:
-    """ggml's repacked x86 Q4_K gemv/gemm: per super-block exact integers isum = sum_j sc_j *
-    dot_j and imin = sum_j mn_j * bsum_j; acc = fma(isum, d*d_x, acc), accm = fma(imin, dmin*d_x,
-    accm); out = acc - accm. An independent port (numpy scalars) of ggml-cpu/arch/x86/repack.cpp."""
+    """ggml's repacked x86 Q4_K gemv/gemm: per span exact integers isum = sum_j sc_j * dot_j and
+    imin = sum_j mn_j * bsum_j; acc = fma(isum, d*d_x, acc), accm = fma(imin, dmin*d_x, accm);
+    out = acc - accm. The span is a super-block (gemv) or a pair of sub-blocks (gemm, the first
+    T - T % 4 rows). An independent port (numpy scalars) of ggml-cpu/arch/x86/repack.cpp."""
     raw = quant.kquant_parts("Q4_K", raw_bytes, n_rows, x.shape[1])
     xq, dx, _ = quant.quantize_activations(x, "q8_K", False)
     xi = xq.astype(np.int64)
@@ -169,12 +170,14 @@ def ggml_q4k_order(raw_bytes: np.ndarray, n_rows: int, x: np.ndarray) -> np.ndar
         xb = xi[t].reshape(nsb, 8, 32)
         for r in range(O):
             acc = accm = np.float32(0)
+            spans = [slice(2 * c, 2 * c + 2) for c in range(4)] if t < T - T % 4 else [slice(0, 8)]
             for b in range(nsb):
-                isum = int((raw["sc"][r, b].astype(np.int64) * (lv[r, b] * xb[b]).sum(-1)).sum())
-                imin = int((raw["mn"][r, b].astype(np.int64) * xb[b].sum(-1)).sum())
                 dy = dx[t, b * 8]
-                acc = _fma(np.float32(isum), np.float32(raw["d"][r, b] * dy), acc)
-                accm = _fma(np.float32(imin), np.float32(raw["m"][r, b] * dy), accm)
+                for j in spans:
+                    isum = int((raw["sc"][r, b, j].astype(np.int64) * (lv[r, b, j] * xb[b, j]).sum(-1)).sum())
+                    imin = int((raw["mn"][r, b, j].astype(np.int64) * xb[b, j].sum(-1)).sum())
+                    acc = _fma(np.float32(isum), np.float32(raw["d"][r, b] * dy), acc)
+                    accm = _fma(np.float32(imin), np.float32(raw["m"][r, b] * dy), accm)
             out[t, r] = np.float32(acc - accm)
     return out
 
@@ -211,7 +214,7 @@ def ggml_q6k_order(raw_bytes: np.ndarray, n_rows: int, x: np.ndarray) -> np.ndar
 def test_k_quants_sum_in_ggml_x86_order(type_name: str) -> None:
     # bit for bit what llama.cpp computes on this machine kind (repacked Q4_K, Q6_K's vec_dot)
     ref = ggml_q4k_order if type_name == "Q4_K" else ggml_q6k_order
-    for n_rows, n_tok in ((8, 1), (19, 4)):
+    for n_rows, n_tok in ((8, 1), (19, 6)):
         raw = random_blocks(type_name, n_rows, 512, seed=n_rows)
         w = quant.QWeight.from_raw(type_name, raw, n_rows, 512)
         x = np.random.default_rng(n_tok).standard_normal((n_tok, 512)).astype(np.float32)
@@ -221,17 +224,25 @@ def test_k_quants_sum_in_ggml_x86_order(type_name: str) -> None:
 
 @pytest.mark.parametrize("type_name", TYPES)
 def test_rows_do_not_depend_on_the_batch(type_name: str) -> None:
-    # every row count the scheduler produces (decode batches, prefill chunks, both mixed):
-    # a row's result is the same bits alone, at any position of any call
+    # every mix of sequences the scheduler produces (decode rows, prefill chunks of any size):
+    # a sequence's rows are the same bits alone as next to others in one call. (Within a
+    # sequence, llama.cpp's kernel for Q4_K / Q6_K depends on its row count; that choice is
+    # reproduced per sequence, see test_k_quants_sum_in_ggml_x86_order.)
     n_rows, n_cols = 72, 512
     w = quant.QWeight.from_raw(type_name, random_blocks(type_name, n_rows, n_cols, seed=4), n_rows, n_cols)
     x = np.random.default_rng(5).standard_normal((70, n_cols)).astype(np.float32)
-    alone = np.concatenate([w.matmul(x[i:i + 1]) for i in range(x.shape[0])])    # [70, 72]
-    for start, n in [(0, 2), (1, 3), (0, 4), (3, 5), (2, 8), (5, 17), (0, 32), (7, 33), (0, 70)]:
-        got = w.matmul(x[start:start + n])
-        np.testing.assert_array_equal(got, alone[start:start + n], err_msg=f"rows {start}..{start + n - 1}")
-    perm = np.random.default_rng(6).permutation(x.shape[0])                        # other companions
-    np.testing.assert_array_equal(w.matmul(x[perm]), alone[perm])
+    for sizes in ([1] * 6, [2, 1, 3], [5, 1, 8, 1], [17, 33, 1, 4], [9, 1, 1, 1, 7], [70]):
+        starts = np.cumsum([0] + sizes[:-1])
+        alone = np.concatenate([w.matmul(x[a:a + n]) for a, n in zip(starts, sizes)])
+        token = quant.row_groups(sizes)
+        try:
+            together = w.matmul(x[:sum(sizes)])
+        finally:
+            quant._SEQ_ROWS.reset(token)
+        np.testing.assert_array_equal(together, alone, err_msg=f"sequences of {sizes} rows")
+    if type_name in quant.LANE_TYPES:   # these kernels do not depend on the row count at all
+        one = np.concatenate([w.matmul(x[i:i + 1]) for i in range(x.shape[0])])
+        np.testing.assert_array_equal(w.matmul(x), one)
 
 
 def test_fused_matrices_equal_their_parts() -> None:

@@ -352,3 +352,18 @@ def silu_rows(x, out):
         for k in range(i, n):
             v = x[t, k]
             out[t, k] = v / (one + _expf(-v))
+
+
+@njit(cache=True)
+def gelu_table_f16(xs, table):
+    # ggml_table_gelu_f16 (ggml-cpu.c ggml_cpu_init): for every fp16 value x (xs f32 [65536],
+    # the fp16 bit patterns 0..65535 as float32), f16(ggml_gelu_f32(x)) with ggml_gelu_f32 =
+    # 0.5f*x*(1.0f + tanhf(SQRT_2_OVER_PI*x*(1.0f + GELU_COEF_A*x*x))) as GCC builds it
+    # (-ffp-contract=fast: 1.0f + (A*x)*x is one fma) and libm's tanhf; table f32 [65536]
+    a = f32(0.044715)
+    c = f32(0.79788456080286535587989211986876)
+    for i in range(xs.shape[0]):
+        x = xs[i]
+        inner = fma32(a * x, x, f32(1.0))
+        g = (f32(0.5) * x) * (f32(1.0) + f32(math.tanh(c * x * inner)))
+        table[i] = f16r(g)

@@ -101,7 +101,7 @@ class Gemma3Model(Model):
         self.layers = self._layer_weights(("attn_norm", "wqkv", "q_norm", "k_norm", "wo", "post_attn_norm",
                                            "ffn_norm", "wgu", "wdown", "post_ffw_norm"))
 
-    def _forward_hidden(self, tokens: np.ndarray, batch: AttnBatch) -> np.ndarray:
+    def _forward_hidden(self, tokens: np.ndarray, batch: AttnBatch, rows: np.ndarray) -> np.ndarray:
         T = tokens.shape[0]                                            # N tokens of every sequence in the step
         nh, nkv, hd, nff = self.n_head, self.n_head_kv, self.head_dim, self.n_ff
         nq, nk = nh * hd, nkv * hd
@@ -121,7 +121,10 @@ class Gemma3Model(Model):
             rope.apply_neox(k, pos)                                    # [T, nkv, hd]
             q *= self.dtype.type(self.q_scale)                         # [T, nh, hd]
             a = attend(batch, il, q, k, v, 1.0, self.window if swa else None, f16=self.ggml_numerics)  # [T, nh*hd]
-            sa = x + rms_norm(linear(a, wo), post_attn_norm, self.eps)      # [T, n_embd]
+            o = linear(a, wo)                                          # [T, n_embd]
+            if il == self.n_layer - 1:
+                x, o = self._keep_output_rows(batch, rows, x, o)       # [R, n_embd]
+            sa = x + rms_norm(o, post_attn_norm, self.eps)             # [T, n_embd]
             h = rms_norm(sa, ffn_norm, self.eps)                       # [T, n_embd]
             gelu = gelu_tanh_ggml if self.ggml_numerics else gelu_tanh
             x = sa + rms_norm(gated_ffn(h, wgu, wdown, nff, gelu), post_ffw_norm, self.eps)  # [T, n_embd]

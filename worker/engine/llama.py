@@ -64,7 +64,7 @@ class LlamaModel(Model):
                               self.w.get("rope_freqs"), dtype=self.dtype, libm=self.ggml_numerics)
         self.layers = self._layer_weights(("attn_norm", "wqkv", "wo", "ffn_norm", "wgu", "wdown"))
 
-    def _forward_hidden(self, tokens: np.ndarray, batch: AttnBatch) -> np.ndarray:
+    def _forward_hidden(self, tokens: np.ndarray, batch: AttnBatch, rows: np.ndarray) -> np.ndarray:
         T = tokens.shape[0]                                           # N tokens of every sequence in the step
         nh, nkv, hd, nff = self.n_head, self.n_head_kv, self.head_dim, self.n_ff
         nq, nk = nh * hd, nkv * hd
@@ -80,7 +80,10 @@ class LlamaModel(Model):
             k = qk[:, nh:]                                            # [T, nkv, hd]
             v = qkv[:, nq + nk:].reshape(T, nkv, hd)                  # [T, nkv, hd]
             a = attend(batch, il, q, k, v, self.scale, f16=self.ggml_numerics)  # [T, nh*hd]
-            x = x + linear(a, wo)                                         # [T, n_embd]
+            o = linear(a, wo)                                         # [T, n_embd]
+            if il == self.n_layer - 1:
+                x, o = self._keep_output_rows(batch, rows, x, o)      # [R, n_embd]
+            x = x + o                                                 # [T, n_embd]
             h = rms_norm(x, ffn_norm, self.eps)                       # [T, n_embd]
             x = x + gated_ffn(h, wgu, wdown, nff, act)                # [T, n_embd]
         return rms_norm(x, self.w["output_norm"], self.eps)           # [T, n_embd]

@@ -35,7 +35,7 @@ from .errors import EngineError
 from .gguf_loader import GGUFFile, atomic_write_bytes, cache_root
 from .attention import AttnBatch, Segment, attention, attention_mask  # noqa: F401 (re-exported)
 from .kv_cache import KVEntry, KVShape
-from .quant import QConcat, QWeight, cos_sin_libm, format_tag as quant_format, fuse, supports as quant_supports
+from .quant import _SEQ_ROWS, QConcat, QWeight, cos_sin_libm, format_tag as quant_format, fuse, row_groups, supports as quant_supports
 
 #: How weight matrices are held: ``"quantized"`` (the GGUF's own blocks as int8 levels + scales,
 #: multiplied by the kernels of :mod:`.quant`) or ``"f32"`` (dequantized once, sgemm; the reference).
@@ -255,13 +255,29 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
 
 def gelu_tanh_ggml(x: np.ndarray) -> np.ndarray:
     """GELU as ggml's CPU kernel computes it (``ggml_vec_gelu_f32`` / ``ggml_vec_geglu_f32`` with
-    ``GGML_GELU_FP16``): the input rounded to float16, a float16 table of :func:`gelu_tanh`, 0 at
+    ``GGML_GELU_FP16``): the input rounded to float16 and looked up in ggml's float16 table
+    (:func:`.attn_kernels.gelu_table_f16`: ggml_gelu_f32 with GCC's fma and libm's tanhf), 0 at
     ``x <= -10`` and ``x`` at ``x >= 10``. float32 ``[...]`` -> same shape."""
-    y = gelu_tanh(x.astype(np.float16).astype(np.float32)).astype(np.float16).astype(np.float32)
+    table = _gelu_table()
+    y = table[x.astype(np.float16).view(np.uint16)]
     y[x <= -10.0] = 0.0
     big = x >= 10.0
     y[big] = x[big]
     return y
+
+
+_GELU_TABLE: list[np.ndarray] = []
+
+
+def _gelu_table() -> np.ndarray:
+    """float32 ``[65536]``: ggml_table_gelu_f16 indexed by fp16 bit pattern (built once)."""
+    if not _GELU_TABLE:
+        from . import attn_kernels
+        xs = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+        table = np.empty(65536, np.float32)
+        attn_kernels.gelu_table_f16(xs, table)
+        _GELU_TABLE.append(table)
+    return _GELU_TABLE[0]
 
 
 class RopeTable:
@@ -532,11 +548,12 @@ class Model:
         """The KV entry of the single-sequence :meth:`forward` path (capacity n_ctx, lazy)."""
         return KVEntry(self.kv_shape, self.n_ctx, self.n_ctx)
 
-    def _forward_hidden(self, tokens: np.ndarray, batch: AttnBatch) -> np.ndarray:
+    def _forward_hidden(self, tokens: np.ndarray, batch: AttnBatch, rows: np.ndarray) -> np.ndarray:
         """Run every block over the flat batch ``tokens [N]`` (positions ``batch.positions``),
-        storing each segment's K/V in its entry through :func:`attention.attend`.
+        storing each segment's K/V in its entry through :func:`attention.attend`; the last
+        block's FFN runs on the output rows only (:meth:`_keep_output_rows`).
 
-        Returns the final-normed hidden states ``[N, n_embd]``.
+        Returns the final-normed hidden states of ``rows`` (int ``[R]``): ``[R, n_embd]``.
         """
         raise NotImplementedError
 
@@ -734,8 +751,23 @@ class Model:
         """
         if int(batch.positions.max(initial=-1)) >= self.n_ctx:
             raise EngineError("context_length_exceeded", f"position beyond the context of {self.n_ctx} tokens")
-        h = self._forward_hidden(tokens, batch)                 # [N, n_embd]
-        return self._output(h[np.asarray(rows, dtype=np.int64)])  # [R, n_vocab]
+        out_rows = np.asarray(rows, dtype=np.int64)
+        token = row_groups([s.n for s in batch.segments])       # the sequences' batches, as llama.cpp sees them
+        try:
+            h = self._forward_hidden(tokens, batch, out_rows)   # [R, n_embd]
+            return self._output(h)                              # [R, n_vocab]
+        finally:
+            _SEQ_ROWS.reset(token)
+
+    def _keep_output_rows(self, batch: AttnBatch, rows: np.ndarray, *xs: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The last block's rows after attention, as llama.cpp keeps them (``ggml_get_rows(cur,
+        inp_out_ids)`` before the last FFN, llama-graph's ``inp_out_ids``): each ``x[rows]``, and
+        the matmuls that follow see each sequence's output rows as its batch (their kernels
+        depend on the row count). ``rows`` int ``[R]``, ascending."""
+        starts = np.array([s.start for s in batch.segments], dtype=np.int64)
+        seg = np.searchsorted(starts, rows, side="right") - 1                   # [R] segment of each row
+        row_groups(np.bincount(seg, minlength=len(starts))[np.unique(seg)])    # reset with the pass's token
+        return tuple(x[rows] for x in xs)
 
     def forward(self, tokens: Sequence[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:
         """Single-sequence path: append ``tokens`` to ``self.cache`` at positions

@@ -1,50 +1,41 @@
-"""Quantized weights held in memory, and the kernels that multiply with them.
+"""Quantized weights held in memory, and the kernels that multiply with them: llama.cpp's
+CPU kernels on this machine kind (x86-64, AVX2 / AVX-512 VNNI, b11434) reproduced bit for bit.
 
-A :class:`QWeight` is one ``[out_features, in_features]`` weight matrix kept as
-the GGUF stored it, only unpacked to one signed byte per weight:
+The activations are first quantized per block to the type ggml pairs with the weight type
+(``type_traits_cpu[type].vec_dot_type``: Q8_0 for Q8_0/Q4_0/Q5_0, Q8_1 for Q4_1/Q5_1, Q8_K
+for the K-quants) with ggml's rounding rules (``quantize_row_q8_0`` / ``_q8_1`` of ggml-cpu's
+x86 path: ``d = amax/127`` stored as fp16, ``q = rint(x * 127/amax)``;
+``quantize_row_q8_K_ref``: ``d = max / -127`` in float32, ``q = min(127, nearest_int(x /
+d))``). Integer dot products are exact; what decides the result is how llama.cpp combines
+them with the scales in float32, which differs by kernel, and each form here follows one:
 
-* ``q``: int8 ``[O, nb, B]`` — the integer level of every weight (``nb = in / B``
-  blocks of ``B`` weights per row; B = 32, or 16 for Q6_K's sub-blocks),
-* ``d``: float32 ``[O, nb]`` — the block's scale,
-* ``m``: float32 ``[O, nb]`` or None — the block's offset (Q4_1, Q5_1, Q4_K),
+* the 32-block types (:data:`LANE_TYPES`, form ``"lanes"``): ggml's AVX2 ``vec_dot`` (and
+  llamafile's tinyBLAS from two rows on, which sums alike) — eight float32 lanes of four
+  elements per block accumulated by FMA, ``hsum_float_8``, plus the offset sum;
+* Q4_K (``"q4k"``): llama.cpp repacks it on AVX2 machines; its gemv sums per super-block,
+  its gemm (the first ``n - n % 4`` rows of a batch) per pair of sub-blocks;
+* Q6_K (``"q6k"``): ``vec_dot``'s eight integer lanes below :data:`TILED_MIN_ROWS` rows, the
+  tiled kernel's per-super-block FMA from there on.
 
-so weight ``w = d * q + m`` exactly as ggml's ``dequantize_row_*`` computes it
-(for Q4_K, ``d = d_super * sc`` and ``m = -dmin_super * mn`` of the 6-bit
-sub-block scale/min; both products are exact in float32).
+llama.cpp picks by the row count of a matmul, which for a sequence alone is its own batch:
+the model declares its sequences around a forward pass (:func:`row_groups`) and each row
+gets the kernel llama.cpp would run for its sequence, so a sequence's results do not depend
+on the other sequences of the pass. Tested against independent ports of those kernels and,
+end to end, against llama.cpp's recorded logprobs of both shipped models (identical).
 
-Multiplication follows ggml's CPU ``vec_dot`` kernels: the activations are
-first quantized per block to the type ggml pairs with the weight type
-(``type_traits_cpu[type].vec_dot_type``: Q8_0 for Q8_0/Q4_0/Q5_0, Q8_1 for
-Q4_1/Q5_1, Q8_K for the K-quants) with ggml's rounding rules
-(``quantize_row_q8_0`` / ``_q8_1`` of ggml-cpu's x86 path: ``d = amax/127``
-stored as fp16, ``q = rint(x * 127/amax)``; ``quantize_row_q8_K_ref``: ``d =
-max / -127`` in float32, ``q = min(127, nearest_int(x / d))``). A block's
-product is then ``(d_w * d_x) * sum(q_w * q_x) + m_w * s_x`` with ``s_x = d_x *
-sum(q_x)`` (fp16 for Q8_1, as ggml stores it). The integer sum is computed in
-float32 on integer values, which is exact (``|sum| < 2^24`` for every type), so
-it equals ggml's int32 sum whatever order the vectorized loop adds in.
+Kernels are compiled once and cached on disk by numba (``cache=True``; the directory is
+``NUMBA_CACHE_DIR`` or ``__pycache__`` beside this file).
 
-One kernel for every number of activation rows ``T`` (decode, batched decode,
-prefill chunks): numba-compiled, parallel over blocks of output rows, reading
-the int8 weights directly, 4 activation rows per pass over a weight row. It is
-**row-deterministic**: the blocks of a row are accumulated in order with the
-same float32 operations whatever ``T`` is and whichever other rows share the
-call, so a sequence's outputs do not depend on the batch it runs in (sgemm's
-results do: OpenBLAS picks other kernels and blockings by the matrix shape,
-measured bit differences between ``N = 1 .. 300`` rows on this machine).
-
-Kernels are compiled once and cached on disk by numba (``cache=True``; the
-directory is ``NUMBA_CACHE_DIR`` or ``__pycache__`` beside this file).
-
-Types with an int8 form here: F32/F16/BF16 are kept as float32 arrays (no
-QWeight); Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K become QWeights; any other
-type (Q2_K, Q3_K, Q5_K, IQ*) is dequantized to float32 by the gguf package
-(:func:`supports`).
+Types with a kernel here: F32/F16/BF16 are kept as float32 arrays (no QWeight); Q8_0, Q4_0,
+Q4_1, Q5_0, Q5_1, Q4_K, Q6_K become QWeights; any other type (Q2_K, Q3_K, Q5_K, IQ*) is
+dequantized to float32 by the gguf package (:func:`supports`). Not reproduced: a Q4_K matrix
+whose row count does not divide by 8 (llama.cpp does not repack it; it is multiplied here as
+if it had been).
 """
 
 from __future__ import annotations
 
-import os
+import contextvars
 from collections.abc import Sequence
 from typing import Any
 
@@ -246,6 +237,45 @@ FORMAT_VERSION = 4
 def format_tag() -> str:
     """The weight cache's tag of the quantized forms this process builds."""
     return str(FORMAT_VERSION)
+
+
+#: The sequences of the current forward pass: per row, the row count of its sequence's batch
+#: and its index there (int64 ``[2, N]``), set by the model around a pass (:func:`row_groups`).
+#: llama.cpp picks some kernels by a matmul's row count, which for a sequence alone is its own
+#: chunk: the kernels here choose per row what llama.cpp would run for that sequence. Unset, a
+#: call's rows are taken as one sequence.
+_SEQ_ROWS: contextvars.ContextVar[np.ndarray | None] = contextvars.ContextVar("seq_rows", default=None)
+#: From this many rows of a batch on, llama.cpp multiplies a non-repacked K-quant (Q6_K here) in
+#: its tiled kernel (ggml-cpu/tiled/tiled.cpp ``ggml_tiled_min_batch``), below it by ``vec_dot``.
+TILED_MIN_ROWS = 8
+
+
+def row_groups(segment_rows: Sequence[int]) -> contextvars.Token:
+    """Declare the rows of the next matmuls as consecutive sequences of ``segment_rows[i]``
+    rows (a forward pass's segments, in order); returns the token for ``_SEQ_ROWS.reset``."""
+    n = np.asarray(segment_rows, dtype=np.int64)
+    return _SEQ_ROWS.set(np.stack([np.repeat(n, n), np.concatenate([np.arange(k) for k in n]) if n.size
+                                   else np.zeros(0, np.int64)]))
+
+
+def _seq_rows(T: int) -> np.ndarray:
+    rows = _SEQ_ROWS.get()
+    if rows is None or rows.shape[1] != T:
+        rows = np.stack([np.full(T, T), np.arange(T)])
+    return rows
+
+
+def gemm_rows(T: int) -> np.ndarray:
+    """uint8 ``[T]``: 1 where llama.cpp's repacked Q4_K gemm takes the row (the first ``n - n % 4``
+    rows of a sequence's batch of ``n``), 0 where its gemv does."""
+    n, idx = _seq_rows(T)
+    return (idx < n - n % 4).astype(np.uint8)
+
+
+def tiled_rows(T: int) -> np.ndarray:
+    """uint8 ``[T]``: 1 where llama.cpp's tiled K-quant matmul takes the row (its sequence's batch
+    has at least :data:`TILED_MIN_ROWS` rows), 0 where ``vec_dot`` does."""
+    return (_seq_rows(T)[0] >= TILED_MIN_ROWS).astype(np.uint8)
 
 
 def kquant_parts(type_name: str, raw: np.ndarray, n_rows: int, n_cols: int) -> dict[str, np.ndarray]:
@@ -478,10 +508,10 @@ class QWeight:
         res = out if out.flags.c_contiguous else np.empty((T, self.n_rows), np.float32)
         if self.kind == "q4k":
             bs32 = xi.reshape(T, -1, 32).sum(-1, dtype=np.int32)         # [T, K/32]
-            k["matmul_q4k"](self.q, self.sc, self.mn, self.d, self.m, xi, dy, bs32, res)
+            k["matmul_q4k"](self.q, self.sc, self.mn, self.d, self.m, xi, dy, bs32, gemm_rows(T), res)
         else:
             bs16 = xi.reshape(T, -1, 16).sum(-1, dtype=np.int32)         # [T, K/16]
-            k["matmul_q6k"](self.q, self.sc, self.d, xi, dy, bs16, res)
+            k["matmul_q6k"](self.q, self.sc, self.d, xi, dy, bs16, tiled_rows(T), res)
         if res is not out:
             out[:] = res
 
@@ -559,4 +589,4 @@ def fuse(parts: Sequence[QWeight | np.ndarray]) -> QWeight | QConcat | np.ndarra
 
 
 __all__ = ["ACT_TYPE", "FORMAT_VERSION", "LANE_ROWS", "LANE_TYPES", "QConcat", "QWeight", "cos_sin_libm",
-           "format_tag", "fuse", "kquant_parts", "quantize_activations", "set_num_threads", "supports", "unpack"]
+           "format_tag", "fuse", "gemm_rows", "kquant_parts", "row_groups", "tiled_rows", "quantize_activations", "set_num_threads", "supports", "unpack"]

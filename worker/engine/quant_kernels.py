@@ -169,15 +169,18 @@ def cos_sin_f32(ang, cos, sin):
 
 
 @njit(parallel=True, cache=True)
-def matmul_q4k(qs, sc, mn, dw, dmin, xi, dy, bs32, out):
-    # ggml's repacked Q4_K kernels on x86 (ggml_gemv_q4_K_8x8_q8_K / ggml_gemm_q4_K_8x8_q8_K,
-    # ggml-cpu/arch/x86/repack.cpp; llama.cpp repacks every Q4_K matrix with a row count divisible
-    # by 8 on AVX2 machines): per output and super-block the exact integers
-    # isum = sum_j sc_j * sum_k q4 * q8 and imin = sum_j mn_j * bsum_j, then
+def matmul_q4k(qs, sc, mn, dw, dmin, xi, dy, bs32, grouped, out):
+    # ggml's repacked Q4_K kernels on x86 (ggml-cpu/arch/x86/repack.cpp; llama.cpp repacks every
+    # Q4_K matrix whose row count divides by 8 on AVX2 machines). Per output the exact integers
+    # of a span, isum = sum_j sc_j * sum_k q4 * q8 and imin = sum_j mn_j * bsum_j, then
     # acc = fma(isum, d_w*d_x, acc), accm = fma(imin, dmin_w*d_x, accm); out = acc - accm.
+    # The span is a whole super-block in ggml_gemv_q4_K_8x8_q8_K and a pair of sub-blocks (64
+    # elements) in ggml_gemm_q4_K_8x8_q8_K, which llama.cpp runs for the first n - n % 4 rows of
+    # each batch (the rest by gemv): ``grouped[t]`` says which one row t is.
     # qs uint8 [O, nsb, 128] (the GGUF's bytes: chunk c of 32 holds sub-block 2c in the low
     # nibbles, 2c+1 in the high ones); sc, mn uint8 [O, nsb, 8]; dw, dmin f32 [O, nsb];
-    # xi int8 [T, K]; dy f32 [T, nsb]; bs32 int32 [T, K/32] (sums of q8 per 32); out [T, O].
+    # xi int8 [T, K]; dy f32 [T, nsb]; bs32 int32 [T, K/32] (sums of q8 per 32); grouped
+    # uint8 [T]; out [T, O].
     O, nsb = qs.shape[0], qs.shape[1]
     T = xi.shape[0]
     for rb in prange((O + ROW_BLOCK - 1) // ROW_BLOCK):
@@ -185,10 +188,13 @@ def matmul_q4k(qs, sc, mn, dw, dmin, xi, dy, bs32, out):
             for t in range(T):
                 acc = f32(0.0)
                 accm = f32(0.0)
+                pairs = grouped[t] != 0
                 for b in range(nsb):
                     isum = 0
                     imin = 0
                     o = b * 256
+                    dd = dw[r, b] * dy[t, b]
+                    ddm = dmin[r, b] * dy[t, b]
                     for c in range(4):
                         slo = 0
                         shi = 0
@@ -197,21 +203,33 @@ def matmul_q4k(qs, sc, mn, dw, dmin, xi, dy, bs32, out):
                             slo += (v & 15) * np.int32(xi[t, o + c * 64 + k])
                             shi += (v >> 4) * np.int32(xi[t, o + c * 64 + 32 + k])
                         isum += np.int32(sc[r, b, 2 * c]) * slo + np.int32(sc[r, b, 2 * c + 1]) * shi
-                    for j in range(8):
-                        imin += np.int32(mn[r, b, j]) * bs32[t, b * 8 + j]
-                    acc = fma32(f32(isum), dw[r, b] * dy[t, b], acc)
-                    accm = fma32(f32(imin), dmin[r, b] * dy[t, b], accm)
+                        imin += (np.int32(mn[r, b, 2 * c]) * bs32[t, b * 8 + 2 * c]
+                                 + np.int32(mn[r, b, 2 * c + 1]) * bs32[t, b * 8 + 2 * c + 1])
+                        if pairs:
+                            acc = fma32(f32(isum), dd, acc)
+                            accm = fma32(f32(imin), ddm, accm)
+                            isum = 0
+                            imin = 0
+                    if not pairs:
+                        acc = fma32(f32(isum), dd, acc)
+                        accm = fma32(f32(imin), ddm, accm)
                 out[t, r] = acc - accm
 
 
 @njit(parallel=True, cache=True)
-def matmul_q6k(q6, sc, dw, xi, dy, bs16, out):
-    # ggml_vec_dot_q6_K_q8_K, x86 AVX2 (ggml-cpu/arch/x86/quants.c; Q6_K is not repacked on x86):
-    # per super-block eight int32 lanes, lane l = sum over the elements e with e % 32 in
-    # [4l, 4l+4) of sc[e/16] * q6[e] * q8[e] (q6 unsigned, 0..63), minus 32 * (bsum16[2l] *
-    # sc[2l] + bsum16[2l+1] * sc[2l+1]); acc_l = fma(d_x*d_w, lane_l, acc_l) over the
-    # super-blocks; then hsum_float_8. q6 uint8 [O, nsb, 256]; sc int8 [O, nsb, 16]; dw f32
-    # [O, nsb]; xi int8 [T, K]; dy f32 [T, nsb]; bs16 int32 [T, K/16]; out [T, O].
+def matmul_q6k(q6, sc, dw, xi, dy, bs16, tiled, out):
+    # Q6_K as llama.cpp multiplies it on this machine kind (it is not repacked on x86):
+    # * rows whose batch has < 8 rows (``tiled[t] == 0``): ggml_vec_dot_q6_K_q8_K, x86 AVX2
+    #   (ggml-cpu/arch/x86/quants.c): per super-block eight int32 lanes, lane l = sum over the
+    #   elements e with e % 32 in [4l, 4l+4) of sc[e/16] * q6[e] * q8[e] (q6 unsigned, 0..63),
+    #   minus 32 * (bsum16[2l] * sc[2l] + bsum16[2l+1] * sc[2l+1]); acc_l = fma(d_x*d_w,
+    #   lane_l, acc_l) over the super-blocks; then hsum_float_8;
+    # * the others: the tiled kernel's AVX512-VNNI microkernel (ggml-cpu/tiled/tiled-kernel.cpp
+    #   ``tiled_run_micro_vnni_8x16``): per super-block the exact integer isum = sum sc * (q6 -
+    #   32) * q8, out = fma(f32(isum) * d_w, d_x, out) (GCC contracts the epilogue's add of a
+    #   product into an FMA), super-blocks in order.
+    # q6 uint8 [O, nsb, 256]; sc int8 [O, nsb, 16]; dw f32 [O, nsb]; xi int8 [T, K]; dy f32
+    # [T, nsb]; bs16 int32 [T, K/16]; tiled uint8 [T]; out [T, O].
     O, nsb = q6.shape[0], q6.shape[1]
     T = xi.shape[0]
     for rb in prange((O + ROW_BLOCK - 1) // ROW_BLOCK):
@@ -220,6 +238,7 @@ def matmul_q6k(q6, sc, dw, xi, dy, bs16, out):
         for r in range(rb * ROW_BLOCK, min(O, rb * ROW_BLOCK + ROW_BLOCK)):
             for t in range(T):
                 acc[:] = 0.0
+                tot = f32(0.0)
                 for b in range(nsb):
                     o = b * 256
                     for l in range(8):
@@ -231,9 +250,19 @@ def matmul_q6k(q6, sc, dw, xi, dy, bs16, out):
                                 e = v * 32 + 4 * l + k
                                 s += np.int32(q6[r, b, e]) * np.int32(xi[t, o + e])
                             lanes[l] += np.int32(sc[r, b, 2 * v + (l >> 2)]) * s
-                    d = dy[t, b] * dw[r, b]
                     for l in range(8):
-                        sub = (bs16[t, b * 16 + 2 * l] * np.int32(sc[r, b, 2 * l])
-                               + bs16[t, b * 16 + 2 * l + 1] * np.int32(sc[r, b, 2 * l + 1]))
-                        acc[l] = fma32(d, f32(lanes[l] - 32 * sub), acc[l])
-                out[t, r] = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+                        lanes[l] -= 32 * (bs16[t, b * 16 + 2 * l] * np.int32(sc[r, b, 2 * l])
+                                          + bs16[t, b * 16 + 2 * l + 1] * np.int32(sc[r, b, 2 * l + 1]))
+                    if tiled[t] != 0:
+                        isum = 0
+                        for l in range(8):
+                            isum += lanes[l]
+                        tot = fma32(f32(isum) * dw[r, b], dy[t, b], tot)
+                    else:
+                        d = dy[t, b] * dw[r, b]
+                        for l in range(8):
+                            acc[l] = fma32(d, f32(lanes[l]), acc[l])
+                if tiled[t] != 0:
+                    out[t, r] = tot
+                else:
+                    out[t, r] = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))

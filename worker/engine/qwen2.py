@@ -108,7 +108,7 @@ class Qwen2Model(Model):
                         self.w[f"blk.{i}.ffn_norm"], self.w[f"blk.{i}.wgu"], self.w[f"blk.{i}.wdown"])
                        for i in range(self.n_layer)]
 
-    def _forward_hidden(self, tokens: np.ndarray, batch: AttnBatch) -> np.ndarray:
+    def _forward_hidden(self, tokens: np.ndarray, batch: AttnBatch, rows: np.ndarray) -> np.ndarray:
         T = tokens.shape[0]                                           # N tokens of every sequence in the step
         nh, nkv, hd, nff = self.n_head, self.n_head_kv, self.head_dim, self.n_ff
         nq, nk = nh * hd, nkv * hd
@@ -128,7 +128,10 @@ class Qwen2Model(Model):
             self.rope.apply_neox(q, pos)                              # [T, nh, hd]
             self.rope.apply_neox(k, pos)                              # [T, nkv, hd]
             a = attend(batch, il, q, k, v, self.scale, f16=self.ggml_numerics)  # [T, nh*hd]
-            x = x + linear(a, wo)                                     # [T, n_embd]
+            o = linear(a, wo)                                         # [T, n_embd]
+            if il == self.n_layer - 1:
+                x, o = self._keep_output_rows(batch, rows, x, o)      # [R, n_embd]
+            x = x + o                                                 # [T, n_embd]
             h = rms_norm(x, ffn_norm, self.eps)                       # [T, n_embd]
             x = x + gated_ffn(h, wgu, wdown, nff, silu_ggml if self.ggml_numerics else silu)  # [T, n_embd]
         return rms_norm(x, self.w["output_norm"], self.eps)           # [T, n_embd]
