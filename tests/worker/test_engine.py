@@ -351,3 +351,43 @@ def test_first_token_does_not_wait_for_the_fingerprint(tmp_path: Path, monkeypat
     later: list[str] = []
     e.on_fingerprint(later.append)                        # known: called at once
     assert later == [want]
+
+
+_WARM_PROBE = r"""
+import json, sys
+from worker.engine import Engine, SamplingParams
+from worker.engine import attn_kernels, quant_kernels
+
+def loaded():
+    ks = [getattr(quant_kernels, n) for n in ("quant_q8_0", "quant_q8_K", "matmul_q", "matmul_qp")]
+    ks += [attn_kernels.fa_vec, attn_kernels.fa_tiled]
+    return {k.py_func.__name__: sorted(map(str, k.overloads)) for k in ks}
+
+e = Engine.load(sys.argv[1], n_ctx=1024, weights="quantized")
+before = loaded()
+ids = e.tokenize(" ".join(["the cat sat on the mat"] * 12))    # >= 64 rows: the tiled attention
+e.generate(ids, SamplingParams(max_tokens=3, temperature=0))   # then one-row decode steps
+e.generate(ids[:5], SamplingParams(max_tokens=2, temperature=0, cache_prompt=False))
+print(json.dumps({"before": before, "after": loaded()}))
+"""
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_quantized_load_warms_every_kernel_the_first_request_runs(model: str, smollm2_path: Path,
+                                                                  gemma3_path: Path) -> None:
+    """In a fresh process, ``Engine.load(weights="quantized")`` has already loaded every numba
+    kernel signature a request then runs (prefill through the tiled attention, decode through the
+    one-row path): the first request pays no kernel loading (nor compiling)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.paths import ROOT
+
+    path = smollm2_path if model == "smollm2" else gemma3_path
+    out = subprocess.run([sys.executable, "-c", _WARM_PROBE, str(path)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["before"]["matmul_q"] and got["before"]["fa_vec"] and got["before"]["fa_tiled"]
+    assert got["after"] == got["before"]

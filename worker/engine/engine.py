@@ -10,6 +10,7 @@ touch the KV and may run on any thread.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -495,13 +496,15 @@ def _wrap(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def _warm_up_kernels(type_names: set[str]) -> None:
-    """Import numba and load (from its on-disk cache) every kernel the quantized path calls, on
-    tiny inputs of the production types: the int8 matmul and its activation quantization for
-    each weight type in ``type_names``, the dequantize-and-sgemm tile, both flash-attention
-    kernels. Run on a thread during ``Engine.load`` (joined before it returns), so that the
-    ~0.4 s import and ~0.3 s of kernel loading overlap the GGUF reading, the tokenizer build and
-    the weight unpacking instead of delaying the first token. Errors are ignored: the kernels
-    are then loaded at first use as before."""
+    """Import numba and load (from its on-disk cache) every kernel signature the quantized path
+    calls, on tiny inputs of the production types: per weight type in ``type_names``, the
+    activation quantization and the matmul into a whole output (``QWeight.matmul``) and into a
+    column slice of one (a ``QConcat`` part, another array layout and so another signature),
+    in the form :func:`.quant.pack_4bit` selects; then both flash-attention kernels (one-row and
+    tiled). Run on a thread during ``Engine.load`` (joined before it returns), so that numba's
+    import (~0.4 s) and the kernels' loading (~25 ms each) overlap the GGUF reading, the
+    tokenizer build and the weight unpacking instead of delaying the first token. A failure is
+    logged and otherwise ignored: the kernels are then loaded at first use."""
     try:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -512,10 +515,12 @@ def _warm_up_kernels(type_names: set[str]) -> None:
                 continue
             block, tsize = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
             w = quant.QWeight.from_raw(name, np.zeros((8, 256 // block * tsize), np.uint8), 8, 256)
-            for rows in (1, quant.BLAS_MIN_ROWS):
-                w.matmul(np.zeros((rows, 256), np.float32))
+            x = np.zeros((2, 256), np.float32)
+            w.matmul(x)                                                      # [2, 8] C-contiguous out
+            whole = np.empty((2, 16), np.float32)
+            w.matmul_quantized(*quant.quantize_activations(x, w.act, True), whole[:, 4:12])  # column slice
         for rows, end in ((1, 1), (64, 64)):
             kv = np.zeros((1, end, 8), np.float32)
             attention.ggml_attention(np.zeros((rows, 1, 8), np.float32), kv, kv, end - rows, 0, None, 1.0)
     except Exception:  # noqa: BLE001 - only a warm-up
-        pass
+        logging.getLogger(__name__).warning("kernel warm-up failed (kernels load at first use)", exc_info=True)
