@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from . import constraints
+from . import constraints, resident
 from .chat_template import ChatTemplate, resolve_template
 from .errors import EngineError
 from .generate import GenerationResult, TokenEvent
@@ -155,6 +155,7 @@ class Engine:
         model = _wrap(load_model, gguf, n_ctx, weights=weights, progress=progress)
         if warm is not None:
             warm.join()  # before any kernel runs on this thread (one numba parallel launch at a time)
+        resident.trim_heap()  # the load's freed temporaries (dequantization, metadata parsing) back to the OS
         token_bytes = model.kv_shape.token_bytes
         budget_tokens = (parallel * int(model.n_ctx) if kv_budget_mib is None
                          else max(1, int(kv_budget_mib * 2**20) // token_bytes))
@@ -504,7 +505,10 @@ def _warm_up_kernels(type_names: set[str]) -> None:
     tiled). Run on a thread during ``Engine.load`` (joined before it returns), so that numba's
     import (~0.4 s) and the kernels' loading (~25 ms each) overlap the GGUF reading, the
     tokenizer build and the weight unpacking instead of delaying the first token. A failure is
-    logged and otherwise ignored: the kernels are then loaded at first use."""
+    logged and otherwise ignored: the kernels are then loaded at first use. Once they are loaded,
+    the pages of LLVM (``libllvmlite.so``) the import and the loading touched are dropped from
+    the resident set (:func:`.resident.drop_clean_file_pages`; a kernel compiled later maps
+    them back)."""
     try:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -522,5 +526,7 @@ def _warm_up_kernels(type_names: set[str]) -> None:
         for rows, end in ((1, 1), (64, 64)):
             kv = np.zeros((1, end, 8), np.float32)
             attention.ggml_attention(np.zeros((rows, 1, 8), np.float32), kv, kv, end - rows, 0, None, 1.0)
+        # LLVM's code and tables are not run by the loaded kernels: off the resident set (~90 MiB)
+        resident.drop_clean_file_pages("libllvmlite")
     except Exception:  # noqa: BLE001 - only a warm-up
         logging.getLogger(__name__).warning("kernel warm-up failed (kernels load at first use)", exc_info=True)
