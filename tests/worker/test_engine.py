@@ -355,8 +355,8 @@ def test_first_token_does_not_wait_for_the_fingerprint(tmp_path: Path, monkeypat
 
 _WARM_PROBE = r"""
 import json, sys
-from worker.engine import Engine, SamplingParams, resident
-from worker.engine import attn_kernels, quant_kernels
+from worker.engine import Engine, SamplingParams, preload_kernels, resident
+from worker.engine import attn_kernels, engine as engine_module, quant_kernels
 
 def llvm_kib():
     with open("/proc/self/smaps") as f:
@@ -367,7 +367,11 @@ def loaded():
     ks += [attn_kernels.fa_vec, attn_kernels.fa_tiled]
     return {k.py_func.__name__: sorted(map(str, k.overloads)) for k in ks}
 
+if sys.argv[2] == "preload":   # as the worker does: started first, joined by the load
+    preload_kernels()
+    assert engine_module._preload_thread is not None
 e = Engine.load(sys.argv[1], n_ctx=1024, weights="quantized")
+assert engine_module._preload_thread is None
 before, llvm_loaded = loaded(), llvm_kib()
 ids = e.tokenize(" ".join(["the cat sat on the mat"] * 12))    # >= 64 rows: the tiled attention
 e.generate(ids, SamplingParams(max_tokens=3, temperature=0))   # then one-row decode steps
@@ -376,14 +380,15 @@ print(json.dumps({"before": before, "after": loaded(), "llvm_kib": [llvm_loaded,
 """
 
 
-@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
-def test_quantized_load_warms_every_kernel_the_first_request_runs(model: str, smollm2_path: Path,
+@pytest.mark.parametrize("model,preload", [("smollm2", "preload"), ("gemma3", "")])
+def test_quantized_load_warms_every_kernel_the_first_request_runs(model: str, preload: str, smollm2_path: Path,
                                                                   gemma3_path: Path) -> None:
     """In a fresh process, ``Engine.load(weights="quantized")`` has already loaded every numba
     kernel signature a request then runs (prefill through the tiled attention, decode through the
     one-row path): the first request pays no kernel loading (nor compiling). LLVM's pages, which
     the import and the loading touched (~90 MiB), are off the resident set after the load and
-    stay off while requests run."""
+    stay off while requests run. With ``preload_kernels()`` first (the worker's way), the load takes
+    its thread over."""
     import json
     import subprocess
     import sys
@@ -391,7 +396,7 @@ def test_quantized_load_warms_every_kernel_the_first_request_runs(model: str, sm
     from tests.paths import ROOT
 
     path = smollm2_path if model == "smollm2" else gemma3_path
-    out = subprocess.run([sys.executable, "-c", _WARM_PROBE, str(path)], cwd=ROOT, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", _WARM_PROBE, str(path), preload], cwd=ROOT, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])

@@ -28,7 +28,7 @@ from .sampling import SamplingParams
 from .scheduler import Finished, Scheduler, SeqRequest, SlotInfo, run_one
 from .tokenizer import Tokenizer
 
-__all__ = ["Engine", "EngineInfo"]
+__all__ = ["Engine", "EngineInfo", "preload_kernels"]
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,8 @@ class Engine:
         warm = None
         if weights == "quantized":  # numba's import and cached kernels load while the model is built
             types = {t.type.name for t in gguf.tensors.values()}
-            warm = threading.Thread(target=_warm_up_kernels, args=(types,), daemon=True, name="modelyard-warm-up")
+            warm = threading.Thread(target=_warm_up_kernels, args=(types, _take_preload()), daemon=True,
+                                    name="modelyard-warm-up")
             warm.start()
         if progress is not None:
             progress("reading_gguf", 1, 1)
@@ -496,23 +497,71 @@ def _wrap(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise EngineError("invalid_gguf", f"cannot load GGUF: {type(e).__name__}: {e}") from e
 
 
-def _warm_up_kernels(type_names: set[str]) -> None:
+_preload_lock = threading.Lock()
+_preload_thread: threading.Thread | None = None
+
+
+def preload_kernels() -> None:
+    """Start loading, on a daemon thread, the part of the quantized path's kernels that does not
+    depend on the file: numba's import (~0.2 s), the kernel modules, the activation quantization
+    and both flash-attention kernels (from numba's on-disk cache). For a process that knows it
+    will call ``Engine.load(..., weights="quantized")`` (the worker, from its arguments) and has
+    other start-up work to overlap with it; the next such load waits for it instead of doing it
+    again. Returns at once; a second call while one is pending does nothing. Failures are
+    logged and otherwise ignored (the load then does the work itself)."""
+    global _preload_thread
+    with _preload_lock:
+        if _preload_thread is None:
+            _preload_thread = threading.Thread(target=_warm_up_common, daemon=True, name="modelyard-preload")
+            _preload_thread.start()
+
+
+def _take_preload() -> threading.Thread | None:
+    """The pending :func:`preload_kernels` thread, once (the next load starts from scratch)."""
+    global _preload_thread
+    with _preload_lock:
+        th, _preload_thread = _preload_thread, None
+    return th
+
+
+def _warm_up_common() -> None:
+    """numba's import and the file-independent kernels (see :func:`preload_kernels`)."""
+    try:
+        from . import attention, quant
+
+        x = np.zeros((2, 256), np.float32)
+        for act in ("q8_0", "q8_1", "q8_K"):
+            for with_s in (False, True):
+                quant.quantize_activations(x, act, with_s)
+        for rows, end in ((1, 1), (64, 64)):
+            kv = np.zeros((1, end, 8), np.float32)
+            attention.ggml_attention(np.zeros((rows, 1, 8), np.float32), kv, kv, end - rows, 0, None, 1.0)
+    except Exception:  # noqa: BLE001 - only a warm-up
+        logging.getLogger(__name__).warning("kernel preload failed (kernels load at first use)", exc_info=True)
+
+
+def _warm_up_kernels(type_names: set[str], preload: threading.Thread | None = None) -> None:
     """Import numba and load (from its on-disk cache) every kernel signature the quantized path
     calls, on tiny inputs of the production types: per weight type in ``type_names``, the
     activation quantization and the matmul into a whole output (``QWeight.matmul``) and into a
     column slice of one (a ``QConcat`` part, another array layout and so another signature),
     in the form :func:`.quant.pack_4bit` selects; then both flash-attention kernels (one-row and
-    tiled). Run on a thread during ``Engine.load`` (joined before it returns), so that numba's
+    tiled; done by ``preload``, a :func:`preload_kernels` thread, when given: it is joined first).
+    Run on a thread during ``Engine.load`` (joined before it returns), so that numba's
     import (~0.4 s) and the kernels' loading (~25 ms each) overlap the GGUF reading, the
     tokenizer build and the weight unpacking instead of delaying the first token. A failure is
     logged and otherwise ignored: the kernels are then loaded at first use. Once they are loaded,
     the pages of LLVM (``libllvmlite.so``) the import and the loading touched are dropped from
     the resident set (:func:`.resident.drop_clean_file_pages`; a kernel compiled later maps
     them back)."""
+    if preload is not None:
+        preload.join()  # one numba parallel launch at a time
+    else:
+        _warm_up_common()
     try:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-        from . import attention, quant
+        from . import quant
 
         for name in sorted(type_names):
             if not quant.supports(name):
@@ -523,9 +572,6 @@ def _warm_up_kernels(type_names: set[str]) -> None:
             w.matmul(x)                                                      # [2, 8] C-contiguous out
             whole = np.empty((2, 16), np.float32)
             w.matmul_quantized(*quant.quantize_activations(x, w.act, True), whole[:, 4:12])  # column slice
-        for rows, end in ((1, 1), (64, 64)):
-            kv = np.zeros((1, end, 8), np.float32)
-            attention.ggml_attention(np.zeros((rows, 1, 8), np.float32), kv, kv, end - rows, 0, None, 1.0)
         # LLVM's code and tables are not run by the loaded kernels: off the resident set (~90 MiB)
         resident.drop_clean_file_pages("libllvmlite")
     except Exception:  # noqa: BLE001 - only a warm-up
