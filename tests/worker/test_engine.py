@@ -396,8 +396,8 @@ def test_quantized_load_warms_every_kernel_the_first_request_runs(model: str, pr
     from tests.paths import ROOT
 
     path = smollm2_path if model == "smollm2" else gemma3_path
-    out = subprocess.run([sys.executable, "-c", _WARM_PROBE, str(path), preload], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run([sys.executable, "-c", _WARM_PROBE, str(path), preload], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["before"]["matmul_q"] and got["before"]["fa_vec"] and got["before"]["fa_tiled"]
