@@ -24,7 +24,7 @@ from tests.paths import GEMMA3_FIXTURES
 from tests.worker.tiny_gguf import TINY_VOCAB_SIZE, write_tiny_gemma3, write_tiny_llama, write_tiny_qwen
 from worker.engine.errors import EngineError
 from worker.engine.gguf_loader import read_gguf
-from worker.engine import model as model_mod
+from worker.engine import model as model_mod, quant
 from worker.engine.quant import QWeight
 from worker.engine.model import ARCHITECTURES, Model, load_model
 
@@ -566,7 +566,8 @@ def test_weight_cache_roundtrip(tmp_path: Path, weights: str) -> None:
     assert m1.weights_from_cache is False
     assert m1.wait_weight_cache(timeout=60)
     g = read_gguf(path)
-    d = tmp_path / "xdg-cache" / "modelyard" / "npy" / g.fingerprint / f"llama-v1-{weights}"
+    tag = f"-{quant.format_tag()}" if weights == "quantized" else ""
+    d = tmp_path / "xdg-cache" / "modelyard" / "npy" / g.fingerprint / f"llama-v1-{weights}{tag}"
     assert (d / "manifest.json").is_file()
     assert not list(d.glob("*.tmp")) and not list(d.glob(".*"))
     m2 = load_model(g, weights=weights)
@@ -577,6 +578,17 @@ def test_weight_cache_roundtrip(tmp_path: Path, weights: str) -> None:
         w = w.q
     assert not w.flags.writeable  # memory-mapped, read-only
     np.testing.assert_array_equal(m1.forward(PROMPT, all_logits=True), m2.forward(PROMPT, all_logits=True))
+
+
+def test_weight_cache_keeps_int8_and_packed_forms_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Switching MODELYARD_QUANT_PACK does not throw the other form's cached weights away."""
+    g = read_gguf(tiny(tmp_path, "llama", qtype="Q4_0"))
+    kinds = {}
+    for pack in ("0", "1", "0", "1"):
+        monkeypatch.setenv(quant.PACK_ENV, pack)
+        m = load_model(g, weights="quantized", cache_write="sync")
+        kinds.setdefault(pack, []).append((m.weights_from_cache, m.w["blk.0.wqkv"].kind))
+    assert kinds == {"0": [(False, "i8"), (True, "i8")], "1": [(False, "packed"), (True, "packed")]}
 
 
 def test_weight_cache_incomplete_is_rebuilt(tmp_path: Path) -> None:
