@@ -542,12 +542,12 @@ def _warm_up_common() -> None:
 
 def _warm_up_kernels(type_names: set[str], preload: threading.Thread | None = None) -> None:
     """Import numba and load (from its on-disk cache) every kernel signature the quantized path
-    calls, on tiny inputs of the production types: per weight type in ``type_names``, the
-    activation quantization and the matmul into a whole output (``QWeight.matmul``) and into a
-    column slice of one (a ``QConcat`` part, another array layout and so another signature),
-    in the form :func:`.quant.pack_4bit` selects; then both flash-attention kernels (one-row and
-    tiled; done by ``preload``, a :func:`preload_kernels` thread, when given: it is joined first).
-    Run on a thread during ``Engine.load`` (joined before it returns), so that numba's
+    calls, on tiny inputs of the production types: first the file-independent ones (activation
+    quantization, both flash-attention kernels: :func:`_warm_up_common`, or ``preload``, a
+    :func:`preload_kernels` thread, joined instead when given); then per weight type in
+    ``type_names`` the matmul into a whole output (``QWeight.matmul``) and into a column slice of
+    one (a ``QConcat`` part: another array layout, so another signature), in the form
+    :func:`.quant.pack_4bit` selects. Run on a thread during ``Engine.load`` (joined before it returns), so that numba's
     import (~0.4 s) and the kernels' loading (~25 ms each) overlap the GGUF reading, the
     tokenizer build and the weight unpacking instead of delaying the first token. A failure is
     logged and otherwise ignored: the kernels are then loaded at first use. Once they are loaded,
