@@ -3,7 +3,7 @@
 single-stream decode and resident memory.
 
     .venv/bin/python scripts/bench_weights.py [--model smollm2|gemma3] [--llama-server PATH]
-        [--skip-llama] [--prompt-tokens 512] [--decode-tokens 128] [--repeat 3]
+        [--skip-llama] [--prompt-tokens 512] [--decode-tokens 128] [--repeat 3] [--cold-repeat 1]
     .venv/bin/python scripts/bench_weights.py --kernels [--model ...] [--threads 2]
 
 Servers, one at a time (never two measured at once): llama-server (``-t 2 -c 2048 -np 1``),
@@ -11,13 +11,23 @@ modelyard with ``weights = "f32"`` and with ``weights = "quantized"`` (``paralle
 n_ctx 2048). For each:
 
 * ``cold_first_token_s``: from starting the server process to the first streamed token of a
-  short ``/completion`` (includes process start, model load, prompt and one decode step);
+  short ``/completion`` (includes process start, model load, prompt and one decode step; for
+  modelyard the router's start, then the worker it spawns on that first request). With
+  ``--cold-repeat N`` every server is started N times, the servers alternating (llama, f32,
+  quantized, llama, ...), before the measured run: ``cold_first_token_s`` is the median,
+  ``cold_first_token_all_s`` every value;
+* ``worker_rss_first_mib``: the worker's (llama-server's) resident set right after that first
+  token: the footprint before any long prompt (KV pages are written as positions fill, in both);
 * ``prefill_tok_s``: ``timings.prompt_per_second`` of a ~``--prompt-tokens`` prompt
   (``cache_prompt: false``), best of ``--repeat``;
 * ``decode_tok_s``: ``timings.predicted_per_second`` of ``--decode-tokens`` greedy tokens
   (``ignore_eos``), best of ``--repeat``;
 * ``rss_mib``: resident set of the serving process(es) after those requests (llama-server; the
-  router plus its worker for modelyard, and the worker alone).
+  router plus its worker for modelyard, and the worker alone). Not like for like in one respect:
+  llama-server's KV cache is one slot of ``-c`` positions in f16, allocated and cleared at start
+  (so resident from the first token on), while modelyard's idle sequences stay as a prefix cache
+  within ``kv_budget_mib`` (float32 positions, resident once written): ``kv_cache_tokens`` (from
+  /metrics) is the positions the worker holds at the end.
 
 Prints one JSON line per server, then the ratios to llama-server and the load average.
 OPENBLAS_* are left as the machine sets them.
@@ -71,6 +81,19 @@ def first_token_s(port: int, model: str, t_start: float, timeout: float = 600) -
             t = time.monotonic() - t_start
             r.read()
             return t
+
+
+def kv_cache_tokens(port: int) -> int | None:
+    """``modelyard_kv_cache_tokens`` of the router's /metrics (the worker's last Pong), or None."""
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        c.request("GET", "/metrics")
+        for line in c.getresponse().read().decode().splitlines():
+            if line.startswith("modelyard_kv_cache_tokens"):
+                return int(float(line.rsplit(" ", 1)[1]))
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def rss_mib(pids: list[int]) -> float:
@@ -142,6 +165,7 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--cold-repeat", type=int, default=1, help="cold starts per server (alternating); median")
     ap.add_argument("--kernels", action="store_true", help="kernel vs sgemm in-process, no servers")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
@@ -157,8 +181,9 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="modelyard-bench-"))
     rows: dict[str, dict] = {}
     runs = ([("llama", None)] if srv else []) + [("f32", "f32"), ("quantized", "quantized")]
-    for label, weights in runs:
-        port = 8191
+    port = 8191
+
+    def start(label: str, weights: str | None) -> tuple[subprocess.Popen, float]:
         t0 = time.monotonic()
         if weights is None:
             proc = subprocess.Popen([srv, "-m", str(gguf), "-t", "2", "-c", str(N_CTX), "-np", "1", "--port",
@@ -171,13 +196,36 @@ def main() -> int:
             proc = subprocess.Popen([sys.executable, "-m", "router", "serve", "--config", str(cfg), "--log-level",
                                      "warning"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                     start_new_session=True)
+        return proc, t0
+
+    def serving_pids(proc: subprocess.Popen) -> list[int]:
+        return [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+
+    cold: dict[str, list[float]] = {label: [] for label, _ in runs}
+    for _ in range(max(0, a.cold_repeat - 1)):
+        for label, weights in runs:
+            proc, t0 = start(label, weights)
+            try:
+                cold[label].append(round(first_token_s(port, "m", t0), 3))
+            finally:
+                stop(proc)
+                wait_closed(port)
+    for label, weights in runs:
+        proc, t0 = start(label, weights)
         try:
-            row: dict = {"model": a.model, "server": label, "cold_first_token_s": round(first_token_s(port, "m", t0), 3)}
+            cold[label].append(round(first_token_s(port, "m", t0), 3))
+            pids = serving_pids(proc)
+            row: dict = {"model": a.model, "server": label,
+                         "cold_first_token_s": sorted(cold[label])[len(cold[label]) // 2]}
+            if len(cold[label]) > 1:
+                row["cold_first_token_all_s"] = cold[label]
+            row["worker_rss_first_mib"] = rss_mib(pids if weights is None else pids[1:])
             row.update(measure(port, "m", prompt, a.decode_tokens, a.repeat))
-            pids = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+            pids = serving_pids(proc)
             row["rss_mib"] = rss_mib(pids)
             if weights is not None:
                 row["worker_rss_mib"] = rss_mib(pids[1:])
+                row["kv_cache_tokens"] = kv_cache_tokens(port)
             row["loadavg"] = [round(x, 2) for x in os.getloadavg()]
             rows[label] = row
             print(json.dumps(row), flush=True)
@@ -194,6 +242,7 @@ def main() -> int:
                               "cold_first_token": round(r["cold_first_token_s"] / ref["cold_first_token_s"], 3),
                               "rss": round(r["rss_mib"] / ref["rss_mib"], 3),
                               "worker_rss": round(r["worker_rss_mib"] / ref["rss_mib"], 3),
+                              "worker_rss_first": round(r["worker_rss_first_mib"] / ref["worker_rss_first_mib"], 3),
                               "loadavg": [round(x, 2) for x in os.getloadavg()]}), flush=True)
     return 0
 

@@ -102,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:  # before NumPy is imported (worker.server imports the engine)
         for var in THREAD_ENV_VARS:
             os.environ[var] = str(args.threads)
+    if args.weights == "quantized":  # numba and the file-independent kernels load while the rest starts
+        from worker.engine import preload_kernels
+
+        preload_kernels()
     from worker.server import WorkerConfig, WorkerServer
 
     logging.basicConfig(level=os.environ.get("MODELYARD_WORKER_LOG", "INFO").upper(),

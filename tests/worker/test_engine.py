@@ -351,3 +351,59 @@ def test_first_token_does_not_wait_for_the_fingerprint(tmp_path: Path, monkeypat
     later: list[str] = []
     e.on_fingerprint(later.append)                        # known: called at once
     assert later == [want]
+
+
+_WARM_PROBE = r"""
+import json, sys
+from worker.engine import Engine, SamplingParams, preload_kernels, resident
+from worker.engine import attn_kernels, engine as engine_module, quant_kernels
+
+def llvm_kib():
+    with open("/proc/self/smaps") as f:
+        return sum(m[4] for m in resident._mappings(f.read()) if "libllvmlite" in m[3])
+
+def loaded():
+    ks = [getattr(quant_kernels, n) for n in ("quant_q8_0", "quant_q8_K", "matmul_lanes", "matmul_q4k", "matmul_q6k",
+                                                "cos_sin_f32")]
+    ks += [attn_kernels.fa_vec, attn_kernels.fa_tiled, attn_kernels.silu_rows, attn_kernels.gelu_table_f16]
+    return {k.py_func.__name__: sorted(map(str, k.overloads)) for k in ks}
+
+if sys.argv[2] == "preload":   # as the worker does: started first, joined by the load
+    preload_kernels()
+    assert engine_module._preload_thread is not None
+e = Engine.load(sys.argv[1], n_ctx=1024, weights="quantized")
+assert engine_module._preload_thread is None
+before, llvm_loaded = loaded(), llvm_kib()
+ids = e.tokenize(" ".join(["the cat sat on the mat"] * 12))    # >= 64 rows: the tiled attention
+e.generate(ids, SamplingParams(max_tokens=3, temperature=0))   # then one-row decode steps
+e.generate(ids[:5], SamplingParams(max_tokens=2, temperature=0, cache_prompt=False))
+print(json.dumps({"before": before, "after": loaded(), "llvm_kib": [llvm_loaded, llvm_kib()]}))
+"""
+
+
+@pytest.mark.parametrize("model,preload", [("smollm2", "preload"), ("gemma3", "")])
+def test_quantized_load_warms_every_kernel_the_first_request_runs(model: str, preload: str, smollm2_path: Path,
+                                                                  gemma3_path: Path) -> None:
+    """In a fresh process, ``Engine.load(weights="quantized")`` has already loaded every numba
+    kernel signature a request then runs (prefill through the tiled attention, decode through the
+    one-row path): the first request pays no kernel loading (nor compiling). LLVM's pages, which
+    the import and the loading touched (~90 MiB), are off the resident set after the load and
+    stay off while requests run. With ``preload_kernels()`` first (the worker's way), the load takes
+    its thread over."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.paths import ROOT
+
+    path = smollm2_path if model == "smollm2" else gemma3_path
+    out = subprocess.run([sys.executable, "-c", _WARM_PROBE, str(path), preload], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["before"]["matmul_lanes"] and got["before"]["fa_vec"] and got["before"]["fa_tiled"]
+    assert got["before"]["silu_rows"] and got["before"]["gelu_table_f16"] and got["before"]["cos_sin_f32"]
+    if model == "gemma3":                                           # its Q4_K and Q6_K matrices
+        assert got["before"]["matmul_q4k"] and got["before"]["matmul_q6k"]
+    assert got["after"] == got["before"]
+    assert max(got["llvm_kib"]) < 16 * 1024, got["llvm_kib"]

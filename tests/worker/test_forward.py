@@ -24,7 +24,7 @@ from tests.paths import GEMMA3_FIXTURES
 from tests.worker.tiny_gguf import TINY_VOCAB_SIZE, write_tiny_gemma3, write_tiny_llama, write_tiny_qwen
 from worker.engine.errors import EngineError
 from worker.engine.gguf_loader import read_gguf
-from worker.engine import model as model_mod
+from worker.engine import model as model_mod, quant
 from worker.engine.quant import QWeight
 from worker.engine.llama import LlamaModel
 from worker.engine.model import ARCHITECTURES, Model, load_model
@@ -567,7 +567,8 @@ def test_weight_cache_roundtrip(tmp_path: Path, weights: str) -> None:
     assert m1.weights_from_cache is False
     assert m1.wait_weight_cache(timeout=60)
     g = read_gguf(path)
-    d = tmp_path / "xdg-cache" / "modelyard" / "npy" / g.fingerprint / f"llama-v{LlamaModel.layout_version}-{weights}"
+    tag = f"-{quant.format_tag()}" if weights == "quantized" else ""
+    d = tmp_path / "xdg-cache" / "modelyard" / "npy" / g.fingerprint / f"llama-v{LlamaModel.layout_version}-{weights}{tag}"
     assert (d / "manifest.json").is_file()
     assert not list(d.glob("*.tmp")) and not list(d.glob(".*"))
     m2 = load_model(g, weights=weights)

@@ -197,6 +197,20 @@ def test_chat_generate_streams_tokens_then_done(wa: Proc) -> None:
     assert isinstance(det, DetokenizeResult) and _text(tokens, done) == det.content
 
 
+def test_quantized_worker_preloads_its_kernels_and_serves(sockdir: str) -> None:
+    """``--weights quantized``: the worker starts numba's import and kernels before it connects
+    (engine.preload_kernels), the load takes them over, and it serves llama.cpp's greedy answer."""
+    ref = next(g for g in json.loads(FIXTURES.read_text())["greedy"] if g.get("messages") == FRANCE)
+    w = _start(f"ipc://{sockdir}/wq.sock", "--weights", "quantized")
+    try:
+        w.stub.send(Generate(id="q", messages=FRANCE, max_tokens=4, temperature=0.0))
+        tokens, done = w.stub.stream("q", 300)
+        assert isinstance(done, Done), done
+        assert [t.token_id for t in tokens] == ref["ids"][:4]
+    finally:
+        w.stop()
+
+
 def test_stop_string_never_reaches_the_wire(wa: Proc) -> None:
     wa.stub.send(Generate(id="stop", prompt="The three primary colors are", max_tokens=8, temperature=0.0,
                           stop=["colors"], add_special=False))

@@ -3,11 +3,11 @@
 Contract: docs/ENGINE-API.md.
 """
 
-from .engine import Engine, EngineInfo
+from .engine import Engine, EngineInfo, preload_kernels
 from .errors import EngineError
 from .generate import GenerationResult, TokenEvent
 from .scheduler import Finished, SlotInfo
 from .sampling import SamplingParams
 
 __all__ = ["Engine", "EngineError", "EngineInfo", "Finished", "GenerationResult", "SamplingParams",
-           "SlotInfo", "TokenEvent"]
+           "SlotInfo", "TokenEvent", "preload_kernels"]

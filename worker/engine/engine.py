@@ -10,6 +10,7 @@ touch the KV and may run on any thread.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from . import constraints
+from . import constraints, resident
 from .chat_template import ChatTemplate, resolve_template
 from .errors import EngineError
 from .generate import GenerationResult, TokenEvent
@@ -27,7 +28,7 @@ from .sampling import SamplingParams
 from .scheduler import Finished, Scheduler, SeqRequest, SlotInfo, run_one
 from .tokenizer import Tokenizer
 
-__all__ = ["Engine", "EngineInfo"]
+__all__ = ["Engine", "EngineInfo", "preload_kernels"]
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,8 @@ class Engine:
         warm = None
         if weights == "quantized":  # numba's import and cached kernels load while the model is built
             types = {t.type.name for t in gguf.tensors.values()}
-            warm = threading.Thread(target=_warm_up_kernels, args=(types,), daemon=True, name="modelyard-warm-up")
+            warm = threading.Thread(target=_warm_up_kernels, args=(types, _take_preload()), daemon=True,
+                                    name="modelyard-warm-up")
             warm.start()
         if progress is not None:
             progress("reading_gguf", 1, 1)
@@ -154,6 +156,7 @@ class Engine:
         model = _wrap(load_model, gguf, n_ctx, weights=weights, progress=progress)
         if warm is not None:
             warm.join()  # before any kernel runs on this thread (one numba parallel launch at a time)
+        resident.trim_heap()  # the load's freed temporaries (dequantization, metadata parsing) back to the OS
         token_bytes = model.kv_shape.token_bytes
         budget_tokens = (parallel * int(model.n_ctx) if kv_budget_mib is None
                          else max(1, int(kv_budget_mib * 2**20) // token_bytes))
@@ -494,28 +497,86 @@ def _wrap(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise EngineError("invalid_gguf", f"cannot load GGUF: {type(e).__name__}: {e}") from e
 
 
-def _warm_up_kernels(type_names: set[str]) -> None:
-    """Import numba and load (from its on-disk cache) every kernel the quantized path calls, on
-    tiny inputs of the production types: the int8 matmul and its activation quantization for
-    each weight type in ``type_names``, the dequantize-and-sgemm tile, both flash-attention
-    kernels. Run on a thread during ``Engine.load`` (joined before it returns), so that the
-    ~0.4 s import and ~0.3 s of kernel loading overlap the GGUF reading, the tokenizer build and
-    the weight unpacking instead of delaying the first token. Errors are ignored: the kernels
-    are then loaded at first use as before."""
+_preload_lock = threading.Lock()
+_preload_thread: threading.Thread | None = None
+
+
+def preload_kernels() -> None:
+    """Start loading, on a daemon thread, the part of the quantized path's kernels that does not
+    depend on the file: numba's import (~0.2 s), the kernel modules, the activation quantization
+    and both flash-attention kernels (from numba's on-disk cache). For a process that knows it
+    will call ``Engine.load(..., weights="quantized")`` (the worker, from its arguments) and has
+    other start-up work to overlap with it; the next such load waits for it instead of doing it
+    again. Returns at once; a second call while one is pending does nothing. Failures are
+    logged and otherwise ignored (the load then does the work itself)."""
+    global _preload_thread
+    with _preload_lock:
+        if _preload_thread is None:
+            _preload_thread = threading.Thread(target=_warm_up_common, daemon=True, name="modelyard-preload")
+            _preload_thread.start()
+
+
+def _take_preload() -> threading.Thread | None:
+    """The pending :func:`preload_kernels` thread, once (the next load starts from scratch)."""
+    global _preload_thread
+    with _preload_lock:
+        th, _preload_thread = _preload_thread, None
+    return th
+
+
+def _warm_up_common() -> None:
+    """numba's import and the file-independent kernels (see :func:`preload_kernels`)."""
+    try:
+        from . import attention, quant
+
+        x = np.zeros((2, 256), np.float32)
+        for act in ("q8_0", "q8_1", "q8_K"):
+            for with_s in (False, True):
+                quant.quantize_activations(x, act, with_s)
+        for rows, end in ((1, 1), (64, 64)):
+            kv = np.zeros((1, end, 8), np.float32)
+            attention.ggml_attention(np.zeros((rows, 1, 8), np.float32), kv, kv, end - rows, 0, None, 1.0)
+        from .model import gelu_tanh_ggml, silu_ggml
+
+        silu_ggml(np.zeros((1, 16), np.float32))                 # SiLU's kernel
+        gelu_tanh_ggml(np.zeros((1, 16), np.float32))            # ggml's GELU table, built once
+        quant.cos_sin_libm(np.zeros((1, 2), np.float32))         # RoPE's cosf / sinf
+    except Exception:  # noqa: BLE001 - only a warm-up
+        logging.getLogger(__name__).warning("kernel preload failed (kernels load at first use)", exc_info=True)
+
+
+def _warm_up_kernels(type_names: set[str], preload: threading.Thread | None = None) -> None:
+    """Import numba and load (from its on-disk cache) every kernel signature the quantized path
+    calls, on tiny inputs of the production types: first the file-independent ones (activation
+    quantization, both flash-attention kernels: :func:`_warm_up_common`, or ``preload``, a
+    :func:`preload_kernels` thread, joined instead when given); then per weight type in
+    ``type_names`` the matmul into a whole output (``QWeight.matmul``) and into a column slice of
+    one (a ``QConcat`` part). Run on a thread during ``Engine.load`` (joined before it returns), so that numba's
+    import (~0.4 s) and the kernels' loading (~25 ms each) overlap the GGUF reading, the
+    tokenizer build and the weight unpacking instead of delaying the first token. A failure is
+    logged and otherwise ignored: the kernels are then loaded at first use. Once they are loaded,
+    the pages of LLVM (``libllvmlite.so``) the import and the loading touched are dropped from
+    the resident set (:func:`.resident.drop_clean_file_pages`; a kernel compiled later maps
+    them back)."""
+    if preload is not None:
+        preload.join()  # one numba parallel launch at a time
+    else:
+        _warm_up_common()
     try:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-        from . import attention, quant
+        from . import quant
 
         for name in sorted(type_names):
             if not quant.supports(name):
                 continue
             block, tsize = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
             w = quant.QWeight.from_raw(name, np.zeros((8, 256 // block * tsize), np.uint8), 8, 256)
-            for rows in (1, quant.BLAS_MIN_ROWS):
-                w.matmul(np.zeros((rows, 256), np.float32))
-        for rows, end in ((1, 1), (64, 64)):
-            kv = np.zeros((1, end, 8), np.float32)
-            attention.ggml_attention(np.zeros((rows, 1, 8), np.float32), kv, kv, end - rows, 0, None, 1.0)
+            x = np.zeros((2, 256), np.float32)
+            w.matmul(x)                                                      # [2, 8] C-contiguous out
+            whole = np.empty((2, 16), np.float32)
+            w.matmul_quantized(*quant.quantize_activations(x, w.act, True), whole[:, 4:12])  # column slice
+        # LLVM's code and tables are not run by the loaded kernels: off the resident set (~90 MiB)
+        resident.drop_clean_file_pages("libllvmlite")
     except Exception:  # noqa: BLE001 - only a warm-up
-        pass
+        logging.getLogger(__name__).warning("kernel warm-up failed (kernels load at first use)", exc_info=True)

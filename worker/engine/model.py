@@ -375,7 +375,9 @@ class WeightCache:
     """``.npy`` files of prepared float32 weights, keyed by GGUF content.
 
     Directory: ``$XDG_CACHE_HOME/modelyard/npy/<sha256>/<layout>/`` where
-    ``layout`` names the architecture class and its ``layout_version`` (bumped
+    ``layout`` names the architecture class, the weights mode (for ``quantized`` with the
+    in-memory form's :func:`~.quant.format_tag`: ``llama-v2-quantized-4``) and its
+    ``layout_version`` (bumped
     whenever ``_build_weights`` changes). Every array is written to a temp
     file and renamed; ``manifest.json`` (names, shapes, dtypes) is renamed into
     place last, so a directory without a manifest is never read and concurrent
@@ -640,7 +642,9 @@ class Model:
         if weight_cache is None:
             weight_cache = os.environ.get(CACHE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
         use_cache = weight_cache and self.dtype == np.float32 and self.gguf.file_size >= WEIGHT_CACHE_MIN_BYTES
-        layout = f"{self.arch}-v{self.layout_version}-{self.weights}"
+        # the quantized form's version too: entries of another form live beside it, not over it
+        layout = f"{self.arch}-v{self.layout_version}-{self.weights}" + (
+            f"-{quant_format()}" if self.weights == "quantized" else "")
         if use_cache:
             # the cache is keyed by the content fingerprint; a file never seen before (no memo:
             # gguf_loader hashes it in the background) cannot have a cache entry we could find
