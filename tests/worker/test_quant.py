@@ -245,6 +245,37 @@ def test_rows_do_not_depend_on_the_batch(type_name: str) -> None:
         np.testing.assert_array_equal(w.matmul(x), one)
 
 
+@pytest.mark.parametrize("type_name", TYPES)
+def test_zero_rows_multiply_to_nothing(type_name: str) -> None:
+    # a prefill chunk that is not a prompt's last has no output row: the last block's FFN gets 0 rows
+    w = quant.QWeight.from_raw(type_name, random_blocks(type_name, 16, 256, seed=3), 16, 256)
+    assert w.matmul(np.zeros((0, 256), np.float32)).shape == (0, 16)
+    both = quant.fuse([w, quant.QWeight.from_raw("Q4_K", random_blocks("Q4_K", 8, 256, seed=4), 8, 256)])
+    assert both.matmul(np.zeros((0, 256), np.float32)).shape == (0, 24)
+
+
+def test_a_chunk_without_output_rows_on_the_quantized_path(tmp_path) -> None:
+    # the KV of a chunk that asks for no logits is written, and the next chunk continues it
+    import json
+
+    from tests.paths import FIXTURES_DIR
+    from tests.worker.tiny_gguf import write_tiny_qwen
+    from worker.engine.attention import AttnBatch, Segment
+    from worker.engine.gguf_loader import read_gguf
+    from worker.engine.model import load_model
+    kw = json.loads((FIXTURES_DIR / "tiny-arch.llamacpp.json").read_text())["files"]["qwen3-q4_k_m"]["kwargs"]
+    g = read_gguf(write_tiny_qwen(tmp_path / "q.gguf", **kw))
+    m = load_model(g, n_ctx=64, weights="quantized")
+    ids = np.arange(1, 21) % 50
+    one = m.forward(ids)                                        # [n_vocab] all at once
+    m.reset()
+    out = m.forward_batch(ids[:12], AttnBatch([Segment(m.cache, 0, 12, 0)], m.dtype), [])
+    assert out.shape == (0, one.shape[0])
+    m.cache.tokens.extend(int(i) for i in ids[:12])
+    rest = m.forward(ids[12:])
+    assert np.abs(rest - one).max() < 1e-3                      # another chunking: llama.cpp's other path
+
+
 def test_fused_matrices_equal_their_parts() -> None:
     a = quant.QWeight.from_raw("Q5_0", random_blocks("Q5_0", 16, 256, seed=6), 16, 256)
     a2 = quant.QWeight.from_raw("Q5_0", random_blocks("Q5_0", 8, 256, seed=11), 8, 256)

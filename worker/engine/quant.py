@@ -491,6 +491,8 @@ class QWeight:
         with this weight's ``act``; ``xs`` filled when it has an offset). ``out`` may be a column slice."""
         k = _compile()
         T = xq.shape[0]
+        if T == 0:                                                       # e.g. the last block of a chunk with no output row
+            return
         if self.kind == "lanes":
             nb = self.q.shape[1]
             xl = lane_order(xq.reshape(T, nb, 32))                   # [T, nb, 32] lane order
