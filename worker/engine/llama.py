@@ -44,7 +44,7 @@ class LlamaModel(Model):
         self.scale = 1.0 / float(np.sqrt(self.head_dim))
 
     def _build_weights(self) -> dict[str, np.ndarray]:
-        E, hd, nh, nkv = self.n_embd, self.head_dim, self.n_head, self.n_head_kv
+        E, hd, nh = self.n_embd, self.head_dim, self.n_head
         t = self.tensor
         w = self._embedding_weights()                          # tok_embd, output_norm, [output]
         if self.has_tensor("rope_freqs.weight"):

@@ -71,10 +71,11 @@ def _f16(raw: np.ndarray) -> np.ndarray:
 
 def unpack(type_name: str, raw: np.ndarray, n_rows: int, n_cols: int
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
-    """Unpack a GGUF tensor's stored blocks into ``(q, d, m, B)``.
+    """Unpack a GGUF tensor of a 32-block type (:data:`LANE_TYPES`) into ``(q, d, m, B)``; the
+    K-quants' stored form is :func:`kquant_parts` (their plain levels: ``QWeight.plain``).
 
     Args:
-        type_name: ggml type (see :data:`ACT_TYPE`).
+        type_name: ggml type (one of :data:`LANE_TYPES`).
         raw: uint8 ``[n_rows, bytes_per_row]`` stored bytes (``GGUFFile.raw``).
         n_rows, n_cols: the matrix shape ``[out, in]``; ``n_cols`` a multiple of the block size.
     Returns:
@@ -83,15 +84,10 @@ def unpack(type_name: str, raw: np.ndarray, n_rows: int, n_cols: int
     Raises: EngineError("invalid_gguf") for a type without an int8 form or a size mismatch.
     """
     R = n_rows
-    if type_name in ("Q4_K", "Q6_K"):
-        nsb = n_cols // QK_K
-        if n_cols % QK_K:
-            raise EngineError("invalid_gguf", f"{type_name} row of {n_cols} is not a multiple of {QK_K}")
-    else:
-        nsb = n_cols // QK
-        if n_cols % QK:
-            raise EngineError("invalid_gguf", f"{type_name} row of {n_cols} is not a multiple of {QK}")
-    bsize = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q6_K": 210}.get(type_name)
+    nsb = n_cols // QK
+    if n_cols % QK:
+        raise EngineError("invalid_gguf", f"{type_name} row of {n_cols} is not a multiple of {QK}")
+    bsize = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}.get(type_name)
     if bsize is None:
         raise EngineError("invalid_gguf", f"tensor type {type_name} has no int8 form")
     if raw.shape != (R, nsb * bsize):
@@ -102,61 +98,29 @@ def unpack(type_name: str, raw: np.ndarray, n_rows: int, n_cols: int
         d = _f16(b[..., 0:2])                                        # [R, nb]
         q = np.ascontiguousarray(b[..., 2:]).view(np.int8)           # [R, nb, 32]
         return q, d, None, QK
-    if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
-        d = _f16(b[..., 0:2])                                        # [R, nb]
-        off = 2
-        if type_name in ("Q4_1", "Q5_1"):
-            m = _f16(b[..., 2:4])
-            off = 4
-        qh = None
-        if type_name in ("Q5_0", "Q5_1"):
-            qh = np.ascontiguousarray(b[..., off:off + 4]).view("<u4")[..., 0]  # [R, nb] uint32
-            off += 4
-        qs = b[..., off:off + 16]                                    # [R, nb, 16]
-        lo = (qs & 0x0F).astype(np.int16)                            # elements 0..15
-        hi = (qs >> 4).astype(np.int16)                              # elements 16..31
-        if qh is not None:
-            bits = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16)  # [R, nb, 32]
-            lo |= bits[..., :16] << 4
-            hi |= bits[..., 16:] << 4
-        q16 = np.concatenate([lo, hi], axis=-1)                      # [R, nb, 32]
-        if type_name == "Q4_0":
-            q16 -= 8
-        elif type_name == "Q5_0":
-            q16 -= 16
-        return q16.astype(np.int8), d, m, QK
-    if type_name == "Q4_K":
-        dd = _f16(b[..., 0:2])                                       # [R, nsb]
-        dmin = _f16(b[..., 2:4])                                     # [R, nsb]
-        sc = b[..., 4:16].astype(np.uint8)                           # [R, nsb, 12]
-        qs = b[..., 16:144]                                          # [R, nsb, 128]
-        # get_scale_min_k4(j): j < 4: sc=s[j]&63, mn=s[j+4]&63; else from the packed high bits
-        scale = np.empty((R, nsb, 8), np.float32)
-        mins = np.empty((R, nsb, 8), np.float32)
-        scale[..., :4] = sc[..., 0:4] & 63
-        mins[..., :4] = sc[..., 4:8] & 63
-        scale[..., 4:] = (sc[..., 8:12] & 0x0F) | ((sc[..., 0:4] >> 6) << 4)
-        mins[..., 4:] = (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)
-        q = np.empty((R, nsb, 8, 32), np.int8)
-        q4 = qs.reshape(R, nsb, 4, 32)
-        q[:, :, 0::2] = q4 & 0x0F                                    # sub-block 2c: low nibbles of chunk c
-        q[:, :, 1::2] = q4 >> 4                                      # sub-block 2c+1: high nibbles
-        d = (dd[..., None] * scale).reshape(R, nsb * 8)              # [R, nb] exact (11 x 6 bits)
-        m = (-(dmin[..., None] * mins)).reshape(R, nsb * 8)          # [R, nb]
-        return q.reshape(R, nsb * 8, 32), d, m, QK
-    # Q6_K: ql[128], qh[64], scales int8[16], d fp16
-    ql = b[..., 0:128].reshape(R, nsb, 2, 64)                        # per 128-half: 64 bytes
-    qh = b[..., 128:192].reshape(R, nsb, 2, 32)                      # per 128-half: 32 bytes
-    scales = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)  # [R, nsb, 16]
-    dd = _f16(b[..., 208:210])                                       # [R, nsb]
-    q = np.empty((R, nsb, 2, 4, 32), np.int16)
-    q[..., 0, :] = (ql[..., 0:32] & 0x0F) | (((qh >> 0) & 3) << 4)
-    q[..., 1, :] = (ql[..., 32:64] & 0x0F) | (((qh >> 2) & 3) << 4)
-    q[..., 2, :] = (ql[..., 0:32] >> 4) | (((qh >> 4) & 3) << 4)
-    q[..., 3, :] = (ql[..., 32:64] >> 4) | (((qh >> 6) & 3) << 4)
-    q -= 32
-    d = (dd[..., None] * scales).reshape(R, nsb * 16)                # [R, nb] exact (11 x 8 bits)
-    return q.astype(np.int8).reshape(R, nsb * 16, 16), d, None, 16
+    # Q4_0, Q4_1, Q5_0, Q5_1
+    d = _f16(b[..., 0:2])                                        # [R, nb]
+    off = 2
+    if type_name in ("Q4_1", "Q5_1"):
+        m = _f16(b[..., 2:4])
+        off = 4
+    qh = None
+    if type_name in ("Q5_0", "Q5_1"):
+        qh = np.ascontiguousarray(b[..., off:off + 4]).view("<u4")[..., 0]  # [R, nb] uint32
+        off += 4
+    qs = b[..., off:off + 16]                                    # [R, nb, 16]
+    lo = (qs & 0x0F).astype(np.int16)                            # elements 0..15
+    hi = (qs >> 4).astype(np.int16)                              # elements 16..31
+    if qh is not None:
+        bits = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16)  # [R, nb, 32]
+        lo |= bits[..., :16] << 4
+        hi |= bits[..., 16:] << 4
+    q16 = np.concatenate([lo, hi], axis=-1)                      # [R, nb, 32]
+    if type_name == "Q4_0":
+        q16 -= 8
+    elif type_name == "Q5_0":
+        q16 -= 16
+    return q16.astype(np.int8), d, m, QK
 
 
 # ------------------------------------------------------------------ numba kernels
@@ -455,10 +419,6 @@ class QWeight:
             return QWeight.lanes(*self.plain(rows), self.act, self.types)
         sel = {k: np.ascontiguousarray(a[rows]) for k, a in self.arrays().items()}
         return QWeight(self.kind, self.act, self.types, len(rows), **sel)
-
-    def levels(self, rows: np.ndarray) -> np.ndarray:
-        """int16 ``[len(rows), nb, B]``: the integer level of every weight of the selected rows."""
-        return self.plain(rows)[0].astype(np.int16)
 
     def dequantize_rows(self, rows: np.ndarray) -> np.ndarray:
         """float32 ``[len(rows), in]`` of the selected rows (embedding lookups)."""
