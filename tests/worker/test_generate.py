@@ -38,17 +38,23 @@ class ScriptModel:
         self.n_ctx = n_ctx
         self.n_vocab = TOK.n_vocab
         self.calls: list[int] = []  # tokens per forward call
+        self.segments: list[list[tuple[int, int, int, int, int]]] = []  # per call: (entry, pos0, n, ubatch, row)
         self.fail_at = fail_at  # raise when a forward would make a sequence's context this long
 
     def forward_batch(self, tokens: np.ndarray, batch: AttnBatch, rows: list[int]) -> np.ndarray:
         contexts = []
+        fed: dict[int, list[int]] = {}  # entry -> tokens of its earlier segments in this pass
         for seg in batch.segments:
-            assert seg.pos0 == seg.kv.n_past and seg.pos0 + seg.n <= min(self.n_ctx, seg.kv.capacity)
-            ctx = seg.kv.tokens + [int(t) for t in tokens[seg.start:seg.start + seg.n]]
+            before = fed.setdefault(id(seg.kv), [])
+            assert seg.pos0 == seg.kv.n_past + len(before) and seg.pos0 + seg.n <= min(self.n_ctx, seg.kv.capacity)
+            assert 0 <= seg.ubatch_row and seg.ubatch_row + seg.n <= seg.ub_rows
+            before += [int(t) for t in tokens[seg.start:seg.start + seg.n]]
+            ctx = seg.kv.tokens + before
             if self.fail_at is not None and len(ctx) >= self.fail_at:
                 raise RuntimeError("boom")
             contexts.append((seg, ctx))
         self.calls.append(int(tokens.shape[0]))
+        self.segments.append([(id(g.kv), g.pos0, g.n, g.ub_rows, g.ubatch_row) for g in batch.segments])
         out = np.zeros((len(rows), self.n_vocab), np.float32)
         for i, r in enumerate(rows):
             seg, ctx = next((s, c) for s, c in contexts if s.start <= r < s.start + s.n)
@@ -369,3 +375,115 @@ def test_context_length_exceeded_message() -> None:
     check_context(100, 99, None)
     with pytest.raises(EngineError):
         check_context(100, 100, None)
+
+
+# ------------------------------------------------------------------ prompt micro-batches
+
+
+def test_ubatch_bounds_count_from_the_reused_prefix() -> None:
+    from worker.engine.scheduler import ubatch_bounds
+
+    assert [ubatch_bounds(0, 10, at, 4) for at in (0, 3, 4, 7, 8, 9)] == [(0, 4)] * 2 + [(4, 4)] * 2 + [(8, 2)] * 2
+    assert [ubatch_bounds(3, 10, at, 4) for at in (3, 6, 7, 9)] == [(3, 4), (3, 4), (7, 3), (7, 3)]
+    assert ubatch_bounds(0, 5, 4, 512) == (0, 5)
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(EngineError) as ei:
+            new_sched(ScriptModel(context_script), n_ubatch=bad)
+        assert ei.value.code == "invalid_params" and "n_ubatch" in ei.value.message
+
+
+def run_joined(model: ScriptModel, sched: Scheduler, joins: dict[int, list[tuple[str, list[int], SamplingParams]]]
+               ) -> tuple[dict[str, GenerationResult], list[list[tuple[str, int, int, int, int]]]]:
+    """Run ``joins`` (step -> requests added before it) to the end; the results and, per forward
+    call, its segments as (request id, pos0, n, micro-batch rows, row in it)."""
+    results: dict[str, GenerationResult] = {}
+    log: list[list[tuple[str, int, int, int, int]]] = []
+    prev: dict[int, str] = {}
+    step = 0
+    while step <= max(joins) or sched.has_work:
+        for rid, prompt, p in joins.get(step, []):
+            sched.add(SeqRequest(rid, prompt, p))
+        n_calls = len(model.segments)
+        for f in sched.step():
+            assert f.error is None and f.result is not None, f.error
+            results[f.id] = f.result
+        now = {id(s.entry): rid for rid, s in sched._by_id.items() if s.entry is not None}  # noqa: SLF001
+        owners = {**prev, **now}
+        log += [[(owners[e], pos0, n, ub, row) for e, pos0, n, ub, row in call] for call in model.segments[n_calls:]]
+        prev = now
+        step += 1
+        assert step < 500
+    return results, log
+
+
+def ubatches(log: list[list[tuple[str, int, int, int, int]]], rid: str, n_prompt: int) -> list[tuple[int, int]]:
+    """The micro-batches (first position, rows) request ``rid``'s prompt rows were computed as,
+    checking that its prompt positions were each fed once, in order."""
+    seen: list[tuple[int, int]] = []
+    pos = None
+    for call in log:
+        for r, pos0, n, ub, row in call:
+            if r != rid or pos0 >= n_prompt:
+                continue
+            assert pos is None or pos0 == pos, f"{rid}: prompt rows out of order at {pos0}"
+            pos = pos0 + n
+            if not seen or seen[-1] != (pos0 - row, ub):
+                seen.append((pos0 - row, ub))
+    assert pos == n_prompt
+    return seen
+
+
+def test_prompt_micro_batches_do_not_depend_on_the_other_sequences(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.engine import scheduler as sched_mod
+
+    monkeypatch.setattr(sched_mod, "DECODE_PREFILL_CHUNK", 3)
+    target = chars("the quick brown fox jumps")                     # 25 tokens: micro-batches 4 x 6 + 1
+    others = {"a": chars("hello world, again"), "b": chars("abcdefghi"), "c": chars("zyxwvutsrqponmlkjihgfedcba0123")}
+    p = params(max_tokens=6, ignore_eos=True)
+    expected = [(k, min(4, len(target) - k)) for k in range(0, len(target), 4)]
+
+    def fresh() -> tuple[ScriptModel, Scheduler]:
+        model = ScriptModel(context_script)
+        return model, new_sched(model, n_parallel=4, n_batch=10, n_ubatch=4)
+
+    model, sched = fresh()
+    alone, log = run_joined(model, sched, {0: [("t", target, p)]})
+    assert ubatches(log, "t", len(target)) == expected
+    assert any(sum(1 for r, *_ in call if r == "t") > 1 for call in log)  # several micro-batches in one pass
+
+    for joins in ({0: [("a", others["a"], p), ("b", others["b"], p)], 2: [("t", target, p)], 3: [("c", others["c"], p)]},
+                  {0: [("c", others["c"], p), ("t", target, p)], 1: [("a", others["a"], p)]},
+                  {0: [("b", others["b"], p)], 5: [("t", target, p), ("a", others["a"], p)]}):
+        model, sched = fresh()
+        got, log = run_joined(model, sched, joins)
+        assert ubatches(log, "t", len(target)) == expected
+        for rid, prompt in [("t", target)] + [(r, others[r]) for r in "abc" if r in got]:
+            assert ubatches(log, rid, len(prompt)) == [(k, min(4, len(prompt) - k)) for k in range(0, len(prompt), 4)]
+        assert got["t"].text == alone["t"].text and got["t"].tokens == alone["t"].tokens
+        n_prompt = {"t": len(target), **{r: len(q) for r, q in others.items()}}
+        fills = [[(r, pos0, n) for r, pos0, n, *_ in call if pos0 < n_prompt[r]] for call in log]
+        span = {r: [i for i, f in enumerate(fills) if any(q == r for q, *_ in f)] for r in got}
+        for i, (call, fill) in enumerate(zip(log, fills)):
+            decoding = any(pos0 >= n_prompt[r] for r, pos0, *_ in call)
+            assert sum(n for *_, n in fill) <= (3 if decoding else 10)  # the step's budget
+            if any(ix[0] <= i <= ix[-1] for ix in span.values()):      # a prompt in progress always advances
+                assert fill, f"call {i}: no prompt token while a prompt was half done"
+            order = list(dict.fromkeys(r for r, *_ in fill))
+            for r in order[:-1]:  # first come first served: only the last one may stop short
+                assert max(pos0 + n for q, pos0, n in fill if q == r) == n_prompt[r], f"{r} stopped short"
+        shared = [{r for r, *_ in call} for call in log if any(r == "t" for r, *_ in call)]
+        assert any(len(rs) >= 2 for rs in shared)  # the target shared passes
+
+
+def test_micro_batches_start_at_the_reused_prefix() -> None:
+    model = ScriptModel(context_script)
+    sched = new_sched(model, n_batch=10, n_ubatch=4)
+    first = chars("abcdefghijk")                                     # 11 tokens
+    run_joined(model, sched, {0: [("x", first, params(max_tokens=3, ignore_eos=True))]})
+    longer = first + chars("lmnopqrstu")                             # extends the cached 11 (+ 2 replies fed)
+    model.segments.clear()
+    res, log = run_joined(model, sched, {0: [("y", longer, params(max_tokens=2, ignore_eos=True))]})
+    assert res["y"].cache_n == len(first)
+    n_keep = len(first)
+    assert ubatches(log, "y", len(longer)) == [(k, min(4, len(longer) - k)) for k in range(n_keep, len(longer), 4)]
+    assert res["y"].text == run(ScriptModel(context_script), longer, max_tokens=2, ignore_eos=True)[0].text

@@ -41,11 +41,12 @@ Two numerics, chosen by the caller (``attend(..., f16=)``):
   or a sliding-window cache that wrapped around after ``window + n_ubatch`` positions).
 
   Batch invariance: a row's output depends on its query, its sequence's keys and values,
-  and its own segment's row count and length — never on the other sequences of the step
-  nor on the thread count (every (row, head) is computed by one thread, in a fixed
-  order). Like llama.cpp's, it does depend on how the sequence's own tokens were cut into
-  steps: a prefill row (tiled, Q in f32) and the same row decoded alone (Q and the
-  softmax·V sum in f16) differ at f16 precision.
+  and its micro-batch's row count and end (``Segment.ubatch``) — never on the other
+  sequences of the step, on how a micro-batch is sliced into steps, nor on the thread
+  count (every (row, head) is computed by one thread, in a fixed order). Like llama.cpp's,
+  it does depend on how the sequence's own tokens were cut into micro-batches: a prefill
+  row (tiled, Q in f32) and the same row decoded alone (Q and the softmax·V sum in f16)
+  differ at f16 precision; the scheduler cuts every prompt the same way (``n_ubatch``).
 """
 
 from __future__ import annotations
@@ -83,12 +84,27 @@ GGML_DECODE_THREADS = 2
 @dataclass
 class Segment:
     """One sequence's rows in a step: rows ``start .. start+n-1`` of the flat batch are
-    its tokens at positions ``pos0 .. pos0+n-1`` (``pos0 == kv.n_past`` when the step starts)."""
+    its tokens at positions ``pos0 .. pos0+n-1`` (``pos0 == kv.n_past`` when the step starts,
+    or the end of the same entry's previous segment in this step).
+
+    ``ubatch`` / ``ubatch_row``: the micro-batch of llama.cpp (``n_ubatch``) these rows belong
+    to, as a sequence alone would run it: its row count and the index in it of this segment's
+    first row (``ubatch_row + n <= ubatch``). Every kernel choice that depends on a row count
+    (the matmul kernels, :func:`ggml_fa_mode`) is made from ``ubatch``, so a micro-batch run in
+    several slices over several steps gives the same bits as run whole. 0: the segment is its
+    own micro-batch (``ubatch = n``, ``ubatch_row = 0``)."""
 
     kv: KVEntry
     start: int
     n: int
     pos0: int
+    ubatch: int = 0
+    ubatch_row: int = 0
+
+    @property
+    def ub_rows(self) -> int:
+        """Rows of the micro-batch the kernels are chosen for (``ubatch``, or ``n``)."""
+        return self.ubatch or self.n
 
 
 class AttnBatch:
@@ -173,7 +189,8 @@ def attend(batch: AttnBatch, layer: int, q: np.ndarray, k: np.ndarray, v: np.nda
         s.kv.store(layer, s.pos0, k[rows], v[rows])
         end = s.pos0 + s.n
         if f16:  # the whole layer of the entry (C-contiguous, key index = position)
-            out[rows] = ggml_attention(q[rows], s.kv.k[layer], s.kv.v[layer], s.pos0, 0, window, scale)
+            out[rows] = ggml_attention(q[rows], s.kv.k[layer], s.kv.v[layer], s.pos0, 0, window, scale,
+                                       ubatch=(s.ub_rows, s.ubatch_row))
             continue
         k0, mask, col0 = batch.mask(i, window)
         out[rows] = attention(q[rows], s.kv.keys(layer, k0, end), s.kv.values(layer, k0, end), mask, scale,
@@ -199,7 +216,8 @@ def ggml_fa_mode(n_rows: int, end: int) -> tuple[int, int]:
 
 
 def ggml_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, qpos0: int, kpos0: int,
-                   window: int | None, scale: float, softcap: float = 0.0) -> np.ndarray:
+                   window: int | None, scale: float, softcap: float = 0.0,
+                   ubatch: tuple[int, int] | None = None) -> np.ndarray:
     """One sequence's attention for one layer as llama.cpp's CPU flash attention computes it
     over an f16 KV cache (:mod:`.attn_kernels`, path from :func:`ggml_fa_mode`).
 
@@ -211,6 +229,9 @@ def ggml_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, qpos0: i
             values ``[n_kv, S, hd_v]``. Best C-contiguous float32 (else copied).
         window: sliding-window size, or None.
         scale: multiplies ``q.k`` (``kq_scale``); softcap: llama.cpp's ``logit_softcap`` (0: none).
+        ubatch: ``(rows, first)``: the queries are rows ``first .. first+T-1`` of a micro-batch of
+            ``rows`` rows (:class:`Segment`), whose row count and end choose the path; None:
+            the queries are the whole micro-batch.
     Returns:
         float32 ``[T, n_head * hd_v]``.
     """
@@ -222,7 +243,8 @@ def ggml_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, qpos0: i
     keys = np.ascontiguousarray(keys, dtype=np.float32)
     values = np.ascontiguousarray(values, dtype=np.float32)
     out = np.empty((t, n_head * hd_v), dtype=np.float32)
-    mode, n_cells = ggml_fa_mode(t, qpos0 + t)
+    ub_rows, ub_first = ubatch if ubatch is not None else (t, 0)
+    mode, n_cells = ggml_fa_mode(ub_rows, qpos0 - ub_first + ub_rows)
     sc = np.float32(scale)
     cap = np.float32(softcap)
     if cap != 0:

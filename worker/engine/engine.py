@@ -77,7 +77,7 @@ class Engine:
     @classmethod
     def load(cls, gguf_path: str, n_ctx: int | None = None, chat_template: str | None = None, *,
              parallel: int = 1, kv_budget_mib: float | None = None, n_batch: int | None = None,
-             weights: str | None = None,
+             weights: str | None = None, n_ubatch: int | None = None,
              progress: Callable[[str, int, int], None] | None = None) -> Engine:
         """Load a GGUF file.
 
@@ -89,7 +89,12 @@ class Engine:
             parallel: KV slots (sequences decoded at once), >= 1.
             kv_budget_mib: KV memory of all sequences and cached prefixes together,
                 MiB; None -> room for ``parallel`` full contexts (``parallel * n_ctx`` positions).
-            n_batch: prompt tokens per step (prefill chunk); None -> 256.
+            n_batch: prompt tokens per step while none decodes (a step's prefill budget);
+                None -> 256.
+            n_ubatch: tokens of a prompt's micro-batch, llama.cpp's ``n_ubatch`` (the unit
+                its kernels are chosen for: a prompt is cut into micro-batches of this size
+                from the end of its reused prefix, whatever the other sequences);
+                None -> 512, llama.cpp's default.
             weights: ``"quantized"`` (the GGUF's blocks, ggml's vec_dot numerics) or ``"f32"``
                 (dequantized float32 reference); None -> ``model.DEFAULT_WEIGHTS`` ("f32").
             progress: ``progress(stage, done, total)`` hears the load's steps, in order:
@@ -105,10 +110,11 @@ class Engine:
                 ``unsupported_architecture``, ``unsupported_tensor_type``,
                 ``unsupported_tokenizer``, ``template_error`` (the given or
                 embedded template does not compile), ``invalid_params``
-                (n_ctx not a positive integer, parallel < 1, budget <= 0, unknown weights mode).
+                (n_ctx not a positive integer, parallel, n_batch or n_ubatch < 1, budget <= 0,
+                unknown weights mode).
         """
         from .gguf_loader import read_gguf
-        from .scheduler import DEFAULT_N_BATCH
+        from .scheduler import DEFAULT_N_BATCH, DEFAULT_N_UBATCH
         from .model import DEFAULT_WEIGHTS, WEIGHT_MODES, load_model  # n_ctx None -> min(n_ctx_train, 8192) there
 
         path = Path(gguf_path)
@@ -118,8 +124,9 @@ class Engine:
             raise EngineError("invalid_params", f"n_ctx must be a positive integer, got {n_ctx!r}")
         if chat_template is not None and not isinstance(chat_template, str):
             raise EngineError("invalid_params", "chat_template must be a string")
-        if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
-            raise EngineError("invalid_params", f"parallel must be an integer >= 1, got {parallel!r}")
+        for name, v in (("parallel", parallel), ("n_batch", n_batch), ("n_ubatch", n_ubatch)):
+            if (v is not None or name == "parallel") and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise EngineError("invalid_params", f"{name} must be an integer >= 1, got {v!r}")
         if kv_budget_mib is not None and (isinstance(kv_budget_mib, bool) or not isinstance(kv_budget_mib, (int, float))
                                           or not kv_budget_mib > 0):
             raise EngineError("invalid_params", f"kv_budget_mib must be a positive number, got {kv_budget_mib!r}")
@@ -161,7 +168,8 @@ class Engine:
         budget_tokens = (parallel * int(model.n_ctx) if kv_budget_mib is None
                          else max(1, int(kv_budget_mib * 2**20) // token_bytes))
         sched = Scheduler(model, tokenizer, n_parallel=parallel, kv_budget_tokens=budget_tokens,
-                          n_batch=DEFAULT_N_BATCH if n_batch is None else n_batch)
+                          n_batch=DEFAULT_N_BATCH if n_batch is None else n_batch,
+                          n_ubatch=DEFAULT_N_UBATCH if n_ubatch is None else n_ubatch)
         name = md.get("general.name")
         info = EngineInfo(
             architecture=arch,

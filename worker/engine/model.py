@@ -756,7 +756,8 @@ class Model:
         if int(batch.positions.max(initial=-1)) >= self.n_ctx:
             raise EngineError("context_length_exceeded", f"position beyond the context of {self.n_ctx} tokens")
         out_rows = np.asarray(rows, dtype=np.int64)
-        token = row_groups([s.n for s in batch.segments])       # the sequences' batches, as llama.cpp sees them
+        segs = batch.segments                                   # the sequences' micro-batches, as llama.cpp sees them
+        token = row_groups([s.n for s in segs], [s.ub_rows for s in segs], [s.ubatch_row for s in segs])
         try:
             h = self._forward_hidden(tokens, batch, out_rows)   # [R, n_embd]
             return self._output(h)                              # [R, n_vocab]

@@ -214,12 +214,21 @@ _SEQ_ROWS: contextvars.ContextVar[np.ndarray | None] = contextvars.ContextVar("s
 TILED_MIN_ROWS = 8
 
 
-def row_groups(segment_rows: Sequence[int]) -> contextvars.Token:
-    """Declare the rows of the next matmuls as consecutive sequences of ``segment_rows[i]``
-    rows (a forward pass's segments, in order); returns the token for ``_SEQ_ROWS.reset``."""
+def row_groups(segment_rows: Sequence[int], ubatch_rows: Sequence[int] | None = None,
+               ubatch_first: Sequence[int] | None = None) -> contextvars.Token:
+    """Declare the rows of the next matmuls as consecutive segments of ``segment_rows[i]``
+    rows (a forward pass's segments, in order); returns the token for ``_SEQ_ROWS.reset``.
+
+    Segment ``i`` is rows ``ubatch_first[i] ..`` of a sequence's micro-batch of
+    ``ubatch_rows[i]`` rows (``attention.Segment.ubatch``: a micro-batch run in slices over
+    several passes); the kernels choose as for that whole micro-batch. None: each segment is
+    its own micro-batch."""
     n = np.asarray(segment_rows, dtype=np.int64)
-    return _SEQ_ROWS.set(np.stack([np.repeat(n, n), np.concatenate([np.arange(k) for k in n]) if n.size
-                                   else np.zeros(0, np.int64)]))
+    ub = n if ubatch_rows is None else np.asarray(ubatch_rows, dtype=np.int64)
+    first = np.zeros_like(n) if ubatch_first is None else np.asarray(ubatch_first, dtype=np.int64)
+    if not n.size:
+        return _SEQ_ROWS.set(np.zeros((2, 0), np.int64))
+    return _SEQ_ROWS.set(np.stack([np.repeat(ub, n), np.concatenate([f + np.arange(k) for f, k in zip(first, n)])]))
 
 
 def _seq_rows(T: int) -> np.ndarray:

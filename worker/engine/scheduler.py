@@ -8,10 +8,16 @@ the idle entries kept as a prefix cache) and the waiting line. Each
 ``model.forward_batch`` over it:
 
 * every decoding sequence contributes its next token (one row each);
-* prefilling sequences contribute prompt chunks, first come first served,
+* prefilling sequences contribute prompt tokens, first come first served,
   up to ``n_batch`` prompt tokens per step (``DECODE_PREFILL_CHUNK`` while
   others decode), so a long prompt arriving never freezes running streams for
-  more than one chunk;
+  more than one such slice;
+* the prompt is cut into micro-batches as llama.cpp cuts a sequence's prompt alone
+  (``n_ubatch`` tokens each, counted from the end of its reused prefix), whatever the
+  budget and the other sequences: a step's slice of a prompt is a part of one or more of
+  them (``Segment.ubatch``), and the kernels choose for the whole micro-batch, so a
+  sequence's logits are the same bits alone and beside any others (with
+  ``weights="quantized"``; the float32 path agrees to float32 rounding);
 * a new request joins at the next step when a slot is free and its KV
   reservation fits the budget (idle entries are evicted, least recently used
   first, to make room); one that can never fit is refused at :meth:`add`.
@@ -49,20 +55,38 @@ from .kv_cache import KVEntry, KVPool, KVShape
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
-__all__ = ["DEFAULT_N_BATCH", "BatchModel", "Finished", "Scheduler", "SeqRequest", "SlotInfo"]
+__all__ = ["DEFAULT_N_BATCH", "DEFAULT_N_UBATCH", "BatchModel", "Finished", "Scheduler", "SeqRequest", "SlotInfo",
+           "ubatch_bounds"]
 
-#: Prompt tokens per step (the prefill chunk budget), as llama.cpp's n_batch/n_ubatch.
+#: Prompt tokens per step while no sequence decodes (the prefill budget of one forward pass).
 DEFAULT_N_BATCH = 256
 
-#: While other sequences are decoding, prefill chunks are capped at this many tokens, so a
-#: running stream waits at most one such chunk for its next token (a 256-token chunk of
+#: Tokens of a prompt's micro-batch (llama.cpp's ``n_ubatch``, 512 by default): the unit its
+#: kernels are chosen for, so the unit that decides a prompt's numerics (``ubatch_bounds``).
+DEFAULT_N_UBATCH = 512
+
+#: While other sequences are decoding, a step carries at most this many prompt tokens, so a
+#: running stream waits at most one such slice for its next token (a 256-token slice of
 #: SmolLM2 costs ~0.5 s on 2 cores; 128 roughly halves the worst gap for a few % more steps).
+#: A slice is a part of a micro-batch: it does not change what the prompt computes.
 DECODE_PREFILL_CHUNK = 128
 
 #: A shared prefix shorter than this (and than half the prompt, llama.cpp's slot-similarity
 #: idea) is not worth copying or cutting another conversation's entry for (extending an entry
 #: the prompt fully contains has no minimum).
 MIN_SHARED_PREFIX = 16
+
+
+def ubatch_bounds(n_keep: int, n_prompt: int, at: int, n_ubatch: int) -> tuple[int, int]:
+    """``(first, rows)``: the micro-batch of a prompt that holds its token ``at``.
+
+    A prompt of ``n_prompt`` tokens whose first ``n_keep`` come from the KV cache is
+    evaluated as llama.cpp evaluates it alone (``llama_decode`` over ``n_ubatch`` tokens at a
+    time from its ``n_past``): micro-batches ``[n_keep + k * n_ubatch, ...)`` of ``n_ubatch``
+    tokens, the last one shorter. Requires ``n_keep <= at < n_prompt``, ``n_ubatch >= 1``.
+    """
+    first = n_keep + (at - n_keep) // n_ubatch * n_ubatch
+    return first, min(n_ubatch, n_prompt - first)
 
 
 class BatchModel(Protocol):
@@ -152,7 +176,11 @@ class Scheduler:
         tokenizer: for pieces and the end-of-generation set.
         n_parallel: slots (sequences decoded at once), >= 1.
         kv_budget_tokens: KV positions all entries may reserve together (>= 1).
-        n_batch: prompt tokens per step (>= 1).
+        n_batch: prompt tokens per step while none decodes (>= 1; ``DECODE_PREFILL_CHUNK`` at
+            most while others decode).
+        n_ubatch: tokens of a prompt's micro-batch (>= 1), llama.cpp's ``n_ubatch``: the unit
+            the kernels are chosen for (:func:`ubatch_bounds`); how many of them a step
+            carries does not change the numbers.
     Raises:
         EngineError("invalid_params"): a bad size.
 
@@ -161,8 +189,9 @@ class Scheduler:
     """
 
     def __init__(self, model: BatchModel, tokenizer: Tokenizer, *, n_parallel: int = 1,
-                 kv_budget_tokens: int | None = None, n_batch: int = DEFAULT_N_BATCH) -> None:
-        for name, v in (("n_parallel", n_parallel), ("n_batch", n_batch)):
+                 kv_budget_tokens: int | None = None, n_batch: int = DEFAULT_N_BATCH,
+                 n_ubatch: int = DEFAULT_N_UBATCH) -> None:
+        for name, v in (("n_parallel", n_parallel), ("n_batch", n_batch), ("n_ubatch", n_ubatch)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise EngineError("invalid_params", f"{name} must be an integer >= 1, got {v!r}")
         self.model = model
@@ -170,6 +199,7 @@ class Scheduler:
         self.n_ctx = int(model.n_ctx)
         self.n_vocab = min(int(model.n_vocab), tokenizer.n_vocab)
         self.n_batch = n_batch
+        self.n_ubatch = n_ubatch
         budget = kv_budget_tokens if kv_budget_tokens is not None else n_parallel * self.n_ctx
         self.pool = KVPool(model.kv_shape, int(budget), self.n_ctx)
         self.slots = [_Slot(i) for i in range(n_parallel)]
@@ -375,23 +405,29 @@ class Scheduler:
             parts.append((s, [s.next_token], True))
             tokens.append(s.next_token)
         budget = min(self.n_batch, DECODE_PREFILL_CHUNK) if decode else self.n_batch
-        for s in prefill:
+        for s in prefill:  # first come first served; a slice never crosses a micro-batch's end
+            assert s.entry is not None
+            prompt = s.req.prompt
+            at = s.n_done
+            while budget > 0 and at < len(prompt):
+                first, ub_rows = ubatch_bounds(s.n_keep, len(prompt), at, self.n_ubatch)
+                chunk = prompt[at:min(first + ub_rows, at + budget)]
+                segs.append(Segment(s.entry, len(tokens), len(chunk), s.entry.n_past + at - s.n_done,
+                                    ub_rows, at - first))
+                at += len(chunk)
+                budget -= len(chunk)
+                parts.append((s, chunk, at == len(prompt)))
+                tokens.extend(chunk)
             if budget <= 0:
                 break
-            assert s.entry is not None
-            chunk = s.req.prompt[s.n_done:s.n_done + budget]
-            budget -= len(chunk)
-            last = s.n_done + len(chunk) == len(s.req.prompt)
-            segs.append(Segment(s.entry, len(tokens), len(chunk), s.entry.n_past))
-            parts.append((s, chunk, last))
-            tokens.extend(chunk)
         if not tokens:
             return done
         rows: list[int] = []
         for seg, (_, _, want) in zip(segs, parts):
             if want:
                 rows.append(seg.start + seg.n - 1)
-        watched = [s for s, _, _ in parts if s.req.should_stop is not None]
+        members = list(dict.fromkeys(s for s, _, _ in parts))  # the batch's sequences, once each
+        watched = [s for s in members if s.req.should_stop is not None]
         batch = AttnBatch(segs, self.model.dtype,
                           (lambda: any(self._stopped(s) for s in watched)) if watched else None)
         self.stats["passes"] += 1
@@ -408,7 +444,7 @@ class Scheduler:
                     done.append(self._finish(s))
             return done
         except Exception as e:  # noqa: BLE001 - a model failure ends this batch's sequences, not the worker
-            for s, _, _ in parts:
+            for s in members:
                 done.append(self._finish(s, e))
             return done
         finally:
