@@ -202,3 +202,66 @@ def test_a_text_that_cannot_fit_is_refused_before_tokenizing(smollm2_path: Path)
         eng.tokenize_chat([{"role": "user", "content": huge}])
     assert ei.value.code == "context_length_exceeded" and "characters" in ei.value.message
     assert eng.generate("short prompt", greedy(2)).finish_reason == "length"
+
+
+def _tiny_quantized(tmp_path: Path, kind: str) -> Path:
+    import json
+
+    from tests.paths import FIXTURES_DIR
+    from tests.worker.tiny_gguf import write_tiny_gemma3, write_tiny_qwen
+
+    if kind == "qwen3-q4_k_m":  # Q4_K + Q6_K: kernels chosen by row count (gemm/gemv, tiled/vec_dot)
+        kw = json.loads((FIXTURES_DIR / "tiny-arch.llamacpp.json").read_text())["files"][kind]["kwargs"]
+        return write_tiny_qwen(tmp_path / f"{kind}.gguf", **{**kw, "n_ctx_train": 1024})
+    return write_tiny_gemma3(tmp_path / f"{kind}.gguf", qtype="Q8_0", n_ctx_train=1024, sliding_window=40)
+
+
+@pytest.mark.parametrize("kind", ["qwen3-q4_k_m", "gemma3-q8_0"])
+def test_quantized_long_prompt_is_the_same_bits_beside_any_others(tmp_path: Path, kind: str) -> None:
+    # llama.cpp's results depend on how a prompt is cut into micro-batches (the kernels and the
+    # flash-attention path are chosen by their row counts): the scheduler cuts every prompt into
+    # n_ubatch pieces whatever else runs, and a step's slice of a piece (the step budget, 128
+    # while others decode) computes as the whole piece. So a long prompt's logprobs are equal,
+    # to the bit, alone and beside other long prompts and decoding streams.
+    path = str(_tiny_quantized(tmp_path, kind))
+    n_ub = 96   # pieces of 96: tiled attention (>= 64 rows), shorter last pieces take the one-row path
+    eng = Engine.load(path, n_ctx=640, parallel=5, weights="quantized", n_ubatch=n_ub)
+    rng = np.random.default_rng(7)
+    target = [1] + rng.integers(4, 440, 270).tolist()                   # 271 tokens: 96 + 96 + 79
+    longs = [[1] + rng.integers(4, 440, n).tolist() for n in (230, 185)]
+    shorts = [[1] + rng.integers(4, 440, n).tolist() for n in (6, 9)]
+    p = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, n_probs=5, cache_prompt=False)
+
+    def alone(e: Engine, ids: list[int]) -> list[tuple[int, float | None, list[tuple[int, float]]]]:
+        out: list[tuple[int, float | None, list[tuple[int, float]]]] = []
+        e.reset_cache()
+        e.generate(ids, p, on_token=lambda ev: out.append((ev.id, ev.logprob, list(ev.top_logprobs))))
+        return out
+
+    ref = alone(eng, target)
+    ref_longs = [alone(eng, q) for q in longs]
+    eng.reset_cache()
+    got: dict[str, list[tuple[int, float | None, list[tuple[int, float]]]]] = {}
+    joins = {0: [("d0", shorts[0]), ("d1", shorts[1]), ("l0", longs[0])], 3: [("t", target), ("l1", longs[1])]}
+    step, mixed = 0, 0
+    while step <= max(joins) or eng.has_work:
+        for sid, ids in joins.get(step, []):
+            got[sid] = []
+            eng.add(sid, ids, SamplingParams(**{**p.__dict__, "max_tokens": 40 if sid[0] == "d" else 8}),
+                    lambda ev, sid=sid: got[sid].append((ev.id, ev.logprob, list(ev.top_logprobs))))
+        before = {s.id_task: s.n_past for s in eng.slots() if s.is_processing}
+        for f in eng.step():
+            assert f.error is None, f.error
+        after = {s.id_task: s.n_past for s in eng.slots() if s.is_processing}
+        grown = {k: after[k] - v for k, v in before.items() if k in after}
+        if grown.get("t", 0) > 1 and any(g == 1 for g in grown.values()) and any(
+                g > 1 for k, g in grown.items() if k != "t"):
+            mixed += 1   # the target prefilled beside another prompt and a decoding stream
+        step += 1
+        assert step < 400
+    assert mixed > 0
+    assert got["t"] == ref, "the long prompt's logprobs changed beside the others"
+    assert [got["l0"], got["l1"]] == ref_longs
+    # and the test can tell: another cut of the same prompt (llama.cpp's other micro-batches) differs
+    eng._sched.n_ubatch = 64  # noqa: SLF001
+    assert alone(eng, target) != ref
