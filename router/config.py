@@ -91,6 +91,7 @@ class ModelConfig:
     parallel: int = 4  # KV slots: sequences the worker decodes at once (python -m worker --parallel)
     kv_budget_mib: float | None = None  # KV memory of the worker's sequences + prefix cache; None: the worker's
     weights: str | None = None  # "quantized" | "f32" (python -m worker --weights); None: the worker's ("f32")
+    n_ubatch: int | None = None  # tokens of a prompt's micro-batch (python -m worker --n-ubatch); None: the worker's (512)
     # crash backoff (router.backoff): the n-th failure within crash_window_s waits
     # min(restart_backoff_s * 2**(n-1), restart_backoff_max_s) before the next start;
     # the max_crashes-th makes the model failed until an operator loads it
@@ -175,7 +176,7 @@ _MODEL_KEYS = {
     "path", "aliases", "n_ctx", "chat_template", "max_queue", "load_timeout_s",
     "cancel_timeout_s", "drain_timeout_s", "shutdown_grace_s", "ping_interval_s",
     "ping_timeout_s", "unresponsive_after_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", "weights",
-    "restart_backoff_s", "restart_backoff_max_s", "max_crashes", "crash_window_s", "pinned", "slot_save_path",
+    "n_ubatch", "restart_backoff_s", "restart_backoff_max_s", "max_crashes", "crash_window_s", "pinned", "slot_save_path",
     "kv_cache_dir", "kv_cache_mib", "prefill_model", "kv_transfer", *SAMPLING_KEYS,
 }
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases", "prefill_model", "kv_transfer"}
@@ -308,6 +309,8 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
             kv_budget_mib=(None if merged.get("kv_budget_mib") is None
                            else _float(merged, "kv_budget_mib", src("kv_budget_mib"), 2048.0, 1.0, float(1 << 24))),
             weights=_weights(merged, src("weights")),
+            n_ubatch=(None if merged.get("n_ubatch") is None
+                      else _int(merged, "n_ubatch", src("n_ubatch"), 512, 1, 65536)),
             restart_backoff_s=_float(merged, "restart_backoff_s", src("restart_backoff_s"), 1.0, 0.0),
             restart_backoff_max_s=_float(merged, "restart_backoff_max_s", src("restart_backoff_max_s"), 60.0, 0.0),
             max_crashes=_int(merged, "max_crashes", src("max_crashes"), 5, 1, 1_000_000),

@@ -124,6 +124,8 @@ def worker_command(model: ModelConfig, endpoint: str, module: str | None = None,
         cmd += ["--kv-budget-mib", repr(float(model.kv_budget_mib))]
     if model.weights is not None:
         cmd += ["--weights", model.weights]
+    if model.n_ubatch is not None:
+        cmd += ["--n-ubatch", str(model.n_ubatch)]
     if model.slot_save_path is not None:
         cmd += ["--slot-save-path", str(model.slot_save_path)]
     if model.kv_cache_dir is not None:

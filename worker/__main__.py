@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="KV memory of all sequences and cached prefixes, MiB (default: the engine's, 2048)")
     p.add_argument("--weights", choices=WEIGHT_MODES, default=None,
                    help="how weight matrices are held: float32 (default) or the GGUF's quantized blocks")
+    p.add_argument("--n-ubatch", type=_positive, default=None,
+                   help="tokens of a prompt's micro-batch, llama.cpp's n_ubatch (default: the engine's, 512)")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when this process is gone (default: the parent at start)")
     p.add_argument("--threads", type=_positive, default=None,
@@ -117,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     server = WorkerServer(WorkerConfig(
         model=args.model, gguf=args.gguf, endpoint=args.endpoint, n_ctx=args.n_ctx,
         chat_template=args.chat_template, max_queue=args.max_queue, parallel=args.parallel,
-        kv_budget_mib=args.kv_budget_mib, weights=args.weights, parent_pid=parent, credentials=credentials,
+        kv_budget_mib=args.kv_budget_mib, weights=args.weights, n_ubatch=args.n_ubatch,
+        parent_pid=parent, credentials=credentials,
         slot_save_path=args.slot_save_path, kv_cache_dir=args.kv_cache_dir, kv_cache_mib=args.kv_cache_mib))
     signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
     signal.signal(signal.SIGINT, lambda *_: server.request_stop())

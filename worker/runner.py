@@ -318,8 +318,9 @@ class BatchRunner:
 
     Args:
         loader: ``Engine.load``-like callable ``(gguf_path, n_ctx, chat_template, parallel=,
-            kv_budget_mib=, weights=) -> engine``.
-        gguf_path, n_ctx, chat_template, parallel, kv_budget_mib, weights: passed to ``loader``.
+            kv_budget_mib=, weights=[, n_ubatch=]) -> engine``.
+        gguf_path, n_ctx, chat_template, parallel, kv_budget_mib, weights: passed to ``loader``;
+        n_ubatch too when it is not None.
         post: called (from the runner threads) with each :class:`RunnerEvent`;
             must be thread-safe and must not block.
 
@@ -329,10 +330,11 @@ class BatchRunner:
 
     def __init__(self, loader: Callable[..., Any], gguf_path: str, n_ctx: int | None,
                  chat_template: str | None, post: Callable[[RunnerEvent], None], *, parallel: int = 1,
-                 kv_budget_mib: float | None = None, weights: str | None = None, slot_save_path: str | None = None,
-                 kv_cache_dir: str | None = None, kv_cache_mib: float = 0.0) -> None:
+                 kv_budget_mib: float | None = None, weights: str | None = None, n_ubatch: int | None = None,
+                 slot_save_path: str | None = None, kv_cache_dir: str | None = None, kv_cache_mib: float = 0.0) -> None:
         self._loader = loader
         self._weights = weights
+        self._extra: dict[str, Any] = {} if n_ubatch is None else {"n_ubatch": n_ubatch}
         self._gguf_path = gguf_path
         self._n_ctx = n_ctx
         self._chat_template = chat_template
@@ -602,7 +604,7 @@ class BatchRunner:
         try:
             engine = self._loader(self._gguf_path, self._n_ctx, self._chat_template, parallel=self._parallel,
                                   kv_budget_mib=self._kv_budget_mib, weights=self._weights,
-                                  progress=self._load_progress())
+                                  progress=self._load_progress(), **self._extra)
         except EngineError as e:
             self._post(LoadFailed(f"{e.code}: {e.message}"))
             return

@@ -104,14 +104,16 @@ MAX_KV_RECEIVERS = 4
 
 
 def default_loader(gguf_path: str, n_ctx: int | None, chat_template: str | None, *, parallel: int = 1,
-                   kv_budget_mib: float | None = None, weights: str | None = None,
+                   kv_budget_mib: float | None = None, weights: str | None = None, n_ubatch: int | None = None,
                    progress: Callable[[str, int, int], None] | None = None) -> Any:
     """``worker.engine.Engine.load`` (imported lazily: the engine pulls in numpy); no
     ``kv_budget_mib`` -> ``protocol.limits.DEFAULT_KV_BUDGET_MIB``; no ``weights`` -> the engine's
-    default; ``progress`` as Engine.load's."""
+    default (``n_ubatch`` likewise); ``progress`` as Engine.load's."""
     from worker.engine import Engine
 
-    extra = {} if weights is None else {"weights": weights}
+    extra: dict[str, Any] = {} if weights is None else {"weights": weights}
+    if n_ubatch is not None:
+        extra["n_ubatch"] = n_ubatch
     return Engine.load(gguf_path, n_ctx=n_ctx, chat_template=chat_template, parallel=parallel,
                        kv_budget_mib=DEFAULT_KV_BUDGET_MIB if kv_budget_mib is None else kv_budget_mib,
                        progress=progress, **extra)
@@ -155,6 +157,7 @@ class WorkerConfig:
     parallel: int = 1
     kv_budget_mib: float | None = None
     weights: str | None = None  # "quantized" | "f32"; None: the engine's default
+    n_ubatch: int | None = None  # tokens of a prompt's micro-batch; None: the engine's default (512)
     parent_pid: int | None = None
     shutdown_grace_s: float = 3.0
     parent_gone_grace_s: float = 0.0
@@ -230,7 +233,7 @@ class WorkerServer:
         os.set_blocking(self._wake_w, False)
         self.runner = runner_factory(loader or default_loader, cfg.gguf, cfg.n_ctx, cfg.chat_template, self._post,
                                      parallel=cfg.parallel, kv_budget_mib=cfg.kv_budget_mib, weights=cfg.weights,
-                                     slot_save_path=cfg.slot_save_path, kv_cache_dir=cfg.kv_cache_dir,
+                                     n_ubatch=cfg.n_ubatch, slot_save_path=cfg.slot_save_path, kv_cache_dir=cfg.kv_cache_dir,
                                      kv_cache_mib=cfg.kv_cache_mib)
         self.engine: Any = None
         self.pending: deque[Job] = deque()

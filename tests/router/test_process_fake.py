@@ -59,6 +59,15 @@ def test_n_threads_reaches_the_worker_command(tmp_path: Path) -> None:
     assert "--threads" not in worker_command(load_config(write(tmp_path, MINI)).models["one"], "ipc:///x.sock")
 
 
+def test_n_ubatch_reaches_the_worker_command(tmp_path: Path) -> None:
+    from router.process import worker_command
+
+    cfg = load_config(write(tmp_path, MINI + '[defaults]\nn_ubatch = 256\n'))
+    cmd = worker_command(cfg.models["one"], "ipc:///x.sock")
+    assert cmd[cmd.index("--n-ubatch") + 1] == "256"
+    assert "--n-ubatch" not in worker_command(load_config(write(tmp_path, MINI)).models["one"], "ipc:///x.sock")
+
+
 def test_kv_state_keys_reach_the_worker_command(tmp_path: Path) -> None:
     from router.process import worker_command
 
@@ -87,6 +96,9 @@ def test_kv_state_keys_reach_the_worker_command(tmp_path: Path) -> None:
     ("[models.one]\nidle_ttl_s = -1\n", "models.one.idle_ttl_s"),
     ("[defaults]\nidle_ttl_s = 'never'\n", "defaults.idle_ttl_s"),
     ("[models.one]\nn_threads = 0\n", "models.one.n_threads"),
+    ("[models.one]\nn_ubatch = 0\n", "models.one.n_ubatch"),
+    ("[defaults]\nn_ubatch = 'big'\n", "defaults.n_ubatch"),
+    ("[models.one]\nn_ubatch = 1.5\n", "models.one.n_ubatch"),
     ("[defaults]\nrepeat_penalty = 0\n", "defaults.repeat_penalty"),  # the worker needs > 0 (protocol.limits)
     ("[models.one]\nprefill_model = 'nope'\n", "models.one.prefill_model"),
     ("[models.one]\nprefill_model = 'two'\nkv_transfer = 'file'\n", "models.one.prefill_model"),  # no common slot_save_path

@@ -126,6 +126,11 @@ def test_load_errors(tmp_path: Path, tiny_path: Path) -> None:
         with pytest.raises(EngineError) as ei:
             Engine.load(str(tiny_path), n_ctx=bad)  # type: ignore[arg-type]
         assert ei.value.code == "invalid_params"
+    for key in ("n_batch", "n_ubatch", "parallel"):
+        for bad in (0, -1, 2.0, True):
+            with pytest.raises(EngineError) as ei:
+                Engine.load(str(tiny_path), **{key: bad})  # type: ignore[arg-type]
+            assert ei.value.code == "invalid_params" and key in ei.value.message
     with pytest.raises(EngineError) as ei:
         Engine.load(str(tiny_path), chat_template="{% if %}")
     assert ei.value.code == "template_error"

@@ -129,6 +129,19 @@ def test_hello_then_ready_carry_the_model_identity(start: Callable[..., Harness]
     assert ready.max_jobs == 1 and ready.load_ms >= 0 and ready.gguf_path == "/nonexistent/fake.gguf"
 
 
+@pytest.mark.parametrize("n_ubatch", [None, 64])
+def test_n_ubatch_reaches_the_engine_load(start: Callable[..., Harness], n_ubatch: int | None) -> None:
+    seen: dict[str, Any] = {}
+    eng = FakeEngine()
+
+    def loader(*_: Any, **kw: Any) -> FakeEngine:
+        seen.update(kw)
+        return eng
+
+    start(loader=loader, n_ubatch=n_ubatch)
+    assert seen.get("n_ubatch") == n_ubatch and ("n_ubatch" in seen) == (n_ubatch is not None)
+
+
 @pytest.mark.parametrize("exc", [EngineError("file_not_found", "GGUF file not found: /x.gguf"),
                                  RuntimeError("loader bug")])
 def test_load_failure_is_an_error_frame_then_exit_1(start: Callable[..., Harness], exc: Exception) -> None:
