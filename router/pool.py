@@ -265,7 +265,8 @@ class ModelSlot:
 
     def estimate(self) -> Estimate:
         """What this model will take once loaded (router.placement.estimate)."""
-        return placement.estimate(self.model.path, self.model.kv_budget_mib, self.rss_peak)
+        return placement.estimate(self.model.path, self.model.kv_budget_mib, self.rss_peak,
+                                  weights=self.model.weights_mode)
 
     def _sample_rss(self, wp: WorkerProcess | None) -> int | None:
         """``wp``'s RSS now (psutil on its pid, or the injected probe); a ready worker's
