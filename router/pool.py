@@ -259,6 +259,7 @@ class ModelSlot:
             "n_ctx": ready.n_ctx if ready else self.model.n_ctx,
             "architecture": ready.architecture if ready else None,
             "path": str(self.model.path),
+            "weights": self.model.weights_mode,
         }
 
     # ------------------------------------------------------------------ placement facts
