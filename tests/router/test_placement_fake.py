@@ -290,6 +290,29 @@ def test_memory_evicts_lru_idle_then_refuses_with_figures(tmp_path: Path, monkey
     asyncio.run(go())
 
 
+def test_a_quantized_model_is_placed_by_what_its_worker_holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the same real GGUF (SmolLM2, header read by the router) served twice: quantized, ~293 MiB + KV
+    # 100 MiB, fits in 600 MiB; float32, ~609 MiB + KV, does not even with the other one evicted
+    env = InProc(tmp_path, monkeypatch)
+    mem = FakeMemory(total=600 * MiB, rss={"q": 250 * MiB, "f": 250 * MiB})
+    cfg = (config(0, models="") + f'[models.q]\npath = "{SMOLLM2}"\nweights = "quantized"\n'
+           f'[models.f]\npath = "{SMOLLM2}"\n')
+
+    async def go() -> None:
+        async with env.app(cfg, memory=mem) as (pool, c):
+            mem.pool = pool
+            assert (await ask(c, "q")).status_code == 200
+            est = pool.get("q").estimate()
+            assert est.source == "gguf" and est.mode == "quantized" and 280 * MiB < est.weights < 300 * MiB
+            r = await ask(c, "f")
+            assert r.status_code == 503 and r.json()["error"]["code"] == "insufficient_memory"
+            msg = r.json()["error"]["message"]
+            assert "weights 609 MiB [gguf]" in msg and "350 MiB is available" in msg, msg
+            assert pool.get("f").spawn_count == 0 and pool.get("q").state is WorkerState.READY
+
+    asyncio.run(go())
+
+
 def test_operator_load_and_unload_while_waiting_for_room(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     env = InProc(tmp_path, monkeypatch)
 
