@@ -8,9 +8,9 @@ every kernel signature it runs (~30 s of one core here) — on a model's first r
 models load lazily. This compiles the same set for every weight type with a kernel
 (``worker.engine.compile_kernels``) ahead of time; with a current cache it only loads them.
 
-``scripts/_bootstrap.sh`` (``./scripts/serve``, ``./scripts/test``, CI) runs it when a kernel
-source is newer than its stamp ``.venv/.modelyard-kernels`` (or the stamp names another
-``NUMBA_CACHE_DIR``); ``MODELYARD_COMPILE_KERNELS=0`` skips that (the first quantized load then
+``scripts/_bootstrap.sh`` (``./scripts/serve``, ``./scripts/test``, CI) runs it when a
+``worker/engine`` source or the install is newer than its stamp ``.venv/.modelyard-kernels`` (or
+the stamp names another ``NUMBA_CACHE_DIR``); ``MODELYARD_COMPILE_KERNELS=0`` skips that (the first quantized load then
 compiles). Run it by hand, e.g. in an image build, as ``.venv/bin/python scripts/compile_kernels.py``.
 
 Prints one line: the time taken and how many signatures were compiled vs loaded from the cache.
