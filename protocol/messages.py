@@ -153,8 +153,9 @@ class LoadProgress(Message):
     template; 0 or 1 of 1), ``preparing_tensors`` (``done`` of ``total`` GGUF tensors
     dequantized into the engine's weights; absent when they come from the weight
     cache), ``loading_kernels`` (a quantized worker waiting for its numba kernels: loaded
-    from the disk cache, or compiled when that is empty; 0 or 1 of 1). ``0 <= done <= total``, ``total >= 1``. The worker sends a stage's first and
-    last step and at most a few in between per second."""
+    from the disk cache, or compiled when that is empty; 0 or 1 of 1). ``0 <= done <=
+    total``, ``total >= 1``. The worker sends a stage's first and last step and at most a
+    few in between per second."""
 
     TYPE: ClassVar[str] = "load_progress"
     stage: str
