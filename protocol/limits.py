@@ -65,6 +65,9 @@ DEFAULT_KV_BUDGET_MIB = 2048.0
 #: the GGUF's quantized blocks, or dequantized float32 (the reference path). The engine's own
 #: list (worker.engine.model.WEIGHT_MODES) is checked equal to this one by the tests.
 WEIGHT_MODES = ("quantized", "f32")
+#: The mode a worker runs when ``weights`` is not configured (``python -m worker`` without
+#: ``--weights``); worker.engine.model.DEFAULT_WEIGHTS is checked equal to it by the tests.
+DEFAULT_WEIGHTS = "f32"
 
 #: The most choices (``n``) one request may ask for.
 MAX_N = int(GENERATE_LIMITS["n"].hi or 1)

@@ -33,7 +33,8 @@ from typing import Any, ClassVar
 #: Bumped on any incompatible change; a frame with another version is rejected.
 #: 5: KV-state streams (KVChunk / KVAck, Generate.stream_state).
 #: 6: token ids of TokenizeResult / Detokenize travel as TokenIds (int32 bytes), pieces as one blob.
-PROTOCOL_VERSION = 6
+#: 7: LoadProgress stage ``loading_kernels``.
+PROTOCOL_VERSION = 7
 
 #: Largest frame either side accepts, in bytes (a 100 KB prompt as token ids is < 1 MiB).
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -140,7 +141,7 @@ class Hello(Message):
 
 
 #: LoadProgress stages, in the order a load goes through them.
-LOAD_STAGES = ("reading_gguf", "building_tokenizer", "preparing_tensors")
+LOAD_STAGES = ("reading_gguf", "building_tokenizer", "preparing_tensors", "loading_kernels")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,8 +152,10 @@ class LoadProgress(Message):
     done 0 or 1 of total 1), ``building_tokenizer`` (the vocabulary, merges and chat
     template; 0 or 1 of 1), ``preparing_tensors`` (``done`` of ``total`` GGUF tensors
     dequantized into the engine's weights; absent when they come from the weight
-    cache). ``0 <= done <= total``, ``total >= 1``. The worker sends a stage's first and
-    last step and at most a few in between per second."""
+    cache), ``loading_kernels`` (a quantized worker waiting for its numba kernels: loaded
+    from the disk cache, or compiled when that is empty; 0 or 1 of 1). ``0 <= done <=
+    total``, ``total >= 1``. The worker sends a stage's first and last step and at most a
+    few in between per second."""
 
     TYPE: ClassVar[str] = "load_progress"
     stage: str

@@ -43,13 +43,15 @@ METRICS_PROBE_TIMEOUT_S = 1.0
 
 
 async def health(request: Request) -> Response:
-    """Liveness of the router itself (never loads a model, never needs a key); with
+    """Liveness of the router itself (never loads a model, never needs a key): ``status``,
+    each model's state (``models``) and weights mode (``weights``, from the config); with
     ``?model=NAME``, that model's readiness, as llama.cpp's router (key required)."""
     name = request.query_params.get("model")
     if name is not None:
         return await llamacpp_router.model_health(request, name)
     pool: Pool = request.app.state.pool
-    return JSONResponse({"status": "ok", "models": {n: s.state.value for n, s in pool.slots.items()}})
+    return JSONResponse({"status": "ok", "models": {n: s.state.value for n, s in pool.slots.items()},
+                         "weights": {n: s.model.weights_mode for n, s in pool.slots.items()}})
 
 
 async def metrics(request: Request) -> Response:

@@ -144,12 +144,12 @@ def banner(config: Config, sock: socket.socket) -> list[str]:
     lines.append(f"models ({len(config.models)}; loaded on first request"
                  + (f"; at most {max_loaded} at once" if max_loaded else "") + "):")
     for m in config.models.values():
-        extra = [f"aliases: {', '.join(m.aliases)}"] if m.aliases else []
+        extra = [f"weights: {m.weights_mode}"] + ([f"aliases: {', '.join(m.aliases)}"] if m.aliases else [])
         if m.pinned:
             extra.append("pinned")
         if m.idle_ttl_s > 0:
             extra.append(f"idle_ttl_s {m.idle_ttl_s:g}")
-        lines.append(f"  {m.name} — unloaded — {m.path.name}" + (f" ({'; '.join(extra)})" if extra else ""))
+        lines.append(f"  {m.name} — unloaded — {m.path.name} ({'; '.join(extra)})")
     cache = _cache_dir()
     weights = ("off (MODELYARD_WEIGHT_CACHE=0)" if os.environ.get("MODELYARD_WEIGHT_CACHE") == "0"
                else str(cache / "npy"))

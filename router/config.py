@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from protocol.limits import GENERATE_LIMITS, WEIGHT_MODES
+from protocol.limits import DEFAULT_WEIGHTS, GENERATE_LIMITS, WEIGHT_MODES
 
 #: Sampling keys a model (or [defaults]) may preset. A request's own value wins;
 #: these win over the API's built-in defaults (OpenAI's for /v1/*, llama.cpp's for /completion).
@@ -114,6 +114,13 @@ class ModelConfig:
     prefill_model: str | None = None
     kv_transfer: str = "wire"
     sampling: dict[str, float | int] = field(default_factory=dict)
+
+    @property
+    def weights_mode(self) -> str:
+        """The weights mode its worker runs ("f32" or "quantized"): ``weights``, or when unset
+        the worker's default (``protocol.limits.DEFAULT_WEIGHTS``). What the banner, /health,
+        the model listings and placement's estimate show and use."""
+        return self.weights if self.weights is not None else DEFAULT_WEIGHTS
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,6 +1,8 @@
-"""String values from a GGUF file's metadata header, read by the router itself.
+"""What the router reads of a GGUF file itself: string values of its metadata header
+and its tensor infos.
 
-Only what ``/props`` shows without asking a worker (``tokenizer.chat_template``).
+Only what the router needs without asking a worker: ``/props``'s
+``tokenizer.chat_template``, and the tensor infos placement sizes a model by.
 Pure Python (``struct``; the router never imports numpy or ``gguf``): it walks
 the key/value section of the header (GGUF v2/v3, little-endian), skipping values
 it does not need — arrays of fixed-size items with one seek, string arrays
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -98,19 +101,29 @@ def _read_string(path: str, size: int, mtime_ns: int, key: str) -> str | None:
     return None
 
 
-def tensor_elements(path: Path) -> int | None:
-    """The number of weights in the GGUF file at ``path`` (the sum over its tensors of
-    their element counts), read from the tensor infos after the header; None if the
-    file is unreadable or not GGUF. Placement turns it into the bytes the engine holds."""
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor info of a GGUF file: ``name``, ``dims`` in GGUF order (``ne[0]``, the row
+    length, first), ``type_code`` (its ``ggml_type``, e.g. 3 for Q4_1)."""
+
+    name: str
+    dims: tuple[int, ...]
+    type_code: int
+
+
+def tensor_infos(path: Path) -> tuple[TensorInfo, ...] | None:
+    """The tensor infos of the GGUF file at ``path``, read after its key/value header, in file
+    order; None if the file is unreadable, not GGUF or cut short. Placement turns them into the
+    bytes the worker will hold (``protocol.weight_bytes``)."""
     try:
         st = path.stat()
     except OSError:
         return None
-    return _tensor_elements(str(path), st.st_size, st.st_mtime_ns)
+    return _tensor_infos(str(path), st.st_size, st.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=64)
-def _tensor_elements(path: str, size: int, mtime_ns: int) -> int | None:
+def _tensor_infos(path: str, size: int, mtime_ns: int) -> tuple[TensorInfo, ...] | None:
     try:
         with open(path, "rb") as f:
             if _read(f, 4) != _MAGIC or _u32(f) < 2:
@@ -119,19 +132,17 @@ def _tensor_elements(path: str, size: int, mtime_ns: int) -> int | None:
             for _ in range(n_kv):
                 _string(f)
                 _skip(f, _u32(f))
-            total = 0
+            infos = []
             for _ in range(n_tensors):
-                _string(f)  # name
+                name = _string(f).decode("utf-8", "replace")
                 n_dims = _u32(f)
                 if n_dims > 8:
                     return None
-                count = 1
-                for _ in range(n_dims):
-                    count *= _u64(f)
-                _u32(f)  # ggml type
+                dims = tuple(_u64(f) for _ in range(n_dims))
+                type_code = _u32(f)
                 _u64(f)  # offset
-                total += count
-            return total
+                infos.append(TensorInfo(name, dims, type_code))
+            return tuple(infos)
     except (OSError, _Truncated, struct.error):
         return None
 

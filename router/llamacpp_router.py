@@ -260,6 +260,7 @@ def model_entry(slot: ModelSlot) -> dict[str, Any]:
         "path": redact_paths(str(m.path)), "status": _status(slot),
         "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
         "source": "config",
+        "weights": m.weights_mode,
     }
 
 

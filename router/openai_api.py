@@ -71,6 +71,7 @@ def _model_object(pool: Pool, ident: str) -> dict[str, Any]:
         "root": m.name,
         "aliases": list(m.aliases) if ident == m.name else [],
         "state": slot.state.value,
+        "weights": m.weights_mode,
     }
 
 

@@ -3,11 +3,13 @@
 Pure decisions over a snapshot the pool takes *in the same synchronous step* as it
 acts on the answer (``pool.Pool._place``), so no decision is made on a stale view.
 
-* :func:`estimate` — what a model will take once loaded: the weights as the engine
-  holds them (float32 today: 4 bytes per weight, the weight count read from the
-  GGUF's tensor infos; else 4x the file's size) plus a runtime allowance — or the
-  largest RSS its worker was seen with here, when that is more; plus its KV budget
-  (``kv_budget_mib``, default 2048 MiB).
+* :func:`estimate` — what a model will take once loaded: the weights as its worker
+  holds them in the model's ``weights`` mode (``protocol.weight_bytes.held_bytes`` of
+  each tensor in the GGUF's tensor infos: 4 bytes per weight for ``f32``, the in-memory
+  form of each tensor type for ``quantized``; without readable tensor infos, the file's
+  size times :data:`FILE_FACTOR`) plus a runtime allowance — or the largest RSS its
+  worker was seen with here, when that is more; plus its KV budget (``kv_budget_mib``,
+  default 2048 MiB).
 * :func:`decide` — given the model that wants to load, the models that hold a
   worker (:class:`Seat`), ``max_loaded`` and the available memory: ``load`` now;
   ``wait`` (possibly evicting idle models first — least recently used first, never
@@ -21,7 +23,8 @@ taken; a model draining (being unloaded) will give back its RSS.
 
 from __future__ import annotations
 
-from protocol.limits import DEFAULT_KV_BUDGET_MIB
+from protocol.limits import DEFAULT_KV_BUDGET_MIB, WEIGHT_MODES
+from protocol.weight_bytes import held_bytes
 
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,28 +32,34 @@ from typing import Any, Protocol
 
 import psutil
 
-from router.gguf_meta import tensor_elements
+from router.gguf_meta import tensor_infos
 
 MiB = 1024 * 1024
 
-#: Bytes per weight as the engine holds it (it dequantizes to float32).
-WEIGHT_BYTES = 4
-#: Without a readable weight count: the file's size times this (float32 of ~8-bit
-#: quantized weights; measured 5.5x for SmolLM2 Q4_1 and 4.2x for Gemma 3 Q4_K_M).
-FILE_FACTOR = 4.0
+#: Without readable tensor infos, per weights mode: the file's size times this. f32: float32
+#: of ~4-8-bit weights (held/file measured 5.5x for SmolLM2 Q4_1, 4.2x for Gemma 3 Q4_K_M);
+#: quantized: int8 levels + float32 scales of those (measured 1.67x and 1.14x).
+FILE_FACTOR = {"f32": 4.0, "quantized": 1.7}
 #: The worker's own memory besides the weights (Python, NumPy, tokenizer), measured:
 #: SmolLM2's worker at 608 MiB RSS after its first request with 513 MiB of weights.
 RUNTIME_BYTES = 96 * MiB
+#: What a quantized worker holds on top of :data:`RUNTIME_BYTES`: numba's import (~20 MiB)
+#: and its loaded kernels (~17 MiB), LLVM's pages being dropped after the load (qmem's
+#: measurement: SmolLM2's quantized worker at 294 MiB RSS after its first token with 157 MiB
+#: of weights, 612 MiB and 513 MiB for f32).
+QUANTIZED_RUNTIME_BYTES = 40 * MiB
 
 
 @dataclass(frozen=True)
 class Estimate:
-    """What a model will take, bytes. ``source``: "gguf" (weight count), "file" (file
-    size), or "measured" (the largest RSS its worker had here)."""
+    """What a model will take, bytes. ``source``: "gguf" (its tensor infos), "file" (file
+    size), or "measured" (the largest RSS its worker had here); ``mode``: the weights mode
+    it was computed for ("f32" or "quantized")."""
 
     weights: int
     kv_budget: int
     source: str
+    mode: str = "f32"
 
     @property
     def total(self) -> int:
@@ -58,26 +67,40 @@ class Estimate:
 
     def describe(self) -> dict[str, Any]:
         return {"total_bytes": self.total, "weights_bytes": self.weights, "kv_budget_bytes": self.kv_budget,
-                "source": self.source}
+                "source": self.source, "weights": self.mode}
 
 
-def estimate(path: Path, kv_budget_mib: float | None, measured_rss: int | None) -> Estimate:
-    """The estimate for the GGUF at ``path`` (see the module docstring)."""
+def held_weight_bytes(path: Path, weights: str) -> int | None:
+    """The bytes a worker in mode ``weights`` holds for the GGUF at ``path``'s tensors (the
+    sum of ``protocol.weight_bytes.held_bytes``), or None without readable tensor infos.
+    Raises: ValueError for an unknown mode."""
+    infos = tensor_infos(path)
+    if not infos:
+        return None
+    return sum(held_bytes(t.type_code, t.dims, weights) for t in infos)
+
+
+def estimate(path: Path, kv_budget_mib: float | None, measured_rss: int | None, *, weights: str) -> Estimate:
+    """The estimate for the GGUF at ``path`` served in mode ``weights`` ("f32" or
+    "quantized"; see the module docstring). Raises: ValueError for an unknown mode."""
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}")
     kv = int((kv_budget_mib if kv_budget_mib is not None else DEFAULT_KV_BUDGET_MIB) * MiB)
-    n = tensor_elements(path)
-    if n:
-        weights, source = n * WEIGHT_BYTES + RUNTIME_BYTES, "gguf"
+    runtime = RUNTIME_BYTES + (QUANTIZED_RUNTIME_BYTES if weights == "quantized" else 0)
+    held = held_weight_bytes(path, weights)
+    if held:
+        total, source = held + runtime, "gguf"
     else:
         try:
             size = path.stat().st_size
         except OSError:
             size = 0
-        weights, source = int(size * FILE_FACTOR) + RUNTIME_BYTES, "file"
+        total, source = int(size * FILE_FACTOR[weights]) + runtime, "file"
     # the worker maps its weights lazily (RSS right after Ready is far below them), so a
     # measurement only ever raises the estimate
-    if measured_rss and measured_rss > weights:
-        weights, source = int(measured_rss), "measured"
-    return Estimate(weights, kv, source)
+    if measured_rss and measured_rss > total:
+        total, source = int(measured_rss), "measured"
+    return Estimate(total, kv, source, weights)
 
 
 class MemoryProbe(Protocol):

@@ -259,13 +259,15 @@ class ModelSlot:
             "n_ctx": ready.n_ctx if ready else self.model.n_ctx,
             "architecture": ready.architecture if ready else None,
             "path": str(self.model.path),
+            "weights": self.model.weights_mode,
         }
 
     # ------------------------------------------------------------------ placement facts
 
     def estimate(self) -> Estimate:
         """What this model will take once loaded (router.placement.estimate)."""
-        return placement.estimate(self.model.path, self.model.kv_budget_mib, self.rss_peak)
+        return placement.estimate(self.model.path, self.model.kv_budget_mib, self.rss_peak,
+                                  weights=self.model.weights_mode)
 
     def _sample_rss(self, wp: WorkerProcess | None) -> int | None:
         """``wp``'s RSS now (psutil on its pid, or the injected probe); a ready worker's

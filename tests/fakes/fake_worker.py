@@ -61,6 +61,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from protocol.limits import WEIGHT_MODES
+
 from protocol import (
     ApplyTemplate,
     ApplyTemplateResult,
@@ -410,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     # accepted like the real worker; the fake's slots come from its max_jobs switch instead
     p.add_argument("--parallel", type=int, default=1)
     p.add_argument("--kv-budget-mib", type=float, default=None)
+    p.add_argument("--weights", choices=WEIGHT_MODES, default=None)  # accepted like the real worker
     p.add_argument("--parent-pid", type=int, required=True)
     p.add_argument("--auth-fd", type=int, default=None)
     args = p.parse_args(argv)

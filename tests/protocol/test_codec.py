@@ -45,6 +45,7 @@ EXAMPLES = [
     Hello(id="w1", model="smollm2", pid=123),
     LoadProgress(id="w1", stage="reading_gguf", done=0, total=1),
     LoadProgress(id="w1", stage="preparing_tensors", done=273, total=273),
+    LoadProgress(id="w1", stage="loading_kernels", done=0, total=1),
     Ready(id="w1", model="smollm2", architecture="llama", gguf_path="/m/x.gguf", file_size=98362432,
           fingerprint="ab" * 32, n_ctx=8192, n_ctx_train=8192, n_vocab=49152, has_chat_template=True,
           pid=123, load_ms=812.5),

@@ -47,6 +47,10 @@ path = "broken.gguf"
 path = "lazy.gguf"
 [models.spare]
 path = "spare.gguf"
+[models.quant]
+path = "spare.gguf"
+aliases = ["q"]
+weights = "quantized"
 """
 
 SWITCHES: dict[str, Any] = {
@@ -246,6 +250,29 @@ def test_models_failed_load_shows_failed_and_exit_code(router: LiveRouter) -> No
     entry = next(m for m in get(router, "/models").json()["data"] if m["id"] == "alpha")
     assert entry["aliases"] == ["a"] and entry["object"] == "model"
     assert entry["architecture"] == {"input_modalities": ["text"], "output_modalities": ["text"]}
+
+
+def test_every_per_model_view_shows_the_weights_mode_from_the_config(router: LiveRouter) -> None:
+    # unset: the worker's default, "f32" (protocol.limits.DEFAULT_WEIGHTS); "quantized" as configured
+    want = {"alpha": "f32", "multi": "f32", "own": "f32", "broken": "f32", "lazy": "f32", "spare": "f32",
+            "quant": "quantized"}
+    assert get(router, "/health").json()["weights"] == want
+    assert {m["id"]: m["weights"] for m in get(router, "/models").json()["data"]} == want
+    assert {m["id"]: m["weights"] for m in get(router, "/v1/models").json()["data"]} == {
+        **want, "a": "f32", "q": "quantized"}
+    assert get(router, "/v1/models/q").json()["weights"] == "quantized"
+    assert {m["id"]: m["weights"] for m in get(router, "/admin/models").json()["data"]} == want
+    st = router.admin("quant")
+    assert st["placement"]["estimate"]["weights"] == "quantized"
+    # the worker is started in that mode
+    assert httpx.post(router.url + "/models/load", json={"model": "quant"}, timeout=30).status_code == 200
+    router.wait_for(lambda: status_of(router, "quant")["value"] == "loaded", what="quant loaded")
+    args = status_of(router, "quant")["args"]
+    assert args[args.index("--weights") + 1] == "quantized"
+    assert "--weights" not in status_of(router, "alpha").get("args", [])
+    assert router.admin("quant")["weights"] == "quantized"
+    assert httpx.post(router.url + "/models/unload", json={"model": "quant"}, timeout=30).status_code == 200
+    router.wait_for(lambda: status_of(router, "quant")["value"] == "unloaded", what="quant unloaded")
 
 
 # ----------------------------------------------------------------------------- /health?model=

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from router.lifecycle import WorkerState
-from router.placement import MiB, RUNTIME_BYTES, WEIGHT_BYTES, Estimate, Seat, decide, estimate
+from router.placement import FILE_FACTOR, MiB, QUANTIZED_RUNTIME_BYTES, RUNTIME_BYTES, Estimate, Seat, decide, estimate
 from router.pool import Pool
 from tests.router.conftest import GEMMA, SMOLLM2
 from tests.router.inproc import InProc, chat, until
@@ -81,12 +81,36 @@ def test_memory_counts_what_is_coming_and_what_is_promised() -> None:
 
 
 def test_estimate_from_the_gguf_and_refined_by_measurement() -> None:
-    e = estimate(SMOLLM2, None, None)
-    assert e.source == "gguf" and e.kv_budget == 2048 * MiB
-    assert e.weights == 134_515_008 * WEIGHT_BYTES + RUNTIME_BYTES  # SmolLM2-135M: 134.5 M weights
-    assert estimate(GEMMA, 512, None).weights == 268_098_176 * WEIGHT_BYTES + RUNTIME_BYTES
-    assert estimate(SMOLLM2, 512, 2000 * MiB).source == "measured"  # more than computed: raises it
-    assert estimate(SMOLLM2, 512, 50 * MiB).source == "gguf"  # lazily mapped weights: never lowers it
+    e = estimate(SMOLLM2, None, None, weights="f32")
+    assert e.source == "gguf" and e.kv_budget == 2048 * MiB and e.describe()["weights"] == "f32"
+    assert e.weights == 134_515_008 * 4 + RUNTIME_BYTES  # SmolLM2-135M: 134.5 M weights as float32
+    assert estimate(GEMMA, 512, None, weights="f32").weights == 268_098_176 * 4 + RUNTIME_BYTES
+    assert estimate(SMOLLM2, 512, 2000 * MiB, weights="f32").source == "measured"  # more than computed: raises it
+    assert estimate(SMOLLM2, 512, 50 * MiB, weights="f32").source == "gguf"  # lazily mapped weights: never lowers it
+
+
+def test_a_quantized_estimate_counts_the_in_memory_forms() -> None:
+    # SmolLM2 Q4_1: 28.3 M Q8_0 weights at 36 bytes per 32, 106.2 M Q4_1 at 40 per 32, 35 k F32
+    # norms at 4 (tests/protocol/test_weight_bytes.py holds these sums to the loaded arrays)
+    q = estimate(SMOLLM2, 512, None, weights="quantized")
+    assert q.source == "gguf" and q.describe()["weights"] == "quantized"
+    assert q.weights == 28_311_552 * 36 // 32 + 106_168_320 * 40 // 32 + 35_136 * 4 + RUNTIME_BYTES + QUANTIZED_RUNTIME_BYTES
+    f = estimate(SMOLLM2, 512, None, weights="f32")
+    assert 2.9 < (f.weights - RUNTIME_BYTES) / (q.weights - RUNTIME_BYTES - QUANTIZED_RUNTIME_BYTES) < 3.5
+    g = estimate(GEMMA, 512, None, weights="quantized")  # Q8_0, Q5_0, Q4_K, Q6_K, F32
+    assert g.weights == (169_246_720 * 36 // 32 + 63_406_080 * 36 // 32 + 23_592_960 * 152 // 256
+                         + 11_796_480 * 276 // 256 + 55_936 * 4 + RUNTIME_BYTES + QUANTIZED_RUNTIME_BYTES)
+    with pytest.raises(ValueError, match="weights must be one of"):
+        estimate(SMOLLM2, 512, None, weights="f16")
+
+
+def test_an_unreadable_gguf_is_estimated_from_its_size_per_mode(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF" + b"\xff" * 1000)  # cut short after the magic: no tensor infos
+    for mode in ("f32", "quantized"):
+        e = estimate(junk, 512, None, weights=mode)
+        extra = QUANTIZED_RUNTIME_BYTES if mode == "quantized" else 0
+        assert e.source == "file" and e.weights == int(1004 * FILE_FACTOR[mode]) + RUNTIME_BYTES + extra
 
 
 # ----------------------------------------------------------------------------- through the router
@@ -262,6 +286,29 @@ def test_memory_evicts_lru_idle_then_refuses_with_figures(tmp_path: Path, monkey
             assert pool.get("b").state is WorkerState.READY and pool.get("c").state is WorkerState.READY
             metrics = (await c.get("/metrics")).text
             assert 'modelyard_rejections_total{model="huge",reason="insufficient_memory"} 1.0' in metrics
+
+    asyncio.run(go())
+
+
+def test_a_quantized_model_is_placed_by_what_its_worker_holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the same real GGUF (SmolLM2, header read by the router) served twice: quantized, ~293 MiB + KV
+    # 100 MiB, fits in 600 MiB; float32, ~609 MiB + KV, does not even with the other one evicted
+    env = InProc(tmp_path, monkeypatch)
+    mem = FakeMemory(total=600 * MiB, rss={"q": 250 * MiB, "f": 250 * MiB})
+    cfg = (config(0, models="") + f'[models.q]\npath = "{SMOLLM2}"\nweights = "quantized"\n'
+           f'[models.f]\npath = "{SMOLLM2}"\n')
+
+    async def go() -> None:
+        async with env.app(cfg, memory=mem) as (pool, c):
+            mem.pool = pool
+            assert (await ask(c, "q")).status_code == 200
+            est = pool.get("q").estimate()
+            assert est.source == "gguf" and est.mode == "quantized" and 280 * MiB < est.weights < 300 * MiB
+            r = await ask(c, "f")
+            assert r.status_code == 503 and r.json()["error"]["code"] == "insufficient_memory"
+            msg = r.json()["error"]["message"]
+            assert "weights 609 MiB [gguf]" in msg and "350 MiB is available" in msg, msg
+            assert pool.get("f").spawn_count == 0 and pool.get("q").state is WorkerState.READY
 
     asyncio.run(go())
 

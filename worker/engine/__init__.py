@@ -3,11 +3,11 @@
 Contract: docs/ENGINE-API.md.
 """
 
-from .engine import Engine, EngineInfo, preload_kernels
+from .engine import Engine, EngineInfo, compile_kernels, preload_kernels
 from .errors import EngineError
 from .generate import GenerationResult, TokenEvent
 from .scheduler import Finished, SlotInfo
 from .sampling import SamplingParams
 
 __all__ = ["Engine", "EngineError", "EngineInfo", "Finished", "GenerationResult", "SamplingParams",
-           "SlotInfo", "TokenEvent", "preload_kernels"]
+           "SlotInfo", "TokenEvent", "compile_kernels", "preload_kernels"]

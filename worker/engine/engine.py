@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -102,8 +102,11 @@ class Engine:
                 read, ``("reading_gguf", 1, 1)`` after; ``("building_tokenizer", 0, 1)`` /
                 ``(…, 1, 1)`` around the tokenizer and chat template; ``("preparing_tensors", n, N)``
                 once per tensor dequantized into the weights (N: the file's tensors;
-                none when the prepared weights come from the weight cache). Called on
-                the loading thread; must not raise.
+                none when the prepared weights come from the weight cache); with
+                ``weights="quantized"``, ``("loading_kernels", 0, 1)`` / ``(…, 1, 1)`` around
+                the wait for the kernel warm-up (numba's cache; on an empty cache its
+                compiling, see :func:`compile_kernels`). Called on the loading thread;
+                must not raise.
 
         Raises:
             EngineError: ``file_not_found``, ``invalid_gguf``,
@@ -161,8 +164,12 @@ class Engine:
         if progress is not None:
             progress("building_tokenizer", 1, 1)
         model = _wrap(load_model, gguf, n_ctx, weights=weights, progress=progress)
-        if warm is not None:
+        if warm is not None:  # kernels from numba's cache (~0.3 s), or compiled into an empty one (tens of s)
+            if progress is not None:
+                progress("loading_kernels", 0, 1)
             warm.join()  # before any kernel runs on this thread (one numba parallel launch at a time)
+            if progress is not None:
+                progress("loading_kernels", 1, 1)
         resident.trim_heap()  # the load's freed temporaries (dequantization, metadata parsing) back to the OS
         token_bytes = model.kv_shape.token_bytes
         budget_tokens = (parallel * int(model.n_ctx) if kv_budget_mib is None
@@ -532,23 +539,61 @@ def _take_preload() -> threading.Thread | None:
     return th
 
 
+def compile_kernels(type_names: Iterable[str] | None = None) -> None:
+    """Compile every kernel signature the quantized path runs, or load it from numba's on-disk
+    cache where that is current (``__pycache__`` beside ``worker/engine/*_kernels.py``, or
+    ``NUMBA_CACHE_DIR``): the file-independent ones (activation quantization, both flash-attention
+    kernels, SiLU, GELU's table, RoPE's cos/sin) and the matmuls of each GGUF type name in
+    ``type_names`` (None: every type with a kernel, ``quant.ACT_TYPE``). The same set as
+    ``Engine.load(weights="quantized")``'s warm-up; for a set-up step (``scripts/compile_kernels.py``)
+    that fills the cache once per checkout, so that no load compiles (a fresh cache costs tens of
+    seconds of compiling, a current one ~0.5 s of loading). Raises whatever numba raises."""
+    from . import quant
+
+    _load_common_kernels()
+    _load_matmul_kernels(set(quant.ACT_TYPE) if type_names is None else set(type_names))
+
+
+def _load_common_kernels() -> None:
+    """numba's import and the file-independent kernels; raises on failure."""
+    from . import attention, quant
+
+    x = np.zeros((2, 256), np.float32)
+    for act in ("q8_0", "q8_1", "q8_K"):
+        for with_s in (False, True):
+            quant.quantize_activations(x, act, with_s)
+    for rows, end in ((1, 1), (64, 64)):
+        kv = np.zeros((1, end, 8), np.float32)
+        attention.ggml_attention(np.zeros((rows, 1, 8), np.float32), kv, kv, end - rows, 0, None, 1.0)
+    from .model import gelu_tanh_ggml, silu_ggml
+
+    silu_ggml(np.zeros((1, 16), np.float32))                 # SiLU's kernel
+    gelu_tanh_ggml(np.zeros((1, 16), np.float32))            # ggml's GELU table, built once
+    quant.cos_sin_libm(np.zeros((1, 2), np.float32))         # RoPE's cosf / sinf
+
+
+def _load_matmul_kernels(type_names: set[str]) -> None:
+    """Per weight type in ``type_names`` (those with a kernel), the matmul into a whole output
+    (``QWeight.matmul``) and into a column slice of one (a ``QConcat`` part); raises on failure."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from . import quant
+
+    for name in sorted(type_names):
+        if not quant.supports(name):
+            continue
+        block, tsize = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+        w = quant.QWeight.from_raw(name, np.zeros((8, 256 // block * tsize), np.uint8), 8, 256)
+        x = np.zeros((2, 256), np.float32)
+        w.matmul(x)                                                      # [2, 8] C-contiguous out
+        whole = np.empty((2, 16), np.float32)
+        w.matmul_quantized(*quant.quantize_activations(x, w.act, True), whole[:, 4:12])  # column slice
+
+
 def _warm_up_common() -> None:
     """numba's import and the file-independent kernels (see :func:`preload_kernels`)."""
     try:
-        from . import attention, quant
-
-        x = np.zeros((2, 256), np.float32)
-        for act in ("q8_0", "q8_1", "q8_K"):
-            for with_s in (False, True):
-                quant.quantize_activations(x, act, with_s)
-        for rows, end in ((1, 1), (64, 64)):
-            kv = np.zeros((1, end, 8), np.float32)
-            attention.ggml_attention(np.zeros((rows, 1, 8), np.float32), kv, kv, end - rows, 0, None, 1.0)
-        from .model import gelu_tanh_ggml, silu_ggml
-
-        silu_ggml(np.zeros((1, 16), np.float32))                 # SiLU's kernel
-        gelu_tanh_ggml(np.zeros((1, 16), np.float32))            # ggml's GELU table, built once
-        quant.cos_sin_libm(np.zeros((1, 2), np.float32))         # RoPE's cosf / sinf
+        _load_common_kernels()
     except Exception:  # noqa: BLE001 - only a warm-up
         logging.getLogger(__name__).warning("kernel preload failed (kernels load at first use)", exc_info=True)
 
@@ -571,19 +616,7 @@ def _warm_up_kernels(type_names: set[str], preload: threading.Thread | None = No
     else:
         _warm_up_common()
     try:
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-        from . import quant
-
-        for name in sorted(type_names):
-            if not quant.supports(name):
-                continue
-            block, tsize = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
-            w = quant.QWeight.from_raw(name, np.zeros((8, 256 // block * tsize), np.uint8), 8, 256)
-            x = np.zeros((2, 256), np.float32)
-            w.matmul(x)                                                      # [2, 8] C-contiguous out
-            whole = np.empty((2, 16), np.float32)
-            w.matmul_quantized(*quant.quantize_activations(x, w.act, True), whole[:, 4:12])  # column slice
+        _load_matmul_kernels(type_names)
         # LLVM's code and tables are not run by the loaded kernels: off the resident set (~90 MiB)
         resident.drop_clean_file_pages("libllvmlite")
     except Exception:  # noqa: BLE001 - only a warm-up

@@ -1,0 +1,78 @@
+"""The memory a worker's weights take, per weights mode and GGUF tensor type: one table.
+
+A worker holds a model's weights in one of the modes of :data:`~protocol.limits.WEIGHT_MODES`
+(config ``weights``):
+
+* ``"f32"``: every tensor dequantized to float32 (4 bytes per weight);
+* ``"quantized"``: each 2-D tensor of a type in :data:`QUANTIZED_FORMS` in the compact form the
+  engine's kernels read (``worker/engine/quant.py``, ``QWeight``), every other tensor (1-D
+  norms, F32/F16/BF16 and the types without a kernel: Q2_K, Q3_K, Q5_K, IQ*) as float32.
+
+The router's placement turns a GGUF's tensor infos (``router.gguf_meta.tensor_infos``) into the
+bytes the worker will hold with :func:`held_bytes`, without loading anything.
+``tests/protocol/test_weight_bytes.py`` holds this table to the forms ``quant.py`` builds (type
+by type) and the sum to the arrays of both shipped models as loaded, in both modes.
+
+Imports neither the router nor the worker; both may import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from protocol.limits import WEIGHT_MODES
+
+#: GGUF tensor type code (``ggml_type``, the tensor info's type field) -> its name
+#: (``gguf.GGMLQuantizationType``), for the types whose held size is not plain float32.
+GGML_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
+
+#: Bytes per weight held as float32.
+FLOAT32_BYTES = 4
+
+#: Rows of a ``lanes`` matrix are interleaved in groups of this many, the last group padded
+#: with zero rows (``quant.LANE_ROWS``).
+LANE_ROWS = 16
+
+#: ggml type name -> ``(form, elements, bytes)``: the quantized path's in-memory form of a
+#: matrix of that type holds ``bytes`` per ``elements`` weights:
+#:
+#: * ``lanes`` (the 32-block types): an int8 level per weight and a float32 scale ``d`` per 32
+#:   (Q4_1 / Q5_1: and a float32 offset ``m`` per 32); rows padded to :data:`LANE_ROWS`;
+#: * ``q4k``: per 256-weight super-block the GGUF's 128 bytes of nibbles, the 8 six-bit
+#:   sub-block scales and 8 mins unpacked to a byte each, float32 ``d`` and ``dmin``;
+#: * ``q6k``: per super-block the 256 six-bit levels a byte each, 16 int8 scales, float32 ``d``.
+QUANTIZED_FORMS: dict[str, tuple[str, int, int]] = {
+    "Q4_0": ("lanes", 32, 32 + 4),
+    "Q5_0": ("lanes", 32, 32 + 4),
+    "Q8_0": ("lanes", 32, 32 + 4),
+    "Q4_1": ("lanes", 32, 32 + 4 + 4),
+    "Q5_1": ("lanes", 32, 32 + 4 + 4),
+    "Q4_K": ("q4k", 256, 128 + 8 + 8 + 4 + 4),
+    "Q6_K": ("q6k", 256, 256 + 16 + 4),
+}
+
+
+def held_bytes(type_code: int, dims: Sequence[int], weights: str) -> int:
+    """Bytes a worker in mode ``weights`` holds for one GGUF tensor.
+
+    Args:
+        type_code: the tensor's ``ggml_type`` code as stored in the GGUF tensor info.
+        dims: its dimensions in GGUF order (``ne[0]`` first: the row length, then the rows).
+        weights: a mode of :data:`~protocol.limits.WEIGHT_MODES`.
+    Returns: bytes, int >= 0 (the worker's arrays' ``nbytes``; a fused matrix's rows are padded
+        once, so the sum over its parts may exceed it by under :data:`LANE_ROWS` rows per part).
+    Raises: ValueError for an unknown mode.
+    """
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}")
+    n = 1
+    for d in dims:
+        n *= int(d)
+    form = QUANTIZED_FORMS.get(GGML_TYPE_NAMES.get(type_code, ""))
+    if weights == "f32" or form is None or len(dims) != 2:
+        return n * FLOAT32_BYTES
+    kind, elements, nbytes = form
+    cols, rows = int(dims[0]), int(dims[1])
+    if kind == "lanes":
+        rows = -(-rows // LANE_ROWS) * LANE_ROWS
+    return rows * cols * nbytes // elements
