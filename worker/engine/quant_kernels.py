@@ -266,3 +266,178 @@ def matmul_q6k(q6, sc, dw, xi, dy, bs16, tiled, out):
                     out[t, r] = tot
                 else:
                     out[t, r] = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+
+
+# ------------------------------------------------------------------ AVX512-VNNI kernels
+# The same float32 operations as the kernels above, in the same order, with the exact integer
+# parts done by vpdpbusd on explicit 16-lane vectors (:mod:`.simd`); tested equal (==) to them.
+
+from .simd import (dpbusd, i2f, ibcast4, iload64, isplat, nib_hi, nib_lo, vadd,  # noqa: E402
+                   vfma, vfma_s, vload, vmul_s, vstore, vstore_row, vzero)
+
+
+@njit(cache=True)
+def _vl(acc, dd, wv, x8, xo, c):
+    # one lane update of matmul_lanes for 16 rows: acc = fma(d_w*d_x, isum_l, acc), isum_l =
+    # sum_k (w+bias)*x - bias*sum_k x (c = -bias*sum_k x: the dpbusd's start), exact in int32
+    return vfma(dd, i2f(dpbusd(isplat(c), wv, ibcast4(x8, xo))), acc)
+
+
+@njit(cache=True)
+def _vl_half(w, o, packed, h):
+    # lanes 4h..4h+3 of one block of a row group (see _vl_group), as u8 bytes in int32 lanes
+    if packed:
+        if h == 0:
+            return nib_lo(iload64(w, o)), nib_lo(iload64(w, o + 64)), nib_lo(iload64(w, o + 128)), nib_lo(iload64(w, o + 192))
+        return nib_hi(iload64(w, o)), nib_hi(iload64(w, o + 64)), nib_hi(iload64(w, o + 128)), nib_hi(iload64(w, o + 192))
+    o += 256 * h
+    return iload64(w, o), iload64(w, o + 64), iload64(w, o + 128), iload64(w, o + 192)
+
+
+@njit(cache=True)
+def _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, dst, col, scr):
+    # dst[t, col:col+16] = matmul_lanes' outputs of row group g for every row t (the same float32
+    # operations in the same order). Weights w uint8: unpacked [ng, nb, 8, 16, 4] (byte (l, i, k)
+    # of block b = level + 128 of row 16g+i, element 4l+k), or packed [ng, nb, 4, 16, 4] (low
+    # nibble: lane l, high nibble: lane l+4; the stored 4-bit value, level + 8 for Q4_0, the level
+    # for Q4_1); d, m f32 [ng, nb, 16] (m [0, 0, 0]: no offset); x8 int8 [T, K]; nxc int32
+    # [T, nb, 8] = -bias * the sum of lane l's four activation levels (zeros for bias 0); dx, xs
+    # f32 [T, nb]; scr f32 [>= 256] scratch. Four activation rows per pass share each weight load,
+    # lanes 0-3 of all blocks first, then lanes 4-7 (each lane's own block order is kept); the
+    # last T % 4 rows go one at a time.
+    T, K = x8.shape
+    nb = K // 32
+    wb = 256 if packed else 512
+    has_m = m.shape[0] != 0
+    t = 0
+    while t + 4 <= T:
+        for h in range(2):
+            a0 = vzero()
+            a1 = vzero()
+            a2 = vzero()
+            a3 = vzero()
+            b0 = vzero()
+            b1 = vzero()
+            b2 = vzero()
+            b3 = vzero()
+            c0 = vzero()
+            c1 = vzero()
+            c2 = vzero()
+            c3 = vzero()
+            e0 = vzero()
+            e1 = vzero()
+            e2 = vzero()
+            e3 = vzero()
+            for b in range(nb):
+                w0, w1, w2, w3 = _vl_half(w, (g * nb + b) * wb, packed, h)
+                dw = vload(d, (g * nb + b) * 16)
+                l0 = 4 * h
+                xo = t * K + b * 32 + 16 * h
+                dd = vmul_s(dw, dx[t, b])
+                a0 = _vl(a0, dd, w0, x8, xo, nxc[t, b, l0])
+                a1 = _vl(a1, dd, w1, x8, xo + 4, nxc[t, b, l0 + 1])
+                a2 = _vl(a2, dd, w2, x8, xo + 8, nxc[t, b, l0 + 2])
+                a3 = _vl(a3, dd, w3, x8, xo + 12, nxc[t, b, l0 + 3])
+                xo += K
+                dd = vmul_s(dw, dx[t + 1, b])
+                b0 = _vl(b0, dd, w0, x8, xo, nxc[t + 1, b, l0])
+                b1 = _vl(b1, dd, w1, x8, xo + 4, nxc[t + 1, b, l0 + 1])
+                b2 = _vl(b2, dd, w2, x8, xo + 8, nxc[t + 1, b, l0 + 2])
+                b3 = _vl(b3, dd, w3, x8, xo + 12, nxc[t + 1, b, l0 + 3])
+                xo += K
+                dd = vmul_s(dw, dx[t + 2, b])
+                c0 = _vl(c0, dd, w0, x8, xo, nxc[t + 2, b, l0])
+                c1 = _vl(c1, dd, w1, x8, xo + 4, nxc[t + 2, b, l0 + 1])
+                c2 = _vl(c2, dd, w2, x8, xo + 8, nxc[t + 2, b, l0 + 2])
+                c3 = _vl(c3, dd, w3, x8, xo + 12, nxc[t + 2, b, l0 + 3])
+                xo += K
+                dd = vmul_s(dw, dx[t + 3, b])
+                e0 = _vl(e0, dd, w0, x8, xo, nxc[t + 3, b, l0])
+                e1 = _vl(e1, dd, w1, x8, xo + 4, nxc[t + 3, b, l0 + 1])
+                e2 = _vl(e2, dd, w2, x8, xo + 8, nxc[t + 3, b, l0 + 2])
+                e3 = _vl(e3, dd, w3, x8, xo + 12, nxc[t + 3, b, l0 + 3])
+            if h == 0:                      # lanes 0-3 of the 4 rows wait in the scratch
+                vstore(scr, 0, a0)
+                vstore(scr, 16, a1)
+                vstore(scr, 32, a2)
+                vstore(scr, 48, a3)
+                vstore(scr, 64, b0)
+                vstore(scr, 80, b1)
+                vstore(scr, 96, b2)
+                vstore(scr, 112, b3)
+                vstore(scr, 128, c0)
+                vstore(scr, 144, c1)
+                vstore(scr, 160, c2)
+                vstore(scr, 176, c3)
+                vstore(scr, 192, e0)
+                vstore(scr, 208, e1)
+                vstore(scr, 224, e2)
+                vstore(scr, 240, e3)
+        sa = vzero()
+        sb = vzero()
+        sc = vzero()
+        se = vzero()
+        if has_m:
+            for b in range(nb):
+                mv = vload(m, (g * nb + b) * 16)
+                sa = vfma_s(mv, xs[t, b], sa)
+                sb = vfma_s(mv, xs[t + 1, b], sb)
+                sc = vfma_s(mv, xs[t + 2, b], sc)
+                se = vfma_s(mv, xs[t + 3, b], se)
+        # hsum_float_8: (l, l+4) pairs, then (0,2) + (1,3); then + summs
+        vstore_row(dst, t, col, vadd(vadd(vadd(vadd(vload(scr, 0), a0), vadd(vload(scr, 32), a2)),
+                                          vadd(vadd(vload(scr, 16), a1), vadd(vload(scr, 48), a3))), sa))
+        vstore_row(dst, t + 1, col, vadd(vadd(vadd(vadd(vload(scr, 64), b0), vadd(vload(scr, 96), b2)),
+                                              vadd(vadd(vload(scr, 80), b1), vadd(vload(scr, 112), b3))), sb))
+        vstore_row(dst, t + 2, col, vadd(vadd(vadd(vadd(vload(scr, 128), c0), vadd(vload(scr, 160), c2)),
+                                              vadd(vadd(vload(scr, 144), c1), vadd(vload(scr, 176), c3))), sc))
+        vstore_row(dst, t + 3, col, vadd(vadd(vadd(vadd(vload(scr, 192), e0), vadd(vload(scr, 224), e2)),
+                                              vadd(vadd(vload(scr, 208), e1), vadd(vload(scr, 240), e3))), se))
+        t += 4
+    while t < T:
+        a0 = vzero()
+        a1 = vzero()
+        a2 = vzero()
+        a3 = vzero()
+        a4 = vzero()
+        a5 = vzero()
+        a6 = vzero()
+        a7 = vzero()
+        sa = vzero()
+        for b in range(nb):
+            o = (g * nb + b) * wb
+            w0, w1, w2, w3 = _vl_half(w, o, packed, 0)
+            w4, w5, w6, w7 = _vl_half(w, o, packed, 1)
+            da = vmul_s(vload(d, (g * nb + b) * 16), dx[t, b])
+            xa = t * K + b * 32
+            a0 = _vl(a0, da, w0, x8, xa, nxc[t, b, 0])
+            a1 = _vl(a1, da, w1, x8, xa + 4, nxc[t, b, 1])
+            a2 = _vl(a2, da, w2, x8, xa + 8, nxc[t, b, 2])
+            a3 = _vl(a3, da, w3, x8, xa + 12, nxc[t, b, 3])
+            a4 = _vl(a4, da, w4, x8, xa + 16, nxc[t, b, 4])
+            a5 = _vl(a5, da, w5, x8, xa + 20, nxc[t, b, 5])
+            a6 = _vl(a6, da, w6, x8, xa + 24, nxc[t, b, 6])
+            a7 = _vl(a7, da, w7, x8, xa + 28, nxc[t, b, 7])
+            if has_m:
+                sa = vfma_s(vload(m, (g * nb + b) * 16), xs[t, b], sa)
+        vstore_row(dst, t, col, vadd(vadd(vadd(vadd(a0, a4), vadd(a2, a6)), vadd(vadd(a1, a5), vadd(a3, a7))), sa))
+        t += 1
+
+
+@njit(parallel=True, cache=True)
+def matmul_lanes_vnni(w, packed, d, m, x8, nxc, dx, xs, n_out, out):
+    # matmul_lanes' outputs (bit for bit) from the VNNI forms of quant.QWeight ("vlanes" /
+    # "vlanes4", see _vl_group). out f32 [T, >= n_out] (rows may be strided): columns 0..n_out-1.
+    ng = d.shape[0]
+    T = x8.shape[0]
+    for c in prange((ng + _LANE_CHUNK - 1) // _LANE_CHUNK):
+        scr = np.empty(256, np.float32)
+        for g in range(c * _LANE_CHUNK, min(ng, c * _LANE_CHUNK + _LANE_CHUNK)):
+            if (g + 1) * LANE_ROWS <= n_out:
+                _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, out, g * LANE_ROWS, scr)
+            else:
+                tmp = np.empty((T, LANE_ROWS), np.float32)
+                _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, tmp, 0, scr)
+                for t in range(T):
+                    for i in range(n_out - g * LANE_ROWS):
+                        out[t, g * LANE_ROWS + i] = tmp[t, i]
