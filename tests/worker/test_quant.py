@@ -185,6 +185,42 @@ def test_vnni_kernel_gives_the_reference_kernels_bits(type_name: str) -> None:
         np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
+@VNNI
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_vnni_k_quant_kernels_give_the_reference_kernels_bits(type_name: str) -> None:
+    # the "vq4k" / "vq6k" forms and kernels against the reference ones (matmul_q4k / matmul_q6k,
+    # checked against ggml below) on the same blocks: the same bits at every row count 1..300 with
+    # the calls' rows cut into sequences of 1, 2-7 and 8+ rows (so each row takes llama.cpp's
+    # kernel for its sequence: Q4_K gemv / gemm, Q6_K vec_dot / tiled, mixed within one call and
+    # within a 4-row pass), a full and a partial row group, column slices
+    n_rows, kind = 40, type_name.lower().replace("_", "")
+    raw = random_blocks(type_name, n_rows, 512, seed=23)
+    w = quant.QWeight.from_raw(type_name, raw, n_rows, 512)
+    ref = quant.QWeight.kquant(kind, w.act, w.types, n_rows, quant.kquant_parts(type_name, raw, n_rows, 512), vnni=False)
+    assert (w.kind, ref.kind) == ("v" + kind, kind)
+    np.testing.assert_array_equal(w.dequantize(), ref.dequantize())
+    rng = np.random.default_rng(24)
+    x = (rng.standard_normal((300, 512)) * np.exp(rng.uniform(-3, 3, (300, 1)))).astype(np.float32)
+    x[3, 40] = 900.0
+    x[4, 256:512] = 0.0
+    for T in range(1, 301):
+        o = int(rng.integers(0, 301 - T))
+        cuts = np.sort(rng.choice(np.arange(1, T), size=min(T - 1, int(rng.integers(0, 4))), replace=False)) if T > 1 else []
+        segs = np.diff(np.concatenate([[0], cuts, [T]]).astype(np.int64)).tolist()
+        token = quant.row_groups(segs)
+        try:
+            np.testing.assert_array_equal(_bits(w.matmul(x[o:o + T])), _bits(ref.matmul(x[o:o + T])),
+                                          err_msg=f"{T} rows as {segs}")
+        finally:
+            quant._SEQ_ROWS.reset(token)
+    for T in (1, 5, 8, 13):
+        acts = quant.quantize_activations(x[:T], w.act, False)
+        got, want = np.full((T, 64), np.nan, np.float32), np.full((T, 64), np.nan, np.float32)
+        w.matmul_quantized(*acts, got[:, 7:7 + n_rows])
+        ref.matmul_quantized(*acts, want[:, 7:7 + n_rows])
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
 def _fma(a, b, c):
     return np.float32(np.float64(a) * np.float64(b) + np.float64(c))  # one rounding (exact product)
 

@@ -136,7 +136,8 @@ def _compile() -> dict[str, Any]:
         from . import quant_kernels as k
         _kernels.update(quant_q8_0=k.quant_q8_0, quant_q8_K=k.quant_q8_K, matmul_lanes=k.matmul_lanes,
                         matmul_q4k=k.matmul_q4k, matmul_q6k=k.matmul_q6k, cos_sin_f32=k.cos_sin_f32,
-                        matmul_lanes_vnni=k.matmul_lanes_vnni)
+                        matmul_lanes_vnni=k.matmul_lanes_vnni, matmul_q4k_vnni=k.matmul_q4k_vnni,
+                        matmul_q6k_vnni=k.matmul_q6k_vnni)
         if _threads is not None:
             set_num_threads(_threads)
     return _kernels
@@ -386,6 +387,40 @@ def from_vlanes(w: np.ndarray, d: np.ndarray, m: np.ndarray | None, packed: bool
             None if m is None else np.ascontiguousarray(m[g, :, i]))
 
 
+#: Where each K-quant array's row axis goes in the VNNI forms (after the group axis 0), and the
+#: shape of its per-row part there: ``q4k`` q ``[nsb, 4, 8, 4]`` (row axis before the last: one
+#: vpdpbusd int32 lane per row), sc / mn ``[nsb, 8]``, d / m ``[nsb]`` (row axis last).
+_VK_AXES = {"q": -2, "sc": -1, "mn": -1, "d": -1, "m": -1}
+_VK_QSHAPE = {"q4k": (4, 8, 4), "q6k": (64, 4)}
+
+
+def to_vkquant(kind: str, parts: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """:func:`kquant_parts` arrays (``kind`` ``"q4k"`` / ``"q6k"``) -> the VNNI form's (``"vq4k"`` /
+    ``"vq6k"``, ``quant_kernels._q4k_row`` / ``_q6k_vec_row``): rows interleaved by 16 (padded with
+    zero rows) on the axis :data:`_VK_AXES` names."""
+    out = {}
+    for k, a in parts.items():
+        O, nsb = a.shape[0], a.shape[1]
+        if k == "q":
+            a = a.reshape((O, nsb) + _VK_QSHAPE[kind])
+        ng = -(-O // LANE_ROWS)
+        if ng * LANE_ROWS != O:
+            a = np.concatenate([a, np.zeros((ng * LANE_ROWS - O,) + a.shape[1:], a.dtype)])
+        a = a.reshape((ng, LANE_ROWS) + a.shape[1:])
+        out[k] = np.ascontiguousarray(np.moveaxis(a, 1, _VK_AXES[k]))
+    return out
+
+
+def from_vkquant(kind: str, arrays: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
+    """Inverse of :func:`to_vkquant` for ``rows`` (int ``[n]``): the :func:`kquant_parts` arrays."""
+    g, i = np.divmod(np.asarray(rows, dtype=np.int64), LANE_ROWS)
+    out = {}
+    for k, a in arrays.items():
+        a = np.moveaxis(a, _VK_AXES[k], 1)[g, i]
+        out[k] = np.ascontiguousarray(a.reshape(len(g), a.shape[1], -1) if k == "q" else a)
+    return out
+
+
 class QWeight:
     """A quantized ``[out, in]`` weight matrix (see the module docstring), in the form its
     exact kernel reads (``kind``):
@@ -404,7 +439,7 @@ class QWeight:
     """
 
     __slots__ = ("q", "d", "m", "sc", "mn", "act", "types", "kind", "n_rows")
-    KINDS = ("lanes", "vlanes", "vlanes4", "q4k", "q6k")
+    KINDS = ("lanes", "vlanes", "vlanes4", "q4k", "q6k", "vq4k", "vq6k")
     LANE_KINDS = ("lanes", "vlanes", "vlanes4")
 
     def __init__(self, kind: str, act: str, types: Sequence[str], n_rows: int, q: np.ndarray, d: np.ndarray,
@@ -440,9 +475,25 @@ class QWeight:
         Raises: EngineError("invalid_gguf") for a type without a kernel or a size mismatch."""
         if type_name in ("Q4_K", "Q6_K"):
             parts = kquant_parts(type_name, raw, n_rows, n_cols)
-            return cls(type_name.lower().replace("_", ""), ACT_TYPE[type_name], (type_name,), n_rows, **parts)
+            return cls.kquant(type_name.lower().replace("_", ""), ACT_TYPE[type_name], (type_name,), n_rows, parts)
         q, d, m, _ = unpack(type_name, raw, n_rows, n_cols)
         return cls.lanes(q, d, m, ACT_TYPE[type_name], (type_name,))
+
+    @classmethod
+    def kquant(cls, kind: str, act: str, types: Sequence[str], n_rows: int, parts: dict[str, np.ndarray],
+               vnni: bool | None = None) -> QWeight:
+        """A K-quant weight from its :func:`kquant_parts` arrays (``kind`` ``"q4k"`` / ``"q6k"``): in
+        the VNNI form (``"vq4k"`` / ``"vq6k"``) when ``vnni`` (None: :func:`host_has_vnni`)."""
+        if host_has_vnni() if vnni is None else vnni:
+            return cls("v" + kind, act, types, n_rows, **to_vkquant(kind, parts))
+        return cls(kind, act, types, n_rows, **parts)
+
+    def kquant_parts(self, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """A K-quant's :func:`kquant_parts` arrays of ``rows`` (all when None)."""
+        if self.kind in ("vq4k", "vq6k"):
+            return from_vkquant(self.kind[1:], self.arrays(), np.arange(self.n_rows) if rows is None else rows)
+        return {k: a if rows is None else np.ascontiguousarray(a[np.asarray(rows, dtype=np.int64)])
+                for k, a in self.arrays().items()}
 
     def plain(self, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """``(q, d, m)`` of ``rows`` (all when None) as per-block levels: q int8 ``[n, nb, B]``
@@ -455,17 +506,18 @@ class QWeight:
         if self.kind in ("vlanes", "vlanes4"):
             return from_vlanes(self.q, self.d, self.m, self.kind == "vlanes4", rows)
         n, nsb = len(rows), self.q.shape[1]
-        d = self.d[rows][..., None]                                          # [n, nsb, 1]
-        if self.kind == "q4k":
-            qs = self.q[rows].reshape(n, nsb, 4, 32)
+        p = self.kquant_parts(rows)
+        d = p["d"][..., None]                                                # [n, nsb, 1]
+        if self.kind in ("q4k", "vq4k"):
+            qs = p["q"].reshape(n, nsb, 4, 32)
             q = np.empty((n, nsb, 8, 32), np.int8)
             q[:, :, 0::2] = qs & 0x0F                                        # sub-block 2c: low nibbles of chunk c
             q[:, :, 1::2] = qs >> 4                                          # sub-block 2c+1: high nibbles
-            m = -(self.m[rows][..., None] * self.mn[rows].astype(np.float32))
-            return (q.reshape(n, nsb * 8, 32), (d * self.sc[rows].astype(np.float32)).reshape(n, -1),
+            m = -(p["m"][..., None] * p["mn"].astype(np.float32))
+            return (q.reshape(n, nsb * 8, 32), (d * p["sc"].astype(np.float32)).reshape(n, -1),
                     m.reshape(n, -1))
-        q = (self.q[rows].astype(np.int16) - 32).astype(np.int8).reshape(n, nsb * 16, 16)
-        return q, (d * self.sc[rows].astype(np.float32)).reshape(n, -1), None
+        q = (p["q"].astype(np.int16) - 32).astype(np.int8).reshape(n, nsb * 16, 16)
+        return q, (d * p["sc"].astype(np.float32)).reshape(n, -1), None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -499,8 +551,8 @@ class QWeight:
         rows = np.asarray(rows, dtype=np.int64)
         if self.kind in self.LANE_KINDS:
             return QWeight.lanes(*self.plain(rows), self.act, self.types, self.kind)
-        sel = {k: np.ascontiguousarray(a[rows]) for k, a in self.arrays().items()}
-        return QWeight(self.kind, self.act, self.types, len(rows), **sel)
+        return QWeight.kquant(self.kind[-3:], self.act, self.types, len(rows), self.kquant_parts(rows),
+                              self.kind.startswith("v"))
 
     def dequantize_rows(self, rows: np.ndarray) -> np.ndarray:
         """float32 ``[len(rows), in]`` of the selected rows (embedding lookups)."""
@@ -560,6 +612,14 @@ class QWeight:
         xi = xq.astype(np.int8)                                          # [T, K] the q8_K levels
         dy = np.ascontiguousarray(dx[:, ::QK_K // QK])                   # [T, nsb] the super-block d
         res = out if out.flags.c_contiguous else np.empty((T, self.n_rows), np.float32)
+        if self.kind == "vq4k":
+            bs32 = xi.reshape(T, -1, 32).sum(-1, dtype=np.int32)         # [T, K/32]
+            k["matmul_q4k_vnni"](self.q, self.sc, self.mn, self.d, self.m, xi, dy, bs32, gemm_rows(T), self.n_rows, out)
+            return
+        if self.kind == "vq6k":
+            bs16 = xi.reshape(T, -1, 16).sum(-1, dtype=np.int32)         # [T, K/16]
+            k["matmul_q6k_vnni"](self.q, self.sc, self.d, xi, dy, bs16, tiled_rows(T), self.n_rows, out)
+            return
         if self.kind == "q4k":
             bs32 = xi.reshape(T, -1, 32).sum(-1, dtype=np.int32)         # [T, K/32]
             k["matmul_q4k"](self.q, self.sc, self.mn, self.d, self.m, xi, dy, bs32, gemm_rows(T), res)
@@ -636,9 +696,10 @@ def fuse(parts: Sequence[QWeight | np.ndarray]) -> QWeight | QConcat | np.ndarra
                                         np.concatenate([pl[1] for pl in plains]), mm, first.act,
                                         tuple(t for p in qs for t in p.types), first.kind))
             continue
-        cat = {k: np.concatenate([p.arrays()[k] for p in qs]) for k in first.arrays()}
-        merged.append(QWeight(first.kind, first.act, tuple(t for p in qs for t in p.types),
-                              sum(p.n_rows for p in qs), **cat))
+        pp = [p.kquant_parts() for p in qs]
+        cat = {k: np.concatenate([p[k] for p in pp]) for k in pp[0]}
+        merged.append(QWeight.kquant(first.kind[-3:], first.act, tuple(t for p in qs for t in p.types),
+                                     sum(p.n_rows for p in qs), cat, first.kind.startswith("v")))
     return merged[0] if len(merged) == 1 else QConcat(merged)
 
 

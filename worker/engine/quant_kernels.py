@@ -272,8 +272,9 @@ def matmul_q6k(q6, sc, dw, xi, dy, bs16, tiled, out):
 # The same float32 operations as the kernels above, in the same order, with the exact integer
 # parts done by vpdpbusd on explicit 16-lane vectors (:mod:`.simd`); tested equal (==) to them.
 
-from .simd import (dpbusd, i2f, ibcast4, iload64, isplat, nib_hi, nib_lo, vadd,  # noqa: E402
-                   vfma, vfma_s, vload, vmul_s, vstore, vstore_row, vzero)
+from .simd import (dpbusd, i2f, iadd, ibcast4, iload16_s8, iload16_u8, iload64, imul, isplat,  # noqa: E402
+                   isub, izero, nib_hi, nib_lo, vadd, vfma, vfma_s, vload, vmul, vmul_s, vstore, vstore_row,
+                   vsub, vzero)
 
 
 @njit(cache=True)
@@ -438,6 +439,221 @@ def matmul_lanes_vnni(w, packed, d, m, x8, nxc, dx, xs, n_out, out):
             else:
                 tmp = np.empty((T, LANE_ROWS), np.float32)
                 _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, tmp, 0, scr)
+                for t in range(T):
+                    for i in range(n_out - g * LANE_ROWS):
+                        out[t, g * LANE_ROWS + i] = tmp[t, i]
+
+
+@njit(cache=True)
+def _q4k_row(q, sc, mn, d, m, g, xi, t, bs32, dy, pairs, dst, col):
+    # dst[t, col:col+16] = matmul_q4k's outputs of row group g (the same float32 operations):
+    # per span the exact integers isum = sum_j sc_j * sum_k q4 * q8, imin = sum_j mn_j * bsum_j
+    # (vpdpbusd on the stored nibbles, 16 rows per int32 vector), acc = fma(isum, d_w*d_x, acc),
+    # accm = fma(imin, dmin_w*d_x, accm), the span a super-block or (pairs) a pair of sub-blocks;
+    # out = acc - accm. Layout ("vq4k" form): q uint8 [ng, nsb, 4, 8, 16, 4] (byte (c, k4, i, kk)
+    # = the stored byte c*32 + 4*k4 + kk of row 16g+i: low nibble sub-block 2c, high 2c+1),
+    # sc / mn uint8 [ng, nsb, 8, 16], d / m f32 [ng, nsb, 16] (d, dmin).
+    nsb = d.shape[1]
+    K = xi.shape[1]
+    acc = vzero()
+    accm = vzero()
+    for b in range(nsb):
+        base = g * nsb + b
+        qo = base * 2048
+        so = base * 128
+        dd = vmul_s(vload(d, base * 16), dy[t, b])
+        ddm = vmul_s(vload(m, base * 16), dy[t, b])
+        isum = izero()
+        imin = izero()
+        xo = t * K + b * 256
+        for c in range(4):
+            slo = izero()
+            shi = izero()
+            for k4 in range(8):
+                v = iload64(q, qo + (c * 8 + k4) * 64)
+                slo = dpbusd(slo, nib_lo(v), ibcast4(xi, xo + c * 64 + 4 * k4))
+                shi = dpbusd(shi, nib_hi(v), ibcast4(xi, xo + c * 64 + 32 + 4 * k4))
+            isum = iadd(isum, iadd(imul(iload16_u8(sc, so + 32 * c), slo), imul(iload16_u8(sc, so + 32 * c + 16), shi)))
+            imin = iadd(imin, iadd(imul(iload16_u8(mn, so + 32 * c), isplat(bs32[t, b * 8 + 2 * c])),
+                                   imul(iload16_u8(mn, so + 32 * c + 16), isplat(bs32[t, b * 8 + 2 * c + 1]))))
+            if pairs:
+                acc = vfma(i2f(isum), dd, acc)
+                accm = vfma(i2f(imin), ddm, accm)
+                isum = izero()
+                imin = izero()
+        if not pairs:
+            acc = vfma(i2f(isum), dd, acc)
+            accm = vfma(i2f(imin), ddm, accm)
+    vstore_row(dst, t, col, vsub(acc, accm))
+
+
+@njit(parallel=True, cache=True)
+def matmul_q4k_vnni(q, sc, mn, d, m, xi, dy, bs32, grouped, n_out, out):
+    # matmul_q4k's outputs (bit for bit) from the "vq4k" form (see _q4k_row); out f32 [T, >= n_out]
+    # (rows may be strided): columns 0..n_out-1
+    ng = d.shape[0]
+    T = xi.shape[0]
+    for c in prange((ng + _LANE_CHUNK - 1) // _LANE_CHUNK):
+        for g in range(c * _LANE_CHUNK, min(ng, c * _LANE_CHUNK + _LANE_CHUNK)):
+            full = (g + 1) * LANE_ROWS <= n_out
+            tmp = out if full else np.empty((T, LANE_ROWS), np.float32)
+            col = g * LANE_ROWS if full else 0
+            for t in range(T):
+                _q4k_row(q, sc, mn, d, m, g, xi, t, bs32, dy, grouped[t] != 0, tmp, col)
+            if not full:
+                for t in range(T):
+                    for i in range(n_out - g * LANE_ROWS):
+                        out[t, g * LANE_ROWS + i] = tmp[t, i]
+
+
+@njit(cache=True)
+def _q6k_vec_row(q, sc, d, g, xi, t, bs16, dy, dst, col):
+    # dst[t, col:col+16] = matmul_q6k's vec_dot outputs of row group g (same float32 operations):
+    # per super-block eight exact int32 lanes, lane l = sum_v sc[2v + l//4] * sum_k q6 * q8 over
+    # elements v*32 + 4l + k, minus 32 * (bsum16[2l] sc[2l] + bsum16[2l+1] sc[2l+1]);
+    # acc_l = fma(d_x*d_w, lane_l, acc_l); hsum_float_8. Layout ("vq6k" form): q uint8
+    # [ng, nsb, 64, 16, 4] (byte (e4, i, k) = the 6-bit level 0..63 of row 16g+i, element 4*e4+k),
+    # sc int8 [ng, nsb, 16, 16] (sub-block j, row i), d f32 [ng, nsb, 16].
+    nsb = d.shape[1]
+    K = xi.shape[1]
+    a0 = vzero()
+    a1 = vzero()
+    a2 = vzero()
+    a3 = vzero()
+    a4 = vzero()
+    a5 = vzero()
+    a6 = vzero()
+    a7 = vzero()
+    for b in range(nsb):
+        base = g * nsb + b
+        qo = base * 4096
+        so = base * 256
+        xo = t * K + b * 256
+        l0 = izero()
+        l1 = izero()
+        l2 = izero()
+        l3 = izero()
+        l4 = izero()
+        l5 = izero()
+        l6 = izero()
+        l7 = izero()
+        for v in range(8):
+            s0 = iload16_s8(sc, so + 32 * v)
+            s1 = iload16_s8(sc, so + 32 * v + 16)
+            e = qo + v * 512
+            x = xo + v * 32
+            z = izero()
+            l0 = iadd(l0, imul(s0, dpbusd(z, iload64(q, e), ibcast4(xi, x))))
+            l1 = iadd(l1, imul(s0, dpbusd(z, iload64(q, e + 64), ibcast4(xi, x + 4))))
+            l2 = iadd(l2, imul(s0, dpbusd(z, iload64(q, e + 128), ibcast4(xi, x + 8))))
+            l3 = iadd(l3, imul(s0, dpbusd(z, iload64(q, e + 192), ibcast4(xi, x + 12))))
+            l4 = iadd(l4, imul(s1, dpbusd(z, iload64(q, e + 256), ibcast4(xi, x + 16))))
+            l5 = iadd(l5, imul(s1, dpbusd(z, iload64(q, e + 320), ibcast4(xi, x + 20))))
+            l6 = iadd(l6, imul(s1, dpbusd(z, iload64(q, e + 384), ibcast4(xi, x + 24))))
+            l7 = iadd(l7, imul(s1, dpbusd(z, iload64(q, e + 448), ibcast4(xi, x + 28))))
+        bo = b * 16
+        l0 = isub(l0, _q6_corr(sc, so, bs16, t, bo, 0))
+        l1 = isub(l1, _q6_corr(sc, so, bs16, t, bo, 1))
+        l2 = isub(l2, _q6_corr(sc, so, bs16, t, bo, 2))
+        l3 = isub(l3, _q6_corr(sc, so, bs16, t, bo, 3))
+        l4 = isub(l4, _q6_corr(sc, so, bs16, t, bo, 4))
+        l5 = isub(l5, _q6_corr(sc, so, bs16, t, bo, 5))
+        l6 = isub(l6, _q6_corr(sc, so, bs16, t, bo, 6))
+        l7 = isub(l7, _q6_corr(sc, so, bs16, t, bo, 7))
+        dd = vmul_s(vload(d, base * 16), dy[t, b])
+        a0 = vfma(dd, i2f(l0), a0)
+        a1 = vfma(dd, i2f(l1), a1)
+        a2 = vfma(dd, i2f(l2), a2)
+        a3 = vfma(dd, i2f(l3), a3)
+        a4 = vfma(dd, i2f(l4), a4)
+        a5 = vfma(dd, i2f(l5), a5)
+        a6 = vfma(dd, i2f(l6), a6)
+        a7 = vfma(dd, i2f(l7), a7)
+    vstore_row(dst, t, col, vadd(vadd(vadd(a0, a4), vadd(a2, a6)), vadd(vadd(a1, a5), vadd(a3, a7))))
+
+
+@njit(cache=True)
+def _q6_corr(sc, so, bs16, t, bo, l):
+    # 32 * (bsum16[2l] * sc[2l] + bsum16[2l+1] * sc[2l+1]) for the 16 rows (exact int32)
+    return imul(isplat(np.int32(32)), iadd(imul(iload16_s8(sc, so + 32 * l), isplat(bs16[t, bo + 2 * l])),
+                                           imul(iload16_s8(sc, so + 32 * l + 16), isplat(bs16[t, bo + 2 * l + 1]))))
+
+
+@njit(cache=True)
+def _q6_sub(q, e, xi, x, c):
+    # sum_k q6 * q8 over one 16-element sub-block for 16 rows, started at c (exact int32)
+    return dpbusd(dpbusd(dpbusd(dpbusd(c, iload64(q, e), ibcast4(xi, x)), iload64(q, e + 64), ibcast4(xi, x + 4)),
+                         iload64(q, e + 128), ibcast4(xi, x + 8)), iload64(q, e + 192), ibcast4(xi, x + 12))
+
+
+@njit(cache=True)
+def _q6k_tiled_rows(q, sc, d, g, xi, t, n, bs16, dy, dst, col):
+    # dst[t..t+n-1, col:col+16] (n = 1 or 4 rows sharing each weight load) = matmul_q6k's tiled
+    # outputs of row group g (same float32 operations): per super-block the exact isum = sum_j
+    # sc_j * (sum_k q6 * q8 - 32 * bsum16_j) over the 16 sub-blocks, out = fma(f32(isum) * d_w,
+    # d_x, out), super-blocks in order. Layout as _q6k_vec_row.
+    nsb = d.shape[1]
+    K = xi.shape[1]
+    o0 = vzero()
+    o1 = vzero()
+    o2 = vzero()
+    o3 = vzero()
+    four = n == 4
+    for b in range(nsb):
+        base = g * nsb + b
+        qo = base * 4096
+        so = base * 256
+        xo = t * K + b * 256
+        i0 = izero()
+        i1 = izero()
+        i2 = izero()
+        i3 = izero()
+        for j in range(16):
+            scj = iload16_s8(sc, so + 16 * j)
+            e = qo + j * 256
+            x = xo + 16 * j
+            i0 = iadd(i0, imul(scj, _q6_sub(q, e, xi, x, isplat(-32 * bs16[t, b * 16 + j]))))
+            if four:
+                i1 = iadd(i1, imul(scj, _q6_sub(q, e, xi, x + K, isplat(-32 * bs16[t + 1, b * 16 + j]))))
+                i2 = iadd(i2, imul(scj, _q6_sub(q, e, xi, x + 2 * K, isplat(-32 * bs16[t + 2, b * 16 + j]))))
+                i3 = iadd(i3, imul(scj, _q6_sub(q, e, xi, x + 3 * K, isplat(-32 * bs16[t + 3, b * 16 + j]))))
+        dw = vload(d, base * 16)
+        o0 = vfma_s(vmul(i2f(i0), dw), dy[t, b], o0)
+        if four:
+            o1 = vfma_s(vmul(i2f(i1), dw), dy[t + 1, b], o1)
+            o2 = vfma_s(vmul(i2f(i2), dw), dy[t + 2, b], o2)
+            o3 = vfma_s(vmul(i2f(i3), dw), dy[t + 3, b], o3)
+    vstore_row(dst, t, col, o0)
+    if four:
+        vstore_row(dst, t + 1, col, o1)
+        vstore_row(dst, t + 2, col, o2)
+        vstore_row(dst, t + 3, col, o3)
+
+
+@njit(parallel=True, cache=True)
+def matmul_q6k_vnni(q, sc, d, xi, dy, bs16, tiled, n_out, out):
+    # matmul_q6k's outputs (bit for bit) from the "vq6k" form (see _q6k_vec_row); per row the
+    # vec_dot or (tiled[t]) the tiled kernel; out f32 [T, >= n_out] (rows may be strided)
+    ng = d.shape[0]
+    T = xi.shape[0]
+    for c in prange((ng + _LANE_CHUNK - 1) // _LANE_CHUNK):
+        for g in range(c * _LANE_CHUNK, min(ng, c * _LANE_CHUNK + _LANE_CHUNK)):
+            full = (g + 1) * LANE_ROWS <= n_out
+            tmp = out if full else np.empty((T, LANE_ROWS), np.float32)
+            col = g * LANE_ROWS if full else 0
+            t = 0
+            while t < T:
+                if tiled[t] != 0:
+                    if t + 4 <= T and tiled[t + 1] != 0 and tiled[t + 2] != 0 and tiled[t + 3] != 0:
+                        _q6k_tiled_rows(q, sc, d, g, xi, t, 4, bs16, dy, tmp, col)
+                        t += 4
+                    else:
+                        _q6k_tiled_rows(q, sc, d, g, xi, t, 1, bs16, dy, tmp, col)
+                        t += 1
+                else:
+                    _q6k_vec_row(q, sc, d, g, xi, t, bs16, dy, tmp, col)
+                    t += 1
+            if not full:
                 for t in range(T):
                     for i in range(n_out - g * LANE_ROWS):
                         out[t, g * LANE_ROWS + i] = tmp[t, i]

@@ -208,3 +208,65 @@ def dpbusd(typingctx, acc, a, b):
                                            "llvm.x86.avx512.vpdpbusd.512")
         return builder.call(f, list(args))
     return i32x16(acc, a, b), cg
+
+
+@intrinsic
+def vmul(typingctx, a, b):
+    """``a * b`` per lane."""
+    def cg(context, builder, sig, args):
+        return builder.fmul(args[0], args[1])
+    return f32x16(a, b), cg
+
+
+@intrinsic
+def vsub(typingctx, a, b):
+    """``a - b`` per lane."""
+    def cg(context, builder, sig, args):
+        return builder.fsub(args[0], args[1])
+    return f32x16(a, b), cg
+
+
+@intrinsic
+def iadd(typingctx, a, b):
+    """``a + b`` per int32 lane."""
+    def cg(context, builder, sig, args):
+        return builder.add(args[0], args[1])
+    return i32x16(a, b), cg
+
+
+@intrinsic
+def isub(typingctx, a, b):
+    """``a - b`` per int32 lane."""
+    def cg(context, builder, sig, args):
+        return builder.sub(args[0], args[1])
+    return i32x16(a, b), cg
+
+
+@intrinsic
+def imul(typingctx, a, b):
+    """``a * b`` per int32 lane (the low 32 bits)."""
+    def cg(context, builder, sig, args):
+        return builder.mul(args[0], args[1])
+    return i32x16(a, b), cg
+
+
+def _load16_ext(builder, context, sig, args, signed):
+    p = _byte_ptr(context, builder, sig.args[0], args[0], args[1])
+    v = builder.load(builder.bitcast(p, ir.VectorType(ir.IntType(8), 16).as_pointer()), align=1)
+    return builder.sext(v, _VI16) if signed else builder.zext(v, _VI16)
+
+
+@intrinsic
+def iload16_s8(typingctx, arr, i):
+    """The 16 bytes at byte offset ``i`` of a C-contiguous array, as signed int8 -> 16 int32 lanes."""
+    def cg(context, builder, sig, args):
+        return _load16_ext(builder, context, sig, args, True)
+    return i32x16(arr, types.intp), cg
+
+
+@intrinsic
+def iload16_u8(typingctx, arr, i):
+    """The 16 bytes at byte offset ``i`` of a C-contiguous array, as unsigned bytes -> 16 int32 lanes."""
+    def cg(context, builder, sig, args):
+        return _load16_ext(builder, context, sig, args, False)
+    return i32x16(arr, types.intp), cg
