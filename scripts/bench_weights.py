@@ -177,6 +177,7 @@ def bench_engine_cpu(gguf: Path, threads: int, prompt_tokens: int, decode_tokens
 
     threadpool_limits(limits=threads, user_api="blas")
     quant.set_num_threads(threads)
+    os.environ["MODELYARD_WEIGHT_CACHE"] = "0"         # each engine builds its own form (none read from a cache)
     par = max(streams, default=1)
     engines: dict[str, Any] = {}
     for label in ("f32", "quantized", "quantized-ref"):

@@ -23,6 +23,15 @@ gets the kernel llama.cpp would run for its sequence, so a sequence's results do
 on the other sequences of the pass. Tested against independent ports of those kernels and,
 end to end, against llama.cpp's recorded logprobs of both shipped models (identical).
 
+Two implementations of each kernel give the same bits (tested ``==`` at every row count and
+mode): the reference ones (``quant_kernels.matmul_lanes`` / ``matmul_q4k`` / ``matmul_q6k``,
+plain numba loops, on forms ``"lanes"`` / ``"q4k"`` / ``"q6k"``) and, where the CPU has
+AVX512-VNNI (:func:`host_has_vnni`; ``MODELYARD_QUANT_VNNI=0`` keeps the reference), the VNNI
+ones (``*_vnni``, forms ``"vlanes"`` / ``"vlanes4"`` / ``"vq4k"`` / ``"vq6k"``): the exact integer
+parts by ``vpdpbusd`` on 16 output rows interleaved per vector, then the same float32
+operations in the same order on explicit 16-lane vectors (:mod:`.simd`, no fast-math), several
+activation rows per weight load. Q4_0 / Q4_1 are held there as packed nibbles.
+
 Kernels are compiled once and cached on disk by numba (``cache=True``; the directory is
 ``NUMBA_CACHE_DIR`` or ``__pycache__`` beside this file).
 
@@ -430,7 +439,11 @@ class QWeight:
       ``quant_kernels.matmul_lanes``;
     * ``"q4k"`` / ``"q6k"`` (:func:`kquant_parts`): per super-block the stored levels ``q``,
       integer sub-block scales ``sc`` (and mins ``mn``), fp16 ``d`` (and ``dmin`` as ``m``);
-      ``quant_kernels.matmul_q4k`` / ``matmul_q6k``.
+      ``quant_kernels.matmul_q4k`` / ``matmul_q6k``;
+    * the VNNI forms (CPUs with AVX512-VNNI): ``"vlanes"`` (:func:`to_vlanes`: level + 128 bytes,
+      ``[ng, nb, 8, 16, 4]``), ``"vlanes4"`` (Q4_0 / Q4_1 as packed nibbles ``[ng, nb, 4, 16, 4]``),
+      ``"vq4k"`` / ``"vq6k"`` (:func:`to_vkquant`: the same arrays with rows interleaved by 16);
+      ``quant_kernels.matmul_lanes_vnni`` / ``matmul_q4k_vnni`` / ``matmul_q6k_vnni``.
 
     Attributes:
         q, d, m, sc, mn: as above (None where a form has none); n_rows: ``O``.
