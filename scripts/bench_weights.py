@@ -188,6 +188,7 @@ def bench_engine_cpu(gguf: Path, threads: int, prompt_tokens: int, decode_tokens
             engines[label] = Engine.load(str(gguf), n_ctx=1024, parallel=par, weights=label.split("-")[0])
         finally:
             quant._vnni = vnni
+    quant.set_num_threads(threads)                     # numba's count is per thread: this one's (the loads ran elsewhere)
     text = " ".join(f"word{i % 97}" for i in range(prompt_tokens // 3 + 16))
     best: dict[str, dict[str, float]] = {w: {"prefill": float("inf"), "decode": float("inf"),
                                              **{f"agg{n}": float("inf") for n in streams}} for w in engines}
