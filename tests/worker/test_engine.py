@@ -365,7 +365,7 @@ def llvm_kib():
 def loaded():
     ks = [getattr(quant_kernels, n) for n in ("quant_q8_0", "quant_q8_K", "matmul_lanes", "matmul_lanes_vnni",
                                                 "matmul_q4k", "matmul_q6k", "matmul_q4k_vnni", "matmul_q6k_vnni",
-                                                "cos_sin_f32")]
+                                                "lane_levels", "cos_sin_f32")]
     ks += [attn_kernels.fa_vec, attn_kernels.fa_tiled, attn_kernels.silu_rows, attn_kernels.gelu_table_f16]
     return {k.py_func.__name__: sorted(map(str, k.overloads)) for k in ks}
 

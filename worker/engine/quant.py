@@ -146,7 +146,7 @@ def _compile() -> dict[str, Any]:
         _kernels.update(quant_q8_0=k.quant_q8_0, quant_q8_K=k.quant_q8_K, matmul_lanes=k.matmul_lanes,
                         matmul_q4k=k.matmul_q4k, matmul_q6k=k.matmul_q6k, cos_sin_f32=k.cos_sin_f32,
                         matmul_lanes_vnni=k.matmul_lanes_vnni, matmul_q4k_vnni=k.matmul_q4k_vnni,
-                        matmul_q6k_vnni=k.matmul_q6k_vnni)
+                        matmul_q6k_vnni=k.matmul_q6k_vnni, lane_levels=k.lane_levels)
         if _threads is not None:
             set_num_threads(_threads)
     return _kernels
@@ -207,7 +207,7 @@ def cos_sin_libm(ang: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 #: Version of the in-memory forms below, recorded in the weight cache's manifest (a cache of
 #: another version is rebuilt).
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 
 #: Environment switch: ``MODELYARD_QUANT_VNNI=0`` keeps the reference forms and kernels on a CPU
 #: with AVX512-VNNI (same bits, slower); on any other CPU they are the only ones.
@@ -232,7 +232,7 @@ def host_has_vnni() -> bool:
 
 
 def format_tag() -> str:
-    """The weight cache's tag of the quantized forms this process builds (``5-vnni`` where the
+    """The weight cache's tag of the quantized forms this process builds (``6-vnni`` where the
     32-block types are held in the VNNI forms)."""
     return f"{FORMAT_VERSION}-vnni" if host_has_vnni() else str(FORMAT_VERSION)
 
@@ -614,10 +614,9 @@ class QWeight:
             return
         if self.kind in ("vlanes", "vlanes4"):
             nb = self.q.shape[1]
-            x8 = xq.astype(np.int8)                                      # [T, K] the levels
-            bias = 128 if self.kind == "vlanes" else _nibble_bias(self.m)
-            nxc = x8.reshape(T, nb, 8, 4).sum(-1, dtype=np.int32)        # [T, nb, 8] per lane
-            nxc *= -bias
+            x8 = np.empty(xq.shape, np.int8)                             # [T, K] the levels
+            nxc = np.empty((T, nb, 8), np.int32)                         # -bias * their sum per lane
+            k["lane_levels"](xq, 128 if self.kind == "vlanes" else _nibble_bias(self.m), x8, nxc.reshape(T, -1))
             m = self.m if self.m is not None else _NO_M3
             k["matmul_lanes_vnni"](self.q, self.kind == "vlanes4", self.d, m, x8, nxc, dx, xs,
                                    self.n_rows, out)

@@ -278,6 +278,21 @@ from .simd import (dpbusd, i2f, iadd, ibcast4, iload16_s8, iload16_u8, iload64, 
 
 
 @njit(cache=True)
+def lane_levels(xq, bias, x8, nxc):
+    # the VNNI lanes kernel's activations: x8 int8 [T, K] = the levels xq (float32 [T, K]);
+    # nxc int32 [T, K/4] = -bias * the sum of each 4 consecutive levels (one int32 lane's)
+    T, K = xq.shape
+    for t in range(T):
+        for j in range(K // 4):
+            s = 0
+            for k in range(4):
+                v = np.int32(xq[t, 4 * j + k])
+                x8[t, 4 * j + k] = np.int8(v)
+                s += v
+            nxc[t, j] = -bias * s
+
+
+@njit(cache=True)
 def _vl(acc, dd, wv, x8, xo, c):
     # one lane update of matmul_lanes for 16 rows: acc = fma(d_w*d_x, isum_l, acc), isum_l =
     # sum_k (w+bias)*x - bias*sum_k x (c = -bias*sum_k x: the dpbusd's start), exact in int32
