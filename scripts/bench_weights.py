@@ -36,6 +36,15 @@ OPENBLAS_* are left as the machine sets them.
 QKV, O, gate/up and down, and the output projection) multiplied in-process by the quantized
 kernel and by sgemm on their float32 dequantization, at 1, 4, 8, 32, 128 and 256 rows
 (alternating, best of 5): microseconds per call and the quantized/sgemm time ratio.
+
+``--engine-cpu [--threads 1]``: no servers; three engines loaded in this process: ``f32``,
+``quantized`` and ``quantized-ref`` (the quantized path on the reference kernels, the ones a CPU
+without AVX512-VNNI runs, built as with ``MODELYARD_QUANT_VNNI=0``: the same bits). CPU seconds
+(``time.process_time``, which contention from other processes barely moves) per prompt token of
+a ``--prompt-tokens`` prefill, per generated token of a ``--decode-tokens`` greedy decode, and per
+generated token of ``--streams`` sequences (8-token prompts) decoding 32 tokens each in shared
+forward passes; the engines alternate, best of ``--repeat``; then the ratios to ``f32`` and of
+``quantized-ref`` to ``quantized``.
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -157,6 +167,75 @@ def bench_kernels(gguf: Path, threads: int) -> None:
                               "loadavg": [round(v, 2) for v in os.getloadavg()]}), flush=True)
 
 
+def bench_engine_cpu(gguf: Path, threads: int, prompt_tokens: int, decode_tokens: int, repeat: int,
+                     streams: list[int]) -> None:
+    """CPU seconds per token of the f32, quantized and quantized-ref engines in this process (see the docstring)."""
+    from threadpoolctl import threadpool_limits
+
+    sys.path.insert(0, str(ROOT))
+    from worker.engine import Engine, SamplingParams, quant
+
+    threadpool_limits(limits=threads, user_api="blas")
+    quant.set_num_threads(threads)
+    os.environ["MODELYARD_WEIGHT_CACHE"] = "0"         # each engine builds its own form (none read from a cache)
+    par = max(streams, default=1)
+    engines: dict[str, Any] = {}
+    for label in ("f32", "quantized", "quantized-ref"):
+        vnni = quant.host_has_vnni()
+        if label == "quantized-ref":
+            quant._vnni = False                        # the reference forms (what MODELYARD_QUANT_VNNI=0 builds)
+        try:
+            engines[label] = Engine.load(str(gguf), n_ctx=1024, parallel=par, weights=label.split("-")[0])
+        finally:
+            quant._vnni = vnni
+    quant.set_num_threads(threads)                     # numba's count is per thread: this one's (the loads ran elsewhere)
+    text = " ".join(f"word{i % 97}" for i in range(prompt_tokens // 3 + 16))
+    best: dict[str, dict[str, float]] = {w: {"prefill": float("inf"), "decode": float("inf"),
+                                             **{f"agg{n}": float("inf") for n in streams}} for w in engines}
+
+    def run(e: Any, n_prompt: int, n_gen: int) -> float:
+        prompt = e.tokenize(text, add_special=True)[:n_prompt]
+        e.reset_cache()
+        t0 = time.process_time()
+        e.generate(prompt, SamplingParams(max_tokens=n_gen, temperature=0.0, ignore_eos=True, cache_prompt=False))
+        return time.process_time() - t0
+
+    def aggregate(e: Any, n: int) -> float:
+        # n sequences of 8-token prompts decoding 32 tokens each, sharing forward passes
+        e.reset_cache()
+        base = e.tokenize(text, add_special=True)
+        for i in range(n):
+            e.add(f"s{i}", base[i:i + 8], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True,
+                                                          cache_prompt=False))
+        t0, done = time.process_time(), 0
+        while done < n:
+            done += len(e.step())
+        return (time.process_time() - t0) / (32 * n)
+
+    for e in engines.values():
+        run(e, 16, 2)                                  # kernels loaded, caches warm
+    for _ in range(repeat):
+        for w, e in engines.items():                   # alternating
+            p = run(e, prompt_tokens, 1)               # prefill (+1 token)
+            g = run(e, 8, decode_tokens) - run(e, 8, 1)
+            best[w]["prefill"] = min(best[w]["prefill"], p / prompt_tokens)
+            best[w]["decode"] = min(best[w]["decode"], g / (decode_tokens - 1))
+            for n in streams:
+                best[w][f"agg{n}"] = min(best[w][f"agg{n}"], aggregate(e, n))
+    keys = ["prefill", "decode"] + [f"agg{n}" for n in streams]
+    names = {"prefill": f"prefill{prompt_tokens}", "decode": "decode", **{f"agg{n}": f"{n}_streams" for n in streams}}
+    for w, b in best.items():
+        print(json.dumps({"model": gguf.name, "weights": w, "threads": threads,
+                          **{f"{names[k]}_cpu_ms_per_token": round(b[k] * 1e3, 3) for k in keys},
+                          "loadavg": [round(v, 2) for v in os.getloadavg()]}), flush=True)
+    print(json.dumps({"model": gguf.name, "speedup_vs_f32": {names[k]: round(best["f32"][k] / best["quantized"][k], 2)
+                                                             for k in keys},
+                      "speedup_vs_ref": {names[k]: round(best["quantized-ref"][k] / best["quantized"][k], 2)
+                                         for k in keys},
+                      "ref_vs_f32": {names[k]: round(best["f32"][k] / best["quantized-ref"][k], 2) for k in keys}}),
+          flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2", choices=sorted(MODELS))
@@ -168,10 +247,16 @@ def main() -> int:
     ap.add_argument("--cold-repeat", type=int, default=1, help="cold starts per server (alternating); median")
     ap.add_argument("--kernels", action="store_true", help="kernel vs sgemm in-process, no servers")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--engine-cpu", action="store_true", help="CPU time per token of the engines in-process")
+    ap.add_argument("--streams", default="8,32", help="--engine-cpu: concurrent sequences (comma-separated)")
     a = ap.parse_args()
     gguf = (Path(os.environ.get("MODELYARD_MODELS_DIR") or ROOT / "models") / MODELS[a.model]).resolve()
     if a.kernels:
         bench_kernels(gguf, a.threads)
+        return 0
+    if a.engine_cpu:
+        bench_engine_cpu(gguf, a.threads, a.prompt_tokens, a.decode_tokens, a.repeat,
+                         [int(v) for v in a.streams.split(",") if v])
         return 0
     srv = a.llama_server
     if srv is None and not a.skip_llama:

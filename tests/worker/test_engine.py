@@ -370,8 +370,9 @@ def llvm_kib():
         return sum(m[4] for m in resident._mappings(f.read()) if "libllvmlite" in m[3])
 
 def loaded():
-    ks = [getattr(quant_kernels, n) for n in ("quant_q8_0", "quant_q8_K", "matmul_lanes", "matmul_q4k", "matmul_q6k",
-                                                "cos_sin_f32")]
+    ks = [getattr(quant_kernels, n) for n in ("quant_q8_0", "quant_q8_K", "matmul_lanes", "matmul_lanes_vnni",
+                                                "matmul_q4k", "matmul_q6k", "matmul_q4k_vnni", "matmul_q6k_vnni",
+                                                "lane_levels", "cos_sin_f32")]
     ks += [attn_kernels.fa_vec, attn_kernels.fa_tiled, attn_kernels.silu_rows, attn_kernels.gelu_table_f16]
     return {k.py_func.__name__: sorted(map(str, k.overloads)) for k in ks}
 
@@ -408,10 +409,14 @@ def test_quantized_load_warms_every_kernel_the_first_request_runs(model: str, pr
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["before"]["matmul_lanes"] and got["before"]["fa_vec"] and got["before"]["fa_tiled"]
+    from worker.engine import quant
+
+    v = "_vnni" if quant.host_has_vnni() else ""                   # the VNNI kernels where the CPU has them
+    assert got["before"][f"matmul_lanes{v}"]
+    assert got["before"]["fa_vec"] and got["before"]["fa_tiled"]
     assert got["before"]["silu_rows"] and got["before"]["gelu_table_f16"] and got["before"]["cos_sin_f32"]
     if model == "gemma3":                                           # its Q4_K and Q6_K matrices
-        assert got["before"]["matmul_q4k"] and got["before"]["matmul_q6k"]
+        assert got["before"][f"matmul_q4k{v}"] and got["before"][f"matmul_q6k{v}"]
     assert got["after"] == got["before"]
     assert max(got["llvm_kib"]) < 16 * 1024, got["llvm_kib"]
 

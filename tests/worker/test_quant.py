@@ -144,10 +144,81 @@ def test_32_block_types_sum_in_ggml_avx2_order(type_name: str) -> None:
     # the same order), for row counts that are and are not multiples of the 16 interleaved rows
     for n_rows, n_tok in ((16, 1), (21, 3), (40, 5)):
         w = quant.QWeight.from_raw(type_name, random_blocks(type_name, n_rows, 256, seed=n_rows), n_rows, 256)
-        assert w.kind == "lanes"
+        assert w.kind in quant.QWeight.LANE_KINDS
         x = np.random.default_rng(n_tok).standard_normal((n_tok, 256)).astype(np.float32)
         x[0, :5] *= 30.0
         np.testing.assert_array_equal(w.matmul(x), ggml_avx2_order(w, x))
+
+
+VNNI = pytest.mark.skipif(not quant.host_has_vnni(), reason="the CPU has no AVX512-VNNI (or it is switched off)")
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.int32)  # == on the bits: -0.0 and +0.0 differ
+
+
+@VNNI
+@pytest.mark.parametrize("type_name", quant.LANE_TYPES)
+def test_vnni_kernel_gives_the_reference_kernels_bits(type_name: str) -> None:
+    # the VNNI forms and kernel (AVX512-VNNI integer lanes, 4 activation rows per weight load,
+    # packed nibbles for Q4_0 / Q4_1) against the reference kernel (matmul_lanes, checked against
+    # ggml above) on the same blocks: the same bits at every row count 1..300 (every position in
+    # the 4-row passes and the tail), a full and a partial row group, whole outputs and column
+    # slices; activations of magnitudes e^-3..e^3 with an outlier and an all-zero block
+    n_rows = 40
+    w = quant.QWeight.from_raw(type_name, random_blocks(type_name, n_rows, 256, seed=21), n_rows, 256)
+    assert w.kind == ("vlanes4" if type_name in quant.PACKED_TYPES else "vlanes")
+    ref = quant.QWeight.lanes(*w.plain(), w.act, w.types, "lanes")
+    np.testing.assert_array_equal(w.dequantize(), ref.dequantize())
+    rng = np.random.default_rng(22)
+    x = (rng.standard_normal((300, 256)) * np.exp(rng.uniform(-3, 3, (300, 1)))).astype(np.float32)
+    x[3, 40] = 900.0
+    x[4, 64:96] = 0.0
+    for T in range(1, 301):
+        o = int(rng.integers(0, 301 - T))
+        np.testing.assert_array_equal(_bits(w.matmul(x[o:o + T])), _bits(ref.matmul(x[o:o + T])), err_msg=f"{T} rows")
+    for T in (1, 5, 8, 13):
+        acts = quant.quantize_activations(x[:T], w.act, w.m is not None)
+        got, want = np.full((T, 64), np.nan, np.float32), np.full((T, 64), np.nan, np.float32)
+        w.matmul_quantized(*acts, got[:, 7:7 + n_rows])
+        ref.matmul_quantized(*acts, want[:, 7:7 + n_rows])
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+@VNNI
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_vnni_k_quant_kernels_give_the_reference_kernels_bits(type_name: str) -> None:
+    # the "vq4k" / "vq6k" forms and kernels against the reference ones (matmul_q4k / matmul_q6k,
+    # checked against ggml below) on the same blocks: the same bits at every row count 1..300 with
+    # the calls' rows cut into sequences of 1, 2-7 and 8+ rows (so each row takes llama.cpp's
+    # kernel for its sequence: Q4_K gemv / gemm, Q6_K vec_dot / tiled, mixed within one call and
+    # within a 4-row pass), a full and a partial row group, column slices
+    n_rows, kind = 40, type_name.lower().replace("_", "")
+    raw = random_blocks(type_name, n_rows, 512, seed=23)
+    w = quant.QWeight.from_raw(type_name, raw, n_rows, 512)
+    ref = quant.QWeight.kquant(kind, w.act, w.types, n_rows, quant.kquant_parts(type_name, raw, n_rows, 512), vnni=False)
+    assert (w.kind, ref.kind) == ("v" + kind, kind)
+    np.testing.assert_array_equal(w.dequantize(), ref.dequantize())
+    rng = np.random.default_rng(24)
+    x = (rng.standard_normal((300, 512)) * np.exp(rng.uniform(-3, 3, (300, 1)))).astype(np.float32)
+    x[3, 40] = 900.0
+    x[4, 256:512] = 0.0
+    for T in range(1, 301):
+        o = int(rng.integers(0, 301 - T))
+        cuts = np.sort(rng.choice(np.arange(1, T), size=min(T - 1, int(rng.integers(0, 4))), replace=False)) if T > 1 else []
+        segs = np.diff(np.concatenate([[0], cuts, [T]]).astype(np.int64)).tolist()
+        token = quant.row_groups(segs)
+        try:
+            np.testing.assert_array_equal(_bits(w.matmul(x[o:o + T])), _bits(ref.matmul(x[o:o + T])),
+                                          err_msg=f"{T} rows as {segs}")
+        finally:
+            quant._SEQ_ROWS.reset(token)
+    for T in (1, 5, 8, 13):
+        acts = quant.quantize_activations(x[:T], w.act, False)
+        got, want = np.full((T, 64), np.nan, np.float32), np.full((T, 64), np.nan, np.float32)
+        w.matmul_quantized(*acts, got[:, 7:7 + n_rows])
+        ref.matmul_quantized(*acts, want[:, 7:7 + n_rows])
+        np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
 def _fma(a, b, c):

@@ -23,6 +23,15 @@ gets the kernel llama.cpp would run for its sequence, so a sequence's results do
 on the other sequences of the pass. Tested against independent ports of those kernels and,
 end to end, against llama.cpp's recorded logprobs of both shipped models (identical).
 
+Two implementations of each kernel give the same bits (tested ``==`` at every row count and
+mode): the reference ones (``quant_kernels.matmul_lanes`` / ``matmul_q4k`` / ``matmul_q6k``,
+plain numba loops, on forms ``"lanes"`` / ``"q4k"`` / ``"q6k"``) and, where the CPU has
+AVX512-VNNI (:func:`host_has_vnni`; ``MODELYARD_QUANT_VNNI=0`` keeps the reference), the VNNI
+ones (``*_vnni``, forms ``"vlanes"`` / ``"vlanes4"`` / ``"vq4k"`` / ``"vq6k"``): the exact integer
+parts by ``vpdpbusd`` on 16 output rows interleaved per vector, then the same float32
+operations in the same order on explicit 16-lane vectors (:mod:`.simd`, no fast-math), several
+activation rows per weight load. Q4_0 / Q4_1 are held there as packed nibbles.
+
 Kernels are compiled once and cached on disk by numba (``cache=True``; the directory is
 ``NUMBA_CACHE_DIR`` or ``__pycache__`` beside this file).
 
@@ -36,6 +45,7 @@ if it had been).
 from __future__ import annotations
 
 import contextvars
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -134,7 +144,9 @@ def _compile() -> dict[str, Any]:
     if not _kernels:
         from . import quant_kernels as k
         _kernels.update(quant_q8_0=k.quant_q8_0, quant_q8_K=k.quant_q8_K, matmul_lanes=k.matmul_lanes,
-                        matmul_q4k=k.matmul_q4k, matmul_q6k=k.matmul_q6k, cos_sin_f32=k.cos_sin_f32)
+                        matmul_q4k=k.matmul_q4k, matmul_q6k=k.matmul_q6k, cos_sin_f32=k.cos_sin_f32,
+                        matmul_lanes_vnni=k.matmul_lanes_vnni, matmul_q4k_vnni=k.matmul_q4k_vnni,
+                        matmul_q6k_vnni=k.matmul_q6k_vnni, lane_levels=k.lane_levels)
         if _threads is not None:
             set_num_threads(_threads)
     return _kernels
@@ -195,12 +207,34 @@ def cos_sin_libm(ang: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 #: Version of the in-memory forms below, recorded in the weight cache's manifest (a cache of
 #: another version is rebuilt).
-FORMAT_VERSION = 4
+FORMAT_VERSION = 6
+
+#: Environment switch: ``MODELYARD_QUANT_VNNI=0`` keeps the reference forms and kernels on a CPU
+#: with AVX512-VNNI (same bits, slower); on any other CPU they are the only ones.
+VNNI_ENV = "MODELYARD_QUANT_VNNI"
+_vnni: bool | None = None
+
+
+def host_has_vnni() -> bool:
+    """Whether the VNNI forms and kernels are used: AVX512-VNNI (with F and BW) on the CPU numba
+    compiles for (the host, unless ``NUMBA_CPU_NAME`` names another), and not switched off by
+    :data:`VNNI_ENV`. Decided once per process (imports llvmlite, not numba)."""
+    global _vnni
+    if _vnni is None:
+        if os.environ.get(VNNI_ENV, "1").strip().lower() in ("0", "false", "no", "off") \
+                or os.environ.get("NUMBA_CPU_NAME", "host") not in ("", "host"):
+            _vnni = False
+        else:
+            from llvmlite import binding
+            f = binding.get_host_cpu_features()
+            _vnni = bool(f.get("avx512vnni") and f.get("avx512bw") and f.get("avx512f"))
+    return _vnni
 
 
 def format_tag() -> str:
-    """The weight cache's tag of the quantized forms this process builds."""
-    return str(FORMAT_VERSION)
+    """The weight cache's tag of the quantized forms this process builds (``6-vnni`` where the
+    32-block types are held in the VNNI forms)."""
+    return f"{FORMAT_VERSION}-vnni" if host_has_vnni() else str(FORMAT_VERSION)
 
 
 #: The sequences of the current forward pass: per row, the row count of its sequence's batch
@@ -306,17 +340,16 @@ def to_lanes(q: np.ndarray, d: np.ndarray, m: np.ndarray | None
     ``wi`` int8 ``[ng, nb, 32, LANE_ROWS]`` (lane-ordered blocks, rows interleaved by
     :data:`LANE_ROWS`), ``d``/``m`` float32 ``[ng, nb, LANE_ROWS]``; ``O`` padded with zero rows to
     ``ng * LANE_ROWS``."""
-    O, nb, _ = q.shape
-    G = LANE_ROWS
-    ng = -(-O // G)
-    pad = ng * G - O
+    return _interleave(lane_order(q)), _interleave(d), None if m is None else _interleave(m)
 
-    def inter(a: np.ndarray) -> np.ndarray:
-        if pad:
-            a = np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
-        a = a.reshape((ng, G) + a.shape[1:])
-        return np.ascontiguousarray(np.moveaxis(a, 1, -1))
-    return inter(lane_order(q)), inter(d), None if m is None else inter(m)
+
+def _interleave(a: np.ndarray) -> np.ndarray:
+    """``[O, ...]`` -> ``[ng, ..., LANE_ROWS]``: rows interleaved by 16, ``O`` padded with zeros."""
+    G = LANE_ROWS
+    ng = -(-a.shape[0] // G)
+    if ng * G != a.shape[0]:
+        a = np.concatenate([a, np.zeros((ng * G - a.shape[0],) + a.shape[1:], a.dtype)])
+    return np.ascontiguousarray(np.moveaxis(a.reshape((ng, G) + a.shape[1:]), 1, -1))
 
 
 def from_lanes(wi: np.ndarray, d: np.ndarray, m: np.ndarray | None, rows: np.ndarray
@@ -325,6 +358,85 @@ def from_lanes(wi: np.ndarray, d: np.ndarray, m: np.ndarray | None, rows: np.nda
     g, i = np.divmod(np.asarray(rows, dtype=np.int64), LANE_ROWS)
     return (element_order(wi[g, :, :, i]), np.ascontiguousarray(d[g, :, i]),
             None if m is None else np.ascontiguousarray(m[g, :, i]))
+
+
+#: The 32-block types held as packed nibbles in the VNNI form (``"vlanes4"``); the others as bytes.
+PACKED_TYPES = ("Q4_0", "Q4_1")
+
+
+def _nibble_bias(m: np.ndarray | None) -> int:
+    # the stored 4-bit value of the packed form is level + 8 for Q4_0 (no offset), the level for Q4_1
+    return 8 if m is None else 0
+
+
+def to_vlanes(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, packed: bool
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Plain ``q`` int8 ``[O, nb, 32]``, ``d``/``m`` float32 ``[O, nb]`` -> the VNNI forms
+    (``quant_kernels._vl_group``): ``w`` uint8 ``[ng, nb, 8, 16, 4]`` (byte ``(l, i, k)`` of block b
+    = level + 128 of row ``16g+i``, element ``4l+k``: one vpdpbusd int32 lane per row and lane),
+    or ``packed`` uint8 ``[ng, nb, 4, 16, 4]`` (low nibble: lane l, high nibble: lane l+4; the
+    level + :func:`_nibble_bias`); ``d``/``m`` as :func:`to_lanes`. ``O`` padded with zero rows.
+    Raises: EngineError("invalid_params") if a packed level does not fit 4 bits."""
+    O, nb, _ = q.shape
+    G = LANE_ROWS
+    ng = -(-O // G)
+    qp = np.concatenate([q, np.zeros((ng * G - O, nb, 32), q.dtype)]) if ng * G != O else q
+    q5 = qp.reshape(ng, G, nb, 8, 4).transpose(0, 2, 3, 1, 4).astype(np.int16)   # [ng, nb, 8, 16, 4]
+    if packed:
+        u = q5 + _nibble_bias(m)
+        if u.min(initial=0) < 0 or u.max(initial=0) > 15:
+            raise EngineError("invalid_params", "levels do not fit the packed 4-bit form")
+        w = np.ascontiguousarray((u[:, :, :4] | (u[:, :, 4:] << 4)).astype(np.uint8))
+    else:
+        w = np.ascontiguousarray((q5 + 128).astype(np.uint8))
+    return w, _interleave(d), None if m is None else _interleave(m)
+
+
+def from_vlanes(w: np.ndarray, d: np.ndarray, m: np.ndarray | None, packed: bool, rows: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The plain ``(q [n, nb, 32], d [n, nb], m)`` of ``rows`` (int ``[n]``) of a VNNI form."""
+    g, i = np.divmod(np.asarray(rows, dtype=np.int64), LANE_ROWS)
+    p = w[g, :, :, i, :].astype(np.int16)                                        # [n, nb, 8|4, 4]
+    if packed:
+        p = np.concatenate([p & 15, p >> 4], axis=2) - _nibble_bias(m)
+    else:
+        p = p - 128
+    return (p.reshape(len(g), -1, 32).astype(np.int8), np.ascontiguousarray(d[g, :, i]),
+            None if m is None else np.ascontiguousarray(m[g, :, i]))
+
+
+#: Where each K-quant array's row axis goes in the VNNI forms (after the group axis 0), and the
+#: shape of its per-row part there: ``q4k`` q ``[nsb, 4, 8, 4]`` (row axis before the last: one
+#: vpdpbusd int32 lane per row), sc / mn ``[nsb, 8]``, d / m ``[nsb]`` (row axis last).
+_VK_AXES = {"q": -2, "sc": -1, "mn": -1, "d": -1, "m": -1}
+_VK_QSHAPE = {"q4k": (4, 8, 4), "q6k": (64, 4)}
+
+
+def to_vkquant(kind: str, parts: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """:func:`kquant_parts` arrays (``kind`` ``"q4k"`` / ``"q6k"``) -> the VNNI form's (``"vq4k"`` /
+    ``"vq6k"``, ``quant_kernels._q4k_row`` / ``_q6k_vec_row``): rows interleaved by 16 (padded with
+    zero rows) on the axis :data:`_VK_AXES` names."""
+    out = {}
+    for k, a in parts.items():
+        O, nsb = a.shape[0], a.shape[1]
+        if k == "q":
+            a = a.reshape((O, nsb) + _VK_QSHAPE[kind])
+        ng = -(-O // LANE_ROWS)
+        if ng * LANE_ROWS != O:
+            a = np.concatenate([a, np.zeros((ng * LANE_ROWS - O,) + a.shape[1:], a.dtype)])
+        a = a.reshape((ng, LANE_ROWS) + a.shape[1:])
+        out[k] = np.ascontiguousarray(np.moveaxis(a, 1, _VK_AXES[k]))
+    return out
+
+
+def from_vkquant(kind: str, arrays: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
+    """Inverse of :func:`to_vkquant` for ``rows`` (int ``[n]``): the :func:`kquant_parts` arrays."""
+    g, i = np.divmod(np.asarray(rows, dtype=np.int64), LANE_ROWS)
+    out = {}
+    for k, a in arrays.items():
+        a = np.moveaxis(a, _VK_AXES[k], 1)[g, i]
+        out[k] = np.ascontiguousarray(a.reshape(len(g), a.shape[1], -1) if k == "q" else a)
+    return out
 
 
 class QWeight:
@@ -336,7 +448,11 @@ class QWeight:
       ``quant_kernels.matmul_lanes``;
     * ``"q4k"`` / ``"q6k"`` (:func:`kquant_parts`): per super-block the stored levels ``q``,
       integer sub-block scales ``sc`` (and mins ``mn``), fp16 ``d`` (and ``dmin`` as ``m``);
-      ``quant_kernels.matmul_q4k`` / ``matmul_q6k``.
+      ``quant_kernels.matmul_q4k`` / ``matmul_q6k``;
+    * the VNNI forms (CPUs with AVX512-VNNI): ``"vlanes"`` (:func:`to_vlanes`: level + 128 bytes,
+      ``[ng, nb, 8, 16, 4]``), ``"vlanes4"`` (Q4_0 / Q4_1 as packed nibbles ``[ng, nb, 4, 16, 4]``),
+      ``"vq4k"`` / ``"vq6k"`` (:func:`to_vkquant`: the same arrays with rows interleaved by 16);
+      ``quant_kernels.matmul_lanes_vnni`` / ``matmul_q4k_vnni`` / ``matmul_q6k_vnni``.
 
     Attributes:
         q, d, m, sc, mn: as above (None where a form has none); n_rows: ``O``.
@@ -345,7 +461,8 @@ class QWeight:
     """
 
     __slots__ = ("q", "d", "m", "sc", "mn", "act", "types", "kind", "n_rows")
-    KINDS = ("lanes", "q4k", "q6k")
+    KINDS = ("lanes", "vlanes", "vlanes4", "q4k", "q6k", "vq4k", "vq6k")
+    LANE_KINDS = ("lanes", "vlanes", "vlanes4")
 
     def __init__(self, kind: str, act: str, types: Sequence[str], n_rows: int, q: np.ndarray, d: np.ndarray,
                  m: np.ndarray | None = None, sc: np.ndarray | None = None, mn: np.ndarray | None = None) -> None:
@@ -358,10 +475,21 @@ class QWeight:
         self.kind, self.act, self.types, self.n_rows = kind, act, tuple(types), int(n_rows)
 
     @classmethod
-    def lanes(cls, q: np.ndarray, d: np.ndarray, m: np.ndarray | None, act: str, types: Sequence[str]) -> QWeight:
-        """The lanes form of plain ``q`` int8 ``[O, nb, 32]``, ``d``/``m`` ``[O, nb]``."""
-        wi, di, mi = to_lanes(q, d, m)
-        return cls("lanes", act, types, q.shape[0], wi, di, mi)
+    def lanes(cls, q: np.ndarray, d: np.ndarray, m: np.ndarray | None, act: str, types: Sequence[str],
+              kind: str | None = None) -> QWeight:
+        """A 32-block form of plain ``q`` int8 ``[O, nb, 32]``, ``d``/``m`` ``[O, nb]``: ``kind``, or
+        where the CPU has AVX512-VNNI (:func:`host_has_vnni`) ``"vlanes4"`` when every type is one
+        of :data:`PACKED_TYPES` and ``"vlanes"`` otherwise, else ``"lanes"`` (the reference)."""
+        if kind is None:
+            kind = ("lanes" if not host_has_vnni() else
+                    "vlanes4" if all(t in PACKED_TYPES for t in types) else "vlanes")
+        if kind == "lanes":
+            wi, di, mi = to_lanes(q, d, m)
+        elif kind in ("vlanes", "vlanes4"):
+            wi, di, mi = to_vlanes(q, d, m, kind == "vlanes4")
+        else:
+            raise EngineError("invalid_params", f"{kind!r} is not a 32-block form")
+        return cls(kind, act, types, q.shape[0], wi, di, mi)
 
     @classmethod
     def from_raw(cls, type_name: str, raw: np.ndarray, n_rows: int, n_cols: int) -> QWeight:
@@ -369,9 +497,25 @@ class QWeight:
         Raises: EngineError("invalid_gguf") for a type without a kernel or a size mismatch."""
         if type_name in ("Q4_K", "Q6_K"):
             parts = kquant_parts(type_name, raw, n_rows, n_cols)
-            return cls(type_name.lower().replace("_", ""), ACT_TYPE[type_name], (type_name,), n_rows, **parts)
+            return cls.kquant(type_name.lower().replace("_", ""), ACT_TYPE[type_name], (type_name,), n_rows, parts)
         q, d, m, _ = unpack(type_name, raw, n_rows, n_cols)
         return cls.lanes(q, d, m, ACT_TYPE[type_name], (type_name,))
+
+    @classmethod
+    def kquant(cls, kind: str, act: str, types: Sequence[str], n_rows: int, parts: dict[str, np.ndarray],
+               vnni: bool | None = None) -> QWeight:
+        """A K-quant weight from its :func:`kquant_parts` arrays (``kind`` ``"q4k"`` / ``"q6k"``): in
+        the VNNI form (``"vq4k"`` / ``"vq6k"``) when ``vnni`` (None: :func:`host_has_vnni`)."""
+        if host_has_vnni() if vnni is None else vnni:
+            return cls("v" + kind, act, types, n_rows, **to_vkquant(kind, parts))
+        return cls(kind, act, types, n_rows, **parts)
+
+    def kquant_parts(self, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """A K-quant's :func:`kquant_parts` arrays of ``rows`` (all when None)."""
+        if self.kind in ("vq4k", "vq6k"):
+            return from_vkquant(self.kind[1:], self.arrays(), np.arange(self.n_rows) if rows is None else rows)
+        return {k: a if rows is None else np.ascontiguousarray(a[np.asarray(rows, dtype=np.int64)])
+                for k, a in self.arrays().items()}
 
     def plain(self, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """``(q, d, m)`` of ``rows`` (all when None) as per-block levels: q int8 ``[n, nb, B]``
@@ -381,23 +525,26 @@ class QWeight:
         rows = np.arange(self.n_rows) if rows is None else np.asarray(rows, dtype=np.int64)
         if self.kind == "lanes":
             return from_lanes(self.q, self.d, self.m, rows)
+        if self.kind in ("vlanes", "vlanes4"):
+            return from_vlanes(self.q, self.d, self.m, self.kind == "vlanes4", rows)
         n, nsb = len(rows), self.q.shape[1]
-        d = self.d[rows][..., None]                                          # [n, nsb, 1]
-        if self.kind == "q4k":
-            qs = self.q[rows].reshape(n, nsb, 4, 32)
+        p = self.kquant_parts(rows)
+        d = p["d"][..., None]                                                # [n, nsb, 1]
+        if self.kind in ("q4k", "vq4k"):
+            qs = p["q"].reshape(n, nsb, 4, 32)
             q = np.empty((n, nsb, 8, 32), np.int8)
             q[:, :, 0::2] = qs & 0x0F                                        # sub-block 2c: low nibbles of chunk c
             q[:, :, 1::2] = qs >> 4                                          # sub-block 2c+1: high nibbles
-            m = -(self.m[rows][..., None] * self.mn[rows].astype(np.float32))
-            return (q.reshape(n, nsb * 8, 32), (d * self.sc[rows].astype(np.float32)).reshape(n, -1),
+            m = -(p["m"][..., None] * p["mn"].astype(np.float32))
+            return (q.reshape(n, nsb * 8, 32), (d * p["sc"].astype(np.float32)).reshape(n, -1),
                     m.reshape(n, -1))
-        q = (self.q[rows].astype(np.int16) - 32).astype(np.int8).reshape(n, nsb * 16, 16)
-        return q, (d * self.sc[rows].astype(np.float32)).reshape(n, -1), None
+        q = (p["q"].astype(np.int16) - 32).astype(np.int8).reshape(n, nsb * 16, 16)
+        return q, (d * p["sc"].astype(np.float32)).reshape(n, -1), None
 
     @property
     def shape(self) -> tuple[int, int]:
         """``(out_features, in_features)``."""
-        return self.n_rows, int(self.q.shape[1] * (QK if self.kind == "lanes" else QK_K))
+        return self.n_rows, int(self.q.shape[1] * (QK if self.kind in self.LANE_KINDS else QK_K))
 
     @property
     def nbytes(self) -> int:
@@ -424,10 +571,10 @@ class QWeight:
     def take_rows(self, rows: np.ndarray) -> QWeight:
         """A copy with rows reordered/selected (``rows`` int ``[n]``)."""
         rows = np.asarray(rows, dtype=np.int64)
-        if self.kind == "lanes":
-            return QWeight.lanes(*self.plain(rows), self.act, self.types)
-        sel = {k: np.ascontiguousarray(a[rows]) for k, a in self.arrays().items()}
-        return QWeight(self.kind, self.act, self.types, len(rows), **sel)
+        if self.kind in self.LANE_KINDS:
+            return QWeight.lanes(*self.plain(rows), self.act, self.types, self.kind)
+        return QWeight.kquant(self.kind[-3:], self.act, self.types, len(rows), self.kquant_parts(rows),
+                              self.kind.startswith("v"))
 
     def dequantize_rows(self, rows: np.ndarray) -> np.ndarray:
         """float32 ``[len(rows), in]`` of the selected rows (embedding lookups)."""
@@ -474,9 +621,26 @@ class QWeight:
                 k["matmul_lanes"](self.q, self.d, m, self.m is not None, xl, dx, xs, tmp)
                 out[:] = tmp[:, :self.n_rows]
             return
+        if self.kind in ("vlanes", "vlanes4"):
+            nb = self.q.shape[1]
+            x8 = np.empty(xq.shape, np.int8)                             # [T, K] the levels
+            nxc = np.empty((T, nb, 8), np.int32)                         # -bias * their sum per lane
+            k["lane_levels"](xq, 128 if self.kind == "vlanes" else _nibble_bias(self.m), x8, nxc.reshape(T, -1))
+            m = self.m if self.m is not None else _NO_M3
+            k["matmul_lanes_vnni"](self.q, self.kind == "vlanes4", self.d, m, x8, nxc, dx, xs,
+                                   self.n_rows, out)
+            return
         xi = xq.astype(np.int8)                                          # [T, K] the q8_K levels
         dy = np.ascontiguousarray(dx[:, ::QK_K // QK])                   # [T, nsb] the super-block d
         res = out if out.flags.c_contiguous else np.empty((T, self.n_rows), np.float32)
+        if self.kind == "vq4k":
+            bs32 = xi.reshape(T, -1, 32).sum(-1, dtype=np.int32)         # [T, K/32]
+            k["matmul_q4k_vnni"](self.q, self.sc, self.mn, self.d, self.m, xi, dy, bs32, gemm_rows(T), self.n_rows, out)
+            return
+        if self.kind == "vq6k":
+            bs16 = xi.reshape(T, -1, 16).sum(-1, dtype=np.int32)         # [T, K/16]
+            k["matmul_q6k_vnni"](self.q, self.sc, self.d, xi, dy, bs16, tiled_rows(T), self.n_rows, out)
+            return
         if self.kind == "q4k":
             bs32 = xi.reshape(T, -1, 32).sum(-1, dtype=np.int32)         # [T, K/32]
             k["matmul_q4k"](self.q, self.sc, self.mn, self.d, self.m, xi, dy, bs32, gemm_rows(T), res)
@@ -546,18 +710,19 @@ def fuse(parts: Sequence[QWeight | np.ndarray]) -> QWeight | QConcat | np.ndarra
             continue
         qs = [p for p in run if isinstance(p, QWeight)]
         first = qs[0]
-        if first.kind == "lanes":
+        if first.kind in QWeight.LANE_KINDS:
             plains = [p.plain() for p in qs]
             mm = None if plains[0][2] is None else np.concatenate([pl[2] for pl in plains])
             merged.append(QWeight.lanes(np.concatenate([pl[0] for pl in plains]),
                                         np.concatenate([pl[1] for pl in plains]), mm, first.act,
-                                        tuple(t for p in qs for t in p.types)))
+                                        tuple(t for p in qs for t in p.types), first.kind))
             continue
-        cat = {k: np.concatenate([p.arrays()[k] for p in qs]) for k in first.arrays()}
-        merged.append(QWeight(first.kind, first.act, tuple(t for p in qs for t in p.types),
-                              sum(p.n_rows for p in qs), **cat))
+        pp = [p.kquant_parts() for p in qs]
+        cat = {k: np.concatenate([p[k] for p in pp]) for k in pp[0]}
+        merged.append(QWeight.kquant(first.kind[-3:], first.act, tuple(t for p in qs for t in p.types),
+                                     sum(p.n_rows for p in qs), cat, first.kind.startswith("v")))
     return merged[0] if len(merged) == 1 else QConcat(merged)
 
 
-__all__ = ["ACT_TYPE", "FORMAT_VERSION", "LANE_ROWS", "LANE_TYPES", "QConcat", "QWeight", "cos_sin_libm",
-           "format_tag", "fuse", "gemm_rows", "kquant_parts", "row_groups", "tiled_rows", "quantize_activations", "set_num_threads", "supports", "unpack"]
+__all__ = ["ACT_TYPE", "FORMAT_VERSION", "LANE_ROWS", "LANE_TYPES", "PACKED_TYPES", "VNNI_ENV", "QConcat", "QWeight", "cos_sin_libm",
+           "format_tag", "fuse", "gemm_rows", "host_has_vnni", "kquant_parts", "row_groups", "tiled_rows", "quantize_activations", "set_num_threads", "supports", "unpack"]

@@ -266,3 +266,409 @@ def matmul_q6k(q6, sc, dw, xi, dy, bs16, tiled, out):
                     out[t, r] = tot
                 else:
                     out[t, r] = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+
+
+# ------------------------------------------------------------------ AVX512-VNNI kernels
+# The same float32 operations as the kernels above, in the same order, with the exact integer
+# parts done by vpdpbusd on explicit 16-lane vectors (:mod:`.simd`); tested equal (==) to them.
+
+from .simd import (dpbusd, i2f, iadd, ibcast4, iload16_s8, iload16_u8, iload64, imul, isplat,  # noqa: E402
+                   isub, izero, nib_hi, nib_lo, vadd, vfma, vfma_s, vload, vmul, vmul_s, vstore, vstore_row,
+                   vsub, vzero)
+
+
+@njit(cache=True)
+def lane_levels(xq, bias, x8, nxc):
+    # the VNNI lanes kernel's activations: x8 int8 [T, K] = the levels xq (float32 [T, K]);
+    # nxc int32 [T, K/4] = -bias * the sum of each 4 consecutive levels (one int32 lane's)
+    T, K = xq.shape
+    for t in range(T):
+        for j in range(K // 4):
+            s = 0
+            for k in range(4):
+                v = np.int32(xq[t, 4 * j + k])
+                x8[t, 4 * j + k] = np.int8(v)
+                s += v
+            nxc[t, j] = -bias * s
+
+
+@njit(cache=True)
+def _vl(acc, dd, wv, x8, xo, c):
+    # one lane update of matmul_lanes for 16 rows: acc = fma(d_w*d_x, isum_l, acc), isum_l =
+    # sum_k (w+bias)*x - bias*sum_k x (c = -bias*sum_k x: the dpbusd's start), exact in int32
+    return vfma(dd, i2f(dpbusd(isplat(c), wv, ibcast4(x8, xo))), acc)
+
+
+@njit(cache=True)
+def _vl_half(w, o, packed, h):
+    # lanes 4h..4h+3 of one block of a row group (see _vl_group), as u8 bytes in int32 lanes
+    if packed:
+        if h == 0:
+            return nib_lo(iload64(w, o)), nib_lo(iload64(w, o + 64)), nib_lo(iload64(w, o + 128)), nib_lo(iload64(w, o + 192))
+        return nib_hi(iload64(w, o)), nib_hi(iload64(w, o + 64)), nib_hi(iload64(w, o + 128)), nib_hi(iload64(w, o + 192))
+    o += 256 * h
+    return iload64(w, o), iload64(w, o + 64), iload64(w, o + 128), iload64(w, o + 192)
+
+
+@njit(cache=True)
+def _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, dst, col, scr):
+    # dst[t, col:col+16] = matmul_lanes' outputs of row group g for every row t (the same float32
+    # operations in the same order). Weights w uint8: unpacked [ng, nb, 8, 16, 4] (byte (l, i, k)
+    # of block b = level + 128 of row 16g+i, element 4l+k), or packed [ng, nb, 4, 16, 4] (low
+    # nibble: lane l, high nibble: lane l+4; the stored 4-bit value, level + 8 for Q4_0, the level
+    # for Q4_1); d, m f32 [ng, nb, 16] (m [0, 0, 0]: no offset); x8 int8 [T, K]; nxc int32
+    # [T, nb, 8] = -bias * the sum of lane l's four activation levels (zeros for bias 0); dx, xs
+    # f32 [T, nb]; scr f32 [>= 256] scratch. Four activation rows per pass share each weight load,
+    # lanes 0-3 of all blocks first, then lanes 4-7 (each lane's own block order is kept); the
+    # last T % 4 rows go one at a time.
+    T, K = x8.shape
+    nb = K // 32
+    wb = 256 if packed else 512
+    has_m = m.shape[0] != 0
+    t = 0
+    while t + 4 <= T:
+        for h in range(2):
+            a0 = vzero()
+            a1 = vzero()
+            a2 = vzero()
+            a3 = vzero()
+            b0 = vzero()
+            b1 = vzero()
+            b2 = vzero()
+            b3 = vzero()
+            c0 = vzero()
+            c1 = vzero()
+            c2 = vzero()
+            c3 = vzero()
+            e0 = vzero()
+            e1 = vzero()
+            e2 = vzero()
+            e3 = vzero()
+            for b in range(nb):
+                w0, w1, w2, w3 = _vl_half(w, (g * nb + b) * wb, packed, h)
+                dw = vload(d, (g * nb + b) * 16)
+                l0 = 4 * h
+                xo = t * K + b * 32 + 16 * h
+                dd = vmul_s(dw, dx[t, b])
+                a0 = _vl(a0, dd, w0, x8, xo, nxc[t, b, l0])
+                a1 = _vl(a1, dd, w1, x8, xo + 4, nxc[t, b, l0 + 1])
+                a2 = _vl(a2, dd, w2, x8, xo + 8, nxc[t, b, l0 + 2])
+                a3 = _vl(a3, dd, w3, x8, xo + 12, nxc[t, b, l0 + 3])
+                xo += K
+                dd = vmul_s(dw, dx[t + 1, b])
+                b0 = _vl(b0, dd, w0, x8, xo, nxc[t + 1, b, l0])
+                b1 = _vl(b1, dd, w1, x8, xo + 4, nxc[t + 1, b, l0 + 1])
+                b2 = _vl(b2, dd, w2, x8, xo + 8, nxc[t + 1, b, l0 + 2])
+                b3 = _vl(b3, dd, w3, x8, xo + 12, nxc[t + 1, b, l0 + 3])
+                xo += K
+                dd = vmul_s(dw, dx[t + 2, b])
+                c0 = _vl(c0, dd, w0, x8, xo, nxc[t + 2, b, l0])
+                c1 = _vl(c1, dd, w1, x8, xo + 4, nxc[t + 2, b, l0 + 1])
+                c2 = _vl(c2, dd, w2, x8, xo + 8, nxc[t + 2, b, l0 + 2])
+                c3 = _vl(c3, dd, w3, x8, xo + 12, nxc[t + 2, b, l0 + 3])
+                xo += K
+                dd = vmul_s(dw, dx[t + 3, b])
+                e0 = _vl(e0, dd, w0, x8, xo, nxc[t + 3, b, l0])
+                e1 = _vl(e1, dd, w1, x8, xo + 4, nxc[t + 3, b, l0 + 1])
+                e2 = _vl(e2, dd, w2, x8, xo + 8, nxc[t + 3, b, l0 + 2])
+                e3 = _vl(e3, dd, w3, x8, xo + 12, nxc[t + 3, b, l0 + 3])
+            if h == 0:                      # lanes 0-3 of the 4 rows wait in the scratch
+                vstore(scr, 0, a0)
+                vstore(scr, 16, a1)
+                vstore(scr, 32, a2)
+                vstore(scr, 48, a3)
+                vstore(scr, 64, b0)
+                vstore(scr, 80, b1)
+                vstore(scr, 96, b2)
+                vstore(scr, 112, b3)
+                vstore(scr, 128, c0)
+                vstore(scr, 144, c1)
+                vstore(scr, 160, c2)
+                vstore(scr, 176, c3)
+                vstore(scr, 192, e0)
+                vstore(scr, 208, e1)
+                vstore(scr, 224, e2)
+                vstore(scr, 240, e3)
+        sa = vzero()
+        sb = vzero()
+        sc = vzero()
+        se = vzero()
+        if has_m:
+            for b in range(nb):
+                mv = vload(m, (g * nb + b) * 16)
+                sa = vfma_s(mv, xs[t, b], sa)
+                sb = vfma_s(mv, xs[t + 1, b], sb)
+                sc = vfma_s(mv, xs[t + 2, b], sc)
+                se = vfma_s(mv, xs[t + 3, b], se)
+        # hsum_float_8: (l, l+4) pairs, then (0,2) + (1,3); then + summs
+        vstore_row(dst, t, col, vadd(vadd(vadd(vadd(vload(scr, 0), a0), vadd(vload(scr, 32), a2)),
+                                          vadd(vadd(vload(scr, 16), a1), vadd(vload(scr, 48), a3))), sa))
+        vstore_row(dst, t + 1, col, vadd(vadd(vadd(vadd(vload(scr, 64), b0), vadd(vload(scr, 96), b2)),
+                                              vadd(vadd(vload(scr, 80), b1), vadd(vload(scr, 112), b3))), sb))
+        vstore_row(dst, t + 2, col, vadd(vadd(vadd(vadd(vload(scr, 128), c0), vadd(vload(scr, 160), c2)),
+                                              vadd(vadd(vload(scr, 144), c1), vadd(vload(scr, 176), c3))), sc))
+        vstore_row(dst, t + 3, col, vadd(vadd(vadd(vadd(vload(scr, 192), e0), vadd(vload(scr, 224), e2)),
+                                              vadd(vadd(vload(scr, 208), e1), vadd(vload(scr, 240), e3))), se))
+        t += 4
+    while t < T:
+        a0 = vzero()
+        a1 = vzero()
+        a2 = vzero()
+        a3 = vzero()
+        a4 = vzero()
+        a5 = vzero()
+        a6 = vzero()
+        a7 = vzero()
+        sa = vzero()
+        for b in range(nb):
+            o = (g * nb + b) * wb
+            w0, w1, w2, w3 = _vl_half(w, o, packed, 0)
+            w4, w5, w6, w7 = _vl_half(w, o, packed, 1)
+            da = vmul_s(vload(d, (g * nb + b) * 16), dx[t, b])
+            xa = t * K + b * 32
+            a0 = _vl(a0, da, w0, x8, xa, nxc[t, b, 0])
+            a1 = _vl(a1, da, w1, x8, xa + 4, nxc[t, b, 1])
+            a2 = _vl(a2, da, w2, x8, xa + 8, nxc[t, b, 2])
+            a3 = _vl(a3, da, w3, x8, xa + 12, nxc[t, b, 3])
+            a4 = _vl(a4, da, w4, x8, xa + 16, nxc[t, b, 4])
+            a5 = _vl(a5, da, w5, x8, xa + 20, nxc[t, b, 5])
+            a6 = _vl(a6, da, w6, x8, xa + 24, nxc[t, b, 6])
+            a7 = _vl(a7, da, w7, x8, xa + 28, nxc[t, b, 7])
+            if has_m:
+                sa = vfma_s(vload(m, (g * nb + b) * 16), xs[t, b], sa)
+        vstore_row(dst, t, col, vadd(vadd(vadd(vadd(a0, a4), vadd(a2, a6)), vadd(vadd(a1, a5), vadd(a3, a7))), sa))
+        t += 1
+
+
+@njit(parallel=True, cache=True)
+def matmul_lanes_vnni(w, packed, d, m, x8, nxc, dx, xs, n_out, out):
+    # matmul_lanes' outputs (bit for bit) from the VNNI forms of quant.QWeight ("vlanes" /
+    # "vlanes4", see _vl_group). out f32 [T, >= n_out] (rows may be strided): columns 0..n_out-1.
+    ng = d.shape[0]
+    T = x8.shape[0]
+    for c in prange((ng + _LANE_CHUNK - 1) // _LANE_CHUNK):
+        scr = np.empty(256, np.float32)
+        for g in range(c * _LANE_CHUNK, min(ng, c * _LANE_CHUNK + _LANE_CHUNK)):
+            if (g + 1) * LANE_ROWS <= n_out:
+                _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, out, g * LANE_ROWS, scr)
+            else:
+                tmp = np.empty((T, LANE_ROWS), np.float32)
+                _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, tmp, 0, scr)
+                for t in range(T):
+                    for i in range(n_out - g * LANE_ROWS):
+                        out[t, g * LANE_ROWS + i] = tmp[t, i]
+
+
+@njit(cache=True)
+def _q4k_row(q, sc, mn, d, m, g, xi, t, bs32, dy, pairs, dst, col):
+    # dst[t, col:col+16] = matmul_q4k's outputs of row group g (the same float32 operations):
+    # per span the exact integers isum = sum_j sc_j * sum_k q4 * q8, imin = sum_j mn_j * bsum_j
+    # (vpdpbusd on the stored nibbles, 16 rows per int32 vector), acc = fma(isum, d_w*d_x, acc),
+    # accm = fma(imin, dmin_w*d_x, accm), the span a super-block or (pairs) a pair of sub-blocks;
+    # out = acc - accm. Layout ("vq4k" form): q uint8 [ng, nsb, 4, 8, 16, 4] (byte (c, k4, i, kk)
+    # = the stored byte c*32 + 4*k4 + kk of row 16g+i: low nibble sub-block 2c, high 2c+1),
+    # sc / mn uint8 [ng, nsb, 8, 16], d / m f32 [ng, nsb, 16] (d, dmin).
+    nsb = d.shape[1]
+    K = xi.shape[1]
+    acc = vzero()
+    accm = vzero()
+    for b in range(nsb):
+        base = g * nsb + b
+        qo = base * 2048
+        so = base * 128
+        dd = vmul_s(vload(d, base * 16), dy[t, b])
+        ddm = vmul_s(vload(m, base * 16), dy[t, b])
+        isum = izero()
+        imin = izero()
+        xo = t * K + b * 256
+        for c in range(4):
+            slo = izero()
+            shi = izero()
+            for k4 in range(8):
+                v = iload64(q, qo + (c * 8 + k4) * 64)
+                slo = dpbusd(slo, nib_lo(v), ibcast4(xi, xo + c * 64 + 4 * k4))
+                shi = dpbusd(shi, nib_hi(v), ibcast4(xi, xo + c * 64 + 32 + 4 * k4))
+            isum = iadd(isum, iadd(imul(iload16_u8(sc, so + 32 * c), slo), imul(iload16_u8(sc, so + 32 * c + 16), shi)))
+            imin = iadd(imin, iadd(imul(iload16_u8(mn, so + 32 * c), isplat(bs32[t, b * 8 + 2 * c])),
+                                   imul(iload16_u8(mn, so + 32 * c + 16), isplat(bs32[t, b * 8 + 2 * c + 1]))))
+            if pairs:
+                acc = vfma(i2f(isum), dd, acc)
+                accm = vfma(i2f(imin), ddm, accm)
+                isum = izero()
+                imin = izero()
+        if not pairs:
+            acc = vfma(i2f(isum), dd, acc)
+            accm = vfma(i2f(imin), ddm, accm)
+    vstore_row(dst, t, col, vsub(acc, accm))
+
+
+@njit(parallel=True, cache=True)
+def matmul_q4k_vnni(q, sc, mn, d, m, xi, dy, bs32, grouped, n_out, out):
+    # matmul_q4k's outputs (bit for bit) from the "vq4k" form (see _q4k_row); out f32 [T, >= n_out]
+    # (rows may be strided): columns 0..n_out-1
+    ng = d.shape[0]
+    T = xi.shape[0]
+    for c in prange((ng + _LANE_CHUNK - 1) // _LANE_CHUNK):
+        for g in range(c * _LANE_CHUNK, min(ng, c * _LANE_CHUNK + _LANE_CHUNK)):
+            full = (g + 1) * LANE_ROWS <= n_out
+            tmp = out if full else np.empty((T, LANE_ROWS), np.float32)
+            col = g * LANE_ROWS if full else 0
+            for t in range(T):
+                _q4k_row(q, sc, mn, d, m, g, xi, t, bs32, dy, grouped[t] != 0, tmp, col)
+            if not full:
+                for t in range(T):
+                    for i in range(n_out - g * LANE_ROWS):
+                        out[t, g * LANE_ROWS + i] = tmp[t, i]
+
+
+@njit(cache=True)
+def _q6k_vec_row(q, sc, d, g, xi, t, bs16, dy, dst, col):
+    # dst[t, col:col+16] = matmul_q6k's vec_dot outputs of row group g (same float32 operations):
+    # per super-block eight exact int32 lanes, lane l = sum_v sc[2v + l//4] * sum_k q6 * q8 over
+    # elements v*32 + 4l + k, minus 32 * (bsum16[2l] sc[2l] + bsum16[2l+1] sc[2l+1]);
+    # acc_l = fma(d_x*d_w, lane_l, acc_l); hsum_float_8. Layout ("vq6k" form): q uint8
+    # [ng, nsb, 64, 16, 4] (byte (e4, i, k) = the 6-bit level 0..63 of row 16g+i, element 4*e4+k),
+    # sc int8 [ng, nsb, 16, 16] (sub-block j, row i), d f32 [ng, nsb, 16].
+    nsb = d.shape[1]
+    K = xi.shape[1]
+    a0 = vzero()
+    a1 = vzero()
+    a2 = vzero()
+    a3 = vzero()
+    a4 = vzero()
+    a5 = vzero()
+    a6 = vzero()
+    a7 = vzero()
+    for b in range(nsb):
+        base = g * nsb + b
+        qo = base * 4096
+        so = base * 256
+        xo = t * K + b * 256
+        l0 = izero()
+        l1 = izero()
+        l2 = izero()
+        l3 = izero()
+        l4 = izero()
+        l5 = izero()
+        l6 = izero()
+        l7 = izero()
+        for v in range(8):
+            s0 = iload16_s8(sc, so + 32 * v)
+            s1 = iload16_s8(sc, so + 32 * v + 16)
+            e = qo + v * 512
+            x = xo + v * 32
+            z = izero()
+            l0 = iadd(l0, imul(s0, dpbusd(z, iload64(q, e), ibcast4(xi, x))))
+            l1 = iadd(l1, imul(s0, dpbusd(z, iload64(q, e + 64), ibcast4(xi, x + 4))))
+            l2 = iadd(l2, imul(s0, dpbusd(z, iload64(q, e + 128), ibcast4(xi, x + 8))))
+            l3 = iadd(l3, imul(s0, dpbusd(z, iload64(q, e + 192), ibcast4(xi, x + 12))))
+            l4 = iadd(l4, imul(s1, dpbusd(z, iload64(q, e + 256), ibcast4(xi, x + 16))))
+            l5 = iadd(l5, imul(s1, dpbusd(z, iload64(q, e + 320), ibcast4(xi, x + 20))))
+            l6 = iadd(l6, imul(s1, dpbusd(z, iload64(q, e + 384), ibcast4(xi, x + 24))))
+            l7 = iadd(l7, imul(s1, dpbusd(z, iload64(q, e + 448), ibcast4(xi, x + 28))))
+        bo = b * 16
+        l0 = isub(l0, _q6_corr(sc, so, bs16, t, bo, 0))
+        l1 = isub(l1, _q6_corr(sc, so, bs16, t, bo, 1))
+        l2 = isub(l2, _q6_corr(sc, so, bs16, t, bo, 2))
+        l3 = isub(l3, _q6_corr(sc, so, bs16, t, bo, 3))
+        l4 = isub(l4, _q6_corr(sc, so, bs16, t, bo, 4))
+        l5 = isub(l5, _q6_corr(sc, so, bs16, t, bo, 5))
+        l6 = isub(l6, _q6_corr(sc, so, bs16, t, bo, 6))
+        l7 = isub(l7, _q6_corr(sc, so, bs16, t, bo, 7))
+        dd = vmul_s(vload(d, base * 16), dy[t, b])
+        a0 = vfma(dd, i2f(l0), a0)
+        a1 = vfma(dd, i2f(l1), a1)
+        a2 = vfma(dd, i2f(l2), a2)
+        a3 = vfma(dd, i2f(l3), a3)
+        a4 = vfma(dd, i2f(l4), a4)
+        a5 = vfma(dd, i2f(l5), a5)
+        a6 = vfma(dd, i2f(l6), a6)
+        a7 = vfma(dd, i2f(l7), a7)
+    vstore_row(dst, t, col, vadd(vadd(vadd(a0, a4), vadd(a2, a6)), vadd(vadd(a1, a5), vadd(a3, a7))))
+
+
+@njit(cache=True)
+def _q6_corr(sc, so, bs16, t, bo, l):
+    # 32 * (bsum16[2l] * sc[2l] + bsum16[2l+1] * sc[2l+1]) for the 16 rows (exact int32)
+    return imul(isplat(np.int32(32)), iadd(imul(iload16_s8(sc, so + 32 * l), isplat(bs16[t, bo + 2 * l])),
+                                           imul(iload16_s8(sc, so + 32 * l + 16), isplat(bs16[t, bo + 2 * l + 1]))))
+
+
+@njit(cache=True)
+def _q6_sub(q, e, xi, x, c):
+    # sum_k q6 * q8 over one 16-element sub-block for 16 rows, started at c (exact int32)
+    return dpbusd(dpbusd(dpbusd(dpbusd(c, iload64(q, e), ibcast4(xi, x)), iload64(q, e + 64), ibcast4(xi, x + 4)),
+                         iload64(q, e + 128), ibcast4(xi, x + 8)), iload64(q, e + 192), ibcast4(xi, x + 12))
+
+
+@njit(cache=True)
+def _q6k_tiled_rows(q, sc, d, g, xi, t, n, bs16, dy, dst, col):
+    # dst[t..t+n-1, col:col+16] (n = 1 or 4 rows sharing each weight load) = matmul_q6k's tiled
+    # outputs of row group g (same float32 operations): per super-block the exact isum = sum_j
+    # sc_j * (sum_k q6 * q8 - 32 * bsum16_j) over the 16 sub-blocks, out = fma(f32(isum) * d_w,
+    # d_x, out), super-blocks in order. Layout as _q6k_vec_row.
+    nsb = d.shape[1]
+    K = xi.shape[1]
+    o0 = vzero()
+    o1 = vzero()
+    o2 = vzero()
+    o3 = vzero()
+    four = n == 4
+    for b in range(nsb):
+        base = g * nsb + b
+        qo = base * 4096
+        so = base * 256
+        xo = t * K + b * 256
+        i0 = izero()
+        i1 = izero()
+        i2 = izero()
+        i3 = izero()
+        for j in range(16):
+            scj = iload16_s8(sc, so + 16 * j)
+            e = qo + j * 256
+            x = xo + 16 * j
+            i0 = iadd(i0, imul(scj, _q6_sub(q, e, xi, x, isplat(-32 * bs16[t, b * 16 + j]))))
+            if four:
+                i1 = iadd(i1, imul(scj, _q6_sub(q, e, xi, x + K, isplat(-32 * bs16[t + 1, b * 16 + j]))))
+                i2 = iadd(i2, imul(scj, _q6_sub(q, e, xi, x + 2 * K, isplat(-32 * bs16[t + 2, b * 16 + j]))))
+                i3 = iadd(i3, imul(scj, _q6_sub(q, e, xi, x + 3 * K, isplat(-32 * bs16[t + 3, b * 16 + j]))))
+        dw = vload(d, base * 16)
+        o0 = vfma_s(vmul(i2f(i0), dw), dy[t, b], o0)
+        if four:
+            o1 = vfma_s(vmul(i2f(i1), dw), dy[t + 1, b], o1)
+            o2 = vfma_s(vmul(i2f(i2), dw), dy[t + 2, b], o2)
+            o3 = vfma_s(vmul(i2f(i3), dw), dy[t + 3, b], o3)
+    vstore_row(dst, t, col, o0)
+    if four:
+        vstore_row(dst, t + 1, col, o1)
+        vstore_row(dst, t + 2, col, o2)
+        vstore_row(dst, t + 3, col, o3)
+
+
+@njit(parallel=True, cache=True)
+def matmul_q6k_vnni(q, sc, d, xi, dy, bs16, tiled, n_out, out):
+    # matmul_q6k's outputs (bit for bit) from the "vq6k" form (see _q6k_vec_row); per row the
+    # vec_dot or (tiled[t]) the tiled kernel; out f32 [T, >= n_out] (rows may be strided)
+    ng = d.shape[0]
+    T = xi.shape[0]
+    for c in prange((ng + _LANE_CHUNK - 1) // _LANE_CHUNK):
+        for g in range(c * _LANE_CHUNK, min(ng, c * _LANE_CHUNK + _LANE_CHUNK)):
+            full = (g + 1) * LANE_ROWS <= n_out
+            tmp = out if full else np.empty((T, LANE_ROWS), np.float32)
+            col = g * LANE_ROWS if full else 0
+            t = 0
+            while t < T:
+                if tiled[t] != 0:
+                    if t + 4 <= T and tiled[t + 1] != 0 and tiled[t + 2] != 0 and tiled[t + 3] != 0:
+                        _q6k_tiled_rows(q, sc, d, g, xi, t, 4, bs16, dy, tmp, col)
+                        t += 4
+                    else:
+                        _q6k_tiled_rows(q, sc, d, g, xi, t, 1, bs16, dy, tmp, col)
+                        t += 1
+                else:
+                    _q6k_vec_row(q, sc, d, g, xi, t, bs16, dy, tmp, col)
+                    t += 1
+            if not full:
+                for t in range(T):
+                    for i in range(n_out - g * LANE_ROWS):
+                        out[t, g * LANE_ROWS + i] = tmp[t, i]
