@@ -18,6 +18,7 @@ Imports neither the router nor the worker; both may import it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from protocol.limits import WEIGHT_MODES
@@ -34,7 +35,8 @@ FLOAT32_BYTES = 4
 LANE_ROWS = 16
 
 #: ggml type name -> ``(form, elements, bytes)``: the quantized path's in-memory form of a
-#: matrix of that type holds ``bytes`` per ``elements`` weights:
+#: matrix of that type holds ``bytes`` per ``elements`` weights, on a CPU without AVX512-VNNI
+#: (the reference kernels' forms):
 #:
 #: * ``lanes`` (the 32-block types): an int8 level per weight and a float32 scale ``d`` per 32
 #:   (Q4_1 / Q5_1: and a float32 offset ``m`` per 32); rows padded to :data:`LANE_ROWS`;
@@ -51,14 +53,52 @@ QUANTIZED_FORMS: dict[str, tuple[str, int, int]] = {
     "Q6_K": ("q6k", 256, 256 + 16 + 4),
 }
 
+#: The same on a CPU with AVX512-VNNI (the VNNI kernels' forms, ``quant.QWeight``): every form
+#: has its rows interleaved by :data:`LANE_ROWS` (padded); ``vlanes4`` holds Q4_0 / Q4_1 as
+#: packed nibbles (16 bytes per 32 weights), ``vlanes`` the other 32-block types as a byte per
+#: weight, ``vq4k`` / ``vq6k`` the K-quant forms' bytes. A fused matrix whose parts are not all
+#: Q4_0 / Q4_1 is held as ``vlanes`` (a byte per weight) whole.
+VNNI_FORMS: dict[str, tuple[str, int, int]] = {
+    "Q4_0": ("vlanes4", 32, 16 + 4),
+    "Q4_1": ("vlanes4", 32, 16 + 4 + 4),
+    "Q5_0": ("vlanes", 32, 32 + 4),
+    "Q8_0": ("vlanes", 32, 32 + 4),
+    "Q5_1": ("vlanes", 32, 32 + 4 + 4),
+    "Q4_K": ("vq4k", 256, 128 + 8 + 8 + 4 + 4),
+    "Q6_K": ("vq6k", 256, 256 + 16 + 4),
+}
 
-def held_bytes(type_code: int, dims: Sequence[int], weights: str) -> int:
+#: Environment switch of the worker's VNNI kernels (``worker.engine.quant.VNNI_ENV``).
+VNNI_ENV = "MODELYARD_QUANT_VNNI"
+
+
+def host_has_vnni() -> bool:
+    """Whether a worker on this host holds the VNNI forms: the CPU flags ``avx512f``,
+    ``avx512bw`` and ``avx512_vnni`` in ``/proc/cpuinfo`` (Linux), :data:`VNNI_ENV` not off,
+    ``NUMBA_CPU_NAME`` unset or ``host`` — the rule of ``worker.engine.quant.host_has_vnni``
+    (which asks llvmlite; a test holds the two equal). False where ``/proc/cpuinfo`` is missing."""
+    if os.environ.get(VNNI_ENV, "1").strip().lower() in ("0", "false", "no", "off") \
+            or os.environ.get("NUMBA_CPU_NAME", "host") not in ("", "host"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return {"avx512f", "avx512bw", "avx512_vnni"} <= flags
+    except OSError:
+        pass
+    return False
+
+
+def held_bytes(type_code: int, dims: Sequence[int], weights: str, vnni: bool | None = None) -> int:
     """Bytes a worker in mode ``weights`` holds for one GGUF tensor.
 
     Args:
         type_code: the tensor's ``ggml_type`` code as stored in the GGUF tensor info.
         dims: its dimensions in GGUF order (``ne[0]`` first: the row length, then the rows).
         weights: a mode of :data:`~protocol.limits.WEIGHT_MODES`.
+        vnni: the VNNI forms (:data:`VNNI_FORMS`) or the reference ones; None: :func:`host_has_vnni`.
     Returns: bytes, int >= 0 (the worker's arrays' ``nbytes``; a fused matrix's rows are padded
         once, so the sum over its parts may exceed it by under :data:`LANE_ROWS` rows per part).
     Raises: ValueError for an unknown mode.
@@ -68,11 +108,13 @@ def held_bytes(type_code: int, dims: Sequence[int], weights: str) -> int:
     n = 1
     for d in dims:
         n *= int(d)
-    form = QUANTIZED_FORMS.get(GGML_TYPE_NAMES.get(type_code, ""))
+    if weights == "quantized" and vnni is None:
+        vnni = host_has_vnni()
+    form = (VNNI_FORMS if vnni else QUANTIZED_FORMS).get(GGML_TYPE_NAMES.get(type_code, ""))
     if weights == "f32" or form is None or len(dims) != 2:
         return n * FLOAT32_BYTES
     kind, elements, nbytes = form
     cols, rows = int(dims[0]), int(dims[1])
-    if kind == "lanes":
+    if kind != "q4k" and kind != "q6k":  # every form but the reference K-quant ones pads rows
         rows = -(-rows // LANE_ROWS) * LANE_ROWS
     return rows * cols * nbytes // elements

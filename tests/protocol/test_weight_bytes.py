@@ -10,7 +10,8 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from protocol.limits import DEFAULT_WEIGHTS, WEIGHT_MODES
-from protocol.weight_bytes import FLOAT32_BYTES, GGML_TYPE_NAMES, LANE_ROWS, QUANTIZED_FORMS, held_bytes
+from protocol.weight_bytes import (FLOAT32_BYTES, GGML_TYPE_NAMES, LANE_ROWS, QUANTIZED_FORMS, VNNI_ENV, VNNI_FORMS,
+                                   held_bytes, host_has_vnni)
 from router.gguf_meta import tensor_infos
 from router.placement import held_weight_bytes
 from tests.paths import GEMMA3_PATH, SMOLLM2_PATH
@@ -28,20 +29,32 @@ def test_the_table_names_the_engines_types_and_forms() -> None:
         assert GGMLQuantizationType(code).name == name
     assert set(QUANTIZED_FORMS) == {t for t in GGML_TYPE_NAMES.values() if quant.supports(t)} == set(quant.ACT_TYPE)
     assert {t for t, f in QUANTIZED_FORMS.items() if f[0] == "lanes"} == set(quant.LANE_TYPES)
+    assert set(VNNI_FORMS) == set(QUANTIZED_FORMS)
+    assert {t for t, f in VNNI_FORMS.items() if f[0] == "vlanes4"} == set(quant.PACKED_TYPES)
+    assert VNNI_ENV == quant.VNNI_ENV
+    assert host_has_vnni() == quant.host_has_vnni()  # the router's rule (cpuinfo) = the worker's (llvmlite)
     assert LANE_ROWS == quant.LANE_ROWS
     assert ENGINE_DEFAULT == DEFAULT_WEIGHTS and DEFAULT_WEIGHTS in WEIGHT_MODES
 
 
+#: the form sets a QWeight can be built in on this host: the reference one always, the VNNI one
+#: where the CPU has it
+FORM_SETS = [False] + ([True] if quant.host_has_vnni() else [])
+
+
+@pytest.mark.parametrize("vnni", FORM_SETS, ids=lambda v: "vnni" if v else "reference")
 @pytest.mark.parametrize("type_name", sorted(QUANTIZED_FORMS))
 @pytest.mark.parametrize("rows", [1, 16, 17, 40])
-def test_held_bytes_is_the_nbytes_of_the_quantized_form(type_name: str, rows: int) -> None:
+def test_held_bytes_is_the_nbytes_of_the_quantized_form(type_name: str, rows: int, vnni: bool,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(quant, "_vnni", vnni)
     t = GGMLQuantizationType[type_name]
     block, tsize = GGML_QUANT_SIZES[t]
     cols = 512
     raw = np.random.default_rng(rows).integers(0, 256, (rows, cols // block * tsize), dtype=np.uint8)
     w = quant.QWeight.from_raw(type_name, raw, rows, cols)
-    assert w.kind == QUANTIZED_FORMS[type_name][0]
-    assert held_bytes(int(t), (cols, rows), "quantized") == w.nbytes
+    assert w.kind == (VNNI_FORMS if vnni else QUANTIZED_FORMS)[type_name][0]
+    assert held_bytes(int(t), (cols, rows), "quantized", vnni) == w.nbytes
     assert held_bytes(int(t), (cols, rows), "f32") == rows * cols * FLOAT32_BYTES
 
 
