@@ -465,7 +465,10 @@ def test_compile_kernels_covers_every_kernel_a_quantized_load_and_request_run(tm
     assert out.returncode == 0, out.stderr
     assert "[setup] quantized kernels ready in" in out.stdout
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    for name in ("matmul_lanes", "matmul_q4k", "matmul_q6k", "fa_vec", "fa_tiled", "silu_rows", "gelu_table_f16",
-                 "cos_sin_f32", "quant_q8_0", "quant_q8_K"):
+    from worker.engine import quant
+
+    v = "_vnni" if quant.host_has_vnni() else ""                   # the VNNI kernels where the CPU has them
+    for name in (f"matmul_lanes{v}", f"matmul_q4k{v}", f"matmul_q6k{v}", "fa_vec", "fa_tiled", "silu_rows",
+                 "gelu_table_f16", "cos_sin_f32", "quant_q8_0", "quant_q8_K") + (("lane_levels",) if v else ()):
         assert got["before"][name], name
     assert got["after"] == got["before"]
