@@ -347,6 +347,51 @@ def test_a_chunk_without_output_rows_on_the_quantized_path(tmp_path) -> None:
     assert np.abs(rest - one).max() < 1e-3                      # another chunking: llama.cpp's other path
 
 
+@pytest.mark.parametrize("kind", ["qwen3-q4_k_m", "gemma3-q8_0"])
+def test_a_micro_batch_run_in_slices_is_the_same_bits(tmp_path, kind: str) -> None:
+    # Segment.ubatch: slices of a micro-batch over several passes choose every row-count-dependent
+    # kernel (Q4_K gemm/gemv, Q6_K tiled/vec_dot, the flash-attention path) for the whole
+    # micro-batch, so their logits and K/V equal the micro-batch's run whole; each slice run as its
+    # own micro-batch differs (llama.cpp's result for that other cut)
+    import json
+
+    from tests.paths import FIXTURES_DIR
+    from tests.worker.tiny_gguf import write_tiny_gemma3, write_tiny_qwen
+    from worker.engine.attention import AttnBatch, Segment
+    from worker.engine.gguf_loader import read_gguf
+    from worker.engine.kv_cache import KVEntry
+    from worker.engine.model import load_model
+    if kind == "qwen3-q4_k_m":
+        kw = json.loads((FIXTURES_DIR / "tiny-arch.llamacpp.json").read_text())["files"][kind]["kwargs"]
+        path = write_tiny_qwen(tmp_path / "q.gguf", **{**kw, "n_ctx_train": 512})
+    else:
+        path = write_tiny_gemma3(tmp_path / "g.gguf", qtype="Q8_0", sliding_window=40)
+    m = load_model(read_gguf(path), n_ctx=256, weights="quantized")
+    ids = np.random.default_rng(3).integers(4, 440, 230)
+    ub = 160                                                       # micro-batches [0, 160) and [160, 230)
+
+    def run(cuts: list[int], as_ubatch: bool) -> tuple[np.ndarray, np.ndarray]:
+        e = KVEntry(m.kv_shape, m.n_ctx, m.n_ctx)
+        pos, out = 0, None
+        for n in cuts:
+            first = 0 if pos < ub else ub
+            seg = (Segment(e, 0, n, pos, min(ub, len(ids) - first), pos - first) if as_ubatch
+                   else Segment(e, 0, n, pos))
+            last = pos + n == len(ids)
+            out = m.forward_batch(ids[pos:pos + n], AttnBatch([seg], m.dtype), [n - 1] if last else [])
+            e.tokens.extend(int(t) for t in ids[pos:pos + n])
+            pos += n
+        return out[0], e.k[:, :, :len(ids)].copy()
+
+    whole, k_whole = run([160, 70], False)
+    for cuts in ([64, 96, 70], [1, 7, 100, 52, 3, 67], [13, 147, 69, 1]):
+        got, k_got = run(cuts, True)
+        np.testing.assert_array_equal(got, whole, err_msg=f"slices {cuts}")
+        np.testing.assert_array_equal(k_got, k_whole, err_msg=f"slices {cuts}")
+    own, _ = run([1, 7, 100, 52, 3, 67], False)
+    assert np.abs(own - whole).max() > 1e-4
+
+
 def test_fused_matrices_equal_their_parts() -> None:
     a = quant.QWeight.from_raw("Q5_0", random_blocks("Q5_0", 16, 256, seed=6), 16, 256)
     a2 = quant.QWeight.from_raw("Q5_0", random_blocks("Q5_0", 8, 256, seed=11), 8, 256)

@@ -14,10 +14,10 @@ the idle entries kept as a prefix cache) and the waiting line. Each
   more than one such slice;
 * the prompt is cut into micro-batches as llama.cpp cuts a sequence's prompt alone
   (``n_ubatch`` tokens each, counted from the end of its reused prefix), whatever the
-  budget and the other sequences: a step's slice of a prompt is a part of one or more of
-  them (``Segment.ubatch``), and the kernels choose for the whole micro-batch, so a
-  sequence's logits are the same bits alone and beside any others (with
-  ``weights="quantized"``; the float32 path agrees to float32 rounding);
+  budget and the other sequences: a step carries slices of one or more of them (a slice
+  never crosses a micro-batch's end; ``Segment.ubatch``), and the kernels choose for the
+  whole micro-batch, so a sequence's logits are the same bits alone and beside any others
+  (with ``weights="quantized"``; the float32 path agrees to float32 rounding);
 * a new request joins at the next step when a slot is free and its KV
   reservation fits the budget (idle entries are evicted, least recently used
   first, to make room); one that can never fit is refused at :meth:`add`.
