@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from protocol.weight_bytes import QUANTIZED_FORMS, VNNI_FORMS, host_has_vnni
 from router.lifecycle import WorkerState
 from router.placement import FILE_FACTOR, MiB, QUANTIZED_RUNTIME_BYTES, RUNTIME_BYTES, Estimate, Seat, decide, estimate
 from router.pool import Pool
@@ -90,16 +91,23 @@ def test_estimate_from_the_gguf_and_refined_by_measurement() -> None:
 
 
 def test_a_quantized_estimate_counts_the_in_memory_forms() -> None:
-    # SmolLM2 Q4_1: 28.3 M Q8_0 weights at 36 bytes per 32, 106.2 M Q4_1 at 40 per 32, 35 k F32
-    # norms at 4 (tests/protocol/test_weight_bytes.py holds these sums to the loaded arrays)
+    # the forms a worker on this host builds (the VNNI ones where the CPU has AVX512-VNNI);
+    # tests/protocol/test_weight_bytes.py holds these sums to the loaded arrays
+    forms = VNNI_FORMS if host_has_vnni() else QUANTIZED_FORMS
+
+    def b(type_name: str, n: int) -> int:
+        return n * forms[type_name][2] // forms[type_name][1]
+
+    # SmolLM2 Q4_1: 28.3 M Q8_0 weights, 106.2 M Q4_1, 35 k F32 norms at 4 bytes
     q = estimate(SMOLLM2, 512, None, weights="quantized")
     assert q.source == "gguf" and q.describe()["weights"] == "quantized"
-    assert q.weights == 28_311_552 * 36 // 32 + 106_168_320 * 40 // 32 + 35_136 * 4 + RUNTIME_BYTES + QUANTIZED_RUNTIME_BYTES
+    assert q.weights == b("Q8_0", 28_311_552) + b("Q4_1", 106_168_320) + 35_136 * 4 + RUNTIME_BYTES + QUANTIZED_RUNTIME_BYTES
     f = estimate(SMOLLM2, 512, None, weights="f32")
-    assert 2.9 < (f.weights - RUNTIME_BYTES) / (q.weights - RUNTIME_BYTES - QUANTIZED_RUNTIME_BYTES) < 3.5
+    ratio = (f.weights - RUNTIME_BYTES) / (q.weights - RUNTIME_BYTES - QUANTIZED_RUNTIME_BYTES)
+    assert (4.5 < ratio < 5.0) if forms is VNNI_FORMS else (2.9 < ratio < 3.5)  # 24 vs 40 bytes per 32 for Q4_1
     g = estimate(GEMMA, 512, None, weights="quantized")  # Q8_0, Q5_0, Q4_K, Q6_K, F32
-    assert g.weights == (169_246_720 * 36 // 32 + 63_406_080 * 36 // 32 + 23_592_960 * 152 // 256
-                         + 11_796_480 * 276 // 256 + 55_936 * 4 + RUNTIME_BYTES + QUANTIZED_RUNTIME_BYTES)
+    assert g.weights == (b("Q8_0", 169_246_720) + b("Q5_0", 63_406_080) + b("Q4_K", 23_592_960)
+                         + b("Q6_K", 11_796_480) + 55_936 * 4 + RUNTIME_BYTES + QUANTIZED_RUNTIME_BYTES)
     with pytest.raises(ValueError, match="weights must be one of"):
         estimate(SMOLLM2, 512, None, weights="f16")
 
@@ -291,23 +299,24 @@ def test_memory_evicts_lru_idle_then_refuses_with_figures(tmp_path: Path, monkey
 
 
 def test_a_quantized_model_is_placed_by_what_its_worker_holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # the same real GGUF (SmolLM2, header read by the router) served twice: quantized, ~293 MiB + KV
-    # 100 MiB, fits in 600 MiB; float32, ~609 MiB + KV, does not even with the other one evicted
+    # the same real GGUF (SmolLM2, header read by the router) served twice: quantized, ~242 MiB
+    # (VNNI forms) or ~293 MiB (reference forms) + KV 100 MiB, fits in 600 MiB; float32, ~609 MiB +
+    # KV, does not even with the other one evicted
     env = InProc(tmp_path, monkeypatch)
-    mem = FakeMemory(total=600 * MiB, rss={"q": 250 * MiB, "f": 250 * MiB})
+    mem = FakeMemory(total=600 * MiB, rss={"q": 200 * MiB, "f": 200 * MiB})
     cfg = (config(0, models="") + f'[models.q]\npath = "{SMOLLM2}"\nweights = "quantized"\n'
-           f'[models.f]\npath = "{SMOLLM2}"\n')
+           f'[models.f]\npath = "{SMOLLM2}"\nweights = "f32"\n')
 
     async def go() -> None:
         async with env.app(cfg, memory=mem) as (pool, c):
             mem.pool = pool
             assert (await ask(c, "q")).status_code == 200
             est = pool.get("q").estimate()
-            assert est.source == "gguf" and est.mode == "quantized" and 280 * MiB < est.weights < 300 * MiB
+            assert est.source == "gguf" and est.mode == "quantized" and 230 * MiB < est.weights < 300 * MiB
             r = await ask(c, "f")
             assert r.status_code == 503 and r.json()["error"]["code"] == "insufficient_memory"
             msg = r.json()["error"]["message"]
-            assert "weights 609 MiB [gguf]" in msg and "350 MiB is available" in msg, msg
+            assert "weights 609 MiB [gguf]" in msg and "400 MiB is available" in msg, msg
             assert pool.get("f").spawn_count == 0 and pool.get("q").state is WorkerState.READY
 
     asyncio.run(go())
