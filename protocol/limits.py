@@ -67,7 +67,7 @@ DEFAULT_KV_BUDGET_MIB = 2048.0
 WEIGHT_MODES = ("quantized", "f32")
 #: The mode a worker runs when ``weights`` is not configured (``python -m worker`` without
 #: ``--weights``); worker.engine.model.DEFAULT_WEIGHTS is checked equal to it by the tests.
-DEFAULT_WEIGHTS = "f32"
+DEFAULT_WEIGHTS = "quantized"
 
 #: The most choices (``n``) one request may ask for.
 MAX_N = int(GENERATE_LIMITS["n"].hi or 1)

@@ -35,7 +35,7 @@ import os
 import signal
 import sys
 
-from protocol.limits import WEIGHT_MODES
+from protocol.limits import DEFAULT_WEIGHTS, WEIGHT_MODES
 
 #: Environment variables that set the BLAS / OpenMP thread pools (read when NumPy loads).
 THREAD_ENV_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-budget-mib", type=float, default=None,
                    help="KV memory of all sequences and cached prefixes, MiB (default: the engine's, 2048)")
     p.add_argument("--weights", choices=WEIGHT_MODES, default=None,
-                   help="how weight matrices are held: float32 (default) or the GGUF's quantized blocks")
+                   help=f"how weight matrices are held: the GGUF's quantized blocks or float32 (default {DEFAULT_WEIGHTS})")
     p.add_argument("--n-ubatch", type=_positive, default=None,
                    help="tokens of a prompt's micro-batch, llama.cpp's n_ubatch (default: the engine's, 512)")
     p.add_argument("--parent-pid", type=int, default=None,
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:  # before NumPy is imported (worker.server imports the engine)
         for var in THREAD_ENV_VARS:
             os.environ[var] = str(args.threads)
-    if args.weights == "quantized":  # numba and the file-independent kernels load while the rest starts
+    if (args.weights or DEFAULT_WEIGHTS) == "quantized":  # numba and the file-independent kernels load while the rest starts
         from worker.engine import preload_kernels
 
         preload_kernels()

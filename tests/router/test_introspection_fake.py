@@ -16,9 +16,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+
 import httpx
 import pytest
 
+from protocol.limits import DEFAULT_WEIGHTS
 from router.gguf_meta import read_string
 from tests.router.conftest import LiveRouter, dummy_gguf
 
@@ -50,7 +52,7 @@ path = "spare.gguf"
 [models.quant]
 path = "spare.gguf"
 aliases = ["q"]
-weights = "quantized"
+weights = "f32"
 """
 
 SWITCHES: dict[str, Any] = {
@@ -253,24 +255,25 @@ def test_models_failed_load_shows_failed_and_exit_code(router: LiveRouter) -> No
 
 
 def test_every_per_model_view_shows_the_weights_mode_from_the_config(router: LiveRouter) -> None:
-    # unset: the worker's default, "f32" (protocol.limits.DEFAULT_WEIGHTS); "quantized" as configured
-    want = {"alpha": "f32", "multi": "f32", "own": "f32", "broken": "f32", "lazy": "f32", "spare": "f32",
-            "quant": "quantized"}
+    # unset: the worker's default (protocol.limits.DEFAULT_WEIGHTS, "quantized"); "quant" is
+    # configured with the other mode, "f32"
+    assert DEFAULT_WEIGHTS == "quantized"
+    d = DEFAULT_WEIGHTS
+    want = {"alpha": d, "multi": d, "own": d, "broken": d, "lazy": d, "spare": d, "quant": "f32"}
     assert get(router, "/health").json()["weights"] == want
     assert {m["id"]: m["weights"] for m in get(router, "/models").json()["data"]} == want
-    assert {m["id"]: m["weights"] for m in get(router, "/v1/models").json()["data"]} == {
-        **want, "a": "f32", "q": "quantized"}
-    assert get(router, "/v1/models/q").json()["weights"] == "quantized"
+    assert {m["id"]: m["weights"] for m in get(router, "/v1/models").json()["data"]} == {**want, "a": d, "q": "f32"}
+    assert get(router, "/v1/models/q").json()["weights"] == "f32"
     assert {m["id"]: m["weights"] for m in get(router, "/admin/models").json()["data"]} == want
     st = router.admin("quant")
-    assert st["placement"]["estimate"]["weights"] == "quantized"
+    assert st["placement"]["estimate"]["weights"] == "f32"
     # the worker is started in that mode
     assert httpx.post(router.url + "/models/load", json={"model": "quant"}, timeout=30).status_code == 200
     router.wait_for(lambda: status_of(router, "quant")["value"] == "loaded", what="quant loaded")
     args = status_of(router, "quant")["args"]
-    assert args[args.index("--weights") + 1] == "quantized"
+    assert args[args.index("--weights") + 1] == "f32"
     assert "--weights" not in status_of(router, "alpha").get("args", [])
-    assert router.admin("quant")["weights"] == "quantized"
+    assert router.admin("quant")["weights"] == "f32"
     assert httpx.post(router.url + "/models/unload", json={"model": "quant"}, timeout=30).status_code == 200
     router.wait_for(lambda: status_of(router, "quant")["value"] == "unloaded", what="quant unloaded")
 

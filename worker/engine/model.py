@@ -37,14 +37,14 @@ from .attention import AttnBatch, Segment, attention, attention_mask  # noqa: F4
 from .kv_cache import KVEntry, KVShape
 from .quant import _SEQ_ROWS, QConcat, QWeight, cos_sin_libm, format_tag as quant_format, fuse, row_groups, supports as quant_supports
 
-#: How weight matrices are held: ``"quantized"`` (the GGUF's own blocks as int8 levels + scales,
-#: multiplied by the kernels of :mod:`.quant`) or ``"f32"`` (dequantized once, sgemm; the reference).
-#: The default stays "f32": the quantized path is batch-invariant (one row-deterministic kernel for
-#: every row count, see :mod:`.quant`) and decodes faster, but its prefill (the same kernel on 128-256
-#: rows) is slower than sgemm's on float32 weights (measured per MAC on one thread: ~0.4-0.5x at 32-128
-#: rows), and sgemm is not row-deterministic (OpenBLAS's results change with the row count).
+#: How weight matrices are held: ``"quantized"`` (the GGUF's own blocks, multiplied by the kernels
+#: of :mod:`.quant` exactly as llama.cpp's CPU backend computes) or ``"f32"`` (dequantized once,
+#: sgemm; the reference). The default is "quantized": it is the faithful path (llama.cpp's
+#: recorded logprobs to the bit), it holds a third to a quarter of f32's memory, and with the VNNI
+#: kernels it costs less CPU per token than sgemm on float32 weights at every batch size
+#: (scripts/bench_weights.py; README's `weights` row has the figures).
 WEIGHT_MODES = ("quantized", "f32")
-DEFAULT_WEIGHTS = "f32"
+DEFAULT_WEIGHTS = "quantized"
 
 #: A prepared weight matrix: float32 ``[out, in]`` or a quantized form with ``shape`` and ``matmul``.
 Matrix = np.ndarray | QWeight | QConcat
