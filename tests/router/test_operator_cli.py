@@ -29,7 +29,7 @@ aliases = ["em", "m:latest"]
 [models.p]
 path = "m.gguf"
 pinned = true
-weights = "quantized"
+weights = "f32"
 """
 
 
@@ -53,8 +53,8 @@ def test_banner(tmp_path: Path) -> None:
         log = r.log()
         assert f"modelyard {version()} listening on http://127.0.0.1:{r.port}" in log
         assert f"models directory: {tmp_path}" in log
-        assert "  m — unloaded — m.gguf (weights: f32; aliases: em, m:latest)" in log
-        assert "  p — unloaded — m.gguf (weights: quantized; pinned)" in log
+        assert "  m — unloaded — m.gguf (weights: quantized; aliases: em, m:latest)" in log  # the default
+        assert "  p — unloaded — m.gguf (weights: f32; pinned)" in log                      # configured
         assert "caches: weights " in log and "/modelyard/npy" in log
         # the banner comes before uvicorn's own start-up lines
         assert log.index("listening on") < log.index("Application startup complete")
