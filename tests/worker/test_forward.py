@@ -320,7 +320,9 @@ def test_float64_agrees_with_float32_gemma3(gemma3_gguf) -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
 def test_chunked_equals_oneshot_equals_tokenwise(tmp_path: Path, arch: str) -> None:
-    m = load_model(read_gguf(tiny(tmp_path, arch, qtype="F16")))
+    # the f32 path (sgemm, float32 weights) is chunk-invariant to 1e-4; the quantized path, like
+    # llama.cpp, picks kernels by a micro-batch's row count (tests/worker/test_batching.py holds its rule)
+    m = load_model(read_gguf(tiny(tmp_path, arch, qtype="F16")), weights="f32")
     full = m.forward(PROMPT, all_logits=True)
     assert full.shape == (len(PROMPT), TINY_VOCAB_SIZE) and full.dtype == np.float32
     assert m.n_past == len(PROMPT)
@@ -377,7 +379,7 @@ def test_batched_segments_equal_alone(tmp_path: Path, arch: str, weights: str) -
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
 def test_truncate_and_refeed_equals_fresh(tmp_path: Path, arch: str) -> None:
-    m = load_model(read_gguf(tiny(tmp_path, arch)))
+    m = load_model(read_gguf(tiny(tmp_path, arch)), weights="f32")
     fresh = m.forward(PROMPT, all_logits=True)
     m.reset()
     m.forward(PROMPT[:15] + [5, 6, 7, 8, 9, 10, 11, 12, 13, 14])  # diverge after 15 tokens
@@ -405,7 +407,7 @@ def test_real_models_chunked_equals_oneshot(smollm2_gguf, gemma3_gguf) -> None:
     fx = json.loads(GEMMA3_FIXTURES.read_text())
     ids = max(fx["greedy"], key=lambda e: len(e["prompt_ids"]))["prompt_ids"]
     assert len(ids) > 600
-    m = load_model(gemma3_gguf, n_ctx=1024)
+    m = load_model(gemma3_gguf, n_ctx=1024, weights="f32")
     one = m.forward(ids)
     m.reset()
     n = len(ids) - 3
@@ -416,7 +418,7 @@ def test_real_models_chunked_equals_oneshot(smollm2_gguf, gemma3_gguf) -> None:
     d = np.abs(log_softmax(last) - log_softmax(one))
     print(f"\nGemma 3 chunked vs one-shot ({len(ids)} tokens): max |dlogprob| {d.max():.2e}")
     assert d.max() < 1e-3
-    s = load_model(smollm2_gguf, n_ctx=128)
+    s = load_model(smollm2_gguf, n_ctx=128, weights="f32")
     sid = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411]
     full = s.forward(sid, all_logits=True)
     s.reset()
@@ -584,17 +586,17 @@ def test_weight_cache_roundtrip(tmp_path: Path, weights: str) -> None:
 def test_weight_cache_incomplete_is_rebuilt(tmp_path: Path) -> None:
     path = tiny(tmp_path, "gemma3")
     g = read_gguf(path)
-    ref = load_model(g, cache_write="sync").forward(PROMPT)
+    ref = load_model(g, weights="f32", cache_write="sync").forward(PROMPT)
     d = tmp_path / "xdg-cache" / "modelyard" / "npy" / g.fingerprint / "gemma3-v1-f32"
     (d / "blk.2.wqkv.npy").write_bytes(b"\x93NUMPY garbage")
-    m = load_model(g, cache_write="sync")
+    m = load_model(g, weights="f32", cache_write="sync")
     assert m.weights_from_cache is False
     np.testing.assert_array_equal(m.forward(PROMPT), ref)
     (d / "manifest.json").unlink()
-    assert load_model(g, cache_write="sync").weights_from_cache is False
-    assert load_model(g).weights_from_cache is True
+    assert load_model(g, weights="f32", cache_write="sync").weights_from_cache is False
+    assert load_model(g, weights="f32").weights_from_cache is True
     with pytest.raises(EngineError) as e:
-        load_model(g, cache_write="later")
+        load_model(g, weights="f32", cache_write="later")
     assert e.value.code == "invalid_params"
 
 
