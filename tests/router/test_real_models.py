@@ -541,19 +541,25 @@ def test_three_7mb_tokenize_calls_never_pause_a_stream_on_the_same_model(router:
 def test_concurrent_clients_across_both_models_lose_and_mix_nothing(router: LiveRouter) -> None:
     """N clients at once on both real models, half of them streaming: every request is
     answered (0 lost, 0 hung: each within its timeout), each temperature-0 text equals the
-    same request run alone (0 mixed), and every overflow is a 503 queue_full with Retry-After."""
+    same request run alone (0 mixed), and every overflow is a 503 queue_full with Retry-After.
+
+    ``cache_prompt: false`` on every request: each prompt is evaluated from position 0 in the same
+    micro-batches, so its bits cannot depend on its companions. A reused prefix would change them
+    legitimately, as in llama.cpp (a full-prompt hit re-evaluates the last prompt token alone, on
+    the 1-row kernels; llama.cpp's server README says cache_prompt can change results), and that
+    is not what this test is about."""
     models = ["SmolLM2-135M-Instruct", "gemma-3-270m"]
     prompts = [f"Item {i}: the colour of the sky is" for i in range(4)]
     solo: dict[tuple[str, str], str] = {}
     for m in models:
         for p in prompts:
             r = httpx.post(router.url + "/v1/completions", timeout=300,
-                           json={"model": m, "prompt": p, "max_tokens": 5, "temperature": 0})
+                           json={"model": m, "prompt": p, "max_tokens": 5, "temperature": 0, "cache_prompt": False})
             assert r.status_code == 200, r.text
             solo[(m, p)] = r.json()["choices"][0]["text"]
 
     async def one(c: httpx.AsyncClient, m: str, p: str, stream: bool) -> tuple[str, str, int, str, str | None]:
-        body = {"model": m, "prompt": p, "max_tokens": 5, "temperature": 0, "stream": stream}
+        body = {"model": m, "prompt": p, "max_tokens": 5, "temperature": 0, "stream": stream, "cache_prompt": False}
         if not stream:
             r = await c.post("/v1/completions", json=body)
             if r.status_code != 200:
