@@ -158,7 +158,7 @@ def main() -> int:
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--gap", action="store_true")
     ap.add_argument("--turn2", action="store_true")
-    ap.add_argument("--weights", default="f32", choices=("f32", "quantized"), help="modelyard's weights key")
+    ap.add_argument("--weights", default="quantized", choices=("quantized", "f32"), help="modelyard's weights key")
     a = ap.parse_args()
     gguf = (Path(os.environ.get("MODELYARD_MODELS_DIR") or ROOT / "models") / MODELS[a.model]).resolve()
     srv = a.llama_server

@@ -96,7 +96,7 @@ class Engine:
                 from the end of its reused prefix, whatever the other sequences);
                 None -> 512, llama.cpp's default.
             weights: ``"quantized"`` (the GGUF's blocks, ggml's vec_dot numerics) or ``"f32"``
-                (dequantized float32 reference); None -> ``model.DEFAULT_WEIGHTS`` ("f32").
+                (dequantized float32 reference); None -> ``model.DEFAULT_WEIGHTS`` ("quantized").
             progress: ``progress(stage, done, total)`` hears the load's steps, in order:
                 ``("reading_gguf", 0, 1)`` before the file's header and metadata are
                 read, ``("reading_gguf", 1, 1)`` after; ``("building_tokenizer", 0, 1)`` /
