@@ -353,7 +353,8 @@ class Tokenizer:
         if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
             raise EngineError("invalid_gguf", "tokenizer.ggml.tokens must be a non-empty list of strings")
         n = len(tokens)
-        tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        if not all(tokens):  # else the metadata's own list (not mutated; a 262k vocabulary's copy is 2 MiB)
+            tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
         tok2id: dict[str, int] = {}
         for i, t in enumerate(tokens):
             if tok2id.setdefault(t, i) != i:
@@ -364,6 +365,8 @@ class Tokenizer:
         scores = metadata.get("tokenizer.ggml.scores")
         if scores is None:
             self.scores = [0.0] * n
+        elif isinstance(scores, list) and len(scores) == n and all(type(s) is float for s in scores):
+            self.scores = scores  # the metadata's own list of floats (not mutated)
         elif isinstance(scores, list) and len(scores) >= n:
             self.scores = [float(s) for s in scores[:n]]
         else:
