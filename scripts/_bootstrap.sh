@@ -18,6 +18,11 @@ else
     echo "[setup] .venv is up to date"
 fi
 .venv/bin/python scripts/fetch_models.py
+# The project's own modules compiled to __pycache__/*.pyc (as pip does for an installed wheel): the
+# editable install leaves that to the first import, which writes nothing where PYTHONDONTWRITEBYTECODE
+# is set, so every router and worker start would compile ~90 ms of source again. Up-to-date files
+# are skipped; a .pyc older than its source is ignored by the interpreter (timestamp check).
+.venv/bin/python -m compileall -q router protocol worker > /dev/null || echo "[setup] compileall failed (modules compile at import)"
 # The quantized path's numba kernels, compiled into numba's disk cache once per checkout, so that no
 # model load compiles them (scripts/compile_kernels.py). Checked again after an engine source, the
 # install or NUMBA_CACHE_DIR changed (numba then recompiles only what is stale; a current cache takes

@@ -29,7 +29,9 @@ n_ctx 2048). For each:
   within ``kv_budget_mib`` (float32 positions, resident once written): ``kv_cache_tokens`` (from
   /metrics) is the positions the worker holds at the end.
 
-Prints one JSON line per server, then the ratios to llama-server and the load average.
+Prints one JSON line per server, then the ratios to llama-server and the load average. A server
+that drops a connection during the prefill/decode requests keeps its row with an ``error`` field
+(its first-token figures stand; the ratios then omit the later ones) and the other servers still run.
 OPENBLAS_* are left as the machine sets them.
 
 ``--kernels [--threads N]``: no servers; the model's own weight matrices (one block's fused
@@ -305,7 +307,10 @@ def main() -> int:
             if len(cold[label]) > 1:
                 row["cold_first_token_all_s"] = cold[label]
             row["worker_rss_first_mib"] = rss_mib(pids if weights is None else pids[1:])
-            row.update(measure(port, "m", prompt, a.decode_tokens, a.repeat))
+            try:
+                row.update(measure(port, "m", prompt, a.decode_tokens, a.repeat))
+            except (OSError, http.client.HTTPException) as e:  # e.g. a server dropping a connection under load
+                row["error"] = f"{type(e).__name__}: {e}"   # the row is kept, the other servers still run
             pids = serving_pids(proc)
             row["rss_mib"] = rss_mib(pids)
             if weights is not None:
@@ -321,14 +326,15 @@ def main() -> int:
         ref = rows["llama"]
         for label in ("f32", "quantized"):
             r = rows[label]
-            print(json.dumps({"ratio_to_llama": label, "model": a.model,
-                              "decode": round(r["decode_tok_s"] / ref["decode_tok_s"], 3),
+            ratio = {"ratio_to_llama": label, "model": a.model,
+                     "cold_first_token": round(r["cold_first_token_s"] / ref["cold_first_token_s"], 3),
+                     "worker_rss_first": round(r["worker_rss_first_mib"] / ref["worker_rss_first_mib"], 3)}
+            if "error" not in r and "error" not in ref:  # the figures after the first token
+                ratio.update({"decode": round(r["decode_tok_s"] / ref["decode_tok_s"], 3),
                               "prefill": round(r["prefill_tok_s"] / ref["prefill_tok_s"], 3),
-                              "cold_first_token": round(r["cold_first_token_s"] / ref["cold_first_token_s"], 3),
                               "rss": round(r["rss_mib"] / ref["rss_mib"], 3),
-                              "worker_rss": round(r["worker_rss_mib"] / ref["rss_mib"], 3),
-                              "worker_rss_first": round(r["worker_rss_first_mib"] / ref["worker_rss_first_mib"], 3),
-                              "loadavg": [round(x, 2) for x in os.getloadavg()]}), flush=True)
+                              "worker_rss": round(r["worker_rss_mib"] / ref["rss_mib"], 3)})
+            print(json.dumps({**ratio, "loadavg": [round(x, 2) for x in os.getloadavg()]}), flush=True)
     return 0
 
 

@@ -543,6 +543,27 @@ def test_invalid_metadata() -> None:
         assert ei.value.code == code, md.get("tokenizer.ggml.model")
 
 
+def test_vocabulary_read_paths_agree() -> None:
+    """The C-loop fast paths of ``from_metadata`` (tokens, scores and types used as read) and the
+    per-item ones (an empty token text, integer scores, non-int types) give the same tokenizer;
+    a duplicate names both of its ids."""
+    base = spm_metadata()
+    n = len(base["tokenizer.ggml.tokens"])
+    fast = Tokenizer.from_metadata(base)
+    assert fast.tokens is base["tokenizer.ggml.tokens"] and fast.scores is base["tokenizer.ggml.scores"]
+    slow = Tokenizer.from_metadata(spm_metadata(**{
+        "tokenizer.ggml.scores": [int(x) if x == int(x) else x for x in base["tokenizer.ggml.scores"]] + [0.0],
+        "tokenizer.ggml.token_type": [float(t) for t in base["tokenizer.ggml.token_type"]]}))
+    assert slow.scores == fast.scores and all(type(x) is float for x in slow.scores) and len(slow.scores) == n
+    assert slow.attrs == fast.attrs and slow.fingerprint == fast.fingerprint
+    empty = Tokenizer.from_metadata(spm_metadata(**{"tokenizer.ggml.tokens": base["tokenizer.ggml.tokens"][:-1] + [""]}))
+    assert empty.tokens[-1] == f"[EMPTY_{n - 1}]" and empty.token_id(f"[EMPTY_{n - 1}]") == n - 1
+    dup = base["tokenizer.ggml.tokens"][:-1] + [base["tokenizer.ggml.tokens"][100]]
+    with pytest.raises(EngineError) as ei:
+        Tokenizer.from_metadata(spm_metadata(**{"tokenizer.ggml.tokens": dup}))
+    assert ei.value.code == "invalid_gguf" and f"has ids 100 and {n - 1}" in ei.value.message
+
+
 def test_tokenize_rejects_non_string(bpe: Tokenizer) -> None:
     with pytest.raises(EngineError) as ei:
         bpe.tokenize(b"bytes")  # type: ignore[arg-type]

@@ -168,6 +168,7 @@ class Engine:
             if progress is not None:
                 progress("loading_kernels", 0, 1)
             warm.join()  # before any kernel runs on this thread (one numba parallel launch at a time)
+            _warm_up_slices(_column_slice_types(model.w.values()))
             if progress is not None:
                 progress("loading_kernels", 1, 1)
         resident.trim_heap()  # the load's freed temporaries (dequantization, metadata parsing) back to the OS
@@ -572,9 +573,10 @@ def _load_common_kernels() -> None:
     quant.cos_sin_libm(np.zeros((1, 2), np.float32))         # RoPE's cosf / sinf
 
 
-def _load_matmul_kernels(type_names: set[str]) -> None:
+def _load_matmul_kernels(type_names: set[str], whole: bool = True, column_slice: bool = True) -> None:
     """Per weight type in ``type_names`` (those with a kernel), the matmul into a whole output
-    (``QWeight.matmul``) and into a column slice of one (a ``QConcat`` part); raises on failure."""
+    (``QWeight.matmul``; when ``whole``) and into a column slice of one (a ``QConcat`` part of a
+    prompt's rows, another numba signature for the VNNI kernels; when ``column_slice``); raises on failure."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     from . import quant
@@ -585,9 +587,11 @@ def _load_matmul_kernels(type_names: set[str]) -> None:
         block, tsize = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
         w = quant.QWeight.from_raw(name, np.zeros((8, 256 // block * tsize), np.uint8), 8, 256)
         x = np.zeros((2, 256), np.float32)
-        w.matmul(x)                                                      # [2, 8] C-contiguous out
-        whole = np.empty((2, 16), np.float32)
-        w.matmul_quantized(*quant.quantize_activations(x, w.act, True), whole[:, 4:12])  # column slice
+        if whole:
+            w.matmul(x)                                                  # [2, 8] C-contiguous out
+        if column_slice:
+            out = np.empty((2, 16), np.float32)
+            w.matmul_quantized(*quant.quantize_activations(x, w.act, True), out[:, 4:12])
 
 
 def _warm_up_common() -> None:
@@ -599,24 +603,41 @@ def _warm_up_common() -> None:
 
 
 def _warm_up_kernels(type_names: set[str], preload: threading.Thread | None = None) -> None:
-    """Import numba and load (from its on-disk cache) every kernel signature the quantized path
+    """Import numba and load (from its on-disk cache) the kernel signatures the quantized path
     calls, on tiny inputs of the production types: first the file-independent ones (activation
     quantization, both flash-attention kernels: :func:`_warm_up_common`, or ``preload``, a
     :func:`preload_kernels` thread, joined instead when given); then per weight type in
-    ``type_names`` the matmul into a whole output (``QWeight.matmul``) and into a column slice of
-    one (a ``QConcat`` part). Run on a thread during ``Engine.load`` (joined before it returns), so that numba's
-    import (~0.4 s) and the kernels' loading (~25 ms each) overlap the GGUF reading, the
-    tokenizer build and the weight unpacking instead of delaying the first token. A failure is
-    logged and otherwise ignored: the kernels are then loaded at first use. Once they are loaded,
-    the pages of LLVM (``libllvmlite.so``) the import and the loading touched are dropped from
-    the resident set (:func:`.resident.drop_clean_file_pages`; a kernel compiled later maps
-    them back)."""
+    ``type_names`` the matmul into a whole output (``QWeight.matmul``). Run on a thread during
+    ``Engine.load`` (joined before it returns), so that numba's import (~0.4 s) and the kernels'
+    loading (~25 ms each) overlap the GGUF reading, the tokenizer build and the weight unpacking
+    instead of delaying the first token. A failure is logged and otherwise ignored: the kernels
+    are then loaded at first use. The load then runs :func:`_warm_up_slices` (the column-slice
+    matmuls its ``QConcat`` parts need, none for most files, and the drop of LLVM's pages from
+    the resident set)."""
     if preload is not None:
         preload.join()  # one numba parallel launch at a time
     else:
         _warm_up_common()
     try:
-        _load_matmul_kernels(type_names)
+        _load_matmul_kernels(type_names, column_slice=False)
+    except Exception:  # noqa: BLE001 - only a warm-up
+        logging.getLogger(__name__).warning("kernel warm-up failed (kernels load at first use)", exc_info=True)
+
+
+def _column_slice_types(weights: Iterable[Any]) -> set[str]:
+    """The GGUF type names of the quantized parts of the :class:`~.quant.QConcat` matrices among
+    ``weights`` (the model's): the only weights multiplied into a column slice of an output."""
+    from .quant import QConcat, QWeight
+
+    return {t for w in weights if isinstance(w, QConcat) for p in w.parts if isinstance(p, QWeight) for t in p.types}
+
+
+def _warm_up_slices(type_names: set[str]) -> None:
+    """The second part of the warm-up, once the model is built (after :func:`_warm_up_kernels`):
+    the column-slice matmuls of ``type_names`` (:func:`_column_slice_types`; a model with no
+    ``QConcat`` needs none), then LLVM's pages off the resident set. Failures are logged."""
+    try:
+        _load_matmul_kernels(type_names, whole=False)
         # LLVM's code and tables are not run by the loaded kernels: off the resident set (~90 MiB)
         resident.drop_clean_file_pages("libllvmlite")
     except Exception:  # noqa: BLE001 - only a warm-up
