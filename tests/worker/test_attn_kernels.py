@@ -97,6 +97,33 @@ def test_f16_round_matches_numpy() -> None:
     assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.parametrize("dims", [(4, 1, 256, 256), (4, 2, 64, 64), (2, 1, 40, 40), (3, 3, 16, 16)],
+                         ids=["gemma-256", "gqa-64", "dv-40", "dv-16"])
+def test_tiled_kernel_gives_the_reference_bits(dims: tuple[int, int, int, int]) -> None:
+    """``fa_tiled`` (four query rows per K / V load, explicit vectors) == ``fa_tiled_ref`` (one row at
+    a time, the form the llama.cpp fixture was first matched with) on the raw bits: every row count
+    around the 4-row and 64-row blocks, positions inside a tile, sliding windows narrower than a
+    tile and a KV slice that starts past position 0 (at the first visible key), softcap."""
+    from worker.engine import attn_kernels as ak
+
+    nh, nkv, dk, dv = dims
+    rng = np.random.default_rng(sum(dims))
+    for T in (1, 3, 4, 5, 7, 63, 64, 65, 130):
+        for qpos0, window, softcap, kstart in ((0, 0, 0.0, 0), (37, 0, 30.0, 0), (300, 50, 0.0, 251),
+                                                (70, 512, 0.0, 0), (200, 20, 0.0, 181)):
+            S = qpos0 + T - kstart
+            q = (rng.standard_normal((T, nh, dk)) * 0.5).astype(np.float32)
+            k = rng.standard_normal((nkv, S, dk)).astype(np.float16).astype(np.float32)
+            v = rng.standard_normal((nkv, S, dv)).astype(np.float16).astype(np.float32)
+            sc, cap = np.float32(1 / np.sqrt(dk)), np.float32(softcap)
+            if cap:
+                sc = np.float32(sc / cap)
+            got, want = (np.empty((T, nh * dv), np.float32) for _ in range(2))
+            ak.fa_tiled(q, k, v, qpos0, kstart, window, sc, cap, got)
+            ak.fa_tiled_ref(q, k, v, qpos0, kstart, window, sc, cap, want)
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (T, qpos0, window, softcap)
+
+
 def _entry(n_layer: int, n_kv: int, hd: int, cap: int) -> KVEntry:
     return KVEntry(KVShape(n_layer, n_kv, hd, hd), cap)
 
