@@ -124,6 +124,38 @@ def test_tiled_kernel_gives_the_reference_bits(dims: tuple[int, int, int, int]) 
             assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (T, qpos0, window, softcap)
 
 
+def test_rms_norm_and_glu_kernels_give_numpys_bits() -> None:
+    """``rms_norm(kernel=True)`` (numba, numpy's pairwise float64 sum reproduced) and ``glu_ggml``
+    (SiLU / GELU of the gate times the up half in one pass) == the NumPy forms on the raw bits:
+    the models' row widths (SmolLM2 576 / 1536, Gemma 640 / 2048 / per-head 256, a tail below 8
+    and below 16), magnitudes e^±8 and zero rows, 3-D per-head views of a wider matrix, GELU's
+    +-10 cut-offs."""
+    from worker.engine import attn_kernels as ak, model
+    from worker.engine.model import gelu_tanh_ggml, glu_ggml, rms_norm, silu_ggml
+
+    assert model._PAIRWISE_MAX == ak.PAIRWISE_MAX
+    rng = np.random.default_rng(3)
+    for n in (16, 21, 64, 256, 576, 640, 1536, 2048, 2053, 6144):
+        x = (rng.standard_normal((40, n)) * np.exp(rng.uniform(-8, 8, (40, 1)))).astype(np.float32)
+        x[3] = 0.0
+        w = (1 + rng.standard_normal(n)).astype(np.float32)
+        for eps in (1e-6, 1e-5):
+            want, got = rms_norm(x, w, eps), rms_norm(x, w, eps, kernel=True)
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (n, eps)
+        gu = np.concatenate([x * np.float32(3), x[::-1]], axis=1)               # [40, 2n]
+        gu[5, :n] = np.linspace(-12, 12, n, dtype=np.float32)
+        gu[6, :4] = [-10.0, 10.0, np.nextafter(np.float32(-10), 0), np.nextafter(np.float32(10), 0)]
+        for act in (silu_ggml, gelu_tanh_ggml):
+            with np.errstate(over="ignore"):
+                want = act(gu[:, :n]) * gu[:, n:]
+            assert np.array_equal(glu_ggml(gu, n, act).view(np.uint32), want.view(np.uint32)), (n, act)
+    wide = rng.standard_normal((7, 4 * 256 + 2 * 256)).astype(np.float32)
+    for view in (wide[:, :1024].reshape(7, 4, 256), wide[:, 1024:1280].reshape(7, 1, 256)):
+        w = rng.standard_normal(256).astype(np.float32)
+        want, got = rms_norm(view, w, 1e-6), rms_norm(view, w, 1e-6, kernel=True)
+        assert got.shape == view.shape and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def _entry(n_layer: int, n_kv: int, hd: int, cap: int) -> KVEntry:
     return KVEntry(KVShape(n_layer, n_kv, hd, hd), cap)
 

@@ -95,6 +95,20 @@ def f16r(typingctx, x):
     return types.float32(types.float32), codegen
 
 
+@intrinsic
+def f16bits(typingctx, x):
+    """float32 ``x`` rounded to the nearest binary16 as :func:`f16r` rounds it, returned as its bit
+    pattern (an int64 in ``0 .. 65535``: numpy's ``x.astype(float16).view(uint16)``)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        h = builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+        return builder.zext(h, ir.IntType(64))
+
+    return types.int64(types.float32), codegen
+
+
 @njit(cache=True, inline="always")
 def _expf(x):
     return f32(math.exp(x))   # float32 exp: llvm.exp.f32 -> libm expf, as ggml's scalar expf
@@ -651,3 +665,150 @@ def gelu_table_f16(xs, table):
         inner = fma32(a * x, x, f32(1.0))
         g = (f32(0.5) * x) * (f32(1.0) + f32(math.tanh(c * x * inner)))
         table[i] = f16r(g)
+
+
+@njit(cache=True)
+def _pw_leaf(a, o, n):
+    # numpy's pairwise summation of float64 a[o .. o+n-1], n <= 128 (``DOUBLE_pairwise_sum``,
+    # numpy/_core/src/umath/loops_utils.h.src: below 8 in order, else 8 accumulators)
+    if n < 8:
+        res = 0.0
+        for i in range(n):
+            res += a[o + i]
+        return res
+    r0 = a[o]
+    r1 = a[o + 1]
+    r2 = a[o + 2]
+    r3 = a[o + 3]
+    r4 = a[o + 4]
+    r5 = a[o + 5]
+    r6 = a[o + 6]
+    r7 = a[o + 7]
+    i = 8
+    while i < n - n % 8:
+        r0 += a[o + i]
+        r1 += a[o + i + 1]
+        r2 += a[o + i + 2]
+        r3 += a[o + i + 3]
+        r4 += a[o + i + 4]
+        r5 += a[o + i + 5]
+        r6 += a[o + i + 6]
+        r7 += a[o + i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += a[o + i]
+        i += 1
+    return res
+
+
+# above 128, numpy sums the two halves (the first rounded down to a multiple of 8) and adds them;
+# numba's cache cannot hold a recursive function, so the levels are spelled out (each halves)
+@njit(cache=True)
+def _pw1(a, o, n):
+    if n <= 128:
+        return _pw_leaf(a, o, n)
+    n2 = n // 2 - (n // 2) % 8
+    return _pw_leaf(a, o, n2) + _pw_leaf(a, o + n2, n - n2)
+
+
+@njit(cache=True)
+def _pw2(a, o, n):
+    if n <= 128:
+        return _pw_leaf(a, o, n)
+    n2 = n // 2 - (n // 2) % 8
+    return _pw1(a, o, n2) + _pw1(a, o + n2, n - n2)
+
+
+@njit(cache=True)
+def _pw3(a, o, n):
+    if n <= 128:
+        return _pw_leaf(a, o, n)
+    n2 = n // 2 - (n // 2) % 8
+    return _pw2(a, o, n2) + _pw2(a, o + n2, n - n2)
+
+
+@njit(cache=True)
+def _pw4(a, o, n):
+    if n <= 128:
+        return _pw_leaf(a, o, n)
+    n2 = n // 2 - (n // 2) % 8
+    return _pw3(a, o, n2) + _pw3(a, o + n2, n - n2)
+
+
+@njit(cache=True)
+def _pw5(a, o, n):
+    if n <= 128:
+        return _pw_leaf(a, o, n)
+    n2 = n // 2 - (n // 2) % 8
+    return _pw4(a, o, n2) + _pw4(a, o + n2, n - n2)
+
+
+@njit(cache=True)
+def _pairwise_sum(a, o, n):
+    # numpy's pairwise sum of a[o .. o+n-1] for n <= PAIRWISE_MAX (what ``a.sum()`` of a
+    # contiguous float64 row adds)
+    if n <= 128:
+        return _pw_leaf(a, o, n)
+    n2 = n // 2 - (n // 2) % 8
+    return _pw5(a, o, n2) + _pw5(a, o + n2, n - n2)
+
+
+#: the longest row :func:`_pairwise_sum` sums as numpy does (six levels of halving)
+PAIRWISE_MAX = 6144
+
+
+@njit(cache=True)
+def rms_norm_rows(x, w, eps, out):
+    # model.rms_norm of float32 rows, the same operations: x f32 [R, n] C; w f32 [n]; eps f32;
+    # out f32 [R, n]. Per row: the float32 squares as float64, summed as numpy sums a row
+    # (0.0 + the pairwise sum), / n in float64, rounded to float32; scale = 1 / sqrt(mean + eps)
+    # in float32; out = (x * scale) * w
+    R, n = x.shape
+    sq = np.empty(n, np.float64)
+    one = f32(1.0)
+    for r in range(R):
+        for i in range(n):
+            v = x[r, i]
+            sq[i] = np.float64(v * v)
+        mean = f32((0.0 + _pairwise_sum(sq, 0, n)) / np.float64(n))
+        scale = one / np.sqrt(mean + eps)
+        for i in range(n):
+            out[r, i] = (x[r, i] * scale) * w[i]
+
+
+@njit(cache=True)
+def geglu_rows(gu, n, table, out):
+    # model.gelu_tanh_ggml(gu[:, :n]) * gu[:, n:] (ggml_vec_geglu_f32 with GGML_GELU_FP16): the gate
+    # rounded to float16 and looked up in ggml's table (0 at <= -10, the gate itself at >= 10),
+    # times the up half in float32. gu f32 [T, 2n] C; table f32 [65536]; out f32 [T, n]
+    T = gu.shape[0]
+    for t in range(T):
+        for j in range(n):
+            x = gu[t, j]
+            if x <= f32(-10.0):
+                y = f32(0.0)
+            elif x >= f32(10.0):
+                y = x
+            else:
+                y = table[f16bits(x)]
+            out[t, j] = y * gu[t, n + j]
+
+
+@njit(cache=True)
+def swiglu_rows(gu, n, out):
+    # silu_rows(gu[:, :n]) * gu[:, n:] (ggml_vec_swiglu_f32): each gate by silu_rows' operations
+    # (blocks of 16 by ggml_v_silu, the leftovers by libm expf), times the up half in float32.
+    # gu f32 [T, 2n] C; out f32 [T, n]
+    T = gu.shape[0]
+    one = f32(1.0)
+    for t in range(T):
+        i = 0
+        while i + 15 < n:
+            for k in range(i, i + 16):
+                v = gu[t, k]
+                out[t, k] = (v / (one + v_expf(f32(0.0) - v))) * gu[t, n + k]
+            i += 16
+        for k in range(i, n):
+            v = gu[t, k]
+            out[t, k] = (v / (one + _expf(-v))) * gu[t, n + k]
