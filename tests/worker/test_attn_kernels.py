@@ -156,6 +156,31 @@ def test_rms_norm_and_glu_kernels_give_numpys_bits() -> None:
         assert got.shape == view.shape and np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+def test_rope_kernel_gives_numpys_bits() -> None:
+    """``RopeTable`` on the libm tables rotates float32 heads by ``attn_kernels.rope_rows``: the
+    same bits as its NumPy rotation (``_rotate``), NEOX and adjacent pairs, a partial rotary
+    dimension, heads as strided views of a fused QKV matrix and as contiguous arrays."""
+    from worker.engine.model import RopeTable
+
+    rng = np.random.default_rng(5)
+    for n_rot, hd in ((64, 64), (256, 256), (32, 64)):
+        rope = RopeTable(300, n_rot, 10000.0, libm=True)
+        assert rope.kernel
+        pos = rng.integers(0, 300, 9)
+        qkv = (rng.standard_normal((9, 5 * hd)) * 30).astype(np.float32)
+        for neox in (True, False):
+            for x in (qkv[:, :3 * hd].reshape(9, 3, hd), np.ascontiguousarray(qkv[:, 3 * hd:].reshape(9, 2, hd))):
+                want = x.copy()
+                half = n_rot // 2
+                if neox:
+                    rope._rotate(want[..., :half], want[..., half:n_rot], pos)
+                else:
+                    rope._rotate(want[..., 0:n_rot:2], want[..., 1:n_rot:2], pos)
+                got = x.copy() if x.flags.c_contiguous else qkv.copy()[:, :3 * hd].reshape(9, 3, hd)
+                (rope.apply_neox if neox else rope.apply_norm)(got, pos)
+                assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (n_rot, neox)
+
+
 def _entry(n_layer: int, n_kv: int, hd: int, cap: int) -> KVEntry:
     return KVEntry(KVShape(n_layer, n_kv, hd, hd), cap)
 

@@ -420,6 +420,26 @@ def test_forms_persist_and_come_back(type_name: str) -> None:
     np.testing.assert_array_equal(again.dequantize(), w.dequantize())
 
 
+def test_q8_K_int_levels_are_quantize_activations() -> None:
+    """``quantize_q8_K_int`` (int8 levels, super-block d, sums per 16, for the VNNI K-quant kernels)
+    == ``quantize_activations(x, "q8_K")``'s levels, d and sums: magnitudes e^±12, all-zero and
+    -0.0 super-blocks, the largest |x| twice with both signs (the first one's sign counts), 127.5
+    rounding cases."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((37, 1024)) * np.exp(rng.uniform(-12, 12, (37, 1)))).astype(np.float32)
+    x[2, 256:512] = 0.0
+    x[3, :256] = -0.0
+    x[4, 10], x[4, 20] = -5.0, 5.0
+    x[5, 30], x[5, 40] = 5.0, -5.0
+    x[6, 512:768] = np.linspace(-127.5, 127.5, 256, dtype=np.float32)
+    xi, dy, bs16 = quant.quantize_q8_K_int(x)
+    xq, dx, _ = quant.quantize_activations(x, "q8_K", True)
+    np.testing.assert_array_equal(xi, xq.astype(np.int8))
+    assert np.array_equal(xi.astype(np.float32), xq)
+    np.testing.assert_array_equal(dy.view(np.uint32), dx[:, ::8].view(np.uint32))
+    np.testing.assert_array_equal(bs16, xq.reshape(37, -1, 16).sum(-1).astype(np.int32))
+
+
 def test_activation_scales_round_like_fp16() -> None:
     # the kernels' fp16 rounding of the Q8_0 scale equals numpy's float16 cast (incl. subnormals)
     rng = np.random.default_rng(10)

@@ -812,3 +812,24 @@ def swiglu_rows(gu, n, out):
         for k in range(i, n):
             v = gu[t, k]
             out[t, k] = (v / (one + _expf(-v))) * gu[t, n + k]
+
+
+@njit(cache=True)
+def rope_rows(x, pos, cos, sin, n_rot, neox):
+    # model.RopeTable._rotate of float32 x [T, H, D] in place (the same operations): pair i of
+    # every head is (i, i + n_rot/2) (neox) or (2i, 2i+1); with c, s = cos / sin [pos[t], i]:
+    # x0' = f32(f64(x0) * c - f32(x1 * s)), x1' = f32(f64(x0) * s + f32(x1 * c))
+    T, H, D = x.shape
+    half = n_rot // 2
+    for t in range(T):
+        p = pos[t]
+        for h in range(H):
+            for i in range(half):
+                i0 = i if neox else 2 * i
+                i1 = i + half if neox else 2 * i + 1
+                x0 = x[t, h, i0]
+                x1 = x[t, h, i1]
+                c = cos[p, i]
+                s = sin[p, i]
+                x[t, h, i0] = f32(np.float64(x0) * np.float64(c) - np.float64(x1 * s))
+                x[t, h, i1] = f32(np.float64(x0) * np.float64(s) + np.float64(x1 * c))

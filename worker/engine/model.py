@@ -339,6 +339,8 @@ class RopeTable:
             raise EngineError("invalid_gguf", f"RoPE dimension count must be positive and even, got {n_rot}")
         self.n_rot = n_rot
         self.dtype = np.dtype(dtype)
+        #: the rotation by the numba kernel :func:`.attn_kernels.rope_rows` (the libm tables' path)
+        self.kernel = bool(libm) and self.dtype == np.float32
         half = n_rot // 2
         pos = np.arange(n_ctx, dtype=np.float64)
         if self.dtype == np.float64:
@@ -368,13 +370,26 @@ class RopeTable:
         """Rotate pairs ``(x[i], x[i + n_rot/2])`` ("NEOX" pairing, ggml ``rotate_pairs`` with
         ``n_offset = n_dims/2``), in place; see :meth:`_rotate`. Returns x."""
         half = self.n_rot // 2
+        if self.kernel and x.dtype == np.float32 and x.ndim == 3:
+            return self._rotate_kernel(x, positions, True)
         self._rotate(x[..., :half], x[..., half:self.n_rot], positions)
         return x
 
     def apply_norm(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Rotate adjacent pairs ``(x[2i], x[2i+1])`` ("NORM" pairing of llama-arch models, ggml
         ``rotate_pairs`` with ``n_offset = 1``), in place; see :meth:`_rotate`. Returns x."""
+        if self.kernel and x.dtype == np.float32 and x.ndim == 3:
+            return self._rotate_kernel(x, positions, False)
         self._rotate(x[..., 0:self.n_rot:2], x[..., 1:self.n_rot:2], positions)
+        return x
+
+    def _rotate_kernel(self, x: np.ndarray, positions: np.ndarray, neox: bool) -> np.ndarray:
+        """:meth:`_rotate` of every pair of float32 ``x [T, n_heads, hd]`` in place by one numba pass
+        (:func:`.attn_kernels.rope_rows`: the same operations, the same bits)."""
+        from . import attn_kernels
+
+        attn_kernels.rope_rows(x, np.ascontiguousarray(positions, dtype=np.int64), self.cos, self.sin,
+                               self.n_rot, neox)
         return x
 
     def _rotate(self, x0: np.ndarray, x1: np.ndarray, positions: np.ndarray) -> None:

@@ -95,6 +95,49 @@ def quant_q8_K(x, xq, dx, xs):
                 dx[t, sb * 8 + g] = d
 
 
+@njit(cache=True)
+def quant_q8_K_int(x, xb, xi, dy, bs16):
+    # quant_q8_K's levels as int8, in a form LLVM vectorizes: x f32 [T, K] (xb: its bits, int32
+    # [T, K]) -> xi int8 [T, K] (the levels), dy f32 [T, K/256] (the super-block's d), bs16 int32
+    # [T, K/16] (sums of the levels per 16). The same values: the largest |x| by its bits (NaN
+    # skipped, as quant_q8_K's ``a > amax`` skips it), its first occurrence's sign, then the
+    # same float32 operations per level.
+    T, K = x.shape
+    for t in range(T):
+        for sb in range(K // 256):
+            o = sb * 256
+            mb = 0
+            for j in range(256):
+                b = xb[t, o + j] & 0x7FFFFFFF
+                if b > 0x7F800000:
+                    b = 0
+                mb = max(mb, b)
+            if mb == 0:
+                for j in range(256):
+                    xi[t, o + j] = 0
+                for j in range(16):
+                    bs16[t, sb * 16 + j] = 0
+                dy[t, sb] = f32(0.0)
+                continue
+            mx = f32(0.0)
+            for j in range(256):
+                if xb[t, o + j] & 0x7FFFFFFF == mb:
+                    mx = x[t, o + j]
+                    break
+            iscale = f32(-127.0) / mx
+            dy[t, sb] = f32(1.0) / iscale
+            for g in range(16):
+                isum = np.int32(0)
+                for j in range(16):
+                    v = np.rint(iscale * x[t, o + g * 16 + j])
+                    if v > f32(127.0):
+                        v = f32(127.0)
+                    iv = np.int32(v)
+                    isum += iv
+                    xi[t, o + g * 16 + j] = np.int8(iv)
+                bs16[t, sb * 16 + g] = isum
+
+
 #: output rows per work item of the parallel loop (the item's weights stay in L1/L2 while
 #: every activation tile passes over them)
 ROW_BLOCK = 16
