@@ -45,6 +45,12 @@ from numba.extending import intrinsic
 
 from .simd import vfma_s, vload, vstore, vzero
 
+#: the row-wise kernels (here and in quant_kernels) run their rows in parallel, in blocks of PAR_ROWS,
+#: from PAR_MIN input elements on, below it on the calling thread (a decode step's few rows are
+#: not worth a parallel launch); each row is computed alone, so the split does not change a bit
+PAR_MIN = 32768
+PAR_ROWS = 8
+
 f32 = numba.float32
 
 MODE_VEC = 0
@@ -759,7 +765,7 @@ PAIRWISE_MAX = 6144
 
 
 @njit(cache=True)
-def rms_norm_rows(x, w, eps, out):
+def _rms_norm_part(x, w, eps, out, t0, t1):
     # model.rms_norm of float32 rows, the same operations: x f32 [R, n] C; w f32 [n]; eps f32;
     # out f32 [R, n]. Per row: the float32 squares as float64, summed as numpy sums a row
     # (0.0 + the pairwise sum), / n in float64, rounded to float32; scale = 1 / sqrt(mean + eps)
@@ -767,7 +773,7 @@ def rms_norm_rows(x, w, eps, out):
     R, n = x.shape
     sq = np.empty(n, np.float64)
     one = f32(1.0)
-    for r in range(R):
+    for r in range(t0, t1):
         for i in range(n):
             v = x[r, i]
             sq[i] = np.float64(v * v)
@@ -777,13 +783,25 @@ def rms_norm_rows(x, w, eps, out):
             out[r, i] = (x[r, i] * scale) * w[i]
 
 
+@njit(cache=True, parallel=True)
+def rms_norm_rows(x, w, eps, out):
+    # rms_norm_rows: its rows by _rms_norm_part, in parallel over blocks of PAR_ROWS rows from
+    # PAR_MIN elements on (each row computed alone: the same bits whatever the split)
+    T = x.shape[0]
+    if x.size < PAR_MIN:
+        _rms_norm_part(x, w, eps, out, 0, T)
+        return
+    for c in prange((T + PAR_ROWS - 1) // PAR_ROWS):
+        _rms_norm_part(x, w, eps, out, c * PAR_ROWS, min(T, c * PAR_ROWS + PAR_ROWS))
+
+
 @njit(cache=True)
-def geglu_rows(gu, n, table, out):
+def _geglu_part(gu, n, table, out, t0, t1):
     # model.gelu_tanh_ggml(gu[:, :n]) * gu[:, n:] (ggml_vec_geglu_f32 with GGML_GELU_FP16): the gate
     # rounded to float16 and looked up in ggml's table (0 at <= -10, the gate itself at >= 10),
     # times the up half in float32. gu f32 [T, 2n] C; table f32 [65536]; out f32 [T, n]
     T = gu.shape[0]
-    for t in range(T):
+    for t in range(t0, t1):
         for j in range(n):
             x = gu[t, j]
             if x <= f32(-10.0):
@@ -795,14 +813,26 @@ def geglu_rows(gu, n, table, out):
             out[t, j] = y * gu[t, n + j]
 
 
+@njit(cache=True, parallel=True)
+def geglu_rows(gu, n, table, out):
+    # geglu_rows: its rows by _geglu_part, in parallel over blocks of PAR_ROWS rows from
+    # PAR_MIN elements on (each row computed alone: the same bits whatever the split)
+    T = gu.shape[0]
+    if gu.size < PAR_MIN:
+        _geglu_part(gu, n, table, out, 0, T)
+        return
+    for c in prange((T + PAR_ROWS - 1) // PAR_ROWS):
+        _geglu_part(gu, n, table, out, c * PAR_ROWS, min(T, c * PAR_ROWS + PAR_ROWS))
+
+
 @njit(cache=True)
-def swiglu_rows(gu, n, out):
+def _swiglu_part(gu, n, out, t0, t1):
     # silu_rows(gu[:, :n]) * gu[:, n:] (ggml_vec_swiglu_f32): each gate by silu_rows' operations
     # (blocks of 16 by ggml_v_silu, the leftovers by libm expf), times the up half in float32.
     # gu f32 [T, 2n] C; out f32 [T, n]
     T = gu.shape[0]
     one = f32(1.0)
-    for t in range(T):
+    for t in range(t0, t1):
         i = 0
         while i + 15 < n:
             for k in range(i, i + 16):
@@ -812,6 +842,18 @@ def swiglu_rows(gu, n, out):
         for k in range(i, n):
             v = gu[t, k]
             out[t, k] = (v / (one + _expf(-v))) * gu[t, n + k]
+
+
+@njit(cache=True, parallel=True)
+def swiglu_rows(gu, n, out):
+    # swiglu_rows: its rows by _swiglu_part, in parallel over blocks of PAR_ROWS rows from
+    # PAR_MIN elements on (each row computed alone: the same bits whatever the split)
+    T = gu.shape[0]
+    if gu.size < PAR_MIN:
+        _swiglu_part(gu, n, out, 0, T)
+        return
+    for c in prange((T + PAR_ROWS - 1) // PAR_ROWS):
+        _swiglu_part(gu, n, out, c * PAR_ROWS, min(T, c * PAR_ROWS + PAR_ROWS))
 
 
 @njit(cache=True)
