@@ -452,6 +452,24 @@ def test_activation_scales_round_like_fp16() -> None:
     np.testing.assert_array_equal(dx[:, 0], d16)
 
 
+def test_q8_1_offsets_round_like_fp16() -> None:
+    # the kernels' Q8_1 s = fp16(d * sum(q)) (d unrounded, amax / 127) equals numpy's, blocks with a
+    # zero, a -0.0 and a two-signed maximum included (the max |x| is found on the bits)
+    rng = np.random.default_rng(12)
+    x = (rng.standard_normal((64, 64)) * np.exp(rng.uniform(-14, 6, (64, 1)))).astype(np.float32)
+    x[1, :32], x[2, 32:] = 0.0, -0.0
+    x[3, 4], x[3, 9] = -7.0, 7.0
+    xq, dx, xs = quant.quantize_activations(x, "q8_1", True)
+    xb = x.reshape(64, 2, 32)
+    amax = np.abs(xb).max(axis=-1)
+    with np.errstate(divide="ignore"):
+        q = np.rint(xb * np.where(amax > 0, np.float32(127) / amax, np.float32(0))[..., None])
+    np.testing.assert_array_equal(xq, q.reshape(64, 64).astype(np.float32))
+    d = amax / np.float32(127)
+    np.testing.assert_array_equal(dx, d.astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(xs, (d * q.sum(-1).astype(np.float32)).astype(np.float16).astype(np.float32))
+
+
 def test_unsupported_type_is_refused() -> None:
     assert not quant.supports("Q5_K") and not quant.supports("F16") and quant.supports("Q6_K")
     with pytest.raises(Exception, match="no int8 form"):
