@@ -566,12 +566,28 @@ def fa_tiled(q, keys, values, qpos0, kpos0, window, scale, softcap, out):
     grp = n_head // n_kv
     nqb = (T + TILE_Q - 1) // TILE_Q
     v4 = dv % 16 == 0
+    # every K tile transposed once per call (kp[g, c0 // TILE_KV - tile0] = the tile at c0), not once per
+    # (head, row block): cells outside the given keys are zeros, as fa_tiled_ref packs them; cells
+    # after a row block's last query hold their keys here (zeros there), and are masked either way
+    tile0 = (0 if window == 0 else max(0, qpos0 - window + 1)) // TILE_KV   # the first any query sees
+    n_tiles = (qpos0 + T - 1) // TILE_KV + 1 - tile0
+    kp = np.empty((n_kv, n_tiles, dk, TILE_KV), np.float32)
+    for gi in prange(n_kv * n_tiles):
+        gk = gi // n_tiles
+        ti = gi % n_tiles
+        for tk in range(TILE_KV):
+            p = (tile0 + ti) * TILE_KV + tk
+            if p >= kpos0 and p - kpos0 < S_len:
+                for d in range(dk):
+                    kp[gk, ti, d, tk] = keys[gk, p - kpos0, d]
+            else:
+                for d in range(dk):
+                    kp[gk, ti, d, tk] = f32(0.0)
     for item in prange(n_head * nqb):
         h = item // nqb
         t0 = (item % nqb) * TILE_Q
         t1 = min(T, t0 + TILE_Q)
         g = h // grp
-        kt = np.empty((dk, TILE_KV), np.float32)      # K tile transposed
         kq4 = np.empty((4, TILE_KV), np.float32)
         va = np.empty(4, np.int64)
         vb = np.empty(4, np.int64)
@@ -583,14 +599,7 @@ def fa_tiled(q, keys, values, qpos0, kpos0, window, scale, softcap, out):
         first = 0 if window == 0 else max(0, qlo - window + 1)
         c_start = (first // TILE_KV) * TILE_KV
         for c0 in range(c_start, qhi + 1, TILE_KV):
-            for tk in range(TILE_KV):
-                p = c0 + tk
-                if p >= kpos0 and p <= qhi:
-                    for d in range(dk):
-                        kt[d, tk] = keys[g, p - kpos0, d]
-                else:
-                    for d in range(dk):
-                        kt[d, tk] = f32(0.0)
+            kt = kp[g, c0 // TILE_KV - tile0]         # [dk, TILE_KV] the K tile transposed
             r = 0
             while r < t1 - t0:
                 n4 = 4 if r + 4 <= t1 - t0 else 1
