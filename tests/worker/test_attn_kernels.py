@@ -97,6 +97,90 @@ def test_f16_round_matches_numpy() -> None:
     assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.parametrize("dims", [(4, 1, 256, 256), (4, 2, 64, 64), (2, 1, 40, 40), (3, 3, 16, 16)],
+                         ids=["gemma-256", "gqa-64", "dv-40", "dv-16"])
+def test_tiled_kernel_gives_the_reference_bits(dims: tuple[int, int, int, int]) -> None:
+    """``fa_tiled`` (four query rows per K / V load, explicit vectors) == ``fa_tiled_ref`` (one row at
+    a time, the form the llama.cpp fixture was first matched with) on the raw bits: every row count
+    around the 4-row and 64-row blocks, positions inside a tile, sliding windows narrower than a
+    tile and a KV slice that starts past position 0 (at the first visible key), softcap."""
+    from worker.engine import attn_kernels as ak
+
+    nh, nkv, dk, dv = dims
+    rng = np.random.default_rng(sum(dims))
+    for T in (1, 3, 4, 5, 7, 63, 64, 65, 130):
+        for qpos0, window, softcap, kstart in ((0, 0, 0.0, 0), (37, 0, 30.0, 0), (300, 50, 0.0, 251),
+                                                (70, 512, 0.0, 0), (200, 20, 0.0, 181)):
+            S = qpos0 + T - kstart
+            q = (rng.standard_normal((T, nh, dk)) * 0.5).astype(np.float32)
+            k = rng.standard_normal((nkv, S, dk)).astype(np.float16).astype(np.float32)
+            v = rng.standard_normal((nkv, S, dv)).astype(np.float16).astype(np.float32)
+            sc, cap = np.float32(1 / np.sqrt(dk)), np.float32(softcap)
+            if cap:
+                sc = np.float32(sc / cap)
+            got, want = (np.empty((T, nh * dv), np.float32) for _ in range(2))
+            ak.fa_tiled(q, k, v, qpos0, kstart, window, sc, cap, got)
+            ak.fa_tiled_ref(q, k, v, qpos0, kstart, window, sc, cap, want)
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (T, qpos0, window, softcap)
+
+
+def test_rms_norm_and_glu_kernels_give_numpys_bits() -> None:
+    """``rms_norm(kernel=True)`` (numba, numpy's pairwise float64 sum reproduced) and ``glu_ggml``
+    (SiLU / GELU of the gate times the up half in one pass) == the NumPy forms on the raw bits:
+    the models' row widths (SmolLM2 576 / 1536, Gemma 640 / 2048 / per-head 256, a tail below 8
+    and below 16), magnitudes e^±8 and zero rows, 3-D per-head views of a wider matrix, GELU's
+    +-10 cut-offs."""
+    from worker.engine import attn_kernels as ak, model
+    from worker.engine.model import gelu_tanh_ggml, glu_ggml, rms_norm, silu_ggml
+
+    assert model._PAIRWISE_MAX == ak.PAIRWISE_MAX
+    rng = np.random.default_rng(3)
+    for n in (16, 21, 64, 256, 576, 640, 1536, 2048, 2053, 6144):
+        x = (rng.standard_normal((40, n)) * np.exp(rng.uniform(-8, 8, (40, 1)))).astype(np.float32)
+        x[3] = 0.0
+        w = (1 + rng.standard_normal(n)).astype(np.float32)
+        for eps in (1e-6, 1e-5):
+            want, got = rms_norm(x, w, eps), rms_norm(x, w, eps, kernel=True)
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (n, eps)
+        gu = np.concatenate([x * np.float32(3), x[::-1]], axis=1)               # [40, 2n]
+        gu[5, :n] = np.linspace(-12, 12, n, dtype=np.float32)
+        gu[6, :4] = [-10.0, 10.0, np.nextafter(np.float32(-10), 0), np.nextafter(np.float32(10), 0)]
+        for act in (silu_ggml, gelu_tanh_ggml):
+            with np.errstate(over="ignore"):
+                want = act(gu[:, :n]) * gu[:, n:]
+            assert np.array_equal(glu_ggml(gu, n, act).view(np.uint32), want.view(np.uint32)), (n, act)
+    wide = rng.standard_normal((7, 4 * 256 + 2 * 256)).astype(np.float32)
+    for view in (wide[:, :1024].reshape(7, 4, 256), wide[:, 1024:1280].reshape(7, 1, 256)):
+        w = rng.standard_normal(256).astype(np.float32)
+        want, got = rms_norm(view, w, 1e-6), rms_norm(view, w, 1e-6, kernel=True)
+        assert got.shape == view.shape and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_rope_kernel_gives_numpys_bits() -> None:
+    """``RopeTable`` on the libm tables rotates float32 heads by ``attn_kernels.rope_rows``: the
+    same bits as its NumPy rotation (``_rotate``), NEOX and adjacent pairs, a partial rotary
+    dimension, heads as strided views of a fused QKV matrix and as contiguous arrays."""
+    from worker.engine.model import RopeTable
+
+    rng = np.random.default_rng(5)
+    for n_rot, hd in ((64, 64), (256, 256), (32, 64)):
+        rope = RopeTable(300, n_rot, 10000.0, libm=True)
+        assert rope.kernel
+        pos = rng.integers(0, 300, 9)
+        qkv = (rng.standard_normal((9, 5 * hd)) * 30).astype(np.float32)
+        for neox in (True, False):
+            for x in (qkv[:, :3 * hd].reshape(9, 3, hd), np.ascontiguousarray(qkv[:, 3 * hd:].reshape(9, 2, hd))):
+                want = x.copy()
+                half = n_rot // 2
+                if neox:
+                    rope._rotate(want[..., :half], want[..., half:n_rot], pos)
+                else:
+                    rope._rotate(want[..., 0:n_rot:2], want[..., 1:n_rot:2], pos)
+                got = x.copy() if x.flags.c_contiguous else qkv.copy()[:, :3 * hd].reshape(9, 3, hd)
+                (rope.apply_neox if neox else rope.apply_norm)(got, pos)
+                assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (n_rot, neox)
+
+
 def _entry(n_layer: int, n_kv: int, hd: int, cap: int) -> KVEntry:
     return KVEntry(KVShape(n_layer, n_kv, hd, hd), cap)
 

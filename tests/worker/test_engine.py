@@ -373,7 +373,8 @@ def loaded():
     ks = [getattr(quant_kernels, n) for n in ("quant_q8_0", "quant_q8_K", "matmul_lanes", "matmul_lanes_vnni",
                                                 "matmul_q4k", "matmul_q6k", "matmul_q4k_vnni", "matmul_q6k_vnni",
                                                 "lane_levels", "cos_sin_f32")]
-    ks += [attn_kernels.fa_vec, attn_kernels.fa_tiled, attn_kernels.silu_rows, attn_kernels.gelu_table_f16]
+    ks += [attn_kernels.fa_vec, attn_kernels.fa_tiled, attn_kernels.silu_rows, attn_kernels.gelu_table_f16,
+           attn_kernels.rms_norm_rows, attn_kernels.geglu_rows, attn_kernels.swiglu_rows, attn_kernels.rope_rows]
     return {k.py_func.__name__: sorted(map(str, k.overloads)) for k in ks}
 
 if sys.argv[2] == "preload":   # as the worker does: started first, joined by the load
@@ -415,6 +416,8 @@ def test_quantized_load_warms_every_kernel_the_first_request_runs(model: str, pr
     assert got["before"][f"matmul_lanes{v}"]
     assert got["before"]["fa_vec"] and got["before"]["fa_tiled"]
     assert got["before"]["silu_rows"] and got["before"]["gelu_table_f16"] and got["before"]["cos_sin_f32"]
+    assert got["before"]["rms_norm_rows"] and got["before"]["geglu_rows"] and got["before"]["swiglu_rows"]
+    assert got["before"]["rope_rows"]
     if model == "gemma3":                                           # its Q4_K and Q6_K matrices
         assert got["before"][f"matmul_q4k{v}"] and got["before"][f"matmul_q6k{v}"]
     assert got["after"] == got["before"]
@@ -469,6 +472,7 @@ def test_compile_kernels_covers_every_kernel_a_quantized_load_and_request_run(tm
 
     v = "_vnni" if quant.host_has_vnni() else ""                   # the VNNI kernels where the CPU has them
     for name in (f"matmul_lanes{v}", f"matmul_q4k{v}", f"matmul_q6k{v}", "fa_vec", "fa_tiled", "silu_rows",
-                 "gelu_table_f16", "cos_sin_f32", "quant_q8_0", "quant_q8_K") + (("lane_levels",) if v else ()):
+                 "gelu_table_f16", "cos_sin_f32", "quant_q8_0", "quant_q8_K", "rms_norm_rows", "geglu_rows",
+                 "swiglu_rows", "rope_rows") + (("lane_levels",) if v else ()):
         assert got["before"][name], name
     assert got["after"] == got["before"]

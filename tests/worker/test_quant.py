@@ -420,6 +420,26 @@ def test_forms_persist_and_come_back(type_name: str) -> None:
     np.testing.assert_array_equal(again.dequantize(), w.dequantize())
 
 
+def test_q8_K_int_levels_are_quantize_activations() -> None:
+    """``quantize_q8_K_int`` (int8 levels, super-block d, sums per 16, for the VNNI K-quant kernels)
+    == ``quantize_activations(x, "q8_K")``'s levels, d and sums: magnitudes e^±12, all-zero and
+    -0.0 super-blocks, the largest |x| twice with both signs (the first one's sign counts), 127.5
+    rounding cases."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((37, 1024)) * np.exp(rng.uniform(-12, 12, (37, 1)))).astype(np.float32)
+    x[2, 256:512] = 0.0
+    x[3, :256] = -0.0
+    x[4, 10], x[4, 20] = -5.0, 5.0
+    x[5, 30], x[5, 40] = 5.0, -5.0
+    x[6, 512:768] = np.linspace(-127.5, 127.5, 256, dtype=np.float32)
+    xi, dy, bs16 = quant.quantize_q8_K_int(x)
+    xq, dx, _ = quant.quantize_activations(x, "q8_K", True)
+    np.testing.assert_array_equal(xi, xq.astype(np.int8))
+    assert np.array_equal(xi.astype(np.float32), xq)
+    np.testing.assert_array_equal(dy.view(np.uint32), dx[:, ::8].view(np.uint32))
+    np.testing.assert_array_equal(bs16, xq.reshape(37, -1, 16).sum(-1).astype(np.int32))
+
+
 def test_activation_scales_round_like_fp16() -> None:
     # the kernels' fp16 rounding of the Q8_0 scale equals numpy's float16 cast (incl. subnormals)
     rng = np.random.default_rng(10)
@@ -430,6 +450,24 @@ def test_activation_scales_round_like_fp16() -> None:
     q = np.rint(x * (np.float32(127) / amax)[:, None])
     np.testing.assert_array_equal(xq, q.astype(np.float32))
     np.testing.assert_array_equal(dx[:, 0], d16)
+
+
+def test_q8_1_offsets_round_like_fp16() -> None:
+    # the kernels' Q8_1 s = fp16(d * sum(q)) (d unrounded, amax / 127) equals numpy's, blocks with a
+    # zero, a -0.0 and a two-signed maximum included (the max |x| is found on the bits)
+    rng = np.random.default_rng(12)
+    x = (rng.standard_normal((64, 64)) * np.exp(rng.uniform(-14, 6, (64, 1)))).astype(np.float32)
+    x[1, :32], x[2, 32:] = 0.0, -0.0
+    x[3, 4], x[3, 9] = -7.0, 7.0
+    xq, dx, xs = quant.quantize_activations(x, "q8_1", True)
+    xb = x.reshape(64, 2, 32)
+    amax = np.abs(xb).max(axis=-1)
+    with np.errstate(divide="ignore"):
+        q = np.rint(xb * np.where(amax > 0, np.float32(127) / amax, np.float32(0))[..., None])
+    np.testing.assert_array_equal(xq, q.reshape(64, 64).astype(np.float32))
+    d = amax / np.float32(127)
+    np.testing.assert_array_equal(dx, d.astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(xs, (d * q.sum(-1).astype(np.float32)).astype(np.float16).astype(np.float32))
 
 
 def test_unsupported_type_is_refused() -> None:

@@ -566,10 +566,17 @@ def _load_common_kernels() -> None:
     for rows, end in ((1, 1), (64, 64)):
         kv = np.zeros((1, end, 8), np.float32)
         attention.ggml_attention(np.zeros((rows, 1, 8), np.float32), kv, kv, end - rows, 0, None, 1.0)
-    from .model import gelu_tanh_ggml, silu_ggml
+    from .model import RopeTable, gelu_tanh_ggml, glu_ggml, rms_norm, silu_ggml
 
     silu_ggml(np.zeros((1, 16), np.float32))                 # SiLU's kernel
     gelu_tanh_ggml(np.zeros((1, 16), np.float32))            # ggml's GELU table, built once
+    for act in (silu_ggml, gelu_tanh_ggml):                  # the fused act(gate) * up kernels
+        glu_ggml(np.zeros((1, 32), np.float32), 16, act)
+    rms_norm(np.zeros((1, 16), np.float32), np.ones(16, np.float32), 1e-6, kernel=True)  # RMSNorm's kernel
+    rope = RopeTable(2, 4, 10000.0, libm=True)                # RoPE's kernel: heads contiguous or strided
+    qkv = np.zeros((2, 16), np.float32)
+    for x in (qkv[:, :8].reshape(2, 2, 4), np.zeros((1, 2, 4), np.float32)):
+        rope.apply_neox(x, np.zeros(x.shape[0], np.int64))
     quant.cos_sin_libm(np.zeros((1, 2), np.float32))         # RoPE's cosf / sinf
 
 

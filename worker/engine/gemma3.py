@@ -112,10 +112,10 @@ class Gemma3Model(Model):
                  post_ffw_norm) in enumerate(self.layers):
             swa = self.swa_layers[il]
             rope = self.rope_swa if swa else self.rope_global
-            h = rms_norm(x, attn_norm, self.eps)                       # [T, n_embd]
+            h = rms_norm(x, attn_norm, self.eps, self.ggml_numerics)                       # [T, n_embd]
             qkv = linear(h, wqkv)                                          # [T, (nh+2nkv)*hd]
-            q = rms_norm(qkv[:, :nq].reshape(T, nh, hd), q_norm, self.eps)          # [T, nh, hd]
-            k = rms_norm(qkv[:, nq:nq + nk].reshape(T, nkv, hd), k_norm, self.eps)  # [T, nkv, hd]
+            q = rms_norm(qkv[:, :nq].reshape(T, nh, hd), q_norm, self.eps, self.ggml_numerics)          # [T, nh, hd]
+            k = rms_norm(qkv[:, nq:nq + nk].reshape(T, nkv, hd), k_norm, self.eps, self.ggml_numerics)  # [T, nkv, hd]
             v = qkv[:, nq + nk:].reshape(T, nkv, hd)                   # [T, nkv, hd]
             rope.apply_neox(q, pos)                                    # [T, nh, hd]
             rope.apply_neox(k, pos)                                    # [T, nkv, hd]
@@ -124,11 +124,11 @@ class Gemma3Model(Model):
             o = linear(a, wo)                                          # [T, n_embd]
             if il == self.n_layer - 1:
                 x, o = self._keep_output_rows(batch, rows, x, o)       # [R, n_embd]
-            sa = x + rms_norm(o, post_attn_norm, self.eps)             # [T, n_embd]
-            h = rms_norm(sa, ffn_norm, self.eps)                       # [T, n_embd]
+            sa = x + rms_norm(o, post_attn_norm, self.eps, self.ggml_numerics)             # [T, n_embd]
+            h = rms_norm(sa, ffn_norm, self.eps, self.ggml_numerics)                       # [T, n_embd]
             gelu = gelu_tanh_ggml if self.ggml_numerics else gelu_tanh
-            x = sa + rms_norm(gated_ffn(h, wgu, wdown, nff, gelu), post_ffw_norm, self.eps)  # [T, n_embd]
-        return rms_norm(x, self.w["output_norm"], self.eps)            # [T, n_embd]
+            x = sa + rms_norm(gated_ffn(h, wgu, wdown, nff, gelu), post_ffw_norm, self.eps, self.ggml_numerics)  # [T, n_embd]
+        return rms_norm(x, self.w["output_norm"], self.eps, self.ggml_numerics)            # [T, n_embd]
 
     def _output(self, h: np.ndarray) -> np.ndarray:
         logits = super()._output(h)                                    # [T, n_vocab]

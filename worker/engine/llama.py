@@ -72,7 +72,7 @@ class LlamaModel(Model):
         act = silu_ggml if self.ggml_numerics else silu
         x = embed(self.w["tok_embd"], tokens).astype(self.dtype)      # [T, n_embd]
         for il, (attn_norm, wqkv, wo, ffn_norm, wgu, wdown) in enumerate(self.layers):
-            h = rms_norm(x, attn_norm, self.eps)                      # [T, n_embd]
+            h = rms_norm(x, attn_norm, self.eps, self.ggml_numerics)                      # [T, n_embd]
             qkv = linear(h, wqkv)                                         # [T, (nh+2nkv)*hd]
             qk = qkv[:, :nq + nk].reshape(T, nh + nkv, hd)            # [T, nh+nkv, hd] q heads then k heads
             self.rope.apply_norm(qk, pos)                             # [T, nh+nkv, hd] rotated in place
@@ -84,6 +84,6 @@ class LlamaModel(Model):
             if il == self.n_layer - 1:
                 x, o = self._keep_output_rows(batch, rows, x, o)      # [R, n_embd]
             x = x + o                                                 # [T, n_embd]
-            h = rms_norm(x, ffn_norm, self.eps)                       # [T, n_embd]
+            h = rms_norm(x, ffn_norm, self.eps, self.ggml_numerics)                       # [T, n_embd]
             x = x + gated_ffn(h, wgu, wdown, nff, act)                # [T, n_embd]
-        return rms_norm(x, self.w["output_norm"], self.eps)           # [T, n_embd]
+        return rms_norm(x, self.w["output_norm"], self.eps, self.ggml_numerics)           # [T, n_embd]

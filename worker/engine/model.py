@@ -161,7 +161,11 @@ def rope_freq_scale(md: dict[str, Any], arch: str) -> float:
 
 # ------------------------------------------------------------------ numpy layers
 
-def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+#: attn_kernels.PAIRWISE_MAX (not imported here: the float32 path never imports numba)
+_PAIRWISE_MAX = 6144
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, kernel: bool = False) -> np.ndarray:
     """RMSNorm over the last axis: ``x * (1 / sqrt(mean(x^2) + eps)) * w``, rounded as ggml rounds.
 
     Args: x ``[..., n]``, w ``[n]`` (weights used as stored; Gemma's ``1 + w``
@@ -173,7 +177,21 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     multiplication by the reciprocal, not a division (1 ULP apart otherwise, which
     flips 8-bit activation levels downstream on the quantized path). A float64 ``x``
     is computed in float64 throughout.
+
+    ``kernel``: a float32 ``x`` through the numba kernel :func:`.attn_kernels.rms_norm_rows` (the
+    quantized path, which has numba loaded): the same operations, numpy's pairwise float64 sum
+    included, so the same bits (tested ``==``), in one pass instead of six NumPy ones.
     """
+    if kernel and x.dtype == np.float32 and x.shape[-1] <= _PAIRWISE_MAX:
+        from . import attn_kernels
+
+        n = x.shape[-1]
+        xc = np.ascontiguousarray(x).reshape(-1, n)                   # [R, n]
+        wr = np.ascontiguousarray(w, dtype=np.float32).view()         # one kernel signature: read-only
+        wr.flags.writeable = False
+        out = np.empty(xc.shape, np.float32)
+        attn_kernels.rms_norm_rows(xc, wr, np.float32(eps), out)
+        return out.reshape(x.shape)
     dt = x.dtype
     sq = np.multiply(x, x).astype(np.float64, copy=False)               # [..., n] x*x in x's dtype, summed in double
     mean = (sq.sum(axis=-1, keepdims=True) / x.shape[-1]).astype(dt)   # [..., 1]
@@ -203,10 +221,29 @@ def gated_ffn(h: np.ndarray, wgu: Matrix, wdown: Matrix, n_ff: int, act: Any) ->
 
     Args: h ``[T, n_embd]``; wgu ``[2*n_ff, n_embd]`` (gate rows, then up rows, see
     ``Model._gated_ffn_weights``); wdown ``[n_embd, n_ff]``; act elementwise (silu, gelu).
-    Returns ``[T, n_embd]``. Source: llama-graph.cpp ``build_ffn`` with LLM_FFN_PAR.
+    ``act`` :func:`silu_ggml` / :func:`gelu_tanh_ggml` (the quantized path): ``act(gate) * up``
+    in one numba pass (:func:`.attn_kernels.swiglu_rows` / ``geglu_rows``, the same operations:
+    the same bits). Returns ``[T, n_embd]``. Source: llama-graph.cpp ``build_ffn`` with LLM_FFN_PAR.
     """
     gu = linear(h, wgu)                               # [T, 2*n_ff]
+    if act is silu_ggml or act is gelu_tanh_ggml:
+        return linear(glu_ggml(gu, n_ff, act), wdown)
     return linear(act(gu[:, :n_ff]) * gu[:, n_ff:], wdown)  # [T, n_ff] -> [T, n_embd]
+
+
+def glu_ggml(gu: np.ndarray, n_ff: int, act: Any) -> np.ndarray:
+    """``act(gu[:, :n_ff]) * gu[:, n_ff:]`` for ``act`` :func:`silu_ggml` or :func:`gelu_tanh_ggml`,
+    by one numba kernel (the same float32 operations as those functions, then the product).
+    float32 ``[T, 2*n_ff]`` -> float32 ``[T, n_ff]``."""
+    from . import attn_kernels
+
+    gu = np.ascontiguousarray(gu, dtype=np.float32)
+    out = np.empty((gu.shape[0], n_ff), np.float32)
+    if act is silu_ggml:
+        attn_kernels.swiglu_rows(gu, n_ff, out)
+    else:
+        attn_kernels.geglu_rows(gu, n_ff, _gelu_table(), out)
+    return out
 
 
 def embed(w: Matrix, tokens: np.ndarray) -> np.ndarray:
@@ -302,6 +339,8 @@ class RopeTable:
             raise EngineError("invalid_gguf", f"RoPE dimension count must be positive and even, got {n_rot}")
         self.n_rot = n_rot
         self.dtype = np.dtype(dtype)
+        #: the rotation by the numba kernel :func:`.attn_kernels.rope_rows` (the libm tables' path)
+        self.kernel = bool(libm) and self.dtype == np.float32
         half = n_rot // 2
         pos = np.arange(n_ctx, dtype=np.float64)
         if self.dtype == np.float64:
@@ -331,13 +370,26 @@ class RopeTable:
         """Rotate pairs ``(x[i], x[i + n_rot/2])`` ("NEOX" pairing, ggml ``rotate_pairs`` with
         ``n_offset = n_dims/2``), in place; see :meth:`_rotate`. Returns x."""
         half = self.n_rot // 2
+        if self.kernel and x.dtype == np.float32 and x.ndim == 3:
+            return self._rotate_kernel(x, positions, True)
         self._rotate(x[..., :half], x[..., half:self.n_rot], positions)
         return x
 
     def apply_norm(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Rotate adjacent pairs ``(x[2i], x[2i+1])`` ("NORM" pairing of llama-arch models, ggml
         ``rotate_pairs`` with ``n_offset = 1``), in place; see :meth:`_rotate`. Returns x."""
+        if self.kernel and x.dtype == np.float32 and x.ndim == 3:
+            return self._rotate_kernel(x, positions, False)
         self._rotate(x[..., 0:self.n_rot:2], x[..., 1:self.n_rot:2], positions)
+        return x
+
+    def _rotate_kernel(self, x: np.ndarray, positions: np.ndarray, neox: bool) -> np.ndarray:
+        """:meth:`_rotate` of every pair of float32 ``x [T, n_heads, hd]`` in place by one numba pass
+        (:func:`.attn_kernels.rope_rows`: the same operations, the same bits)."""
+        from . import attn_kernels
+
+        attn_kernels.rope_rows(x, np.ascontiguousarray(positions, dtype=np.int64), self.cos, self.sin,
+                               self.n_rot, neox)
         return x
 
     def _rotate(self, x0: np.ndarray, x1: np.ndarray, positions: np.ndarray) -> None:
@@ -855,6 +907,6 @@ def fuse_rows(parts: Sequence[Matrix]) -> Matrix:
 __all__ = [
     "ARCHITECTURES", "AttnBatch", "DEFAULT_MAX_CTX", "DEFAULT_WEIGHTS", "LoadProgressFn", "Matrix", "Model", "RopeTable", "Segment",
     "WEIGHT_MODES", "WeightCache", "attention", "attention_mask", "embed", "fuse_rows", "gated_ffn", "gelu_tanh",
-    "gelu_tanh_ggml", "silu_ggml", "hp_float", "hp_int", "linear", "load_model", "register", "rms_norm",
+    "gelu_tanh_ggml", "glu_ggml", "silu_ggml", "hp_float", "hp_int", "linear", "load_model", "register", "rms_norm",
     "rope_freq_scale", "silu",
 ]

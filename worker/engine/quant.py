@@ -146,7 +146,8 @@ def _compile() -> dict[str, Any]:
         _kernels.update(quant_q8_0=k.quant_q8_0, quant_q8_K=k.quant_q8_K, matmul_lanes=k.matmul_lanes,
                         matmul_q4k=k.matmul_q4k, matmul_q6k=k.matmul_q6k, cos_sin_f32=k.cos_sin_f32,
                         matmul_lanes_vnni=k.matmul_lanes_vnni, matmul_q4k_vnni=k.matmul_q4k_vnni,
-                        matmul_q6k_vnni=k.matmul_q6k_vnni, lane_levels=k.lane_levels)
+                        matmul_q6k_vnni=k.matmul_q6k_vnni, lane_levels=k.lane_levels,
+                        quant_q8_K_int=k.quant_q8_K_int)
         if _threads is not None:
             set_num_threads(_threads)
     return _kernels
@@ -194,6 +195,21 @@ def quantize_activations(x: np.ndarray, act: str, with_s: bool) -> tuple[np.ndar
     else:
         k["quant_q8_0"](x, xq, dx, xs, with_s or act == "q8_1", act == "q8_1")
     return xq, dx, xs
+
+
+def quantize_q8_K_int(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`quantize_activations` ``(x, "q8_K", ...)`` in the form the VNNI K-quant kernels read,
+    in one pass: x float32 ``[T, K]`` -> the levels int8 ``[T, K]``, the super-block scales
+    ``d`` float32 ``[T, K/256]`` and the levels' sums per 16, int32 ``[T, K/16]`` (the same values,
+    tested ``==``)."""
+    k = _compile()
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    T, K = x.shape
+    xi = np.empty((T, K), np.int8)
+    dy = np.empty((T, K // QK_K), np.float32)
+    bs16 = np.empty((T, K // 16), np.int32)
+    k["quant_q8_K_int"](x, x.view(np.int32), xi, dy, bs16)
+    return xi, dy, bs16
 
 
 def cos_sin_libm(ang: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -597,10 +613,26 @@ class QWeight:
         O, K = self.shape
         if x.ndim != 2 or x.shape[1] != K:
             raise EngineError("invalid_params", f"matmul of {tuple(x.shape)} with a [{O}, {K}] weight")
-        xq, dx, xs = quantize_activations(x, self.act, self.m is not None)  # [T, K], [T, K/32], [T, K/32]
         out = np.empty((x.shape[0], O), np.float32)
+        if self.kind in ("vq4k", "vq6k"):                                # the levels as int8 in one pass
+            self._matmul_kquant(*quantize_q8_K_int(x), out)
+            return out
+        xq, dx, xs = quantize_activations(x, self.act, self.m is not None)  # [T, K], [T, K/32], [T, K/32]
         self.matmul_quantized(xq, dx, xs, out)
         return out
+
+    def _matmul_kquant(self, xi: np.ndarray, dy: np.ndarray, bs16: np.ndarray, out: np.ndarray) -> None:
+        """A VNNI K-quant's ``out[T, O]`` from :func:`quantize_q8_K_int`'s levels, super-block
+        scales and sums per 16 (``out`` may be a column slice)."""
+        k = _compile()
+        T = xi.shape[0]
+        if T == 0:
+            return
+        if self.kind == "vq4k":
+            bs32 = bs16.reshape(T, -1, 2).sum(-1, dtype=np.int32)        # [T, K/32]
+            k["matmul_q4k_vnni"](self.q, self.sc, self.mn, self.d, self.m, xi, dy, bs32, gemm_rows(T), self.n_rows, out)
+        else:
+            k["matmul_q6k_vnni"](self.q, self.sc, self.d, xi, dy, bs16, tiled_rows(T), self.n_rows, out)
 
     def matmul_quantized(self, xq: np.ndarray, dx: np.ndarray, xs: np.ndarray, out: np.ndarray) -> None:
         """``out[T, O] = x @ W.T`` from activations already quantized (:func:`quantize_activations`
@@ -633,13 +665,8 @@ class QWeight:
         xi = xq.astype(np.int8)                                          # [T, K] the q8_K levels
         dy = np.ascontiguousarray(dx[:, ::QK_K // QK])                   # [T, nsb] the super-block d
         res = out if out.flags.c_contiguous else np.empty((T, self.n_rows), np.float32)
-        if self.kind == "vq4k":
-            bs32 = xi.reshape(T, -1, 32).sum(-1, dtype=np.int32)         # [T, K/32]
-            k["matmul_q4k_vnni"](self.q, self.sc, self.mn, self.d, self.m, xi, dy, bs32, gemm_rows(T), self.n_rows, out)
-            return
-        if self.kind == "vq6k":
-            bs16 = xi.reshape(T, -1, 16).sum(-1, dtype=np.int32)         # [T, K/16]
-            k["matmul_q6k_vnni"](self.q, self.sc, self.d, xi, dy, bs16, tiled_rows(T), self.n_rows, out)
+        if self.kind in ("vq4k", "vq6k"):
+            self._matmul_kquant(xi, dy, xi.reshape(T, -1, 16).sum(-1, dtype=np.int32), out)   # bs16 [T, K/16]
             return
         if self.kind == "q4k":
             bs32 = xi.reshape(T, -1, 32).sum(-1, dtype=np.int32)         # [T, K/32]
@@ -725,4 +752,4 @@ def fuse(parts: Sequence[QWeight | np.ndarray]) -> QWeight | QConcat | np.ndarra
 
 
 __all__ = ["ACT_TYPE", "FORMAT_VERSION", "LANE_ROWS", "LANE_TYPES", "PACKED_TYPES", "VNNI_ENV", "QConcat", "QWeight", "cos_sin_libm",
-           "format_tag", "fuse", "gemm_rows", "host_has_vnni", "kquant_parts", "row_groups", "tiled_rows", "quantize_activations", "set_num_threads", "supports", "unpack"]
+           "format_tag", "fuse", "gemm_rows", "host_has_vnni", "kquant_parts", "row_groups", "tiled_rows", "quantize_activations", "quantize_q8_K_int", "set_num_threads", "supports", "unpack"]

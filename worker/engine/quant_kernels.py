@@ -15,7 +15,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from .attn_kernels import fma32
+from .attn_kernels import PAR_MIN, PAR_ROWS, f16r, fma32
 
 f32 = numba.float32
 
@@ -34,29 +34,49 @@ def f16_round(v):
 
 
 @njit(cache=True)
-def quant_q8_0(x, xq, dx, xs, with_s, fp16_s):
+def _quant_q8_0_part(x, xq, dx, xs, with_s, fp16_s, t0, t1):
     # x f32 [T, K] -> xq f32 [T, K] integer levels q; dx f32 [T, K/32] = d (fp16-rounded);
     # xs f32 [T, K/32] = s = d * sum(q) (fp16 for Q8_1) when with_s
+    # amax = the largest |x| of the block (NaN skipped, as ``if a > amax`` skips it), found by an
+    # integer max over the bits (the same value; LLVM vectorizes it, a float max it does not)
     T, K = x.shape
-    for t in range(T):
+    xb = x.view(np.int32)
+    bits = np.empty(1, np.int32)
+    fbits = bits.view(np.float32)
+    for t in range(t0, t1):
         for b in range(K // 32):
             o = b * 32
-            amax = f32(0.0)
+            mb = 0
             for j in range(32):
-                a = abs(x[t, o + j])
-                if a > amax:
-                    amax = a
+                v = xb[t, o + j] & 0x7FFFFFFF
+                if v > 0x7F800000:
+                    v = 0
+                mb = max(mb, v)
+            bits[0] = mb
+            amax = fbits[0]
             d = amax / f32(127.0)
             idv = f32(127.0) / amax if amax != 0.0 else f32(0.0)
-            isum = 0
+            isum = np.int32(0)
             for j in range(32):
                 qv = np.rint(x[t, o + j] * idv)
-                isum += int(qv)
-                xq[t, o + j] = f32(qv)
-            dx[t, b] = f16_round(d)
+                isum += np.int32(qv)
+                xq[t, o + j] = qv
+            dx[t, b] = f16r(d)                    # = f16_round (both: binary16 ties to even), in one instruction
             if with_s:
                 s = d * f32(isum)
-                xs[t, b] = f16_round(s) if fp16_s else s
+                xs[t, b] = f16r(s) if fp16_s else s
+
+
+@njit(cache=True, parallel=True)
+def quant_q8_0(x, xq, dx, xs, with_s, fp16_s):
+    # quant_q8_0: its rows by _quant_q8_0_part, in parallel over blocks of PAR_ROWS rows from
+    # PAR_MIN elements on (each row computed alone: the same bits whatever the split)
+    T = x.shape[0]
+    if x.size < PAR_MIN:
+        _quant_q8_0_part(x, xq, dx, xs, with_s, fp16_s, 0, T)
+        return
+    for c in prange((T + PAR_ROWS - 1) // PAR_ROWS):
+        _quant_q8_0_part(x, xq, dx, xs, with_s, fp16_s, c * PAR_ROWS, min(T, c * PAR_ROWS + PAR_ROWS))
 
 
 @njit(cache=True)
@@ -93,6 +113,61 @@ def quant_q8_K(x, xq, dx, xs):
                     xq[t, o + g * 32 + j] = f32(v)
                 xs[t, sb * 8 + g] = d * f32(isum)
                 dx[t, sb * 8 + g] = d
+
+
+@njit(cache=True)
+def _quant_q8_K_int_part(x, xb, xi, dy, bs16, t0, t1):
+    # quant_q8_K's levels as int8, in a form LLVM vectorizes: x f32 [T, K] (xb: its bits, int32
+    # [T, K]) -> xi int8 [T, K] (the levels), dy f32 [T, K/256] (the super-block's d), bs16 int32
+    # [T, K/16] (sums of the levels per 16). The same values: the largest |x| by its bits (NaN
+    # skipped, as quant_q8_K's ``a > amax`` skips it), its first occurrence's sign, then the
+    # same float32 operations per level.
+    T, K = x.shape
+    for t in range(t0, t1):
+        for sb in range(K // 256):
+            o = sb * 256
+            mb = 0
+            for j in range(256):
+                b = xb[t, o + j] & 0x7FFFFFFF
+                if b > 0x7F800000:
+                    b = 0
+                mb = max(mb, b)
+            if mb == 0:
+                for j in range(256):
+                    xi[t, o + j] = 0
+                for j in range(16):
+                    bs16[t, sb * 16 + j] = 0
+                dy[t, sb] = f32(0.0)
+                continue
+            mx = f32(0.0)
+            for j in range(256):
+                if xb[t, o + j] & 0x7FFFFFFF == mb:
+                    mx = x[t, o + j]
+                    break
+            iscale = f32(-127.0) / mx
+            dy[t, sb] = f32(1.0) / iscale
+            for g in range(16):
+                isum = np.int32(0)
+                for j in range(16):
+                    v = np.rint(iscale * x[t, o + g * 16 + j])
+                    if v > f32(127.0):
+                        v = f32(127.0)
+                    iv = np.int32(v)
+                    isum += iv
+                    xi[t, o + g * 16 + j] = np.int8(iv)
+                bs16[t, sb * 16 + g] = isum
+
+
+@njit(cache=True, parallel=True)
+def quant_q8_K_int(x, xb, xi, dy, bs16):
+    # quant_q8_K_int: its rows by _quant_q8_K_int_part, in parallel over blocks of PAR_ROWS rows from
+    # PAR_MIN elements on (each row computed alone: the same bits whatever the split)
+    T = x.shape[0]
+    if x.size < PAR_MIN:
+        _quant_q8_K_int_part(x, xb, xi, dy, bs16, 0, T)
+        return
+    for c in prange((T + PAR_ROWS - 1) // PAR_ROWS):
+        _quant_q8_K_int_part(x, xb, xi, dy, bs16, c * PAR_ROWS, min(T, c * PAR_ROWS + PAR_ROWS))
 
 
 #: output rows per work item of the parallel loop (the item's weights stay in L1/L2 while
@@ -278,11 +353,11 @@ from .simd import (dpbusd, i2f, iadd, ibcast4, iload16_s8, iload16_u8, iload64, 
 
 
 @njit(cache=True)
-def lane_levels(xq, bias, x8, nxc):
+def _lane_levels_part(xq, bias, x8, nxc, t0, t1):
     # the VNNI lanes kernel's activations: x8 int8 [T, K] = the levels xq (float32 [T, K]);
     # nxc int32 [T, K/4] = -bias * the sum of each 4 consecutive levels (one int32 lane's)
     T, K = xq.shape
-    for t in range(T):
+    for t in range(t0, t1):
         for j in range(K // 4):
             s = 0
             for k in range(4):
@@ -290,6 +365,18 @@ def lane_levels(xq, bias, x8, nxc):
                 x8[t, 4 * j + k] = np.int8(v)
                 s += v
             nxc[t, j] = -bias * s
+
+
+@njit(cache=True, parallel=True)
+def lane_levels(xq, bias, x8, nxc):
+    # lane_levels: its rows by _lane_levels_part, in parallel over blocks of PAR_ROWS rows from
+    # PAR_MIN elements on (each row computed alone: the same bits whatever the split)
+    T = xq.shape[0]
+    if xq.size < PAR_MIN:
+        _lane_levels_part(xq, bias, x8, nxc, 0, T)
+        return
+    for c in prange((T + PAR_ROWS - 1) // PAR_ROWS):
+        _lane_levels_part(xq, bias, x8, nxc, c * PAR_ROWS, min(T, c * PAR_ROWS + PAR_ROWS))
 
 
 @njit(cache=True)

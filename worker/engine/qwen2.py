@@ -115,7 +115,7 @@ class Qwen2Model(Model):
         pos = batch.positions                                         # [T]
         x = embed(self.w["tok_embd"], tokens).astype(self.dtype)      # [T, n_embd]
         for il, (attn_norm, wqkv, bqkv, q_norm, k_norm, wo, ffn_norm, wgu, wdown) in enumerate(self.layers):
-            h = rms_norm(x, attn_norm, self.eps)                      # [T, n_embd]
+            h = rms_norm(x, attn_norm, self.eps, self.ggml_numerics)                      # [T, n_embd]
             qkv = linear(h, wqkv)                                     # [T, (nh+2nkv)*hd]
             if bqkv is not None:
                 qkv = qkv + bqkv                                      # [T, (nh+2nkv)*hd]
@@ -123,8 +123,8 @@ class Qwen2Model(Model):
             k = qkv[:, nq:nq + nk].reshape(T, nkv, hd)                # [T, nkv, hd]
             v = qkv[:, nq + nk:].reshape(T, nkv, hd)                  # [T, nkv, hd]
             if q_norm is not None:
-                q = rms_norm(q, q_norm, self.eps)                     # [T, nh, hd] per-head RMSNorm
-                k = rms_norm(k, k_norm, self.eps)                     # [T, nkv, hd]
+                q = rms_norm(q, q_norm, self.eps, self.ggml_numerics)                     # [T, nh, hd] per-head RMSNorm
+                k = rms_norm(k, k_norm, self.eps, self.ggml_numerics)                     # [T, nkv, hd]
             self.rope.apply_neox(q, pos)                              # [T, nh, hd]
             self.rope.apply_neox(k, pos)                              # [T, nkv, hd]
             a = attend(batch, il, q, k, v, self.scale, f16=self.ggml_numerics)  # [T, nh*hd]
@@ -132,9 +132,9 @@ class Qwen2Model(Model):
             if il == self.n_layer - 1:
                 x, o = self._keep_output_rows(batch, rows, x, o)      # [R, n_embd]
             x = x + o                                                 # [T, n_embd]
-            h = rms_norm(x, ffn_norm, self.eps)                       # [T, n_embd]
+            h = rms_norm(x, ffn_norm, self.eps, self.ggml_numerics)                       # [T, n_embd]
             x = x + gated_ffn(h, wgu, wdown, nff, silu_ggml if self.ggml_numerics else silu)  # [T, n_embd]
-        return rms_norm(x, self.w["output_norm"], self.eps)           # [T, n_embd]
+        return rms_norm(x, self.w["output_norm"], self.eps, self.ggml_numerics)           # [T, n_embd]
 
     def _output(self, h: np.ndarray) -> np.ndarray:
         logits = super()._output(h)                                   # [T, n_vocab]
