@@ -347,8 +347,8 @@ def matmul_q6k(q6, sc, dw, xi, dy, bs16, tiled, out):
 # The same float32 operations as the kernels above, in the same order, with the exact integer
 # parts done by vpdpbusd on explicit 16-lane vectors (:mod:`.simd`); tested equal (==) to them.
 
-from .simd import (dpbusd, i2f, iadd, ibcast4, iload16_s8, iload16_u8, iload64, imul, isplat,  # noqa: E402
-                   isub, izero, nib_hi, nib_lo, vadd, vfma, vfma_s, vload, vmul, vmul_s, vstore, vstore_row,
+from .simd import (dpbusd, hbit16, i2f, iadd, ibcast4, iload16_s8, iload16_u8, iload64, imul, isplat,  # noqa: E402
+                   isub, izero, nib_hi, nib_lo, vadd, vfma, vfma_s, vload, vload_h, vmul, vmul_s, vstore, vstore_row,
                    vsub, vzero)
 
 
@@ -387,23 +387,35 @@ def _vl(acc, dd, wv, x8, xo, c):
 
 
 @njit(cache=True)
-def _vl_half(w, o, packed, h):
-    # lanes 4h..4h+3 of one block of a row group (see _vl_group), as u8 bytes in int32 lanes
+def _vl_half(w, o, packed, h, qh, qo):
+    # lanes 4h..4h+3 of one block of a row group (see _vl_group), as u8 bytes in int32 lanes;
+    # packed 2: the nibbles plus 16 * the fifth bit from qh (lane l's 64 bits at byte qo + 8l;
+    # nibble + 16 * bit never carries out of its byte, so the int32 add is a per-byte or)
     if packed:
         if h == 0:
-            return nib_lo(iload64(w, o)), nib_lo(iload64(w, o + 64)), nib_lo(iload64(w, o + 128)), nib_lo(iload64(w, o + 192))
-        return nib_hi(iload64(w, o)), nib_hi(iload64(w, o + 64)), nib_hi(iload64(w, o + 128)), nib_hi(iload64(w, o + 192))
+            w0, w1, w2, w3 = (nib_lo(iload64(w, o)), nib_lo(iload64(w, o + 64)), nib_lo(iload64(w, o + 128)),
+                              nib_lo(iload64(w, o + 192)))
+        else:
+            w0, w1, w2, w3 = (nib_hi(iload64(w, o)), nib_hi(iload64(w, o + 64)), nib_hi(iload64(w, o + 128)),
+                              nib_hi(iload64(w, o + 192)))
+        if packed == 2:
+            qo += 32 * h
+            w0, w1, w2, w3 = (iadd(w0, hbit16(qh, qo)), iadd(w1, hbit16(qh, qo + 8)), iadd(w2, hbit16(qh, qo + 16)),
+                              iadd(w3, hbit16(qh, qo + 24)))
+        return w0, w1, w2, w3
     o += 256 * h
     return iload64(w, o), iload64(w, o + 64), iload64(w, o + 128), iload64(w, o + 192)
 
 
 @njit(cache=True)
-def _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, dst, col, scr):
+def _vl_group(w, g, packed, qh, d, m, x8, nxc, dx, xs, dst, col, scr):
     # dst[t, col:col+16] = matmul_lanes' outputs of row group g for every row t (the same float32
     # operations in the same order). Weights w uint8: unpacked [ng, nb, 8, 16, 4] (byte (l, i, k)
-    # of block b = level + 128 of row 16g+i, element 4l+k), or packed [ng, nb, 4, 16, 4] (low
-    # nibble: lane l, high nibble: lane l+4; the stored 4-bit value, level + 8 for Q4_0, the level
-    # for Q4_1); d, m f32 [ng, nb, 16] (m [0, 0, 0]: no offset); x8 int8 [T, K]; nxc int32
+    # of block b = level + 128 of row 16g+i, element 4l+k) when packed is 0, or packed [ng, nb, 4,
+    # 16, 4] (low nibble: lane l, high nibble: lane l+4; packed 1: the stored 4-bit value, level + 8
+    # for Q4_0, the level for Q4_1; packed 2: the low 4 bits of the stored 5-bit value, level + 16
+    # for Q5_0, the level for Q5_1, whose fifth bits are qh uint8 [ng, nb, 8, 8]: lane l's 64 bytes'
+    # bits, little-endian; qh is [0, 0, 0, 0] otherwise); d, m uint16 [ng, nb, 16] (the GGUF's fp16 bits, widened by vload_h; m [0, 0, 0]: no offset); x8 int8 [T, K]; nxc int32
     # [T, nb, 8] = -bias * the sum of lane l's four activation levels (zeros for bias 0); dx, xs
     # f32 [T, nb]; scr f32 [>= 256] scratch. Four activation rows per pass share each weight load,
     # lanes 0-3 of all blocks first, then lanes 4-7 (each lane's own block order is kept); the
@@ -432,8 +444,8 @@ def _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, dst, col, scr):
             e2 = vzero()
             e3 = vzero()
             for b in range(nb):
-                w0, w1, w2, w3 = _vl_half(w, (g * nb + b) * wb, packed, h)
-                dw = vload(d, (g * nb + b) * 16)
+                w0, w1, w2, w3 = _vl_half(w, (g * nb + b) * wb, packed, h, qh, (g * nb + b) * 64)
+                dw = vload_h(d, (g * nb + b) * 16)
                 l0 = 4 * h
                 xo = t * K + b * 32 + 16 * h
                 dd = vmul_s(dw, dx[t, b])
@@ -482,7 +494,7 @@ def _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, dst, col, scr):
         se = vzero()
         if has_m:
             for b in range(nb):
-                mv = vload(m, (g * nb + b) * 16)
+                mv = vload_h(m, (g * nb + b) * 16)
                 sa = vfma_s(mv, xs[t, b], sa)
                 sb = vfma_s(mv, xs[t + 1, b], sb)
                 sc = vfma_s(mv, xs[t + 2, b], sc)
@@ -509,9 +521,9 @@ def _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, dst, col, scr):
         sa = vzero()
         for b in range(nb):
             o = (g * nb + b) * wb
-            w0, w1, w2, w3 = _vl_half(w, o, packed, 0)
-            w4, w5, w6, w7 = _vl_half(w, o, packed, 1)
-            da = vmul_s(vload(d, (g * nb + b) * 16), dx[t, b])
+            w0, w1, w2, w3 = _vl_half(w, o, packed, 0, qh, (g * nb + b) * 64)
+            w4, w5, w6, w7 = _vl_half(w, o, packed, 1, qh, (g * nb + b) * 64)
+            da = vmul_s(vload_h(d, (g * nb + b) * 16), dx[t, b])
             xa = t * K + b * 32
             a0 = _vl(a0, da, w0, x8, xa, nxc[t, b, 0])
             a1 = _vl(a1, da, w1, x8, xa + 4, nxc[t, b, 1])
@@ -522,25 +534,25 @@ def _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, dst, col, scr):
             a6 = _vl(a6, da, w6, x8, xa + 24, nxc[t, b, 6])
             a7 = _vl(a7, da, w7, x8, xa + 28, nxc[t, b, 7])
             if has_m:
-                sa = vfma_s(vload(m, (g * nb + b) * 16), xs[t, b], sa)
+                sa = vfma_s(vload_h(m, (g * nb + b) * 16), xs[t, b], sa)
         vstore_row(dst, t, col, vadd(vadd(vadd(vadd(a0, a4), vadd(a2, a6)), vadd(vadd(a1, a5), vadd(a3, a7))), sa))
         t += 1
 
 
 @njit(parallel=True, cache=True)
-def matmul_lanes_vnni(w, packed, d, m, x8, nxc, dx, xs, n_out, out):
+def matmul_lanes_vnni(w, packed, qh, d, m, x8, nxc, dx, xs, n_out, out):
     # matmul_lanes' outputs (bit for bit) from the VNNI forms of quant.QWeight ("vlanes" /
-    # "vlanes4", see _vl_group). out f32 [T, >= n_out] (rows may be strided): columns 0..n_out-1.
+    # "vlanes4" / "vlanes5", see _vl_group; packed 0 / 1 / 2). out f32 [T, >= n_out] (rows may be strided): columns 0..n_out-1.
     ng = d.shape[0]
     T = x8.shape[0]
     for c in prange((ng + _LANE_CHUNK - 1) // _LANE_CHUNK):
         scr = np.empty(256, np.float32)
         for g in range(c * _LANE_CHUNK, min(ng, c * _LANE_CHUNK + _LANE_CHUNK)):
             if (g + 1) * LANE_ROWS <= n_out:
-                _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, out, g * LANE_ROWS, scr)
+                _vl_group(w, g, packed, qh, d, m, x8, nxc, dx, xs, out, g * LANE_ROWS, scr)
             else:
                 tmp = np.empty((T, LANE_ROWS), np.float32)
-                _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, tmp, 0, scr)
+                _vl_group(w, g, packed, qh, d, m, x8, nxc, dx, xs, tmp, 0, scr)
                 for t in range(T):
                     for i in range(n_out - g * LANE_ROWS):
                         out[t, g * LANE_ROWS + i] = tmp[t, i]
@@ -554,7 +566,7 @@ def _q4k_row(q, sc, mn, d, m, g, xi, t, bs32, dy, pairs, dst, col):
     # accm = fma(imin, dmin_w*d_x, accm), the span a super-block or (pairs) a pair of sub-blocks;
     # out = acc - accm. Layout ("vq4k" form): q uint8 [ng, nsb, 4, 8, 16, 4] (byte (c, k4, i, kk)
     # = the stored byte c*32 + 4*k4 + kk of row 16g+i: low nibble sub-block 2c, high 2c+1),
-    # sc / mn uint8 [ng, nsb, 8, 16], d / m f32 [ng, nsb, 16] (d, dmin).
+    # sc / mn uint8 [ng, nsb, 8, 16], d / m uint16 [ng, nsb, 16] (d, dmin: the GGUF's fp16 bits).
     nsb = d.shape[1]
     K = xi.shape[1]
     acc = vzero()
@@ -563,8 +575,8 @@ def _q4k_row(q, sc, mn, d, m, g, xi, t, bs32, dy, pairs, dst, col):
         base = g * nsb + b
         qo = base * 2048
         so = base * 128
-        dd = vmul_s(vload(d, base * 16), dy[t, b])
-        ddm = vmul_s(vload(m, base * 16), dy[t, b])
+        dd = vmul_s(vload_h(d, base * 16), dy[t, b])
+        ddm = vmul_s(vload_h(m, base * 16), dy[t, b])
         isum = izero()
         imin = izero()
         xo = t * K + b * 256
@@ -615,7 +627,7 @@ def _q6k_vec_row(q, sc, d, g, xi, t, bs16, dy, dst, col):
     # elements v*32 + 4l + k, minus 32 * (bsum16[2l] sc[2l] + bsum16[2l+1] sc[2l+1]);
     # acc_l = fma(d_x*d_w, lane_l, acc_l); hsum_float_8. Layout ("vq6k" form): q uint8
     # [ng, nsb, 64, 16, 4] (byte (e4, i, k) = the 6-bit level 0..63 of row 16g+i, element 4*e4+k),
-    # sc int8 [ng, nsb, 16, 16] (sub-block j, row i), d f32 [ng, nsb, 16].
+    # sc int8 [ng, nsb, 16, 16] (sub-block j, row i), d uint16 [ng, nsb, 16] (the GGUF's fp16 bits).
     nsb = d.shape[1]
     K = xi.shape[1]
     a0 = vzero()
@@ -662,7 +674,7 @@ def _q6k_vec_row(q, sc, d, g, xi, t, bs16, dy, dst, col):
         l5 = isub(l5, _q6_corr(sc, so, bs16, t, bo, 5))
         l6 = isub(l6, _q6_corr(sc, so, bs16, t, bo, 6))
         l7 = isub(l7, _q6_corr(sc, so, bs16, t, bo, 7))
-        dd = vmul_s(vload(d, base * 16), dy[t, b])
+        dd = vmul_s(vload_h(d, base * 16), dy[t, b])
         a0 = vfma(dd, i2f(l0), a0)
         a1 = vfma(dd, i2f(l1), a1)
         a2 = vfma(dd, i2f(l2), a2)
@@ -719,7 +731,7 @@ def _q6k_tiled_rows(q, sc, d, g, xi, t, n, bs16, dy, dst, col):
                 i1 = iadd(i1, imul(scj, _q6_sub(q, e, xi, x + K, isplat(-32 * bs16[t + 1, b * 16 + j]))))
                 i2 = iadd(i2, imul(scj, _q6_sub(q, e, xi, x + 2 * K, isplat(-32 * bs16[t + 2, b * 16 + j]))))
                 i3 = iadd(i3, imul(scj, _q6_sub(q, e, xi, x + 3 * K, isplat(-32 * bs16[t + 3, b * 16 + j]))))
-        dw = vload(d, base * 16)
+        dw = vload_h(d, base * 16)
         o0 = vfma_s(vmul(i2f(i0), dw), dy[t, b], o0)
         if four:
             o1 = vfma_s(vmul(i2f(i1), dw), dy[t + 1, b], o1)

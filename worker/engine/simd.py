@@ -38,6 +38,8 @@ f32x16 = F32x16()
 i32x16 = I32x16()
 _V16 = ir.VectorType(ir.FloatType(), 16)
 _VI16 = ir.VectorType(ir.IntType(32), 16)
+_H16 = ir.VectorType(ir.HalfType(), 16)
+_B64 = ir.VectorType(ir.IntType(8), 64)
 _I32 = ir.IntType(32)
 
 
@@ -81,6 +83,22 @@ def vload(typingctx, arr, i):
         a = context.make_array(sig.args[0])(context, builder, args[0])
         p = builder.gep(a.data, [args[1]])
         return builder.load(builder.bitcast(p, _V16.as_pointer()), align=4)
+    return f32x16(arr, types.intp), cg
+
+
+@intrinsic
+def vload_h(typingctx, arr, i):
+    """``arr.flat[i:i+16]`` of a C-contiguous uint16 array holding IEEE binary16 bit patterns,
+    widened to float32 (LLVM ``fpext half -> float``: exact for every binary16 value, one
+    ``vcvtph2ps`` with F16C/AVX-512)."""
+    if arr.dtype != types.uint16:
+        return None
+
+    def cg(context, builder, sig, args):
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        p = builder.gep(a.data, [args[1]])
+        h = builder.load(builder.bitcast(p, _H16.as_pointer()), align=2)
+        return builder.fpext(h, _V16)
     return f32x16(arr, types.intp), cg
 
 
@@ -180,6 +198,21 @@ def ibcast4(typingctx, arr, i):
     def cg(context, builder, sig, args):
         p = _byte_ptr(context, builder, sig.args[0], args[0], args[1])
         return _splat(builder, builder.load(builder.bitcast(p, _I32.as_pointer()), align=1), _VI16)
+    return i32x16(arr, types.intp), cg
+
+
+@intrinsic
+def hbit16(typingctx, arr, i):
+    """Bit ``j`` of the little-endian 64-bit word at byte offset ``i`` of a C-contiguous array,
+    times 16, in byte ``j`` (``j = 0..63``) of 16 int32 lanes (byte ``j`` is byte ``j % 4`` of
+    lane ``j // 4``, as :func:`iload64` loads): the fifth bit of 64 packed 5-bit levels. One mask
+    move (``bitcast i64 -> <64 x i1>``, ``select``) on AVX-512."""
+    def cg(context, builder, sig, args):
+        p = _byte_ptr(context, builder, sig.args[0], args[0], args[1])
+        word = builder.load(builder.bitcast(p, ir.IntType(64).as_pointer()), align=1)
+        mask = builder.bitcast(word, ir.VectorType(ir.IntType(1), 64))
+        v = builder.select(mask, ir.Constant(_B64, [16] * 64), ir.Constant(_B64, [0] * 64))
+        return builder.bitcast(v, _VI16)
     return i32x16(arr, types.intp), cg
 
 
