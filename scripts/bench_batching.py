@@ -2,7 +2,7 @@
 """Concurrency inside one worker vs llama-server, side by side on the same GGUF.
 
     .venv/bin/python scripts/bench_batching.py [--model smollm2|gemma3] [--conc 1,4,8,16,32]
-        [--max-tokens 64] [--llama-server PATH] [--skip-llama] [--gap] [--turn2] [--weights f32|quantized]
+        [--max-tokens 64] [--llama-server PATH] [--skip-llama] [--gap] [--turn2] [--weights f32|quantized] [--port 8181]
 
 Both servers are started by this script and are alive at once; each
 measurement runs on llama-server first, then on modelyard, one after the other
@@ -159,6 +159,8 @@ def main() -> int:
     ap.add_argument("--gap", action="store_true")
     ap.add_argument("--turn2", action="store_true")
     ap.add_argument("--weights", default="quantized", choices=("quantized", "f32"), help="modelyard's weights key")
+    ap.add_argument("--port", type=int, default=8181,
+                    help="llama-server's port; modelyard's is the next one (default 8181, 8182)")
     a = ap.parse_args()
     gguf = (Path(os.environ.get("MODELYARD_MODELS_DIR") or ROOT / "models") / MODELS[a.model]).resolve()
     srv = a.llama_server
@@ -171,14 +173,14 @@ def main() -> int:
         groups.setdefault(8 if c <= 8 else 32, []).append(c)
     tmp = Path(tempfile.mkdtemp(prefix="modelyard-bench-"))
     for parallel, cs in sorted(groups.items()):
-        llama = start_llama(srv, gguf, parallel, 8181) if srv else None
-        ours = start_modelyard(gguf, parallel, 8182, tmp, a.weights)
+        llama = start_llama(srv, gguf, parallel, a.port) if srv else None
+        ours = start_modelyard(gguf, parallel, a.port + 1, tmp, a.weights)
         try:
             for c in cs:
                 row: dict = {"model": a.model, "weights": a.weights, "parallel": parallel, "concurrency": c}
                 if llama:
-                    row["llama"] = loadgen(8181, "m", c, a.max_tokens)
-                row["modelyard"] = loadgen(8182, "m", c, a.max_tokens)
+                    row["llama"] = loadgen(a.port, "m", c, a.max_tokens)
+                row["modelyard"] = loadgen(a.port + 1, "m", c, a.max_tokens)
                 if llama:
                     row["ratio_aggregate"] = round(row["modelyard"]["aggregate_tok_s"]
                                                    / max(row["llama"]["aggregate_tok_s"], 1e-9), 3)
@@ -188,15 +190,15 @@ def main() -> int:
                 long_prompt = "word " * 2000
                 row = {"worst_gap_s": {}}
                 if llama:
-                    row["worst_gap_s"]["llama"] = round(stream_gaps(8181, "m", 60, long_prompt, 10), 3)
-                row["worst_gap_s"]["modelyard"] = round(stream_gaps(8182, "m", 60, long_prompt, 10), 3)
+                    row["worst_gap_s"]["llama"] = round(stream_gaps(a.port, "m", 60, long_prompt, 10), 3)
+                row["worst_gap_s"]["modelyard"] = round(stream_gaps(a.port + 1, "m", 60, long_prompt, 10), 3)
                 row["loadavg"] = [round(x, 2) for x in os.getloadavg()]
                 print(json.dumps(row), flush=True)
             if a.turn2 and parallel == min(groups):
                 row = {"turn2": {}}
                 if llama:
-                    row["turn2"]["llama"] = turn2_ratio(8181, "m")
-                row["turn2"]["modelyard"] = turn2_ratio(8182, "m")
+                    row["turn2"]["llama"] = turn2_ratio(a.port, "m")
+                row["turn2"]["modelyard"] = turn2_ratio(a.port + 1, "m")
                 row["loadavg"] = [round(x, 2) for x in os.getloadavg()]
                 print(json.dumps(row), flush=True)
         finally:

@@ -3,7 +3,7 @@
 single-stream decode and resident memory.
 
     .venv/bin/python scripts/bench_weights.py [--model smollm2|gemma3] [--llama-server PATH]
-        [--skip-llama] [--prompt-tokens 512] [--decode-tokens 128] [--repeat 3] [--cold-repeat 1]
+        [--skip-llama] [--prompt-tokens 512] [--decode-tokens 128] [--repeat 3] [--cold-repeat 1] [--port 8191]
     .venv/bin/python scripts/bench_weights.py --kernels [--model ...] [--threads 2]
 
 Servers, one at a time (never two measured at once): llama-server (``-t 2 -c 2048 -np 1``),
@@ -249,6 +249,7 @@ def main() -> int:
     ap.add_argument("--cold-repeat", type=int, default=1, help="cold starts per server (alternating); median")
     ap.add_argument("--kernels", action="store_true", help="kernel vs sgemm in-process, no servers")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--port", type=int, default=8191, help="the servers' port, one server at a time (default 8191)")
     ap.add_argument("--engine-cpu", action="store_true", help="CPU time per token of the engines in-process")
     ap.add_argument("--streams", default="8,32", help="--engine-cpu: concurrent sequences (comma-separated)")
     a = ap.parse_args()
@@ -268,7 +269,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="modelyard-bench-"))
     rows: dict[str, dict] = {}
     runs = ([("llama", None)] if srv else []) + [("f32", "f32"), ("quantized", "quantized")]
-    port = 8191
+    port = a.port
 
     def start(label: str, weights: str | None) -> tuple[subprocess.Popen, float]:
         t0 = time.monotonic()
