@@ -588,10 +588,23 @@ def test_weight_cache_incomplete_is_rebuilt(tmp_path: Path) -> None:
     g = read_gguf(path)
     ref = load_model(g, weights="f32", cache_write="sync").forward(PROMPT)
     d = tmp_path / "xdg-cache" / "modelyard" / "npy" / g.fingerprint / "gemma3-v1-f32"
-    (d / "blk.2.wqkv.npy").write_bytes(b"\x93NUMPY garbage")
+    pack = d / "weights.bin"
+    data = pack.read_bytes()
+    pack.write_bytes(data[: len(data) // 2])                 # a truncated pack (a killed copy, a full disk)
     m = load_model(g, weights="f32", cache_write="sync")
     assert m.weights_from_cache is False
     np.testing.assert_array_equal(m.forward(PROMPT), ref)
+    assert pack.stat().st_size == len(data)                  # rewritten whole
+    manifest = json.loads((d / "manifest.json").read_text())
+    name, (shape, dtype, offset) = next(iter(manifest["arrays"].items()))
+    manifest["arrays"][name] = [shape, dtype, len(data)]     # an array past the pack's end
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    assert load_model(g, weights="f32", cache_write="sync").weights_from_cache is False
+    np.save(d / "stale.npy", np.zeros(3))                    # the layout before the pack
+    manifest["pack"] = None
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    assert load_model(g, weights="f32", cache_write="sync").weights_from_cache is False
+    assert not list(d.glob("*.npy"))                          # the old layout's files are removed
     (d / "manifest.json").unlink()
     assert load_model(g, weights="f32", cache_write="sync").weights_from_cache is False
     assert load_model(g, weights="f32").weights_from_cache is True
