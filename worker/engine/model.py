@@ -13,8 +13,8 @@ Weights are dequantized once to float32 (``GGUFFile.tensor``), fused (Q/K/V
 into one matrix, gate/up into one) and kept as ``[out_features,
 in_features]`` C-contiguous arrays used as ``x @ W.T`` (measured on this
 machine: the same speed as a transposed copy used as ``x @ Wt``, within noise,
-so no transpose is paid at load). The prepared arrays are cached as ``.npy``
-files under ``$XDG_CACHE_HOME/modelyard/npy/<sha256 of the GGUF>/<layout>/``
+so no transpose is paid at load). The prepared arrays are cached in one packed
+file under ``$XDG_CACHE_HOME/modelyard/npy/<sha256 of the GGUF>/<layout>/``
 and memory-mapped read-only on the next load (several worker processes on one
 file then share the pages); see :class:`WeightCache`.
 """
@@ -76,10 +76,10 @@ def load_model(gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.floa
             May exceed the training context (llama.cpp allows it too).
         dtype: compute dtype, ``np.float32`` (serving) or ``np.float64``
             (reference runs for tests; weights are upcast, never cached).
-        weight_cache: use the ``.npy`` cache of prepared weights; None -> on
+        weight_cache: use the cache of prepared weights (:class:`WeightCache`); None -> on
             unless the environment sets ``MODELYARD_WEIGHT_CACHE=0``. Files
             under ``WEIGHT_CACHE_MIN_BYTES`` (16 MiB) are never cached.
-        cache_write: on a cache miss, write the ``.npy`` files in a background
+        cache_write: on a cache miss, write the cache's files in a background
             thread (``"background"``: the model is usable at once; see
             :meth:`Model.wait_weight_cache`) or before returning (``"sync"``).
         weights: ``"quantized"`` (weight matrices kept in the GGUF's quantized
@@ -418,7 +418,7 @@ class RopeTable:
 
 CACHE_ENV = "MODELYARD_WEIGHT_CACHE"
 #: GGUF files smaller than this are dequantized on every load (milliseconds) and
-#: never leave .npy files behind (tests write many tiny GGUFs).
+#: never leave cache files behind (tests write many tiny GGUFs).
 WEIGHT_CACHE_MIN_BYTES = 16 << 20
 _cache_lock = threading.Lock()
 
