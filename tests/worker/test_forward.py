@@ -580,6 +580,11 @@ def test_weight_cache_roundtrip(tmp_path: Path, weights: str) -> None:
         assert isinstance(w, QWeight) and w.types == ("Q8_0",) * 3
         w = w.q
     assert not w.flags.writeable  # memory-mapped, read-only
+    for name, mat in m2.w.items():  # views of the one pack, each as a kernel sees a built array
+        arrays = mat.arrays().values() if isinstance(mat, QWeight) else [mat] if isinstance(mat, np.ndarray) else []
+        for a in arrays:
+            assert a.flags.aligned and a.flags.c_contiguous and not a.flags.writeable, name
+            assert a.ctypes.data % model_mod.WeightCache.PACK_ALIGN == 0 or a.nbytes == 0, name
     np.testing.assert_array_equal(m1.forward(PROMPT, all_logits=True), m2.forward(PROMPT, all_logits=True))
 
 

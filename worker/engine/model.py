@@ -473,9 +473,13 @@ class WeightCache:
                 a.flags.writeable = False
                 flat[name] = a
             out: dict[str, Matrix] = {n: a for n, a in flat.items() if "@" not in n and "#" not in n}
+            parts: dict[str, dict[str, np.ndarray]] = {}
+            for k, a in flat.items():
+                if "@" in k:
+                    owner, part = k.split("@", 1)
+                    parts.setdefault(owner, {})[part] = a
             for name, meta in manifest.get("quantized", {}).items():
-                out[name] = QWeight.from_arrays({k.split("@", 1)[1]: a for k, a in flat.items()
-                                                 if k.startswith(name + "@")}, meta)
+                out[name] = QWeight.from_arrays(parts.get(name, {}), meta)
             for name, n_parts in manifest.get("concat", {}).items():
                 out[name] = QConcat([out.pop(f"{name}#{i}") if f"{name}#{i}" in out else flat[f"{name}#{i}"]
                                      for i in range(n_parts)])
