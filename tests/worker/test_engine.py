@@ -415,9 +415,13 @@ def test_quantized_load_warms_every_kernel_the_first_request_runs(model: str, pr
     v = "_vnni" if quant.host_has_vnni() else ""                   # the VNNI kernels where the CPU has them
     assert got["before"][f"matmul_lanes{v}"]
     assert got["before"]["fa_vec"] and got["before"]["fa_tiled"]
-    assert got["before"]["silu_rows"] and got["before"]["gelu_table_f16"] and got["before"]["cos_sin_f32"]
-    assert got["before"]["rms_norm_rows"] and got["before"]["geglu_rows"] and got["before"]["swiglu_rows"]
-    assert got["before"]["rope_rows"]
+    assert got["before"]["cos_sin_f32"] and got["before"]["rms_norm_rows"] and got["before"]["rope_rows"]
+    # only its architecture's FFN activation (Gemma: GELU's table and the fused GEGLU; SmolLM2: SwiGLU),
+    # not the standalone SiLU, nor the K-quants' activation quantization without K-quant matrices
+    glu, other = ("geglu_rows", "swiglu_rows") if model == "gemma3" else ("swiglu_rows", "geglu_rows")
+    assert got["before"][glu] and not got["before"][other] and not got["before"]["silu_rows"]
+    assert bool(got["before"]["gelu_table_f16"]) == (model == "gemma3")
+    assert bool(got["before"]["quant_q8_K"]) == (model == "gemma3")
     if model == "gemma3":                                           # its Q4_K and Q6_K matrices
         assert got["before"][f"matmul_q4k{v}"] and got["before"][f"matmul_q6k{v}"]
     assert got["after"] == got["before"]
@@ -471,7 +475,7 @@ def test_compile_kernels_covers_every_kernel_a_quantized_load_and_request_run(tm
     from worker.engine import quant
 
     v = "_vnni" if quant.host_has_vnni() else ""                   # the VNNI kernels where the CPU has them
-    for name in (f"matmul_lanes{v}", f"matmul_q4k{v}", f"matmul_q6k{v}", "fa_vec", "fa_tiled", "silu_rows",
+    for name in (f"matmul_lanes{v}", f"matmul_q4k{v}", f"matmul_q6k{v}", "fa_vec", "fa_tiled",
                  "gelu_table_f16", "cos_sin_f32", "quant_q8_0", "quant_q8_K", "rms_norm_rows", "geglu_rows",
                  "swiglu_rows", "rope_rows") + (("lane_levels",) if v else ()):
         assert got["before"][name], name

@@ -143,8 +143,12 @@ class Engine:
         warm = None
         if weights == "quantized":  # numba's import and cached kernels load while the model is built
             types = {t.type.name for t in gguf.tensors.values()}
-            warm = threading.Thread(target=_warm_up_kernels, args=(types, _take_preload()), daemon=True,
-                                    name="modelyard-warm-up")
+            from .model import ARCHITECTURES, _register_builtin
+
+            _register_builtin()
+            arch_cls = ARCHITECTURES.get(gguf.architecture)
+            warm = threading.Thread(target=_warm_up_kernels, daemon=True, name="modelyard-warm-up",
+                                    args=(types, _take_preload(), getattr(arch_cls, "ffn_act", None)))
             warm.start()
         if progress is not None:
             progress("reading_gguf", 1, 1)
@@ -552,32 +556,48 @@ def compile_kernels(type_names: Iterable[str] | None = None) -> None:
     from . import quant
 
     _load_common_kernels()
+    for act in FFN_ACTS:
+        _load_ffn_kernels(act)
     _load_matmul_kernels(set(quant.ACT_TYPE) if type_names is None else set(type_names))
 
 
+#: The gated FFN activations of the architectures (``Model.ffn_act``), whose kernels
+#: :func:`_load_ffn_kernels` loads.
+FFN_ACTS = ("silu", "gelu")
+
+
 def _load_common_kernels() -> None:
-    """numba's import and the file-independent kernels; raises on failure."""
+    """numba's import and the kernels every model's quantized path runs (32-block activation
+    quantization, both flash-attention kernels, RMSNorm, RoPE); raises on failure. The K-quants'
+    activation quantization loads with their matmuls (:func:`_load_matmul_kernels`), the FFN's
+    activation with :func:`_load_ffn_kernels`: a model loads only what it runs (each signature
+    costs ~0.5-2 MiB of LLVM's resident code and tables, and load time)."""
     from . import attention, quant
 
     x = np.zeros((2, 256), np.float32)
-    for act in ("q8_0", "q8_1", "q8_K"):
+    for act in ("q8_0", "q8_1"):
         for with_s in (False, True):
             quant.quantize_activations(x, act, with_s)
     for rows, end in ((1, 1), (64, 64)):
         kv = np.zeros((1, end, 8), np.float32)
         attention.ggml_attention(np.zeros((rows, 1, 8), np.float32), kv, kv, end - rows, 0, None, 1.0)
-    from .model import RopeTable, gelu_tanh_ggml, glu_ggml, rms_norm, silu_ggml
+    from .model import RopeTable, rms_norm
 
-    silu_ggml(np.zeros((1, 16), np.float32))                 # SiLU's kernel
-    gelu_tanh_ggml(np.zeros((1, 16), np.float32))            # ggml's GELU table, built once
-    for act in (silu_ggml, gelu_tanh_ggml):                  # the fused act(gate) * up kernels
-        glu_ggml(np.zeros((1, 32), np.float32), 16, act)
     rms_norm(np.zeros((1, 16), np.float32), np.ones(16, np.float32), 1e-6, kernel=True)  # RMSNorm's kernel
     rope = RopeTable(2, 4, 10000.0, libm=True)                # RoPE's kernel: heads contiguous or strided
     qkv = np.zeros((2, 16), np.float32)
     for x in (qkv[:, :8].reshape(2, 2, 4), np.zeros((1, 2, 4), np.float32)):
         rope.apply_neox(x, np.zeros(x.shape[0], np.int64))
     quant.cos_sin_libm(np.zeros((1, 2), np.float32))         # RoPE's cosf / sinf
+
+
+def _load_ffn_kernels(act: str) -> None:
+    """The fused ``act(gate) * up`` kernel of a gated FFN activation (:data:`FFN_ACTS`; GELU also
+    builds ggml's table); raises KeyError for another name, or what numba raises."""
+    from .model import gelu_tanh_ggml, glu_ggml, silu_ggml
+
+    fn = {"silu": silu_ggml, "gelu": gelu_tanh_ggml}[act]
+    glu_ggml(np.zeros((1, 32), np.float32), 16, fn)
 
 
 def _load_matmul_kernels(type_names: set[str], whole: bool = True, column_slice: bool = True) -> None:
@@ -596,6 +616,9 @@ def _load_matmul_kernels(type_names: set[str], whole: bool = True, column_slice:
         x = np.zeros((2, 256), np.float32)
         if whole:
             w.matmul(x)                                                  # [2, 8] C-contiguous out
+            if w.act == "q8_K":                                          # the float-level q8_K of a fused part
+                for with_s in (False, True):
+                    quant.quantize_activations(x, "q8_K", with_s)
         if column_slice:
             out = np.empty((2, 16), np.float32)
             w.matmul_quantized(*quant.quantize_activations(x, w.act, True), out[:, 4:12])
@@ -609,12 +632,13 @@ def _warm_up_common() -> None:
         logging.getLogger(__name__).warning("kernel preload failed (kernels load at first use)", exc_info=True)
 
 
-def _warm_up_kernels(type_names: set[str], preload: threading.Thread | None = None) -> None:
+def _warm_up_kernels(type_names: set[str], preload: threading.Thread | None = None, ffn_act: str | None = None) -> None:
     """Import numba and load (from its on-disk cache) the kernel signatures the quantized path
     calls, on tiny inputs of the production types: first the file-independent ones (activation
     quantization, both flash-attention kernels: :func:`_warm_up_common`, or ``preload``, a
     :func:`preload_kernels` thread, joined instead when given); then per weight type in
-    ``type_names`` the matmul into a whole output (``QWeight.matmul``). Run on a thread during
+    ``type_names`` the matmul into a whole output (``QWeight.matmul``), and the kernel of the
+    architecture's FFN activation ``ffn_act`` (``Model.ffn_act``; None: every one). Run on a thread during
     ``Engine.load`` (joined before it returns), so that numba's import (~0.4 s) and the kernels'
     loading (~25 ms each) overlap the GGUF reading, the tokenizer build and the weight unpacking
     instead of delaying the first token. A failure is logged and otherwise ignored: the kernels
@@ -626,6 +650,8 @@ def _warm_up_kernels(type_names: set[str], preload: threading.Thread | None = No
     else:
         _warm_up_common()
     try:
+        for act in FFN_ACTS if ffn_act is None else (ffn_act,):
+            _load_ffn_kernels(act)
         _load_matmul_kernels(type_names, column_slice=False)
     except Exception:  # noqa: BLE001 - only a warm-up
         logging.getLogger(__name__).warning("kernel warm-up failed (kernels load at first use)", exc_info=True)

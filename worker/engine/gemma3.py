@@ -47,6 +47,7 @@ class Gemma3Model(Model):
 
     arch = "gemma3"
     layout_version = 1
+    ffn_act = "gelu"
 
     def _read_hparams(self, md: dict[str, Any]) -> None:
         a = self.arch

@@ -578,6 +578,9 @@ class Model:
 
     arch: ClassVar[str] = ""
     layout_version: ClassVar[int] = 1
+    #: The gated FFN's activation on the quantized path (``"silu"``: :func:`silu_ggml`, ``"gelu"``:
+    #: :func:`gelu_tanh_ggml`): the kernel the load warms up (``engine._load_ffn_kernels``).
+    ffn_act: ClassVar[str] = "silu"
 
     def __init__(self, gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.float32,
                  weight_cache: bool | None = None, cache_write: str = "background",
