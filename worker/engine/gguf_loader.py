@@ -193,7 +193,7 @@ class StringArray(Sequence):  # type: ignore[type-arg]
         """Pack ``items`` (each a ``str``; lone surrogates kept through ``surrogatepass``).
 
         Raises: TypeError if an item is not a ``str``."""
-        parts = [s.encode("utf-8", "surrogatepass") for s in items]
+        parts = [str.encode(s, "utf-8", "surrogatepass") for s in items]
         lens = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
         return cls(b"".join(parts), np.concatenate(([0], np.cumsum(lens))))
 

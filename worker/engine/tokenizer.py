@@ -275,33 +275,46 @@ def _trie_regex(strings: Iterable[str]) -> str:
     return build(trie)
 
 
+#: A text's key in :class:`_VocabIndex`: ``hash(text) ^ (len(text) << _LEN_SHIFT)`` (int64).
+_LEN_SHIFT = 40
+
+
 class _VocabIndex:
     """Token text -> id over a :class:`StringArray`, without a ``str`` object per token.
 
-    An open-addressing table (linear probing, at most half full) of int32 ids keyed by the
-    texts' Python ``hash()`` (``StringArray.hashes``: salted per process, built at load). A
-    lookup hashes the query, walks its probe sequence and, where the stored hash is equal,
-    compares the UTF-8 bytes, so the answer is exactly a dict's (CPython's str hash can
-    collide systematically: ``"e'"`` and ``"\u2765"`` hash alike). Memory: 4 bytes per slot
-    (2-4 per token) plus the texts' 8-byte hashes, where a ``dict`` of ``str`` keys and ``int``
-    values costs ~60 bytes per token besides the ``str`` objects.
+    An open-addressing table (linear probing, at most half full) of int32 ids, keyed by the
+    text's Python ``hash()`` (``StringArray.hashes``: salted per process, so built at load)
+    mixed with its length in characters. A lookup computes the query's key, walks its probe
+    sequence and, where a stored key is equal, compares the UTF-8 bytes, so the answer is
+    exactly a dict's. (The length is mixed in because CPython hashes a str's internal buffer:
+    the 2-character ``"e'"`` and the 1-character ``"\u2765"`` hash alike, and ASCII pairs
+    against single CJK characters are frequent in SentencePiece lookups.) Memory: 4 bytes per
+    slot (2-4 per token) and an 8-byte key per token, where a ``dict`` of ``str`` keys and
+    ``int`` values costs ~60 bytes per token besides the ``str`` objects.
     """
 
-    __slots__ = ("_blob", "_off", "_hash", "_slots", "_mask", "_table", "_hashes")
+    __slots__ = ("get", "_table", "_keys")
 
     def __init__(self, texts: StringArray) -> None:
         """Raises: EngineError("invalid_gguf") if two texts are equal (names both ids)."""
-        hashes = texts.hashes()
-        n = len(hashes)
+        n = len(texts)
+        blob = np.frombuffer(texts.blob, dtype=np.uint8)
+        starts = texts.offsets[:-1].astype(np.int64)
+        n_chars = np.zeros(n, dtype=np.int64)
+        if len(blob):  # characters = bytes that are not UTF-8 continuation bytes (10xxxxxx)
+            lead = np.concatenate(([0], np.cumsum((blob & 0xC0) != 0x80)))
+            n_chars = lead[texts.offsets[1:].astype(np.int64)] - lead[starts]
+        keys = texts.hashes() ^ (n_chars << _LEN_SHIFT)
+        keys.flags.writeable = False
         size = 8
-        while size < 2 * n:
+        while size < 4 * n:
             size *= 2
         mask = size - 1
         table = np.full(size, -1, dtype=np.int32)
         # linear probing in rounds: a key goes to the first free slot of home, home+1, ...;
         # a slot once taken stays taken, so every slot a key skipped is occupied at lookup
         pending = np.arange(n, dtype=np.int64)
-        slot = hashes & mask
+        slot = keys & mask
         while len(pending):
             free = table[slot] < 0
             cand, cand_slot = pending[free], slot[free]
@@ -309,14 +322,14 @@ class _VocabIndex:
             won = np.zeros(len(pending), dtype=bool)
             won[np.flatnonzero(free)[table[cand_slot] == cand]] = True
             pending, slot = pending[~won], (slot[~won] + 1) & mask
-        # equal texts have equal hashes: compare the bytes within each (rare) equal-hash run;
+        # equal texts have equal keys: compare the bytes within each (rare) equal-key run;
         # like a scan in id order, name the duplicate whose second id is smallest
-        order = np.argsort(hashes, kind="stable")  # ids ascending within a run
-        sh = hashes[order]
+        order = np.argsort(keys, kind="stable")  # ids ascending within a run
+        sk = keys[order]
         dup: tuple[int, int] | None = None
         runs: list[list[int]] = []
         last = -2
-        for k in np.flatnonzero(sh[1:] == sh[:-1]).tolist():
+        for k in np.flatnonzero(sk[1:] == sk[:-1]).tolist():
             if k != last + 1:
                 runs.append([int(order[k])])
             runs[-1].append(int(order[k + 1]))
@@ -329,34 +342,37 @@ class _VocabIndex:
         if dup is not None:
             raise EngineError("invalid_gguf", f"duplicate token in vocabulary: {texts[dup[0]]!r} has ids "
                               f"{dup[0]} and {dup[1]}")
-        self._table = table
-        self._hashes = hashes
-        self._blob, self._off = texts.blob, memoryview(texts.offsets)
-        self._hash, self._slots, self._mask = memoryview(hashes), memoryview(table), mask
+        self._table, self._keys = table, keys
+        self.get = self._getter(memoryview(table), memoryview(keys), mask, texts.blob, memoryview(texts.offsets))
 
-    def get(self, text: str) -> int | None:
-        """The id of the token whose text is exactly ``text``, else None."""
-        h = hash(text)
-        slots, hashes, mask = self._slots, self._hash, self._mask
-        i = h & mask
-        while True:
+    @staticmethod
+    def _getter(slots: memoryview, keys: memoryview, mask: int, blob: bytes, off: memoryview) -> Any:
+        startswith = blob.startswith
+
+        def get(text: str) -> int | None:
+            """The id of the token whose text is exactly ``text``, else None."""
+            h = hash(text) ^ (len(text) << _LEN_SHIFT)
+            i = h & mask
             t = slots[i]
-            if t < 0:
-                return None
-            if hashes[t] == h:
-                b = text.encode("utf-8", "surrogatepass")
-                a = self._off[t]
-                if self._off[t + 1] - a == len(b) and self._blob.startswith(b, a):
-                    return t
-            i = (i + 1) & mask
+            while t >= 0:
+                if keys[t] == h:
+                    b = text.encode("utf-8", "surrogatepass")
+                    a = off[t]
+                    if off[t + 1] - a == len(b) and startswith(b, a):
+                        return t
+                i = (i + 1) & mask
+                t = slots[i]
+            return None
+
+        return get
 
     def __contains__(self, text: object) -> bool:
         return isinstance(text, str) and self.get(text) is not None
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the table (the hashes belong to the StringArray)."""
-        return int(self._table.nbytes)
+        """Bytes of the table and the keys."""
+        return int(self._table.nbytes + self._keys.nbytes)
 
 
 class _Fragment:
@@ -991,6 +1007,7 @@ class Tokenizer:
             tid = tok2id(word)
             return (tid,) if tid is not None else self._byte_fallback(word)
         length = [1] * n
+        ids: list[int | None] = [None] * n  # a merged symbol's token id (known from its merge)
         prev = list(range(-1, n - 1))
         nxt = list(range(1, n + 1))
         nxt[-1] = -1
@@ -998,16 +1015,18 @@ class Tokenizer:
         for i in range(n - 1):
             tid = tok2id(word[i:i + 2])
             if tid is not None:
-                heap.append((-scores[tid], i, i + 1, 2))
+                heap.append((-scores[tid], i, i + 1, 2, tid))
         heapq.heapify(heap)
         pop, push = heapq.heappop, heapq.heappush
         while heap:
-            _, left, right, size = pop(heap)
+            # (entries equal up to size are the same piece: the trailing id never decides the order)
+            _, left, right, size, tid = pop(heap)
             ll, rl = length[left], length[right]
             if ll == 0 or rl == 0 or ll + rl != size:
                 continue
             length[left] = size
             length[right] = 0
+            ids[left] = tid
             r2 = nxt[right]
             nxt[left] = r2
             if r2 >= 0:
@@ -1015,23 +1034,22 @@ class Tokenizer:
             p = prev[left]
             if p >= 0:
                 sz = length[p] + size
-                tid = tok2id(word[p:p + sz])
-                if tid is not None:
-                    push(heap, (-scores[tid], p, left, sz))
+                t2 = tok2id(word[p:p + sz])
+                if t2 is not None:
+                    push(heap, (-scores[t2], p, left, sz, t2))
             if r2 >= 0:
                 sz = size + length[r2]
-                tid = tok2id(word[left:left + sz])
-                if tid is not None:
-                    push(heap, (-scores[tid], left, r2, sz))
+                t2 = tok2id(word[left:left + sz])
+                if t2 is not None:
+                    push(heap, (-scores[t2], left, r2, sz, t2))
         out: list[int] = []
         i = 0
         while i != -1:
-            piece = word[i:i + length[i]]
-            tid = tok2id(piece)
+            tid = ids[i] if length[i] > 1 else tok2id(word[i])
             if tid is not None:
                 out.append(tid)
             else:
-                out.extend(self._byte_fallback(piece))
+                out.extend(self._byte_fallback(word[i:i + length[i]]))
             i = nxt[i]
         return tuple(out)
 
