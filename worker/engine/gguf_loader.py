@@ -249,6 +249,10 @@ class StringArray(Sequence):  # type: ignore[type-arg]
             self._hashes = h
         return self._hashes
 
+    def drop_hashes(self) -> None:
+        """Forget the cached :meth:`hashes` (8 bytes per item; recomputed if asked again)."""
+        self._hashes = None
+
     def __eq__(self, other: object) -> Any:
         if isinstance(other, StringArray):
             return self.blob == other.blob and np.array_equal(self.offsets, other.offsets)
