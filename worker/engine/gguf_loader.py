@@ -27,6 +27,7 @@ mutated. Smaller arrays (per-layer hyperparameters) stay plain lists.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 import mmap
@@ -375,9 +376,14 @@ def _read_value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> Any:
             append, unpack, limit = out.append, struct.unpack_from, cur.size
             p = cur.pos
             if count >= COMPACT_MIN_ITEMS:
-                # the items' bytes (re-encoded where invalid UTF-8 was replaced), packed below
-                hashes: list[int] = []
-                happend = hashes.append if key == _HASHED_KEY else None
+                # the items' bytes (re-encoded where invalid UTF-8 was replaced) straight into one
+                # buffer, offsets and hashes into arrays: no Python object per item outlives its
+                # step (262,144 live bytes/int objects, freed after the load, would leave their
+                # heap pages resident: the engine loads on a thread, see tokenizer._VocabIndex)
+                blob = bytearray()
+                offs = array.array("q", [0])
+                hashes = array.array("q")
+                oappend, happend = offs.append, hashes.append if key == _HASHED_KEY else None
                 try:
                     for _ in range(count):
                         (n,) = unpack("<Q", buf, p)
@@ -391,15 +397,15 @@ def _read_value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> Any:
                         except UnicodeDecodeError:
                             t = s.decode("utf-8", errors="replace")
                             s = t.encode("utf-8")
-                        append(s)
+                        blob += s
+                        oappend(len(blob))
                         if happend is not None:
                             happend(hash(t))
                 except struct.error:
                     raise cur.fail(f"truncated file in string array {key!r}") from None
                 cur.pos = p
-                lens = np.fromiter(map(len, out), dtype=np.int64, count=count)
-                return StringArray(b"".join(out), np.concatenate(([0], np.cumsum(lens))),
-                                   np.array(hashes, dtype=np.int64) if happend is not None else None)
+                return StringArray(bytes(blob), np.frombuffer(offs, dtype=np.int64),
+                                   np.frombuffer(hashes, dtype=np.int64) if happend is not None else None)
             try:
                 for _ in range(count):
                     (n,) = unpack("<Q", buf, p)

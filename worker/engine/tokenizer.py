@@ -300,12 +300,15 @@ class _VocabIndex:
     def __init__(self, texts: StringArray) -> None:
         """Raises: EngineError("invalid_gguf") if two texts are equal (names both ids)."""
         n = len(texts)
-        blob = np.frombuffer(texts.blob, dtype=np.uint8)
-        starts = texts.offsets[:-1].astype(np.int64)
-        n_chars = np.zeros(n, dtype=np.int64)
-        if len(blob):  # characters = bytes that are not UTF-8 continuation bytes (10xxxxxx)
-            lead = np.concatenate(([0], np.cumsum((blob & 0xC0) != 0x80)))
-            n_chars = lead[texts.offsets[1:].astype(np.int64)] - lead[starts]
+        # characters = bytes that are not UTF-8 continuation bytes (10xxxxxx), summed per text
+        # (reduceat over a sentinel-padded array; an empty text's sum is forced to 0). No
+        # temporary is much larger than the blob: the engine loads on a thread, and glibc keeps
+        # the top of a thread's heap resident after a free (malloc_trim does not trim it)
+        lead = (np.frombuffer(texts.blob, dtype=np.uint8) & 0xC0) != 0x80
+        lead = np.append(lead, False).view(np.uint8)
+        n_chars = np.add.reduceat(lead, texts.offsets[:-1].astype(np.intp), dtype=np.int64) if n else np.zeros(0, np.int64)
+        n_chars[texts.byte_lengths() == 0] = 0
+        del lead
         keys = texts.hashes() ^ (n_chars << _LEN_SHIFT)
         keys.flags.writeable = False
         texts.drop_hashes()  # the keys replace them
