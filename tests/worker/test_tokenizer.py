@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from tests.paths import GEMMA3_PATH, SMOLLM2_PATH
 import worker.engine.tokenizer as tokenizer_module
 from worker.engine.errors import EngineError
+from worker.engine.gguf_loader import NumericArray, StringArray
 from worker.engine.tokenizer import (
     _BYTE_TO_UNICODE,
     ATTR_CONTROL,
@@ -544,13 +546,19 @@ def test_invalid_metadata() -> None:
 
 
 def test_vocabulary_read_paths_agree() -> None:
-    """The C-loop fast paths of ``from_metadata`` (tokens, scores and types used as read) and the
-    per-item ones (an empty token text, integer scores, non-int types) give the same tokenizer;
-    a duplicate names both of its ids."""
+    """The fast paths of ``from_metadata`` (the loader's compact tokens and scores used as read,
+    types converted in numpy), plain lists, and the per-item ones (an empty token text, integer
+    scores, non-int types) give the same tokenizer; a duplicate names both of its ids."""
     base = spm_metadata()
     n = len(base["tokenizer.ggml.tokens"])
-    fast = Tokenizer.from_metadata(base)
-    assert fast.tokens is base["tokenizer.ggml.tokens"] and fast.scores is base["tokenizer.ggml.scores"]
+    compact = {**base, "tokenizer.ggml.tokens": StringArray.from_strs(base["tokenizer.ggml.tokens"]),
+               "tokenizer.ggml.scores": NumericArray(np.array(base["tokenizer.ggml.scores"], dtype=np.float64)),
+               "tokenizer.ggml.token_type": NumericArray(np.array(base["tokenizer.ggml.token_type"], dtype=np.int32))}
+    fast = Tokenizer.from_metadata(compact)
+    assert fast.tokens is compact["tokenizer.ggml.tokens"] and fast.scores is compact["tokenizer.ggml.scores"]
+    lists = Tokenizer.from_metadata(base)
+    assert lists.tokens == base["tokenizer.ggml.tokens"] and lists.scores == base["tokenizer.ggml.scores"]
+    assert lists.attrs == fast.attrs and lists.fingerprint == fast.fingerprint
     slow = Tokenizer.from_metadata(spm_metadata(**{
         "tokenizer.ggml.scores": [int(x) if x == int(x) else x for x in base["tokenizer.ggml.scores"]] + [0.0],
         "tokenizer.ggml.token_type": [float(t) for t in base["tokenizer.ggml.token_type"]]}))

@@ -54,10 +54,12 @@ import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import repeat
 from typing import Any
 
+import numpy as np
+
 from .errors import EngineError
+from .gguf_loader import NumericArray, StringArray
 
 # tokenizers' rayon pool off (one text at a time; no oversubscription, no fork warnings);
 # encode_batch is used for its GIL release alone (Tokenizer._hf_ids)
@@ -273,6 +275,112 @@ def _trie_regex(strings: Iterable[str]) -> str:
     return build(trie)
 
 
+#: A text's key in :class:`_VocabIndex`: ``hash(text) ^ (len(text) << _LEN_SHIFT)`` (int64).
+_LEN_SHIFT = 40
+
+
+class _VocabIndex:
+    """Token text -> id over a :class:`StringArray`, without a ``str`` object per token.
+
+    An open-addressing table (linear probing, at most a quarter full: ~1.2 probes a hit, ~1.4
+    a miss; half full made cold SentencePiece tokenizing of base64 text ~25% slower) of int32
+    ids, keyed by the text's Python ``hash()`` (``StringArray.hashes``: salted per process, so
+    built at load) mixed with its length in characters. A lookup computes the query's key, walks its probe
+    sequence and, where a stored key is equal, compares the UTF-8 bytes, so the answer is
+    exactly a dict's. (The length is mixed in because CPython hashes a str's internal buffer:
+    the 2-character ``"e'"`` and the 1-character ``"\u2765"`` hash alike, and ASCII pairs
+    against single CJK characters are frequent in SentencePiece lookups.) Memory: 4 bytes per
+    slot (16-32 per token) and an 8-byte key per token (the StringArray's cached hashes are
+    dropped once the keys exist), where a ``dict`` of ``str`` keys and ``int`` values costs ~60
+    bytes per token besides the ``str`` objects. A lookup costs ~3x a ``dict.get``.
+    """
+
+    __slots__ = ("get", "_table", "_keys")
+
+    def __init__(self, texts: StringArray) -> None:
+        """Raises: EngineError("invalid_gguf") if two texts are equal (names both ids)."""
+        n = len(texts)
+        # characters = bytes that are not UTF-8 continuation bytes (10xxxxxx), summed per text
+        # (reduceat over a sentinel-padded array; an empty text's sum is forced to 0). No
+        # temporary is much larger than the blob: the engine loads on a thread, and glibc keeps
+        # the top of a thread's heap resident after a free (malloc_trim does not trim it)
+        lead = (np.frombuffer(texts.blob, dtype=np.uint8) & 0xC0) != 0x80
+        lead = np.append(lead, False).view(np.uint8)
+        n_chars = np.add.reduceat(lead, texts.offsets[:-1].astype(np.intp), dtype=np.int64) if n else np.zeros(0, np.int64)
+        n_chars[texts.byte_lengths() == 0] = 0
+        del lead
+        keys = texts.hashes() ^ (n_chars << _LEN_SHIFT)
+        keys.flags.writeable = False
+        texts.drop_hashes()  # the keys replace them
+        size = 8
+        while size < 4 * n:
+            size *= 2
+        mask = size - 1
+        table = np.full(size, -1, dtype=np.int32)
+        # linear probing in rounds: a key goes to the first free slot of home, home+1, ...;
+        # a slot once taken stays taken, so every slot a key skipped is occupied at lookup
+        pending = np.arange(n, dtype=np.int64)
+        slot = keys & mask
+        while len(pending):
+            free = table[slot] < 0
+            cand, cand_slot = pending[free], slot[free]
+            table[cand_slot] = cand  # several keys for one slot: one of them lands, read back below
+            won = np.zeros(len(pending), dtype=bool)
+            won[np.flatnonzero(free)[table[cand_slot] == cand]] = True
+            pending, slot = pending[~won], (slot[~won] + 1) & mask
+        # equal texts have equal keys: compare the bytes within each (rare) equal-key run;
+        # like a scan in id order, name the duplicate whose second id is smallest
+        order = np.argsort(keys, kind="stable")  # ids ascending within a run
+        sk = keys[order]
+        dup: tuple[int, int] | None = None
+        runs: list[list[int]] = []
+        last = -2
+        for k in np.flatnonzero(sk[1:] == sk[:-1]).tolist():
+            if k != last + 1:
+                runs.append([int(order[k])])
+            runs[-1].append(int(order[k + 1]))
+            last = k
+        for ids in runs:
+            for k, b in enumerate(ids[1:], 1):
+                a = next((a for a in ids[:k] if texts.item_bytes(a) == texts.item_bytes(b)), None)
+                if a is not None and (dup is None or b < dup[1]):
+                    dup = (a, b)
+        if dup is not None:
+            raise EngineError("invalid_gguf", f"duplicate token in vocabulary: {texts[dup[0]]!r} has ids "
+                              f"{dup[0]} and {dup[1]}")
+        self._table, self._keys = table, keys
+        self.get = self._getter(memoryview(table), memoryview(keys), mask, texts.blob, memoryview(texts.offsets))
+
+    @staticmethod
+    def _getter(slots: memoryview, keys: memoryview, mask: int, blob: bytes, off: memoryview) -> Any:
+        startswith = blob.startswith
+
+        def get(text: str) -> int | None:
+            """The id of the token whose text is exactly ``text``, else None."""
+            h = hash(text) ^ (len(text) << _LEN_SHIFT)
+            i = h & mask
+            t = slots[i]
+            while t >= 0:
+                if keys[t] == h:
+                    b = text.encode("utf-8", "surrogatepass")
+                    a = off[t]
+                    if off[t + 1] - a == len(b) and startswith(b, a):
+                        return t
+                i = (i + 1) & mask
+                t = slots[i]
+            return None
+
+        return get
+
+    def __contains__(self, text: object) -> bool:
+        return isinstance(text, str) and self.get(text) is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the table and the keys."""
+        return int(self._table.nbytes + self._keys.nbytes)
+
+
 class _Fragment:
     __slots__ = ("text", "token")
 
@@ -285,6 +393,17 @@ class Tokenizer:
     """Text <-> token ids for one GGUF vocabulary (see the module docstring).
 
     Build with :meth:`from_metadata`. Token ids are ``int`` in ``[0, n_vocab)``.
+
+    The per-token tables hold no Python object per token (Gemma 3's 262,144 tokens: ~9 MiB
+    where lists, a dict and their ``str``/``float``/``int`` objects took ~50 MiB):
+
+    Attributes:
+        tokens: the token texts, a read-only :class:`StringArray` (``tokens[i]`` is a ``str``);
+            the metadata's own array when it had no empty text.
+        scores: ``NumericArray`` ``[n_vocab]`` of Python floats (float32 as read, float64 when
+            given as a list); zeros when the GGUF has none.
+        attrs: ``bytearray`` ``[n_vocab]`` of ``ATTR_*`` bit flags.
+        The str -> id lookup (:meth:`token_id`) is a ``_VocabIndex`` over ``tokens``.
     """
 
     _MEMO_LIMIT = 200_000  # SPM word memo entries before the memo is cleared
@@ -292,9 +411,9 @@ class Tokenizer:
     def __init__(self) -> None:  # use from_metadata
         self.model: str = ""
         self.pre: str = ""
-        self.tokens: list[str] = []
-        self.scores: list[float] = []
-        self.attrs: list[int] = []
+        self.tokens: StringArray = StringArray.from_strs([])
+        self.scores: NumericArray = NumericArray(np.zeros(0))
+        self.attrs: bytearray = bytearray()
         self.n_vocab: int = 0
         self.bos_id: int | None = None
         self.eos_id: int | None = None
@@ -306,7 +425,8 @@ class Tokenizer:
         self.add_bos: bool = False
         self.add_eos: bool = False
         self.add_space_prefix: bool = False
-        self._tok2id: dict[str, int] = {}
+        self._vocab: _VocabIndex | None = None
+        self._scores_mv: memoryview = memoryview(b"")  # self.scores's items (Python floats), fast indexing
         self._special_rank: dict[int, int] = {}
         self._special_len: dict[int, int] = {}
         self._re_all: re.Pattern[str] | None = None
@@ -322,7 +442,7 @@ class Tokenizer:
         self._cross_unbounded = False
         self._cross_reach = 0  # the longest cross-space token, chars
         self._memo: dict[str, tuple[int, ...]] = {}
-        self._merges: list[Any] = []  # tokenizer.ggml.merges as read (the fingerprint covers them)
+        self._merges: Sequence[Any] = []  # tokenizer.ggml.merges as read (the fingerprint covers them)
         self._fim: dict[str, int | None] = {}
         self._fingerprint: str | None = None
 
@@ -330,7 +450,8 @@ class Tokenizer:
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
-        """Build the tokenizer from GGUF metadata (plain Python values).
+        """Build the tokenizer from GGUF metadata: ``read_gguf``'s (large arrays as
+        ``StringArray`` / ``NumericArray``, used without a copy) or plain Python lists.
 
         Reads ``tokenizer.ggml.{model, pre, tokens, scores, token_type, merges,
         bos_token_id, eos_token_id, eot_token_id, eom_token_id, unknown_token_id,
@@ -351,37 +472,42 @@ class Tokenizer:
                               "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)")
         self.model = model
         tokens = metadata.get("tokenizer.ggml.tokens")
-        if not isinstance(tokens, list) or not tokens or not all(map(isinstance, tokens, repeat(str))):
+        if isinstance(tokens, list) and all(isinstance(t, str) for t in tokens):
+            tokens = StringArray.from_strs(tokens)
+        if not isinstance(tokens, StringArray) or not len(tokens):
             raise EngineError("invalid_gguf", "tokenizer.ggml.tokens must be a non-empty list of strings")
         n = len(tokens)
-        if not all(tokens):  # else the metadata's own list (not mutated; a 262k vocabulary's copy is 2 MiB)
-            tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
-        tok2id: dict[str, int] = dict(zip(tokens, range(n)))  # C loops: ~0.1 s less on a 262k vocabulary
-        if len(tok2id) != n:
-            first: dict[str, int] = {}
-            for i, t in enumerate(tokens):
-                if first.setdefault(t, i) != i:
-                    raise EngineError("invalid_gguf", f"duplicate token in vocabulary: {t!r} has ids "
-                                      f"{first[t]} and {i}")
-        self.tokens, self._tok2id, self.n_vocab = tokens, tok2id, n
+        blen = tokens.byte_lengths()  # int64 [n]
+        if not blen.all():  # else the metadata's own array (read-only, shared)
+            tokens = StringArray.from_strs(t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens))
+            blen = tokens.byte_lengths()
+        vocab = _VocabIndex(tokens)  # raises on a duplicate text
+        self.tokens, self._vocab, self.n_vocab = tokens, vocab, n
 
         scores = metadata.get("tokenizer.ggml.scores")
         if scores is None:
-            self.scores = [0.0] * n
-        elif isinstance(scores, list) and len(scores) == n and set(map(type, scores)) == {float}:
-            self.scores = scores  # the metadata's own list of floats (not mutated)
-        elif isinstance(scores, list) and len(scores) >= n:
-            self.scores = [float(s) for s in scores[:n]]
+            self.scores = NumericArray(np.zeros(n, dtype=np.float32))
+        elif isinstance(scores, NumericArray) and len(scores) == n and scores.array.dtype.kind == "f":
+            self.scores = scores  # the metadata's own array (read-only, shared)
+        elif isinstance(scores, (list, NumericArray)) and len(scores) >= n:
+            self.scores = NumericArray(np.array([float(x) for x in scores[:n]], dtype=np.float64))
         else:
             raise EngineError("invalid_gguf", "tokenizer.ggml.scores is shorter than the vocabulary")
+        self._scores_mv = self.scores._mv
         types = metadata.get("tokenizer.ggml.token_type")
         if types is None:
-            attrs = [ATTR_NORMAL] * n
-        elif isinstance(types, list) and len(types) >= n:
-            attrs = [_TYPE_TO_ATTR.get(int(t), ATTR_UNDEFINED) for t in types[:n]] \
-                if set(map(type, types)) - {int} else list(map(_TYPE_TO_ATTR.get, types[:n], repeat(ATTR_UNDEFINED)))
+            attrs = bytearray([ATTR_NORMAL]) * n
+        elif isinstance(types, (list, NumericArray)) and len(types) >= n:
+            if isinstance(types, NumericArray) and types.array.dtype.kind in "iu":
+                tv = types.array[:n].astype(np.int64)
+            else:
+                tv = np.array([int(t) for t in types[:n]], dtype=np.int64)
+            lut = np.array([_TYPE_TO_ATTR[k] for k in range(len(_TYPE_TO_ATTR))], dtype=np.uint8)
+            known = (tv >= 0) & (tv < len(lut))
+            attrs = bytearray(np.where(known, lut[np.where(known, tv, 0)], ATTR_UNDEFINED).astype(np.uint8).tobytes())
         else:
             raise EngineError("invalid_gguf", "tokenizer.ggml.token_type is shorter than the vocabulary")
+        tok2id = vocab.get
 
         # defaults per vocabulary type, then the GGUF's keys (llama_vocab::impl::load)
         if model == "llama":
@@ -431,7 +557,7 @@ class Tokenizer:
             if current is not None:
                 return current
             for t in texts:
-                tid = tok2id.get(t)
+                tid = tok2id(t)
                 if tid is not None:
                     attrs[tid] |= ATTR_CONTROL
                     return tid
@@ -445,13 +571,14 @@ class Tokenizer:
         fim["pad"] = detect(fim["pad"], _FIM_PAD_TEXTS)
         fim["rep"] = detect(fim["rep"], _FIM_REP_TEXTS)
         fim["sep"] = detect(fim["sep"], _FIM_SEP_TEXTS)
-        for i, t in enumerate(tokens):
-            if attrs[i] & ATTR_CONTROL and "unused" in t:
+        attr_np = np.frombuffer(attrs, dtype=np.uint8)
+        for i in np.flatnonzero(attr_np & ATTR_CONTROL).tolist():
+            if b"unused" in tokens.item_bytes(i):  # an ASCII text is in a str iff in its UTF-8
                 attrs[i] |= ATTR_UNUSED
 
         eog: set[int] = {x for x in (fim["pad"], fim["rep"], fim["sep"]) if x is not None}
         for t in EOG_TEXTS:
-            tid = tok2id.get(t)
+            tid = tok2id(t)
             if tid is not None:
                 eog.add(tid)
                 attrs[tid] |= ATTR_CONTROL
@@ -472,11 +599,11 @@ class Tokenizer:
         self.attrs = attrs
         self._fim = fim
         merges_md = metadata.get("tokenizer.ggml.merges")
-        self._merges = merges_md if isinstance(merges_md, list) else []
+        self._merges = merges_md if isinstance(merges_md, (list, StringArray)) else []
 
         # special-token partition: longest text first (llama.cpp sorts by byte length)
-        specials = [i for i in range(n) if attrs[i] & _SPECIAL_ATTRS]
-        specials.sort(key=lambda i: (-len(tokens[i].encode("utf-8")), i))
+        sp = np.flatnonzero(np.frombuffer(attrs, dtype=np.uint8) & _SPECIAL_ATTRS)
+        specials: list[int] = sp[np.lexsort((sp, -blen[sp]))].tolist()
         self._special_rank = {tid: r for r, tid in enumerate(specials)}
         self._special_len = {tid: len(tokens[tid]) for tid in specials}
         if specials:
@@ -507,16 +634,24 @@ class Tokenizer:
                 h.update(struct.pack("<I", len(b)))
                 h.update(b)
 
+            def texts(a: StringArray) -> None:  # text(t) of each item: its stored bytes are t's UTF-8
+                pack = struct.Struct("<I").pack
+                for b in a.iter_bytes():
+                    h.update(pack(len(b)))
+                    h.update(b)
+
             text(self.model)
             text(self.pre)
             h.update(struct.pack("<I", self.n_vocab))
-            for t in self.tokens:
-                text(t)
-            h.update(struct.pack(f"<{self.n_vocab}d", *self.scores))
-            h.update(struct.pack(f"<{self.n_vocab}i", *self.attrs))
+            texts(self.tokens)
+            h.update(self.scores.array.astype("<f8").tobytes())  # == struct.pack("<{n}d", *scores)
+            h.update(np.frombuffer(self.attrs, dtype=np.uint8).astype("<i4").tobytes())  # == pack("<{n}i")
             h.update(struct.pack("<I", len(self._merges)))
-            for m in self._merges:
-                text(str(m))
+            if isinstance(self._merges, StringArray):
+                texts(self._merges)
+            else:
+                for m in self._merges:
+                    text(str(m))
             ids = [self.bos_id, self.eos_id, self.eot_id, self.eom_id, self.unk_id, self.pad_id,
                    *(self._fim.get(k) for k in ("pre", "suf", "mid", "pad", "rep", "sep")), *sorted(self.eog_ids)]
             h.update(struct.pack(f"<{len(ids)}q", *(-1 if i is None else i for i in ids)))
@@ -530,7 +665,7 @@ class Tokenizer:
         from tokenizers import models, pre_tokenizers
 
         merges_raw = metadata.get("tokenizer.ggml.merges")
-        if not isinstance(merges_raw, list):
+        if not isinstance(merges_raw, (list, StringArray)):
             raise EngineError("invalid_gguf", "gpt2 tokenizer without tokenizer.ggml.merges")
         merges: list[tuple[str, str]] = []
         for m in merges_raw:
@@ -544,8 +679,9 @@ class Tokenizer:
         # still is a symbol in llama.cpp: it blocks merges across it and is then dropped.
         # tokenizers would delete it *before* merging (its neighbours could merge), so it
         # gets a placeholder id >= n_vocab here, removed after encoding.
-        missing = [c for c in _BYTE_TO_UNICODE.values() if c not in self._tok2id]
-        vocab = {**self._tok2id, **{c: len(self.tokens) + k for k, c in enumerate(missing)}}
+        vocab = dict(zip(self.tokens, range(self.n_vocab)))  # for tokenizers only (it keeps its own)
+        missing = [c for c in _BYTE_TO_UNICODE.values() if c not in vocab]
+        vocab.update({c: self.n_vocab + k for k, c in enumerate(missing)})
         self._bpe_placeholders = bool(missing)
         try:
             bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges)
@@ -559,18 +695,27 @@ class Tokenizer:
         self._hf = hf
 
     def _init_spm(self) -> None:
+        assert self._vocab is not None
+        get = self._vocab.get
         byte_ids = []
         for b in range(256):
-            tid = self._tok2id.get(f"<0x{b:02X}>")
+            tid = get(f"<0x{b:02X}>")
             if tid is None:
-                tid = self._tok2id.get(chr(b)) if b < 128 else None
+                tid = get(chr(b)) if b < 128 else None
             if tid is None:
                 tid = self.unk_id if self.unk_id is not None else -1
             byte_ids.append(tid)
         self._byte_ids = byte_ids
         # Tokens that contain an escaped space after their first character can
         # join two words; only boundaries they can span are kept together.
-        cross = [t for t in self.tokens if _SPM_SPACE in t[1:]]
+        # (found in the blob: U+2581's UTF-8 at a byte past the token's first)
+        blob = np.frombuffer(self.tokens.blob, dtype=np.uint8)
+        sp = _SPM_SPACE.encode("utf-8")
+        pos = np.flatnonzero((blob[:-2] == sp[0]) & (blob[1:-1] == sp[1]) & (blob[2:] == sp[2])) \
+            if len(blob) >= 3 else np.zeros(0, dtype=np.int64)
+        starts = self.tokens.offsets.astype(np.int64)
+        owner = np.searchsorted(starts, pos, side="right") - 1
+        cross = [self.tokens[i] for i in np.unique(owner[pos > starts[owner]]).tolist()]
         if len(cross) > 512:
             self._cross_unbounded = True
         elif cross:
@@ -595,7 +740,9 @@ class Tokenizer:
 
     def token_id(self, text: str) -> int | None:
         """Id of the token whose text is exactly ``text``, else None."""
-        return self._tok2id.get(text)
+        if not isinstance(text, str) or self._vocab is None:
+            return None
+        return self._vocab.get(text)
 
     # ------------------------------------------------------------------ tokenize
 
@@ -694,8 +841,8 @@ class Tokenizer:
 
     def _keep_ids(self, ids: list[int], out: list[int]) -> None:
         """``out += ids`` without the placeholder ids of bytes the vocabulary lacks (``_init_bpe``)."""
-        if self._bpe_placeholders and ids and max(ids) >= len(self.tokens):  # max(): no per-token Python loop
-            n_vocab = len(self.tokens)
+        if self._bpe_placeholders and ids and max(ids) >= self.n_vocab:  # max(): no per-token Python loop
+            n_vocab = self.n_vocab
             ids = [i for i in ids if i < n_vocab]
         out.extend(ids)
 
@@ -706,8 +853,9 @@ class Tokenizer:
         if chain is None:
             t = self.tokens[tid]
             found = []
+            get = self._vocab.get  # type: ignore[union-attr]
             for k in range(len(t) - 1, 0, -1):
-                p = self._tok2id.get(t[:k])
+                p = get(t[:k])
                 if p is not None and p in self._special_rank and (
                     parse_special or not self.attrs[p] & _PARSE_ONLY_ATTRS
                 ):
@@ -730,7 +878,8 @@ class Tokenizer:
         regex = self._re_all if parse_special else self._re_ud
         if regex is None:
             return [_Fragment(text, -1)]
-        rank, tok2id, attrs, lens = self._special_rank, self._tok2id, self.attrs, self._special_len
+        rank, attrs, lens = self._special_rank, self.attrs, self._special_len
+        tok2id = self._vocab.get  # type: ignore[union-attr]
         # The scan in windows (the pattern is a lookahead, so a window that reaches the longest
         # special text past its end finds exactly the whole text's candidates in it): one
         # finditer step over 7 MB with no special token in it would hold the GIL for ~0.1 s.
@@ -738,7 +887,7 @@ class Tokenizer:
         heap = [(rank[tid], m.start(), tid)
                 for a in range(0, len(text), _SCAN_CHARS)
                 for m in regex.finditer(text, a, a + _SCAN_CHARS + reach) if m.start() < a + _SCAN_CHARS
-                for tid in (tok2id[m.group(1)],)]
+                for tid in (tok2id(m.group(1)),)]
         if not heap:
             return [_Fragment(text, -1)]
         heapq.heapify(heap)
@@ -870,29 +1019,32 @@ class Tokenizer:
         first, leftmost on equal scores; left-over symbols that are not tokens
         become ``<0xXX>`` byte tokens of their UTF-8 bytes.
         """
-        tok2id, scores = self._tok2id, self.scores
+        tok2id, scores = self._vocab.get, self._scores_mv  # type: ignore[union-attr]
         n = len(word)
         if n == 1:
-            tid = tok2id.get(word)
+            tid = tok2id(word)
             return (tid,) if tid is not None else self._byte_fallback(word)
         length = [1] * n
+        ids: list[int | None] = [None] * n  # a merged symbol's token id (known from its merge)
         prev = list(range(-1, n - 1))
         nxt = list(range(1, n + 1))
         nxt[-1] = -1
         heap = []
         for i in range(n - 1):
-            tid = tok2id.get(word[i:i + 2])
+            tid = tok2id(word[i:i + 2])
             if tid is not None:
-                heap.append((-scores[tid], i, i + 1, 2))
+                heap.append((-scores[tid], i, i + 1, 2, tid))
         heapq.heapify(heap)
         pop, push = heapq.heappop, heapq.heappush
         while heap:
-            _, left, right, size = pop(heap)
+            # (entries equal up to size are the same piece: the trailing id never decides the order)
+            _, left, right, size, tid = pop(heap)
             ll, rl = length[left], length[right]
             if ll == 0 or rl == 0 or ll + rl != size:
                 continue
             length[left] = size
             length[right] = 0
+            ids[left] = tid
             r2 = nxt[right]
             nxt[left] = r2
             if r2 >= 0:
@@ -900,23 +1052,22 @@ class Tokenizer:
             p = prev[left]
             if p >= 0:
                 sz = length[p] + size
-                tid = tok2id.get(word[p:p + sz])
-                if tid is not None:
-                    push(heap, (-scores[tid], p, left, sz))
+                t2 = tok2id(word[p:p + sz])
+                if t2 is not None:
+                    push(heap, (-scores[t2], p, left, sz, t2))
             if r2 >= 0:
                 sz = size + length[r2]
-                tid = tok2id.get(word[left:left + sz])
-                if tid is not None:
-                    push(heap, (-scores[tid], left, r2, sz))
+                t2 = tok2id(word[left:left + sz])
+                if t2 is not None:
+                    push(heap, (-scores[t2], left, r2, sz, t2))
         out: list[int] = []
         i = 0
         while i != -1:
-            piece = word[i:i + length[i]]
-            tid = tok2id.get(piece)
+            tid = ids[i] if length[i] > 1 else tok2id(word[i])
             if tid is not None:
                 out.append(tid)
             else:
-                out.extend(self._byte_fallback(piece))
+                out.extend(self._byte_fallback(word[i:i + length[i]]))
             i = nxt[i]
         return tuple(out)
 
