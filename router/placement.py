@@ -43,10 +43,10 @@ FILE_FACTOR = {"f32": 4.0, "quantized": 1.7}
 #: The worker's own memory besides the weights (Python, NumPy, tokenizer), measured:
 #: SmolLM2's worker at 608 MiB RSS after its first request with 513 MiB of weights.
 RUNTIME_BYTES = 96 * MiB
-#: What a quantized worker holds on top of :data:`RUNTIME_BYTES`: numba's import (~20 MiB)
-#: and its loaded kernels (~17 MiB), LLVM's pages being dropped after the load (qmem's
-#: measurement: SmolLM2's quantized worker at 294 MiB RSS after its first token with 157 MiB
-#: of weights, 612 MiB and 513 MiB for f32).
+#: What a quantized worker holds on top of :data:`RUNTIME_BYTES`: numba's import (~27 MiB)
+#: and its JIT with the loaded kernels (~30 MiB), LLVM's pages being dropped after the load
+#: (measured: SmolLM2's quantized worker at 211 MiB RSS after its first token with 92 MiB of
+#: weights, 612 MiB and 513 MiB for f32; the estimate errs high).
 QUANTIZED_RUNTIME_BYTES = 40 * MiB
 
 
