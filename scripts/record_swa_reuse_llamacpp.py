@@ -2,11 +2,14 @@
 
 One llama-server (``-c 2048 -np 1 -t 2``, its defaults otherwise: ``-b 2048 -ub 512``, f16 KV
 cache, flash attention auto, 32 context checkpoints) on ``models/gemma-3-270m-q4_k_m.gguf`` gets
-the requests of :data:`SCENARIO` in order on ``/completion`` (token ids, greedy, ``ignore_eos``,
-``n_probs`` 1): fresh prompts (``cache_prompt: false``), their repeats (``cache_prompt: true``),
-prompts that extend or share part of an earlier one, a prompt longer than the 512-token window
+the requests of :func:`scenario` in order on ``/completion`` (token ids, greedy, ``ignore_eos``,
+``n_probs`` 2): fresh prompts (``cache_prompt: false``), their repeats (``cache_prompt: true``),
+prompts that extend (and the same fresh) or share part of an earlier one, a prompt longer than the 512-token window
 and one whose history outgrew the sliding-window cache. For each it keeps the tokens, their
-logprobs and ``timings.prompt_n`` / ``timings.cache_n`` (how much llama-server re-evaluated).
+logprobs, the top two logprobs of each step (their difference is a
+difference of two float32 logits: llama-server normalises its probabilities with a float32 sum
+over the vocabulary, which moves every logprob of a step by up to ~5e-4, but not their
+differences) and ``timings.prompt_n`` / ``timings.cache_n`` (how much llama-server re-evaluated).
 
 Writes ``tests/fixtures/gemma3-swa-reuse.llamacpp.json``; ``tests/worker/test_swa_reuse.py``
 replays the same requests in order on the engine (one slot) and compares.
@@ -60,11 +63,16 @@ def scenario(tokenize) -> list[dict[str, object]]:
         add(f"short{i}-fresh", ids, 5, False)
         add(f"short{i}-repeat1", ids, 5, True)
         add(f"short{i}-repeat2", ids, 5, True)
+        if i == 0:  # a prompt extending it: reused up to the checkpoint, not the bits of its fresh run
+            ext = tokenize(text + " blue. Item 3: the colour of grass is")
+            add("short0-extended", ext, 5, True)
+            add("short0-extended-fresh", ext, 5, False)
     a = tokenize(BASE)
     add("base-fresh", a, 5, False)
     add("base-extended", tokenize(BASE + " and a dog barked at nothing"), 5, True)
     add("base-shares-3-tokens", a[:3] + tokenize("sky was grey", add_special=False), 5, True)
     add("base-repeat-after", a, 5, True)
+    add("base-extended-fresh", tokenize(BASE + " and a dog barked at nothing"), 5, False)
     long = tokenize(long_text(560, seed=7))[:600]
     add("long600-fresh", long, 5, False)
     add("long600-repeat", long, 5, True)
@@ -111,9 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         for r in reqs:
             res = post(base + "/completion", {
                 "prompt": r["prompt_ids"], "n_predict": r["n_predict"], "cache_prompt": r["cache_prompt"],
-                "temperature": 0.0, "ignore_eos": True, "n_probs": 1, "return_tokens": True, "seed": 0})
+                "temperature": 0.0, "ignore_eos": True, "n_probs": 2, "return_tokens": True, "seed": 0})
             probs = res["completion_probabilities"]
             rec = dict(r, tokens=[p["id"] for p in probs], logprobs=[p["logprob"] for p in probs],
+                       top2=[[[t["id"], t["logprob"]] for t in p["top_logprobs"][:2]] for p in probs],
                        text=res["content"], prompt_n=res["timings"]["prompt_n"], cache_n=res["timings"]["cache_n"])
             out.append(rec)
             print(f"{r['name']:24s} P={len(r['prompt_ids']):4d} cache_n={rec['cache_n']:4d} "
@@ -124,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     version = sorted(p.name for p in args.server.parent.glob("libllama.so.*.*"))
     doc = {
         "about": ("llama-server /completion on one slot (-c 2048 -np 1 -t 2, defaults otherwise), the requests "
-                  "in order; tokens, logprobs and timings.prompt_n / cache_n of each "
+                  "in order; tokens, logprobs, top-2 logprobs and timings.prompt_n / cache_n of each "
                   "(scripts/record_swa_reuse_llamacpp.py)"),
         "llama": version[-1] if version else args.server.name,
         "gguf": GGUF.name, "n_ctx": N_CTX, "requests": out,

@@ -136,13 +136,20 @@ def gemma_one_slot(gemma3_path: Path) -> Engine:
     return Engine.load(str(gemma3_path), n_ctx=2048, parallel=1)
 
 
-def _run(eng: Engine, ids: list[int], n: int, cache: bool) -> tuple[list[int], list[float], Any]:
+def _run(eng: Engine, ids: list[int], n: int, cache: bool, n_probs: int = 1) -> tuple[list[int], list[float], Any, list]:
     lps: list[float] = []
-    res = eng.generate(ids, greedy(n, cache), on_token=lambda e: lps.append(e.logprob))
-    return res.tokens, lps, res
+    tops: list[list[tuple[int, float]]] = []
+    p = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, n_probs=n_probs, cache_prompt=cache)
+
+    def on(e: Any) -> None:
+        lps.append(e.logprob)
+        tops.append(list(e.top_logprobs))
+
+    res = eng.generate(ids, p, on_token=on)
+    return res.tokens, lps, res, tops
 
 
-def test_gemma_repeat_and_shared_prefix_give_the_fresh_answer(gemma_one_slot: Engine) -> None:
+def test_gemma_repeat_gives_the_fresh_answer(gemma_one_slot: Engine) -> None:
     eng = gemma_one_slot
     eng.reset_cache()
     ids = eng.tokenize("Item 2: the colour of the sky is")
@@ -152,25 +159,50 @@ def test_gemma_repeat_and_shared_prefix_give_the_fresh_answer(gemma_one_slot: En
         again = _run(eng, ids, 5, True)
         assert again[2].cache_n == len(ids) - 5 and again[2].prompt_n == 5
         assert again[0] == fresh[0] and again[1] == fresh[1]   # == : the same bits
-    # a second prompt extending the first reuses up to the checkpoint and gives its own fresh answer
+    # a prompt extending it reuses up to the checkpoint (4 + 1 tokens before the first one's end);
+    # its tokens are its fresh run's, its logprobs not (its tokens 6.. form a micro-batch of their
+    # own), in llama-server too: the fixture's short0-extended / short0-extended-fresh
     ext = eng.tokenize("Item 2: the colour of the sky is blue. Item 3: the colour of grass is")
     shared = _run(eng, ext, 5, True)
-    assert shared[2].cache_n == len(ids) - 5
+    assert (shared[2].cache_n, shared[2].prompt_n) == (len(ids) - 5, len(ext) - len(ids) + 5)
     eng.reset_cache()
     alone = _run(eng, ext, 5, False)
-    assert shared[0] == alone[0] and shared[1] == alone[1]
+    assert shared[0] == alone[0]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # 26 requests, one of them 520 tokens long: ~2-4 minutes on 2 busy cores
 def test_gemma_matches_llama_server_request_by_request(gemma_one_slot: Engine) -> None:
+    """Each request of the fixture, in order, on one slot: the same reuse (``cache_n``,
+    ``prompt_n``), the same tokens, and the same logits: the gap between the top two logprobs of
+    every step (a difference of two float32 logits) within 1e-5. llama-server's logprobs
+    themselves carry its float32 normalisation over 262,144 tokens (up to ~5e-4 here), so they
+    are compared within 2e-3. Requests whose history passed llama.cpp's 1,024-cell
+    sliding-window cache are compared on reuse and tokens only: once that cache wraps around,
+    llama.cpp's sliding-window layers visit their keys in cell order, not position order, which
+    rounds differently (a gap of its own, not of prefix reuse)."""
     data = json.loads(SWA_FIXTURE.read_text())
     eng = gemma_one_slot
     eng.reset_cache()
-    worst = 0.0
+    worst_gap = worst_lp = 0.0
+    compared = 0
+    wrapped = False
     for r in data["requests"]:
-        toks, lps, res = _run(eng, list(r["prompt_ids"]), int(r["n_predict"]), bool(r["cache_prompt"]))
+        toks, lps, res, tops = _run(eng, list(r["prompt_ids"]), int(r["n_predict"]), bool(r["cache_prompt"]), 2)
         name = r["name"]
         assert (res.cache_n, res.prompt_n) == (r["cache_n"], r["prompt_n"]), name
         assert toks == r["tokens"], f"{name}: {eng.detokenize(toks)!r} != llama-server's {r['text']!r}"
-        worst = max(worst, float(np.max(np.abs(np.array(lps) - np.array(r["logprobs"])))))
-    print(f"\nmax |dlogprob| vs llama-server over {len(data['requests'])} requests: {worst:.2e}")
-    assert worst <= 1e-5
+        wrapped = wrapped or len(r["prompt_ids"]) + int(r["n_predict"]) > 1024
+        if wrapped:
+            continue
+        for ours, theirs in zip(tops, r["top2"]):
+            assert [t for t, _ in ours[:2]] == [t for t, _ in theirs], name
+            gap = abs((ours[0][1] - ours[1][1]) - (theirs[0][1] - theirs[1][1]))
+            worst_gap = max(worst_gap, gap)
+        worst_lp = max(worst_lp, float(np.max(np.abs(np.array(lps) - np.array(r["logprobs"])))))
+        compared += 1
+    print(f"\n{compared} requests compared: max |d(top1 - top2 logprob)| {worst_gap:.2e}, "
+          f"max |dlogprob| {worst_lp:.2e}")
+    assert compared >= 22
+    assert worst_gap <= 1e-5
+    assert worst_lp <= 2e-3

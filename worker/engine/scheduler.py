@@ -259,7 +259,9 @@ class Scheduler:
         self.n_swa = max(0, int(getattr(model, "n_swa", 0) or 0))
         #: cells of llama.cpp's sliding-window cache of one sequence (``llama_kv_cache_iswa``:
         #: ``GGML_PAD(min(n_ctx, n_swa + n_ubatch), 256)``); an entry's oldest position that cache
-        #: still holds is modelled as ``max(0, swa_high_water - swa_cells)``
+        #: still holds is modelled as ``max(0, swa_high_water - swa_cells)`` (one sequence's cache:
+        #: llama-server ``-np 1`` or a non-unified cache; its default ``-np auto`` shares one unified
+        #: cache of ``4 * n_swa + n_ubatch`` cells among 4 slots, which wraps elsewhere)
         self.swa_cells = -(-min(self.n_ctx, self.n_swa + n_ubatch) // 256) * 256 if self.n_swa else 0
         budget = kv_budget_tokens if kv_budget_tokens is not None else n_parallel * self.n_ctx
         self.pool = KVPool(model.kv_shape, int(budget), self.n_ctx)
@@ -585,17 +587,23 @@ class Scheduler:
         donor, n_keep = None, 0
         ckpts: list[Checkpoint] = []
         high_water = 0
+        inherited: list[Checkpoint] | None = None
         if s.req.params.cache_prompt and n_prompt > 1:
-            for e in idle + [e for e in self.pool.entries if e not in idle]:  # idle first on ties
+            order = idle + [e for e in self.pool.entries if e not in idle]  # idle first on ties
+            if swa:  # ... and then the most recent, as llama-server's slot holds its latest state
+                idle_ids = {id(e) for e in idle}
+                order.sort(key=lambda e: (id(e) not in idle_ids, -e.last_use))
+            for e in order:
                 n = e.common_prefix(prompt, limit)
-                if n <= n_keep:
-                    continue
-                if swa and e.checkpoints is not None:  # what llama-server would keep of it
-                    n, cks, hw = self._swa_reuse(e, n, n_prompt)
-                else:  # no sliding window, or a state installed from outside (checkpoints unknown)
-                    n, cks, hw = min(n, n_prompt - 1), [], e.swa_high_water
                 if n > n_keep:
-                    donor, n_keep, ckpts, high_water = e, n, cks, hw
+                    donor, n_keep = e, n
+            if donor is not None:
+                if swa and donor.checkpoints is not None:  # what llama-server keeps of it
+                    n_keep, ckpts, high_water = self._swa_reuse(donor, n_keep, n_prompt)
+                    if n_keep == 0:  # re-evaluated whole, on the state the slot held
+                        inherited, donor = ckpts, None
+                else:  # no sliding window, or a state installed from outside (checkpoints unknown)
+                    n_keep, high_water = min(n_keep, n_prompt - 1), donor.swa_high_water
         donor_idle = donor is not None and donor in idle
         plans: list[tuple[str, KVEntry | None]] = []
         if donor is not None:
@@ -609,9 +617,10 @@ class Scheduler:
         plans.append(("new", None))
         # llama-server's slot keeps, through a prompt evaluated from 0, the checkpoints with
         # pos_max <= 0 of what it held (the state after the first token): here, the slot's last entry
-        prev = slot.last_entry if slot is not None else None
-        inherited = [c for c in (prev.checkpoints or []) if c.pos_max <= 0] \
-            if swa and prev is not None and prev in self.pool.entries else []
+        if inherited is None:
+            prev = slot.last_entry if slot is not None else None
+            inherited = [c for c in (prev.checkpoints or []) if c.pos_max <= 0] \
+                if swa and prev is not None and prev in self.pool.entries else []
         for how, d in plans:
             keep = d if how == "copy" or how == "take" else None
             need = s.reserve - (d.capacity if how == "take" and d is not None else 0)
