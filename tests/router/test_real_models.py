@@ -543,11 +543,11 @@ def test_concurrent_clients_across_both_models_lose_and_mix_nothing(router: Live
     answered (0 lost, 0 hung: each within its timeout), each temperature-0 text equals the
     same request run alone (0 mixed), and every overflow is a 503 queue_full with Retry-After.
 
-    ``cache_prompt: false`` on every request: each prompt is evaluated from position 0 in the same
-    micro-batches, so its bits cannot depend on its companions. A reused prefix would change them
-    legitimately, as in llama.cpp (a full-prompt hit re-evaluates the last prompt token alone, on
-    the 1-row kernels; llama.cpp's server README says cache_prompt can change results), and that
-    is not what this test is about."""
+    The references run alone with ``cache_prompt: false`` (evaluated from position 0); the
+    concurrent requests keep the default ``cache_prompt: true``, so they also reuse one another's
+    prefixes as they come: a repeat re-evaluates from where llama-server would (Gemma, a
+    sliding-window model: from its context checkpoint 5 tokens before the end, as 1 + 4 rows;
+    SmolLM2: the last token), which gives these prompts the same bits as a fresh evaluation."""
     models = ["SmolLM2-135M-Instruct", "gemma-3-270m"]
     prompts = [f"Item {i}: the colour of the sky is" for i in range(4)]
     solo: dict[tuple[str, str], str] = {}
@@ -559,7 +559,7 @@ def test_concurrent_clients_across_both_models_lose_and_mix_nothing(router: Live
             solo[(m, p)] = r.json()["choices"][0]["text"]
 
     async def one(c: httpx.AsyncClient, m: str, p: str, stream: bool) -> tuple[str, str, int, str, str | None]:
-        body = {"model": m, "prompt": p, "max_tokens": 5, "temperature": 0, "stream": stream, "cache_prompt": False}
+        body = {"model": m, "prompt": p, "max_tokens": 5, "temperature": 0, "stream": stream}
         if not stream:
             r = await c.post("/v1/completions", json=body)
             if r.status_code != 200:

@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from .errors import EngineError
 
-__all__ = ["KVEntry", "KVPool", "KVShape"]
+__all__ = ["Checkpoint", "KVEntry", "KVPool", "KVShape"]
 
 #: Capacity granularity in positions (an idle entry is shrunk to a multiple of it).
 KV_ROUND = 16
@@ -68,6 +69,29 @@ class KVShape:
         return self.n_layer * self.n_kv_head * (self.head_dim_k + self.head_dim_v) * self.dtype.itemsize
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """Where llama-server would hold a context checkpoint of this entry's sliding-window state.
+
+    llama-server (``tools/server/server-context.cpp``, ``create_checkpoint``) saves the part of a
+    sliding-window model's memory that cannot be rolled back, before decoding a batch that starts
+    at ``n_tokens``; this entry keeps every position's K/V, so a checkpoint here is only the record
+    of that moment, which decides where a later prompt's re-evaluation starts (the scheduler's
+    ``_swa_reuse``). All fields are token counts / positions (ints):
+
+    ``n_tokens``: tokens the memory held; ``pos_max``: its highest position (``n_tokens - 1``);
+    ``pos_min``: the lowest position the sliding-window cache still held then (0 until that cache
+    of ``swa_cells`` cells wrapped); ``high_water``: the entry's ``swa_high_water`` then;
+    ``task``: the request id that made it (llama.cpp's eviction spares the current task's).
+    """
+
+    n_tokens: int
+    pos_min: int
+    pos_max: int
+    high_water: int
+    task: str
+
+
 class KVEntry:
     """One sequence's keys and values for positions ``0 .. n_past-1`` (``n_past = len(tokens)``).
 
@@ -90,6 +114,13 @@ class KVEntry:
         self.shape = shape
         self.tokens: list[int] = []
         self.last_use = 0  # scheduler step counter at the last use (LRU)
+        #: sliding-window models only (the scheduler keeps them): llama-server's context
+        #: checkpoints of this entry, oldest first; None when unknown (a state installed from
+        #: outside, e.g. a KV state file)
+        self.checkpoints: list[Checkpoint] | None = []
+        #: most positions this entry's history ever held (llama.cpp's sliding-window cache of
+        #: ``swa_cells`` cells has wrapped once it passed that many)
+        self.swa_high_water = 0
         self.max_positions = max_positions
         self._written = 0  # highest position written + 1 (pages possibly resident)
         self._bufs: tuple[mmap.mmap | None, mmap.mmap | None] = (None, None)

@@ -633,6 +633,12 @@ class Model:
         """Derived state after weights are loaded (RoPE tables, ...)."""
 
     @property
+    def n_swa(self) -> int:
+        """Sliding-window size in tokens (``{arch}.attention.sliding_window``, as
+        ``llama_model_n_swa``), 0 for a model without sliding-window layers."""
+        return int(getattr(self, "window", None) or 0)
+
+    @property
     def kv_shape(self) -> KVShape:
         """KV layout: ``n_layer`` layers, ``n_head_kv`` heads of ``head_dim`` (keys and values)."""
         return KVShape(self.n_layer, self.n_head_kv, self.head_dim, self.head_dim, self.dtype)
