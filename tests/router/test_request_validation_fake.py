@@ -1,9 +1,11 @@
-"""Fields that change the answer are honoured or refused, never silently dropped
-(router/field_policy.py), on every generation route, against a fake worker.
+"""Requests a new user sends that were answered wrongly, against a fake worker.
 
-Found by driving the router as a new user would: ``stop`` on /v1/messages, ``seed`` or
-``response_format`` on /v1/responses, ``n`` on /completion, ``image_data``, ``lora`` or
-``t_max_predict_ms`` anywhere were answered 200 as if they had not been sent."""
+- Fields that change the answer are honoured or refused, never silently dropped
+  (router/field_policy.py), on every generation route: ``stop`` on /v1/messages, ``seed``
+  or ``response_format`` on /v1/responses, ``n`` on /completion, ``image_data``, ``lora``
+  or ``t_max_predict_ms`` anywhere were answered 200 as if they had not been sent.
+- A worker's 400 names the request field it is about; a request whose messages all fall
+  away in the dialect's reading is the router's 400, never an empty prompt sent on."""
 
 from __future__ import annotations
 
@@ -123,3 +125,18 @@ def test_a_worker_400_of_a_one_shot_call_names_the_field(router: LiveRouter) -> 
     r = httpx.post(router.url + "/detokenize", json={"model": "alpha", "tokens": [1, 10**9]}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_token", r.text
     assert r.json()["error"]["param"] == "tokens", r.text
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/responses", {"model": "alpha", "input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input"),
+    ("/v1/messages", {"model": "alpha", "max_tokens": 2, "messages": [{"role": "user", "content": []}]},
+     "messages"),
+])
+def test_a_request_whose_messages_all_fall_away_is_a_400_naming_them(router: LiveRouter, route: str,
+                                                                    body: dict[str, Any], param: str) -> None:
+    """Only dropped items (reasoning, empty content) reached the worker as an empty prompt: a
+    400 with param null from the worker, or an answer to nothing."""
+    before = len(router.fake_events("generate"))
+    r = httpx.post(router.url + route, json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert len(router.fake_events("generate")) == before
