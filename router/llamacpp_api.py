@@ -54,7 +54,7 @@ from router.openai_api import parse_messages
 from router.metrics import label_request
 from router.params import (
     INT32_MAX,
-    INT32_MIN,
+    N_PREDICT_MIN,
     get_bool,
     get_bounded,
     get_int,
@@ -122,10 +122,10 @@ async def completion(request: Request) -> Response:
     name, slot = _slot(request, body)
     refuse_ignored(body, "/completion")  # n, logprobs, response_format, tools, ...: not /completion fields
     prompt = _prompt(body)
-    n_predict = get_int(body, "n_predict", None, INT32_MIN, INT32_MAX)  # negative: until n_ctx
+    n_predict = get_int(body, "n_predict", None, N_PREDICT_MIN, INT32_MAX)  # -1: until n_ctx
     for alias in ("max_completion_tokens", "max_tokens"):  # llama.cpp's aliases of n_predict
         if n_predict is None:
-            n_predict = get_int(body, alias, None, INT32_MIN, INT32_MAX)
+            n_predict = get_int(body, alias, None, N_PREDICT_MIN, INT32_MAX)
     max_tokens = None if n_predict is None or n_predict < 0 else n_predict
     n_probs = get_bounded(body, "n_probs", 0, GENERATE_LIMITS["n_probs"], integer=True)
     return_tokens = get_bool(body, "return_tokens", False)

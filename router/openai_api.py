@@ -40,7 +40,7 @@ from router.generation import (
     usage_of,
 )
 from router.metrics import label_request
-from router.params import INT32_MAX, INT32_MIN, get_bool, get_int, get_prompt, get_str, read_json
+from router.params import INT32_MAX, N_PREDICT_MIN, get_bool, get_int, get_prompt, get_str, read_json
 from router.pool import ModelSlot, Pool
 from router.process import WorkerProcess
 from router.responses import JSONResponse
@@ -100,9 +100,9 @@ def _common(body: dict[str, Any], slot: ModelSlot, prefix: str) -> dict[str, Any
     max_tokens = get_int(body, "max_completion_tokens", None, 1, INT32_MAX)
     if max_tokens is None:
         max_tokens = get_int(body, "max_tokens", None, 1, INT32_MAX)
-    n_predict = get_int(body, "n_predict", None, INT32_MIN, INT32_MAX)  # llama.cpp's name: it wins there
+    n_predict = get_int(body, "n_predict", None, N_PREDICT_MIN, INT32_MAX)  # llama.cpp's name: it wins there
     if n_predict is not None:
-        max_tokens = None if n_predict < 0 else n_predict  # negative: until n_ctx, as on /completion
+        max_tokens = None if n_predict < 0 else n_predict  # -1: until n_ctx, as on /completion
     return {"id": new_id(prefix), "max_tokens": max_tokens, "n": n,
             "ignore_eos": get_bool(body, "ignore_eos", False),  # llama.cpp extension
             "cache_prompt": get_bool(body, "cache_prompt", True),  # llama.cpp extension

@@ -140,3 +140,14 @@ def test_a_request_whose_messages_all_fall_away_is_a_400_naming_them(router: Liv
     r = httpx.post(router.url + route, json=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert len(router.fake_events("generate")) == before
+
+
+@pytest.mark.parametrize("route", ["/completion", "/v1/chat/completions", "/v1/completions"])
+def test_n_predict_below_minus_one_is_a_400_as_in_llamacpp(router: LiveRouter, route: str) -> None:
+    """-1 is "until n_ctx"; llama.cpp refuses anything lower (server-schema.cpp's hard limit),
+    where modelyard generated until n_ctx for -5 (a 120 s non-streamed answer on SmolLM2)."""
+    base = {k: v for k, v in BASE[route].items() if k not in ("max_tokens", "n_predict")}
+    r = httpx.post(router.url + route, json={**base, "n_predict": -5}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n_predict", r.text
+    r = httpx.post(router.url + route, json={**base, "n_predict": -1, "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200, r.text
