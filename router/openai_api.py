@@ -100,6 +100,8 @@ def _common(body: dict[str, Any], slot: ModelSlot, prefix: str) -> dict[str, Any
     max_tokens = get_int(body, "max_completion_tokens", None, 1, INT32_MAX)
     if max_tokens is None:
         max_tokens = get_int(body, "max_tokens", None, 1, INT32_MAX)
+    # llama.cpp's id_slot, checked as /completion checks it (the prefix cache picks the slot that runs)
+    get_int(body, "id_slot", -1, -1, slot.model.parallel - 1)
     n_predict = get_int(body, "n_predict", None, N_PREDICT_MIN, INT32_MAX)  # llama.cpp's name: it wins there
     if n_predict is not None:
         max_tokens = None if n_predict < 0 else n_predict  # -1: until n_ctx, as on /completion

@@ -151,3 +151,13 @@ def test_n_predict_below_minus_one_is_a_400_as_in_llamacpp(router: LiveRouter, r
     assert r.status_code == 400 and r.json()["error"]["param"] == "n_predict", r.text
     r = httpx.post(router.url + route, json={**base, "n_predict": -1, "max_tokens": 2}, timeout=30)
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("route", ["/completion", "/v1/chat/completions", "/v1/completions"])
+def test_id_slot_must_name_a_slot_on_every_llamacpp_route(router: LiveRouter, route: str) -> None:
+    """/completion refused an id_slot outside the slots; the OpenAI routes (which llama.cpp
+    also reads it on) took any integer."""
+    r = httpx.post(router.url + route, json={**BASE[route], "id_slot": 99}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "id_slot", r.text
+    r = httpx.post(router.url + route, json={**BASE[route], "id_slot": 0}, timeout=30)
+    assert r.status_code == 200, r.text
