@@ -9,7 +9,9 @@ turns are dropped, as Anthropic does; images and documents are a 400),
 and ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``;
 ``disable_parallel_tool_use``). ``metadata``, ``thinking``, ``service_tier``,
 ``cache_control``, ``output_config.effort`` and unknown fields are ignored (they
-do not change what a local model answers); ``output_config.format``
+do not change what a local model answers) — but a field that changes the answer in
+another dialect or llama.cpp (``stop``, ``seed``, ``response_format``, ``n``, ...) is a 400
+naming it (``router.field_policy``); ``output_config.format``
 (``{"type": "json_schema", "schema"}``) constrains the text to the schema; ``anthropic-version`` /
 ``anthropic-beta`` headers are accepted and ignored.
 
@@ -44,6 +46,7 @@ from protocol import Done, Generate, Token
 from router.constraints import json_format_constraint
 from router.dialects import Prepared, choose, function_tool, objects, prepare, tool_list
 from router.errors import ApiError, BadRequest, anthropic_error_payload
+from router.field_policy import refuse_ignored
 from router.generation import OPENAI_DEFAULTS, begin, collect, new_id, read_sampling, stream
 from router.metrics import label_request
 from router.params import INT32_MAX, get_bool, get_float, get_int, get_str, read_json
@@ -253,6 +256,7 @@ def _error_event(err: ApiError) -> bytes:
 async def messages(request: Request) -> Response:
     body = await read_json(request)
     req = await _parse(request, body)
+    refuse_ignored(body, "/v1/messages")  # stop, seed, response_format, ...: not Messages fields
     max_tokens = get_int(body, "max_tokens", None, 1, INT32_MAX)
     if max_tokens is None:
         raise BadRequest("'max_tokens' is required", param="max_tokens")

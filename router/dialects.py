@@ -185,7 +185,13 @@ def prepare(slot: ModelSlot, turns: list[ChatTurn], tools: list[Tool], choice: T
             messages_param: str = "messages") -> Prepared:
     """Turns + tools + a response format (``text_schema``, the JSON Schema text from
     ``format_param``) as a :class:`Prepared`, in ``slot``'s template tool syntax.
-    ``choice`` none: the tools are neither described nor parsed."""
+    ``choice`` none: the tools are neither described nor parsed. Turns that all fell
+    away in the dialect's reading (only ``reasoning`` items, a user message with no
+    content blocks) are a 400 naming ``messages_param``, never an empty prompt sent on."""
+    if not turns:
+        raise BadRequest(f"'{messages_param}' holds no message to answer (items that carry nothing for "
+                         "these models, such as reasoning items or empty content, are dropped)",
+                         param=messages_param)
     offered = tools if choice.mode != "none" else []
     syntax = syntax_for(template_syntax(slot), offered, turns)
     grammar = tool_constraint(offered, choice, text_schema, syntax)

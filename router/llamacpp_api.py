@@ -38,6 +38,7 @@ from protocol.errors import ErrorCode
 from protocol.limits import GENERATE_LIMITS
 from router.constraints import llamacpp_constraint
 from router.errors import BadGateway, BadRequest, from_worker_error, unsendable
+from router.field_policy import refuse_ignored
 from router.generation import (
     LLAMACPP_DEFAULTS,
     TokenProb,
@@ -53,7 +54,7 @@ from router.openai_api import parse_messages
 from router.metrics import label_request
 from router.params import (
     INT32_MAX,
-    INT32_MIN,
+    N_PREDICT_MIN,
     get_bool,
     get_bounded,
     get_int,
@@ -119,10 +120,12 @@ def _prompt(body: dict[str, Any]) -> str | list[int]:
 async def completion(request: Request) -> Response:
     body = await read_json(request)
     name, slot = _slot(request, body)
+    refuse_ignored(body, "/completion")  # n, logprobs, response_format, tools, ...: not /completion fields
     prompt = _prompt(body)
-    n_predict = get_int(body, "n_predict", None, INT32_MIN, INT32_MAX)  # negative: until n_ctx
-    if n_predict is None:
-        n_predict = get_int(body, "max_tokens", None, INT32_MIN, INT32_MAX)
+    n_predict = get_int(body, "n_predict", None, N_PREDICT_MIN, INT32_MAX)  # -1: until n_ctx
+    for alias in ("max_completion_tokens", "max_tokens"):  # llama.cpp's aliases of n_predict
+        if n_predict is None:
+            n_predict = get_int(body, alias, None, N_PREDICT_MIN, INT32_MAX)
     max_tokens = None if n_predict is None or n_predict < 0 else n_predict
     n_probs = get_bounded(body, "n_probs", 0, GENERATE_LIMITS["n_probs"], integer=True)
     return_tokens = get_bool(body, "return_tokens", False)
@@ -198,9 +201,12 @@ async def completion(request: Request) -> Response:
     return SSEResponse(stream(run, first, on_frame), run.close)
 
 
-async def _call(request: Request, slot: ModelSlot, make: Any, timeout_s: float = CALL_TIMEOUT_S) -> Message:
+async def _call(request: Request, slot: ModelSlot, make: Any, timeout_s: float = CALL_TIMEOUT_S,
+                param: str | None = None) -> Message:
     """Send a one-shot request to the model's (loaded) worker; its answer, or the mapped ApiError.
-    A request the protocol cannot carry is a 400 (checked before the model is loaded)."""
+    A request the protocol cannot carry is a 400 (checked before the model is loaded). ``param``:
+    the request field a worker's 400 that names none is about (``tokens`` for an id outside the
+    vocabulary), as the generation routes name ``prompt`` / ``messages``."""
     try:
         encode(make("check"))
     except ProtocolError as e:
@@ -219,7 +225,10 @@ async def _call(request: Request, slot: ModelSlot, make: Any, timeout_s: float =
     if isinstance(ans, Error):
         if ans.code == ErrorCode.WORKER_GONE:
             raise BadGateway(f"model '{slot.model.name}' worker failed: {ans.message}", code="worker_crashed")
-        raise from_worker_error(ans.code, ans.message)
+        err = from_worker_error(ans.code, ans.message)
+        if isinstance(err, BadRequest) and err.param is None:
+            err.param = param
+        raise err
     return ans
 
 
@@ -298,7 +307,7 @@ async def detokenize(request: Request) -> Response:
     if tokens is None:
         raise BadRequest("'tokens' must be a list of token ids", param="tokens")
     packed = TokenIds.of(tokens)  # ids in [0, MAX_TOKEN_ID]: int32 (get_token_list)
-    ans = await _call(request, slot, lambda i: Detokenize(id=i, tokens=packed))
+    ans = await _call(request, slot, lambda i: Detokenize(id=i, tokens=packed), param="tokens")
     if not isinstance(ans, DetokenizeResult):
         raise BadGateway(f"unexpected {ans.TYPE} answer to detokenize")
     return JSONResponse({"content": ans.content})
@@ -309,7 +318,8 @@ async def apply_template(request: Request) -> Response:
     _, slot = _slot(request, body)
     messages = parse_messages(body)
     add_gen = get_bool(body, "add_generation_prompt", True)
-    ans = await _call(request, slot, lambda i: ApplyTemplate(id=i, messages=messages, add_generation_prompt=add_gen))
+    ans = await _call(request, slot, lambda i: ApplyTemplate(id=i, messages=messages, add_generation_prompt=add_gen),
+                      param="messages")
     if not isinstance(ans, ApplyTemplateResult):
         raise BadGateway(f"unexpected {ans.TYPE} answer to apply-template")
     return JSONResponse({"prompt": ans.prompt})

@@ -1,7 +1,8 @@
 """OpenAI-compatible routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
 
 Request and response shapes follow OpenAI's; responses also carry llama.cpp's
-``timings``. Unknown request fields are ignored. ``echo``, ``best_of`` > 1, a
+``timings``. Unknown request fields are ignored, but not the fields of other dialects and
+llama.cpp that change the answer (``router.field_policy``: a 400 naming them). ``echo``, ``best_of`` > 1, a
 non-empty ``suffix`` and non-text content parts are a clear 400 (not supported),
 never silently wrong. Chat tools (function and custom), ``tool_choice`` and
 ``response_format`` go through ``router.dialects.prepare`` (the template's own tool
@@ -23,6 +24,7 @@ from protocol.limits import MAX_N, MAX_N_PROBS
 from router.constraints import json_format_constraint, llamacpp_constraint
 from router.dialects import choose, content_text, custom_tool, function_tool, objects, prepare, tool_list
 from router.errors import BadRequest, NotFound
+from router.field_policy import refuse_ignored
 from router.generation import (
     OPENAI_DEFAULTS,
     TokenProb,
@@ -38,7 +40,7 @@ from router.generation import (
     usage_of,
 )
 from router.metrics import label_request
-from router.params import INT32_MAX, INT32_MIN, get_bool, get_int, get_prompt, get_str, read_json
+from router.params import INT32_MAX, N_PREDICT_MIN, get_bool, get_int, get_prompt, get_str, read_json
 from router.pool import ModelSlot, Pool
 from router.process import WorkerProcess
 from router.responses import JSONResponse
@@ -95,15 +97,14 @@ async def get_model(request: Request) -> Response:
 
 def _common(body: dict[str, Any], slot: ModelSlot, prefix: str) -> dict[str, Any]:
     n = get_int(body, "n", 1, 1, MAX_N)  # choices: n sequences from one prefilled prompt
-    if body.get("n_probs") is not None:
-        raise BadRequest("'n_probs' is llama.cpp's /completion field; on this route use 'logprobs' "
-                         "(and 'top_logprobs')", param="n_probs")
     max_tokens = get_int(body, "max_completion_tokens", None, 1, INT32_MAX)
     if max_tokens is None:
         max_tokens = get_int(body, "max_tokens", None, 1, INT32_MAX)
-    n_predict = get_int(body, "n_predict", None, INT32_MIN, INT32_MAX)  # llama.cpp's name: it wins there
+    # llama.cpp's id_slot, checked as /completion checks it (the prefix cache picks the slot that runs)
+    get_int(body, "id_slot", -1, -1, slot.model.parallel - 1)
+    n_predict = get_int(body, "n_predict", None, N_PREDICT_MIN, INT32_MAX)  # llama.cpp's name: it wins there
     if n_predict is not None:
-        max_tokens = None if n_predict < 0 else n_predict  # negative: until n_ctx, as on /completion
+        max_tokens = None if n_predict < 0 else n_predict  # -1: until n_ctx, as on /completion
     return {"id": new_id(prefix), "max_tokens": max_tokens, "n": n,
             "ignore_eos": get_bool(body, "ignore_eos", False),  # llama.cpp extension
             "cache_prompt": get_bool(body, "cache_prompt", True),  # llama.cpp extension
@@ -262,12 +263,9 @@ def parse_tools(body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
 
 def refuse_unsupported_chat(body: dict[str, Any]) -> None:
     """Chat fields that would change the answer and are not implemented: a 400 naming them
-    (the legacy ``functions`` / ``function_call``: use ``tools`` / ``tool_choice``)."""
-    for key, why in (("functions", "use 'tools'"), ("function_call", "use 'tool_choice'"),
-                     ("audio", "these models produce text only"),
-                     ("web_search_options", "there is no web search")):
-        if body.get(key) is not None:
-            raise BadRequest(f"'{key}' is not supported: {why}", param=key)
+    (``router.field_policy``'s table, e.g. the legacy ``functions`` / ``function_call``: use
+    ``tools`` / ``tool_choice``; and non-text ``modalities``)."""
+    refuse_ignored(body, "/v1/chat/completions")  # functions, audio, web_search_options, stop_sequences, ...
     mods = body.get("modalities")
     if mods is not None and (not isinstance(mods, list) or any(m != "text" for m in mods)):
         raise BadRequest("'modalities' other than [\"text\"] are not supported", param="modalities")
@@ -488,6 +486,7 @@ async def completions(request: Request) -> Response:
     model_name = get_str(body, "model")
     slot = pool.get(model_name)
     label_request(request, slot.model.name)
+    refuse_ignored(body, "/v1/completions")
     prompt = _completion_prompt(body)
     common = _common(body, slot, "cmpl")
     if get_bool(body, "echo", False):

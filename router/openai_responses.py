@@ -20,7 +20,9 @@ true) and ``previous_response_id`` (the stored conversation is continued, see
 ``user``, ``service_tier``, ``prompt_cache_key``,
 ``safety_identifier``, ``truncation``, ``max_tool_calls`` (it bounds built-in tool
 calls; there are none) and unknown fields are ignored; ``prompt`` and
-``conversation`` are a 400.
+``conversation`` are a 400, and so is a field that changes the answer in another
+dialect or llama.cpp (``seed``, ``stop``, ``max_tokens``, ``response_format``, ...:
+``router.field_policy``).
 
 ``background: true`` (OpenAI's background mode, through ``router.background``): the
 answer is the response object at once, ``status`` ``queued`` or ``in_progress``;
@@ -64,6 +66,7 @@ from protocol.limits import MAX_N_PROBS as MAX_TOP_LOGPROBS
 from router.constraints import json_format_constraint
 from router.dialects import Prepared, choose, content_text, custom_tool, function_tool, objects, prepare, tool_list
 from router.errors import ApiError, BadRequest, NotFound
+from router.field_policy import refuse_ignored
 from router.generation import OPENAI_DEFAULTS, begin, collect, openai_logprob, read_sampling, stream, token_probs
 from router.metrics import label_request
 from router.params import INT32_MAX, get_bool, get_int, get_str, read_json
@@ -302,6 +305,7 @@ class _Answer:
 
 async def create(request: Request) -> Response:
     body = await read_json(request)
+    refuse_ignored(body, "/v1/responses")  # seed, stop, max_tokens, response_format, ...: not Responses fields
     job = getattr(request.state, "background_job", None)  # set when this runs a background response
     if job is None and get_bool(body, "background", False):
         return await _start_background(request, body)

@@ -43,6 +43,9 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 UINT64_MAX = 2**64 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+#: ``n_predict`` (and its aliases on /completion) in [N_PREDICT_MIN, INT32_MAX]: -1 is "until n_ctx";
+#: llama.cpp's own hard limit (tools/server/server-schema.cpp), so -5 is a 400 there and here.
+N_PREDICT_MIN = -1
 #: Token ids are in [0, MAX_TOKEN_ID]; the worker checks them against its vocabulary.
 MAX_TOKEN_ID = INT32_MAX
 #: ``seed``: what the protocol can carry (a negative seed means random).

@@ -840,7 +840,8 @@ class ModelSlot:
     async def ready_worker(self, *, operator: bool = False) -> WorkerProcess:
         """The ready worker, starting it and waiting for its load if needed (for
         requests that do not take a job slot: tokenize, detokenize, apply-template,
-        admin load with ``operator``). Raises ModelUnloading (draining), ModelLoadFailed,
+        admin load with ``operator``). Raises ModelUnloading (draining, or unloaded while
+        the load it waited for ran), ModelLoadFailed,
         RestartBackoff / ModelFailed (crash backoff; never for an operator)."""
         self._check_open()
         self._check_restart(operator=operator)
@@ -860,6 +861,8 @@ class ModelSlot:
                 self._pool.place()  # the last one to leave may leave nobody wanting it
         if self.state is WorkerState.LOADING and self._load_task is not None:
             await asyncio.shield(self._load_task)
+            if self.state is WorkerState.UNLOADED:  # an unload ended the load (a failed one is FAILED)
+                raise ModelUnloading(f"model '{self.model.name}' was unloaded while loading")
         if self.state is WorkerState.UNRESPONSIVE:
             raise Unavailable(f"model '{self.model.name}' worker is unresponsive (no answer for "
                               f"unresponsive_after_s={self.model.unresponsive_after_s:g} s); retry shortly",

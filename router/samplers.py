@@ -2,7 +2,7 @@
 
 The engine's chain is llama.cpp's default order restricted to what it implements
 (``worker/engine/sampling.py``): penalties, top_k, top_p, min_p, temperature. llama.cpp
-also offers mirostat, typical-p, DRY, XTC, top-n-sigma, dynamic temperature and
+also offers mirostat, typical-p, DRY, XTC, top-n-sigma, dynamic temperature, adaptive-p and
 post-sampling probabilities; each is accepted only at its neutral value (the value
 at which llama.cpp's own sampler changes nothing), else the request is a 400 naming
 the field — never a silently different distribution. ``samplers`` (an array of
@@ -42,6 +42,7 @@ _NEUTRAL: dict[str, tuple[Any, str]] = {
     "top_n_sigma": (lambda v: v <= 0.0, "-1 (off)"),
     "dynatemp_range": (lambda v: v <= 0.0, "0.0"),
     "min_keep": (lambda v: v <= 1, "0"),
+    "adaptive_target": (lambda v: v < 0.0, "-1.0 (off)"),  # llama.cpp's adaptive-p sampler
 }
 
 

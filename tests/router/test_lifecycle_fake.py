@@ -365,6 +365,31 @@ def test_unload_while_loading_answers_the_waiting_requests(router: LiveRouter) -
     assert r.status_code == 200 and router.admin("lazy")["spawn_count"] == 2
 
 
+def test_unload_while_loading_answers_the_load_and_tokenize_waiters_as_unloaded(router: LiveRouter) -> None:
+    """Requests that wait for the worker without a job slot (admin load, /tokenize) and whose load
+    an operator unload ends were told 503 model_load_failed with the model's last error (a stale
+    crash, say), not that it was unloaded."""
+    r = httpx.post(router.url + "/admin/models/unload", json={"model": "lazy"}, timeout=30)
+    assert r.status_code == 200 and router.admin("lazy")["state"] == "unloaded", r.text
+
+    async def go() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
+            with router.hold():  # the load cannot finish while the unload arrives
+                load = asyncio.create_task(c.post("/admin/models/load", json={"model": "lazy"}))
+                tok = asyncio.create_task(c.post("/tokenize", json={"model": "lazy", "content": "hi"}))
+                await router.until(lambda: router.admin("lazy")["state"] == "loading" and router.admin("lazy")["pid"],
+                                   what="lazy loading")
+                await asyncio.sleep(0.3)  # both are waiting for the load
+                unload = await c.post("/admin/models/unload", json={"model": "lazy"})
+            return await load, await tok, unload
+
+    load, tok, unload = asyncio.run(go())
+    assert unload.status_code == 200, unload.text
+    for r in (load, tok):
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_unloading", r.text
+        assert "unloaded while loading" in r.json()["error"]["message"], r.text
+
+
 def test_openai_sdk_raises_on_the_mid_stream_error_event(router: LiveRouter) -> None:
     import openai
 
