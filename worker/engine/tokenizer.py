@@ -435,6 +435,7 @@ class Tokenizer:
         self._scores_mv: memoryview = memoryview(b"")  # self.scores's items (Python floats), fast indexing
         self._special_rank: dict[int, int] = {}
         self._special_len: dict[int, int] = {}
+        self._special_ids: dict[str, int] = {}  # special texts only (a partition match's id, as a dict lookup)
         self._re_all: re.Pattern[str] | None = None
         self._re_ud: re.Pattern[str] | None = None
         self._prefix_cache: dict[tuple[int, bool], tuple[int, ...]] = {}
@@ -612,7 +613,8 @@ class Tokenizer:
         sp = np.flatnonzero(np.frombuffer(attrs, dtype=np.uint8) & _SPECIAL_ATTRS)
         specials: list[int] = sp[np.lexsort((sp, -blen[sp]))].tolist()
         self._special_rank = {tid: r for r, tid in enumerate(specials)}
-        self._special_len = {tid: len(tokens[tid]) for tid in specials}
+        self._special_ids = {tokens[tid]: tid for tid in specials}
+        self._special_len = {tid: len(t) for t, tid in self._special_ids.items()}
         if specials:
             self._re_all = re.compile("(?=(" + _trie_regex(tokens[i] for i in specials) + "))")
         ud = [i for i in specials if not attrs[i] & _PARSE_ONLY_ATTRS]
@@ -886,7 +888,7 @@ class Tokenizer:
         if regex is None:
             return [_Fragment(text, -1)]
         rank, attrs, lens = self._special_rank, self.attrs, self._special_len
-        tok2id = self._vocab.get  # type: ignore[union-attr]
+        tok2id = self._special_ids.__getitem__  # every match is a special token's text
         # The scan in windows (the pattern is a lookahead, so a window that reaches the longest
         # special text past its end finds exactly the whole text's candidates in it): one
         # finditer step over 7 MB with no special token in it would hold the GIL for ~0.1 s.
