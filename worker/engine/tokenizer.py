@@ -319,23 +319,29 @@ class _VocabIndex:
         table = np.full(size, -1, dtype=np.int32)
         # linear probing in rounds: a key goes to the first free slot of home, home+1, ...;
         # a slot once taken stays taken, so every slot a key skipped is occupied at lookup
-        pending = np.arange(n, dtype=np.int64)
-        slot = keys & mask
+        # (int32 throughout: ids < n and slots < size fit, and the temporaries stay small)
+        pending = np.arange(n, dtype=np.int32)
+        slot = (keys & mask).astype(np.int32)
         while len(pending):
             free = table[slot] < 0
             cand, cand_slot = pending[free], slot[free]
             table[cand_slot] = cand  # several keys for one slot: one of them lands, read back below
-            won = np.zeros(len(pending), dtype=bool)
-            won[np.flatnonzero(free)[table[cand_slot] == cand]] = True
-            pending, slot = pending[~won], (slot[~won] + 1) & mask
+            lost = np.ones(len(pending), dtype=bool)
+            lost[np.flatnonzero(free)[table[cand_slot] == cand]] = False
+            del free, cand, cand_slot
+            pending, slot = pending[lost], (slot[lost] + 1) & mask
+            del lost
+        del pending, slot
         # equal texts have equal keys: compare the bytes within each (rare) equal-key run;
         # like a scan in id order, name the duplicate whose second id is smallest
         order = np.argsort(keys, kind="stable")  # ids ascending within a run
         sk = keys[order]
+        same = np.flatnonzero(sk[1:] == sk[:-1])
+        del sk
         dup: tuple[int, int] | None = None
         runs: list[list[int]] = []
         last = -2
-        for k in np.flatnonzero(sk[1:] == sk[:-1]).tolist():
+        for k in same.tolist():
             if k != last + 1:
                 runs.append([int(order[k])])
             runs[-1].append(int(order[k + 1]))
@@ -429,6 +435,7 @@ class Tokenizer:
         self._scores_mv: memoryview = memoryview(b"")  # self.scores's items (Python floats), fast indexing
         self._special_rank: dict[int, int] = {}
         self._special_len: dict[int, int] = {}
+        self._special_ids: dict[str, int] = {}  # special texts only (a partition match's id, as a dict lookup)
         self._re_all: re.Pattern[str] | None = None
         self._re_ud: re.Pattern[str] | None = None
         self._prefix_cache: dict[tuple[int, bool], tuple[int, ...]] = {}
@@ -499,12 +506,13 @@ class Tokenizer:
             attrs = bytearray([ATTR_NORMAL]) * n
         elif isinstance(types, (list, NumericArray)) and len(types) >= n:
             if isinstance(types, NumericArray) and types.array.dtype.kind in "iu":
-                tv = types.array[:n].astype(np.int64)
+                tv = types.array[:n]
             else:
                 tv = np.array([int(t) for t in types[:n]], dtype=np.int64)
             lut = np.array([_TYPE_TO_ATTR[k] for k in range(len(_TYPE_TO_ATTR))], dtype=np.uint8)
             known = (tv >= 0) & (tv < len(lut))
-            attrs = bytearray(np.where(known, lut[np.where(known, tv, 0)], ATTR_UNDEFINED).astype(np.uint8).tobytes())
+            attrs = bytearray(lut[np.where(known, tv, 0)] * known)  # unknown types: ATTR_UNDEFINED (0)
+            del tv, known
         else:
             raise EngineError("invalid_gguf", "tokenizer.ggml.token_type is shorter than the vocabulary")
         tok2id = vocab.get
@@ -605,7 +613,8 @@ class Tokenizer:
         sp = np.flatnonzero(np.frombuffer(attrs, dtype=np.uint8) & _SPECIAL_ATTRS)
         specials: list[int] = sp[np.lexsort((sp, -blen[sp]))].tolist()
         self._special_rank = {tid: r for r, tid in enumerate(specials)}
-        self._special_len = {tid: len(tokens[tid]) for tid in specials}
+        self._special_ids = {tokens[tid]: tid for tid in specials}
+        self._special_len = {tid: len(t) for t, tid in self._special_ids.items()}
         if specials:
             self._re_all = re.compile("(?=(" + _trie_regex(tokens[i] for i in specials) + "))")
         ud = [i for i in specials if not attrs[i] & _PARSE_ONLY_ATTRS]
@@ -711,8 +720,8 @@ class Tokenizer:
         # (found in the blob: U+2581's UTF-8 at a byte past the token's first)
         blob = np.frombuffer(self.tokens.blob, dtype=np.uint8)
         sp = _SPM_SPACE.encode("utf-8")
-        pos = np.flatnonzero((blob[:-2] == sp[0]) & (blob[1:-1] == sp[1]) & (blob[2:] == sp[2])) \
-            if len(blob) >= 3 else np.zeros(0, dtype=np.int64)
+        pos = np.flatnonzero(blob[:-2] == sp[0])  # (candidates first: one blob-sized temporary)
+        pos = pos[(blob[pos + 1] == sp[1]) & (blob[pos + 2] == sp[2])]
         starts = self.tokens.offsets.astype(np.int64)
         owner = np.searchsorted(starts, pos, side="right") - 1
         cross = [self.tokens[i] for i in np.unique(owner[pos > starts[owner]]).tolist()]
@@ -879,7 +888,7 @@ class Tokenizer:
         if regex is None:
             return [_Fragment(text, -1)]
         rank, attrs, lens = self._special_rank, self.attrs, self._special_len
-        tok2id = self._vocab.get  # type: ignore[union-attr]
+        tok2id = self._special_ids.__getitem__  # every match is a special token's text
         # The scan in windows (the pattern is a lookahead, so a window that reaches the longest
         # special text past its end finds exactly the whole text's candidates in it): one
         # finditer step over 7 MB with no special token in it would hold the GIL for ~0.1 s.
