@@ -55,18 +55,16 @@ QUANTIZED_FORMS: dict[str, tuple[str, int, int]] = {
 
 #: The same on a CPU with AVX512-VNNI (the VNNI kernels' forms, ``quant.QWeight``): every form
 #: has its rows interleaved by :data:`LANE_ROWS` (padded); ``vlanes4`` holds Q4_0 / Q4_1 as
-#: packed nibbles (16 bytes per 32 weights), ``vlanes5`` Q5_0 / Q5_1 as packed nibbles and a plane
-#: of fifth bits (16 + 4 bytes per 32), ``vlanes`` Q8_0 as a byte per weight, ``vq4k`` / ``vq6k`` the
-#: K-quant forms' bytes; every scale (``d``, ``m``, ``dmin``) as the GGUF's own fp16 (2 bytes): the
-#: 32-block types take exactly their GGUF blocks' bytes. A fused matrix (Q/K/V, gate/up) holds each
-#: run of parts of one form as one matrix and the runs side by side (``quant.fuse``), so each
-#: tensor keeps its own form's size.
+#: packed nibbles (16 bytes per 32 weights), ``vlanes`` the other 32-block types as a byte per
+#: weight, ``vq4k`` / ``vq6k`` the K-quant forms' bytes; every scale (``d``, ``m``, ``dmin``) as the
+#: GGUF's own fp16 (2 bytes). A fused matrix whose parts are not all
+#: Q4_0 / Q4_1 is held as ``vlanes`` (a byte per weight) whole.
 VNNI_FORMS: dict[str, tuple[str, int, int]] = {
     "Q4_0": ("vlanes4", 32, 16 + 2),
     "Q4_1": ("vlanes4", 32, 16 + 2 + 2),
-    "Q5_0": ("vlanes5", 32, 16 + 4 + 2),
+    "Q5_0": ("vlanes", 32, 32 + 2),
     "Q8_0": ("vlanes", 32, 32 + 2),
-    "Q5_1": ("vlanes5", 32, 16 + 4 + 2 + 2),
+    "Q5_1": ("vlanes", 32, 32 + 2 + 2),
     "Q4_K": ("vq4k", 256, 128 + 8 + 8 + 2 + 2),
     "Q6_K": ("vq6k", 256, 256 + 16 + 2),
 }

@@ -31,7 +31,6 @@ def test_the_table_names_the_engines_types_and_forms() -> None:
     assert {t for t, f in QUANTIZED_FORMS.items() if f[0] == "lanes"} == set(quant.LANE_TYPES)
     assert set(VNNI_FORMS) == set(QUANTIZED_FORMS)
     assert {t for t, f in VNNI_FORMS.items() if f[0] == "vlanes4"} == set(quant.PACKED_TYPES)
-    assert {t for t, f in VNNI_FORMS.items() if f[0] == "vlanes5"} == set(quant.PACKED5_TYPES)
     assert VNNI_ENV == quant.VNNI_ENV
     assert host_has_vnni() == quant.host_has_vnni()  # the router's rule (cpuinfo) = the worker's (llvmlite)
     assert LANE_ROWS == quant.LANE_ROWS

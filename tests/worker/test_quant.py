@@ -167,8 +167,7 @@ def test_vnni_kernel_gives_the_reference_kernels_bits(type_name: str) -> None:
     # slices; activations of magnitudes e^-3..e^3 with an outlier and an all-zero block
     n_rows = 40
     w = quant.QWeight.from_raw(type_name, random_blocks(type_name, n_rows, 256, seed=21), n_rows, 256)
-    assert w.kind == ("vlanes4" if type_name in quant.PACKED_TYPES else
-                      "vlanes5" if type_name in quant.PACKED5_TYPES else "vlanes")
+    assert w.kind == ("vlanes4" if type_name in quant.PACKED_TYPES else "vlanes")
     ref = quant.QWeight.lanes(*w.plain(), w.act, w.types, "lanes")
     np.testing.assert_array_equal(w.dequantize(), ref.dequantize())
     rng = np.random.default_rng(22)

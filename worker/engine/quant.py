@@ -171,8 +171,6 @@ _NO_M3 = np.zeros((0, 0, 0), np.float32)
 _NO_M3.flags.writeable = False
 _NO_M3_H = np.zeros((0, 0, 0), np.uint16)   # the VNNI forms' (fp16 bits)
 _NO_M3_H.flags.writeable = False
-_NO_QH = np.zeros((0, 0, 0, 0), np.uint8)     # the VNNI forms without fifth bits
-_NO_QH.flags.writeable = False
 
 
 def quantize_activations(x: np.ndarray, act: str, with_s: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -227,7 +225,7 @@ def cos_sin_libm(ang: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 #: Version of the in-memory forms below, recorded in the weight cache's manifest (a cache of
 #: another version is rebuilt).
-FORMAT_VERSION = 8
+FORMAT_VERSION = 9
 
 #: Environment switch: ``MODELYARD_QUANT_VNNI=0`` keeps the reference forms and kernels on a CPU
 #: with AVX512-VNNI (same bits, slower); on any other CPU they are the only ones.
@@ -252,7 +250,7 @@ def host_has_vnni() -> bool:
 
 
 def format_tag() -> str:
-    """The weight cache's tag of the quantized forms this process builds (``8-vnni`` where the
+    """The weight cache's tag of the quantized forms this process builds (``9-vnni`` where the
     32-block types are held in the VNNI forms)."""
     return f"{FORMAT_VERSION}-vnni" if host_has_vnni() else str(FORMAT_VERSION)
 
@@ -396,71 +394,48 @@ def from_lanes(wi: np.ndarray, d: np.ndarray, m: np.ndarray | None, rows: np.nda
             None if m is None else np.ascontiguousarray(m[g, :, i]))
 
 
-#: The 32-block types held as packed nibbles in the VNNI form (``"vlanes4"``).
+#: The 32-block types held as packed nibbles in the VNNI form (``"vlanes4"``); the others as bytes.
 PACKED_TYPES = ("Q4_0", "Q4_1")
-#: The 32-block types held as packed nibbles plus a plane of fifth bits (``"vlanes5"``); the
-#: others (Q8_0, and a fused matrix of mixed types) as a byte per weight (``"vlanes"``).
-PACKED5_TYPES = ("Q5_0", "Q5_1")
-
-#: VNNI 32-block form -> the kernel's ``packed`` code (``quant_kernels._vl_group``).
-_PACK_CODE = {"vlanes": 0, "vlanes4": 1, "vlanes5": 2}
 
 
-def _pack_bias(kind: str, m: np.ndarray | None) -> int:
-    """What a VNNI form stores for level 0 (``u = level + bias``, an unsigned vpdpbusd byte): 128
-    for ``vlanes``; for the packed forms the GGUF's own unsigned value: level + 8 (Q4_0) / + 16
-    (Q5_0), and the level itself for the types with an offset ``m`` (Q4_1, Q5_1)."""
-    if kind == "vlanes":
-        return 128
-    return 0 if m is not None else 8 if kind == "vlanes4" else 16
+def _nibble_bias(m: np.ndarray | None) -> int:
+    # the stored 4-bit value of the packed form is level + 8 for Q4_0 (no offset), the level for Q4_1
+    return 8 if m is None else 0
 
 
-def to_vlanes(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: str
-              ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None]:
-    """Plain ``q`` int8 ``[O, nb, 32]``, ``d``/``m`` float32 ``[O, nb]`` -> a VNNI form ``(w, qh, d, m)``
-    (``quant_kernels._vl_group``), ``u`` = level + :func:`_pack_bias`:
-
-    * ``"vlanes"``: ``w`` uint8 ``[ng, nb, 8, 16, 4]`` (byte ``(l, i, k)`` of block b = ``u`` of row
-      ``16g+i``, element ``4l+k``: one vpdpbusd int32 lane per row and lane); ``qh`` None;
-    * ``"vlanes4"``: ``w`` uint8 ``[ng, nb, 4, 16, 4]`` (low nibble: lane l, high nibble: lane l+4);
-      ``qh`` None;
-    * ``"vlanes5"``: ``w`` as ``"vlanes4"`` with the low 4 bits of ``u``, and ``qh`` uint8
-      ``[ng, nb, 8, 8]``: bit ``4i+k`` (little-endian) of lane l's 8 bytes = bit 4 of ``u`` of row
-      ``16g+i``, element ``4l+k`` (5.5 bits per weight with ``d``: the GGUF block's size).
-
-    ``d``/``m`` uint16 ``[ng, nb, LANE_ROWS]``: the fp16 bits (:func:`to_f16_bits`) interleaved as
-    :func:`to_lanes`. ``O`` padded with zero rows.
-    Raises: EngineError("invalid_params") if a level does not fit the form's bits."""
+def to_vlanes(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, packed: bool
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Plain ``q`` int8 ``[O, nb, 32]``, ``d``/``m`` float32 ``[O, nb]`` -> the VNNI forms
+    (``quant_kernels._vl_group``): ``w`` uint8 ``[ng, nb, 8, 16, 4]`` (byte ``(l, i, k)`` of block b
+    = level + 128 of row ``16g+i``, element ``4l+k``: one vpdpbusd int32 lane per row and lane),
+    or ``packed`` uint8 ``[ng, nb, 4, 16, 4]`` (low nibble: lane l, high nibble: lane l+4; the
+    level + :func:`_nibble_bias`); ``d``/``m`` uint16 ``[ng, nb, LANE_ROWS]``: the fp16 bits
+    (:func:`to_f16_bits`) interleaved as :func:`to_lanes`. ``O`` padded with zero rows.
+    Raises: EngineError("invalid_params") if a packed level does not fit 4 bits."""
     O, nb, _ = q.shape
     G = LANE_ROWS
     ng = -(-O // G)
     qp = np.concatenate([q, np.zeros((ng * G - O, nb, 32), q.dtype)]) if ng * G != O else q
-    u = qp.reshape(ng, G, nb, 8, 4).transpose(0, 2, 3, 1, 4).astype(np.int16) + _pack_bias(kind, m)  # [ng, nb, 8, 16, 4]
-    top = {"vlanes": 255, "vlanes4": 15, "vlanes5": 31}[kind]
-    if u.min(initial=0) < 0 or u.max(initial=0) > top:
-        raise EngineError("invalid_params", f"levels do not fit the {kind} form")
-    qh = None
-    if kind == "vlanes":
-        w = np.ascontiguousarray(u.astype(np.uint8))
+    q5 = qp.reshape(ng, G, nb, 8, 4).transpose(0, 2, 3, 1, 4).astype(np.int16)   # [ng, nb, 8, 16, 4]
+    if packed:
+        u = q5 + _nibble_bias(m)
+        if u.min(initial=0) < 0 or u.max(initial=0) > 15:
+            raise EngineError("invalid_params", "levels do not fit the packed 4-bit form")
+        w = np.ascontiguousarray((u[:, :, :4] | (u[:, :, 4:] << 4)).astype(np.uint8))
     else:
-        w = np.ascontiguousarray(((u[:, :, :4] & 15) | ((u[:, :, 4:] & 15) << 4)).astype(np.uint8))
-        if kind == "vlanes5":
-            bits = (u >> 4).astype(np.uint8).reshape(ng, nb, 8, 64)                 # [ng, nb, 8, 64]
-            qh = np.ascontiguousarray(np.packbits(bits, axis=-1, bitorder="little"))  # [ng, nb, 8, 8]
-    return w, qh, to_f16_bits(_interleave(d)), None if m is None else to_f16_bits(_interleave(m))
+        w = np.ascontiguousarray((q5 + 128).astype(np.uint8))
+    return w, to_f16_bits(_interleave(d)), None if m is None else to_f16_bits(_interleave(m))
 
 
-def from_vlanes(w: np.ndarray, qh: np.ndarray | None, d: np.ndarray, m: np.ndarray | None, kind: str,
-                rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """The plain ``(q [n, nb, 32], d [n, nb], m)`` of ``rows`` (int ``[n]``) of a VNNI form (:func:`to_vlanes`)."""
+def from_vlanes(w: np.ndarray, d: np.ndarray, m: np.ndarray | None, packed: bool, rows: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The plain ``(q [n, nb, 32], d [n, nb], m)`` of ``rows`` (int ``[n]``) of a VNNI form."""
     g, i = np.divmod(np.asarray(rows, dtype=np.int64), LANE_ROWS)
     p = w[g, :, :, i, :].astype(np.int16)                                        # [n, nb, 8|4, 4]
-    if kind != "vlanes":
-        p = np.concatenate([p & 15, p >> 4], axis=2)                             # [n, nb, 8, 4]
-        if kind == "vlanes5":
-            bits = np.unpackbits(qh[g], axis=-1, bitorder="little").reshape(len(g), qh.shape[1], 8, 16, 4)
-            p |= bits[np.arange(len(g)), :, :, i, :].astype(np.int16) << 4           # [n, nb, 8, 4]
-    p = p - _pack_bias(kind, m)
+    if packed:
+        p = np.concatenate([p & 15, p >> 4], axis=2) - _nibble_bias(m)
+    else:
+        p = p - 128
     return (p.reshape(len(g), -1, 32).astype(np.int8), from_f16_bits(d[g, :, i]),
             None if m is None else from_f16_bits(m[g, :, i]))
 
@@ -514,34 +489,29 @@ class QWeight:
       ``quant_kernels.matmul_q4k`` / ``matmul_q6k``;
     * the VNNI forms (CPUs with AVX512-VNNI): ``"vlanes"`` (:func:`to_vlanes`: level + 128 bytes,
       ``[ng, nb, 8, 16, 4]``), ``"vlanes4"`` (Q4_0 / Q4_1 as packed nibbles ``[ng, nb, 4, 16, 4]``),
-      ``"vlanes5"`` (Q5_0 / Q5_1 as packed nibbles and a plane of fifth bits ``qh`` ``[ng, nb, 8, 8]``),
       ``"vq4k"`` / ``"vq6k"`` (:func:`to_vkquant`: the same arrays with rows interleaved by 16);
       ``quant_kernels.matmul_lanes_vnni`` / ``matmul_q4k_vnni`` / ``matmul_q6k_vnni``. Their
       ``d`` / ``m`` are the GGUF's fp16 scales as uint16 bits (half the bytes of float32; the
       kernels widen them exactly), so a VNNI form holds the file's scale bytes.
 
     Attributes:
-        q, qh, d, m, sc, mn: as above (None where a form has none); n_rows: ``O``.
+        q, d, m, sc, mn: as above (None where a form has none); n_rows: ``O``.
         act: activation quantization (``"q8_0"``, ``"q8_1"``, ``"q8_K"``).
         types: the ggml type name(s) it came from (a fused matrix may list several).
     """
 
-    __slots__ = ("q", "qh", "d", "m", "sc", "mn", "act", "types", "kind", "n_rows")
-    KINDS = ("lanes", "vlanes", "vlanes4", "vlanes5", "q4k", "q6k", "vq4k", "vq6k")
-    LANE_KINDS = ("lanes", "vlanes", "vlanes4", "vlanes5")
-    VLANE_KINDS = ("vlanes", "vlanes4", "vlanes5")
+    __slots__ = ("q", "d", "m", "sc", "mn", "act", "types", "kind", "n_rows")
+    KINDS = ("lanes", "vlanes", "vlanes4", "q4k", "q6k", "vq4k", "vq6k")
+    LANE_KINDS = ("lanes", "vlanes", "vlanes4")
 
     def __init__(self, kind: str, act: str, types: Sequence[str], n_rows: int, q: np.ndarray, d: np.ndarray,
-                 m: np.ndarray | None = None, sc: np.ndarray | None = None, mn: np.ndarray | None = None,
-                 qh: np.ndarray | None = None) -> None:
+                 m: np.ndarray | None = None, sc: np.ndarray | None = None, mn: np.ndarray | None = None) -> None:
         if kind not in self.KINDS:
             raise EngineError("invalid_params", f"unknown quantized form {kind!r}")
-        if (qh is not None) != (kind == "vlanes5"):
-            raise EngineError("invalid_params", f"the {kind!r} form {'needs' if qh is None else 'has no'} fifth bits (qh)")
-        for a in (q, qh, d, m, sc, mn):
+        for a in (q, d, m, sc, mn):
             if a is not None:
                 a.flags.writeable = False  # immutable, and one kernel signature for built and memory-mapped weights
-        self.q, self.qh, self.d, self.m, self.sc, self.mn = q, qh, d, m, sc, mn
+        self.q, self.d, self.m, self.sc, self.mn = q, d, m, sc, mn
         self.kind, self.act, self.types, self.n_rows = kind, act, tuple(types), int(n_rows)
 
     @classmethod
@@ -549,19 +519,17 @@ class QWeight:
               kind: str | None = None) -> QWeight:
         """A 32-block form of plain ``q`` int8 ``[O, nb, 32]``, ``d``/``m`` ``[O, nb]``: ``kind``, or
         where the CPU has AVX512-VNNI (:func:`host_has_vnni`) ``"vlanes4"`` when every type is one
-        of :data:`PACKED_TYPES`, ``"vlanes5"`` when every type is one of :data:`PACKED5_TYPES` and
-        ``"vlanes"`` otherwise, else ``"lanes"`` (the reference)."""
+        of :data:`PACKED_TYPES` and ``"vlanes"`` otherwise, else ``"lanes"`` (the reference)."""
         if kind is None:
             kind = ("lanes" if not host_has_vnni() else
-                    "vlanes4" if all(t in PACKED_TYPES for t in types) else
-                    "vlanes5" if all(t in PACKED5_TYPES for t in types) else "vlanes")
+                    "vlanes4" if all(t in PACKED_TYPES for t in types) else "vlanes")
         if kind == "lanes":
             wi, di, mi = to_lanes(q, d, m)
-            return cls(kind, act, types, q.shape[0], wi, di, mi)
-        if kind in cls.VLANE_KINDS:
-            wi, qh, di, mi = to_vlanes(q, d, m, kind)
-            return cls(kind, act, types, q.shape[0], wi, di, mi, qh=qh)
-        raise EngineError("invalid_params", f"{kind!r} is not a 32-block form")
+        elif kind in ("vlanes", "vlanes4"):
+            wi, di, mi = to_vlanes(q, d, m, kind == "vlanes4")
+        else:
+            raise EngineError("invalid_params", f"{kind!r} is not a 32-block form")
+        return cls(kind, act, types, q.shape[0], wi, di, mi)
 
     @classmethod
     def from_raw(cls, type_name: str, raw: np.ndarray, n_rows: int, n_cols: int) -> QWeight:
@@ -597,8 +565,8 @@ class QWeight:
         rows = np.arange(self.n_rows) if rows is None else np.asarray(rows, dtype=np.int64)
         if self.kind == "lanes":
             return from_lanes(self.q, self.d, self.m, rows)
-        if self.kind in self.VLANE_KINDS:
-            return from_vlanes(self.q, self.qh, self.d, self.m, self.kind, rows)
+        if self.kind in ("vlanes", "vlanes4"):
+            return from_vlanes(self.q, self.d, self.m, self.kind == "vlanes4", rows)
         n, nsb = len(rows), self.q.shape[1]
         p = self.kquant_parts(rows)
         d = p["d"][..., None]                                                # [n, nsb, 1]
@@ -624,7 +592,7 @@ class QWeight:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The arrays to persist (those of its form that are present)."""
-        return {k: getattr(self, k) for k in ("q", "qh", "d", "m", "sc", "mn") if getattr(self, k) is not None}
+        return {k: getattr(self, k) for k in ("q", "d", "m", "sc", "mn") if getattr(self, k) is not None}
 
     def meta(self) -> list[Any]:
         """What rebuilds it with its :meth:`arrays` (:meth:`from_arrays`): JSON-able."""
@@ -709,14 +677,13 @@ class QWeight:
                 k["matmul_lanes"](self.q, self.d, m, self.m is not None, xl, dx, xs, tmp)
                 out[:] = tmp[:, :self.n_rows]
             return
-        if self.kind in self.VLANE_KINDS:
+        if self.kind in ("vlanes", "vlanes4"):
             nb = self.q.shape[1]
             x8 = np.empty(xq.shape, np.int8)                             # [T, K] the levels
             nxc = np.empty((T, nb, 8), np.int32)                         # -bias * their sum per lane
-            k["lane_levels"](xq, _pack_bias(self.kind, self.m), x8, nxc.reshape(T, -1))
+            k["lane_levels"](xq, 128 if self.kind == "vlanes" else _nibble_bias(self.m), x8, nxc.reshape(T, -1))
             m = self.m if self.m is not None else _NO_M3_H
-            qh = self.qh if self.qh is not None else _NO_QH
-            k["matmul_lanes_vnni"](self.q, _PACK_CODE[self.kind], qh, self.d, m, x8, nxc, dx, xs,
+            k["matmul_lanes_vnni"](self.q, self.kind == "vlanes4", self.d, m, x8, nxc, dx, xs,
                                    self.n_rows, out)
             return
         xi = xq.astype(np.int8)                                          # [T, K] the q8_K levels
@@ -808,5 +775,5 @@ def fuse(parts: Sequence[QWeight | np.ndarray]) -> QWeight | QConcat | np.ndarra
     return merged[0] if len(merged) == 1 else QConcat(merged)
 
 
-__all__ = ["ACT_TYPE", "FORMAT_VERSION", "LANE_ROWS", "LANE_TYPES", "PACKED5_TYPES", "PACKED_TYPES", "VNNI_ENV", "QConcat", "QWeight", "cos_sin_libm",
+__all__ = ["ACT_TYPE", "FORMAT_VERSION", "LANE_ROWS", "LANE_TYPES", "PACKED_TYPES", "VNNI_ENV", "QConcat", "QWeight", "cos_sin_libm",
            "format_tag", "fuse", "gemm_rows", "host_has_vnni", "kquant_parts", "row_groups", "tiled_rows", "quantize_activations", "quantize_q8_K_int", "set_num_threads", "supports", "unpack"]

@@ -347,7 +347,7 @@ def matmul_q6k(q6, sc, dw, xi, dy, bs16, tiled, out):
 # The same float32 operations as the kernels above, in the same order, with the exact integer
 # parts done by vpdpbusd on explicit 16-lane vectors (:mod:`.simd`); tested equal (==) to them.
 
-from .simd import (dpbusd, hbit16, i2f, iadd, ibcast4, iload16_s8, iload16_u8, iload64, imul, isplat,  # noqa: E402
+from .simd import (dpbusd, i2f, iadd, ibcast4, iload16_s8, iload16_u8, iload64, imul, isplat,  # noqa: E402
                    isub, izero, nib_hi, nib_lo, vadd, vfma, vfma_s, vload, vload_h, vmul, vmul_s, vstore, vstore_row,
                    vsub, vzero)
 
@@ -387,35 +387,23 @@ def _vl(acc, dd, wv, x8, xo, c):
 
 
 @njit(cache=True)
-def _vl_half(w, o, packed, h, qh, qo):
-    # lanes 4h..4h+3 of one block of a row group (see _vl_group), as u8 bytes in int32 lanes;
-    # packed 2: the nibbles plus 16 * the fifth bit from qh (lane l's 64 bits at byte qo + 8l;
-    # nibble + 16 * bit never carries out of its byte, so the int32 add is a per-byte or)
+def _vl_half(w, o, packed, h):
+    # lanes 4h..4h+3 of one block of a row group (see _vl_group), as u8 bytes in int32 lanes
     if packed:
         if h == 0:
-            w0, w1, w2, w3 = (nib_lo(iload64(w, o)), nib_lo(iload64(w, o + 64)), nib_lo(iload64(w, o + 128)),
-                              nib_lo(iload64(w, o + 192)))
-        else:
-            w0, w1, w2, w3 = (nib_hi(iload64(w, o)), nib_hi(iload64(w, o + 64)), nib_hi(iload64(w, o + 128)),
-                              nib_hi(iload64(w, o + 192)))
-        if packed == 2:
-            qo += 32 * h
-            w0, w1, w2, w3 = (iadd(w0, hbit16(qh, qo)), iadd(w1, hbit16(qh, qo + 8)), iadd(w2, hbit16(qh, qo + 16)),
-                              iadd(w3, hbit16(qh, qo + 24)))
-        return w0, w1, w2, w3
+            return nib_lo(iload64(w, o)), nib_lo(iload64(w, o + 64)), nib_lo(iload64(w, o + 128)), nib_lo(iload64(w, o + 192))
+        return nib_hi(iload64(w, o)), nib_hi(iload64(w, o + 64)), nib_hi(iload64(w, o + 128)), nib_hi(iload64(w, o + 192))
     o += 256 * h
     return iload64(w, o), iload64(w, o + 64), iload64(w, o + 128), iload64(w, o + 192)
 
 
 @njit(cache=True)
-def _vl_group(w, g, packed, qh, d, m, x8, nxc, dx, xs, dst, col, scr):
+def _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, dst, col, scr):
     # dst[t, col:col+16] = matmul_lanes' outputs of row group g for every row t (the same float32
     # operations in the same order). Weights w uint8: unpacked [ng, nb, 8, 16, 4] (byte (l, i, k)
-    # of block b = level + 128 of row 16g+i, element 4l+k) when packed is 0, or packed [ng, nb, 4,
-    # 16, 4] (low nibble: lane l, high nibble: lane l+4; packed 1: the stored 4-bit value, level + 8
-    # for Q4_0, the level for Q4_1; packed 2: the low 4 bits of the stored 5-bit value, level + 16
-    # for Q5_0, the level for Q5_1, whose fifth bits are qh uint8 [ng, nb, 8, 8]: lane l's 64 bytes'
-    # bits, little-endian; qh is [0, 0, 0, 0] otherwise); d, m uint16 [ng, nb, 16] (the GGUF's fp16 bits, widened by vload_h; m [0, 0, 0]: no offset); x8 int8 [T, K]; nxc int32
+    # of block b = level + 128 of row 16g+i, element 4l+k), or packed [ng, nb, 4, 16, 4] (low
+    # nibble: lane l, high nibble: lane l+4; the stored 4-bit value, level + 8 for Q4_0, the level
+    # for Q4_1); d, m uint16 [ng, nb, 16] (the GGUF's fp16 bits, widened by vload_h; m [0, 0, 0]: no offset); x8 int8 [T, K]; nxc int32
     # [T, nb, 8] = -bias * the sum of lane l's four activation levels (zeros for bias 0); dx, xs
     # f32 [T, nb]; scr f32 [>= 256] scratch. Four activation rows per pass share each weight load,
     # lanes 0-3 of all blocks first, then lanes 4-7 (each lane's own block order is kept); the
@@ -444,7 +432,7 @@ def _vl_group(w, g, packed, qh, d, m, x8, nxc, dx, xs, dst, col, scr):
             e2 = vzero()
             e3 = vzero()
             for b in range(nb):
-                w0, w1, w2, w3 = _vl_half(w, (g * nb + b) * wb, packed, h, qh, (g * nb + b) * 64)
+                w0, w1, w2, w3 = _vl_half(w, (g * nb + b) * wb, packed, h)
                 dw = vload_h(d, (g * nb + b) * 16)
                 l0 = 4 * h
                 xo = t * K + b * 32 + 16 * h
@@ -521,8 +509,8 @@ def _vl_group(w, g, packed, qh, d, m, x8, nxc, dx, xs, dst, col, scr):
         sa = vzero()
         for b in range(nb):
             o = (g * nb + b) * wb
-            w0, w1, w2, w3 = _vl_half(w, o, packed, 0, qh, (g * nb + b) * 64)
-            w4, w5, w6, w7 = _vl_half(w, o, packed, 1, qh, (g * nb + b) * 64)
+            w0, w1, w2, w3 = _vl_half(w, o, packed, 0)
+            w4, w5, w6, w7 = _vl_half(w, o, packed, 1)
             da = vmul_s(vload_h(d, (g * nb + b) * 16), dx[t, b])
             xa = t * K + b * 32
             a0 = _vl(a0, da, w0, x8, xa, nxc[t, b, 0])
@@ -540,19 +528,19 @@ def _vl_group(w, g, packed, qh, d, m, x8, nxc, dx, xs, dst, col, scr):
 
 
 @njit(parallel=True, cache=True)
-def matmul_lanes_vnni(w, packed, qh, d, m, x8, nxc, dx, xs, n_out, out):
+def matmul_lanes_vnni(w, packed, d, m, x8, nxc, dx, xs, n_out, out):
     # matmul_lanes' outputs (bit for bit) from the VNNI forms of quant.QWeight ("vlanes" /
-    # "vlanes4" / "vlanes5", see _vl_group; packed 0 / 1 / 2). out f32 [T, >= n_out] (rows may be strided): columns 0..n_out-1.
+    # "vlanes4", see _vl_group). out f32 [T, >= n_out] (rows may be strided): columns 0..n_out-1.
     ng = d.shape[0]
     T = x8.shape[0]
     for c in prange((ng + _LANE_CHUNK - 1) // _LANE_CHUNK):
         scr = np.empty(256, np.float32)
         for g in range(c * _LANE_CHUNK, min(ng, c * _LANE_CHUNK + _LANE_CHUNK)):
             if (g + 1) * LANE_ROWS <= n_out:
-                _vl_group(w, g, packed, qh, d, m, x8, nxc, dx, xs, out, g * LANE_ROWS, scr)
+                _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, out, g * LANE_ROWS, scr)
             else:
                 tmp = np.empty((T, LANE_ROWS), np.float32)
-                _vl_group(w, g, packed, qh, d, m, x8, nxc, dx, xs, tmp, 0, scr)
+                _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, tmp, 0, scr)
                 for t in range(T):
                     for i in range(n_out - g * LANE_ROWS):
                         out[t, g * LANE_ROWS + i] = tmp[t, i]

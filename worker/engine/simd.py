@@ -39,7 +39,6 @@ i32x16 = I32x16()
 _V16 = ir.VectorType(ir.FloatType(), 16)
 _VI16 = ir.VectorType(ir.IntType(32), 16)
 _H16 = ir.VectorType(ir.HalfType(), 16)
-_B64 = ir.VectorType(ir.IntType(8), 64)
 _I32 = ir.IntType(32)
 
 
@@ -198,21 +197,6 @@ def ibcast4(typingctx, arr, i):
     def cg(context, builder, sig, args):
         p = _byte_ptr(context, builder, sig.args[0], args[0], args[1])
         return _splat(builder, builder.load(builder.bitcast(p, _I32.as_pointer()), align=1), _VI16)
-    return i32x16(arr, types.intp), cg
-
-
-@intrinsic
-def hbit16(typingctx, arr, i):
-    """Bit ``j`` of the little-endian 64-bit word at byte offset ``i`` of a C-contiguous array,
-    times 16, in byte ``j`` (``j = 0..63``) of 16 int32 lanes (byte ``j`` is byte ``j % 4`` of
-    lane ``j // 4``, as :func:`iload64` loads): the fifth bit of 64 packed 5-bit levels. One mask
-    move (``bitcast i64 -> <64 x i1>``, ``select``) on AVX-512."""
-    def cg(context, builder, sig, args):
-        p = _byte_ptr(context, builder, sig.args[0], args[0], args[1])
-        word = builder.load(builder.bitcast(p, ir.IntType(64).as_pointer()), align=1)
-        mask = builder.bitcast(word, ir.VectorType(ir.IntType(1), 64))
-        v = builder.select(mask, ir.Constant(_B64, [16] * 64), ir.Constant(_B64, [0] * 64))
-        return builder.bitcast(v, _VI16)
     return i32x16(arr, types.intp), cg
 
 
