@@ -50,8 +50,11 @@ def test_save_restore_into_fresh_engine_continues_identically(which: str, smollm
     a = Engine.load(path, n_ctx=1024)
     prompt = a.tokenize(text_of(700, seed=3))[:600]  # beyond Gemma's 512-token sliding window
     assert len(prompt) == 600
+    assert a.generate(prompt, greedy(8)).cache_n == 0
+    # the reference is the same engine reusing its own KV: a prompt beyond Gemma's window re-evaluates
+    # its last token alone there too (as llama-server does), which need not give a fresh run's bits
     ref = a.generate(prompt, greedy(8))
-    assert ref.cache_n == 0
+    assert ref.cache_n == len(prompt) - 1
     f = tmp_path / "state.bin"
     n_written = save(a, f, chunk=1 << 16)  # many small chunks
     assert n_written == f.stat().st_size
