@@ -555,15 +555,12 @@ def compile_kernels(type_names: Iterable[str] | None = None) -> None:
     seconds of compiling, a current one ~0.5 s of loading). Raises whatever numba raises."""
     from . import quant
 
+    from .model import FFN_ACTS
+
     _load_common_kernels()
     for act in FFN_ACTS:
         _load_ffn_kernels(act)
     _load_matmul_kernels(set(quant.ACT_TYPE) if type_names is None else set(type_names))
-
-
-#: The gated FFN activations of the architectures (``Model.ffn_act``), whose kernels
-#: :func:`_load_ffn_kernels` loads.
-FFN_ACTS = ("silu", "gelu")
 
 
 def _load_common_kernels() -> None:
@@ -592,12 +589,12 @@ def _load_common_kernels() -> None:
 
 
 def _load_ffn_kernels(act: str) -> None:
-    """The fused ``act(gate) * up`` kernel of a gated FFN activation (:data:`FFN_ACTS`; GELU also
-    builds ggml's table); raises KeyError for another name, or what numba raises."""
-    from .model import gelu_tanh_ggml, glu_ggml, silu_ggml
+    """The fused ``act(gate) * up`` kernel of a gated FFN activation (a key of
+    ``model.FFN_ACTS``; GELU also builds ggml's table); raises KeyError for another name, or what
+    numba raises."""
+    from .model import FFN_ACTS, glu_ggml
 
-    fn = {"silu": silu_ggml, "gelu": gelu_tanh_ggml}[act]
-    glu_ggml(np.zeros((1, 32), np.float32), 16, fn)
+    glu_ggml(np.zeros((1, 32), np.float32), 16, FFN_ACTS[act])
 
 
 def _load_matmul_kernels(type_names: set[str], whole: bool = True, column_slice: bool = True) -> None:
@@ -649,6 +646,8 @@ def _warm_up_kernels(type_names: set[str], preload: threading.Thread | None = No
         preload.join()  # one numba parallel launch at a time
     else:
         _warm_up_common()
+    from .model import FFN_ACTS
+
     try:
         for act in FFN_ACTS if ffn_act is None else (ffn_act,):
             _load_ffn_kernels(act)

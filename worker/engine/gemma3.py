@@ -38,7 +38,7 @@ import numpy as np
 
 from .errors import EngineError
 from .attention import AttnBatch, attend
-from .model import Model, RopeTable, embed, fuse_rows, gated_ffn, gelu_tanh, gelu_tanh_ggml, hp_float, hp_int, linear, register, rms_norm
+from .model import FFN_ACTS, Model, RopeTable, embed, fuse_rows, gated_ffn, gelu_tanh, hp_float, hp_int, linear, register, rms_norm
 
 
 @register
@@ -127,7 +127,7 @@ class Gemma3Model(Model):
                 x, o = self._keep_output_rows(batch, rows, x, o)       # [R, n_embd]
             sa = x + rms_norm(o, post_attn_norm, self.eps, self.ggml_numerics)             # [T, n_embd]
             h = rms_norm(sa, ffn_norm, self.eps, self.ggml_numerics)                       # [T, n_embd]
-            gelu = gelu_tanh_ggml if self.ggml_numerics else gelu_tanh
+            gelu = FFN_ACTS[self.ffn_act] if self.ggml_numerics else gelu_tanh
             x = sa + rms_norm(gated_ffn(h, wgu, wdown, nff, gelu), post_ffw_norm, self.eps, self.ggml_numerics)  # [T, n_embd]
         return rms_norm(x, self.w["output_norm"], self.eps, self.ggml_numerics)            # [T, n_embd]
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from .attention import AttnBatch, attend
-from .model import Model, RopeTable, embed, fuse_rows, gated_ffn, linear, register, rms_norm, silu, silu_ggml
+from .model import FFN_ACTS, Model, RopeTable, embed, fuse_rows, gated_ffn, linear, register, rms_norm, silu
 
 
 @register
@@ -69,7 +69,7 @@ class LlamaModel(Model):
         nh, nkv, hd, nff = self.n_head, self.n_head_kv, self.head_dim, self.n_ff
         nq, nk = nh * hd, nkv * hd
         pos = batch.positions                                         # [T]
-        act = silu_ggml if self.ggml_numerics else silu
+        act = FFN_ACTS[self.ffn_act] if self.ggml_numerics else silu
         x = embed(self.w["tok_embd"], tokens).astype(self.dtype)      # [T, n_embd]
         for il, (attn_norm, wqkv, wo, ffn_norm, wgu, wdown) in enumerate(self.layers):
             h = rms_norm(x, attn_norm, self.eps, self.ggml_numerics)                      # [T, n_embd]

@@ -303,6 +303,10 @@ def gelu_tanh_ggml(x: np.ndarray) -> np.ndarray:
     return y
 
 
+#: The gated FFN activations of the quantized path by name (``Model.ffn_act``): the function
+#: :func:`gated_ffn` fuses with the up projection (the load warms the kernel of its model's).
+FFN_ACTS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"silu": silu_ggml, "gelu": gelu_tanh_ggml}
+
 _GELU_TABLE: list[np.ndarray] = []
 
 
@@ -578,8 +582,8 @@ class Model:
 
     arch: ClassVar[str] = ""
     layout_version: ClassVar[int] = 1
-    #: The gated FFN's activation on the quantized path (``"silu"``: :func:`silu_ggml`, ``"gelu"``:
-    #: :func:`gelu_tanh_ggml`): the kernel the load warms up (``engine._load_ffn_kernels``).
+    #: The gated FFN's activation on the quantized path, a key of :data:`FFN_ACTS`: the kernel
+    #: the load warms up (``engine._load_ffn_kernels``).
     ffn_act: ClassVar[str] = "silu"
 
     def __init__(self, gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.float32,

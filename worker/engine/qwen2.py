@@ -31,7 +31,7 @@ import numpy as np
 
 from .attention import AttnBatch, attend
 from .errors import EngineError
-from .model import Matrix, Model, RopeTable, embed, fuse_rows, gated_ffn, linear, register, rms_norm, silu, silu_ggml
+from .model import FFN_ACTS, Matrix, Model, RopeTable, embed, fuse_rows, gated_ffn, linear, register, rms_norm, silu
 
 
 @register
@@ -133,7 +133,7 @@ class Qwen2Model(Model):
                 x, o = self._keep_output_rows(batch, rows, x, o)      # [R, n_embd]
             x = x + o                                                 # [T, n_embd]
             h = rms_norm(x, ffn_norm, self.eps, self.ggml_numerics)                       # [T, n_embd]
-            x = x + gated_ffn(h, wgu, wdown, nff, silu_ggml if self.ggml_numerics else silu)  # [T, n_embd]
+            x = x + gated_ffn(h, wgu, wdown, nff, FFN_ACTS[self.ffn_act] if self.ggml_numerics else silu)  # [T, n_embd]
         return rms_norm(x, self.w["output_norm"], self.eps, self.ggml_numerics)           # [T, n_embd]
 
     def _output(self, h: np.ndarray) -> np.ndarray:
