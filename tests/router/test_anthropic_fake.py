@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -217,3 +218,17 @@ def test_failure_mid_stream_is_an_error_event(router: LiveRouter) -> None:
     err = evs[-1][1]
     assert err["type"] == "error" and err["error"]["type"] == "api_error" and err["error"]["code"] == "worker_crashed"
     assert "message_stop" not in [n for n, _ in evs]
+
+
+def test_too_long_prompt_in_anthropic_wording(router: LiveRouter, client: anthropic.Anthropic) -> None:
+    """Claude Code starts its compaction on Anthropic's own wording only."""
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="alpha", max_tokens=32000,
+                               messages=[{"role": "user", "content": "word " * 3000}])
+    err = e.value.body["error"]  # type: ignore[index]
+    assert err["type"] == "invalid_request_error"
+    m = re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum", err["message"])
+    assert m and int(m.group(1)) > int(m.group(2)), err
+    r = httpx.post(router.url + "/v1/chat/completions", headers=H, json={
+        "model": "alpha", "messages": [{"role": "user", "content": "word " * 3000}]})
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
