@@ -17,8 +17,8 @@ Requests in:
   when non-empty (no fill-in-the-middle, Go templates, token-context memory or image input).
 * ``format``: ``"json"`` (any JSON object) or a JSON Schema, enforced by the constraint.
 * ``options`` (:data:`OPTIONS`): the sampling fields (Ollama's defaults under the
-  model's configured ones), ``num_predict`` (> 0: the answer's limit; -1, -2, 0: none,
-  the generation runs to n_ctx or the model's cap), ``num_ctx`` (honoured when the
+  model's configured ones), ``num_predict`` (> 0: the answer's limit; -1, -2, 0: none of
+  its own, so the model's configured ``n_predict`` applies, else the context's end), ``num_ctx`` (honoured when the
   model's context holds it; larger is set aside, as the context is fixed at load);
   options that cannot change the answer here (threads, GPU layers, mmap, ...) are set
   aside; mirostat / typical_p / tfs_z only at their neutral values; any other option is
@@ -38,7 +38,8 @@ Requests in:
   ``format``), never dropped silently (``router.field_policy``).
 
 Set aside means: served without it, a warning in the log and the field named in the
-``X-Modelyard-Ignored`` response header (comma-separated).
+``X-Modelyard-Set-Aside`` response header (``router.set_aside``: ``options:num_thread``,
+``keep_alive:10m``, ...).
 
 Answers out: NDJSON (``application/x-ndjson``, one object a line, ``stream`` defaults to
 true) ending with ``done: true``, ``done_reason`` (``stop`` / ``length``) and the timings in
@@ -66,7 +67,7 @@ import logging
 import math
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,7 @@ from router.metrics import label_request
 from router.params import INT32_MAX, get_bool, get_int, get_str, json_type, read_json
 from router.pool import ModelSlot, Pool
 from router.responses import JSONResponse, dumps
+from router.set_aside import set_aside
 from router.sse import SSEResponse, until_disconnect
 from router.tools import ChatTurn, Tool, ToolCall
 
@@ -96,9 +98,6 @@ log = logging.getLogger("modelyard.ollama")
 #: The Ollama version ``/api/version`` reports: the API level this module follows (tool-call
 #: ids and indexes, ``logprobs``, ``capabilities`` in ``/api/show``, ``context_length`` in ``/api/ps``).
 OLLAMA_VERSION = "0.12.6"
-
-#: The response header naming what a request asked for that was set aside (log + header).
-IGNORED_HEADER = "X-Modelyard-Ignored"
 
 #: Ollama's sampling defaults (``api.DefaultOptions``), under the model's configured ones.
 OLLAMA_DEFAULTS: dict[str, Any] = {
@@ -137,26 +136,6 @@ _NS_PER_MS = 1_000_000
 
 
 # ----------------------------------------------------------------------------- shared helpers
-
-
-@dataclass
-class SetAside:
-    """What a request asked for that is served without: each name once, logged once."""
-
-    names: list[str] = field(default_factory=list)
-    reasons: list[str] = field(default_factory=list)
-
-    def add(self, name: str, why: str) -> None:
-        if name not in self.names:
-            self.names.append(name)
-            self.reasons.append(f"{name} ({why})")
-
-    def headers(self, path: str) -> dict[str, str]:
-        """The response header naming them (none: no header), logging them once."""
-        if not self.names:
-            return {}
-        log.warning("%s: set aside: %s", path, "; ".join(self.reasons))
-        return {IGNORED_HEADER: ", ".join(self.names)}
 
 
 def now_iso() -> str:
@@ -229,7 +208,7 @@ def keep_alive_s(v: Any) -> float | None:
                      f"{json.dumps(v) if isinstance(v, (str, int, float)) else json_type(v)}", param="keep_alive")
 
 
-def _keep_alive(body: dict[str, Any], slot: ModelSlot, aside: SetAside) -> float | None:
+def _keep_alive(request: Request, body: dict[str, Any], slot: ModelSlot) -> float | None:
     """``keep_alive`` read; set aside unless it matches how the model is kept."""
     ka = keep_alive_s(body.get("keep_alive"))
     if ka is None or ka == 0:
@@ -238,7 +217,8 @@ def _keep_alive(body: dict[str, Any], slot: ModelSlot, aside: SetAside) -> float
     if (ka < 0 and never) or (ka > 0 and not never and ka == slot.model.idle_ttl_s):
         return ka
     kept = "never unloaded" if never else f"unloaded after idle_ttl_s={slot.model.idle_ttl_s:g} s"
-    aside.add("keep_alive", f"the model's configuration decides how long it stays loaded: {kept}")
+    set_aside(request.state, "keep_alive", str(body["keep_alive"]),
+              f"the model's configuration decides how long it stays loaded: {kept}")
     return ka
 
 
@@ -274,7 +254,7 @@ def _format(body: dict[str, Any]) -> str | None:
     raise BadRequest(f"'format' must be \"json\" or a JSON Schema object, got {json.dumps(fmt)[:60]}", param="format")
 
 
-def _options(body: dict[str, Any], slot: ModelSlot, aside: SetAside) -> dict[str, Any]:
+def _options(request: Request, body: dict[str, Any], slot: ModelSlot) -> dict[str, Any]:
     """``options`` as the Generate's sampling fields and ``max_tokens``. Raises BadRequest
     naming ``options.<name>``."""
     opts = body.get("options")
@@ -288,7 +268,7 @@ def _options(body: dict[str, Any], slot: ModelSlot, aside: SetAside) -> dict[str
                          f"answer); supported: {', '.join(sorted(OPTIONS))}", param=f"options.{unknown[0]}")
     for k in opts:  # in the request's order
         if k in _NO_EFFECT and opts[k] is not None:
-            aside.add(f"options.{k}", "no effect on this server's CPU engine")
+            set_aside(request.state, "options", k, "no effect on this server's CPU engine")
     tfs = opts.get("tfs_z")
     if tfs is not None and (isinstance(tfs, bool) or not isinstance(tfs, (int, float)) or tfs < 1.0):
         raise BadRequest("'options.tfs_z' is not supported (this server's sampler has no such stage); leave it "
@@ -306,8 +286,8 @@ def _options(body: dict[str, Any], slot: ModelSlot, aside: SetAside) -> dict[str
     if num_ctx is not None:
         n_ctx = _n_ctx(slot)
         if num_ctx > n_ctx:
-            aside.add("options.num_ctx", f"the model's context is n_ctx={n_ctx} tokens, fixed at load "
-                                         "(config.toml); a longer prompt is a 400")
+            set_aside(request.state, "options", "num_ctx", f"the model's context is n_ctx={n_ctx} tokens, fixed "
+                      "at load (config.toml); a longer prompt is a 400")
     # Ollama limits an answer only for num_predict > 0 (-1: none, -2: fill the context)
     sampling["max_tokens"] = n_predict if n_predict is not None and n_predict > 0 else None
     return sampling
@@ -322,10 +302,10 @@ def _logprobs(body: dict[str, Any]) -> int | None:
     return top if want else None
 
 
-def _overflow(body: dict[str, Any], aside: SetAside) -> None:
+def _overflow(request: Request, body: dict[str, Any]) -> None:
     for key in ("truncate", "shift"):
         if get_bool(body, key, False):
-            aside.add(key, "a prompt beyond n_ctx is a 400 and a generation that reaches it ends with "
+            set_aside(request.state, key, "true", "a prompt beyond n_ctx is a 400 and a generation that reaches it ends with "
                            "done_reason 'length'; nothing is truncated or shifted")
 
 
@@ -462,13 +442,11 @@ class _Job:
     prep: Prepared | None  # chat: tools and the parser
     constraint_param: str | None
     top_lp: int | None
-    aside: SetAside
 
 
 async def _run(request: Request, job: _Job, t0: float, *, chat: bool) -> Response:
     was_loaded = job.slot.state in LOADED
     streaming = get_bool(await _body(request), "stream", True)
-    headers = job.aside.headers(request.url.path)
     run, first = await begin(request, job.slot, job.msg, grammar_param=job.constraint_param)
     load_ns = 0 if was_loaded else max(0, int((run.ticket.started_at - run.started_at) * 1e9))
     head = {"model": job.model}
@@ -491,7 +469,7 @@ async def _run(request: Request, job: _Job, t0: float, *, chat: bool) -> Respons
         out.update(_stats(done, t0, load_ns))
         if job.top_lp is not None:
             out["logprobs"] = _lp(tokens, job.top_lp)
-        return JSONResponse(out, headers=headers)
+        return JSONResponse(out)
 
     pending: list[Token] = []
     n_calls = 0
@@ -543,7 +521,7 @@ async def _run(request: Request, job: _Job, t0: float, *, chat: bool) -> Respons
         out.append(line(final))
         return out
 
-    return NDJSONResponse(stream(run, first, on_frame, on_error=_error_line), run.close, headers=headers)
+    return NDJSONResponse(stream(run, first, on_frame, on_error=_error_line), run.close)
 
 
 async def _body(request: Request) -> dict[str, Any]:
@@ -566,7 +544,7 @@ def _is_operator(request: Request) -> bool:
 
 
 async def _load_or_unload(request: Request, slot: ModelSlot, model: str, keep_alive: float | None,
-                          aside: SetAside, *, chat: bool) -> Response:
+                          *, chat: bool) -> Response:
     """Ollama's empty request: load the model (``done_reason: "load"``), or with
     ``keep_alive: 0`` unload it (``"unload"``)."""
     if keep_alive == 0:
@@ -584,7 +562,7 @@ async def _load_or_unload(request: Request, slot: ModelSlot, model: str, keep_al
     else:
         out["response"] = ""
     out.update(done=True, done_reason=reason)
-    return JSONResponse(out, headers=aside.headers(request.url.path))
+    return JSONResponse(out)
 
 
 # ----------------------------------------------------------------------------- routes: generation
@@ -597,22 +575,21 @@ async def chat(request: Request) -> Response:
     model = get_str(body, "model")
     slot = resolve(pool, model)
     label_request(request, slot.model.name)
-    aside = SetAside()
     _refuse_top_level(body, "/api/chat")
     _think(body, model)
-    keep_alive = _keep_alive(body, slot, aside)
+    keep_alive = _keep_alive(request, body, slot)
     if body.get("messages") in (None, []):
-        return await _load_or_unload(request, slot, model, keep_alive, aside, chat=True)
+        return await _load_or_unload(request, slot, model, keep_alive, chat=True)
     turns = chat_turns(body)
     tools = tool_list(body, _tool)
     choice = choose(tools, "auto", None, True, "tools")
     prep = prepare(slot, turns, tools, choice, _format(body), "format")
-    sampling = _options(body, slot, aside)
-    _overflow(body, aside)
+    sampling = _options(request, body, slot)
+    _overflow(request, body)
     top = _logprobs(body)
     msg = Generate(id=new_id("ollama"), n_probs=max(top, 1) if top is not None else 0,
                    **prep.generate_fields(), **sampling)
-    return await _run(request, _Job(model, slot, msg, prep, prep.constraint_param, top, aside), t0, chat=True)
+    return await _run(request, _Job(model, slot, msg, prep, prep.constraint_param, top), t0, chat=True)
 
 
 async def generate(request: Request) -> Response:
@@ -622,10 +599,9 @@ async def generate(request: Request) -> Response:
     model = get_str(body, "model")
     slot = resolve(pool, model)
     label_request(request, slot.model.name)
-    aside = SetAside()
     _refuse_top_level(body, "/api/generate")
     _think(body, model)
-    keep_alive = _keep_alive(body, slot, aside)
+    keep_alive = _keep_alive(request, body, slot)
     for key, why in (("suffix", "fill-in-the-middle is not supported"),
                      ("template", "Go prompt templates are not supported; the model's own chat template is used "
                                   "(configure chat_template in config.toml), or send 'raw': true"),
@@ -638,10 +614,10 @@ async def generate(request: Request) -> Response:
     system = get_str(body, "system", "")
     raw = get_bool(body, "raw", False)
     if not prompt:
-        return await _load_or_unload(request, slot, model, keep_alive, aside, chat=False)
+        return await _load_or_unload(request, slot, model, keep_alive, chat=False)
     text_schema = _format(body)
-    sampling = _options(body, slot, aside)
-    _overflow(body, aside)
+    sampling = _options(request, body, slot)
+    _overflow(request, body)
     top = _logprobs(body)
     if raw:
         if system:
@@ -655,7 +631,7 @@ async def generate(request: Request) -> Response:
                        messages_param="prompt")
         fields, cparam = prep.generate_fields(), prep.constraint_param
     msg = Generate(id=new_id("ollama"), n_probs=max(top, 1) if top is not None else 0, **fields, **sampling)
-    return await _run(request, _Job(model, slot, msg, None, cparam, top, aside), t0, chat=False)
+    return await _run(request, _Job(model, slot, msg, None, cparam, top), t0, chat=False)
 
 
 # ----------------------------------------------------------------------------- routes: models
@@ -744,10 +720,12 @@ async def tags(request: Request) -> Response:
 
 def _parameters(slot: ModelSlot) -> str:
     """The model's configured generation parameters, one ``name value`` a line (Ollama's
-    ``parameters``): its sampling defaults and num_ctx."""
+    ``parameters``): its sampling defaults, num_ctx and num_predict (config's ``n_predict``)."""
     params: list[tuple[str, Any]] = sorted(slot.model.sampling.items())
     if slot.model.n_ctx is not None:
         params.append(("num_ctx", slot.model.n_ctx))
+    if slot.model.n_predict > 0:
+        params.append(("num_predict", slot.model.n_predict))
     return "\n".join(f"{k:<30} {v}" for k, v in params)
 
 

@@ -180,15 +180,15 @@ def test_options_without_effect_are_set_aside_visibly(router: LiveRouter) -> Non
             "keep_alive": "10m"}
     r = post(router, "/api/chat", body)
     assert r.status_code == 200 and r.json()["message"]["content"] == TEXT12
-    assert r.headers["x-modelyard-ignored"] == \
-        "keep_alive, options.num_thread, options.num_gpu, options.use_mmap, options.num_ctx"
+    assert r.headers["x-modelyard-set-aside"] == \
+        "keep_alive:10m, options:num_thread, options:num_gpu, options:use_mmap, options:num_ctx"
     log = router.log()
     assert "set aside" in log and "n_ctx=256" in log
     r, lines = ndjson(router, "/api/chat", {**body, "stream": True})
-    assert r.headers["x-modelyard-ignored"].startswith("keep_alive") and lines[-1]["done"]
+    assert r.headers["x-modelyard-set-aside"].startswith("keep_alive:10m") and lines[-1]["done"]
     body = {"model": "alpha", "prompt": "hi", "stream": False, "options": {"num_ctx": 256}, "keep_alive": -1}
     r = post(router, "/api/generate", body)  # fits n_ctx, and alpha is never unloaded for idleness
-    assert r.status_code == 200 and "x-modelyard-ignored" not in r.headers
+    assert r.status_code == 200 and "x-modelyard-set-aside" not in r.headers
 
 
 @pytest.mark.parametrize("path, body, param", [
