@@ -226,6 +226,14 @@ def test_errors_have_ollama_shape_and_status(router: LiveRouter, client: ollama.
     assert r.status_code == 401 and set(r.json()) == {"error"}  # the api_key rule, in Ollama's shape
     r = httpx.post(router.url + "/api/chat", content=b"{", headers={**AUTH, "Content-Type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
+    r = httpx.post(router.url + "/api/chat", content=b'{"model": "alpha"}', timeout=30,
+                   headers={**AUTH, "Content-Type": "application/x-www-form-urlencoded"})  # curl -d
+    assert r.status_code == 415 and set(r.json()) == {"error"}
+    r = httpx.post(router.url + "/api/generate", json={"model": "alpha", "prompt": "hi"}, timeout=30,
+                   headers={**AUTH, "Origin": "https://evil.example"})
+    assert r.status_code == 403 and "Origin" in r.json()["error"]
+    r = httpx.post(router.url + "/api/embed", json={"model": "alpha", "input": "hi"}, headers=AUTH, timeout=30)
+    assert r.status_code == 404 and set(r.json()) == {"error"}
     too_long = "x " * 300  # alpha's n_ctx is 256
     r = post(router, "/api/generate", {"model": "alpha", "prompt": too_long, "raw": True})
     assert r.status_code == 400 and "maximum context length" in r.json()["error"]
