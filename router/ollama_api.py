@@ -208,17 +208,20 @@ def keep_alive_s(v: Any) -> float | None:
                      f"{json.dumps(v) if isinstance(v, (str, int, float)) else json_type(v)}", param="keep_alive")
 
 
-def _keep_alive(request: Request, body: dict[str, Any], slot: ModelSlot) -> float | None:
-    """``keep_alive`` read; set aside unless it matches how the model is kept."""
+def _keep_alive(request: Request, body: dict[str, Any], slot: ModelSlot, *, empty: bool) -> float | None:
+    """``keep_alive`` read (seconds; None: absent); set aside unless it matches how the model
+    is kept. ``empty``: the request is Ollama's load / unload form, where 0 unloads."""
     ka = keep_alive_s(body.get("keep_alive"))
-    if ka is None or ka == 0:
-        return ka  # 0: Ollama unloads at once; only the load/unload form acts on it (see _load_or_unload)
+    if ka is None or (ka == 0 and empty):
+        return ka
     never = slot.model.pinned or slot.model.idle_ttl_s <= 0
     if (ka < 0 and never) or (ka > 0 and not never and ka == slot.model.idle_ttl_s):
         return ka
     kept = "never unloaded" if never else f"unloaded after idle_ttl_s={slot.model.idle_ttl_s:g} s"
-    set_aside(request.state, "keep_alive", str(body["keep_alive"]),
-              f"the model's configuration decides how long it stays loaded: {kept}")
+    why = f"the model's configuration decides how long it stays loaded: {kept}"
+    if ka == 0:
+        why += "; an empty request with keep_alive 0 unloads it"
+    set_aside(request.state, "keep_alive", str(body["keep_alive"]), why)
     return ka
 
 
@@ -577,7 +580,7 @@ async def chat(request: Request) -> Response:
     label_request(request, slot.model.name)
     _refuse_top_level(body, "/api/chat")
     _think(body, model)
-    keep_alive = _keep_alive(request, body, slot)
+    keep_alive = _keep_alive(request, body, slot, empty=body.get("messages") in (None, []))
     if body.get("messages") in (None, []):
         return await _load_or_unload(request, slot, model, keep_alive, chat=True)
     turns = chat_turns(body)
@@ -601,7 +604,8 @@ async def generate(request: Request) -> Response:
     label_request(request, slot.model.name)
     _refuse_top_level(body, "/api/generate")
     _think(body, model)
-    keep_alive = _keep_alive(request, body, slot)
+    prompt = get_str(body, "prompt", "")
+    keep_alive = _keep_alive(request, body, slot, empty=not prompt)
     for key, why in (("suffix", "fill-in-the-middle is not supported"),
                      ("template", "Go prompt templates are not supported; the model's own chat template is used "
                                   "(configure chat_template in config.toml), or send 'raw': true"),
@@ -610,7 +614,6 @@ async def generate(request: Request) -> Response:
                      ("images", "image input is not supported (these models read text only)")):
         if body.get(key):
             raise BadRequest(f"'{key}': {why}", param=key)
-    prompt = get_str(body, "prompt", "")
     system = get_str(body, "system", "")
     raw = get_bool(body, "raw", False)
     if not prompt:

@@ -186,6 +186,9 @@ def test_options_without_effect_are_set_aside_visibly(router: LiveRouter) -> Non
     assert "set aside" in log and "n_ctx=256" in log
     r, lines = ndjson(router, "/api/chat", {**body, "stream": True})
     assert r.headers["x-modelyard-set-aside"].startswith("keep_alive:10m") and lines[-1]["done"]
+    r = post(router, "/api/generate", {"model": "alpha", "prompt": "hi", "stream": False, "keep_alive": 0})
+    assert r.status_code == 200 and r.headers["x-modelyard-set-aside"] == "keep_alive:0"  # not unloaded after it
+    assert state(router, "alpha") == "ready"
     body = {"model": "alpha", "prompt": "hi", "stream": False, "options": {"num_ctx": 256}, "keep_alive": -1}
     r = post(router, "/api/generate", body)  # fits n_ctx, and alpha is never unloaded for idleness
     assert r.status_code == 200 and "x-modelyard-set-aside" not in r.headers
