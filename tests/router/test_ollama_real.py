@@ -93,6 +93,16 @@ def test_generate_options_reach_the_sampler(client: ollama.Client) -> None:
     assert "".join(p.response or "" for p in parts) == text
 
 
+def test_raw_generate_equals_the_openai_completion(router: LiveRouter, client: ollama.Client) -> None:
+    """One generation, two dialects: the same prompt, greedy and without Ollama's default
+    repeat penalty, gives /v1/completions' text."""
+    prompt = "The history of the printing press"
+    r = client.generate(model="smollm2", prompt=prompt, raw=True,
+                        options={"temperature": 0, "num_predict": 8, "repeat_penalty": 1.0})
+    o = router.client(timeout=300).completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=8)
+    assert r.response == o.choices[0].text and r.eval_count == 8
+
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
