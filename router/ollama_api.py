@@ -450,7 +450,7 @@ class _Job:
 async def _run(request: Request, job: _Job, t0: float, *, chat: bool) -> Response:
     was_loaded = job.slot.state in LOADED
     streaming = get_bool(await _body(request), "stream", True)
-    run, first = await begin(request, job.slot, job.msg, grammar_param=job.constraint_param)
+    run, first = await begin(request, job.slot, job.msg, grammar_param=job.constraint_param, early=streaming)
     load_ns = 0 if was_loaded else max(0, int((run.ticket.started_at - run.started_at) * 1e9))
     head = {"model": job.model}
     parser = job.prep.parser() if job.prep is not None else None
@@ -524,7 +524,13 @@ async def _run(request: Request, job: _Job, t0: float, *, chat: bool) -> Respons
         out.append(line(final))
         return out
 
-    return NDJSONResponse(stream(run, first, on_frame, on_error=_error_line), run.close)
+    # the stream opens as soon as the worker has accepted the prompt, and a line that adds nothing
+    # keeps it alive while a long prompt is prefilled (Ollama's clients read every line as a chunk)
+    empty: dict[str, Any] = {**head, "created_at": now_iso()}
+    empty.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
+    nothing = line({**empty, "done": False})
+    return NDJSONResponse(stream(run, first, on_frame, on_error=_error_line, on_open=lambda _: [nothing],
+                                 keepalive=nothing), run.close)
 
 
 async def _body(request: Request) -> dict[str, Any]:
