@@ -248,6 +248,7 @@ async def stream(run: Run, first: Token | Done | Accepted, on_frame: Formatter,
     :func:`error_event`: OpenAI's shape) and ends the stream."""
     on_error = on_error or error_event
     keepalive_s = run.slot.sse_keepalive_s
+    getter: asyncio.Future[Token | Done | Accepted | KVChunk] | None = None
     try:
         item: Token | Done | Accepted = first
         sent_at = time.monotonic()  # the response head goes out with the first event
@@ -264,22 +265,28 @@ async def stream(run: Run, first: Token | Done | Accepted, on_frame: Formatter,
                 sent_at = time.monotonic()
             if isinstance(item, Done):
                 return
+            # the next frame, with a keep-alive whenever none came for keepalive_s. Not asyncio.wait_for:
+            # before Python 3.12 it swallows a cancellation that meets a finished frame, and the
+            # stream of a client gone (the pump cancelled) would go on
+            getter = asyncio.ensure_future(run.next())
             while True:
-                try:
-                    nxt = await asyncio.wait_for(run.next(), max(0.05, keepalive_s - (time.monotonic() - sent_at)))
-                except TimeoutError:
-                    yield keepalive
-                    sent_at = time.monotonic()
-                    continue
-                assert not isinstance(nxt, KVChunk)
-                item = nxt
-                break
+                done, _ = await asyncio.wait({getter}, timeout=max(0.05, keepalive_s - (time.monotonic() - sent_at)))
+                if done:
+                    break
+                yield keepalive
+                sent_at = time.monotonic()
+            nxt = getter.result()
+            getter = None
+            assert not isinstance(nxt, KVChunk)
+            item = nxt
     except ApiError as err:
         yield on_error(err)
     except Exception as exc:  # a bug: still end the stream with an error event, not a cut connection
         log.exception("stream of request %s failed", run.id)
         yield on_error(InternalError(f"internal error: {type(exc).__name__}"))
     finally:
+        if getter is not None and not getter.done():
+            getter.cancel()
         run.close()
 
 
