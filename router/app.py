@@ -29,7 +29,7 @@ from router.auth import BearerAuth
 from router.config import Config
 from router.errors import ApiError, InternalError, MethodNotAllowed, NotFound, error_response
 from router.metrics import CONTENT_TYPE, Metrics, RequestMetrics
-from router.http_server import FramingGuard
+from router.http_server import FramingGuard, RequestAdmission
 from router.pool import Pool
 from router.response_store import ResponseStore
 from router.responses import JSONResponse
@@ -115,8 +115,10 @@ def create_app(config: Config, *, worker_module: str | None = None,
               *openapi.routes]
     app = Starlette(
         routes=routes,
-        # outermost first: the access log and X-Request-Id, request framing, metrics, then browser-origin rules (and CORS preflights), then keys
-        middleware=[Middleware(AccessLog, routes=routes), Middleware(FramingGuard),
+        # outermost first: the access log and X-Request-Id, admission (requests in progress), request framing,
+        # metrics, then browser-origin rules (and CORS preflights), then keys
+        middleware=[Middleware(AccessLog, routes=routes), Middleware(RequestAdmission, server=config.server),
+                    Middleware(FramingGuard),
                     Middleware(RequestMetrics, metrics=registry, routes=routes),
                     Middleware(BrowserGuard, server=config.server),
                     Middleware(BearerAuth, server=config.server)],

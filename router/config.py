@@ -113,6 +113,10 @@ class ModelConfig:
     # relayed by the router, the default) or "file" (through a slot_save_path both share)
     prefill_model: str | None = None
     kv_transfer: str = "wire"
+    # budgets (router.budget): n x max_tokens of one request at most this many tokens (0: n_ctx);
+    # background generations' choices running at once on this model (0: max(1, parallel // 2))
+    max_request_tokens: int = 0
+    background_slots: int = 0
     sampling: dict[str, float | int] = field(default_factory=dict)
 
     @property
@@ -153,6 +157,8 @@ class ServerConfig:
     background_max: int = 256  # jobs kept, running or finished (the oldest finished is dropped first)
     background_ttl_s: float = 3600.0  # a finished job is forgotten this long after it ended (0: never)
     background_max_mib: float = 64.0  # the stored events of all jobs, MiB (oldest finished dropped first)
+    background_per_key: int = 8  # background jobs running at once per API key (keyless clients share one)
+    background_unread_s: float = 600.0  # a running job nobody has read for this long is cancelled (0: never)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,7 +190,8 @@ _MODEL_KEYS = {
     "cancel_timeout_s", "drain_timeout_s", "shutdown_grace_s", "ping_interval_s",
     "ping_timeout_s", "unresponsive_after_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", "weights",
     "n_ubatch", "restart_backoff_s", "restart_backoff_max_s", "max_crashes", "crash_window_s", "pinned", "slot_save_path",
-    "kv_cache_dir", "kv_cache_mib", "prefill_model", "kv_transfer", *SAMPLING_KEYS,
+    "kv_cache_dir", "kv_cache_mib", "prefill_model", "kv_transfer", "max_request_tokens", "background_slots",
+    *SAMPLING_KEYS,
 }
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases", "prefill_model", "kv_transfer"}
 #: ``kv_transfer`` values (router.disaggregate).
@@ -192,7 +199,8 @@ KV_TRANSFERS = ("wire", "file")
 _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport", "shutdown_timeout_s",
                 "allowed_hosts", "cors_origins", "header_timeout_s", "body_timeout_s",
                 "keep_alive_timeout_s", "max_connections", "max_header_bytes", "stream_stall_timeout_s", "max_loaded",
-                "responses_store_max", "responses_store_ttl_s", "background_max", "background_ttl_s", "background_max_mib"}
+                "responses_store_max", "responses_store_ttl_s", "background_max", "background_ttl_s", "background_max_mib",
+                "background_per_key", "background_unread_s"}
 
 #: A ``cors_origins`` entry: scheme://host[:port], nothing after it (or "*").
 _ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#]+$")
@@ -244,6 +252,8 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
         background_max=_int(server_raw, "background_max", "server", 256, 1, 1_000_000),
         background_ttl_s=_float(server_raw, "background_ttl_s", "server", 3600.0, 0.0),
         background_max_mib=_float(server_raw, "background_max_mib", "server", 64.0, 0.01),
+        background_per_key=_int(server_raw, "background_per_key", "server", 8, 1, 1_000_000),
+        background_unread_s=_float(server_raw, "background_unread_s", "server", 600.0, 0.0),
     )
     check_public_bind(server)
 
@@ -328,6 +338,8 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
             kv_cache_mib=_float(merged, "kv_cache_mib", src("kv_cache_mib"), 1024.0, 0.0, float(1 << 30)),
             prefill_model=_opt_str(table, "prefill_model", where),
             kv_transfer=_kv_transfer(table, where),
+            max_request_tokens=_int(merged, "max_request_tokens", src("max_request_tokens"), 0, 0, 1 << 30),
+            background_slots=_int(merged, "background_slots", src("background_slots"), 0, 0, 100_000),
             sampling=sampling,
         )
     for name, m in models.items():
