@@ -130,6 +130,7 @@ def create_app(config: Config, *, worker_module: str | None = None,
     app.state.responses = ResponseStore(config.server.responses_store_max, config.server.responses_store_ttl_s)
     srv = config.server
     app.state.background = BackgroundStore(srv.background_max, srv.background_ttl_s,
-                                           int(srv.background_max_mib * 2**20))
+                                           int(srv.background_max_mib * 2**20),
+                                           per_key=srv.background_per_key, unread_s=srv.background_unread_s)
     app.state.metrics = registry
     return app

@@ -26,6 +26,7 @@ from starlette.requests import Request
 
 from protocol import Done, Generate, Token
 from router.access_log import access_record
+from router.budget import check_request_budget, request_ceiling
 from router.disaggregate import prefill_and_hand_over, prefill_slot
 from router.errors import ApiError, BadRequest, ContextLengthExceeded, InternalError, Unavailable, error_payload
 from protocol.limits import GENERATE_LIMITS
@@ -107,6 +108,7 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate,
     if rid:
         msg = dataclasses.replace(msg, trace_id=rid)  # the worker logs it with the generation
     msg = cap_answer(msg, slot.model.n_predict)
+    msg = check_request_budget(slot, msg)  # n x max_tokens within the model's ceiling (router.budget)
     pre = prefill_slot(request, slot)
     if pre is not None:  # disaggregated: another worker prefills, this one decodes (router.disaggregate)
         try:
@@ -124,6 +126,9 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate,
     try:
         if hook is not None:
             hook(run, "admitted")
+        if request_ceiling(slot)[0] is None:  # no n_ctx known before the load: checked on its worker
+            await until_disconnect(request.receive, run.wait_worker())
+            msg = check_request_budget(slot, msg)
         await until_disconnect(request.receive, run.start(msg))
         if hook is not None:
             hook(run, "started")

@@ -232,7 +232,7 @@ def test_n_times_max_tokens_beyond_the_request_ceiling_is_a_400(router: LiveRout
         assert "max_request_tokens" in err["message"]
     ok = {**big, "n": 2, "max_tokens": 8}
     r = httpx.post(router.url + "/v1/chat/completions", json=ok, timeout=WAIT_S)
-    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    assert r.status_code == 200, r.text
 
 
 def test_background_work_is_bounded_per_model_and_per_key_and_expires_unread(router: LiveRouter) -> None:
@@ -241,7 +241,7 @@ def test_background_work_is_bounded_per_model_and_per_key_and_expires_unread(rou
     with router.hold(), httpx.Client(base_url=router.url, timeout=WAIT_S) as c, contextlib.ExitStack() as readers:
 
         def start(model: str) -> httpx.Response:
-            r = c.post("/v1/decode", json={"model": model, **held})
+            r = c.post("/v1/decode", json={"model": model, **held}, headers={"X-Request-Id": f"bgjob-{len(ids)}"})
             if r.status_code == 200:  # a reader collects it (attached: it never expires meanwhile)
                 ids.append(r.json()["id"])
                 readers.enter_context(c.stream("GET", f"/v1/decode/{ids[-1]}"))
@@ -259,8 +259,12 @@ def test_background_work_is_bounded_per_model_and_per_key_and_expires_unread(rou
         assert len(ids) == 3
         readers.close()
         # nobody collects them any more: after background_unread_s they are cancelled and forgotten
-        router.wait_for(lambda: all(c.get(f"/v1/decode/{i}").status_code == 404 for i in ids),
-                        what="the uncollected jobs expired")
+        gen_ids = [router.wait_for(lambda k=k: router.fake_events("generate", trace_id=f"bgjob-{k}"),
+                                   what="the job on its worker")[0]["id"] for k in range(3)]
+        router.wait_for(lambda: all(router.fake_events("cancel", id=g) for g in gen_ids),
+                        what="the uncollected jobs cancelled")
+        assert all(c.get(f"/v1/decode/{i}").status_code == 404 for i in ids)
+        assert "nobody collected it for background_unread_s=1" in router.log()
         router.wait_for(lambda: router.admin("bg")["in_flight"] == [] and router.admin("bg4")["in_flight"] == [],
                         what="their slots freed")
     r = httpx.post(router.url + "/v1/decode", json={"model": "bg", "messages": [{"role": "user", "content": "hi"}],
