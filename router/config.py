@@ -149,7 +149,7 @@ class ServerConfig:
     header_timeout_s: float = 10.0  # a connection's request head must arrive within this
     body_timeout_s: float = 30.0  # a request body must arrive in full within this (else 408)
     keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
-    max_connections: int = 256  # open connections beyond this get 503 (uvicorn's limit_concurrency)
+    max_connections: int = 256  # requests in progress beyond this get 503; idle sockets beyond it are closed
     max_header_bytes: int = 16 * 1024  # a request head larger than this is a 400 (h11)
     stream_stall_timeout_s: float = 30.0  # a client that reads nothing of its answer this long is cut off
     max_loaded: int = 0  # models holding a worker at once (0: no limit); router.placement evicts idle ones
