@@ -107,8 +107,10 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate,
     rid = getattr(request.state, "request_id", "")
     if rid:
         msg = dataclasses.replace(msg, trace_id=rid)  # the worker logs it with the generation
+    # n x max_tokens within the model's ceiling (router.budget) — on what the client asked, before
+    # the model's n_predict gives an answer that names no length its default
+    msg = check_request_budget(slot, msg)
     msg = cap_answer(msg, slot.model.n_predict)
-    msg = check_request_budget(slot, msg)  # n x max_tokens within the model's ceiling (router.budget)
     pre = prefill_slot(request, slot)
     if pre is not None:  # disaggregated: another worker prefills, this one decodes (router.disaggregate)
         try:
