@@ -38,7 +38,7 @@ async def count_prompt_tokens(request: Request, slot: ModelSlot, msg: Generate) 
                                                               parse_special=True), param="messages")
     if not isinstance(tok, TokenizeResult):
         raise BadGateway(f"unexpected {tok.TYPE} answer to tokenize")
-    return len(tok.tokens)
+    return tok.tokens.count  # TokenIds: len() is its byte length
 
 
 def refused_for_length(e: ApiError) -> bool:
