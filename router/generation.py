@@ -272,8 +272,9 @@ async def stream(run: Run, first: Token | Done | Accepted, on_frame: Formatter,
             if isinstance(item, Done):
                 return
             while True:
-                try:
-                    nxt = await asyncio.wait_for(run.next(), max(0.05, keepalive_s - (time.monotonic() - sent_at)))
+                try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
+                    async with asyncio.timeout(max(0.05, keepalive_s - (time.monotonic() - sent_at))):
+                        nxt = await run.next()
                 except TimeoutError:
                     yield keepalive
                     sent_at = time.monotonic()
