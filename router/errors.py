@@ -321,7 +321,7 @@ OLLAMA_PREFIX = "/api/"
 def ollama_error_payload(err: ApiError) -> dict[str, Any]:
     """``{"error": "<message>"}`` as Ollama shapes it (its clients read that one key; on a
     stream it is the last NDJSON line)."""
-    return {"error": err.message}
+    return {"error": redact_paths(err.message)}
 
 
 def error_response(err: ApiError, path: str = "") -> JSONResponse:
