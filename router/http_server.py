@@ -97,8 +97,9 @@ class StalledReaders:
                 self._since.setdefault(i, since)
 
     def stalled_s(self, generation_id: str | None, now: float) -> float | None:
-        """Seconds the client of ``generation_id`` has taken nothing, or None (it reads)."""
-        since = self._since.get(generation_id) if generation_id else None
+        """Seconds the client of ``generation_id`` has taken nothing, or None (it reads). A
+        choice's sequence id (``<id>#<i>``, a worker's slot of ``n`` > 1) is its request's."""
+        since = self._since.get(generation_id.split("#", 1)[0]) if generation_id else None
         return None if since is None else round(max(0.0, now - since), 3)
 
 
