@@ -15,8 +15,10 @@ for every dialect, ``/v1/decode`` and background Responses included):
 * ``n`` > 1 without ``max_tokens`` ("until the context is full"): each choice may use
   ``ceiling // n`` tokens (its ``max_tokens`` is set to that; the answer ends with
   finish_reason ``length``);
-* ``n`` = 1: a ``max_tokens`` beyond the ceiling is clamped to it (as a ``max_tokens``
-  beyond the room the prompt leaves is, README).
+* ``n`` = 1: a ``max_tokens`` beyond an explicit ``max_request_tokens`` is clamped to it
+  (as a ``max_tokens`` beyond the room the prompt leaves is, README); otherwise the
+  worker's own rules apply unchanged (clamped to the room the prompt leaves, a 400
+  ``kv_budget_exceeded`` beyond its KV budget).
 
 The prompt is the worker's to count (the router does not tokenize): the worker refuses
 a request whose ``n`` x (prompt + answer) cannot fit its KV budget
@@ -59,13 +61,14 @@ def request_ceiling(slot: ModelSlot) -> tuple[int | None, str]:
 def check_request_budget(slot: ModelSlot, msg: Generate) -> Generate:
     """``msg`` within its model's request ceiling (see the module docstring). Raises
     RequestTooLarge (400, ``param`` ``n``)."""
+    n = max(1, int(msg.n))
+    if n == 1:  # the worker's own rules hold (room left by the prompt, KV budget); only an explicit ceiling clamps
+        cap = slot.model.max_request_tokens
+        if cap > 0 and msg.max_tokens is not None and msg.max_tokens > cap:
+            return dataclasses.replace(msg, max_tokens=cap)
+        return msg
     ceiling, why = request_ceiling(slot)
     if ceiling is None:
-        return msg
-    n = max(1, int(msg.n))
-    if n == 1:
-        if msg.max_tokens is not None and msg.max_tokens > ceiling:
-            return dataclasses.replace(msg, max_tokens=ceiling)
         return msg
     if msg.max_tokens is None:
         share = ceiling // n
