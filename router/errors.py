@@ -277,12 +277,24 @@ _ABS_PATH = re.compile(r"(?<![\w.~:/-])/(?:[^\s/'\"`:,;()<>]+/)+([^\s/'\"`:,;()<
 _ENDPOINT = re.compile(r"\b(ipc|tcp|inproc)://[^\s'\"`,;()<>]+")
 
 
+#: First components of this API's own routes (``/v1/chat/completions``, ``/api/chat``, ...): an
+#: error naming a route is not naming a file (tests hold every route of the app to this set).
+API_ROOTS = frozenset({"v1", "api", "admin", "slots", "props", "models", "health", "metrics", "tokenize",
+                       "detokenize", "apply-template", "completion", "completions", "infill", "embedding",
+                       "embeddings", "rerank", "reranking", "openapi.json", "docs"})
+
+
+def _redact_path(m: re.Match[str]) -> str:
+    first = m.group(0)[1:].split("/", 1)[0]
+    return m.group(0) if first in API_ROOTS else f".../{m.group(1)}"
+
+
 def redact_paths(message: str) -> str:
-    """``message`` with every absolute path cut to its last component (``.../model.gguf``)
+    """``message`` with every absolute file path cut to its last component (``.../model.gguf``)
     and every worker socket endpoint cut to its scheme (``ipc://...``): what a client sees
     (every error body goes through it, :func:`error_payload`); the router log and /admin
-    keep the full text."""
-    return _ABS_PATH.sub(lambda m: f".../{m.group(1)}", _ENDPOINT.sub(lambda m: f"{m.group(1)}://...", message))
+    keep the full text. The API's own routes (:data:`API_ROOTS`) are left as they are."""
+    return _ABS_PATH.sub(_redact_path, _ENDPOINT.sub(lambda m: f"{m.group(1)}://...", message))
 
 
 def error_payload(err: ApiError) -> dict[str, Any]:

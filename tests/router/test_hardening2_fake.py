@@ -28,6 +28,7 @@ import os
 import re
 import socket
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -393,3 +394,46 @@ def test_count_tokens_with_500_tools_is_a_count(router: LiveRouter) -> None:
     assert n > 256  # beyond the model's n_ctx: counted, not refused
     small = httpx.post(router.url + "/v1/messages/count_tokens", json={**body, "tools": tools[:1]}, timeout=WAIT_S)
     assert small.status_code == 200 and small.json()["input_tokens"] < n
+
+
+# ----------------------------------------------------------------------------- the rules themselves
+
+
+def test_the_request_ceiling_rules() -> None:
+    from types import SimpleNamespace
+
+    from protocol import Generate
+    from router.budget import RequestTooLarge, check_request_budget
+
+    def slot(n_ctx: int | None, cap: int = 0, budget: int = 0) -> Any:
+        ready = SimpleNamespace(n_ctx=n_ctx, kv_budget_tokens=budget) if budget else None
+        return SimpleNamespace(model=SimpleNamespace(name="x", n_ctx=n_ctx, max_request_tokens=cap),
+                               worker=SimpleNamespace(ready=ready) if ready else None)
+
+    g = Generate(id="g", prompt="hi")
+    assert check_request_budget(slot(8192), replace(g, n=4)).max_tokens == 2048  # each choice its share
+    assert check_request_budget(slot(8192), replace(g, n=4, max_tokens=2048)).max_tokens == 2048
+    with pytest.raises(RequestTooLarge) as e:
+        check_request_budget(slot(8192), replace(g, n=4, max_tokens=2049))
+    assert e.value.param == "n" and "4 x 2049 = 8196" in e.value.message
+    with pytest.raises(RequestTooLarge):  # the worker's KV budget is smaller than n_ctx
+        check_request_budget(slot(8192, budget=4000), replace(g, n=2, max_tokens=2001))
+    assert check_request_budget(slot(8192, cap=100), replace(g, max_tokens=500)).max_tokens == 100
+    assert check_request_budget(slot(8192), replace(g, max_tokens=50_000)).max_tokens == 50_000  # the worker's rule
+    assert check_request_budget(slot(None), replace(g, n=16, max_tokens=8192)).max_tokens == 8192  # checked later
+
+
+def test_redaction_covers_paths_and_worker_endpoints() -> None:
+    from router.errors import redact_paths
+
+    text = ("load failed: /home/u/models/m.gguf (worker --endpoint ipc:///run/user/1/modelyard/9-x/w1.sock, "
+            "tcp://127.0.0.1:40123)")
+    out = redact_paths(text)
+    assert out == "load failed: .../m.gguf (worker --endpoint ipc://..., tcp://...)"
+    from router.app import create_app
+    from router.config import parse_config
+
+    app = create_app(parse_config({"models": {"m": {"path": __file__}}}, base_dir=Path("/")))
+    for route in app.routes:  # an error naming one of the API's routes keeps it
+        path = getattr(route, "path", "")
+        assert redact_paths(f"no route GET {path}") == f"no route GET {path}", path
