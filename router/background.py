@@ -312,7 +312,7 @@ class BackgroundStore:
                              code="background_too_large")
         held = sum(j.n for j in others if j.model_name == m.name)
         if held + job.n > bound:
-            raise Unavailable(f"background generations hold {held} of model '{m.name}''s {bound} background "
+            raise Unavailable(f"model '{m.name}': background generations hold {held} of its {bound} background "
                               f"slots (background_slots; {m.parallel} KV slots in all) and this one needs "
                               f"{job.n}; retry when one has finished", code="background_model_busy", retry_after_s=1)
 
