@@ -237,7 +237,9 @@ class GuardedH11Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         self._idle_since = self.loop.time()
-        self._disarm_stall_timer()
+        if self._stalled_ids:  # the generation is over (its slot is free); the stall timer still runs
+            STALLED_READERS.mark(self._stalled_ids, None)
+            self._stalled_ids = []
         super().on_response_complete()
         if not self.transport.is_closing() and self._waiting_for_head():
             self._arm_head_timer()
