@@ -182,7 +182,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def _stalled(self) -> None:
         self._stall_timer = None
-        if self.transport.is_closing():
+        if self.transport.is_closing():  # closed with its answer unsent: the client will not take it
+            self.transport.abort()
             return
         cycle = self.cycle
         rid = cycle.scope.get("state", {}).get("request_id") if cycle is not None else None
