@@ -31,7 +31,7 @@ from router.cli_args import version
 from router.config import Config
 from router.errors import ApiError, InternalError, MethodNotAllowed, NotFound, error_response
 from router.metrics import CONTENT_TYPE, Metrics, RequestMetrics
-from router.http_server import FramingGuard
+from router.http_server import FramingGuard, RequestAdmission
 from router.pool import Pool
 from router.response_store import ResponseStore
 from router.responses import JSONResponse
@@ -127,8 +127,10 @@ def create_app(config: Config, *, worker_module: str | None = None,
               *openapi.routes]
     app = Starlette(
         routes=routes,
-        # outermost first: the access log and X-Request-Id, what was set aside (router.set_aside), request framing, metrics, then browser-origin rules (and CORS preflights), then keys
-        middleware=[Middleware(AccessLog, routes=routes), Middleware(SetAsideHeader), Middleware(FramingGuard),
+        # outermost first: the access log and X-Request-Id, admission (requests in progress), what was set
+        # aside (router.set_aside), request framing, metrics, then browser-origin rules (and CORS preflights), then keys
+        middleware=[Middleware(AccessLog, routes=routes), Middleware(RequestAdmission, server=config.server),
+                    Middleware(SetAsideHeader), Middleware(FramingGuard),
                     Middleware(RequestMetrics, metrics=registry, routes=routes),
                     Middleware(BrowserGuard, server=config.server),
                     Middleware(BearerAuth, server=config.server)],
@@ -139,6 +141,7 @@ def create_app(config: Config, *, worker_module: str | None = None,
     app.state.responses = ResponseStore(config.server.responses_store_max, config.server.responses_store_ttl_s)
     srv = config.server
     app.state.background = BackgroundStore(srv.background_max, srv.background_ttl_s,
-                                           int(srv.background_max_mib * 2**20))
+                                           int(srv.background_max_mib * 2**20),
+                                           per_key=srv.background_per_key, unread_s=srv.background_unread_s)
     app.state.metrics = registry
     return app

@@ -29,6 +29,7 @@ from starlette.requests import Request
 
 from protocol import Accepted, Done, Generate, KVChunk, Token
 from router.access_log import access_record
+from router.budget import check_request_budget, request_ceiling
 from router.disaggregate import prefill_and_hand_over, prefill_slot
 from router.errors import ApiError, BadRequest, ContextLengthExceeded, InternalError, Unavailable, error_payload
 from protocol.limits import GENERATE_LIMITS
@@ -113,6 +114,9 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate, grammar_param:
     rid = getattr(request.state, "request_id", "")
     if rid:
         msg = dataclasses.replace(msg, trace_id=rid)  # the worker logs it with the generation
+    # n x max_tokens within the model's ceiling (router.budget) — on what the client asked, before
+    # the model's n_predict gives an answer that names no length its default
+    msg = check_request_budget(slot, msg)
     msg = cap_answer(msg, slot.model.n_predict)
     pre = prefill_slot(request, slot)
     if pre is not None:  # disaggregated: another worker prefills, this one decodes (router.disaggregate)
@@ -132,6 +136,9 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate, grammar_param:
     try:
         if hook is not None:
             hook(run, "admitted")
+        if request_ceiling(slot)[0] is None:  # no n_ctx known before the load: checked on its worker
+            await until_disconnect(request.receive, run.wait_worker())
+            msg = check_request_budget(slot, msg)
         await until_disconnect(request.receive, run.start(msg))
         if hook is not None:
             hook(run, "started")
