@@ -58,8 +58,9 @@ async def health(request: Request) -> Response:
 
 
 async def root(request: Request) -> Response:
-    """``GET /`` and ``HEAD /``: the service answers (harnesses' connectivity checks — Claude
-    Code sends ``HEAD /``). Never loads a model; behind the api key when one is set."""
+    """``GET /`` and ``HEAD /`` (also ``/api/hello``): the service answers (harnesses'
+    connectivity checks — Claude Code 2.1 sends ``HEAD /api/hello`` before its first request).
+    Never loads a model; behind the api key when one is set."""
     pool: Pool = request.app.state.pool
     return JSONResponse({"status": "ok", "service": "modelyard", "version": version(),
                          "models": list(pool.slots)})
@@ -121,7 +122,7 @@ def create_app(config: Config, *, worker_module: str | None = None,
             await app.state.background.close()  # its runs end (Cancel) before the workers stop
             await app.state.pool.close()
 
-    routes = [Route("/", root, methods=["GET", "HEAD"]),
+    routes = [Route("/", root, methods=["GET", "HEAD"]), Route("/api/hello", root, methods=["GET", "HEAD"]),
               Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
               *openai_api.routes, *openai_responses.routes, *decode_api.routes, *anthropic_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *ollama_api.routes, *admin.routes,
               *openapi.routes]
