@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 #: 5: KV-state streams (KVChunk / KVAck, Generate.stream_state).
 #: 6: token ids of TokenizeResult / Detokenize travel as TokenIds (int32 bytes), pieces as one blob.
 #: 7: LoadProgress stage ``loading_kernels``.
-#: 8: Accepted (a Generate's prompt fits and is queued; what its constraint set aside).
+#: 8: Accepted (a Generate's prompt fits and is queued; what its constraint set aside); ApplyTemplate.tools.
 PROTOCOL_VERSION = 8
 
 #: Largest frame either side accepts, in bytes (a 100 KB prompt as token ids is < 1 MiB).
