@@ -31,6 +31,17 @@ log = logging.getLogger("modelyard.set_aside")
 HEADER = "X-Modelyard-Set-Aside"
 #: Longest header value written (items beyond it are summarised as ``+N more``).
 MAX_HEADER_CHARS = 2048
+#: Longest ``what`` of one item (a client-chosen text, e.g. a server tool's ``type``).
+MAX_WHAT_CHARS = 120
+
+
+def _printable(text: str, limit: int) -> str:
+    """``text`` as printable ASCII within ``limit`` characters: what a client chose (a tool's
+    ``type``, ...) goes into a response header and a log line, where a control character (CR,
+    LF) would break the response (h11 refuses the header: the client got an empty reply) or
+    forge a log line. Other characters are written as Python escapes (``\\r``, ``\\xe9``)."""
+    out = "".join(c if " " <= c <= "~" else c.encode("unicode_escape").decode("ascii") for c in text)
+    return out if len(out) <= limit else out[: limit - 3] + "..."
 
 
 def _items(state: Any) -> list[str]:
@@ -48,13 +59,13 @@ def set_aside(state: Any, field: str, what: str, why: str) -> None:
 
     ``state``: the request's ``request.state`` (or the ASGI scope's ``state`` dict).
     Duplicates are recorded once; each new item is logged as a warning."""
-    item = f"{field}:{what}"
+    item = f"{_printable(field, MAX_WHAT_CHARS)}:{_printable(what, MAX_WHAT_CHARS)}"
     items = _items(state)
     if item in items:
         return
     items.append(item)
     rid = state.get("request_id", "") if isinstance(state, dict) else getattr(state, "request_id", "")
-    log.warning("request %s: set aside %s (%s)", rid or "-", item, why)
+    log.warning("request %s: set aside %s (%s)", rid or "-", item, _printable(why, 400))
 
 
 def recorded(state: Any) -> list[str]:
@@ -63,11 +74,11 @@ def recorded(state: Any) -> list[str]:
 
 
 def header_value(items: list[str]) -> str:
-    """``items`` as the header's value, within :data:`MAX_HEADER_CHARS` (latin-1 safe)."""
+    """``items`` as the header's value, within :data:`MAX_HEADER_CHARS` (printable ASCII)."""
     out: list[str] = []
     size = 0
     for i, it in enumerate(items):
-        it = it.encode("latin-1", "replace").decode("latin-1").replace(",", ";")
+        it = _printable(it, MAX_HEADER_CHARS).replace(",", ";")
         if size + len(it) + 2 > MAX_HEADER_CHARS:
             out.append(f"+{len(items) - i} more")
             break

@@ -183,6 +183,22 @@ def test_server_tools_set_aside_visibly(router: LiveRouter) -> None:
     assert r.status_code == 200 and "x-modelyard-set-aside" not in r.headers
 
 
+def test_set_aside_header_of_a_hostile_tool_type(router: LiveRouter) -> None:
+    """A server tool's ``type`` is the client's text: CR/LF or non-ASCII in it reach the
+    X-Modelyard-Set-Aside header escaped (h11 refused the raw value: an empty reply), never a
+    header of their own, and a long one is cut."""
+    body = {"model": "alpha", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "web_search\r\nX-Evil: 1", "name": "w"}, {"type": "s\u00e9arch_" + "x" * 500}]}
+    r = httpx.post(router.url + "/v1/messages", json=body, headers=H)
+    assert r.status_code == 200, r.text
+    assert "x-evil" not in r.headers
+    value = r.headers["x-modelyard-set-aside"]
+    first, second = value.split(", ")
+    assert first == "tools[0]:web_search\\r\\nX-Evil: 1"
+    assert second.startswith("tools[1]:s\\xe9arch_xxx") and second.endswith("...") and len(second) < 140
+    assert value.isascii() and value.isprintable()
+
+
 def test_tool_use_parsed_streamed_and_not(router: LiveRouter, client: anthropic.Anthropic) -> None:
     tools = [{"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
