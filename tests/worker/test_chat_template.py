@@ -257,7 +257,7 @@ def test_assistant_prefill_is_continued_not_closed() -> None:
 
 def test_role_caps_probed_from_the_template() -> None:
     assert ChatTemplate(CHATML_TEMPLATE).role_caps == RoleCaps(True, True, False)
-    assert ChatTemplate(GEMMA_TEMPLATE, "<bos>").role_caps == RoleCaps(True, False, True)
+    assert ChatTemplate(GEMMA_TEMPLATE, "<bos>").role_caps == RoleCaps(True, False, True, system_alone=False)
     no_system = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}"
                  "[{{ m['role'] }}:{{ m['content'] }}]{% endfor %}")
     assert ChatTemplate(no_system).role_caps == RoleCaps(False, False, False)
@@ -274,6 +274,18 @@ def test_developer_and_system_turns_anywhere_fit_an_alternating_template() -> No
                     {"role": "system", "content": "mid"}, {"role": "user", "content": "u2"}])
     assert out == ("<bos><start_of_turn>user\nu1<end_of_turn>\n<start_of_turn>model\na1<end_of_turn>\n"
                    "<start_of_turn>user\nmid\n\nu2<end_of_turn>\n<start_of_turn>model\n")
+
+
+def test_a_system_only_conversation_keeps_its_text_on_gemma() -> None:
+    """Gemma's template folds the system text into the first user turn; with no user turn the
+    text vanished (the prompt was the generation prompt alone). It becomes the user turn."""
+    g = ChatTemplate(GEMMA_TEMPLATE, "<bos>")
+    out = g.render([{"role": "system", "content": "s1"}, {"role": "developer", "content": "s2"}])
+    assert out == "<bos><start_of_turn>user\ns1\n\ns2<end_of_turn>\n<start_of_turn>model\n"
+    chatml = ChatTemplate(CHATML_TEMPLATE)  # a template that renders a lone system turn keeps it
+    assert chatml.render([{"role": "system", "content": "s1"}]).startswith("<|im_start|>system\ns1")
+    assert fit_roles([{"role": "system", "content": "s"}], RoleCaps(system_alone=False)) == [
+        {"role": "user", "content": "s"}]
 
 
 def test_fit_roles_leaves_what_the_template_expresses_alone() -> None:

@@ -169,11 +169,14 @@ class RoleCaps:
 
     ``system_role``: a leading system message's text reaches the prompt.
     ``system_anywhere``: a system message after other turns renders, its text in the prompt.
-    ``alternation``: two consecutive user turns are refused (roles must alternate)."""
+    ``alternation``: two consecutive user turns are refused (roles must alternate).
+    ``system_alone``: a conversation of system turns only renders their text (Gemma's folds the
+    system text into the first user turn: with none, the text was lost)."""
 
     system_role: bool = True
     system_anywhere: bool = True
     alternation: bool = False
+    system_alone: bool = True
 
 
 def _text_of(m: dict[str, Any]) -> str | None:
@@ -189,8 +192,13 @@ def fit_roles(msgs: list[dict[str, Any]], caps: RoleCaps) -> list[dict[str, Any]
     turns become one and a later one becomes a user turn in its place; where it renders
     no system turn at all, the system text opens the first user turn; where roles must
     alternate, consecutive plain-text turns of one role are merged (``"\n\n"`` between
-    them). A conversation the template already expresses is returned unchanged."""
+    them); where a conversation of system turns only would render none of their text, they
+    become one user turn. A conversation the template already expresses is returned unchanged."""
     out = [dict(m) for m in msgs]
+    if not caps.system_alone and out and all(m["role"] == "system" for m in out):
+        texts = [t for t in (_text_of(m) for m in out) if t]
+        if texts:
+            return [{"role": "user", "content": "\n\n".join(texts)}]
     if not caps.system_anywhere or not caps.system_role:
         n_lead = 0
         while n_lead < len(out) and out[n_lead]["role"] == "system":
@@ -336,7 +344,9 @@ class ChatTemplate:
             alternation = False
         except EngineError:
             alternation = self._renders([{"role": "user", "content": u1}], u1)
-        return RoleCaps(system_role=system_role, system_anywhere=anywhere, alternation=alternation)
+        alone = not system_role or self._renders([{"role": "system", "content": s1}], s1)
+        return RoleCaps(system_role=system_role, system_anywhere=anywhere, alternation=alternation,
+                        system_alone=alone)
 
     def _split_prefill(self, messages: Any, add_generation_prompt: bool) -> tuple[list[dict[str, Any]], str | None]:
         msgs = fit_roles(normalize_messages(messages, self.developer_known), self.role_caps)
