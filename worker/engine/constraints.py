@@ -147,6 +147,9 @@ def grammar_text(json_schema: str | None, grammar: str | None) -> str | None:
                     grammar = gbnf_to_lark(grammar)
                 except GbnfToLarkError as e:
                     raise EngineError("invalid_grammar", f"invalid GBNF grammar: {e}") from None
+                except Exception as e:  # its rule resolution raises a bare Exception ("Rule 'foo' not
+                    # found", "No 'root' rule found"): the client's grammar, not a server fault (was a 500)
+                    raise EngineError("invalid_grammar", f"invalid GBNF grammar: {e}") from None
         return str(llguidance.LLMatcher.grammar_from_lark(grammar))
     return None
 
