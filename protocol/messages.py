@@ -250,6 +250,10 @@ class Error(Message):
     TYPE: ClassVar[str] = "error"
     code: str
     message: str
+    # context_length_exceeded: the prompt's tokens and the context size, as llama-server's
+    # exceed_context_size_error carries them (None: not known, or another code)
+    n_prompt_tokens: int | None = None
+    n_ctx: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import psutil
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -38,6 +39,9 @@ from router.security import BrowserGuard
 log = logging.getLogger("modelyard.app")
 
 
+#: When this router process started, unix seconds (/metrics' ``Process-Start-Time-Unix``).
+PROCESS_START_UNIX = int(psutil.Process().create_time())
+
 #: How long /metrics waits for each ready worker's Pong (KV figures), s.
 METRICS_PROBE_TIMEOUT_S = 1.0
 
@@ -59,7 +63,9 @@ async def metrics(request: Request) -> Response:
     pool: Pool = request.app.state.pool
     await asyncio.gather(*(s.probe(METRICS_PROBE_TIMEOUT_S) for s in pool.slots.values()))
     m: Metrics = request.app.state.metrics
-    return Response(m.render(), media_type=CONTENT_TYPE)
+    # llama-server's header: when this process started (unix s); a scraper sees a restart by it
+    return Response(m.render(), media_type=CONTENT_TYPE,
+                    headers={"Process-Start-Time-Unix": str(PROCESS_START_UNIX)})
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -110,7 +116,8 @@ def create_app(config: Config, *, worker_module: str | None = None,
             await app.state.background.close()  # its runs end (Cancel) before the workers stop
             await app.state.pool.close()
 
-    routes = [Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
+    routes = [Route("/health", health, methods=["GET"]), Route("/v1/health", health, methods=["GET"]),
+              Route("/metrics", metrics, methods=["GET"]),
               *openai_api.routes, *openai_responses.routes, *decode_api.routes, *anthropic_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *admin.routes,
               *openapi.routes]
     app = Starlette(

@@ -5,7 +5,7 @@ Layout::
     [server]            host, port, api_key, admin_key, models_dir, transport,
                         shutdown_timeout_s, allowed_hosts, cors_origins, header_timeout_s,
                         body_timeout_s, keep_alive_timeout_s, max_connections, max_header_bytes,
-                        stream_stall_timeout_s, max_loaded
+                        stream_stall_timeout_s, max_loaded, default_model
     [defaults]          any per-model key below except path/aliases; applies to every model
     [models.NAME]       path (required), aliases, n_ctx, chat_template, max_queue,
                         load_timeout_s, cancel_timeout_s, drain_timeout_s,
@@ -153,6 +153,9 @@ class ServerConfig:
     background_max: int = 256  # jobs kept, running or finished (the oldest finished is dropped first)
     background_ttl_s: float = 3600.0  # a finished job is forgotten this long after it ended (0: never)
     background_max_mib: float = 64.0  # the stored events of all jobs, MiB (oldest finished dropped first)
+    # the model a request without "model" gets (a name or alias; None: the only model when exactly one
+    # is configured, else "model" is required), as llama-server answers with the model it serves
+    default_model: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,6 +172,13 @@ class Config:
             if name in m.aliases:
                 return m
         return None
+
+    def default_name(self) -> str | None:
+        """The model a request without ``"model"`` is served by: ``[server] default_model``, else
+        the only configured model, else None (``"model"`` is then required)."""
+        if self.server.default_model is not None:
+            return self.server.default_model
+        return next(iter(self.models)) if len(self.models) == 1 else None
 
     def ids(self) -> list[str]:
         """Every name a client may use: canonical names and aliases."""
@@ -192,7 +202,8 @@ KV_TRANSFERS = ("wire", "file")
 _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport", "shutdown_timeout_s",
                 "allowed_hosts", "cors_origins", "header_timeout_s", "body_timeout_s",
                 "keep_alive_timeout_s", "max_connections", "max_header_bytes", "stream_stall_timeout_s", "max_loaded",
-                "responses_store_max", "responses_store_ttl_s", "background_max", "background_ttl_s", "background_max_mib"}
+                "responses_store_max", "responses_store_ttl_s", "background_max", "background_ttl_s", "background_max_mib",
+                "default_model"}
 
 #: A ``cors_origins`` entry: scheme://host[:port], nothing after it (or "*").
 _ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#]+$")
@@ -244,6 +255,7 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
         background_max=_int(server_raw, "background_max", "server", 256, 1, 1_000_000),
         background_ttl_s=_float(server_raw, "background_ttl_s", "server", 3600.0, 0.0),
         background_max_mib=_float(server_raw, "background_max_mib", "server", 64.0, 0.01),
+        default_model=_opt_str(server_raw, "default_model", "server"),
     )
     check_public_bind(server)
 
@@ -332,6 +344,9 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
         )
     for name, m in models.items():
         _check_prefill_model(name, m, models)
+    if server.default_model is not None and server.default_model not in seen_ids:
+        raise ConfigError("server.default_model", f"{server.default_model!r} is not a configured model name or "
+                          f"alias (configured: {', '.join(seen_ids)})")
     return Config(server=server, models=models, source=source)
 
 

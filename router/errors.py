@@ -43,6 +43,10 @@ class ApiError(Exception):
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
 
+    def extra_fields(self) -> dict[str, Any]:
+        """Fields beyond message/type/param/code in the OpenAI-shaped ``error`` (llama-server's)."""
+        return {}
+
 
 class BadRequest(ApiError):
     """400: malformed JSON, invalid values, input the model cannot take."""
@@ -52,9 +56,28 @@ class BadRequest(ApiError):
 
 
 class ContextLengthExceeded(BadRequest):
-    """400: prompt + max_tokens beyond n_ctx (message contains "maximum context length")."""
+    """400: the prompt does not fit n_ctx. As llama-server answers it on its OpenAI and native routes:
+    ``type`` "exceed_context_size_error" with ``n_prompt_tokens`` and ``n_ctx``, and its message
+    "request (N tokens) exceeds the available context size (M tokens), try increasing it"; OpenAI's
+    ``code`` "context_length_exceeded" and wording ("maximum context length") are kept too, for the
+    clients that look for those. The Messages API's paths answer Anthropic's shape instead."""
 
+    type = "exceed_context_size_error"
     default_code = "context_length_exceeded"
+
+    def __init__(self, message: str, *, n_prompt_tokens: int | None = None, n_ctx: int | None = None,
+                 **kw: Any) -> None:
+        if n_prompt_tokens is not None and n_ctx is not None:
+            message = (f"request ({n_prompt_tokens} tokens) exceeds the available context size ({n_ctx} tokens), "
+                       f"try increasing it. {message}")
+        super().__init__(message, **kw)
+        self.n_prompt_tokens = n_prompt_tokens
+        self.n_ctx = n_ctx
+
+    def extra_fields(self) -> dict[str, Any]:
+        if self.n_prompt_tokens is None or self.n_ctx is None:
+            return {}
+        return {"n_prompt_tokens": self.n_prompt_tokens, "n_ctx": self.n_ctx}
 
 
 class PayloadTooLarge(ApiError):
@@ -66,8 +89,11 @@ class PayloadTooLarge(ApiError):
 
 
 class Unauthorized(ApiError):
+    """401: a missing or wrong key. ``type`` is llama-server's (and Anthropic's) "authentication_error";
+    ``code`` OpenAI's "invalid_api_key"."""
+
     status = 401
-    type = "invalid_request_error"
+    type = "authentication_error"
     default_code = "invalid_api_key"
 
 
@@ -233,15 +259,19 @@ WORKER_CODES: dict[ErrorCode, type[ApiError]] = {
 }
 
 
-def from_worker_error(code: str, message: str) -> ApiError:
-    """The ApiError for a worker ``Error`` frame (keeps the worker's code and message).
-    A code outside ``ErrorCode`` is logged and becomes a 502 ``worker_error``."""
+def from_worker_error(code: str, message: str, *, n_prompt_tokens: int | None = None,
+                      n_ctx: int | None = None) -> ApiError:
+    """The ApiError for a worker ``Error`` frame (keeps the worker's code and message; a context
+    overflow's ``n_prompt_tokens`` / ``n_ctx`` too). A code outside ``ErrorCode`` is logged and
+    becomes a 502 ``worker_error``."""
     known = ErrorCode.of(code)
     if known is None:
         log.warning("worker sent an unknown error code %r (%s); answering 502", code, message[:200])
         return BadGateway(f"the worker failed with an unknown error code {code!r}: {message}")
     if known is ErrorCode.WORKER_GONE:
         return BadGateway(message, code="worker_crashed")
+    if known is ErrorCode.CONTEXT_LENGTH_EXCEEDED:
+        return ContextLengthExceeded(message, code=str(known), n_prompt_tokens=n_prompt_tokens, n_ctx=n_ctx)
     return WORKER_CODES[known](message, code=str(known))
 
 
@@ -266,7 +296,8 @@ def redact_paths(message: str) -> str:
 
 def error_payload(err: ApiError) -> dict[str, Any]:
     """``{"error": {...}}`` as OpenAI shapes it."""
-    return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+    return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code,
+                      **err.extra_fields()}}
 
 
 #: HTTP status -> Anthropic's error ``type`` (docs.anthropic.com "Errors"); others: ``api_error``.

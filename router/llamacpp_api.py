@@ -50,6 +50,7 @@ from router.generation import (
     timings_of,
     token_probs,
 )
+from router import openai_api, openai_responses
 from router.openai_api import parse_messages
 from router.metrics import label_request
 from router.params import (
@@ -58,6 +59,7 @@ from router.params import (
     get_bool,
     get_bounded,
     get_int,
+    model_of,
     get_prompt,
     get_str,
     get_token_list,
@@ -77,13 +79,7 @@ CALL_TIMEOUT_S = 600.0
 
 def _slot(request: Request, body: dict[str, Any]) -> tuple[str, ModelSlot]:
     pool: Pool = request.app.state.pool
-    name = get_str(body, "model", None)
-    if name is None:
-        if len(pool.slots) == 1:
-            name = next(iter(pool.slots))
-        else:
-            raise BadRequest(f"'model' is required; available models: {', '.join(pool.config.ids())}",
-                             param="model")
+    name = model_of(body, pool.config.default_name(), pool.config.ids())
     slot = pool.get(name)
     label_request(request, slot.model.name)
     return name, slot
@@ -225,7 +221,7 @@ async def _call(request: Request, slot: ModelSlot, make: Any, timeout_s: float =
     if isinstance(ans, Error):
         if ans.code == ErrorCode.WORKER_GONE:
             raise BadGateway(f"model '{slot.model.name}' worker failed: {ans.message}", code="worker_crashed")
-        err = from_worker_error(ans.code, ans.message)
+        err = from_worker_error(ans.code, ans.message, n_prompt_tokens=ans.n_prompt_tokens, n_ctx=ans.n_ctx)
         if isinstance(err, BadRequest) and err.param is None:
             err.param = param
         raise err
@@ -326,6 +322,13 @@ async def apply_template(request: Request) -> Response:
 
 
 routes = [
+    # llama-server serves its OpenAI routes without the /v1 prefix too (an SDK whose base URL has no
+    # /v1 reaches them), and counts a chat request's prompt tokens: the same handlers as under /v1
+    Route("/chat/completions", openai_api.chat_completions, methods=["POST"]),
+    Route("/chat/completions/input_tokens", openai_api.chat_input_tokens, methods=["POST"]),
+    Route("/v1/chat/completions/input_tokens", openai_api.chat_input_tokens, methods=["POST"]),
+    Route("/responses", openai_responses.create, methods=["POST"]),
+    Route("/responses/input_tokens", openai_responses.input_tokens, methods=["POST"]),
     Route("/completion", completion, methods=["POST"]),
     Route("/completions", completion, methods=["POST"]),
     Route("/tokenize", tokenize, methods=["POST"]),

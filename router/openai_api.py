@@ -40,7 +40,7 @@ from router.generation import (
     usage_of,
 )
 from router.metrics import label_request
-from router.params import INT32_MAX, N_PREDICT_MIN, get_bool, get_int, get_prompt, get_str, read_json
+from router.params import INT32_MAX, N_PREDICT_MIN, get_bool, get_int, model_of, get_prompt, get_str, read_json
 from router.pool import ModelSlot, Pool
 from router.process import WorkerProcess
 from router.responses import JSONResponse
@@ -304,7 +304,7 @@ def _chat_finish(finish: str, calls: list[ToolCall]) -> str:
 async def chat_completions(request: Request) -> Response:
     body = await read_json(request)
     pool = _pool(request)
-    model_name = get_str(body, "model")
+    model_name = model_of(body, pool.config.default_name(), pool.config.ids())
     slot = pool.get(model_name)
     label_request(request, slot.model.name)
     refuse_unsupported_chat(body)
@@ -424,6 +424,28 @@ async def chat_completions(request: Request) -> Response:
     return SSEResponse(stream(run, first, on_frame), run.close)
 
 
+async def chat_input_tokens(request: Request) -> Response:
+    """``{"object": "chat.completion.input_tokens", "input_tokens": N}`` (llama-server's
+    ``/chat/completions/input_tokens``): the prompt tokens ``/v1/chat/completions`` would have
+    for this body (template, tools and response format included). Exact: the worker renders
+    and tokenizes it as a generation of 0 tokens (which also warms the prefix cache)."""
+    body = await read_json(request)
+    pool = _pool(request)
+    slot = pool.get(model_of(body, pool.config.default_name(), pool.config.ids()))
+    label_request(request, slot.model.name)
+    refuse_unsupported_chat(body)
+    tools, choice = parse_tools(body)
+    schema, grammar, cparam = llamacpp_constraint(body)
+    text_schema, fmt_param = (schema, "json_schema") if schema is not None else (_response_format(body),
+                                                                               "response_format")
+    prep = prepare(slot, parse_turns(body), tools, choice, text_schema, fmt_param)
+    msg = Generate(id=new_id("count"), max_tokens=0, cache_prompt=get_bool(body, "cache_prompt", True),
+                   **prep.generate_fields())
+    run, first = await begin(request, slot, msg, grammar_param=prep.constraint_param)
+    _, done = await collect(request, run, first)
+    return JSONResponse({"object": "chat.completion.input_tokens", "input_tokens": done.prompt_tokens})
+
+
 # ----------------------------------------------------------------------------- completions
 
 
@@ -483,7 +505,7 @@ def _legacy_logprobs(probs: list[TokenProb], n_top: int, offsets: _TextOffsets) 
 async def completions(request: Request) -> Response:
     body = await read_json(request)
     pool = _pool(request)
-    model_name = get_str(body, "model")
+    model_name = model_of(body, pool.config.default_name(), pool.config.ids())
     slot = pool.get(model_name)
     label_request(request, slot.model.name)
     refuse_ignored(body, "/v1/completions")

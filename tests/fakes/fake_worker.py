@@ -295,7 +295,8 @@ class FakeWorker:
         if need > self.n_ctx or len(prompt_ids) >= self.n_ctx:
             await self.send(Error(id=g.id, code="context_length_exceeded", message=(
                 f"This model's maximum context length is {self.n_ctx} tokens. However, you requested "
-                f"{need} tokens ({len(prompt_ids)} in the prompt, {max_tokens or 0} for the completion).")))
+                f"{need} tokens ({len(prompt_ids)} in the prompt, {max_tokens or 0} for the completion)."),
+                n_prompt_tokens=len(prompt_ids), n_ctx=self.n_ctx))
             return
         delay = float(self.sw.get("token_delay_s", 0.005))
         m = re.search(r"\[slow=([0-9.]+)\]", text)

@@ -72,6 +72,7 @@ def check_context(n_ctx: int, n_prompt: int, max_tokens: int | None) -> None:
             "context_length_exceeded",
             f"This model's maximum context length is {n_ctx} tokens. However, you requested "
             f"{n_prompt + n_completion} tokens ({n_prompt} in the prompt, {n_completion} for the completion).",
+            n_prompt_tokens=n_prompt, n_ctx=n_ctx,
         )
 
 

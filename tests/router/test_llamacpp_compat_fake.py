@@ -1,0 +1,238 @@
+"""A drop-in for llama-server's clients (issue 28), each item written against what llama-server
+documents and does (tools/server/README.md and server.cpp's routes table), with fake workers
+in this process (tests/router/inproc.py). Waiting is on observed state only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from router.config import ConfigError, parse_config
+from tests.router.inproc import InProc, chat
+
+
+def config(models: str = "a", server: list[str] | None = None, extra: dict[str, list[str]] | None = None) -> str:
+    lines = ["[server]", 'models_dir = "."', *(server or []), "[defaults]", "ping_interval_s = 0"]
+    for m in models:
+        lines += [f"[models.{m}]", 'path = "m.gguf"', *(extra or {}).get(m, [])]
+    return "\n".join(lines) + "\n"
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+# ----------------------------------------------------------------------------- 1. routes
+
+
+def test_openai_routes_without_v1_and_chat_input_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-server serves /chat/completions, /responses and /responses/input_tokens beside their
+    /v1 forms, /chat/completions/input_tokens (with and without /v1) and /v1/health."""
+    env = InProc(tmp_path, monkeypatch)
+
+    async def go() -> None:
+        async with env.app(config("a")) as (_, c):
+            r = await c.post("/chat/completions", json=chat("a"))
+            assert r.status_code == 200, r.text
+            assert r.json()["object"] == "chat.completion" and r.json()["choices"][0]["message"]["content"]
+            prompt_tokens = r.json()["usage"]["prompt_tokens"]
+            for path in ("/chat/completions/input_tokens", "/v1/chat/completions/input_tokens"):
+                r = await c.post(path, json=chat("a"))
+                assert r.status_code == 200, r.text
+                assert r.json() == {"object": "chat.completion.input_tokens", "input_tokens": prompt_tokens}
+            longer = await c.post("/chat/completions/input_tokens", json=chat("a", "hi there, a longer one"))
+            assert longer.json()["input_tokens"] > prompt_tokens
+            # a bad body is the same 400 as on the generation route
+            r = await c.post("/chat/completions/input_tokens", json={"model": "a", "messages": "x"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+            r = await c.post("/responses", json={"model": "a", "input": "hi", "max_output_tokens": 3})
+            assert r.status_code == 200, r.text
+            assert r.json()["object"] == "response" and r.json()["status"] in ("completed", "incomplete")
+            r2 = await c.post("/responses/input_tokens", json={"model": "a", "input": "hi"})
+            assert r2.status_code == 200 and r2.json()["input_tokens"] == r.json()["usage"]["input_tokens"]
+            r = await c.get("/v1/health")
+            assert r.status_code == 200 and r.json()["status"] == "ok"
+            # streaming works there too (the same handler)
+            async with c.stream("POST", "/chat/completions", json=chat("a", stream=True)) as s:
+                body = (await s.aread()).decode()
+            assert s.status_code == 200 and body.rstrip().endswith("data: [DONE]")
+
+    run(go())
+
+
+def test_v1_health_is_public_like_health(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = InProc(tmp_path, monkeypatch)
+
+    async def go() -> None:
+        async with env.app(config("a", ['api_key = "k"'])) as (_, c):
+            assert (await c.get("/v1/health")).status_code == 200
+            r = await c.post("/chat/completions", json=chat("a"))
+            assert r.status_code == 401
+            r = await c.post("/chat/completions", json=chat("a"), headers={"Authorization": "Bearer k"})
+            assert r.status_code == 200
+
+    run(go())
+
+
+# ----------------------------------------------------------------------------- 2. default model
+
+
+def test_one_configured_model_serves_requests_without_model(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    env = InProc(tmp_path, monkeypatch)
+    no_model = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    async def go() -> None:
+        async with env.app(config("a")) as (_, c):
+            r = await c.post("/v1/chat/completions", json=no_model)
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == "a"
+            r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "model": ""})
+            assert r.status_code == 200 and r.json()["model"] == "a"
+            r = await c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2})
+            assert r.status_code == 200 and r.json()["model"] == "a"
+            r = await c.post("/completion", json={"prompt": "hi", "n_predict": 2})
+            assert r.status_code == 200 and r.json()["model"] == "a"
+
+    run(go())
+
+
+def test_several_models_need_model_unless_a_default_is_set(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    env = InProc(tmp_path, monkeypatch)
+    no_model = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    async def go() -> None:
+        async with env.app(config("ab")) as (_, c):
+            r = await c.post("/v1/chat/completions", json=no_model)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+            assert "available models: a, b" in r.json()["error"]["message"]
+        async with env.app(config("ab", ['default_model = "bee"'], {"b": ['aliases = ["bee"]']})) as (pool, c):
+            r = await c.post("/v1/chat/completions", json=no_model)
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == "bee"
+            assert pool.get("a").state.value == "unloaded"  # b served it, a was never started
+            r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["model"] == "bee"
+            # a named model still wins
+            r = await c.post("/v1/chat/completions", json={**no_model, "model": "a"})
+            assert r.status_code == 200 and r.json()["model"] == "a"
+
+    run(go())
+
+
+def test_default_model_must_be_configured(tmp_path: Path) -> None:
+    (tmp_path / "m.gguf").write_bytes(b"GGUF fake")
+    import tomllib
+    with pytest.raises(ConfigError) as e:
+        parse_config(tomllib.loads(config("ab", ['default_model = "c"'])), base_dir=tmp_path)
+    assert e.value.key == "server.default_model" and "'c'" in str(e.value)
+
+
+# ----------------------------------------------------------------------------- 5. error types
+
+
+def test_a_wrong_key_is_an_authentication_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-server: 401 {"error": {"message": "Invalid API Key", "type": "authentication_error"}}."""
+    env = InProc(tmp_path, monkeypatch)
+
+    async def go() -> None:
+        async with env.app(config("a", ['api_key = "k"'])) as (_, c):
+            for path, body in (("/v1/chat/completions", chat("a")), ("/completion", {"prompt": "hi"}),
+                               ("/chat/completions", chat("a"))):
+                for headers in ({}, {"Authorization": "Bearer wrong"}):
+                    r = await c.post(path, json=body, headers=headers)
+                    assert r.status_code == 401, r.text
+                    err = r.json()["error"]
+                    assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
+            r = await c.post("/v1/messages", json={"model": "a", "max_tokens": 2,
+                                                   "messages": [{"role": "user", "content": "hi"}]},
+                             headers={"x-api-key": "wrong"})
+            assert r.status_code == 401 and r.json()["type"] == "error"
+            assert r.json()["error"]["type"] == "authentication_error"
+
+    run(go())
+
+
+def test_an_over_long_prompt_is_exceed_context_size_error(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-server: 400 {"error": {"type": "exceed_context_size_error", "message": "request (N tokens)
+    exceeds the available context size (M tokens), try increasing it", "n_prompt_tokens": N,
+    "n_ctx": M}} on its OpenAI and native routes (OpenAI's code and wording ride along)."""
+    env = InProc(tmp_path, monkeypatch)
+    env.set_fake({"*": {"n_ctx": 64}})
+    words = " ".join(f"w{i}" for i in range(100))
+
+    async def go() -> None:
+        async with env.app(config("a")) as (_, c):
+            cases = [("/v1/chat/completions", chat("a", words)), ("/chat/completions", chat("a", words, stream=True)),
+                     ("/v1/completions", {"model": "a", "prompt": words}),
+                     ("/completion", {"prompt": words, "n_predict": 4})]
+            for path, body in cases:
+                r = await c.post(path, json=body)
+                assert r.status_code == 400, (path, r.text)
+                err = r.json()["error"]
+                assert err["type"] == "exceed_context_size_error", err
+                assert err["n_ctx"] == 64 and err["n_prompt_tokens"] >= 100, err
+                assert err["message"].startswith(f"request ({err['n_prompt_tokens']} tokens) exceeds the available "
+                                                 "context size (64 tokens), try increasing it")
+                assert "maximum context length" in err["message"] and err["code"] == "context_length_exceeded"
+            # the Messages API answers in Anthropic's own shape, without llama.cpp's fields
+            r = await c.post("/v1/messages", json={"model": "a", "max_tokens": 4,
+                                                   "messages": [{"role": "user", "content": words}]})
+            assert r.status_code == 400 and r.json()["type"] == "error"
+            assert r.json()["error"]["type"] == "invalid_request_error" and "n_ctx" not in r.json()["error"]
+
+    run(go())
+
+
+# ----------------------------------------------------------------------------- 6. metrics
+
+
+def _sample(text: str, name: str, model: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(f'{name}{{model="{model}"}} '):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} for {model} not in:\n{text}")
+
+
+def test_llamacpp_metric_names_and_process_start_header(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-server's /metrics families (README "GET /metrics") by their names, per model, and its
+    Process-Start-Time-Unix header."""
+    import time
+
+    import psutil
+    env = InProc(tmp_path, monkeypatch)
+
+    async def go() -> None:
+        async with env.app(config("ab")) as (_, c):
+            r = await c.get("/metrics")
+            t = r.text
+            start = int(r.headers["Process-Start-Time-Unix"])
+            assert start == int(psutil.Process().create_time()) and start <= time.time()
+            for name in ("prompt_tokens_total", "prompt_seconds_total", "tokens_predicted_total",
+                         "tokens_predicted_seconds_total", "n_tokens_max", "prompt_tokens_seconds",
+                         "predicted_tokens_seconds", "requests_processing", "requests_deferred",
+                         "kv_cache_usage_ratio", "kv_cache_tokens"):
+                assert f"# HELP llamacpp:{name} " in t, name
+                assert _sample(t, f"llamacpp:{name}", "a") == 0.0
+            r1 = await c.post("/v1/chat/completions", json=chat("a", "one two three", max_tokens=5))
+            r2 = await c.post("/completion", json={"model": "a", "prompt": "four five", "n_predict": 3})
+            assert r1.status_code == r2.status_code == 200
+            t = (await c.get("/metrics")).text
+            u1, u2 = r1.json()["usage"], r2.json()
+            assert _sample(t, "llamacpp:prompt_tokens_total", "a") == u1["prompt_tokens"] + u2["tokens_evaluated"]
+            assert _sample(t, "llamacpp:tokens_predicted_total", "a") == u1["completion_tokens"] + 3
+            assert _sample(t, "llamacpp:n_tokens_max", "a") == max(u1["total_tokens"], u2["tokens_evaluated"] + 3)
+            assert _sample(t, "llamacpp:prompt_seconds_total", "a") > 0
+            assert _sample(t, "llamacpp:predicted_tokens_seconds", "a") > 0  # over the window since the last scrape
+            assert _sample(t, "llamacpp:tokens_predicted_total", "b") == 0
+            t = (await c.get("/metrics")).text  # nothing ran since: the window is empty again, totals stay
+            assert _sample(t, "llamacpp:predicted_tokens_seconds", "a") == 0
+            assert _sample(t, "llamacpp:tokens_predicted_total", "a") == u1["completion_tokens"] + 3
+
+    run(go())
