@@ -56,28 +56,38 @@ class BadRequest(ApiError):
 
 
 class ContextLengthExceeded(BadRequest):
-    """400: the prompt does not fit n_ctx. As llama-server answers it on its OpenAI and native routes:
-    ``type`` "exceed_context_size_error" with ``n_prompt_tokens`` and ``n_ctx``, and its message
-    "request (N tokens) exceeds the available context size (M tokens), try increasing it"; OpenAI's
-    ``code`` "context_length_exceeded" and wording ("maximum context length") are kept too, for the
-    clients that look for those. The Messages API's paths answer Anthropic's shape instead."""
+    """400: the prompt (+ max_tokens) does not fit n_ctx.
+
+    ``n_prompt_tokens`` and ``n_ctx`` come from the worker's Error frame when it carries them,
+    else (with ``n_completion``, the completion tokens the request needs room for) from its
+    message (else 0). Each dialect words the error its clients parse: on the OpenAI and
+    llama.cpp routes llama-server's ``type`` "exceed_context_size_error" with ``n_prompt_tokens``
+    and ``n_ctx`` and its message "request (N tokens) exceeds the available context size (M
+    tokens), try increasing it", OpenAI's ``code`` "context_length_exceeded" and wording
+    ("maximum context length") kept after it; on /v1/messages Anthropic's ``prompt is too long``
+    (router.anthropic_api)."""
 
     type = "exceed_context_size_error"
     default_code = "context_length_exceeded"
 
-    def __init__(self, message: str, *, n_prompt_tokens: int | None = None, n_ctx: int | None = None,
-                 **kw: Any) -> None:
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None,
+                 retry_after_s: int | None = None, n_prompt_tokens: int | None = None,
+                 n_ctx: int | None = None) -> None:
+        m = _CONTEXT_FIGURES.search(message)
+        self.n_ctx, _, self.n_prompt_tokens, self.n_completion = (int(g) for g in m.groups()) if m else (0, 0, 0, 0)
         if n_prompt_tokens is not None and n_ctx is not None:
+            self.n_prompt_tokens, self.n_ctx = n_prompt_tokens, n_ctx
             message = (f"request ({n_prompt_tokens} tokens) exceeds the available context size ({n_ctx} tokens), "
                        f"try increasing it. {message}")
-        super().__init__(message, **kw)
-        self.n_prompt_tokens = n_prompt_tokens
-        self.n_ctx = n_ctx
+        super().__init__(message, code=code, param=param, retry_after_s=retry_after_s)
 
     def extra_fields(self) -> dict[str, Any]:
-        if self.n_prompt_tokens is None or self.n_ctx is None:
-            return {}
-        return {"n_prompt_tokens": self.n_prompt_tokens, "n_ctx": self.n_ctx}
+        return {"n_prompt_tokens": self.n_prompt_tokens, "n_ctx": self.n_ctx} if self.n_ctx else {}
+
+
+#: The figures of the worker's context-length message (``worker.engine.generate.check_context``).
+_CONTEXT_FIGURES = re.compile(r"maximum context length is (\d+) tokens\. However, you requested (\d+) tokens "
+                              r"\((\d+) in the prompt, (\d+) for the completion\)")
 
 
 class PayloadTooLarge(ApiError):
