@@ -12,6 +12,7 @@ token ending inside a UTF-8 character (its ``bytes`` are exact).
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 from starlette.requests import Request
@@ -55,6 +56,7 @@ from router.openai_api import parse_messages
 from router.metrics import label_request
 from router.params import (
     INT32_MAX,
+    MAX_TOKEN_ID,
     N_PREDICT_MIN,
     get_bool,
     get_bounded,
@@ -69,6 +71,9 @@ from router.pool import ModelSlot, Pool
 from router.process import WorkerUnreachable
 from router.responses import JSONResponse, dumps
 from router.sse import SSEResponse, sse_event, until_disconnect
+
+#: llama.cpp's LLAMA_DEFAULT_SEED: "random" (its generation settings show it for an unseeded request).
+RANDOM_SEED = 0xFFFFFFFF
 
 #: How long a tokenize / detokenize / apply-template call may take, s. Liveness is the ping
 #: loop's (router.pool: a silent worker is unresponsive, then killed, and the call ends with
@@ -106,18 +111,113 @@ def _prob_entry(p: TokenProb, n: int) -> dict[str, Any]:
     }
 
 
-def _prompt(body: dict[str, Any]) -> str | list[int]:
-    prompt = get_prompt(body.get("prompt"), "prompt")
-    if prompt is None:
-        raise BadRequest("'prompt' must be a string or a non-empty list of token ids", param="prompt")
-    return prompt
+PromptPart = str | int
+
+
+def _prompt(body: dict[str, Any]) -> str | list[int] | list[PromptPart]:
+    """``prompt`` as llama-server takes one: a string, token ids, a list mixing strings and
+    token ids (``[12, 34, "text", 56]``: returned as is, :func:`_mixed_ids` tokenizes it), or an
+    object ``{"prompt_string": ...}`` (with no ``multimodal_data``: this server has no vision).
+    Several prompts in one request are a 400 (one completion per request here)."""
+    raw = body.get("prompt")
+    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (dict, list)):
+        raw = raw[0]  # one prompt in a list of prompts
+    if isinstance(raw, dict):
+        if raw.get("multimodal_data"):
+            raise BadRequest("'prompt.multimodal_data' is not supported: this server's models take text only",
+                             param="prompt.multimodal_data")
+        text = raw.get("prompt_string")
+        if not isinstance(text, str):
+            raise BadRequest("a prompt object needs a string 'prompt_string'", param="prompt.prompt_string")
+        return text
+    prompt = get_prompt(raw, "prompt")
+    if prompt is not None:
+        return prompt
+    if (isinstance(raw, list) and raw and all(isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool))
+                                              for p in raw) and any(isinstance(p, int) for p in raw)):
+        for t in raw:
+            if isinstance(t, int) and not 0 <= t <= MAX_TOKEN_ID:
+                raise BadRequest(f"'prompt': token ids must be integers in [0, {MAX_TOKEN_ID}], got {t}",
+                                 param="prompt")
+        return list(raw)
+    if isinstance(raw, list) and len(raw) > 1:
+        raise BadRequest("only one prompt per request is supported (a string, token ids, a list mixing "
+                         "both, or {\"prompt_string\": ...})", param="prompt")
+    raise BadRequest("'prompt' must be a string, a non-empty list of token ids (strings may be mixed in) or "
+                     "{\"prompt_string\": ...}", param="prompt")
+
+
+async def _tokenize(request: Request, slot: ModelSlot, text: str, add_special: bool, parse_special: bool,
+                    param: str) -> list[int]:
+    ans = await _call(request, slot, lambda i: Tokenize(id=i, content=text, add_special=add_special,
+                                                         parse_special=parse_special), param=param)
+    if not isinstance(ans, TokenizeResult):
+        raise BadGateway(f"unexpected {ans.TYPE} answer to tokenize")
+    return list(ans.tokens.view())
+
+
+async def _mixed_ids(request: Request, slot: ModelSlot, parts: list[PromptPart]) -> list[int]:
+    """A mixed prompt's token ids, as llama-server's ``tokenize_mixed``: each string tokenized
+    with special tokens parsed, the first element (only) with the model's BOS when it is a string;
+    ids kept as they are."""
+    out: list[int] = []
+    for k, p in enumerate(parts):
+        if isinstance(p, str):
+            out += await _tokenize(request, slot, p, k == 0, True, "prompt")
+        else:
+            out.append(p)
+    return out
+
+
+async def _text_logit_bias(request: Request, slot: ModelSlot, body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with llama-server's text-keyed ``logit_bias`` entries (``{"Hello": -1}``,
+    ``[["Hello", false]]``) turned into one entry per token of the text (tokenized without
+    special tokens, as llama-server does); entries keyed by token id are left as they are."""
+    lb = body.get("logit_bias")
+    if isinstance(lb, dict):
+        pairs = list(lb.items())
+    elif isinstance(lb, list) and all(isinstance(p, list) and len(p) == 2 for p in lb):
+        pairs = [(p[0], p[1]) for p in lb]
+    else:
+        return body
+    if not any(isinstance(k, str) and not k.strip().isdigit() for k, _ in pairs):
+        return body
+    out: list[list[Any]] = []
+    for key, bias in pairs:
+        if isinstance(key, str) and not key.strip().isdigit():
+            out += [[t, bias] for t in await _tokenize(request, slot, key, False, False, "logit_bias")]
+        else:
+            out.append([key, bias])
+    return {**body, "logit_bias": out}
+
+
+def _settings(msg: Generate, n_predict: int | None, streaming: bool) -> dict[str, Any]:
+    """llama-server's ``generation_settings`` of a /completion answer: the parameters this request
+    ran with (its own values, the model's config and llama.cpp's defaults), in its names."""
+    return {
+        "n_predict": -1 if n_predict is None else n_predict,
+        "seed": RANDOM_SEED if msg.seed is None else msg.seed,
+        "temperature": msg.temperature, "top_k": msg.top_k, "top_p": msg.top_p, "min_p": msg.min_p,
+        "repeat_last_n": msg.repeat_last_n, "repeat_penalty": msg.repeat_penalty,
+        "presence_penalty": msg.presence_penalty, "frequency_penalty": msg.frequency_penalty,
+        "stop": list(msg.stop), "max_tokens": -1 if n_predict is None else n_predict, "n_keep": 0,
+        "ignore_eos": msg.ignore_eos, "stream": streaming,
+        "logit_bias": [[t, b if b not in (math.inf, -math.inf) else False if b < 0 else b]
+                       for t, b in msg.logit_bias],
+        "n_probs": msg.n_probs, "grammar": msg.grammar or "", "json_schema": msg.json_schema or "",
+        "cache_prompt": msg.cache_prompt,
+        "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
+    }
 
 
 async def completion(request: Request) -> Response:
     body = await read_json(request)
     name, slot = _slot(request, body)
     refuse_ignored(body, "/completion")  # n, logprobs, response_format, tools, ...: not /completion fields
-    prompt = _prompt(body)
+    parts = _prompt(body)
+    prompt: str | list[int] = (await _mixed_ids(request, slot, parts)  # type: ignore[arg-type]
+                               if isinstance(parts, list) and any(isinstance(p, str) for p in parts) else parts)
+    body = await _text_logit_bias(request, slot, body)
     n_predict = get_int(body, "n_predict", None, N_PREDICT_MIN, INT32_MAX)  # -1: until n_ctx
     for alias in ("max_completion_tokens", "max_tokens"):  # llama.cpp's aliases of n_predict
         if n_predict is None:
@@ -137,6 +237,8 @@ async def completion(request: Request) -> Response:
         **read_sampling(body, LLAMACPP_DEFAULTS, slot, openai=False),
     )
     run, first = await begin(request, slot, msg, grammar_param=param)
+    settings = _settings(msg, max_tokens, streaming)
+    prompt_text = prompt if isinstance(prompt, str) else None
 
     def summary(done: Done, tokens: list[int], content: str) -> dict[str, Any]:
         ready = run.worker.ready if run.worker is not None else None
@@ -146,7 +248,9 @@ async def completion(request: Request) -> Response:
         return {
             "index": 0, "content": content, "tokens": tokens if return_tokens else [], "id_slot": done.id_slot,
             "stop": True, "model": name, "tokens_predicted": done.completion_tokens,
-            "tokens_evaluated": done.prompt_tokens, "has_new_line": "\n" in content, "truncated": truncated,
+            "tokens_evaluated": done.prompt_tokens, "generation_settings": settings,
+            **({"prompt": prompt_text} if prompt_text is not None else {}),
+            "has_new_line": "\n" in content, "truncated": truncated,
             "stop_type": done.stop_type if done.stop_type in ("eos", "word", "limit") else "none",
             "stopping_word": done.stopping_word,
             "tokens_cached": done.prompt_tokens + done.completion_tokens,

@@ -51,7 +51,7 @@ from starlette.routing import Route
 
 from protocol import SLOT_ACTIONS, SlotAction, SlotActionResult, slot_filename_error
 from router.errors import ApiError, BadGateway, BadRequest, NotSupported, Unavailable, error_response, redact_paths
-from router.llamacpp_api import call_worker
+from router.llamacpp_api import RANDOM_SEED, call_worker
 from router.generation import LLAMACPP_DEFAULTS
 from router import gguf_meta
 from router.metrics import label_request
@@ -61,8 +61,6 @@ from router.lifecycle import WorkerState
 from router.responses import JSONResponse
 from router.sse import until_disconnect
 
-#: llama.cpp's LLAMA_DEFAULT_SEED: "random".
-RANDOM_SEED = 0xFFFFFFFF
 #: How long /slots waits for the worker's Pong before using the router's own view, s.
 PROBE_TIMEOUT_S = 2.0
 #: How long a slot action may take (a busy slot's action waits for the slot), s.

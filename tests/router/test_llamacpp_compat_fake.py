@@ -236,3 +236,115 @@ def test_llamacpp_metric_names_and_process_start_header(tmp_path: Path, monkeypa
             assert _sample(t, "llamacpp:tokens_predicted_total", "a") == u1["completion_tokens"] + 3
 
     run(go())
+
+
+# ----------------------------------------------------------------------------- 4. /completion's answer
+
+
+def _generates(env: InProc) -> list[dict[str, Any]]:
+    import json
+    return [e for e in map(json.loads, env.fake_log.read_text().splitlines()) if e["event"] == "generate"]
+
+
+def test_completion_answers_its_generation_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-server's /completion answer (and its last stream chunk) carries ``generation_settings``:
+    the parameters the request ran with, by llama.cpp's names."""
+    env = InProc(tmp_path, monkeypatch)
+
+    async def go() -> None:
+        async with env.app(config("a", extra={"a": ["top_p = 0.5"]})) as (_, c):
+            body = {"prompt": "one two", "n_predict": 3, "temperature": 0.25, "top_k": 7, "seed": 42,
+                    "stop": ["zz"], "logit_bias": [[15, False]], "n_probs": 2}
+            r = await c.post("/completion", json=body)
+            assert r.status_code == 200, r.text
+            out = r.json()
+            gs = out["generation_settings"]
+            assert gs["n_predict"] == gs["max_tokens"] == 3 and gs["temperature"] == 0.25 and gs["top_k"] == 7
+            assert gs["seed"] == 42 and gs["stop"] == ["zz"] and gs["n_probs"] == 2 and gs["stream"] is False
+            assert gs["top_p"] == 0.5 and gs["min_p"] == 0.05  # the model's config, then llama.cpp's default
+            assert gs["logit_bias"] == [[15, False]] and gs["ignore_eos"] is False
+            assert out["prompt"] == "one two" and out["model"] == "a"
+            r = await c.post("/completion", json={"prompt": "one", "stream": True})
+            last = [ln for ln in r.text.splitlines() if ln.startswith("data: ")][-1]
+            import json
+            gs = json.loads(last[6:])["generation_settings"]
+            assert gs["stream"] is True and gs["n_predict"] == -1 and gs["seed"] == 0xFFFFFFFF  # unseeded: random
+
+    run(go())
+
+
+def test_completion_takes_prompt_objects_and_mixed_lists(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-server's prompt shapes: ``{"prompt_string": ...}``, and a list mixing strings and token ids
+    (each string tokenized; the model's BOS only when the first element is a string)."""
+    from tests.fakes.fake_worker import tokenize
+    env = InProc(tmp_path, monkeypatch)
+
+    async def go() -> None:
+        async with env.app(config("a")) as (_, c):
+            r = await c.post("/completion", json={"prompt": {"prompt_string": "alpha beta"}, "n_predict": 1})
+            assert r.status_code == 200, r.text
+            assert _generates(env)[-1]["prompt"] == "alpha beta"
+            r = await c.post("/completion", json={"prompt": ["alpha beta", 77, "gamma"], "n_predict": 1})
+            assert r.status_code == 200, r.text
+            assert _generates(env)[-1]["prompt"] == tokenize("alpha beta", True) + [77] + tokenize("gamma", False)
+            assert r.json()["tokens_evaluated"] == len(tokenize("alpha beta", True)) + 2
+            r = await c.post("/completion", json={"prompt": [77, "gamma delta"], "n_predict": 1})
+            assert _generates(env)[-1]["prompt"] == [77] + tokenize("gamma delta", False)
+            for bad, param in (({"prompt_string": "x", "multimodal_data": ["aGk="]}, "prompt.multimodal_data"),
+                               ({"prompt_str": "x"}, "prompt.prompt_string"), (["a", "b"], "prompt"),
+                               ([1, -3, "a"], "prompt")):
+                r = await c.post("/completion", json={"prompt": bad})
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+
+    run(go())
+
+
+def test_completion_text_keyed_logit_bias(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-server: a ``logit_bias`` key that is text biases every token of that text."""
+    from tests.fakes.fake_worker import tokenize
+    env = InProc(tmp_path, monkeypatch)
+
+    async def go() -> None:
+        async with env.app(config("a")) as (_, c):
+            hello = tokenize("Hello world", False)
+            r = await c.post("/completion", json={"prompt": "hi", "n_predict": 1,
+                                                  "logit_bias": {"Hello world": -2, "15": 1}})
+            assert r.status_code == 200, r.text
+            assert _generates(env)[-1]["logit_bias"] == [[hello[0], -2.0], [hello[1], -2.0], [15, 1.0]]
+            r = await c.post("/completion", json={"prompt": "hi", "n_predict": 1, "logit_bias": [["Hello", False]]})
+            assert r.status_code == 200
+            assert _generates(env)[-1]["logit_bias"] == [[tokenize("Hello", False)[0], float("-inf")]]
+
+    run(go())
+
+
+def test_one_token_answer_has_no_generation_rate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = InProc(tmp_path, monkeypatch)
+
+    async def go() -> None:
+        async with env.app(config("a")) as (_, c):
+            r = await c.post("/completion", json={"prompt": "hi", "n_predict": 1})
+            t = r.json()["timings"]
+            assert t["predicted_n"] == 1 and t["predicted_per_second"] == 0
+            r = await c.post("/completion", json={"prompt": "hi", "n_predict": 3})
+            assert r.json()["timings"]["predicted_per_second"] > 0
+
+    run(go())
+
+
+def test_json_object_with_a_schema_constrains_to_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-server: ``response_format: {"type": "json_object", "schema": S}`` constrains to S."""
+    import json
+    env = InProc(tmp_path, monkeypatch)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+    async def go() -> None:
+        async with env.app(config("a")) as (_, c):
+            r = await c.post("/v1/chat/completions", json=chat("a", response_format={"type": "json_object",
+                                                                                    "schema": schema}))
+            assert r.status_code == 200, r.text
+            assert json.loads(_generates(env)[-1]["json_schema"]) == schema
+            r = await c.post("/v1/chat/completions", json=chat("a", response_format={"type": "json_object"}))
+            assert json.loads(_generates(env)[-1]["json_schema"]) == {"type": "object"}
+
+    run(go())
