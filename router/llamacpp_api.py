@@ -311,17 +311,18 @@ async def _call(request: Request, slot: ModelSlot, make: Any, timeout_s: float =
         encode(make("check"))
     except ProtocolError as e:
         raise unsendable(e.reason) from None
-    worker = await until_disconnect(request.receive, slot.ready_worker())
-    msg = make(worker.new_call_id("call"))
-    try:
-        ans = await until_disconnect(request.receive, worker.call(msg, timeout_s))
-    except ProtocolError as e:
-        raise unsendable(e.reason) from None
-    except WorkerUnreachable as e:
-        raise BadGateway(f"model '{slot.model.name}' worker is unreachable: {e}", code="worker_crashed") from None
-    except TimeoutError:
-        raise BadGateway(f"model '{slot.model.name}' worker did not answer within {timeout_s:g} s",
-                         code="worker_timeout") from None
+    with slot.holding():  # not evicted for another model while this call waits or runs
+        worker = await until_disconnect(request.receive, slot.ready_worker())
+        msg = make(worker.new_call_id("call"))
+        try:
+            ans = await until_disconnect(request.receive, worker.call(msg, timeout_s))
+        except ProtocolError as e:
+            raise unsendable(e.reason) from None
+        except WorkerUnreachable as e:
+            raise BadGateway(f"model '{slot.model.name}' worker is unreachable: {e}", code="worker_crashed") from None
+        except TimeoutError:
+            raise BadGateway(f"model '{slot.model.name}' worker did not answer within {timeout_s:g} s",
+                             code="worker_timeout") from None
     if isinstance(ans, Error):
         if ans.code == ErrorCode.WORKER_GONE:
             raise BadGateway(f"model '{slot.model.name}' worker failed: {ans.message}", code="worker_crashed")

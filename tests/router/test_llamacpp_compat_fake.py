@@ -348,3 +348,72 @@ def test_json_object_with_a_schema_constrains_to_it(tmp_path: Path, monkeypatch:
             assert json.loads(_generates(env)[-1]["json_schema"]) == {"type": "object"}
 
     run(go())
+
+
+# ----------------------------------------------------------------------------- 9. router queue
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/tokenize", "/props"])
+def test_waiters_for_a_load_are_served_before_a_later_request_evicts_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, route: str) -> None:
+    """llama-server's router keeps FIFO: two requests wait for model b's load (max_loaded = 1); a
+    later request for c waits until they are served, and never makes them a 503."""
+    from router.lifecycle import WorkerState
+    from tests.router.inproc import until
+    env = InProc(tmp_path, monkeypatch)
+    env.set_fake({"b": {"hold_load": True}})
+
+    async def ask_b() -> Any:
+        if route == "/v1/chat/completions":
+            return await c.post(route, json=chat("b"))
+        if route == "/tokenize":
+            return await c.post(route, json={"model": "b", "content": "x y"})
+        return await c.get(route, params={"model": "b"})
+
+    async def go() -> None:
+        nonlocal c
+        async with env.app(config("abc", ["max_loaded = 1"])) as (pool, c):
+            assert (await c.post("/v1/chat/completions", json=chat("a"))).status_code == 200
+            with env.hold():
+                bs = [asyncio.create_task(ask_b()) for _ in range(2)]
+                await until(lambda: pool.get("b").state is WorkerState.LOADING, "b loading")
+                later = asyncio.create_task(c.post("/v1/chat/completions", json=chat("c")))
+                await until(lambda: pool.get("c").waiting_for, "c waiting for room")
+                assert "b to become idle" in (pool.get("c").waiting_for or "")
+            rs = await asyncio.gather(*bs)
+            assert [r.status_code for r in rs] == [200, 200], [r.text for r in rs]
+            r = await later
+            assert r.status_code == 200, r.text
+            assert pool.get("c").state is WorkerState.READY and pool.get("b").state is WorkerState.UNLOADED
+
+    c: Any = None
+    run(go())
+
+
+def test_a_client_leaving_while_its_model_loads_evicts_nothing_more(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """max_loaded = 2 with a and c loaded: a request for b evicts the least recently used (a) and b
+    loads; its client leaving meanwhile evicts nothing else (c stays), b's load completes."""
+    from router.lifecycle import WorkerState
+    from tests.router.inproc import until
+    env = InProc(tmp_path, monkeypatch)
+    env.set_fake({"b": {"hold_load": True}})
+
+    async def go() -> None:
+        async with env.app(config("abc", ["max_loaded = 2"])) as (pool, c):
+            for m in "ac":
+                assert (await c.post("/v1/chat/completions", json=chat(m))).status_code == 200
+            with env.hold():
+                b = pool.get("b")
+                for make, waiting in ((lambda: c.post("/v1/chat/completions", json=chat("b")), lambda: b.queue_depth),
+                                      (lambda: c.post("/tokenize", json={"model": "b", "content": "x"}),
+                                       lambda: b._users)):
+                    t = asyncio.create_task(make())
+                    await until(lambda: b.state is WorkerState.LOADING and waiting(), "b loading for the request")
+                    t.cancel()
+                    await until(lambda: pool.get("b").queue_depth == 0 and pool.get("b")._users == 0, "b left")
+                    assert pool.get("c").state is WorkerState.READY
+            await until(lambda: pool.get("b").state is WorkerState.READY, "b loaded")
+            assert pool.get("c").state is WorkerState.READY and pool.get("a").state is WorkerState.UNLOADED
+
+    run(go())
