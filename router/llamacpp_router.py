@@ -140,7 +140,7 @@ def generation_params(slot: ModelSlot) -> dict[str, Any]:
 
 
 def _n_ctx(slot: ModelSlot) -> int:
-    ready = slot.worker.ready if slot.worker is not None else None
+    ready = slot.worker.ready if slot.worker is not None else slot.last_ready if slot.sleeping else None
     return ready.n_ctx if ready is not None else (slot.model.n_ctx or 0)
 
 
@@ -156,19 +156,22 @@ async def props(request: Request) -> Response:
             "default_generation_settings": {"params": {}, "n_ctx": 0},
             "build_info": build_info(),
         })
-    await _ready(request, slot)
+    sleeping = slot.sleeping  # as llama-server: a sleeping model answers from what it knew, and stays asleep
+    if not sleeping:
+        await _ready(request, slot)
+    last = slot.last_ready
     return JSONResponse({
         "default_generation_settings": {
             "id": 0, "id_task": None, "n_ctx": _n_ctx(slot), "speculative": False, "is_processing": False,
             "params": generation_params(slot),
         },
-        "total_slots": slot.total_slots,
+        "total_slots": last.max_jobs if sleeping and last is not None else slot.total_slots,
         "model_alias": slot.model.name,
         "model_path": redact_paths(str(slot.model.path)),
         "chat_template": chat_template(slot),
         "modalities": {"vision": False, "audio": False},
         "build_info": build_info(),
-        "is_sleeping": False,
+        "is_sleeping": sleeping,
     })
 
 
@@ -246,6 +249,8 @@ def _status(slot: ModelSlot) -> dict[str, Any]:
         status["failed"] = True
         status["exit_code"] = slot.last_exit_code
         status["error"] = slot.last_error
+    if slot.sleeping:
+        status["is_sleeping"] = True  # unloaded for idleness: the next generation loads it again
     return status
 
 
@@ -303,6 +308,8 @@ async def model_health(request: Request, name: str) -> Response:
     label_request(request, slot.model.name)
     if slot.state is WorkerState.READY:
         return JSONResponse({"status": "ok", "model": slot.model.name})
+    if slot.sleeping:  # llama-server's sleeping server is healthy; its next generation wakes it
+        return JSONResponse({"status": "ok", "model": slot.model.name, "is_sleeping": True})
     err: ApiError
     if slot.state in (WorkerState.UNLOADED, WorkerState.FAILED) and _autoload(request):
         failed = slot.state is WorkerState.FAILED

@@ -62,7 +62,7 @@ from typing import Any
 
 import zmq.asyncio
 
-from protocol import Ping, Pong
+from protocol import Ping, Pong, Ready
 from router.backoff import CrashHistory, CrashPolicy, Failure
 from router.config import Config, ModelConfig
 from router.events import EventHub
@@ -145,6 +145,10 @@ class ModelSlot:
         # (ready_worker, use): like a waiting or running request, they keep the model from being
         # idle, so a later request for another model never evicts the one they wait for
         self._users = 0
+        # unloaded for idleness (idle_ttl_s): llama-server's "sleeping" (--sleep-idle-seconds); the
+        # next generation wakes it (loads it again), read-only routes (/props, /health) do not
+        self.asleep = False
+        self.last_ready: Ready | None = None  # the last worker's Ready (its n_ctx, slots), kept while asleep
         self._placement_sticky = False  # an operator asked for the load: wanted even with nobody waiting
         self.waiting_for: str | None = None  # why the wanted load has not started (placement)
         self.rss_after_load: int | None = None  # the last worker's RSS right after Ready, bytes
@@ -603,7 +607,13 @@ class ModelSlot:
 
     # ------------------------------------------------------------------ loading
 
+    @property
+    def sleeping(self) -> bool:
+        """Unloaded for idleness and not woken since (llama-server's ``is_sleeping``)."""
+        return self.asleep and self.state is WorkerState.UNLOADED
+
     def _begin_load(self) -> None:
+        self.asleep = False
         if self._crashed:
             self._crashed = False
             self.metrics.restarts.labels(self.model.name).inc()
@@ -673,6 +683,7 @@ class ModelSlot:
         self.worker = wp
         self.metrics.load_time.labels(self.model.name).observe(time.monotonic() - t0)
         self.load_ms = ready.load_ms
+        self.last_ready = ready
         self.loaded_at = time.time()
         self.last_exit_code = None
         self._set_state(WorkerState.READY)
@@ -791,6 +802,7 @@ class ModelSlot:
             # idle for ttl: check and state change in one step (no await in between)
             self._idle_task = None
             self._idle_unloading = True
+            self.asleep = True
             self._unload_task = self._start_unload(drain=True, reason=f"idle for {ttl:g} s (idle_ttl_s)")
             return
 

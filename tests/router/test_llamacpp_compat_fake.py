@@ -417,3 +417,37 @@ def test_a_client_leaving_while_its_model_loads_evicts_nothing_more(
             assert pool.get("c").state is WorkerState.READY and pool.get("a").state is WorkerState.UNLOADED
 
     run(go())
+
+
+# ----------------------------------------------------------------------------- 7. sleeping
+
+
+def test_a_model_unloaded_for_idleness_is_sleeping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-server --sleep-idle-seconds (here idle_ttl_s): once asleep /health is 200 and /props is 200
+    with ``is_sleeping: true`` without waking it; a generation wakes it, and /props says so."""
+    from router.lifecycle import WorkerState
+    from tests.router.inproc import until
+    env = InProc(tmp_path, monkeypatch)
+
+    async def go() -> None:
+        async with env.app(config("a", extra={"a": ["idle_ttl_s = 0.2"]})) as (pool, c):
+            slot = pool.get("a")
+            r = await c.get("/props", params={"model": "a"})  # never loaded: not asleep, /props loads it
+            assert r.status_code == 200 and r.json()["is_sleeping"] is False and slot.state is WorkerState.READY
+            assert (await c.post("/v1/chat/completions", json=chat("a"))).status_code == 200
+            await until(lambda: slot.sleeping, "asleep after idle_ttl_s")
+            for _ in range(2):
+                r = await c.get("/props", params={"model": "a"})
+                assert r.status_code == 200 and r.json()["is_sleeping"] is True, r.text
+                assert r.json()["default_generation_settings"]["n_ctx"] == 256 and r.json()["total_slots"] == 1
+                r = await c.get("/health", params={"model": "a"})
+                assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["is_sleeping"] is True
+                m = next(m for m in (await c.get("/models")).json()["data"] if m["id"] == "a")
+                assert m["status"]["value"] == "unloaded" and m["status"]["is_sleeping"] is True
+                assert slot.state is WorkerState.UNLOADED  # none of them woke it
+            r = await c.post("/completion", json={"prompt": "hi", "n_predict": 1})
+            assert r.status_code == 200
+            r = await c.get("/props", params={"model": "a"})
+            assert r.json()["is_sleeping"] is False and slot.state is WorkerState.READY
+
+    run(go())
