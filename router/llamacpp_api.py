@@ -236,7 +236,7 @@ async def completion(request: Request) -> Response:
         json_schema=json_schema, grammar=grammar,
         **read_sampling(body, LLAMACPP_DEFAULTS, slot, openai=False),
     )
-    run, first = await begin(request, slot, msg, grammar_param=param)
+    run, first = await begin(request, slot, msg, grammar_param=param, early=streaming)
     settings = _settings(msg, max_tokens, streaming)
     prompt_text = prompt if isinstance(prompt, str) else None
 
