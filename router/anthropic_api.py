@@ -94,7 +94,9 @@ def _turns(body: dict[str, Any]) -> list[ChatTurn]:
         text = _text_blocks(system, "system")
         if text:
             turns.append(ChatTurn("system", text))
-    for where, m in objects(body.get("messages"), "messages"):
+    # an empty conversation is rendered (system prompt and generation prompt only), as llama-server does
+    raw = body.get("messages")
+    for where, m in ([] if raw == [] else objects(raw, "messages")):
         role = m.get("role")
         if role in ("system", "developer"):
             # a system turn inside the conversation (Claude Code's mid-conversation-system beta):
@@ -231,7 +233,8 @@ async def _parse(request: Request, body: dict[str, Any]) -> _Request:
     turns = _turns(body)
     tools, choice = _tools(request, body)
     text_schema, fmt_param = _output_format(body)
-    return _Request(model, slot, prepare(slot, turns, tools, choice, text_schema, fmt_param))
+    return _Request(model, slot, prepare(slot, turns, tools, choice, text_schema, fmt_param,
+                                         allow_empty=body.get("messages") == []))
 
 
 def _generate(req: _Request, body: dict[str, Any], max_tokens: int, prefix: str) -> Generate:

@@ -182,13 +182,15 @@ class Prepared:
 
 def prepare(slot: ModelSlot, turns: list[ChatTurn], tools: list[Tool], choice: ToolChoice,
             text_schema: str | None, format_param: str | None, tools_param: str = "tools",
-            messages_param: str = "messages") -> Prepared:
+            messages_param: str = "messages", allow_empty: bool = False) -> Prepared:
     """Turns + tools + a response format (``text_schema``, the JSON Schema text from
     ``format_param``) as a :class:`Prepared`, in ``slot``'s template tool syntax.
     ``choice`` none: the tools are neither described nor parsed. Turns that all fell
     away in the dialect's reading (only ``reasoning`` items, a user message with no
-    content blocks) are a 400 naming ``messages_param``, never an empty prompt sent on."""
-    if not turns:
+    content blocks) are a 400 naming ``messages_param``, never an empty prompt sent on —
+    unless the client sent no turn at all and the dialect renders that (``allow_empty``:
+    llama-server answers an empty Anthropic conversation from its template alone)."""
+    if not turns and not allow_empty:
         raise BadRequest(f"'{messages_param}' holds no message to answer (items that carry nothing for "
                          "these models, such as reasoning items or empty content, are dropped)",
                          param=messages_param)

@@ -451,3 +451,25 @@ def test_a_model_unloaded_for_idleness_is_sleeping(tmp_path: Path, monkeypatch: 
             assert r.json()["is_sleeping"] is False and slot.state is WorkerState.READY
 
     run(go())
+
+
+def test_an_empty_anthropic_conversation_is_answered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-server renders an empty ``messages`` (the system prompt and the generation prompt) and
+    answers; OpenAI's chat route still needs a message."""
+    env = InProc(tmp_path, monkeypatch)
+
+    async def go() -> None:
+        async with env.app(config("a")) as (_, c):
+            for body in ({"model": "a", "max_tokens": 3, "messages": []},
+                         {"model": "a", "max_tokens": 3, "system": "be brief", "messages": []}):
+                r = await c.post("/v1/messages", json=body)
+                assert r.status_code == 200, r.text
+                assert r.json()["type"] == "message" and r.json()["content"][0]["type"] == "text"
+                msgs = _generates(env)[-1]["messages"]
+                assert msgs == ([{"role": "system", "content": "be brief"}] if "system" in body else [])
+                r = await c.post("/v1/messages/count_tokens", json=body)
+                assert r.status_code == 200 and r.json()["input_tokens"] > 0
+            r = await c.post("/v1/chat/completions", json={"model": "a", "messages": []})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+    run(go())

@@ -129,11 +129,12 @@ def normalize_messages(messages: Any, developer_known: bool) -> list[dict[str, A
     are passed through.
 
     Raises:
-        EngineError("invalid_params"): not a non-empty list of such messages,
+        EngineError("invalid_params"): not a list of such messages (an empty one renders the
+            template with no turns, as llama-server does for an empty Anthropic conversation),
             or a content part that is not text.
     """
-    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
-        raise EngineError("invalid_params", "messages must be a non-empty list")
+    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
+        raise EngineError("invalid_params", "messages must be a list")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
@@ -219,6 +220,8 @@ def fit_roles(msgs: list[dict[str, Any]], caps: RoleCaps) -> list[dict[str, Any]
 
 def _prefill(msgs: list[dict[str, Any]]) -> str | None:
     """The content of a last assistant message to continue (None: no prefill)."""
+    if not msgs:
+        return None
     last = msgs[-1]
     if last["role"] != "assistant" or last.get("tool_calls"):
         return None
