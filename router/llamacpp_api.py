@@ -70,6 +70,7 @@ from router.params import (
 from router.pool import ModelSlot, Pool
 from router.process import WorkerUnreachable
 from router.responses import JSONResponse, dumps
+from router.set_aside import set_aside
 from router.sse import SSEResponse, sse_event, until_disconnect
 
 #: llama.cpp's LLAMA_DEFAULT_SEED: "random" (its generation settings show it for an unseeded request).
@@ -218,6 +219,9 @@ async def completion(request: Request) -> Response:
     prompt: str | list[int] = (await _mixed_ids(request, slot, parts)  # type: ignore[arg-type]
                                if isinstance(parts, list) and any(isinstance(p, str) for p in parts) else parts)
     body = await _text_logit_bias(request, slot, body)
+    if get_bool(body, "return_progress", False):  # cannot be done: the worker reports no prefill progress
+        set_aside(request.state, "return_progress", "prompt_progress",
+                  "the worker reports no progress of a prompt's prefill; the stream has no prompt_progress chunks")
     n_predict = get_int(body, "n_predict", None, N_PREDICT_MIN, INT32_MAX)  # -1: until n_ctx
     for alias in ("max_completion_tokens", "max_tokens"):  # llama.cpp's aliases of n_predict
         if n_predict is None:

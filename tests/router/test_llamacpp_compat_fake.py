@@ -473,3 +473,17 @@ def test_an_empty_anthropic_conversation_is_answered(tmp_path: Path, monkeypatch
             assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
     run(go())
+
+
+def test_return_progress_is_set_aside_visibly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = InProc(tmp_path, monkeypatch)
+
+    async def go() -> None:
+        async with env.app(config("a")) as (_, c):
+            r = await c.post("/completion", json={"prompt": "hi", "n_predict": 2, "stream": True,
+                                                  "return_progress": True})
+            assert r.status_code == 200 and r.headers["X-Modelyard-Set-Aside"] == "return_progress:prompt_progress"
+            r = await c.post("/completion", json={"prompt": "hi", "n_predict": 2})
+            assert "X-Modelyard-Set-Aside" not in r.headers
+
+    run(go())
