@@ -27,6 +27,7 @@ from router import admin, anthropic_api, decode_api, llamacpp_api, llamacpp_rout
 from router.background import BackgroundStore
 from router.access_log import AccessLog
 from router.auth import BearerAuth
+from router.cli_args import version
 from router.config import Config
 from router.errors import ApiError, InternalError, MethodNotAllowed, NotFound, error_response
 from router.metrics import CONTENT_TYPE, Metrics, RequestMetrics
@@ -57,6 +58,14 @@ async def health(request: Request) -> Response:
     pool: Pool = request.app.state.pool
     return JSONResponse({"status": "ok", "models": {n: s.state.value for n, s in pool.slots.items()},
                          "weights": {n: s.model.weights_mode for n, s in pool.slots.items()}})
+
+
+async def root(request: Request) -> Response:
+    """``GET /`` and ``HEAD /``: the service answers (harnesses' connectivity checks — Claude
+    Code sends ``HEAD /``). Never loads a model; behind the api key when one is set."""
+    pool: Pool = request.app.state.pool
+    return JSONResponse({"status": "ok", "service": "modelyard", "version": version(),
+                         "models": list(pool.slots)})
 
 
 async def metrics(request: Request) -> Response:
@@ -117,7 +126,8 @@ def create_app(config: Config, *, worker_module: str | None = None,
             await app.state.background.close()  # its runs end (Cancel) before the workers stop
             await app.state.pool.close()
 
-    routes = [Route("/health", health, methods=["GET"]), Route("/v1/health", health, methods=["GET"]),
+    routes = [Route("/", root, methods=["GET", "HEAD"]),
+              Route("/health", health, methods=["GET"]), Route("/v1/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"]),
               *openai_api.routes, *openai_responses.routes, *decode_api.routes, *anthropic_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *admin.routes,
               *openapi.routes]

@@ -228,9 +228,8 @@ def check_not_cancelled(done: Done) -> None:
 Formatter = Callable[[Token | Done], Awaitable[list[bytes]]]
 
 
-#: A stream that has sent nothing for this long sends a keep-alive (s): while a long prompt is
-#: prefilled, or a tool call is held back until it is whole, no client waits in silence.
-KEEPALIVE_S = 5.0
+#: A stream that has sent nothing for ``[server] sse_keepalive_s`` sends a keep-alive: while a long
+#: prompt is prefilled, or a tool call is held back until it is whole, no client waits in silence.
 #: The default keep-alive: an SSE comment line, which every SSE parser skips.
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
 
@@ -238,16 +237,17 @@ KEEPALIVE_COMMENT = b": keep-alive\n\n"
 async def stream(run: Run, first: Token | Done | Accepted, on_frame: Formatter,
                  on_error: Callable[[ApiError], bytes] | None = None, *,
                  on_open: Callable[[Accepted], list[bytes]] | None = None,
-                 keepalive: bytes = KEEPALIVE_COMMENT, keepalive_s: float = KEEPALIVE_S) -> AsyncIterator[bytes]:
+                 keepalive: bytes = KEEPALIVE_COMMENT) -> AsyncIterator[bytes]:
     """SSE events for every frame of ``run`` (``on_frame`` formats; may return none).
 
     ``first`` an Accepted (``begin(early=True)``): ``on_open`` gives the dialect's opening
     events at once (Anthropic ``message_start``, the chat role chunk, ``response.created``;
     none given: a keep-alive), before the prompt is prefilled. Whenever nothing was sent
-    for ``keepalive_s``, ``keepalive`` is (an SSE comment, Anthropic's ``ping``).
+    for the server's ``sse_keepalive_s``, ``keepalive`` is (an SSE comment, Anthropic's ``ping``).
     An ApiError mid-stream becomes one error event (``on_error``, default
     :func:`error_event`: OpenAI's shape) and ends the stream."""
     on_error = on_error or error_event
+    keepalive_s = run.slot.sse_keepalive_s
     try:
         item: Token | Done | Accepted = first
         sent_at = time.monotonic()  # the response head goes out with the first event

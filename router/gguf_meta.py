@@ -101,6 +101,46 @@ def _read_string(path: str, size: int, mtime_ns: int, key: str) -> str | None:
     return None
 
 
+#: struct formats of the integer GGUF value types (type code -> format).
+_INTS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
+
+
+def read_int(path: Path, key: str) -> int | None:
+    """The integer value of ``key`` in the GGUF header of ``path`` (None if absent, not an
+    integer, or the file is unreadable or not GGUF), e.g. ``llama.context_length``."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return _read_int(str(path), st.st_size, st.st_mtime_ns, key)
+
+
+@functools.lru_cache(maxsize=64)
+def _read_int(path: str, size: int, mtime_ns: int, key: str) -> int | None:
+    want = key.encode()
+    try:
+        with open(path, "rb") as f:
+            if _read(f, 4) != _MAGIC or _u32(f) < 2:
+                return None
+            _u64(f)  # tensor count
+            for _ in range(_u64(f)):
+                k = _string(f)
+                vtype = _u32(f)
+                if k == want:
+                    fmt = _INTS.get(vtype)
+                    return int(struct.unpack(fmt, _read(f, struct.calcsize(fmt)))[0]) if fmt else None
+                _skip(f, vtype)
+    except (OSError, _Truncated, struct.error):
+        return None
+    return None
+
+
+def n_ctx_train(path: Path) -> int | None:
+    """The context length the model was trained with (``<arch>.context_length``), or None."""
+    arch = read_string(path, "general.architecture")
+    return read_int(path, f"{arch}.context_length") if arch else None
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """One tensor info of a GGUF file: ``name``, ``dims`` in GGUF order (``ne[0]``, the row

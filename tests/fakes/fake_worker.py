@@ -384,6 +384,8 @@ class FakeWorker:
             top = [[tid + j, -0.5 - j,
                     pc if j == 0 else (bytes([0xC3 + j]) if utf8 and i < 2 else piece(tid + j))]
                    for j in range(g.n_probs)]
+            if n == 1:
+                _log("first_token", id=g.id)
             await self.send(Token(id=g.id, text=delta, token_id=tid, piece=pc,
                                   logprob=-0.5 if g.n_probs else None, top_logprobs=top))
             if crash:
