@@ -35,7 +35,8 @@ from typing import Any, ClassVar
 #: 6: token ids of TokenizeResult / Detokenize travel as TokenIds (int32 bytes), pieces as one blob.
 #: 7: LoadProgress stage ``loading_kernels``.
 #: 8: Accepted (a Generate's prompt fits and is queued; what its constraint set aside).
-PROTOCOL_VERSION = 8
+#: 9: Error.n_prompt_tokens / n_ctx (a context overflow's figures); Generate / ApplyTemplate template_kwargs.
+PROTOCOL_VERSION = 9
 
 #: Largest frame either side accepts, in bytes (a 100 KB prompt as token ids is < 1 MiB).
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -371,6 +372,9 @@ class Generate(Message):
     # with messages: the template's ``tools`` (HF's shape, [{"type": "function", "function":
     # {"name", "description", "parameters"}}]), for templates with their own tool syntax
     tools: list[dict[str, Any]] | None = None
+    # with messages: more variables for the template (llama.cpp's chat_template_kwargs, e.g.
+    # enable_thinking); messages, tools, add_generation_prompt, bos_token, eos_token are not among them
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
     add_special: bool = True
     parse_special: bool = True
     max_tokens: int | None = None
@@ -447,6 +451,7 @@ class ApplyTemplate(Message):
     TYPE: ClassVar[str] = "apply_template"
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # as Generate.template_kwargs
 
 
 #: SlotAction.action values (llama.cpp's ``POST /slots/{id}?action=``).

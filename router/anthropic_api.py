@@ -2,8 +2,9 @@
 ``POST /v1/messages/count_tokens``, as the official ``anthropic`` SDK sends and parses them.
 
 Request in: ``system`` (a string or text blocks), ``messages`` (content a string or
-blocks ``text``, ``tool_use``, ``tool_result``; ``thinking`` blocks of earlier
-turns are dropped, as Anthropic does; images and documents are a 400),
+blocks ``text``, ``tool_use``, ``tool_result``; the text of ``thinking`` blocks of earlier
+turns is kept as the turn's reasoning — the template's ``reasoning_content``, as llama-server
+gives it — and ``redacted_thinking`` blocks are dropped; images and documents are a 400),
 ``max_tokens`` (required), ``stop_sequences``, ``temperature`` (0..1), ``top_p``,
 ``top_k``, ``tools`` (custom tools: ``name``, ``description``, ``input_schema``)
 and ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``;
@@ -57,8 +58,9 @@ from router.set_aside import set_aside
 from router.sse import SSEResponse, sse_named
 from router.tools import ChatTurn, Tool, ToolCall, ToolChoice
 
-#: Content block types of earlier assistant turns that carry no text for the prompt.
-_DROPPED_BLOCKS = ("thinking", "redacted_thinking")
+#: Content block types of earlier assistant turns that carry no text for the prompt (a ``thinking``
+#: block's text is kept: the turn's reasoning, the template's ``reasoning_content``).
+_DROPPED_BLOCKS = ("redacted_thinking",)
 
 
 @dataclass
@@ -117,6 +119,7 @@ def _turns(body: dict[str, Any]) -> list[ChatTurn]:
                              param=f"{where}.content")
         texts: list[str] = []
         calls: list[ToolCall] = []
+        thoughts: list[str] = []
         for j, b in enumerate(content):
             bw = f"{where}.content[{j}]"
             if not isinstance(b, dict):
@@ -139,6 +142,10 @@ def _turns(body: dict[str, Any]) -> list[ChatTurn]:
                 if b.get("is_error") is True:
                     result = f"Error: {result}"
                 turns.append(ChatTurn("tool", result, tool_call_id=ident))
+            elif kind == "thinking" and role == "assistant":
+                if not isinstance(b.get("thinking"), str):
+                    raise BadRequest(f"'{bw}.thinking' must be a string", param=f"{bw}.thinking")
+                thoughts.append(b["thinking"])
             elif kind in _DROPPED_BLOCKS and role == "assistant":
                 continue
             elif kind in ("image", "document"):
@@ -148,7 +155,8 @@ def _turns(body: dict[str, Any]) -> list[ChatTurn]:
                 raise BadRequest(f"'{bw}': content blocks of type {kind!r} are not supported in a {role} "
                                  "message", param=bw)
         if texts or calls or role == "assistant":
-            turns.append(ChatTurn(role, "\n".join(texts), tool_calls=calls))
+            turns.append(ChatTurn(role, "\n".join(texts), tool_calls=calls,
+                                  reasoning="\n\n".join(thoughts) if thoughts else None))
     return _combine_assistants(turns)
 
 
@@ -159,8 +167,9 @@ def _combine_assistants(turns: list[ChatTurn]) -> list[ChatTurn]:
     for t in turns:
         if out and t.role == out[-1].role == "assistant":
             prev = out[-1]
+            reasoning = "\n\n".join(x for x in (prev.reasoning, t.reasoning) if x) or None
             out[-1] = ChatTurn("assistant", "\n\n".join(x for x in (prev.content, t.content) if x),
-                               prev.tool_calls + t.tool_calls)
+                               prev.tool_calls + t.tool_calls, reasoning=reasoning)
         else:
             out.append(t)
     return out

@@ -7,7 +7,7 @@ Layout::
                         body_timeout_s, keep_alive_timeout_s, max_connections, max_header_bytes,
                         stream_stall_timeout_s, sse_keepalive_s, max_loaded, default_model
     [defaults]          any per-model key below except path/aliases; applies to every model
-    [models.NAME]       path (required), aliases, n_ctx, chat_template, max_queue,
+    [models.NAME]       path (required), aliases, n_ctx, chat_template, reasoning, max_queue,
                         load_timeout_s, cancel_timeout_s, drain_timeout_s,
                         shutdown_grace_s, ping_interval_s, ping_timeout_s, unresponsive_after_s,
                         idle_ttl_s, n_threads, parallel, kv_budget_mib, restart_backoff_s, restart_backoff_max_s,
@@ -76,6 +76,10 @@ class ModelConfig:
     aliases: tuple[str, ...] = ()
     n_ctx: int | None = None
     chat_template: str | None = None
+    # llama.cpp's --reasoning: "auto" / "on" render the template with enable_thinking true (a reasoning
+    # template opens its think block; others ignore it), "off" with enable_thinking false (it is closed);
+    # a request's chat_template_kwargs.enable_thinking wins
+    reasoning: str = "auto"
     max_queue: int = 8
     load_timeout_s: float = 120.0
     cancel_timeout_s: float = 10.0  # Cancel sent -> no Done within this: the worker is killed
@@ -194,13 +198,15 @@ class Config:
 
 
 _MODEL_KEYS = {
-    "path", "aliases", "n_ctx", "chat_template", "max_queue", "load_timeout_s",
+    "path", "aliases", "n_ctx", "chat_template", "reasoning", "max_queue", "load_timeout_s",
     "cancel_timeout_s", "drain_timeout_s", "shutdown_grace_s", "ping_interval_s",
     "ping_timeout_s", "unresponsive_after_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", "weights",
     "n_ubatch", "restart_backoff_s", "restart_backoff_max_s", "max_crashes", "crash_window_s", "pinned", "slot_save_path",
     "kv_cache_dir", "kv_cache_mib", "prefill_model", "kv_transfer", "n_predict", *SAMPLING_KEYS,
 }
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases", "prefill_model", "kv_transfer"}
+#: ``reasoning`` values (llama.cpp's ``--reasoning``): the first is the default.
+REASONING_MODES = ("auto", "on", "off")
 #: ``kv_transfer`` values (router.disaggregate).
 KV_TRANSFERS = ("wire", "file")
 _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport", "shutdown_timeout_s",
@@ -326,6 +332,7 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
             aliases=tuple(aliases_raw),
             n_ctx=n_ctx,
             chat_template=_opt_str(merged, "chat_template", src("chat_template")),
+            reasoning=_choice(merged, "reasoning", src("reasoning"), REASONING_MODES),
             max_queue=_int(merged, "max_queue", src("max_queue"), 8, 0, 100_000),
             load_timeout_s=_float(merged, "load_timeout_s", src("load_timeout_s"), 120.0, 0.001),
             cancel_timeout_s=_float(merged, "cancel_timeout_s", src("cancel_timeout_s"), 10.0, 0.001),

@@ -38,6 +38,7 @@ from protocol import (
 from protocol.errors import ErrorCode
 from protocol.limits import GENERATE_LIMITS
 from router.constraints import llamacpp_constraint
+from router.dialects import read_template_kwargs, template_kwargs
 from router.errors import BadGateway, BadRequest, from_worker_error, unsendable
 from router.field_policy import refuse_ignored
 from router.generation import (
@@ -423,8 +424,9 @@ async def apply_template(request: Request) -> Response:
     _, slot = _slot(request, body)
     messages = parse_messages(body)
     add_gen = get_bool(body, "add_generation_prompt", True)
-    ans = await _call(request, slot, lambda i: ApplyTemplate(id=i, messages=messages, add_generation_prompt=add_gen),
-                      param="messages")
+    kwargs = template_kwargs(slot, read_template_kwargs(body))
+    ans = await _call(request, slot, lambda i: ApplyTemplate(id=i, messages=messages, add_generation_prompt=add_gen,
+                                                             template_kwargs=kwargs), param="messages")
     if not isinstance(ans, ApplyTemplateResult):
         raise BadGateway(f"unexpected {ans.TYPE} answer to apply-template")
     return JSONResponse({"prompt": ans.prompt})

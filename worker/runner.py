@@ -511,7 +511,7 @@ class BatchRunner:
             if isinstance(msg, Detokenize):
                 return DetokenizeResult(id=msg.id, content=str(eng.detokenize(msg.tokens.tolist())))
             return ApplyTemplateResult(id=msg.id, prompt=str(eng.apply_template(
-                msg.messages, add_generation_prompt=msg.add_generation_prompt)))
+                msg.messages, add_generation_prompt=msg.add_generation_prompt, template_kwargs=msg.template_kwargs)))
         except EngineError as e:
             return error_frame(msg.id, e)
         except Exception as e:  # noqa: BLE001 - a request never kills the worker
@@ -526,7 +526,7 @@ class BatchRunner:
             params = sampling_params(g)
             prompt: str | list[int]
             if g.messages is not None:
-                prompt = engine.tokenize_chat(g.messages, tools=g.tools)
+                prompt = engine.tokenize_chat(g.messages, tools=g.tools, template_kwargs=g.template_kwargs)
             else:
                 assert g.prompt is not None
                 prompt = g.prompt

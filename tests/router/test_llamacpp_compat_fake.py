@@ -487,3 +487,67 @@ def test_return_progress_is_set_aside_visibly(tmp_path: Path, monkeypatch: pytes
             assert "X-Modelyard-Set-Aside" not in r.headers
 
     run(go())
+
+
+# ----------------------------------------------------------------------------- 8. templates
+
+
+def test_enable_thinking_per_model_and_per_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp renders with enable_thinking (true unless reasoning is off); a request's
+    chat_template_kwargs win; what the renderer sets itself cannot be overridden."""
+    env = InProc(tmp_path, monkeypatch)
+
+    async def go() -> None:
+        async with env.app(config("ab", extra={"b": ['reasoning = "off"']})) as (_, c):
+            for model, want in (("a", True), ("b", False)):
+                assert (await c.post("/v1/chat/completions", json=chat(model))).status_code == 200
+                assert _generates(env)[-1]["template_kwargs"] == {"enable_thinking": want}
+            body = chat("b", chat_template_kwargs={"enable_thinking": True, "custom_flag": 3})
+            assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+            assert _generates(env)[-1]["template_kwargs"] == {"enable_thinking": True, "custom_flag": 3}
+            r = await c.post("/chat/completions/input_tokens", json=chat("a", chat_template_kwargs={"x": 1}))
+            assert r.status_code == 200 and _generates(env)[-1]["template_kwargs"] == {"enable_thinking": True, "x": 1}
+            r = await c.post("/v1/messages", json={"model": "b", "max_tokens": 2,
+                                                   "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200 and _generates(env)[-1]["template_kwargs"] == {"enable_thinking": False}
+            for bad, param in (({"messages": []}, "chat_template_kwargs"), ("x", "chat_template_kwargs"),
+                               ({"enable_thinking": "no"}, "chat_template_kwargs.enable_thinking")):
+                r = await c.post("/v1/chat/completions", json=chat("a", chat_template_kwargs=bad))
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+    run(go())
+
+
+def test_reasoning_config_is_checked(tmp_path: Path) -> None:
+    import tomllib
+    (tmp_path / "m.gguf").write_bytes(b"GGUF fake")
+    with pytest.raises(ConfigError) as e:
+        parse_config(tomllib.loads(config("a", extra={"a": ['reasoning = "maybe"']})), base_dir=tmp_path)
+    assert e.value.key == "models.a.reasoning"
+
+
+def test_reasoning_is_kept_in_the_history(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-server hands an assistant turn's reasoning to the template as ``reasoning_content``:
+    OpenAI's ``reasoning_content`` and Anthropic's ``thinking`` blocks."""
+    env = InProc(tmp_path, monkeypatch)
+
+    async def go() -> None:
+        async with env.app(config("a")) as (_, c):
+            msgs = [{"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "a", "reasoning_content": "thought 1"},
+                    {"role": "user", "content": "q2"}]
+            r = await c.post("/v1/chat/completions", json={"model": "a", "max_tokens": 2, "messages": msgs})
+            assert r.status_code == 200, r.text
+            sent = _generates(env)[-1]["messages"]
+            assert sent[1] == {"role": "assistant", "content": "a", "reasoning_content": "thought 1"}
+            r = await c.post("/v1/messages", json={"model": "a", "max_tokens": 2, "messages": [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": [{"type": "thinking", "thinking": "thought 2", "signature": "s"},
+                                                  {"type": "redacted_thinking", "data": "xx"},
+                                                  {"type": "text", "text": "a"}]},
+                {"role": "user", "content": "q2"}]})
+            assert r.status_code == 200, r.text
+            sent = _generates(env)[-1]["messages"]
+            assert sent[1] == {"role": "assistant", "content": "a", "reasoning_content": "thought 2"}
+
+    run(go())
