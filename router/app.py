@@ -24,6 +24,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from router import admin, anthropic_api, decode_api, llamacpp_api, llamacpp_router, openai_api, openai_responses, openapi
+from router import ollama_api
 from router.background import BackgroundStore
 from router.access_log import AccessLog
 from router.auth import BearerAuth
@@ -129,7 +130,7 @@ def create_app(config: Config, *, worker_module: str | None = None,
     routes = [Route("/", root, methods=["GET", "HEAD"]),
               Route("/health", health, methods=["GET"]), Route("/v1/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"]),
-              *openai_api.routes, *openai_responses.routes, *decode_api.routes, *anthropic_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *admin.routes,
+              *openai_api.routes, *openai_responses.routes, *decode_api.routes, *anthropic_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *ollama_api.routes, *admin.routes,
               *openapi.routes]
     app = Starlette(
         routes=routes,
