@@ -23,9 +23,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from router import admin, anthropic_api, decode_api, llamacpp_api, llamacpp_router, openai_api, openai_responses, openapi
+from router import admin, anthropic_api, stream_sessions, decode_api, llamacpp_api, llamacpp_router, openai_api, openai_responses, openapi
 from router import ollama_api
 from router.background import BackgroundStore
+from router.stream_sessions import StreamSessions
 from router.access_log import AccessLog
 from router.auth import BearerAuth
 from router.cli_args import version
@@ -124,13 +125,14 @@ def create_app(config: Config, *, worker_module: str | None = None,
             yield
         finally:
             lag_probe.cancel()
+            app.state.streams.close()  # resumable streams' generations are cancelled
             await app.state.background.close()  # its runs end (Cancel) before the workers stop
             await app.state.pool.close()
 
     routes = [Route("/", root, methods=["GET", "HEAD"]),
               Route("/health", health, methods=["GET"]), Route("/v1/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"]),
-              *openai_api.routes, *openai_responses.routes, *decode_api.routes, *anthropic_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *ollama_api.routes, *admin.routes,
+              *openai_api.routes, *openai_responses.routes, *decode_api.routes, *anthropic_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *ollama_api.routes, *stream_sessions.routes, *admin.routes,
               *openapi.routes]
     app = Starlette(
         routes=routes,
@@ -148,4 +150,5 @@ def create_app(config: Config, *, worker_module: str | None = None,
     app.state.background = BackgroundStore(srv.background_max, srv.background_ttl_s,
                                            int(srv.background_max_mib * 2**20))
     app.state.metrics = registry
+    app.state.streams = StreamSessions()
     return app
