@@ -50,7 +50,7 @@ from router.errors import ApiError, BadRequest, ContextLengthExceeded, anthropic
 from router.field_policy import refuse_ignored
 from router.generation import OPENAI_DEFAULTS, begin, collect, new_id, read_sampling, stream
 from router.metrics import label_request
-from router.params import INT32_MAX, get_bool, get_float, get_int, get_str, read_json
+from router.params import INT32_MAX, get_bool, get_float, get_int, get_str, model_of, read_json
 from router.pool import ModelSlot, Pool
 from router.responses import JSONResponse
 from router.run import Run
@@ -235,7 +235,7 @@ def _output_format(body: dict[str, Any]) -> tuple[str | None, str | None]:
 
 async def _parse(request: Request, body: dict[str, Any]) -> _Request:
     pool: Pool = request.app.state.pool
-    model = get_str(body, "model")
+    model = model_of(body, pool.config.default_name(), pool.config.ids())
     slot = pool.get(model)
     label_request(request, slot.model.name)
     _refuse_unsupported(body)

@@ -97,6 +97,8 @@ def test_one_configured_model_serves_requests_without_model(tmp_path: Path,
             assert r.status_code == 200 and r.json()["model"] == "a"
             r = await c.post("/completion", json={"prompt": "hi", "n_predict": 2})
             assert r.status_code == 200 and r.json()["model"] == "a"
+            r = await c.post("/v1/messages", json={"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200 and r.json()["model"] == "a"
 
     run(go())
 
