@@ -35,7 +35,8 @@ from typing import Any, ClassVar
 #: 6: token ids of TokenizeResult / Detokenize travel as TokenIds (int32 bytes), pieces as one blob.
 #: 7: LoadProgress stage ``loading_kernels``.
 #: 8: Accepted (a Generate's prompt fits and is queued; what its constraint set aside).
-#: 9: Error.n_prompt_tokens / n_ctx (a context overflow's figures); Generate / ApplyTemplate template_kwargs.
+#: 9: Error.n_prompt_tokens / n_ctx (a context overflow's figures); Generate / ApplyTemplate template_kwargs;
+#:    Generate.post_sampling_probs.
 PROTOCOL_VERSION = 9
 
 #: Largest frame either side accepts, in bytes (a 100 KB prompt as token ids is < 1 MiB).
@@ -390,6 +391,9 @@ class Generate(Message):
     logit_bias: list[list[Any]] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     n_probs: int = 0  # top-N logprobs per token, 0 = none
+    # llama.cpp's post_sampling_probs: the logprobs (the token's and the top n_probs) are of the
+    # sampler chain's distribution (after top-k, top-p, min-p, temperature), not the model's
+    post_sampling_probs: bool = False
     ignore_eos: bool = False
     cache_prompt: bool = True
     n: int = 1  # choices: n sequences from one prefilled prompt (seed + i each when seeded)

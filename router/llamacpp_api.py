@@ -105,12 +105,24 @@ def _token_text(piece: bytes) -> str:
     return piece[:n].decode("utf-8", errors="replace")
 
 
-def _prob_entry(p: TokenProb, n: int) -> dict[str, Any]:
+def _prob_entry(p: TokenProb, n: int, post_sampling: bool = False) -> dict[str, Any]:
+    """One ``completion_probabilities`` entry: ``logprob`` / ``top_logprobs`` (the model's), or with
+    ``post_sampling_probs`` llama.cpp's ``prob`` / ``top_probs`` (the sampler chain's probabilities)."""
+    if post_sampling:
+        return {
+            "id": p.id, "token": _token_text(p.piece), "bytes": list(p.piece), "prob": _prob(p.logprob),
+            "top_probs": [{"id": tid, "token": _token_text(pc), "bytes": list(pc), "prob": _prob(lp)}
+                          for tid, pc, lp in p.top[:n]],
+        }
     return {
         "id": p.id, "token": _token_text(p.piece), "bytes": list(p.piece), "logprob": p.logprob,
         "top_logprobs": [{"id": tid, "token": _token_text(pc), "bytes": list(pc),
                           "logprob": lp} for tid, pc, lp in p.top[:n]],
     }
+
+
+def _prob(logprob: float | None) -> float:
+    return 0.0 if logprob is None or logprob == -math.inf else math.exp(logprob)
 
 
 PromptPart = str | int
@@ -215,6 +227,9 @@ def _settings(msg: Generate, n_predict: int | None, streaming: bool) -> dict[str
 async def completion(request: Request) -> Response:
     body = await read_json(request)
     name, slot = _slot(request, body)
+    # llama.cpp's post_sampling_probs: served here (router.samplers refuses it on the other routes)
+    post_sampling = get_bool(body, "post_sampling_probs", False)
+    body = {k: v for k, v in body.items() if k != "post_sampling_probs"}
     refuse_ignored(body, "/completion")  # n, logprobs, response_format, tools, ...: not /completion fields
     parts = _prompt(body)
     prompt: str | list[int] = (await _mixed_ids(request, slot, parts)  # type: ignore[arg-type]
@@ -236,7 +251,7 @@ async def completion(request: Request) -> Response:
     # depend on it; the answer's id_slot says which ran), as llama.cpp does when id_slot is -1
     get_int(body, "id_slot", -1, -1, slot.model.parallel - 1)
     msg = Generate(
-        id=new_id("cmpl"), prompt=prompt, max_tokens=max_tokens, n_probs=n_probs,
+        id=new_id("cmpl"), prompt=prompt, max_tokens=max_tokens, n_probs=n_probs, post_sampling_probs=post_sampling,
         cache_prompt=get_bool(body, "cache_prompt", True), ignore_eos=get_bool(body, "ignore_eos", False),
         json_schema=json_schema, grammar=grammar,
         **read_sampling(body, LLAMACPP_DEFAULTS, slot, openai=False),
@@ -276,7 +291,7 @@ async def completion(request: Request) -> Response:
         tokens += eog_token(done)
         out = summary(done, [t.token_id for t in tokens], text)
         if n_probs > 0:
-            out["completion_probabilities"] = [_prob_entry(p, n_probs)
+            out["completion_probabilities"] = [_prob_entry(p, n_probs, post_sampling)
                                                for p in token_probs(tokens, n_probs)]
         return JSONResponse(out)
 
@@ -291,7 +306,7 @@ async def completion(request: Request) -> Response:
                                      "stop": False, "tokens_predicted": count}
             if n_probs > 0:
                 chunk["completion_probabilities"] = [
-                    _prob_entry(p, n_probs) for p in token_probs([item], n_probs)]
+                    _prob_entry(p, n_probs, post_sampling) for p in token_probs([item], n_probs)]
             return [sse_event(chunk)]
         events = []
         for eog in eog_token(item):  # llama.cpp streams the end-of-generation token as a chunk too
@@ -299,7 +314,7 @@ async def completion(request: Request) -> Response:
             eog_chunk: dict[str, Any] = {"index": 0, "content": "", "tokens": [eog.token_id], "stop": False,
                                          "tokens_predicted": count}
             if n_probs > 0:
-                eog_chunk["completion_probabilities"] = [_prob_entry(p, n_probs) for p in token_probs([eog], n_probs)]
+                eog_chunk["completion_probabilities"] = [_prob_entry(p, n_probs, post_sampling) for p in token_probs([eog], n_probs)]
             events.append(sse_event(eog_chunk))
         return events + [sse_event(summary(item, [], item.text))]
 

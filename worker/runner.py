@@ -241,6 +241,7 @@ def sampling_params(g: Generate) -> SamplingParams:
         min_p=g.min_p, repeat_penalty=g.repeat_penalty, repeat_last_n=g.repeat_last_n,
         presence_penalty=g.presence_penalty, frequency_penalty=g.frequency_penalty, seed=g.seed,
         logit_bias=_bias_pairs(g.logit_bias), stop=list(g.stop), n_probs=g.n_probs,
+        post_sampling_probs=g.post_sampling_probs,
         ignore_eos=g.ignore_eos, add_special=g.add_special, parse_special=g.parse_special,
         cache_prompt=g.cache_prompt, json_schema=g.json_schema, grammar=g.grammar,
     )

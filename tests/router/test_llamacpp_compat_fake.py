@@ -553,3 +553,26 @@ def test_reasoning_is_kept_in_the_history(tmp_path: Path, monkeypatch: pytest.Mo
             assert sent[1] == {"role": "assistant", "content": "a", "reasoning_content": "thought 2"}
 
     run(go())
+
+
+def test_completion_post_sampling_probs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-server's ``post_sampling_probs``: ``prob`` / ``top_probs`` (probabilities of the sampler
+    chain) instead of ``logprob`` / ``top_logprobs``; the worker is asked for them."""
+    import math
+    env = InProc(tmp_path, monkeypatch)
+
+    async def go() -> None:
+        async with env.app(config("a")) as (_, c):
+            r = await c.post("/completion", json={"prompt": "hi", "n_predict": 2, "n_probs": 2,
+                                                  "post_sampling_probs": True})
+            assert r.status_code == 200, r.text
+            e = r.json()["completion_probabilities"][0]
+            assert set(e) == {"id", "token", "bytes", "prob", "top_probs"}
+            assert math.isclose(e["prob"], math.exp(-0.5)) and len(e["top_probs"]) == 2
+            assert math.isclose(e["top_probs"][1]["prob"], math.exp(-1.5)) and "logprob" not in e["top_probs"][0]
+            r = await c.post("/completion", json={"prompt": "hi", "n_predict": 2, "n_probs": 2})
+            assert "logprob" in r.json()["completion_probabilities"][0]
+            r = await c.post("/v1/chat/completions", json=chat("a", post_sampling_probs=True))
+            assert r.status_code == 400 and r.json()["error"]["param"] == "post_sampling_probs"
+
+    run(go())

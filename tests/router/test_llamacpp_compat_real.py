@@ -83,3 +83,21 @@ def test_an_over_long_prompt_is_exceed_context_size_error(router: LiveRouter) ->
     n = httpx.post(router.url + "/tokenize", json={"model": "think", "content": words, "add_special": True},
                    timeout=300).json()["tokens"]
     assert err["n_prompt_tokens"] == len(n)
+
+
+def test_post_sampling_probs_are_the_chains_candidates(router: LiveRouter) -> None:
+    """With top_k 5 and n_probs 10, each token's top_probs are the 5 candidates left after the
+    chain, their probabilities sum to 1, and the chosen token is one of them with its prob."""
+    body = {"model": "think", "prompt": "The capital of France is", "n_predict": 4, "n_probs": 10, "top_k": 5,
+            "top_p": 1.0, "min_p": 0.0, "temperature": 0.7, "seed": 3, "post_sampling_probs": True}
+    r = httpx.post(router.url + "/completion", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    probs = r.json()["completion_probabilities"]
+    assert len(probs) == 4
+    for e in probs:
+        top = e["top_probs"]
+        assert len(top) == 5 and abs(sum(t["prob"] for t in top) - 1.0) < 1e-6
+        assert [t["prob"] for t in top] == sorted((t["prob"] for t in top), reverse=True)
+        assert any(t["id"] == e["id"] and abs(t["prob"] - e["prob"]) < 1e-9 for t in top)
+    plain = httpx.post(router.url + "/completion", json={**body, "post_sampling_probs": False}, timeout=300)
+    assert [e["id"] for e in plain.json()["completion_probabilities"]] == [e["id"] for e in probs]  # same sampling

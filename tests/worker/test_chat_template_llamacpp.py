@@ -94,3 +94,30 @@ def test_llamacpp_builtin_command_r() -> None:
 
 def test_an_empty_conversation_renders_the_generation_prompt() -> None:
     assert ChatTemplate(resolve_template("chatml")).render([]) == "<|im_start|>assistant\n"
+
+
+# ------------------------------------------------------------------ post_sampling_probs (sampling.py)
+
+
+def test_post_sampling_candidates_are_the_chains_distribution() -> None:
+    import math
+
+    import numpy as np
+
+    from worker.engine.sampling import Sampler, SamplingParams
+    logits = np.array([1.0, 2.0, 3.0, 4.0, 0.0, -1.0], dtype=np.float32)
+    base = dict(top_k=3, top_p=1.0, min_p=0.0, temperature=0.5, seed=7, n_probs=5)
+    plain = Sampler(SamplingParams(**base).validated(6), 6)
+    post = Sampler(SamplingParams(**base, post_sampling_probs=True).validated(6), 6)
+    tid = post.sample(logits)
+    assert tid == plain.sample(logits)  # reporting changes nothing of the sampling
+    ids, probs = post.last_candidates  # type: ignore[misc]
+    assert ids.tolist() == [3, 2, 1]  # top-k 3
+    want = np.exp(np.array([4.0, 3.0, 2.0]) / 0.5)
+    assert np.allclose(probs, want / want.sum()) and math.isclose(probs.sum(), 1.0)
+    lp, top = post.post_sampling(tid, 5)
+    assert [i for i, _ in top] == [3, 2, 1] and math.isclose(math.exp(lp), probs[[3, 2, 1].index(tid)])
+    greedy = Sampler(SamplingParams(**{**base, "temperature": 0.0}, post_sampling_probs=True).validated(6), 6)
+    assert greedy.sample(logits) == 3
+    lp, top = greedy.post_sampling(3, 2)
+    assert lp == 0.0 and top == [(3, 0.0), (2, -math.inf)]
