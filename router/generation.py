@@ -310,6 +310,10 @@ def timings_of(done: Done) -> dict[str, Any]:
     def per_s(ms: float, n: int) -> float:
         return 1000.0 * n / ms if ms > 0 else 0.0
 
+    # one token came out of the prompt's own pass: no decode step was timed, so there is no
+    # generation rate (llama-server reports 0 there, not a figure from a few microseconds)
+    predicted_per_second = per_s(done.predicted_ms, done.predicted_n) if done.predicted_n > 1 else 0.0
+
     return {
         "cache_n": done.cache_n,
         "prompt_n": done.prompt_n,
@@ -319,7 +323,7 @@ def timings_of(done: Done) -> dict[str, Any]:
         "predicted_n": done.predicted_n,
         "predicted_ms": done.predicted_ms,
         "predicted_per_token_ms": per_tok(done.predicted_ms, done.predicted_n),
-        "predicted_per_second": per_s(done.predicted_ms, done.predicted_n),
+        "predicted_per_second": predicted_per_second,
     }
 
 
