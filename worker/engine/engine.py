@@ -281,9 +281,9 @@ class Engine:
         if n_chars > n_ctx * self._max_piece_chars:
             raise EngineError("context_length_exceeded", (
                 f"This model's maximum context length is {n_ctx} tokens. However, the prompt has {n_chars} "
-                f"characters, more than {n_ctx} tokens of at most {self._max_piece_chars} characters can hold."),
-                # not tokenized: the fewest tokens those characters can make (> n_ctx)
-                n_prompt_tokens=-(-n_chars // self._max_piece_chars), n_ctx=n_ctx)
+                f"characters, more than {n_ctx} tokens of at most {self._max_piece_chars} characters can hold."))
+            # no n_prompt_tokens: not tokenized, the count is unknown (a count_tokens answer takes
+            # the figure as exact: router.counting)
 
     # ------------------------------------------------------------------ generate
 
