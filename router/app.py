@@ -34,6 +34,7 @@ from router.pool import Pool
 from router.response_store import ResponseStore
 from router.responses import JSONResponse
 from router.security import BrowserGuard
+from router.set_aside import SetAsideHeader
 
 log = logging.getLogger("modelyard.app")
 
@@ -115,11 +116,12 @@ def create_app(config: Config, *, worker_module: str | None = None,
               *openapi.routes]
     app = Starlette(
         routes=routes,
-        # outermost first: the access log and X-Request-Id, request framing, metrics, then browser-origin rules (and CORS preflights), then keys
+        # outermost first: the access log and X-Request-Id, request framing, metrics, then browser-origin rules (and CORS preflights), then keys;
+        # innermost, the header naming what a request set aside (router.set_aside)
         middleware=[Middleware(AccessLog, routes=routes), Middleware(FramingGuard),
                     Middleware(RequestMetrics, metrics=registry, routes=routes),
                     Middleware(BrowserGuard, server=config.server),
-                    Middleware(BearerAuth, server=config.server)],
+                    Middleware(BearerAuth, server=config.server), Middleware(SetAsideHeader)],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _bug},
         lifespan=lifespan,
     )
