@@ -116,12 +116,11 @@ def create_app(config: Config, *, worker_module: str | None = None,
               *openapi.routes]
     app = Starlette(
         routes=routes,
-        # outermost first: the access log and X-Request-Id, request framing, metrics, then browser-origin rules (and CORS preflights), then keys;
-        # innermost, the header naming what a request set aside (router.set_aside)
-        middleware=[Middleware(AccessLog, routes=routes), Middleware(FramingGuard),
+        # outermost first: the access log and X-Request-Id, what was set aside (router.set_aside), request framing, metrics, then browser-origin rules (and CORS preflights), then keys
+        middleware=[Middleware(AccessLog, routes=routes), Middleware(SetAsideHeader), Middleware(FramingGuard),
                     Middleware(RequestMetrics, metrics=registry, routes=routes),
                     Middleware(BrowserGuard, server=config.server),
-                    Middleware(BearerAuth, server=config.server), Middleware(SetAsideHeader)],
+                    Middleware(BearerAuth, server=config.server)],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _bug},
         lifespan=lifespan,
     )

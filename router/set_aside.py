@@ -1,21 +1,21 @@
-"""What a request asked for that this server cannot do, served without it — visibly.
+"""What a request asked for that the server served without: set aside visibly.
 
-A real harness sends some fields on every request that no local model server can
-honour: a hosted built-in tool (``web_search``, ``code_interpreter``, ...), a JSON
-Schema keyword the grammar cannot enforce. Refusing them would make the harness
-unusable; dropping them silently would answer a different question than the one
-asked. So the request is served without them and says so:
+Real harnesses send, on every request, things a local model cannot do: a hosted
+built-in tool (``web_search``, ``code_interpreter``, ...), a JSON Schema keyword the
+constraint engine cannot enforce (``propertyNames``, ``if``/``then``, ``not``, ...).
+Refusing them would fail every request of that harness; dropping them silently would
+answer a different question without saying so. So such a request is served without
+them, and each item set aside is
 
-* a WARNING on the ``modelyard.set_aside`` logger naming the route and each item;
-* the response header ``X-Modelyard-Set-Aside``: a comma-separated list of
-  ``<where>:<what>`` items in the order they were set aside, e.g.
-  ``tools[3]:web_search, tools[4]:code_interpreter`` (``where`` is the request
-  field's path, ``what`` the thing set aside there).
+* logged once (a warning on ``modelyard.set_aside``, with the request id), and
+* named in the response header :data:`HEADER` (``X-Modelyard-Set-Aside``): a
+  comma-separated list of ``<request field>:<what>`` items, e.g.
+  ``tools[3]:web_search, tools:propertyNames``.
 
-A dialect calls :func:`set_aside` while it reads the request (before the first
-byte); the :class:`SetAsideHeader` middleware adds the header to whatever response
-the request gets (JSON or the SSE stream's head). The one header name and format
-live here, for every dialect.
+Items are recorded on the request's ASGI state (``scope["state"]["set_aside"]``) by
+:func:`set_aside` anywhere before the response starts; :class:`SetAsideHeader` (a
+middleware) writes the header on ``http.response.start``. A field that changes the
+answer and *could* be honoured is never set aside: it is honoured or refused (400).
 """
 
 from __future__ import annotations
@@ -27,39 +27,57 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("modelyard.set_aside")
 
-#: The response header naming what was set aside.
+#: The response header naming what was set aside (absent when nothing was).
 HEADER = "X-Modelyard-Set-Aside"
-_SCOPE_KEY = "modelyard.set_aside"
+#: Longest header value written (items beyond it are summarised as ``+N more``).
+MAX_HEADER_CHARS = 2048
 
 
-def header_value(items: list[str]) -> str:
-    """The header's value for ``items`` (``"<where>:<what>"`` each): comma-separated, in order,
-    duplicates dropped."""
-    return ", ".join(dict.fromkeys(items))
+def _items(state: Any) -> list[str]:
+    if isinstance(state, dict):
+        return state.setdefault("set_aside", [])
+    items = getattr(state, "set_aside", None)
+    if items is None:
+        items = []
+        state.set_aside = items
+    return items
 
 
-def set_aside(request: Any, where: str, what: str, why: str = "") -> None:
-    """Record that the request's ``where`` (a field path, e.g. ``tools[3]``) asked for ``what``
-    (e.g. ``web_search``), which is served without: logged at WARNING and named in the
-    response's :data:`HEADER`. ``request``: the Starlette request (its ASGI scope carries the
-    list). ``why``: a short reason for the log line."""
-    item = f"{where}:{what}"
-    items = request.scope.setdefault(_SCOPE_KEY, [])
+def set_aside(state: Any, field: str, what: str, why: str) -> None:
+    """Record that ``what`` (of request field ``field``) was set aside because ``why``.
+
+    ``state``: the request's ``request.state`` (or the ASGI scope's ``state`` dict).
+    Duplicates are recorded once; each new item is logged as a warning."""
+    item = f"{field}:{what}"
+    items = _items(state)
     if item in items:
         return
     items.append(item)
-    log.warning("%s %s: set aside %s%s", request.scope.get("method", "?"), request.scope.get("path", "?"),
-                item, f" ({why})" if why else "")
+    rid = state.get("request_id", "") if isinstance(state, dict) else getattr(state, "request_id", "")
+    log.warning("request %s: set aside %s (%s)", rid or "-", item, why)
 
 
-def set_aside_items(request: Any) -> list[str]:
-    """The items set aside so far for ``request`` (in order)."""
-    return list(request.scope.get(_SCOPE_KEY, []))
+def recorded(state: Any) -> list[str]:
+    """The items set aside so far for this request (in order)."""
+    return list(_items(state))
+
+
+def header_value(items: list[str]) -> str:
+    """``items`` as the header's value, within :data:`MAX_HEADER_CHARS` (latin-1 safe)."""
+    out: list[str] = []
+    size = 0
+    for i, it in enumerate(items):
+        it = it.encode("latin-1", "replace").decode("latin-1").replace(",", ";")
+        if size + len(it) + 2 > MAX_HEADER_CHARS:
+            out.append(f"+{len(items) - i} more")
+            break
+        out.append(it)
+        size += len(it) + 2
+    return ", ".join(out)
 
 
 class SetAsideHeader:
-    """ASGI middleware: adds :data:`HEADER` to a response when its request set something
-    aside (see :func:`set_aside`)."""
+    """ASGI middleware: adds :data:`HEADER` to a response whose request set something aside."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -68,14 +86,14 @@ class SetAsideHeader:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        items: list[str] = scope.setdefault(_SCOPE_KEY, [])
+        state = scope.setdefault("state", {})
 
-        async def send_with_header(message: Message) -> None:
-            if message["type"] == "http.response.start" and items:
-                headers = list(message.get("headers", []))
-                headers.append((HEADER.lower().encode("latin-1"),
-                                header_value(items).encode("latin-1", "replace")))
-                message = {**message, "headers": headers}
-            await send(message)
+        async def send_with_header(msg: Message) -> None:
+            if msg["type"] == "http.response.start":
+                items = state.get("set_aside") if isinstance(state, dict) else None
+                if items:
+                    value = header_value(items).encode("latin-1")
+                    msg = {**msg, "headers": [*msg.get("headers", []), (HEADER.lower().encode("latin-1"), value)]}
+            await send(msg)
 
         await self.app(scope, receive, send_with_header)
