@@ -186,7 +186,7 @@ def _tool(request: Request, t: dict[str, Any], where: str) -> Tool | list[Tool]:
     if not isinstance(kind, str) or not kind:
         raise BadRequest(f"'{where}.type' must be a tool type (function, custom, namespace, or a built-in "
                          "tool's type)", param=f"{where}.type")
-    set_aside(request, where, kind, "a hosted built-in tool: this server cannot run it; served without it")
+    set_aside(request.state, where, kind, "a hosted built-in tool: this server cannot run it; served without it")
     return []
 
 
@@ -208,7 +208,7 @@ def _namespace(request: Request, t: dict[str, Any], where: str) -> list[Tool]:
             raise BadRequest(f"'{fw}' must be an object", param=fw)
         kind = f.get("type", "function")
         if kind not in ("function", "custom"):
-            set_aside(request, fw, str(kind), "only function and custom tools run inside a namespace")
+            set_aside(request.state, fw, str(kind), "only function and custom tools run inside a namespace")
             continue
         tool = _tool(request, {**f, "type": kind}, fw)
         assert isinstance(tool, Tool)
@@ -244,7 +244,7 @@ def _tools(request: Request, body: dict[str, Any]) -> tuple[list[Tool], ToolChoi
         return _allowed_tools(tools, tc, parallel)
     if isinstance(tc, dict) and isinstance(tc.get("type"), str) and tc["type"] not in _RUNNABLE:
         # a built-in tool forced (web_search, file_search, mcp, ...): it was set aside with the tools
-        set_aside(request, "tool_choice", tc["type"], "names a hosted built-in tool; served with 'auto'")
+        set_aside(request.state, "tool_choice", tc["type"], "names a hosted built-in tool; served with 'auto'")
         return tools, choose(tools, "auto", None, parallel, "tool_choice")
     raise BadRequest("'tool_choice' must be 'none', 'auto', 'required', {\"type\": \"function\" | \"custom\", "
                      "\"name\": ...} or {\"type\": \"allowed_tools\", ...}",
