@@ -61,18 +61,34 @@ def harness_bins() -> dict[str, Path]:
     return install()
 
 
+#: Runs' exchange directories kept under <cache>/exchanges (oldest removed first).
+KEEP_RUNS = 10
+
+
 @pytest.fixture(scope="session")
-def artifacts_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = Path(os.environ["MODELYARD_HARNESS_ARTIFACTS"]) if os.environ.get("MODELYARD_HARNESS_ARTIFACTS") \
-        else tmp_path_factory.mktemp("harness-exchanges")
+def artifacts_root() -> Path:
+    """Where this run's exchanges go: ``$MODELYARD_HARNESS_ARTIFACTS``, else
+    ``<harness cache>/exchanges/<UTC time>-<pid>`` (outside the repository and outside pytest's
+    rotating temp dirs; the newest KEEP_RUNS runs are kept). Printed at the end of the run."""
+    if os.environ.get("MODELYARD_HARNESS_ARTIFACTS"):
+        root = Path(os.environ["MODELYARD_HARNESS_ARTIFACTS"])
+    else:
+        base = cache_dir() / "exchanges"
+        base.mkdir(parents=True, exist_ok=True)
+        for old in sorted(p for p in base.iterdir() if p.is_dir())[:-(KEEP_RUNS - 1)]:
+            shutil.rmtree(old, ignore_errors=True)
+        root = base / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}"
     root.mkdir(parents=True, exist_ok=True)
     _ARTIFACTS.append(root)
     return root
 
 
 @pytest.fixture(scope="session")
-def live_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRouter]:
-    r = LiveRouter(tmp_path_factory.mktemp("harness-router"), CONFIG, real=True)
+def live_router(artifacts_root: Path) -> Iterator[LiveRouter]:
+    """One router for the session (its log, with the access lines, is kept with the exchanges)."""
+    d = artifacts_root / "router"
+    d.mkdir(exist_ok=True)
+    r = LiveRouter(d, CONFIG, real=True)
     yield r
     r.stop(timeout=60)
     r.kill()

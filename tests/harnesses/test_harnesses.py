@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,28 @@ from tests.harnesses.conftest import TASK, Workspace, check_run
 pytestmark = [pytest.mark.harness, pytest.mark.slow, pytest.mark.timeout(3000)]
 
 KEY = "modelyard"  # any value: the router here has no api_key
+
+
+# The harnesses' configuration files, as README's "Harnesses" section gives them (``url``: the
+# router's base URL; README writes it http://127.0.0.1:PORT and the key <any>).
+
+
+def codex_config(url: str) -> str:
+    return (f'model = "gemma3"\nmodel_provider = "modelyard"\n\n[model_providers.modelyard]\nname = "modelyard"\n'
+            f'base_url = "{url}/v1"\nwire_api = "responses"\n')
+
+
+def opencode_config(url: str, key: str = KEY) -> dict[str, Any]:
+    return {"$schema": "https://opencode.ai/config.json",
+            "provider": {"modelyard": {
+                "npm": "@ai-sdk/openai-compatible", "name": "modelyard",
+                "options": {"baseURL": f"{url}/v1", "apiKey": key},
+                "models": {"gemma3": {"name": "Gemma 3 270M", "limit": {"context": 32768, "output": 4096}}}}},
+            "model": "modelyard/gemma3"}
+
+
+def llm_models(url: str) -> str:
+    return f'- model_id: smollm2\n  model_name: smollm2\n  api_base: "{url}/v1"\n'
 
 
 def test_claude_code(workspace: Workspace, harness_bins: dict[str, Path]) -> None:
@@ -38,12 +61,27 @@ def test_codex_cli(workspace: Workspace, harness_bins: dict[str, Path]) -> None:
     $CODEX_HOME/config.toml pointing at the router, wire_api "responses"."""
     codex_home = workspace.home / ".codex"
     codex_home.mkdir()
-    (codex_home / "config.toml").write_text(
-        'model = "gemma3"\nmodel_provider = "modelyard"\n\n[model_providers.modelyard]\nname = "modelyard"\n'
-        f'base_url = "{workspace.url}/v1"\nwire_api = "responses"\n')
+    (codex_home / "config.toml").write_text(codex_config(workspace.url))
     run = workspace.run([str(harness_bins["codex"]), "exec", TASK], workspace.env(CODEX_HOME=str(codex_home)))
+    errors = {line.strip() for line in run.output.splitlines() if line.startswith("ERROR:")}
+    if run.returncode == 1 and errors == {CODEX_CUT}:
+        # The model's answer ran into the router's n_predict (Gemma 270M is a base model: at
+        # temperature 0 it rarely stops by itself) and the response said so (status incomplete,
+        # max_output_tokens), which Codex reports and exits 1 on: the model's limit, not an API
+        # error. Every exchange is still checked; one of them must be that incomplete answer.
+        assert any(_incomplete(x) for x in run.exchanges), run.output[-3000:]
+        run.returncode = 0
     check_run(run, workspace.router, ("/v1/responses",))
-    assert "ERROR:" not in run.output, run.output[-3000:]
+    assert not errors - {CODEX_CUT}, run.output[-3000:]
+
+
+CODEX_CUT = "ERROR: Incomplete response returned, reason: max_output_tokens"
+
+
+def _incomplete(x: dict[str, Any]) -> bool:
+    body = x["response"].get("body")
+    return isinstance(body, str) and '"type":"response.incomplete"' in body.replace(" ", "") \
+        and '"reason":"max_output_tokens"' in body.replace(" ", "")
 
 
 def test_qwen_code(workspace: Workspace, harness_bins: dict[str, Path]) -> None:
@@ -59,13 +97,7 @@ def test_opencode(workspace: Workspace, harness_bins: dict[str, Path]) -> None:
     $XDG_CONFIG_HOME/opencode/opencode.json (``@ai-sdk/openai-compatible``, baseURL the router)."""
     conf = workspace.home / ".config" / "opencode"
     conf.mkdir(parents=True)
-    (conf / "opencode.json").write_text(json.dumps({
-        "$schema": "https://opencode.ai/config.json",
-        "provider": {"modelyard": {
-            "npm": "@ai-sdk/openai-compatible", "name": "modelyard",
-            "options": {"baseURL": f"{workspace.url}/v1", "apiKey": KEY},
-            "models": {"gemma3": {"name": "Gemma 3 270M", "limit": {"context": 32768, "output": 4096}}}}},
-        "model": "modelyard/gemma3"}, indent=2))
+    (conf / "opencode.json").write_text(json.dumps(opencode_config(workspace.url), indent=2))
     run = workspace.run([str(harness_bins["opencode"]), "run", TASK], workspace.env())
     check_run(run, workspace.router, ("/v1/chat/completions",))
 
@@ -84,8 +116,7 @@ def test_llm(workspace: Workspace, harness_bins: dict[str, Path]) -> None:
     $LLM_USER_PATH/extra-openai-models.yaml with the router as api_base."""
     user = workspace.home / "llm"
     user.mkdir()
-    (user / "extra-openai-models.yaml").write_text(
-        f"- model_id: smollm2\n  model_name: smollm2\n  api_base: \"{workspace.url}/v1\"\n")
+    (user / "extra-openai-models.yaml").write_text(llm_models(workspace.url))
     env = workspace.env(LLM_USER_PATH=str(user), OPENAI_API_KEY=KEY)
     run = workspace.run([str(harness_bins["llm"]), "-m", "smollm2", TASK], env)
     check_run(run, workspace.router, ("/v1/chat/completions",))
