@@ -53,9 +53,11 @@ def objects(v: Any, param: str) -> Iterator[tuple[str, dict[str, Any]]]:
         yield where, item
 
 
-def tool_list(body: dict[str, Any], one: Callable[[dict[str, Any], str], Tool]) -> list[Tool]:
+def tool_list(body: dict[str, Any], one: Callable[[dict[str, Any], str], Tool | list[Tool]]) -> list[Tool]:
     """``body["tools"]`` (absent: none) read by ``one(tool object, where)``, each checked
-    to be an object. Raises BadRequest naming the field."""
+    to be an object. ``one`` returns a tool, or a list of them (a Responses ``namespace``
+    flattened to its functions; empty for a tool set aside). Names must be unique across
+    the result. Raises BadRequest naming the field."""
     raw = body.get("tools")
     if raw is None:
         return []
@@ -66,10 +68,11 @@ def tool_list(body: dict[str, Any], one: Callable[[dict[str, Any], str], Tool]) 
         where = f"tools[{i}]"
         if not isinstance(t, dict):
             raise BadRequest(f"'{where}' must be an object", param=where)
-        tool = one(t, where)
-        if any(o.name == tool.name for o in out):  # a call names its tool: two of one name are ambiguous
-            raise BadRequest(f"'{where}': tool names must be unique, '{tool.name}' is given twice", param=where)
-        out.append(tool)
+        got = one(t, where)
+        for tool in [got] if isinstance(got, Tool) else got:
+            if any(o.name == tool.name for o in out):  # a call names its tool: two of one name are ambiguous
+                raise BadRequest(f"'{where}': tool names must be unique, '{tool.name}' is given twice", param=where)
+            out.append(tool)
     return out
 
 

@@ -130,6 +130,12 @@ class Tool:
     parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
     custom: bool = False
     grammar: tuple[str, str] | None = None
+    namespace: str | None = None  # a Responses namespace's function: ``name`` is its flat name
+    local_name: str | None = None  # ... and this its name inside the namespace
+
+    def client_name(self) -> tuple[str | None, str]:
+        """(namespace, name) as the client named it: (None, ``name``) for a plain tool."""
+        return (self.namespace, self.local_name or self.name) if self.namespace else (None, self.name)
 
     def as_json(self) -> dict[str, Any]:
         if not self.custom:
@@ -137,6 +143,19 @@ class Tool:
         shape = "free text" if self.grammar is None else f"text matching this {self.grammar[0]} grammar: " \
             + self.grammar[1]
         return {"name": self.name, "description": self.description, "input": shape}
+
+
+#: Joins a namespace and a function's name into the one flat name the model sees.
+NAMESPACE_SEP = "__"
+
+
+def namespaced_name(namespace: str, name: str) -> str:
+    """The flat name of function ``name`` of Responses namespace ``namespace`` (e.g. Codex's
+    ``multi_agent_v1`` + ``spawn_agent`` -> ``multi_agent_v1__spawn_agent``): the form Codex
+    itself uses where a boundary cannot keep the split (``ToolName::canonical_flat_name``,
+    underscores around the separator trimmed). The model sees and calls this name; the
+    dialect hands the call back split (``name`` + ``namespace``)."""
+    return f"{namespace.rstrip('_')}{NAMESPACE_SEP}{name.lstrip('_')}"
 
 
 @dataclass(frozen=True)
