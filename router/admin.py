@@ -13,11 +13,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from router import gguf_meta
+from router.errors import BadRequest
+from router.events import HISTORY
 from router.metrics import label_request
 from router.params import get_str, read_json
 from router.pool import Pool
@@ -34,9 +38,20 @@ def _pool(request: Request) -> Pool:
 
 
 async def list_models(request: Request) -> Response:
-    """Every configured model: state, pid, queue depth, in-flight ids, load time, last use, last error."""
-    pool = _pool(request)
-    return JSONResponse({"object": "list", "data": [s.describe() for s in pool.slots.values()]})
+    """Every configured model: state, pid, queue depth, in-flight ids, load time, last use, last error,
+    idle expiry (``expires_at``), and what its GGUF header says (``gguf``: ``router.gguf_meta.ModelInfo``)."""
+    return JSONResponse({"object": "list", "data": await model_rows(_pool(request))})
+
+
+async def model_rows(pool: Pool) -> list[dict[str, Any]]:
+    """``describe()`` of every model with its GGUF header facts (read in a thread: a large
+    vocabulary takes a while the first time; cached after)."""
+    rows = [s.describe() for s in pool.slots.values()]
+    infos = await asyncio.to_thread(lambda: [gguf_meta.model_info(s.model.path).describe()
+                                             for s in pool.slots.values()])
+    for row, info in zip(rows, infos):
+        row["gguf"] = info
+    return rows
 
 
 async def load(request: Request) -> Response:
@@ -60,9 +75,14 @@ async def unload(request: Request) -> Response:
 
 
 async def events(request: Request) -> Response:
-    """Model events as SSE: ``event: <kind>`` and ``data: <json>``."""
+    """Model events as SSE: ``event: <kind>`` and ``data: <json>``. Query: ``recent=N`` replays
+    the last N events (at most ``events.HISTORY``) after the snapshot; ``follow=false`` ends
+    the stream there instead of following."""
     pool = _pool(request)
+    recent = _query_int(request, "recent", 0, 0, HISTORY)
+    follow = request.query_params.get("follow", "true").lower() not in ("0", "false", "no")
     q = pool.events.subscribe()
+    past = pool.events.recent(recent)
 
     def frame(ev: dict) -> bytes:  # type: ignore[type-arg]
         return f"event: {ev['event']}\n".encode() + sse_event(ev)
@@ -71,6 +91,10 @@ async def events(request: Request) -> Response:
         for s in pool.slots.values():
             yield frame({"seq": 0, "at": time.time(), "model": s.model.name, "event": "snapshot",
                          "state": s.state.value, "condition": s.condition(), "pid": s.describe()["pid"]})
+        for ev in past:
+            yield frame(ev)
+        if not follow:
+            return
         while True:
             try:
                 ev = await asyncio.wait_for(q.get(), KEEPALIVE_S)
@@ -82,6 +106,19 @@ async def events(request: Request) -> Response:
             yield frame(ev)
 
     return SSEResponse(gen(), on_close=lambda: pool.events.unsubscribe(q))  # type: ignore[return-value]
+
+
+def _query_int(request: Request, key: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query_params.get(key)
+    if raw is None:
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        raise BadRequest(f"{key} must be an integer, got {raw!r}", param=key) from None
+    if not lo <= v <= hi:
+        raise BadRequest(f"{key} must be {lo}..{hi}, got {v}", param=key)
+    return v
 
 
 routes = [

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from router import status_page
 from router import admin, anthropic_api, decode_api, llamacpp_api, llamacpp_router, openai_api, openai_responses, openapi
 from router.background import BackgroundStore
 from router.access_log import AccessLog
@@ -103,16 +104,18 @@ def create_app(config: Config, *, worker_module: str | None = None,
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         app.state.pool = Pool(config, worker_module=worker_module, metrics=registry, **(pool_options or {}))
         lag_probe = asyncio.get_running_loop().create_task(registry.watch_event_loop(), name="loop-lag")
+        sampler = asyncio.get_running_loop().create_task(status_page.sample_forever(app), name="ui-sampler")
         try:
             yield
         finally:
             lag_probe.cancel()
+            sampler.cancel()
             await app.state.background.close()  # its runs end (Cancel) before the workers stop
             await app.state.pool.close()
 
     routes = [Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
               *openai_api.routes, *openai_responses.routes, *decode_api.routes, *anthropic_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *admin.routes,
-              *openapi.routes]
+              *openapi.routes, *status_page.routes]
     app = Starlette(
         routes=routes,
         # outermost first: the access log and X-Request-Id, request framing, metrics, then browser-origin rules (and CORS preflights), then keys

@@ -34,7 +34,8 @@ import uvicorn
 from starlette.applications import Starlette
 
 from router.app import create_app
-from router.cli_args import parser, version
+from router import cli_client
+from router.cli_args import CLIENT_COMMANDS, parser, version
 from router.config import Config, ConfigError, check_public_bind, load_config
 from router.http_server import uvicorn_settings
 
@@ -161,6 +162,8 @@ def banner(config: Config, sock: socket.socket) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.command in CLIENT_COMMANDS:
+        return cli_client.main(args)
     try:
         config = load_config(args.config)
         server = config.server

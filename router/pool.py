@@ -245,6 +245,7 @@ class ModelSlot:
             "last_error": self.last_error,
             "unload_reason": self.unload_reason,
             "idle_ttl_s": self.model.idle_ttl_s,
+            "expires_at": self.expires_at(),
             "blas_threads": self.blas_threads,
             "last_exit_code": self.last_exit_code,
             "condition": self.condition(),
@@ -263,6 +264,14 @@ class ModelSlot:
         }
 
     # ------------------------------------------------------------------ placement facts
+
+    def expires_at(self) -> float | None:
+        """Unix time the idle unload is due (``idle_ttl_s`` after the last activity), while the
+        model is ready and idle; None when it has no TTL, is busy or is not loaded."""
+        ttl = self.model.idle_ttl_s
+        if ttl <= 0 or self.state is not WorkerState.READY or self._running or self.queue_depth > 0:
+            return None
+        return time.time() + max(0.0, self._last_active + ttl - time.monotonic())
 
     def estimate(self) -> Estimate:
         """What this model will take once loaded (router.placement.estimate)."""
