@@ -23,7 +23,7 @@ from router.llamacpp_router import build_info
 from router.responses import JSONResponse
 
 #: Path prefixes of routes that are not part of the client API.
-PRIVATE_PREFIXES = ("/admin/", "/openapi.json")
+PRIVATE_PREFIXES = ("/admin/", "/openapi.json", "/ui")  # /ui: the status page (router.status_page)
 
 _PARAM = re.compile(r"{([^}:]+)(?::[^}]+)?}")
 
