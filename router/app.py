@@ -35,6 +35,7 @@ from router.pool import Pool
 from router.response_store import ResponseStore
 from router.responses import JSONResponse
 from router.security import BrowserGuard
+from router.set_aside import SetAsideHeader
 
 log = logging.getLogger("modelyard.app")
 
@@ -118,8 +119,8 @@ def create_app(config: Config, *, worker_module: str | None = None,
               *openapi.routes, *status_page.routes]
     app = Starlette(
         routes=routes,
-        # outermost first: the access log and X-Request-Id, request framing, metrics, then browser-origin rules (and CORS preflights), then keys
-        middleware=[Middleware(AccessLog, routes=routes), Middleware(FramingGuard),
+        # outermost first: the access log and X-Request-Id, what was set aside (router.set_aside), request framing, metrics, then browser-origin rules (and CORS preflights), then keys
+        middleware=[Middleware(AccessLog, routes=routes), Middleware(SetAsideHeader), Middleware(FramingGuard),
                     Middleware(RequestMetrics, metrics=registry, routes=routes),
                     Middleware(BrowserGuard, server=config.server),
                     Middleware(BearerAuth, server=config.server)],

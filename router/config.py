@@ -11,7 +11,7 @@ Layout::
                         load_timeout_s, cancel_timeout_s, drain_timeout_s,
                         shutdown_grace_s, ping_interval_s, ping_timeout_s, unresponsive_after_s,
                         idle_ttl_s, n_threads, parallel, kv_budget_mib, restart_backoff_s, restart_backoff_max_s,
-                        max_crashes, crash_window_s, pinned,
+                        max_crashes, crash_window_s, pinned, n_predict,
                         and default sampling values (temperature, top_p, top_k, min_p,
                         repeat_penalty, repeat_last_n, presence_penalty,
                         frequency_penalty, seed)
@@ -113,6 +113,9 @@ class ModelConfig:
     # relayed by the router, the default) or "file" (through a slot_save_path both share)
     prefill_model: str | None = None
     kv_transfer: str = "wire"
+    # llama.cpp's -n / --n-predict: the length of an answer whose request names none, and the cap of
+    # one that names more (it then ends with finish_reason "length"); -1: no limit but n_ctx
+    n_predict: int = -1
     sampling: dict[str, float | int] = field(default_factory=dict)
 
     @property
@@ -184,7 +187,7 @@ _MODEL_KEYS = {
     "cancel_timeout_s", "drain_timeout_s", "shutdown_grace_s", "ping_interval_s",
     "ping_timeout_s", "unresponsive_after_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", "weights",
     "n_ubatch", "restart_backoff_s", "restart_backoff_max_s", "max_crashes", "crash_window_s", "pinned", "slot_save_path",
-    "kv_cache_dir", "kv_cache_mib", "prefill_model", "kv_transfer", *SAMPLING_KEYS,
+    "kv_cache_dir", "kv_cache_mib", "prefill_model", "kv_transfer", "n_predict", *SAMPLING_KEYS,
 }
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases", "prefill_model", "kv_transfer"}
 #: ``kv_transfer`` values (router.disaggregate).
@@ -196,6 +199,14 @@ _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport
 
 #: A ``cors_origins`` entry: scheme://host[:port], nothing after it (or "*").
 _ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#]+$")
+
+
+def _n_predict(merged: dict[str, Any], where: str) -> int:
+    """``n_predict``: -1 (no limit) or a positive number of tokens."""
+    n = _int(merged, "n_predict", where, -1, -1, 2**31 - 1)
+    if n == 0:
+        raise ConfigError(f"{where}.n_predict", "must be -1 (no limit) or a positive number of tokens, got 0")
+    return n
 
 
 def load_config(path: str | Path) -> Config:
@@ -328,6 +339,7 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
             kv_cache_mib=_float(merged, "kv_cache_mib", src("kv_cache_mib"), 1024.0, 0.0, float(1 << 30)),
             prefill_model=_opt_str(table, "prefill_model", where),
             kv_transfer=_kv_transfer(table, where),
+            n_predict=_n_predict(merged, src("n_predict")),
             sampling=sampling,
         )
     for name, m in models.items():

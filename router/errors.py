@@ -52,9 +52,25 @@ class BadRequest(ApiError):
 
 
 class ContextLengthExceeded(BadRequest):
-    """400: prompt + max_tokens beyond n_ctx (message contains "maximum context length")."""
+    """400: prompt + max_tokens beyond n_ctx (message contains "maximum context length").
+
+    ``n_prompt_tokens``, ``n_completion`` (the completion tokens the request needs room
+    for) and ``n_ctx`` are read from the worker's message when it gives them (else 0):
+    each dialect words the error its clients parse (Anthropic's ``prompt is too long``,
+    llama.cpp's ``exceed_context_size_error``)."""
 
     default_code = "context_length_exceeded"
+
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None,
+                 retry_after_s: int | None = None) -> None:
+        super().__init__(message, code=code, param=param, retry_after_s=retry_after_s)
+        m = _CONTEXT_FIGURES.search(message)
+        self.n_ctx, _, self.n_prompt_tokens, self.n_completion = (int(g) for g in m.groups()) if m else (0, 0, 0, 0)
+
+
+#: The figures of the worker's context-length message (``worker.engine.generate.check_context``).
+_CONTEXT_FIGURES = re.compile(r"maximum context length is (\d+) tokens\. However, you requested (\d+) tokens "
+                              r"\((\d+) in the prompt, (\d+) for the completion\)")
 
 
 class PayloadTooLarge(ApiError):

@@ -106,6 +106,7 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate,
     rid = getattr(request.state, "request_id", "")
     if rid:
         msg = dataclasses.replace(msg, trace_id=rid)  # the worker logs it with the generation
+    msg = cap_answer(msg, slot.model.n_predict)
     pre = prefill_slot(request, slot)
     if pre is not None:  # disaggregated: another worker prefills, this one decodes (router.disaggregate)
         try:
@@ -141,6 +142,16 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate,
         run.close()
         raise
     return run, first
+
+
+def cap_answer(msg: Generate, n_predict: int) -> Generate:
+    """``msg`` with the model's ``n_predict`` applied as llama.cpp's ``-n`` applies it: the
+    answer's length when the request names none (``max_tokens`` None), its cap when the
+    request names more (the answer then ends with finish_reason "length"). ``n_predict``
+    -1: no limit (the request's own, else the context)."""
+    if n_predict > 0 and (msg.max_tokens is None or msg.max_tokens > n_predict):
+        return dataclasses.replace(msg, max_tokens=n_predict)
+    return msg
 
 
 def _worker_error_param(e: BadRequest, msg: Generate, grammar_param: str | None) -> str | None:
