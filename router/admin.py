@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from router import gguf_meta
+from router import discovery, gguf_meta
 from router.errors import BadRequest
 from router.events import HISTORY
 from router.metrics import label_request
@@ -40,7 +40,26 @@ def _pool(request: Request) -> Pool:
 async def list_models(request: Request) -> Response:
     """Every configured model: state, pid, queue depth, in-flight ids, load time, last use, last error,
     idle expiry (``expires_at``), and what its GGUF header says (``gguf``: ``router.gguf_meta.ModelInfo``)."""
-    return JSONResponse({"object": "list", "data": await model_rows(_pool(request))})
+    return JSONResponse({"object": "list", "data": await model_rows(_pool(request)),
+                         "invalid": discovered(request).invalid})
+
+
+def discovered(request: Request) -> discovery.Scan:
+    """The last scan of models_dir (``router.discovery``; empty when discovery is off)."""
+    found: discovery.Scan = getattr(request.app.state, "discovery", None) or discovery.Scan()
+    return found
+
+
+async def rescan(request: Request) -> Response:
+    """Scan models_dir again: new GGUF files are served, removed ones drain and go (as a
+    SIGHUP does, without re-reading the config file). 400 when ``discover_models`` is off."""
+    pool = _pool(request)
+    if not pool.config.server.discover_models:
+        raise BadRequest("models_dir is not scanned: set [server] discover_models = true", code="discovery_off")
+    found = await asyncio.to_thread(discovery.scan, pool.config)
+    request.app.state.discovery = found
+    changes = pool.reload(discovery.apply(pool.config, found))
+    return JSONResponse({**{k: v for k, v in changes.items() if k != "server_kept"}, **found.describe()})
 
 
 async def model_rows(pool: Pool) -> list[dict[str, Any]]:
@@ -49,8 +68,9 @@ async def model_rows(pool: Pool) -> list[dict[str, Any]]:
     rows = [s.describe() for s in pool.slots.values()]
     infos = await asyncio.to_thread(lambda: [gguf_meta.model_info(s.model.path).describe()
                                              for s in pool.slots.values()])
-    for row, info in zip(rows, infos):
+    for row, info, s in zip(rows, infos, pool.slots.values()):
         row["gguf"] = info
+        row["source"] = "models_dir" if s.model.discovered else "config"
     return rows
 
 
@@ -126,4 +146,5 @@ routes = [
     Route("/admin/models", list_models, methods=["GET"]),
     Route("/admin/models/load", load, methods=["POST"]),
     Route("/admin/models/unload", unload, methods=["POST"]),
+    Route("/admin/models/rescan", rescan, methods=["POST"]),
 ]

@@ -185,7 +185,7 @@ def ps_rows(models: list[dict[str, Any]], now: float) -> list[list[str]]:
     return rows
 
 
-def models_rows(models: list[dict[str, Any]]) -> list[list[str]]:
+def models_rows(models: list[dict[str, Any]], invalid: list[dict[str, Any]]) -> list[list[str]]:
     rows = [["NAME", "STATE", "ARCH", "PARAMS", "QUANT", "CTX", "SIZE", "FILE", "SOURCE"]]
     for m in models:
         g = m.get("gguf") or {}
@@ -196,6 +196,9 @@ def models_rows(models: list[dict[str, Any]]) -> list[list[str]]:
             m["id"], m.get("state", "-"), g.get("architecture") or "-", g.get("parameters_text") or "-",
             g.get("quantization") or "-", str(g.get("context_length") or "-"), size_text(g.get("file_size")),
             file, m.get("source", "config")])
+    for bad in invalid:  # files found in models_dir that are not served
+        rows.append([bad["id"], "invalid", "-", "-", "-", "-", "-", f"{bad['file']} (invalid: {bad['reason']})",
+                     "models_dir"])
     return rows
 
 
@@ -216,14 +219,16 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     client = Client(url, api_key, admin_key, timeout)
     cmd = args.command
     if cmd in ("ps", "models"):
-        data = client.json("GET", "/admin/models")["data"]
+        answer = client.json("GET", "/admin/models")
+        data = answer["data"]
         if cmd == "ps":
-            data = [m for m in data if m.get("state") in LOADED_STATES]
+            answer = {"object": "list", "data": [m for m in data if m.get("state") in LOADED_STATES]}
         if args.json:
-            json.dump({"object": "list", "data": data}, out, indent=2)
+            json.dump(answer, out, indent=2)
             out.write("\n")
         else:
-            rows = ps_rows(data, time.time()) if cmd == "ps" else models_rows(data)
+            rows = (ps_rows(answer["data"], time.time()) if cmd == "ps"
+                    else models_rows(data, answer.get("invalid") or []))
             table(rows, out)
         return 0
     if cmd in ("load", "unload"):

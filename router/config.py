@@ -5,7 +5,7 @@ Layout::
     [server]            host, port, api_key, admin_key, models_dir, transport,
                         shutdown_timeout_s, allowed_hosts, cors_origins, header_timeout_s,
                         body_timeout_s, keep_alive_timeout_s, max_connections, max_header_bytes,
-                        stream_stall_timeout_s, max_loaded
+                        stream_stall_timeout_s, max_loaded, discover_models
     [defaults]          any per-model key below except path/aliases; applies to every model
     [models.NAME]       path (required), aliases, n_ctx, chat_template, max_queue,
                         load_timeout_s, cancel_timeout_s, drain_timeout_s,
@@ -117,6 +117,7 @@ class ModelConfig:
     # one that names more (it then ends with finish_reason "length"); -1: no limit but n_ctx
     n_predict: int = -1
     sampling: dict[str, float | int] = field(default_factory=dict)
+    discovered: bool = False  # found in models_dir (router.discovery), not a [models.NAME] table
 
     @property
     def weights_mode(self) -> str:
@@ -156,6 +157,7 @@ class ServerConfig:
     background_max: int = 256  # jobs kept, running or finished (the oldest finished is dropped first)
     background_ttl_s: float = 3600.0  # a finished job is forgotten this long after it ended (0: never)
     background_max_mib: float = 64.0  # the stored events of all jobs, MiB (oldest finished dropped first)
+    discover_models: bool = False  # serve every GGUF in models_dir under its file's name (router.discovery)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,6 +165,7 @@ class Config:
     server: ServerConfig
     models: dict[str, ModelConfig]  # by canonical name, in file order
     source: Path | None = None
+    defaults: dict[str, Any] = field(default_factory=dict)  # the [defaults] table (discovered models use it)
 
     def resolve(self, name: str) -> ModelConfig | None:
         """The model called ``name`` (canonical name or alias), else None."""
@@ -195,7 +198,8 @@ KV_TRANSFERS = ("wire", "file")
 _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport", "shutdown_timeout_s",
                 "allowed_hosts", "cors_origins", "header_timeout_s", "body_timeout_s",
                 "keep_alive_timeout_s", "max_connections", "max_header_bytes", "stream_stall_timeout_s", "max_loaded",
-                "responses_store_max", "responses_store_ttl_s", "background_max", "background_ttl_s", "background_max_mib"}
+                "responses_store_max", "responses_store_ttl_s", "background_max", "background_ttl_s", "background_max_mib",
+                "discover_models"}
 
 #: A ``cors_origins`` entry: scheme://host[:port], nothing after it (or "*").
 _ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#]+$")
@@ -255,13 +259,14 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
         background_max=_int(server_raw, "background_max", "server", 256, 1, 1_000_000),
         background_ttl_s=_float(server_raw, "background_ttl_s", "server", 3600.0, 0.0),
         background_max_mib=_float(server_raw, "background_max_mib", "server", 64.0, 0.01),
+        discover_models=_bool(server_raw, "discover_models", "server", False),
     )
     check_public_bind(server)
 
     defaults = _table(data, "defaults", "defaults")
     _no_unknown(defaults, _DEFAULTS_KEYS, "defaults")
     models_raw = _table(data, "models", "models")
-    if not models_raw:
+    if not models_raw and not server.discover_models:
         raise ConfigError("models", "at least one [models.NAME] table is required")
     models: dict[str, ModelConfig] = {}
     seen_ids: dict[str, str] = {}
@@ -344,7 +349,7 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
         )
     for name, m in models.items():
         _check_prefill_model(name, m, models)
-    return Config(server=server, models=models, source=source)
+    return Config(server=server, models=models, source=source, defaults=dict(defaults))
 
 
 def _check_prefill_model(name: str, m: ModelConfig, models: dict[str, ModelConfig]) -> None:

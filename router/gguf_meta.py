@@ -277,3 +277,24 @@ def _model_info(path: str, size: int, mtime_ns: int) -> ModelInfo:
                      parameters=params or None,
                      quantization=FILE_TYPES.get(ftype, f"type {ftype}") if isinstance(ftype, int) else None,
                      context_length=ctx if isinstance(ctx, int) else None, gguf_version=version)
+
+
+def meta(path: Path) -> dict[str, object]:
+    """``/v1/models``' ``meta`` for a model file, in llama-server's names where it has them
+    (``n_ctx_train``, ``n_params``, ``size``) plus ``architecture``, ``quantization`` and, for a
+    file that is not a valid GGUF, ``invalid`` (the reason). Read from the header, cached."""
+    info = model_info(path)
+    out: dict[str, object] = {"n_ctx_train": info.context_length, "n_params": info.parameters,
+                              "size": info.file_size, "architecture": info.architecture,
+                              "quantization": info.quantization}
+    if not info.valid:
+        out["invalid"] = info.reason
+    return out
+
+
+async def warm(paths: list[Path]) -> None:
+    """Read (and cache) the headers of ``paths`` off the event loop: the first read of a
+    large vocabulary's header takes up to a second."""
+    import asyncio
+
+    await asyncio.to_thread(lambda: [model_info(p) for p in paths])

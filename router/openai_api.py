@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from protocol import Done, Generate, Token
 from protocol.limits import MAX_N, MAX_N_PROBS
+from router import gguf_meta
 from router.constraints import json_format_constraint, llamacpp_constraint
 from router.dialects import choose, content_text, custom_tool, function_tool, objects, prepare, tool_list
 from router.errors import BadRequest, NotFound
@@ -74,12 +75,14 @@ def _model_object(pool: Pool, ident: str) -> dict[str, Any]:
         "aliases": list(m.aliases) if ident == m.name else [],
         "state": slot.state.value,
         "weights": m.weights_mode,
+        "meta": gguf_meta.meta(m.path),  # read from the GGUF header (cached): never loads the model
     }
 
 
 async def list_models(request: Request) -> Response:
     """Every configured name and alias. Never loads a model."""
     pool = _pool(request)
+    await gguf_meta.warm([m.path for m in pool.config.models.values()])
     return JSONResponse({"object": "list", "data": [_model_object(pool, i) for i in pool.config.ids()]})
 
 
@@ -89,6 +92,7 @@ async def get_model(request: Request) -> Response:
     if pool.config.resolve(ident) is None:
         raise NotFound(f"model '{ident}' not found; available models: {', '.join(pool.config.ids())}",
                        param="model")
+    await gguf_meta.warm([m.path for m in pool.config.models.values()])
     return JSONResponse(_model_object(pool, ident))
 
 

@@ -162,6 +162,7 @@ async def status(request: Request) -> Response:
         "server": {"version": version(), "api_key_required": bool(srv.api_key),
                    "admin_key_required": bool(srv.admin_key)},
         "models": rows,
+        "invalid": admin.discovered(request).invalid,
         "requests": list(recent_requests(request.app.state))[::-1],
         "history": history(request.app.state).describe(),
     }, headers={"Cache-Control": "no-store"})

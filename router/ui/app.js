@@ -90,7 +90,7 @@ async function poll() {
     const data = await resp.json();
     $("#main").hidden = false;
     clockSkew = data.now - Date.now() / 1000;
-    lastStatus = data;
+    lastStatus = data;  // renderModels reads its invalid list
     render(data);
     setConn("live", "live");
     if (!eventsAbort) followEvents();
@@ -145,6 +145,14 @@ function renderModels(models) {
       el("td", { "data-field": "expiry", text: expiry(m) }),
       file,
       el("td", {}, btn)));
+  }
+  for (const bad of lastStatus && lastStatus.invalid ? lastStatus.invalid : []) {  // found in models_dir, not served
+    rows.push(el("tr", { "data-model": bad.id, class: "invalid-row" },
+      el("td", {}, el("strong", { text: bad.id })),
+      el("td", {}, el("span", { class: "state", "data-state": "failed", "data-field": "state", text: "invalid" })),
+      el("td", { colspan: "6", text: "found in models_dir; not served" }),
+      el("td", { class: "file" }, bad.file, el("br"), el("span", { class: "invalid", text: "invalid: " + bad.reason })),
+      el("td", {})));
   }
   body.replaceChildren(...rows);
 }
