@@ -5,7 +5,8 @@ Layout::
     [server]            host, port, api_key, admin_key, models_dir, transport,
                         shutdown_timeout_s, allowed_hosts, cors_origins, header_timeout_s,
                         body_timeout_s, keep_alive_timeout_s, max_connections, max_header_bytes,
-                        stream_stall_timeout_s, max_loaded, discover_models
+                        stream_stall_timeout_s, max_loaded, discover_models,
+                        max_keep_alive_s
     [defaults]          any per-model key below except path/aliases; applies to every model
     [models.NAME]       path (required), aliases, n_ctx, chat_template, max_queue,
                         load_timeout_s, cancel_timeout_s, drain_timeout_s,
@@ -158,6 +159,7 @@ class ServerConfig:
     background_ttl_s: float = 3600.0  # a finished job is forgotten this long after it ended (0: never)
     background_max_mib: float = 64.0  # the stored events of all jobs, MiB (oldest finished dropped first)
     discover_models: bool = False  # serve every GGUF in models_dir under its file's name (router.discovery)
+    max_keep_alive_s: float | None = None  # the longest keep_alive / ttl a request may set (None: no cap)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,7 +201,7 @@ _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport
                 "allowed_hosts", "cors_origins", "header_timeout_s", "body_timeout_s",
                 "keep_alive_timeout_s", "max_connections", "max_header_bytes", "stream_stall_timeout_s", "max_loaded",
                 "responses_store_max", "responses_store_ttl_s", "background_max", "background_ttl_s", "background_max_mib",
-                "discover_models"}
+                "discover_models", "max_keep_alive_s"}
 
 #: A ``cors_origins`` entry: scheme://host[:port], nothing after it (or "*").
 _ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#]+$")
@@ -260,6 +262,8 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
         background_ttl_s=_float(server_raw, "background_ttl_s", "server", 3600.0, 0.0),
         background_max_mib=_float(server_raw, "background_max_mib", "server", 64.0, 0.01),
         discover_models=_bool(server_raw, "discover_models", "server", False),
+        max_keep_alive_s=(None if server_raw.get("max_keep_alive_s") is None
+                          else _float(server_raw, "max_keep_alive_s", "server", 0.0, 0.0)),
     )
     check_public_bind(server)
 

@@ -41,6 +41,7 @@ from router.params import (
     get_stop,
 )
 from router.pool import ModelSlot
+from router import keep_alive
 from router.run import Run
 from router.samplers import refuse_unimplemented
 from router.sse import sse_event, until_disconnect
@@ -119,7 +120,10 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate,
         # prefill worker evaluated this prompt afresh (cache_prompt as asked), and the state is that
         # very evaluation (a prefix is only ever reused for the same tokens)
         msg = dataclasses.replace(msg, cache_prompt=True)
+    keep = keep_alive.apply(request.state, getattr(request.state, "json_body", None),
+                            request.app.state.pool.config.server.max_keep_alive_s)  # 400 before admission
     run = Run(slot, msg.id, access=access_record(request.state))
+    slot.set_keep_alive(keep)
     hook = getattr(request.state, "run_hook", None)
     try:
         if hook is not None:
