@@ -40,8 +40,21 @@ def _pool(request: Request) -> Pool:
 async def list_models(request: Request) -> Response:
     """Every configured model: state, pid, queue depth, in-flight ids, load time, last use, last error,
     idle expiry (``expires_at``), and what its GGUF header says (``gguf``: ``router.gguf_meta.ModelInfo``)."""
-    return JSONResponse({"object": "list", "data": await model_rows(_pool(request)),
-                         "invalid": discovered(request).invalid})
+    pool = _pool(request)
+    return JSONResponse({"object": "list", "data": await model_rows(pool),
+                         "presets": preset_rows(pool), "invalid": discovered(request).invalid})
+
+
+def preset_rows(pool: Pool) -> list[dict[str, Any]]:
+    """Every ``[presets.NAME]``: its model and the defaults it sets (router.presets)."""
+    out = []
+    for name, p in pool.config.presets.items():
+        base = pool.config.models.get(p.name)
+        out.append({"id": name, "model": p.name, "aliases": list(p.aliases),
+                    "state": pool.slots[p.name].state.value if p.name in pool.slots else None,
+                    "sampling": {k: v for k, v in p.sampling.items() if base is None or base.sampling.get(k) != v},
+                    "n_predict": p.n_predict, "system_prompt": p.system_prompt})
+    return out
 
 
 def discovered(request: Request) -> discovery.Scan:

@@ -185,7 +185,8 @@ def ps_rows(models: list[dict[str, Any]], now: float) -> list[list[str]]:
     return rows
 
 
-def models_rows(models: list[dict[str, Any]], invalid: list[dict[str, Any]]) -> list[list[str]]:
+def models_rows(models: list[dict[str, Any]], invalid: list[dict[str, Any]],
+                presets: list[dict[str, Any]]) -> list[list[str]]:
     rows = [["NAME", "STATE", "ARCH", "PARAMS", "QUANT", "CTX", "SIZE", "FILE", "SOURCE"]]
     for m in models:
         g = m.get("gguf") or {}
@@ -196,6 +197,11 @@ def models_rows(models: list[dict[str, Any]], invalid: list[dict[str, Any]]) -> 
             m["id"], m.get("state", "-"), g.get("architecture") or "-", g.get("parameters_text") or "-",
             g.get("quantization") or "-", str(g.get("context_length") or "-"), size_text(g.get("file_size")),
             file, m.get("source", "config")])
+    by_id = {r[0]: r for r in rows[1:]}
+    for p in presets:  # a preset shares its model's row facts (one worker)
+        base = by_id.get(p["model"])
+        facts = base[2:7] if base else ["-"] * 5
+        rows.append([p["id"], p.get("state") or "-", *facts, f"= {p['model']}", "preset"])
     for bad in invalid:  # files found in models_dir that are not served
         rows.append([bad["id"], "invalid", "-", "-", "-", "-", "-", f"{bad['file']} (invalid: {bad['reason']})",
                      "models_dir"])
@@ -228,7 +234,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
             out.write("\n")
         else:
             rows = (ps_rows(answer["data"], time.time()) if cmd == "ps"
-                    else models_rows(data, answer.get("invalid") or []))
+                    else models_rows(data, answer.get("invalid") or [], answer.get("presets") or []))
             table(rows, out)
         return 0
     if cmd in ("load", "unload"):

@@ -8,11 +8,12 @@ Layout::
                         stream_stall_timeout_s, max_loaded, discover_models,
                         max_keep_alive_s
     [defaults]          any per-model key below except path/aliases; applies to every model
+    [presets.NAME]      model (required), aliases, sampling keys, n_predict, system_prompt (router.presets)
     [models.NAME]       path (required), aliases, n_ctx, chat_template, max_queue,
                         load_timeout_s, cancel_timeout_s, drain_timeout_s,
                         shutdown_grace_s, ping_interval_s, ping_timeout_s, unresponsive_after_s,
                         idle_ttl_s, n_threads, parallel, kv_budget_mib, restart_backoff_s, restart_backoff_max_s,
-                        max_crashes, crash_window_s, pinned, n_predict,
+                        max_crashes, crash_window_s, pinned, n_predict, system_prompt,
                         and default sampling values (temperature, top_p, top_k, min_p,
                         repeat_penalty, repeat_last_n, presence_penalty,
                         frequency_penalty, seed)
@@ -119,6 +120,8 @@ class ModelConfig:
     n_predict: int = -1
     sampling: dict[str, float | int] = field(default_factory=dict)
     discovered: bool = False  # found in models_dir (router.discovery), not a [models.NAME] table
+    system_prompt: str | None = None  # the system message a chat request without one gets
+    preset: str | None = None  # set on the view a [presets.NAME] gives of this model (router.presets)
 
     @property
     def weights_mode(self) -> str:
@@ -168,12 +171,18 @@ class Config:
     models: dict[str, ModelConfig]  # by canonical name, in file order
     source: Path | None = None
     defaults: dict[str, Any] = field(default_factory=dict)  # the [defaults] table (discovered models use it)
+    presets: dict[str, ModelConfig] = field(default_factory=dict)  # [presets.NAME]: a model's view (router.presets)
 
     def resolve(self, name: str) -> ModelConfig | None:
         """The model called ``name`` (canonical name or alias), else None."""
         if name in self.models:
             return self.models[name]
         for m in self.models.values():
+            if name in m.aliases:
+                return m
+        if name in self.presets:
+            return self.presets[name]
+        for m in self.presets.values():
             if name in m.aliases:
                 return m
         return None
@@ -184,6 +193,9 @@ class Config:
         for m in self.models.values():
             out.append(m.name)
             out.extend(m.aliases)
+        for name, p in self.presets.items():
+            out.append(name)
+            out.extend(p.aliases)
         return out
 
 
@@ -192,7 +204,7 @@ _MODEL_KEYS = {
     "cancel_timeout_s", "drain_timeout_s", "shutdown_grace_s", "ping_interval_s",
     "ping_timeout_s", "unresponsive_after_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", "weights",
     "n_ubatch", "restart_backoff_s", "restart_backoff_max_s", "max_crashes", "crash_window_s", "pinned", "slot_save_path",
-    "kv_cache_dir", "kv_cache_mib", "prefill_model", "kv_transfer", "n_predict", *SAMPLING_KEYS,
+    "kv_cache_dir", "kv_cache_mib", "prefill_model", "kv_transfer", "n_predict", "system_prompt", *SAMPLING_KEYS,
 }
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases", "prefill_model", "kv_transfer"}
 #: ``kv_transfer`` values (router.disaggregate).
@@ -232,7 +244,7 @@ def load_config(path: str | Path) -> Config:
 
 def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = None) -> Config:
     """Validate an already-parsed TOML document. Raises ConfigError."""
-    _no_unknown(data, {"server", "defaults", "models"}, "")
+    _no_unknown(data, {"server", "defaults", "models", "presets"}, "")
     server_raw = _table(data, "server", "server")
     _no_unknown(server_raw, _SERVER_KEYS, "server")
     host = _str(server_raw, "host", "server", "127.0.0.1")
@@ -350,10 +362,14 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
             kv_transfer=_kv_transfer(table, where),
             n_predict=_n_predict(merged, src("n_predict")),
             sampling=sampling,
+            system_prompt=_opt_str(merged, "system_prompt", src("system_prompt")),
         )
     for name, m in models.items():
         _check_prefill_model(name, m, models)
-    return Config(server=server, models=models, source=source, defaults=dict(defaults))
+    from router.presets import parse_presets  # it builds on this module's readers
+
+    presets = parse_presets(_table(data, "presets", "presets"), models, seen_ids)
+    return Config(server=server, models=models, source=source, defaults=dict(defaults), presets=presets)
 
 
 def _check_prefill_model(name: str, m: ModelConfig, models: dict[str, ModelConfig]) -> None:

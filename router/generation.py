@@ -108,6 +108,7 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate,
     if rid:
         msg = dataclasses.replace(msg, trace_id=rid)  # the worker logs it with the generation
     msg = cap_answer(msg, slot.model.n_predict)
+    msg = with_system_prompt(msg, slot.model.system_prompt)
     pre = prefill_slot(request, slot)
     if pre is not None:  # disaggregated: another worker prefills, this one decodes (router.disaggregate)
         try:
@@ -146,6 +147,16 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate,
         run.close()
         raise
     return run, first
+
+
+def with_system_prompt(msg: Generate, system_prompt: str | None) -> Generate:
+    """``msg`` with the model's (or preset's) ``system_prompt`` as its first message when it is
+    a chat whose messages bring no system (or developer) message of their own."""
+    if not system_prompt or msg.messages is None:
+        return msg
+    if any(m.get("role") in ("system", "developer") for m in msg.messages if isinstance(m, dict)):
+        return msg
+    return dataclasses.replace(msg, messages=[{"role": "system", "content": system_prompt}, *msg.messages])
 
 
 def cap_answer(msg: Generate, n_predict: int) -> Generate:

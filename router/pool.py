@@ -1099,6 +1099,10 @@ class Pool:
         if m is None:
             raise NotFound(f"model '{name}' not found; available models: {', '.join(self.config.ids())}",
                            param="model")
+        if m.preset is not None:  # a preset: the model's one slot, showing the preset's defaults
+            from router.presets import PresetSlot
+
+            return PresetSlot(self.slots[m.name], m)  # type: ignore[return-value]
         return self.slots[m.name]
 
     # ------------------------------------------------------------------ CPU sharing

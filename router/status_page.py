@@ -163,6 +163,7 @@ async def status(request: Request) -> Response:
                    "admin_key_required": bool(srv.admin_key)},
         "models": rows,
         "invalid": admin.discovered(request).invalid,
+        "presets": admin.preset_rows(pool),
         "requests": list(recent_requests(request.app.state))[::-1],
         "history": history(request.app.state).describe(),
     }, headers={"Cache-Control": "no-store"})

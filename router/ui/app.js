@@ -146,6 +146,18 @@ function renderModels(models) {
       file,
       el("td", {}, btn)));
   }
+  for (const p of lastStatus && lastStatus.presets ? lastStatus.presets : []) {  // a preset: its model's worker
+    const sets = Object.entries(p.sampling).map(([k, v]) => `${k}=${v}`);
+    if (p.n_predict > 0) sets.push(`n_predict=${p.n_predict}`);
+    if (p.system_prompt) sets.push("system prompt");
+    rows.push(el("tr", { "data-model": p.id, class: "preset-row" },
+      el("td", {}, el("strong", { text: p.id }),
+        p.aliases.length ? el("div", { class: "aliases", text: p.aliases.join(", ") }) : null),
+      el("td", {}, el("span", { class: "state", "data-state": p.state, text: p.state || "–" })),
+      el("td", { colspan: "6", class: "cond", text: `preset of ${p.model} (its one worker)` }),
+      el("td", { class: "file", text: sets.join(" · ") || "no defaults of its own" }),
+      el("td", {})));
+  }
   for (const bad of lastStatus && lastStatus.invalid ? lastStatus.invalid : []) {  // found in models_dir, not served
     rows.push(el("tr", { "data-model": bad.id, class: "invalid-row" },
       el("td", {}, el("strong", { text: bad.id })),

@@ -36,6 +36,9 @@ aliases = ["a"]
 idle_ttl_s = 600
 [models.beta]
 path = "beta.gguf"
+[presets.alpha-greedy]
+model = "alpha"
+temperature = 0.0
 """
 
 
@@ -84,6 +87,7 @@ def test_the_page_shows_the_models_follows_a_load_and_unloads(tmp_path: Path, br
         expect(page.locator('#models tr[data-model="alpha"] td.file')).to_contain_text("llama")
         expect(page.locator('#models tr[data-model="alpha"] td.file')).to_contain_text("Q8_0")
         expect(page.locator('#models tr[data-model="beta"] td.file')).to_contain_text("invalid: not a GGUF file")
+        expect(page.locator('#models tr[data-model="alpha-greedy"]')).to_contain_text("preset of alpha")
 
         # loaded through the API: the page follows (events + poll)
         with httpx.Client(base_url=r.url, timeout=30) as http:

@@ -1,0 +1,98 @@
+"""Presets: several names over one loaded copy of a model (issue 27; llama.cpp #23704).
+
+``[presets.NAME]`` in ``config.toml``::
+
+    [presets.smol-greedy]
+    model = "SmolLM2-135M-Instruct"   # a configured model (its name or an alias)
+    aliases = ["greedy"]
+    temperature = 0.0                 # any sampling key of [models.NAME]: its defaults
+    n_predict = 64                    # the answer's length when a request names none (and its cap)
+    system_prompt = "Answer briefly." # the system message when a request sends none
+
+A request for a preset runs on its model's one worker (a preset never loads the model
+again: the pool's slot is the model's, :class:`PresetSlot` only shows the preset's defaults
+as ``.model``). A request's own value wins over the preset's, the preset's over the model's.
+A chat template or reasoning switch per preset is not supported (the worker renders the
+model's one template; the protocol carries no per-request template): such keys are config
+errors naming them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from router.config import (SAMPLING_KEYS, ConfigError, ModelConfig, _check_id, _float, _int, _n_predict,
+                           _no_unknown, _opt_str)
+from protocol.limits import GENERATE_LIMITS
+
+PRESET_KEYS = {"model", "aliases", "n_predict", "system_prompt", *SAMPLING_KEYS}
+#: Keys a preset cannot have, and why (named in the config error).
+UNSUPPORTED = {
+    "chat_template": "the model's one worker renders one chat template; set it on [models.NAME]",
+    "reasoning": "a per-request reasoning switch (chat_template_kwargs) is not supported yet",
+    "enable_thinking": "a per-request reasoning switch (chat_template_kwargs) is not supported yet",
+    "chat_template_kwargs": "per-request chat template variables are not supported yet",
+}
+
+
+def parse_presets(raw: dict[str, Any], models: dict[str, ModelConfig],
+                  seen_ids: dict[str, str]) -> dict[str, ModelConfig]:
+    """Each preset as the ModelConfig its requests see: the model's, with the preset's
+    sampling, ``n_predict`` and ``system_prompt`` over it and ``preset`` set to its name.
+    ``seen_ids`` (name -> owner) is extended with the presets' names and aliases.
+    Raises ConfigError naming the key."""
+    out: dict[str, ModelConfig] = {}
+    for name, table in raw.items():
+        where = f"presets.{name}"
+        if not isinstance(table, dict):
+            raise ConfigError(where, f"expected a table, got {type(table).__name__}")
+        for key, why in UNSUPPORTED.items():
+            if key in table:
+                raise ConfigError(f"{where}.{key}", f"not supported in a preset: {why}")
+        _no_unknown(table, PRESET_KEYS, where)
+        _check_id(name, where)
+        target = table.get("model")
+        if not isinstance(target, str):
+            raise ConfigError(f"{where}.model", "required: the name of a configured model")
+        base = models.get(target) or next((m for m in models.values() if target in m.aliases), None)
+        if base is None:
+            raise ConfigError(f"{where}.model", f"{target!r} is not a configured model "
+                              f"(models: {', '.join(models) or 'none'})")
+        aliases = table.get("aliases", [])
+        if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
+            raise ConfigError(f"{where}.aliases", "expected a list of strings")
+        for ident in [name, *aliases]:
+            _check_id(ident, f"{where}.aliases")
+            if ident in seen_ids:
+                raise ConfigError(f"{where}.aliases" if ident != name else where,
+                                  f"name {ident!r} is already used by {seen_ids[ident]!r}")
+            seen_ids[ident] = name
+        sampling = dict(base.sampling)
+        for key, (tp, lo, hi) in SAMPLING_KEYS.items():
+            if key in table:
+                sampling[key] = _int(table, key, where, 0, lo, hi) if tp is int else _float(table, key, where, 0.0, lo, hi)
+                bound = GENERATE_LIMITS.get(key)
+                if bound is not None and not bound.contains(sampling[key]):
+                    raise ConfigError(f"{where}.{key}", f"must be {bound.describe()}, got {sampling[key]}")
+        out[name] = dataclasses.replace(
+            base, sampling=sampling, preset=name, aliases=tuple(aliases),
+            n_predict=_n_predict(table, where) if "n_predict" in table else base.n_predict,
+            system_prompt=_opt_str(table, "system_prompt", where) if "system_prompt" in table else base.system_prompt)
+    return out
+
+
+class PresetSlot:
+    """A model's slot as a preset's requests see it: ``model`` is the preset's ModelConfig
+    (same name, path and worker settings as the model's; its own defaults); everything else —
+    admission, the worker, state — is the model's one slot."""
+
+    def __init__(self, slot: Any, model: ModelConfig) -> None:
+        self._slot = slot
+        self.model = model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._slot, name)
+
+    def describe(self) -> dict[str, Any]:
+        return dict(self._slot.describe())

@@ -1,0 +1,63 @@
+"""Presets on a real worker (issue 27): two presets of SmolLM2 run on its one worker; the
+temperature-0 preset gives the greedy text, and a request's own temperature wins over a
+preset's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.router.conftest import MODELS, SMOLLM2, LiveRouter
+
+pytestmark = [pytest.mark.slow]
+
+CONFIG = f"""
+[server]
+models_dir = "{MODELS}"
+[defaults]
+n_ctx = 512
+load_timeout_s = 300
+[models.smollm2]
+path = "{SMOLLM2.name}"
+[presets.smol-greedy]
+model = "smollm2"
+temperature = 0.0
+[presets.smol-hot]
+model = "smollm2"
+temperature = 1.5
+top_k = 0
+top_p = 1.0
+min_p = 0.0
+seed = 7
+"""
+MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]
+
+
+@pytest.fixture(scope="module")
+def router(module_tmp: Path) -> Iterator[LiveRouter]:
+    r = LiveRouter(module_tmp, CONFIG, real=True)
+    yield r
+    r.stop()
+
+
+def _text(r: LiveRouter, model: str, **extra: Any) -> str:
+    out = httpx.post(r.url + "/v1/chat/completions", timeout=300,
+                     json={"model": model, "messages": MESSAGES, "max_tokens": 24, **extra})
+    assert out.status_code == 200, out.text
+    return str(out.json()["choices"][0]["message"]["content"])
+
+
+def test_two_presets_one_worker_greedy_and_the_requests_own_value(router: LiveRouter) -> None:
+    greedy = _text(router, "smollm2", temperature=0)
+    assert greedy
+    assert _text(router, "smol-greedy") == greedy              # the preset's temperature 0
+    hot = _text(router, "smol-hot")
+    assert hot != greedy                                       # its own sampling (seeded)
+    assert _text(router, "smol-hot") == hot                    # ... and its own seed
+    assert _text(router, "smol-hot", temperature=0) == greedy  # a request's own value wins
+    m = router.admin("smollm2")
+    assert m["spawn_count"] == 1 and len(router.workers()) == 1
