@@ -148,8 +148,8 @@ class AccessLog:
             failed = False
         finally:
             code = status[0] or (500 if failed else 499)
-            if status[0] and disconnected[0] and not complete[0]:
-                code = 499  # a started answer the client did not take in full
+            if status[0] and disconnected[0] and not complete[0] and not state.get("open_ended"):
+                code = 499  # a started answer the client did not take in full (a followed stream ends so)
             rec = state.get("access", {})
             client = scope.get("client")
             fields = {

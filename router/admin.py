@@ -112,17 +112,19 @@ async def events(request: Request) -> Response:
     the last N events (at most ``events.HISTORY``) after the snapshot; ``follow=false`` ends
     the stream there instead of following."""
     pool = _pool(request)
+    request.state.open_ended = True  # the client ends it: not a 499 in the access log
     recent = _query_int(request, "recent", 0, 0, HISTORY)
     follow = request.query_params.get("follow", "true").lower() not in ("0", "false", "no")
     q = pool.events.subscribe()
     past = pool.events.recent(recent)
+    seq = pool.events.seq
 
     def frame(ev: dict) -> bytes:  # type: ignore[type-arg]
         return f"event: {ev['event']}\n".encode() + sse_event(ev)
 
     async def gen() -> AsyncIterator[bytes]:
-        for s in pool.slots.values():
-            yield frame({"seq": 0, "at": time.time(), "model": s.model.name, "event": "snapshot",
+        for s in pool.slots.values():  # seq: the last event before it (the state as of that event)
+            yield frame({"seq": seq, "at": time.time(), "model": s.model.name, "event": "snapshot",
                          "state": s.state.value, "condition": s.condition(), "pid": s.describe()["pid"]})
         for ev in past:
             yield frame(ev)

@@ -55,6 +55,11 @@ class EventHub:
             q.put_nowait(ev)
         return ev
 
+    @property
+    def seq(self) -> int:
+        """The last event's ``seq`` (0 before the first)."""
+        return self._seq
+
     def recent(self, n: int) -> list[Event]:
         """The last ``n`` events (oldest first; at most :data:`HISTORY`)."""
         return list(self._history)[-n:] if n > 0 else []

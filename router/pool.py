@@ -704,6 +704,7 @@ class ModelSlot:
         self.metrics.load_time.labels(self.model.name).observe(time.monotonic() - t0)
         self.load_ms = ready.load_ms
         self.loaded_at = time.time()
+        self.unload_reason = None  # it is loaded again: the last unload's reason no longer describes it
         self.last_exit_code = None
         self._set_state(WorkerState.READY)
         self.rss_after_load = self._sample_rss(wp)

@@ -92,6 +92,11 @@ def test_load_ps_unload(router: LiveRouter) -> None:
     assert out.returncode == 0 and out.stdout.startswith("tiny: unloaded"), out.stdout + out.stderr
     assert list(rows(cli("ps", "--url", router.url).stdout)) == ["NAME"]
     assert router.admin("tiny")["state"] == "unloaded"
+    assert router.admin("tiny")["unload_reason"] == "unloaded by request"
+    # loaded again, the last unload's reason no longer describes it
+    assert cli("load", "tiny", "--url", router.url).returncode == 0
+    assert router.admin("tiny")["unload_reason"] is None
+    assert cli("unload", "tiny", "--url", router.url).returncode == 0
 
 
 def test_events_and_follow(router: LiveRouter) -> None:
@@ -116,6 +121,9 @@ def test_events_and_follow(router: LiveRouter) -> None:
         follow.terminate()
         follow.wait(10)
     assert cli("unload", "tiny", "--url", router.url).returncode == 0
+    # a reader that leaves is how a followed stream ends: logged as a 200, not a 499
+    lines = [x for x in router.log_path.read_text().splitlines() if "route=/admin/events" in x]
+    assert lines and all(" status=200 " in x for x in lines), lines
 
 
 def test_errors_are_one_line(router: LiveRouter, tmp_path: Path) -> None:

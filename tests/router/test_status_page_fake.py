@@ -4,6 +4,7 @@ recent requests without the page's own polling, and the plots' sampling of the m
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -103,6 +104,8 @@ def test_admin_events_replays_recent_events_and_ends_without_follow(router: Live
         assert ev.status_code == 200
         kinds = [line.split(": ", 1)[1] for line in ev.text.splitlines() if line.startswith("event: ")]
         assert kinds[0] == "snapshot" and "state" in kinds[1:] and "loading" in kinds
+        seqs = [json.loads(x[5:])["seq"] for x in ev.text.splitlines() if x.startswith("data:")]
+        assert seqs[0] == seqs[-1] and seqs[0] >= 1  # the snapshot is the state as of the last event
         assert http.get("/admin/events?recent=201&follow=false").status_code == 400
         assert http.get("/admin/events?recent=x&follow=false").status_code == 400
 
