@@ -1,5 +1,7 @@
 """``modelyard serve [--config PATH] [--host H] [--port P]`` (also ``python -m router``);
-``modelyard --version``.
+``modelyard --version``; ``modelyard ps | models | load NAME | unload NAME | events`` talk to a
+running service (``router.cli_client``). Bare ``modelyard`` prints the commands and exits 2;
+options without a command serve, saying so.
 
 Exits 1 with the offending key path on a config error, and with one line naming
 the ``--port`` option when the port is taken (the socket is bound before anything
@@ -164,9 +166,17 @@ def banner(config: Config, sock: socket.socket) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:  # bare `modelyard`: say what it does rather than quietly serve on 8080
+        parser().print_help(sys.stderr)
+        print("\nmodelyard: no command given; 'modelyard serve' starts the service", file=sys.stderr)
+        return 2
     args = parser().parse_args(argv)
     if args.command in CLIENT_COMMANDS:
         return cli_client.main(args)
+    if args.command is None:
+        print("modelyard: no command given: serving (as 'modelyard serve'; 'modelyard --help' lists "
+              "the commands)", file=sys.stderr)
     try:
         config = load_config(args.config)
         server = config.server

@@ -32,7 +32,7 @@ def parser() -> argparse.ArgumentParser:
         prog="modelyard", description="Serve GGUF models behind an OpenAI-compatible API.", epilog=epilog)
     p.add_argument("--version", action="version", version=f"modelyard {version()}")
     sub = p.add_subparsers(dest="command")
-    s = sub.add_parser("serve", help="run the router (the default command)", epilog=epilog,
+    s = sub.add_parser("serve", help="run the router (the command when only options are given)", epilog=epilog,
                        description="Serve the models of a config file until Ctrl-C or SIGTERM.")
     for q in (p, s):
         q.add_argument("--config", default="config.toml", help="config file (default: config.toml)")

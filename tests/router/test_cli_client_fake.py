@@ -157,6 +157,12 @@ def test_address_and_keys_from_the_config_or_the_environment(tmp_path: Path) -> 
         r.stop()
 
 
+def test_bare_modelyard_says_what_it_does_instead_of_serving() -> None:
+    out = cli()
+    assert out.returncode == 2 and "no command given; 'modelyard serve' starts the service" in out.stderr
+    assert "{serve,ps,models,load,unload,events}" in out.stderr and out.stdout == ""
+
+
 def test_help_lists_the_commands() -> None:
     out = cli("--help")
     for cmd in ("serve", "ps", "models", "load", "unload", "events"):
