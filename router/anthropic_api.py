@@ -42,7 +42,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from protocol import Done, Generate, Token
+from protocol import Accepted, Done, Generate, Token
 from router.constraints import json_format_constraint
 from router.dialects import Prepared, choose, function_tool, objects, prepare, tool_list
 from router.errors import ApiError, BadRequest, ContextLengthExceeded, anthropic_error_payload
@@ -260,9 +260,18 @@ def _usage(done: Done) -> dict[str, Any]:
             "cache_read_input_tokens": done.cache_n, "cache_creation_input_tokens": 0}
 
 
-def _start_usage(first: Token | Done) -> dict[str, Any]:
-    """``message_start``'s usage, as Anthropic sends it: the prompt's counts (the first
-    Token carries them; a Done, when nothing was generated) and 1 output token."""
+#: Anthropic's keep-alive event (its streams carry ``ping`` events).
+_PING = sse_named("ping", {"type": "ping"})
+
+
+def _start_usage(first: Token | Done | Accepted) -> dict[str, Any]:
+    """``message_start``'s usage, as Anthropic sends it: the prompt's counts (the worker's
+    Accepted or the first Token carries them — how much of the prompt the KV cache holds is
+    known only later: ``message_delta``'s usage has it; a Done, when nothing was generated)
+    and 1 output token."""
+    if isinstance(first, Accepted):
+        return {"input_tokens": first.prompt_tokens, "output_tokens": 1, "cache_read_input_tokens": 0,
+                "cache_creation_input_tokens": 0}
     if isinstance(first, Done):
         return {**_usage(first), "output_tokens": first.completion_tokens}
     return {"input_tokens": first.prompt_tokens - first.cache_n, "output_tokens": 1,
@@ -273,12 +282,13 @@ def _tool_block(c: ToolCall) -> dict[str, Any]:
     return {"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)}
 
 
-async def _begin(request: Request, req: _Request, msg: Generate) -> tuple[Run, Token | Done]:
+async def _begin(request: Request, req: _Request, msg: Generate,
+                 early: bool = False) -> tuple[Run, Token | Done | Accepted]:
     """``begin``, with a context overflow worded as Anthropic words it — the text Claude
     Code parses to compact the conversation (``prompt is too long: N tokens > M maximum``)
     or to lower ``max_tokens`` (``input length and `max_tokens` exceed context limit: N + M > C``)."""
     try:
-        return await begin(request, req.slot, msg, grammar_param=req.prep.constraint_param)
+        return await begin(request, req.slot, msg, grammar_param=req.prep.constraint_param, early=early)
     except ContextLengthExceeded as e:
         raise anthropic_context_error(e) from None
 
@@ -312,7 +322,7 @@ async def messages(request: Request) -> Response:
         raise BadRequest("'max_tokens' is required", param="max_tokens")
     streaming = get_bool(body, "stream", False)
     msg = _generate(req, body, max_tokens, "msg")
-    run, first = await _begin(request, req, msg)
+    run, first = await _begin(request, req, msg, early=streaming)
     mid = "msg_" + msg.id.split("-", 1)[1]
     parser = req.prep.parser("toolu")
 
@@ -357,8 +367,7 @@ async def messages(request: Request) -> Response:
                 "delta": {"type": "input_json_delta", "partial_json": c.arguments}}))
             close_block()
 
-    async def on_frame(item: Token | Done) -> list[bytes]:
-        out_events.clear()
+    def start(item: Token | Done | Accepted) -> None:
         if not state["started"]:
             state["started"] = True
             out_events.append(sse_named("message_start", {"type": "message_start", "message": {
@@ -367,6 +376,18 @@ async def messages(request: Request) -> Response:
             if not parser.mode == "undecided":  # plain text: the block opens at once, as Anthropic's
                 state["text_open"] = True
                 open_block({"type": "text", "text": ""})
+            elif not state["pinged"]:
+                state["pinged"] = True
+                out_events.append(_PING)
+
+    def on_open(accepted: Accepted) -> list[bytes]:
+        out_events.clear()
+        start(accepted)  # message_start at once: the prompt's prefill has not begun yet
+        return list(out_events)
+
+    async def on_frame(item: Token | Done) -> list[bytes]:
+        out_events.clear()
+        start(item)
         if isinstance(item, Token):
             emit(*parser.feed(item.text))
             return list(out_events)
@@ -384,7 +405,8 @@ async def messages(request: Request) -> Response:
         out_events.append(sse_named("message_stop", {"type": "message_stop"}))
         return list(out_events)
 
-    return SSEResponse(stream(run, first, on_frame, on_error=_error_event), run.close)
+    return SSEResponse(stream(run, first, on_frame, on_error=_error_event, on_open=on_open, keepalive=_PING),
+                       run.close)
 
 
 async def count_tokens(request: Request) -> Response:

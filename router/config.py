@@ -5,7 +5,7 @@ Layout::
     [server]            host, port, api_key, admin_key, models_dir, transport,
                         shutdown_timeout_s, allowed_hosts, cors_origins, header_timeout_s,
                         body_timeout_s, keep_alive_timeout_s, max_connections, max_header_bytes,
-                        stream_stall_timeout_s, max_loaded, discover_models,
+                        stream_stall_timeout_s, sse_keepalive_s, max_loaded, discover_models,
                         max_keep_alive_s
     [defaults]          any per-model key below except path/aliases; applies to every model
     [presets.NAME]      model (required), aliases, sampling keys, n_predict, system_prompt (router.presets)
@@ -153,6 +153,7 @@ class ServerConfig:
     max_connections: int = 256  # open connections beyond this get 503 (uvicorn's limit_concurrency)
     max_header_bytes: int = 16 * 1024  # a request head larger than this is a 400 (h11)
     stream_stall_timeout_s: float = 30.0  # a client that reads nothing of its answer this long is cut off
+    sse_keepalive_s: float = 5.0  # a stream silent this long (a prompt prefilling) sends a keep-alive
     max_loaded: int = 0  # models holding a worker at once (0: no limit); router.placement evicts idle ones
     # the Responses API's stored responses (router.response_store)
     responses_store_max: int = 256  # responses kept for GET /v1/responses/{id} and previous_response_id
@@ -211,7 +212,8 @@ _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases", "prefill_model", "kv_transfer
 KV_TRANSFERS = ("wire", "file")
 _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport", "shutdown_timeout_s",
                 "allowed_hosts", "cors_origins", "header_timeout_s", "body_timeout_s",
-                "keep_alive_timeout_s", "max_connections", "max_header_bytes", "stream_stall_timeout_s", "max_loaded",
+                "keep_alive_timeout_s", "max_connections", "max_header_bytes", "stream_stall_timeout_s", "sse_keepalive_s",
+                "max_loaded",
                 "responses_store_max", "responses_store_ttl_s", "background_max", "background_ttl_s", "background_max_mib",
                 "discover_models", "max_keep_alive_s"}
 
@@ -267,6 +269,7 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
         max_connections=_int(server_raw, "max_connections", "server", 256, 1, 1_000_000),
         max_header_bytes=_int(server_raw, "max_header_bytes", "server", 16 * 1024, 1024, 1024 * 1024),
         stream_stall_timeout_s=_float(server_raw, "stream_stall_timeout_s", "server", 30.0, 0.1),
+        sse_keepalive_s=_float(server_raw, "sse_keepalive_s", "server", 5.0, 0.05, 3600.0),
         max_loaded=_int(server_raw, "max_loaded", "server", 0, 0, 100_000),
         responses_store_max=_int(server_raw, "responses_store_max", "server", 256, 0, 1_000_000),
         responses_store_ttl_s=_float(server_raw, "responses_store_ttl_s", "server", 3600.0, 0.0),

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from protocol import Done, Generate, Token
+from protocol import Accepted, Done, Generate, Token
 from protocol.limits import MAX_N, MAX_N_PROBS
 from router import gguf_meta
 from router.constraints import json_format_constraint, llamacpp_constraint
@@ -336,7 +336,7 @@ async def chat_completions(request: Request) -> Response:
     include_usage = _include_usage(body)
     msg = Generate(n_probs=max(top_n, 1) if want_logprobs else 0, **fields, **common)
 
-    run, first = await begin(request, slot, msg, grammar_param=constraint_param)
+    run, first = await begin(request, slot, msg, grammar_param=constraint_param, early=streaming)
     worker = run.worker
     assert worker is not None
     rid, created, fp = msg.id, now_s(), _fingerprint(worker)
@@ -379,7 +379,15 @@ async def chat_completions(request: Request) -> Response:
     def start(i: int, out: list[bytes]) -> None:
         if i not in started:
             started.add(i)
-            out.append(sse_event(chunk({"role": "assistant", "content": None if offered else ""}, index=i)))
+            # content null, as llama-server's first chunk (its clients expect a non-empty delta or null)
+            out.append(sse_event(chunk({"role": "assistant", "content": None}, index=i)))
+
+    def on_open(accepted: Accepted) -> list[bytes]:
+        """Every choice's role chunk at once, before the prompt is prefilled."""
+        out: list[bytes] = []
+        for i in range(n):
+            start(i, out)
+        return out
 
     def emit(i: int, content: str, calls: list[ToolCall], out: list[bytes]) -> None:
         """Choice i's content deltas (with the logprobs of the tokens that made them) and tool-call
@@ -425,7 +433,7 @@ async def chat_completions(request: Request) -> Response:
                 out.extend(_final_events(last, item, head, include_usage))
         return out
 
-    return SSEResponse(stream(run, first, on_frame), run.close)
+    return SSEResponse(stream(run, first, on_frame, on_open=on_open), run.close)
 
 
 # ----------------------------------------------------------------------------- completions
@@ -506,7 +514,7 @@ async def completions(request: Request) -> Response:
     msg = Generate(prompt=prompt, n_probs=max(n_lp, 1) if n_lp is not None else 0, json_schema=json_schema,
                    grammar=grammar, **common)
 
-    run, first = await begin(request, slot, msg, grammar_param=cparam)
+    run, first = await begin(request, slot, msg, grammar_param=cparam, early=streaming)
     worker = run.worker
     assert worker is not None
     rid, created, fp = msg.id, now_s(), _fingerprint(worker)

@@ -42,6 +42,7 @@ from typing import Any
 
 from protocol.limits import GENERATE_LIMITS
 from protocol import (
+    Accepted,
     ApplyTemplate,
     ApplyTemplateResult,
     Detokenize,
@@ -693,6 +694,8 @@ class BatchRunner:
         run = _Run(job, ids, p, max(1, int(job.msg.n)))
         self._runs[job.id] = run
         self._add_choices(run, upto=1)
+        if run.added:  # queued in the engine: the router may open its stream now (before the prefill)
+            self._post(FrameOut(Accepted(id=job.id, prompt_tokens=len(ids), set_aside=list(p.set_aside))))
 
     def _add_choices(self, run: _Run, upto: int | None = None) -> None:
         """Add choices ``run.added .. upto-1`` (all when None) to the engine."""
