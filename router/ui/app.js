@@ -162,7 +162,7 @@ function renderModels(models) {
     rows.push(el("tr", { "data-model": bad.id, class: "invalid-row" },
       el("td", {}, el("strong", { text: bad.id })),
       el("td", {}, el("span", { class: "state", "data-state": "failed", "data-field": "state", text: "invalid" })),
-      el("td", { colspan: "6", text: "found in models_dir; not served" }),
+      el("td", { colspan: "6", class: "cond", text: "found in models_dir; not served" }),
       el("td", { class: "file" }, bad.file, el("br"), el("span", { class: "invalid", text: "invalid: " + bad.reason })),
       el("td", {})));
   }
