@@ -24,9 +24,11 @@ from starlette.routing import Route
 
 from router import status_page
 from router import admin, anthropic_api, decode_api, llamacpp_api, llamacpp_router, openai_api, openai_responses, openapi
+from router import ollama_api
 from router.background import BackgroundStore
 from router.access_log import AccessLog
 from router.auth import BearerAuth
+from router.cli_args import version
 from router.config import Config
 from router.errors import ApiError, InternalError, MethodNotAllowed, NotFound, error_response
 from router.metrics import CONTENT_TYPE, Metrics, RequestMetrics
@@ -54,6 +56,14 @@ async def health(request: Request) -> Response:
     pool: Pool = request.app.state.pool
     return JSONResponse({"status": "ok", "models": {n: s.state.value for n, s in pool.slots.items()},
                          "weights": {n: s.model.weights_mode for n, s in pool.slots.items()}})
+
+
+async def root(request: Request) -> Response:
+    """``GET /`` and ``HEAD /``: the service answers (harnesses' connectivity checks — Claude
+    Code sends ``HEAD /``). Never loads a model; behind the api key when one is set."""
+    pool: Pool = request.app.state.pool
+    return JSONResponse({"status": "ok", "service": "modelyard", "version": version(),
+                         "models": list(pool.slots)})
 
 
 async def metrics(request: Request) -> Response:
@@ -114,8 +124,9 @@ def create_app(config: Config, *, worker_module: str | None = None,
             await app.state.background.close()  # its runs end (Cancel) before the workers stop
             await app.state.pool.close()
 
-    routes = [Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
-              *openai_api.routes, *openai_responses.routes, *decode_api.routes, *anthropic_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *admin.routes,
+    routes = [Route("/", root, methods=["GET", "HEAD"]),
+              Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
+              *openai_api.routes, *openai_responses.routes, *decode_api.routes, *anthropic_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *ollama_api.routes, *admin.routes,
               *openapi.routes, *status_page.routes]
     app = Starlette(
         routes=routes,

@@ -2,7 +2,8 @@
 
 Handlers and the pool *raise* an :class:`ApiError` subclass; the app turns it
 into an OpenAI-shaped body (``{"error": {"message", "type", "param", "code"}}``;
-Anthropic's ``{"type": "error", "error": {"type", "message"}}`` on ``/v1/messages*``)
+Anthropic's ``{"type": "error", "error": {"type", "message"}}`` on ``/v1/messages*``;
+Ollama's ``{"error": "<message>"}`` on ``/api/*``)
 with the class's status (:func:`error_response`), or, once a stream has started,
 into an SSE ``data: {"error": ...}`` event (:func:`error_payload`). Worker
 ``Error`` frames map to these classes in :func:`from_worker_error` — nowhere else.
@@ -308,7 +309,23 @@ def is_anthropic_path(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in ANTHROPIC_PATHS)
 
 
+#: Path prefix whose errors take Ollama's shape (its native API, ``router.ollama_api``).
+OLLAMA_PREFIX = "/api/"
+
+
+def ollama_error_payload(err: ApiError) -> dict[str, Any]:
+    """``{"error": "<message>"}`` as Ollama shapes it (its clients read that one key; on a
+    stream it is the last NDJSON line)."""
+    return {"error": err.message}
+
+
 def error_response(err: ApiError, path: str = "") -> JSONResponse:
-    """The HTTP answer for ``err``: Anthropic-shaped on the Messages API's paths, else OpenAI-shaped."""
-    body = anthropic_error_payload(err) if is_anthropic_path(path) else error_payload(err)
+    """The HTTP answer for ``err``: Anthropic-shaped on the Messages API's paths, Ollama-shaped
+    on ``/api/*``, else OpenAI-shaped."""
+    if is_anthropic_path(path):
+        body = anthropic_error_payload(err)
+    elif path.startswith(OLLAMA_PREFIX):
+        body = ollama_error_payload(err)
+    else:
+        body = error_payload(err)
     return JSONResponse(body, status_code=err.status, headers=err.headers())

@@ -20,12 +20,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from protocol import Accepted, Done, Generate, Token
-from protocol.limits import MAX_N, MAX_N_PROBS
+from protocol.limits import DEFAULT_MAX_CTX, MAX_N, MAX_N_PROBS
 from router import gguf_meta
 from router.constraints import json_format_constraint, llamacpp_constraint
 from router.dialects import choose, content_text, custom_tool, function_tool, objects, prepare, tool_list
 from router.errors import BadRequest, NotFound
 from router.field_policy import refuse_ignored
+from router.gguf_meta import n_ctx_train
 from router.generation import (
     OPENAI_DEFAULTS,
     TokenProb,
@@ -61,12 +62,27 @@ def _pool(request: Request) -> Pool:
 # ----------------------------------------------------------------------------- models
 
 
+def context_size(slot: ModelSlot) -> tuple[int | None, int | None]:
+    """``(n_ctx, n_ctx_train)`` of a model, without loading it: its worker's when ready, else
+    the configured ``n_ctx`` or the worker's default (``min(n_ctx_train, DEFAULT_MAX_CTX)``),
+    with ``n_ctx_train`` from the GGUF header (None when unreadable)."""
+    m = slot.model
+    ready = slot.worker.ready if slot.worker is not None else None
+    train = ready.n_ctx_train if ready is not None else n_ctx_train(m.path)
+    if ready is not None:
+        return ready.n_ctx, train
+    if m.n_ctx is not None:
+        return m.n_ctx, train
+    return (min(train, DEFAULT_MAX_CTX) if train else None), train
+
+
 def _model_object(pool: Pool, ident: str) -> dict[str, Any]:
     m = pool.config.resolve(ident)
     assert m is not None
     slot = pool.slots[m.name]
     created = int(m.path.stat().st_mtime) if m.path.exists() else 0
-    return {
+    n_ctx, train = context_size(slot)
+    obj: dict[str, Any] = {
         "id": ident,
         "object": "model",
         "created": created,
@@ -75,8 +91,16 @@ def _model_object(pool: Pool, ident: str) -> dict[str, Any]:
         "aliases": list(m.aliases) if ident == m.name else [],
         "state": slot.state.value,
         "weights": m.weights_mode,
-        "meta": gguf_meta.meta(m.path),  # read from the GGUF header (cached): never loads the model
     }
+    if n_ctx is not None:
+        # the context size under the names harnesses read: LM Studio / OpenRouter (context_length),
+        # vLLM (max_model_len), llama.cpp's meta (n_ctx_train; n_ctx is the size served)
+        obj.update(context_length=n_ctx, max_model_len=n_ctx)
+    # the GGUF header's facts (cached; never loads the model), with the context as served
+    header = gguf_meta.meta(m.path)
+    obj["meta"] = {**header, "n_ctx": n_ctx, "n_ctx_train": train if train is not None else header["n_ctx_train"],
+                   "size": m.path.stat().st_size if m.path.exists() else None}
+    return obj
 
 
 async def list_models(request: Request) -> Response:

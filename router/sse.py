@@ -74,8 +74,11 @@ class SSEResponse:
     """A ``text/event-stream`` ASGI response fed by ``events`` (already-encoded bytes).
 
     ``on_close()`` (synchronous) is called exactly once when the stream ends for any
-    reason: finished, client gone, server shutting down.
+    reason: finished, client gone, server shutting down. ``content_type``: the stream's
+    media type (a subclass streams another framing the same way: Ollama's NDJSON).
     """
+
+    content_type: bytes = b"text/event-stream; charset=utf-8"
 
     def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None],
                  headers: dict[str, str] | None = None) -> None:
@@ -85,7 +88,7 @@ class SSEResponse:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"content-type", self.content_type),
             (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no"),
             *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()),

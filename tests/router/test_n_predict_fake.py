@@ -77,3 +77,27 @@ def test_config_values(tmp_path: Path) -> None:
     cfg = parse_config({"server": {"models_dir": "."}, "defaults": {"n_predict": 64}, "models": {"a": {"path": "a.gguf"}}},
                        base_dir=tmp_path)
     assert cfg.models["a"].n_predict == 64
+
+
+def test_models_state_their_context_size(router: LiveRouter) -> None:
+    """Harnesses size their prompts by the model listing (Codex, aider, opencode): the context
+    size (fake GGUFs have no header to read it from before a load: it is the ready worker's here;
+    tests/router/test_harness_real.py checks the real GGUFs' before any load)."""
+    httpx.post(router.url + "/v1/chat/completions", json={"model": "alpha", "messages": MSG}, timeout=30)
+    data = {m["id"]: m for m in httpx.get(router.url + "/v1/models", timeout=10).json()["data"]}
+    assert data["alpha"]["context_length"] == data["alpha"]["max_model_len"] == 256  # the fake worker's n_ctx
+    assert data["alpha"]["meta"]["n_ctx"] == 256 and data["alpha"]["meta"]["n_ctx_train"] == 4096
+
+
+def test_default_max_ctx_is_the_engines() -> None:
+    from protocol.limits import DEFAULT_MAX_CTX
+    from worker.engine.model import DEFAULT_MAX_CTX as ENGINE_MAX_CTX
+
+    assert DEFAULT_MAX_CTX == ENGINE_MAX_CTX
+
+
+def test_head_and_get_root_answer(router: LiveRouter) -> None:
+    """Claude Code's connectivity check is ``HEAD /``."""
+    assert httpx.head(router.url + "/", timeout=10).status_code == 200
+    r = httpx.get(router.url + "/", timeout=10)
+    assert r.status_code == 200 and r.json()["status"] == "ok"
