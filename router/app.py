@@ -19,7 +19,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
 from router import status_page
@@ -61,6 +61,8 @@ async def health(request: Request) -> Response:
 async def root(request: Request) -> Response:
     """``GET /`` and ``HEAD /``: the service answers (harnesses' connectivity checks — Claude
     Code sends ``HEAD /``). Never loads a model; behind the api key when one is set."""
+    if request.method == "GET" and "text/html" in request.headers.get("accept", ""):
+        return RedirectResponse("/ui", status_code=307)  # a browser: the status page (router.status_page)
     pool: Pool = request.app.state.pool
     return JSONResponse({"status": "ok", "service": "modelyard", "version": version(),
                          "models": list(pool.slots)})

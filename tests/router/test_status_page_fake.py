@@ -53,6 +53,15 @@ def test_files_need_no_key_and_hold_no_data(router: LiveRouter) -> None:
         assert "http" not in page.text.replace("http-equiv", "")
 
 
+def test_a_browser_opening_the_root_goes_to_the_page(router: LiveRouter) -> None:
+    with router.http(headers=API) as http:
+        html = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"  # Chromium's Accept
+        r = http.get("/", headers={"Accept": html}, follow_redirects=False)
+        assert r.status_code == 307 and r.headers["location"] == "/ui"
+        assert http.get("/").json()["status"] == "ok"  # other clients keep the JSON answer
+        assert http.head("/").status_code == 200
+
+
 def test_data_needs_the_api_key(router: LiveRouter) -> None:
     with router.http() as http:
         assert http.get("/ui/api/status").status_code == 401
