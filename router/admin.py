@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from router import discovery, gguf_meta
-from router.errors import BadRequest
+from router.errors import BadRequest, redact_paths
 from router.events import HISTORY
 from router.metrics import label_request
 from router.params import get_str, read_json
@@ -119,7 +119,11 @@ async def events(request: Request) -> Response:
     past = pool.events.recent(recent)
     seq = pool.events.seq
 
+    redact = not request.url.path.startswith("/admin")  # the status page's copy: files by name only
+
     def frame(ev: dict) -> bytes:  # type: ignore[type-arg]
+        if redact:
+            ev = redacted(ev)
         return f"event: {ev['event']}\n".encode() + sse_event(ev)
 
     async def gen() -> AsyncIterator[bytes]:
@@ -141,6 +145,18 @@ async def events(request: Request) -> Response:
             yield frame(ev)
 
     return SSEResponse(gen(), on_close=lambda: pool.events.unsubscribe(q))  # type: ignore[return-value]
+
+
+def redacted(obj: Any) -> Any:
+    """``obj`` (JSON-like) with every absolute path in its strings cut to its last component:
+    what a client that is not the operator sees (``/ui/api/*``; ``/admin`` keeps the full text)."""
+    if isinstance(obj, str):
+        return redact_paths(obj)
+    if isinstance(obj, dict):
+        return {k: redacted(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [redacted(v) for v in obj]
+    return obj
 
 
 def _query_int(request: Request, key: str, default: int, lo: int, hi: int) -> int:

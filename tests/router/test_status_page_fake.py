@@ -73,11 +73,30 @@ def test_data_needs_the_api_key(router: LiveRouter) -> None:
                                   "admin_key_required": True}
         [m] = data["models"]
         assert m["id"] == "m" and m["file"] == "m.gguf" and "path" not in m  # a file by its name only
+        assert str(router.tmp) not in s.text  # nowhere an absolute path (errors, reasons)
         assert m["gguf"]["valid"] is False and m["gguf"]["reason"]
         ev = http.get("/ui/api/events?follow=false", headers=API)
         assert ev.status_code == 200 and "event: snapshot" in ev.text
         # load / unload stay admin routes
         assert http.post("/admin/models/load", json={"model": "m"}, headers=API).status_code == 401
+
+
+def test_the_page_learns_file_names_never_paths(router: LiveRouter) -> None:
+    router.set_fake({"m": {"load_error": True}})
+    try:
+        with router.http(headers={"Authorization": "Bearer k-admin"}) as admin:
+            assert admin.post("/admin/models/load", json={"model": "m"}).status_code == 503
+            full = admin.get("/admin/models").json()["data"][0]["last_error"]
+            assert str(router.tmp) in full  # the operator's view keeps the full text
+        with router.http(headers=API) as http:
+            status = http.get("/ui/api/status")
+            assert ".../m.gguf" in status.json()["models"][0]["last_error"] and str(router.tmp) not in status.text
+            events = http.get("/ui/api/events?recent=200&follow=false")
+            assert "load_failed" in events.text and str(router.tmp) not in events.text
+    finally:
+        router.set_fake({})
+        httpx.post(router.url + "/admin/models/load", json={"model": "m"}, timeout=30,
+                   headers={"Authorization": "Bearer k-admin"})
 
 
 def test_host_and_origin_rules_apply(router: LiveRouter) -> None:
