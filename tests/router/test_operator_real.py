@@ -1,6 +1,7 @@
-"""Presets on a real worker (issue 27): two presets of SmolLM2 run on its one worker; the
-temperature-0 preset gives the greedy text, and a request's own temperature wins over a
-preset's."""
+"""Issue 27 on a real worker (SmolLM2): two presets run on its one worker, the temperature-0
+preset gives the greedy text and a request's own temperature wins over a preset's; a copy of
+the GGUF dropped into models_dir is served after a rescan, with its metadata, and answers as
+the same weights do."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.router.conftest import MODELS, SMOLLM2, LiveRouter
+import shutil
+
+from tests.router.conftest import SMOLLM2, LiveRouter
 
 pytestmark = [pytest.mark.slow]
 
 CONFIG = f"""
 [server]
-models_dir = "{MODELS}"
+models_dir = "models"
+discover_models = true
 [defaults]
 n_ctx = 512
 load_timeout_s = 300
@@ -39,6 +43,8 @@ MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
 @pytest.fixture(scope="module")
 def router(module_tmp: Path) -> Iterator[LiveRouter]:
+    (module_tmp / "models").mkdir()
+    (module_tmp / "models" / SMOLLM2.name).symlink_to(SMOLLM2)
     r = LiveRouter(module_tmp, CONFIG, real=True)
     yield r
     r.stop()
@@ -61,3 +67,16 @@ def test_two_presets_one_worker_greedy_and_the_requests_own_value(router: LiveRo
     assert _text(router, "smol-hot", temperature=0) == greedy  # a request's own value wins
     m = router.admin("smollm2")
     assert m["spawn_count"] == 1 and len(router.workers()) == 1
+
+
+def test_a_gguf_copied_into_models_dir_is_served_after_a_rescan(router: LiveRouter, module_tmp: Path) -> None:
+    greedy = _text(router, "smollm2", temperature=0)
+    shutil.copy(SMOLLM2, module_tmp / "models" / "my-smol.gguf")
+    r = httpx.post(router.url + "/admin/models/rescan", timeout=60)
+    assert r.status_code == 200 and r.json()["added"] == ["my-smol"], r.text
+    entry = httpx.get(router.url + "/v1/models/my-smol", timeout=30).json()
+    assert entry["state"] == "unloaded"
+    assert (entry["meta"]["architecture"], entry["meta"]["quantization"], entry["meta"]["n_ctx_train"]) == \
+        ("llama", "Q4_1", 8192)
+    assert _text(router, "my-smol", temperature=0) == greedy  # the same weights, its own worker
+    assert router.admin("my-smol")["source"] == "models_dir"
