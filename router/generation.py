@@ -43,6 +43,7 @@ from router.params import (
     get_logit_bias,
     get_stop,
 )
+from router.config import Config, ModelConfig
 from router.pool import ModelSlot
 from router import keep_alive
 from router.run import Run
@@ -116,6 +117,7 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate, grammar_param:
         msg = dataclasses.replace(msg, trace_id=rid)  # the worker logs it with the generation
     msg = cap_answer(msg, slot.model.n_predict)
     msg = with_system_prompt(msg, slot.model.system_prompt)
+    msg = with_preset_template(msg, slot.model, request.app.state.pool.config)
     pre = prefill_slot(request, slot)
     if pre is not None:  # disaggregated: another worker prefills, this one decodes (router.disaggregate)
         try:
@@ -160,6 +162,17 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate, grammar_param:
                 set_aside(request.state, grammar_param or "constraint", what,
                           "a JSON Schema keyword the constraint cannot enforce (the grammar was loosened)")
     return run, first
+
+
+def with_preset_template(msg: Generate, model: ModelConfig, config: Config) -> Generate:
+    """``msg`` carrying a preset's own chat template (router.presets) when it is a chat and the
+    preset's template differs from its model's (which the worker renders by default)."""
+    if msg.messages is None or model.preset is None or msg.chat_template is not None:
+        return msg
+    base = config.models.get(model.name)
+    if base is None or model.chat_template == base.chat_template or model.chat_template is None:
+        return msg
+    return dataclasses.replace(msg, chat_template=model.chat_template)
 
 
 def with_system_prompt(msg: Generate, system_prompt: str | None) -> Generate:

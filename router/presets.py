@@ -8,13 +8,15 @@
     temperature = 0.0                 # any sampling key of [models.NAME]: its defaults
     n_predict = 64                    # the answer's length when a request names none (and its cap)
     system_prompt = "Answer briefly." # the system message when a request sends none
+    chat_template = "chatml"          # render its chats with this template (text or a known name)
 
 A request for a preset runs on its model's one worker (a preset never loads the model
 again: the pool's slot is the model's, :class:`PresetSlot` only shows the preset's defaults
 as ``.model``). A request's own value wins over the preset's, the preset's over the model's.
-A chat template or reasoning switch per preset is not supported (the worker renders the
-model's one template; the protocol carries no per-request template): such keys are config
-errors naming them.
+A preset's ``chat_template`` travels with each of its chat requests (``Generate.chat_template``:
+the worker compiles it once and keeps the last few). A reasoning switch per preset is not
+supported (the protocol carries no template variables, ``chat_template_kwargs``): such keys are
+config errors naming them.
 """
 
 from __future__ import annotations
@@ -26,10 +28,9 @@ from router.config import (SAMPLING_KEYS, ConfigError, ModelConfig, _check_id, _
                            _no_unknown, _opt_str)
 from protocol.limits import GENERATE_LIMITS
 
-PRESET_KEYS = {"model", "aliases", "n_predict", "system_prompt", *SAMPLING_KEYS}
+PRESET_KEYS = {"model", "aliases", "n_predict", "system_prompt", "chat_template", *SAMPLING_KEYS}
 #: Keys a preset cannot have, and why (named in the config error).
 UNSUPPORTED = {
-    "chat_template": "the model's one worker renders one chat template; set it on [models.NAME]",
     "reasoning": "a per-request reasoning switch (chat_template_kwargs) is not supported yet",
     "enable_thinking": "a per-request reasoning switch (chat_template_kwargs) is not supported yet",
     "chat_template_kwargs": "per-request chat template variables are not supported yet",
@@ -78,7 +79,8 @@ def parse_presets(raw: dict[str, Any], models: dict[str, ModelConfig],
         out[name] = dataclasses.replace(
             base, sampling=sampling, preset=name, aliases=tuple(aliases),
             n_predict=_n_predict(table, where) if "n_predict" in table else base.n_predict,
-            system_prompt=_opt_str(table, "system_prompt", where) if "system_prompt" in table else base.system_prompt)
+            system_prompt=_opt_str(table, "system_prompt", where) if "system_prompt" in table else base.system_prompt,
+            chat_template=_opt_str(table, "chat_template", where) if "chat_template" in table else base.chat_template)
     return out
 
 

@@ -520,7 +520,7 @@ class BatchRunner:
             params = sampling_params(g)
             prompt: str | list[int]
             if g.messages is not None:
-                prompt = engine.tokenize_chat(g.messages, tools=g.tools)
+                prompt = engine.tokenize_chat(g.messages, tools=g.tools, chat_template=g.chat_template)
             else:
                 assert g.prompt is not None
                 prompt = g.prompt

@@ -27,6 +27,13 @@ n_ctx = 512
 load_timeout_s = 300
 [models.smollm2]
 path = "{SMOLLM2.name}"
+[models.smol-chatml]
+path = "{SMOLLM2.name}"
+chat_template = "chatml"
+[presets.smol-as-chatml]
+model = "smollm2"
+chat_template = "chatml"
+temperature = 0.0
 [presets.smol-greedy]
 model = "smollm2"
 temperature = 0.0
@@ -67,6 +74,14 @@ def test_two_presets_one_worker_greedy_and_the_requests_own_value(router: LiveRo
     assert _text(router, "smol-hot", temperature=0) == greedy  # a request's own value wins
     m = router.admin("smollm2")
     assert m["spawn_count"] == 1 and len(router.workers()) == 1
+
+
+def test_a_presets_chat_template_renders_its_chats(router: LiveRouter) -> None:
+    """The preset's template travels with its requests: its greedy text is the one of a model
+    configured with that template (another worker, same weights)."""
+    spawns = router.admin("smollm2")["spawn_count"]
+    assert _text(router, "smol-as-chatml") == _text(router, "smol-chatml", temperature=0)
+    assert router.admin("smollm2")["spawn_count"] == spawns  # still the model's one worker
 
 
 def test_a_gguf_copied_into_models_dir_is_served_after_a_rescan(router: LiveRouter, module_tmp: Path) -> None:

@@ -33,6 +33,9 @@ model = "b"
 aliases = ["short"]
 top_p = 0.5
 system_prompt = "Answer in one word."
+[presets.gem]
+model = "base"
+chat_template = "gemma"
 """
 
 
@@ -60,7 +63,7 @@ def test_presets_share_the_models_one_worker(router: LiveRouter) -> None:
     data = httpx.get(router.url + "/admin/models", timeout=10).json()["data"]
     assert [m["id"] for m in data] == ["base"]
     ids = [m["id"] for m in httpx.get(router.url + "/v1/models", timeout=10).json()["data"]]
-    assert ids == ["base", "b", "greedy", "terse", "short"]
+    assert ids == ["base", "b", "greedy", "terse", "short", "gem"]
     greedy = httpx.get(router.url + "/v1/models/greedy", timeout=10).json()
     assert greedy["root"] == "base" and greedy["state"] == "ready"
     presets = httpx.get(router.url + "/admin/models", timeout=10).json()["presets"]
@@ -89,6 +92,10 @@ def test_each_preset_applies_its_defaults_and_a_requests_own_value_wins(router: 
     assert _chat(router, "base").status_code == 200
     g = _last_generate(router)
     assert g["temperature"] == 0.7 and g["messages"][0]["role"] == "user"  # the model: no preset's defaults
+    # a preset's chat template travels with its chats only
+    assert _chat(router, "gem").status_code == 200
+    assert _last_generate(router)["chat_template"] == "gemma"
+    assert _chat(router, "terse").status_code == 200 and _last_generate(router)["chat_template"] is None
     # llama.cpp's route too
     r = httpx.post(router.url + "/completion", json={"model": "greedy", "prompt": "x"}, timeout=30)
     assert r.status_code == 200 and _last_generate(router)["temperature"] == 0.0
@@ -102,7 +109,7 @@ def test_admin_load_of_a_preset_loads_its_model(router: LiveRouter) -> None:
 @pytest.mark.parametrize("preset, error", [
     ({"model": "nope"}, "presets.p.model: 'nope' is not a configured model"),
     ({}, "presets.p.model: required"),
-    ({"model": "base", "chat_template": "chatml"}, "presets.p.chat_template: not supported in a preset"),
+    ({"model": "base", "chat_template": 3}, "presets.p.chat_template"),
     ({"model": "base", "enable_thinking": False}, "presets.p.enable_thinking: not supported in a preset"),
     ({"model": "base", "path": "x.gguf"}, "presets.p"),
     ({"model": "base", "temperature": -1}, "presets.p.temperature"),

@@ -152,6 +152,16 @@ def test_chat_template_absent_then_supplied(tmp_path: Path) -> None:
         assert ei.value.code == "no_chat_template"
     eng2 = Engine.load(str(path), n_ctx=64, chat_template="chatml")
     assert eng2.apply_template(msgs) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    # a request's own template (a preset's): used for that call only, compiled once
+    chat = eng.tokenize_chat(msgs, chat_template="chatml")
+    assert eng.detokenize(chat) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert eng.tokenize_chat(msgs, chat_template="chatml") == chat
+    assert "<start_of_turn>user\nhi<end_of_turn>" in eng.detokenize(eng2.tokenize_chat(msgs, chat_template="gemma"))
+    assert eng2.tokenize_chat(msgs) == chat  # the model's own again
+    for bad, code in (("{% if %}", "template_error"), ("", "invalid_params")):
+        with pytest.raises(EngineError) as ei:
+            eng.tokenize_chat(msgs, chat_template=bad)
+        assert ei.value.code == code
 
 
 # ------------------------------------------------------------------ text
