@@ -446,6 +446,8 @@ class ApplyTemplate(Message):
     TYPE: ClassVar[str] = "apply_template"
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
+    # the template's ``tools`` (as Generate.tools), for templates with their own tool syntax
+    tools: list[dict[str, Any]] | None = None
 
 
 #: SlotAction.action values (llama.cpp's ``POST /slots/{id}?action=``).

@@ -44,6 +44,7 @@ from starlette.routing import Route
 
 from protocol import Accepted, Done, Generate, Token
 from router.constraints import json_format_constraint
+from router.counting import count_beyond_context, refused_for_length
 from router.dialects import Prepared, choose, function_tool, objects, prepare, tool_list
 from router.errors import ApiError, BadRequest, ContextLengthExceeded, anthropic_error_payload
 from router.field_policy import refuse_ignored
@@ -416,7 +417,12 @@ async def count_tokens(request: Request) -> Response:
     body = await read_json(request)
     req = await _parse(request, body)
     msg = _generate(req, body, 0, "count")
-    run, first = await _begin(request, req, msg)
+    try:
+        run, first = await begin(request, req.slot, msg, grammar_param=req.prep.constraint_param)
+    except BadRequest as e:  # beyond the context (or KV budget): still a count (router.counting)
+        if not refused_for_length(e):
+            raise
+        return JSONResponse({"input_tokens": await count_beyond_context(request, req.slot, msg, e)})
     _, done = await collect(request, run, first)
     return JSONResponse({"input_tokens": done.prompt_tokens})
 

@@ -118,6 +118,10 @@ class ModelConfig:
     # llama.cpp's -n / --n-predict: the length of an answer whose request names none, and the cap of
     # one that names more (it then ends with finish_reason "length"); -1: no limit but n_ctx
     n_predict: int = -1
+    # budgets (router.budget): n x max_tokens of one request at most this many tokens (0: n_ctx);
+    # background generations' choices running at once on this model (0: max(1, parallel // 2))
+    max_request_tokens: int = 0
+    background_slots: int = 0
     sampling: dict[str, float | int] = field(default_factory=dict)
     discovered: bool = False  # found in models_dir (router.discovery), not a [models.NAME] table
     system_prompt: str | None = None  # the system message a chat request without one gets
@@ -150,7 +154,7 @@ class ServerConfig:
     header_timeout_s: float = 10.0  # a connection's request head must arrive within this
     body_timeout_s: float = 30.0  # a request body must arrive in full within this (else 408)
     keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
-    max_connections: int = 256  # open connections beyond this get 503 (uvicorn's limit_concurrency)
+    max_connections: int = 256  # requests in progress beyond this get 503; idle sockets beyond it are closed
     max_header_bytes: int = 16 * 1024  # a request head larger than this is a 400 (h11)
     stream_stall_timeout_s: float = 30.0  # a client that reads nothing of its answer this long is cut off
     sse_keepalive_s: float = 5.0  # a stream silent this long (a prompt prefilling) sends a keep-alive
@@ -164,6 +168,8 @@ class ServerConfig:
     background_max_mib: float = 64.0  # the stored events of all jobs, MiB (oldest finished dropped first)
     discover_models: bool = False  # serve every GGUF in models_dir under its file's name (router.discovery)
     max_keep_alive_s: float | None = None  # the longest keep_alive / ttl a request may set (None: no cap)
+    background_per_key: int = 8  # background jobs running at once per API key (keyless clients share one)
+    background_unread_s: float = 600.0  # a running job nobody has read for this long is cancelled (0: never)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,7 +211,8 @@ _MODEL_KEYS = {
     "cancel_timeout_s", "drain_timeout_s", "shutdown_grace_s", "ping_interval_s",
     "ping_timeout_s", "unresponsive_after_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", "weights",
     "n_ubatch", "restart_backoff_s", "restart_backoff_max_s", "max_crashes", "crash_window_s", "pinned", "slot_save_path",
-    "kv_cache_dir", "kv_cache_mib", "prefill_model", "kv_transfer", "n_predict", "system_prompt", *SAMPLING_KEYS,
+    "kv_cache_dir", "kv_cache_mib", "prefill_model", "kv_transfer", "n_predict", "max_request_tokens",
+    "background_slots", "system_prompt", *SAMPLING_KEYS,
 }
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases", "prefill_model", "kv_transfer"}
 #: ``kv_transfer`` values (router.disaggregate).
@@ -215,7 +222,7 @@ _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport
                 "keep_alive_timeout_s", "max_connections", "max_header_bytes", "stream_stall_timeout_s", "sse_keepalive_s",
                 "max_loaded",
                 "responses_store_max", "responses_store_ttl_s", "background_max", "background_ttl_s", "background_max_mib",
-                "discover_models", "max_keep_alive_s"}
+                "background_per_key", "background_unread_s", "discover_models", "max_keep_alive_s"}
 
 #: A ``cors_origins`` entry: scheme://host[:port], nothing after it (or "*").
 _ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#]+$")
@@ -279,6 +286,8 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
         discover_models=_bool(server_raw, "discover_models", "server", False),
         max_keep_alive_s=(None if server_raw.get("max_keep_alive_s") is None
                           else _float(server_raw, "max_keep_alive_s", "server", 0.0, 0.0)),
+        background_per_key=_int(server_raw, "background_per_key", "server", 8, 1, 1_000_000),
+        background_unread_s=_float(server_raw, "background_unread_s", "server", 600.0, 0.0),
     )
     check_public_bind(server)
 
@@ -364,6 +373,8 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
             prefill_model=_opt_str(table, "prefill_model", where),
             kv_transfer=_kv_transfer(table, where),
             n_predict=_n_predict(merged, src("n_predict")),
+            max_request_tokens=_int(merged, "max_request_tokens", src("max_request_tokens"), 0, 0, 1 << 30),
+            background_slots=_int(merged, "background_slots", src("background_slots"), 0, 0, 100_000),
             sampling=sampling,
             system_prompt=_opt_str(merged, "system_prompt", src("system_prompt")),
         )

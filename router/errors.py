@@ -273,17 +273,34 @@ def unsendable(reason: str) -> BadRequest:
 
 #: An absolute file path inside a message (two or more components): ``/a/b/model.gguf``.
 _ABS_PATH = re.compile(r"(?<![\w.~:/-])/(?:[^\s/'\"`:,;()<>]+/)+([^\s/'\"`:,;()<>]+)")
+#: A worker socket's endpoint (``ipc:///run/.../w.sock``, ``tcp://127.0.0.1:40123``).
+_ENDPOINT = re.compile(r"\b(ipc|tcp|inproc)://[^\s'\"`,;()<>]+")
+
+
+#: First components of this API's own routes (``/v1/chat/completions``, ``/api/chat``, ...): an
+#: error naming a route is not naming a file (tests hold every route of the app to this set).
+API_ROOTS = frozenset({"v1", "api", "admin", "slots", "props", "models", "health", "metrics", "tokenize",
+                       "detokenize", "apply-template", "completion", "completions", "infill", "embedding",
+                       "embeddings", "rerank", "reranking", "openapi.json", "docs"})
+
+
+def _redact_path(m: re.Match[str]) -> str:
+    first = m.group(0)[1:].split("/", 1)[0]
+    return m.group(0) if first in API_ROOTS else f".../{m.group(1)}"
 
 
 def redact_paths(message: str) -> str:
-    """``message`` with every absolute path cut to its last component (``.../model.gguf``):
-    what a client sees of a load error (the router log and /admin keep the full text)."""
-    return _ABS_PATH.sub(lambda m: f".../{m.group(1)}", message)
+    """``message`` with every absolute file path cut to its last component (``.../model.gguf``)
+    and every worker socket endpoint cut to its scheme (``ipc://...``): what a client sees
+    (every error body goes through it, :func:`error_payload`); the router log and /admin
+    keep the full text. The API's own routes (:data:`API_ROOTS`) are left as they are."""
+    return _ABS_PATH.sub(_redact_path, _ENDPOINT.sub(lambda m: f"{m.group(1)}://...", message))
 
 
 def error_payload(err: ApiError) -> dict[str, Any]:
-    """``{"error": {...}}`` as OpenAI shapes it."""
-    return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+    """``{"error": {...}}`` as OpenAI shapes it (the message without host paths: :func:`redact_paths`)."""
+    return {"error": {"message": redact_paths(err.message), "type": err.type, "param": err.param,
+                      "code": err.code}}
 
 
 #: HTTP status -> Anthropic's error ``type`` (docs.anthropic.com "Errors"); others: ``api_error``.
@@ -302,7 +319,7 @@ def anthropic_error_payload(err: ApiError) -> dict[str, Any]:
     """``{"type": "error", "error": {"type", "message"}}`` as Anthropic shapes it (our
     machine-readable ``code`` and ``param`` ride along; the SDK ignores extra keys)."""
     return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(err.status, "api_error"),
-                                       "message": err.message, "code": err.code, "param": err.param}}
+                                       "message": redact_paths(err.message), "code": err.code, "param": err.param}}
 
 
 def is_anthropic_path(path: str) -> bool:
@@ -316,7 +333,7 @@ OLLAMA_PREFIX = "/api/"
 def ollama_error_payload(err: ApiError) -> dict[str, Any]:
     """``{"error": "<message>"}`` as Ollama shapes it (its clients read that one key; on a
     stream it is the last NDJSON line)."""
-    return {"error": err.message}
+    return {"error": redact_paths(err.message)}
 
 
 def error_response(err: ApiError, path: str = "") -> JSONResponse:

@@ -29,6 +29,7 @@ from starlette.requests import Request
 
 from protocol import Accepted, Done, Generate, KVChunk, Token
 from router.access_log import access_record
+from router.budget import check_request_budget, request_ceiling
 from router.disaggregate import prefill_and_hand_over, prefill_slot
 from router.errors import ApiError, BadRequest, ContextLengthExceeded, InternalError, Unavailable, error_payload
 from protocol.limits import GENERATE_LIMITS
@@ -115,6 +116,9 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate, grammar_param:
     rid = getattr(request.state, "request_id", "")
     if rid:
         msg = dataclasses.replace(msg, trace_id=rid)  # the worker logs it with the generation
+    # n x max_tokens within the model's ceiling (router.budget) — on what the client asked, before
+    # the model's n_predict gives an answer that names no length its default
+    msg = check_request_budget(slot, msg)
     msg = cap_answer(msg, slot.model.n_predict)
     msg = with_system_prompt(msg, slot.model.system_prompt)
     msg = with_preset_template(msg, slot.model, request.app.state.pool.config)
@@ -139,6 +143,9 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate, grammar_param:
     try:
         if hook is not None:
             hook(run, "admitted")
+        if request_ceiling(slot)[0] is None:  # no n_ctx known before the load: checked on its worker
+            await until_disconnect(request.receive, run.wait_worker())
+            msg = check_request_budget(slot, msg)
         await until_disconnect(request.receive, run.start(msg))
         if hook is not None:
             hook(run, "started")
@@ -276,6 +283,7 @@ async def stream(run: Run, first: Token | Done | Accepted, on_frame: Formatter,
     :func:`error_event`: OpenAI's shape) and ends the stream."""
     on_error = on_error or error_event
     keepalive_s = run.slot.sse_keepalive_s
+    getter: asyncio.Future[Token | Done | Accepted | KVChunk] | None = None
     try:
         item: Token | Done | Accepted = first
         sent_at = time.monotonic()  # the response head goes out with the first event
@@ -292,22 +300,28 @@ async def stream(run: Run, first: Token | Done | Accepted, on_frame: Formatter,
                 sent_at = time.monotonic()
             if isinstance(item, Done):
                 return
+            # the next frame, with a keep-alive whenever none came for keepalive_s. Not asyncio.wait_for:
+            # before Python 3.12 it swallows a cancellation that meets a finished frame, and the
+            # stream of a client gone (the pump cancelled) would go on
+            getter = asyncio.ensure_future(run.next())
             while True:
-                try:
-                    nxt = await asyncio.wait_for(run.next(), max(0.05, keepalive_s - (time.monotonic() - sent_at)))
-                except TimeoutError:
-                    yield keepalive
-                    sent_at = time.monotonic()
-                    continue
-                assert not isinstance(nxt, KVChunk)
-                item = nxt
-                break
+                done, _ = await asyncio.wait({getter}, timeout=max(0.05, keepalive_s - (time.monotonic() - sent_at)))
+                if done:
+                    break
+                yield keepalive
+                sent_at = time.monotonic()
+            nxt = getter.result()
+            getter = None
+            assert not isinstance(nxt, KVChunk)
+            item = nxt
     except ApiError as err:
         yield on_error(err)
     except Exception as exc:  # a bug: still end the stream with an error event, not a cut connection
         log.exception("stream of request %s failed", run.id)
         yield on_error(InternalError(f"internal error: {type(exc).__name__}"))
     finally:
+        if getter is not None and not getter.done():
+            getter.cancel()
         run.close()
 
 

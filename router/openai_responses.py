@@ -65,7 +65,7 @@ from protocol import Accepted, Done, Generate, Token
 from protocol.limits import MAX_N_PROBS as MAX_TOP_LOGPROBS
 from router.constraints import json_format_constraint
 from router.dialects import Prepared, choose, content_text, custom_tool, function_tool, objects, prepare, tool_list
-from router.errors import ApiError, BadRequest, NotFound
+from router.errors import ApiError, BadRequest, NotFound, redact_paths
 from router.field_policy import refuse_ignored
 from router.generation import OPENAI_DEFAULTS, begin, collect, openai_logprob, read_sampling, stream, token_probs
 from router.metrics import label_request
@@ -285,7 +285,7 @@ class _Answer:
         return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
                 "completed_at": self.completed_at if status == "completed" else None,
                 "model": self.req.model, "output": list(self.output), "error": (
-                    {"code": error.code or "server_error", "message": error.message} if error else None),
+                    {"code": error.code or "server_error", "message": redact_paths(error.message)} if error else None),
                 "incomplete_details": incomplete, "usage": _usage(done) if done is not None else None,
                 "truncation": "disabled", "max_output_tokens": None, "instructions": None,
                 "previous_response_id": None, "temperature": None, "top_p": None, **self.req.echo}

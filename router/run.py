@@ -38,6 +38,8 @@ class Run:
     def __init__(self, slot: ModelSlot, request_id: str, access: dict[str, Any] | None = None) -> None:
         self.slot = slot
         self._access = access if access is not None else {}  # the access-log figures (router.access_log)
+        # the request's generations, by id: how the HTTP layer names the slot whose reader stalls
+        self._access.setdefault("generation_ids", []).append(request_id)
         self.id = request_id
         self.ticket: Ticket = slot.admit(request_id)
         self.worker: WorkerProcess | None = None

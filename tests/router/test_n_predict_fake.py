@@ -97,7 +97,8 @@ def test_default_max_ctx_is_the_engines() -> None:
 
 
 def test_head_and_get_root_answer(router: LiveRouter) -> None:
-    """Claude Code's connectivity check is ``HEAD /``."""
+    """Claude Code's connectivity check (``HEAD /api/hello``; ``HEAD /`` elsewhere)."""
     assert httpx.head(router.url + "/", timeout=10).status_code == 200
+    assert httpx.head(router.url + "/api/hello", timeout=10).status_code == 200
     r = httpx.get(router.url + "/", timeout=10)
     assert r.status_code == 200 and r.json()["status"] == "ok"

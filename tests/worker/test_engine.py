@@ -490,3 +490,15 @@ def test_compile_kernels_covers_every_kernel_a_quantized_load_and_request_run(tm
                  "swiglu_rows", "rope_rows") + (("lane_levels",) if v else ()):
         assert got["before"][name], name
     assert got["after"] == got["before"]
+
+
+@pytest.mark.slow
+def test_the_prompt_size_bound_holds_every_piece(smollm2: Engine) -> None:
+    """``_check_fits`` refuses a text only when no tokenization could fit n_ctx: its bound
+    (the longest token text in bytes) is at least every decoded piece's characters."""
+    tok = smollm2.tokenizer
+    longest = max(len(tok.token_bytes(i).decode("utf-8", "replace")) for i in range(tok.n_vocab))
+    with pytest.raises(EngineError):
+        smollm2._check_fits(10**9)
+    assert smollm2._max_piece_chars is not None and smollm2._max_piece_chars >= longest
+    smollm2._check_fits(1024 * longest)  # the longest pieces, n_ctx of them: not refused by the bound

@@ -297,8 +297,11 @@ class Engine:
         if n_chars <= n_ctx:
             return
         if self._max_piece_chars is None:
-            self._max_piece_chars = max(1, max(len(self.tokenizer.token_bytes(i).decode("utf-8", "replace"))
-                                               for i in range(self.tokenizer.n_vocab)))
+            # the longest token text in UTF-8 bytes bounds every piece's characters (a piece's
+            # bytes are at most its text's: SentencePiece's "\u2581" and "<0xNN>", GPT-2's byte
+            # alphabet all shrink when decoded): one numpy pass over the vocabulary's compact
+            # storage, where decoding 262k pieces took seconds on the first long prompt
+            self._max_piece_chars = max(1, int(self.tokenizer.tokens.byte_lengths().max()))
         if n_chars > n_ctx * self._max_piece_chars:
             raise EngineError("context_length_exceeded", (
                 f"This model's maximum context length is {n_ctx} tokens. However, the prompt has {n_chars} "
