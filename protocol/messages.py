@@ -390,6 +390,9 @@ class Generate(Message):
     # with messages: render them with this chat template (Jinja text or a known name such as
     # "chatml") instead of the model's own — a preset's template over the same loaded weights
     chat_template: str | None = None
+    # with messages: extra variables for the chat template (llama.cpp's / vLLM's chat_template_kwargs,
+    # e.g. {"enable_thinking": false}) — a preset's reasoning switch
+    chat_template_kwargs: dict[str, Any] | None = None
     trace_id: str = ""  # the HTTP request's X-Request-Id, for the worker's log lines ("" if none)
     # a plain file name (slot_filename_error): as the generation ends, the worker saves its KV entry
     # to that file in its --slot-save-path, in the same step (nothing can take the entry over

@@ -126,6 +126,7 @@ class ModelConfig:
     discovered: bool = False  # found in models_dir (router.discovery), not a [models.NAME] table
     system_prompt: str | None = None  # the system message a chat request without one gets
     preset: str | None = None  # set on the view a [presets.NAME] gives of this model (router.presets)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # a preset's chat template variables
 
     @property
     def weights_mode(self) -> str:

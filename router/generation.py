@@ -172,10 +172,13 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate, grammar_param:
 
 
 def with_preset_template(msg: Generate, model: ModelConfig, config: Config) -> Generate:
-    """``msg`` carrying a preset's own chat template (router.presets) when it is a chat and the
-    preset's template differs from its model's (which the worker renders by default)."""
+    """``msg`` carrying a preset's own chat template and template variables (router.presets)
+    when it is a chat and the preset's template differs from its model's (which the worker
+    renders by default)."""
     if msg.messages is None or model.preset is None or msg.chat_template is not None:
         return msg
+    if model.template_kwargs and msg.chat_template_kwargs is None:
+        msg = dataclasses.replace(msg, chat_template_kwargs=dict(model.template_kwargs))
     base = config.models.get(model.name)
     if base is None or model.chat_template == base.chat_template or model.chat_template is None:
         return msg

@@ -9,14 +9,16 @@
     n_predict = 64                    # the answer's length when a request names none (and its cap)
     system_prompt = "Answer briefly." # the system message when a request sends none
     chat_template = "chatml"          # render its chats with this template (text or a known name)
+    reasoning = false                 # the template's enable_thinking (thinking models)
 
 A request for a preset runs on its model's one worker (a preset never loads the model
 again: the pool's slot is the model's, :class:`PresetSlot` only shows the preset's defaults
 as ``.model``). A request's own value wins over the preset's, the preset's over the model's.
-A preset's ``chat_template`` travels with each of its chat requests (``Generate.chat_template``:
-the worker compiles it once and keeps the last few). A reasoning switch per preset is not
-supported (the protocol carries no template variables, ``chat_template_kwargs``): such keys are
-config errors naming them.
+A preset's ``chat_template`` and template variables travel with each of its chat requests
+(``Generate.chat_template``, ``Generate.chat_template_kwargs``; the worker compiles a template
+once and keeps the last few): ``reasoning = true / false`` sets the template's
+``enable_thinking`` (as llama.cpp's ``--reasoning-budget 0`` / Qwen3's switch), and
+``chat_template_kwargs = {...}`` any other variable.
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ from router.config import (SAMPLING_KEYS, ConfigError, ModelConfig, _check_id, _
                            _no_unknown, _opt_str)
 from protocol.limits import GENERATE_LIMITS
 
-PRESET_KEYS = {"model", "aliases", "n_predict", "system_prompt", "chat_template", *SAMPLING_KEYS}
+PRESET_KEYS = {"model", "aliases", "n_predict", "system_prompt", "chat_template", "chat_template_kwargs",
+               "reasoning", *SAMPLING_KEYS}
 #: Keys a preset cannot have, and why (named in the config error).
 UNSUPPORTED = {
-    "reasoning": "a per-request reasoning switch (chat_template_kwargs) is not supported yet",
-    "enable_thinking": "a per-request reasoning switch (chat_template_kwargs) is not supported yet",
-    "chat_template_kwargs": "per-request chat template variables are not supported yet",
+    "enable_thinking": "write reasoning = true / false (the template's enable_thinking)",
 }
+#: The chat template variable ``reasoning`` sets (Qwen3's, DeepSeek's, SmolLM3's templates read it).
+REASONING_VARIABLE = "enable_thinking"
 
 
 def parse_presets(raw: dict[str, Any], models: dict[str, ModelConfig],
@@ -80,7 +83,25 @@ def parse_presets(raw: dict[str, Any], models: dict[str, ModelConfig],
             base, sampling=sampling, preset=name, aliases=tuple(aliases),
             n_predict=_n_predict(table, where) if "n_predict" in table else base.n_predict,
             system_prompt=_opt_str(table, "system_prompt", where) if "system_prompt" in table else base.system_prompt,
-            chat_template=_opt_str(table, "chat_template", where) if "chat_template" in table else base.chat_template)
+            chat_template=_opt_str(table, "chat_template", where) if "chat_template" in table else base.chat_template,
+            template_kwargs=_template_kwargs(table, where))
+    return out
+
+
+def _template_kwargs(table: dict[str, Any], where: str) -> dict[str, Any]:
+    """``chat_template_kwargs`` (a table of template variables) with ``reasoning`` (a bool:
+    ``enable_thinking``) over it. Raises ConfigError naming the key."""
+    kw = table.get("chat_template_kwargs", {})
+    if not isinstance(kw, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kw):
+        raise ConfigError(f"{where}.chat_template_kwargs", "expected a table of template variable names")
+    reserved = sorted({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"} & set(kw))
+    if reserved:
+        raise ConfigError(f"{where}.chat_template_kwargs", f"cannot set {', '.join(reserved)}")
+    out = dict(kw)
+    if "reasoning" in table:
+        if not isinstance(table["reasoning"], bool):
+            raise ConfigError(f"{where}.reasoning", "expected true or false")
+        out[REASONING_VARIABLE] = table["reasoning"]
     return out
 
 

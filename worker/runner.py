@@ -520,7 +520,8 @@ class BatchRunner:
             params = sampling_params(g)
             prompt: str | list[int]
             if g.messages is not None:
-                prompt = engine.tokenize_chat(g.messages, tools=g.tools, chat_template=g.chat_template)
+                prompt = engine.tokenize_chat(g.messages, tools=g.tools, chat_template=g.chat_template,
+                                              template_kwargs=g.chat_template_kwargs)
             else:
                 assert g.prompt is not None
                 prompt = g.prompt

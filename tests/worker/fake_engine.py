@@ -123,7 +123,8 @@ class FakeEngine:
         return self._render(messages, add_generation_prompt)
 
     def tokenize_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                      tools: list[Any] | None = None, chat_template: str | None = None) -> list[int]:
+                      tools: list[Any] | None = None, chat_template: str | None = None,
+                      template_kwargs: dict[str, Any] | None = None) -> list[int]:
         text = self._render(messages, add_generation_prompt)  # a request's template: marked, not rendered
         return self.tokenize((f"[{chat_template}]" if chat_template else "") + text, add_special=True)
 

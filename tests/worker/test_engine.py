@@ -162,6 +162,16 @@ def test_chat_template_absent_then_supplied(tmp_path: Path) -> None:
         with pytest.raises(EngineError) as ei:
             eng.tokenize_chat(msgs, chat_template=bad)
         assert ei.value.code == code
+    # template variables (chat_template_kwargs: a preset's reasoning switch)
+    thinking = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %} /no_think{% endif %}")
+    off = eng.detokenize(eng.tokenize_chat(msgs, chat_template=thinking, template_kwargs={"enable_thinking": False}))
+    on = eng.detokenize(eng.tokenize_chat(msgs, chat_template=thinking))
+    assert off.endswith("hi /no_think") and on.endswith("hi") and "/no_think" not in on
+    for bad_kw in ({"messages": []}, {"not a name": 1}):
+        with pytest.raises(EngineError) as ei:
+            eng.tokenize_chat(msgs, chat_template=thinking, template_kwargs=bad_kw)
+        assert ei.value.code == "invalid_params"
 
 
 # ------------------------------------------------------------------ text

@@ -21,6 +21,7 @@ markup only: a user who types ``<|im_end|>`` cannot close a turn.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -254,6 +255,7 @@ class ChatTemplate:
         self.strip_eos = strip_eos and bool(self.eos_token)
         self.developer_known = "developer" in source
         self._caps: RoleCaps | None = None
+        self._variables: dict[str, Any] = {}  # extra template variables (with_variables)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson
@@ -267,13 +269,32 @@ class ChatTemplate:
     def _render_raw(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                     tools: list[Any] | None) -> str:
         try:
-            return self._template.render(messages=messages, tools=tools,
+            return self._template.render(**self._variables, messages=messages, tools=tools,
                                          add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token, eos_token=self.eos_token)
         except jinja2.TemplateError as e:
             raise EngineError("template_error", f"chat template error: {e}") from e
         except Exception as e:  # a template can fail in many ways (TypeError, ...)
             raise EngineError("template_error", f"chat template error: {type(e).__name__}: {e}") from e
+
+    #: Variables the renderer sets itself: a request cannot pass them as extra variables.
+    RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+    def with_variables(self, variables: dict[str, Any]) -> ChatTemplate:
+        """This template rendering with extra variables (``chat_template_kwargs``, e.g.
+        ``{"enable_thinking": False}``): a copy sharing the compiled template and role probe.
+
+        Raises:
+            EngineError("invalid_params"): a reserved name, or not a map of names."""
+        if not isinstance(variables, dict) or not all(isinstance(k, str) and k.isidentifier() for k in variables):
+            raise EngineError("invalid_params", "chat_template_kwargs must map variable names to values")
+        clash = sorted(self.RESERVED & set(variables))
+        if clash:
+            raise EngineError("invalid_params", f"chat_template_kwargs cannot set {', '.join(clash)}")
+        _ = self.role_caps  # probed once, without the extra variables, and shared
+        t = copy.copy(self)
+        t._variables = {**self._variables, **variables}
+        return t
 
     def render(self, messages: Any, add_generation_prompt: bool = True, tools: list[Any] | None = None) -> str:
         """The prompt text for ``messages`` (BOS/EOS text stripped as configured).

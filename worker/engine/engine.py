@@ -273,16 +273,21 @@ class Engine:
         return self._require_template().render(messages, add_generation_prompt, tools)
 
     def tokenize_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                      tools: list[Any] | None = None, chat_template: str | None = None) -> list[int]:
+                      tools: list[Any] | None = None, chat_template: str | None = None,
+                      template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Prompt ids for ``messages``: template markup is tokenized with special
         parsing, message contents without it (a user typing ``<|im_end|>``
         cannot close a turn); BOS added per the GGUF, exactly once. ``chat_template`` (text
-        or a known name) renders them with that template instead of the model's.
+        or a known name) renders them with that template instead of the model's;
+        ``template_kwargs`` are extra template variables (``chat_template_kwargs``).
 
         Raises:
             EngineError("no_chat_template" | "template_error" | "invalid_params").
         """
-        segments = self._template_for(chat_template).render_segments(messages, add_generation_prompt, tools)
+        template = self._template_for(chat_template)
+        if template_kwargs:
+            template = template.with_variables(template_kwargs)
+        segments = template.render_segments(messages, add_generation_prompt, tools)
         self._check_fits(sum(len(text) for text, _ in segments))
         return self.tokenizer.tokenize_pieces(segments, add_special=True)
 
