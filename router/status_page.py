@@ -56,9 +56,11 @@ _HEADERS = {
 @dataclass
 class MetricsHistory:
     """Per-model series sampled from the router's metrics registry every :data:`SAMPLE_S` s:
-    ``tok_s`` (generated tokens per second over the interval), ``ttft_ms`` (mean time to first
-    token of the requests whose first token came in the interval; None without one) and
-    ``queue`` (requests waiting, at the sample). ``t`` holds unix times."""
+    ``tok_s`` (tokens streamed per second over the interval: the first tokens, counted by the
+    TTFT histogram, plus the others, counted by the inter-token-latency histogram — as they
+    come, where ``modelyard_generation_tokens`` counts a whole answer at its end), ``ttft_ms``
+    (mean time to first token of the requests whose first token came in the interval; None
+    without one) and ``queue`` (requests waiting, at the sample). ``t`` holds unix times."""
 
     maxlen: int = int(HISTORY_S / SAMPLE_S)
     t: collections.deque[float] = field(default_factory=collections.deque)
@@ -76,12 +78,13 @@ class MetricsHistory:
                 m = s.labels.get("model")
                 if m is None:
                     continue
-                if s.name == "modelyard_generation_tokens_total":
-                    tokens[m] = s.value
+                if s.name == "modelyard_inter_token_latency_seconds_count":
+                    tokens[m] = tokens.get(m, 0.0) + s.value
                 elif s.name == "modelyard_time_to_first_token_seconds_sum":
                     ttft_sum[m] = s.value
                 elif s.name == "modelyard_time_to_first_token_seconds_count":
                     ttft_n[m] = s.value
+                    tokens[m] = tokens.get(m, 0.0) + s.value  # each first token
         dt = now - self._last_t if self._last_t is not None else None
         self.t.append(now)
         for m in sorted(set(queues) | set(self.series)):

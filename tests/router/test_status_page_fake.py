@@ -142,9 +142,11 @@ def test_history_turns_counters_into_rates() -> None:
     m = Metrics(["a", "b"])
     h = MetricsHistory()
     h.sample(m.registry, {"a": 0, "b": 2}, now=100.0)
-    m.generation_tokens.labels("a").inc(50)
-    m.ttft.labels("a").observe(0.2)
+    m.ttft.labels("a").observe(0.2)  # two streams' first tokens ...
     m.ttft.labels("a").observe(0.4)
+    for _ in range(48):  # ... and 48 more tokens
+        m.itl.labels("a").observe(0.01)
+    m.generation_tokens.labels("a").inc(50)  # counted at the answers' end: not what the plot reads
     h.sample(m.registry, {"a": 1, "b": 0}, now=102.0)
     h.sample(m.registry, {"a": 0, "b": 0}, now=104.0)
     d = h.describe()
