@@ -5,11 +5,12 @@ Layout::
     [server]            host, port, api_key, admin_key, models_dir, transport,
                         shutdown_timeout_s, allowed_hosts, cors_origins, header_timeout_s,
                         body_timeout_s, keep_alive_timeout_s, max_connections, max_header_bytes,
-                        stream_stall_timeout_s, sse_keepalive_s, max_loaded, discover_models,
-                        max_keep_alive_s
+                        stream_stall_timeout_s, sse_keepalive_s, max_loaded, default_model,
+                        discover_models, max_keep_alive_s
     [defaults]          any per-model key below except path/aliases; applies to every model
-    [presets.NAME]      model (required), aliases, sampling keys, n_predict, system_prompt (router.presets)
-    [models.NAME]       path (required), aliases, n_ctx, chat_template, max_queue,
+    [presets.NAME]      model (required), aliases, sampling keys, n_predict, system_prompt, chat_template,
+                        reasoning, chat_template_kwargs (router.presets)
+    [models.NAME]       path (required), aliases, n_ctx, chat_template, reasoning, max_queue,
                         load_timeout_s, cancel_timeout_s, drain_timeout_s,
                         shutdown_grace_s, ping_interval_s, ping_timeout_s, unresponsive_after_s,
                         idle_ttl_s, n_threads, parallel, kv_budget_mib, restart_backoff_s, restart_backoff_max_s,
@@ -78,6 +79,10 @@ class ModelConfig:
     aliases: tuple[str, ...] = ()
     n_ctx: int | None = None
     chat_template: str | None = None
+    # llama.cpp's --reasoning: "auto" / "on" render the template with enable_thinking true (a reasoning
+    # template opens its think block; others ignore it), "off" with enable_thinking false (it is closed);
+    # a request's chat_template_kwargs.enable_thinking wins
+    reasoning: str = "auto"
     max_queue: int = 8
     load_timeout_s: float = 120.0
     cancel_timeout_s: float = 10.0  # Cancel sent -> no Done within this: the worker is killed
@@ -171,6 +176,9 @@ class ServerConfig:
     max_keep_alive_s: float | None = None  # the longest keep_alive / ttl a request may set (None: no cap)
     background_per_key: int = 8  # background jobs running at once per API key (keyless clients share one)
     background_unread_s: float = 600.0  # a running job nobody has read for this long is cancelled (0: never)
+    # the model a request without "model" gets (a name or alias; None: the only model when exactly one
+    # is configured, else "model" is required), as llama-server answers with the model it serves
+    default_model: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,6 +203,13 @@ class Config:
                 return m
         return None
 
+    def default_name(self) -> str | None:
+        """The model a request without ``"model"`` is served by: ``[server] default_model``, else
+        the only configured model, else None (``"model"`` is then required)."""
+        if self.server.default_model is not None:
+            return self.server.default_model
+        return next(iter(self.models)) if len(self.models) == 1 else None
+
     def ids(self) -> list[str]:
         """Every name a client may use: canonical names and aliases."""
         out: list[str] = []
@@ -208,7 +223,7 @@ class Config:
 
 
 _MODEL_KEYS = {
-    "path", "aliases", "n_ctx", "chat_template", "max_queue", "load_timeout_s",
+    "path", "aliases", "n_ctx", "chat_template", "reasoning", "max_queue", "load_timeout_s",
     "cancel_timeout_s", "drain_timeout_s", "shutdown_grace_s", "ping_interval_s",
     "ping_timeout_s", "unresponsive_after_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", "weights",
     "n_ubatch", "restart_backoff_s", "restart_backoff_max_s", "max_crashes", "crash_window_s", "pinned", "slot_save_path",
@@ -216,6 +231,8 @@ _MODEL_KEYS = {
     "background_slots", "system_prompt", *SAMPLING_KEYS,
 }
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases", "prefill_model", "kv_transfer"}
+#: ``reasoning`` values (llama.cpp's ``--reasoning``): the first is the default.
+REASONING_MODES = ("auto", "on", "off")
 #: ``kv_transfer`` values (router.disaggregate).
 KV_TRANSFERS = ("wire", "file")
 _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport", "shutdown_timeout_s",
@@ -223,7 +240,7 @@ _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport
                 "keep_alive_timeout_s", "max_connections", "max_header_bytes", "stream_stall_timeout_s", "sse_keepalive_s",
                 "max_loaded",
                 "responses_store_max", "responses_store_ttl_s", "background_max", "background_ttl_s", "background_max_mib",
-                "background_per_key", "background_unread_s", "discover_models", "max_keep_alive_s"}
+                "background_per_key", "background_unread_s", "default_model", "discover_models", "max_keep_alive_s"}
 
 #: A ``cors_origins`` entry: scheme://host[:port], nothing after it (or "*").
 _ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#]+$")
@@ -289,6 +306,7 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
                           else _float(server_raw, "max_keep_alive_s", "server", 0.0, 0.0)),
         background_per_key=_int(server_raw, "background_per_key", "server", 8, 1, 1_000_000),
         background_unread_s=_float(server_raw, "background_unread_s", "server", 600.0, 0.0),
+        default_model=_opt_str(server_raw, "default_model", "server"),
     )
     check_public_bind(server)
 
@@ -345,6 +363,7 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
             aliases=tuple(aliases_raw),
             n_ctx=n_ctx,
             chat_template=_opt_str(merged, "chat_template", src("chat_template")),
+            reasoning=_choice(merged, "reasoning", src("reasoning"), REASONING_MODES),
             max_queue=_int(merged, "max_queue", src("max_queue"), 8, 0, 100_000),
             load_timeout_s=_float(merged, "load_timeout_s", src("load_timeout_s"), 120.0, 0.001),
             cancel_timeout_s=_float(merged, "cancel_timeout_s", src("cancel_timeout_s"), 10.0, 0.001),
@@ -384,6 +403,9 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
     from router.presets import parse_presets  # it builds on this module's readers
 
     presets = parse_presets(_table(data, "presets", "presets"), models, seen_ids)
+    if server.default_model is not None and server.default_model not in seen_ids:
+        raise ConfigError("server.default_model", f"{server.default_model!r} is not a configured model name or "
+                          f"alias (configured: {', '.join(seen_ids)})")
     return Config(server=server, models=models, source=source, defaults=dict(defaults), presets=presets)
 
 

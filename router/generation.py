@@ -172,13 +172,11 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate, grammar_param:
 
 
 def with_preset_template(msg: Generate, model: ModelConfig, config: Config) -> Generate:
-    """``msg`` carrying a preset's own chat template and template variables (router.presets)
-    when it is a chat and the preset's template differs from its model's (which the worker
-    renders by default)."""
+    """``msg`` carrying a preset's own chat template (router.presets) when it is a chat and the
+    preset's template differs from its model's (which the worker renders by default). (A
+    preset's template variables reach ``msg.template_kwargs`` through ``dialects.template_kwargs``.)"""
     if msg.messages is None or model.preset is None or msg.chat_template is not None:
         return msg
-    if model.template_kwargs and msg.chat_template_kwargs is None:
-        msg = dataclasses.replace(msg, chat_template_kwargs=dict(model.template_kwargs))
     base = config.models.get(model.name)
     if base is None or model.chat_template == base.chat_template or model.chat_template is None:
         return msg
@@ -341,6 +339,10 @@ def timings_of(done: Done) -> dict[str, Any]:
     def per_s(ms: float, n: int) -> float:
         return 1000.0 * n / ms if ms > 0 else 0.0
 
+    # one token came out of the prompt's own pass: no decode step was timed, so there is no
+    # generation rate (llama-server reports 0 there, not a figure from a few microseconds)
+    predicted_per_second = per_s(done.predicted_ms, done.predicted_n) if done.predicted_n > 1 else 0.0
+
     return {
         "cache_n": done.cache_n,
         "prompt_n": done.prompt_n,
@@ -350,7 +352,7 @@ def timings_of(done: Done) -> dict[str, Any]:
         "predicted_n": done.predicted_n,
         "predicted_ms": done.predicted_ms,
         "predicted_per_token_ms": per_tok(done.predicted_ms, done.predicted_n),
-        "predicted_per_second": per_s(done.predicted_ms, done.predicted_n),
+        "predicted_per_second": predicted_per_second,
     }
 
 

@@ -69,7 +69,7 @@ from router.errors import ApiError, BadRequest, NotFound, redact_paths
 from router.field_policy import refuse_ignored
 from router.generation import OPENAI_DEFAULTS, begin, collect, openai_logprob, read_sampling, stream, token_probs
 from router.metrics import label_request
-from router.params import INT32_MAX, get_bool, get_int, get_str, read_json
+from router.params import INT32_MAX, get_bool, get_int, get_str, model_of, read_json
 from router.pool import ModelSlot, Pool
 from router.background import Job, new_job_id
 from router.background import store_of as background_of
@@ -194,7 +194,7 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
 
 def _parse(request: Request, body: dict[str, Any]) -> _Request:
     pool: Pool = request.app.state.pool
-    model = get_str(body, "model")
+    model = model_of(body, pool.config.default_name(), pool.config.ids())
     slot = pool.get(model)
     label_request(request, slot.model.name)
     _refuse_unsupported(body)

@@ -153,6 +153,19 @@ def get_str(body: dict[str, Any], key: str, default: Any = _MISSING) -> Any:
     return v
 
 
+def model_of(body: dict[str, Any], default: str | None, ids: list[str]) -> str:
+    """``body["model"]``; when it is absent, null or "", ``default`` (``Config.default_name``:
+    ``[server] default_model`` or the only configured model), as llama-server serves its model
+    to a request that names none. Raises BadRequest (param "model") when there is no default."""
+    name = get_str(body, "model", None)
+    if name:
+        return str(name)
+    if default is None:
+        raise BadRequest(f"'model' is required (no [server] default_model is set and several models are "
+                         f"configured); available models: {', '.join(ids)}", param="model")
+    return default
+
+
 def get_bool(body: dict[str, Any], key: str, default: bool) -> bool:
     if not _present(body, key):
         return default

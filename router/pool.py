@@ -49,20 +49,21 @@ the worker is not refused — it waits and starts the model again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import zmq.asyncio
 
-from protocol import Ping, Pong
+from protocol import Ping, Pong, Ready
 from router.backoff import CrashHistory, CrashPolicy, Failure
 from router.config import Config, ModelConfig
 from router.events import EventHub
@@ -143,6 +144,14 @@ class ModelSlot:
         self._reload_task: asyncio.Task[float] | None = None  # begin_load during an idle unload
         self._placement: asyncio.Future[None] | None = None  # set while waiting for a place (Pool._place)
         self._placement_holders = 0  # ready_worker callers waiting on it (they hold no ticket)
+        # requests without a ticket (tokenize, props, ...) waiting for the worker or calling it
+        # (ready_worker, use): like a waiting or running request, they keep the model from being
+        # idle, so a later request for another model never evicts the one they wait for
+        self._users = 0
+        # unloaded for idleness (idle_ttl_s): llama-server's "sleeping" (--sleep-idle-seconds); the
+        # next generation wakes it (loads it again), read-only routes (/props, /health) do not
+        self.asleep = False
+        self.last_ready: Ready | None = None  # the last worker's Ready (its n_ctx, slots), kept while asleep
         self._placement_sticky = False  # an operator asked for the load: wanted even with nobody waiting
         self.waiting_for: str | None = None  # why the wanted load has not started (placement)
         self.rss_after_load: int | None = None  # the last worker's RSS right after Ready, bytes
@@ -324,7 +333,8 @@ class ModelSlot:
         if self.state not in (WorkerState.LOADING, *LOADED, WorkerState.DRAINING):
             return None
         return Seat(name=self.model.name, state=self.state.value,
-                    idle=self.state is WorkerState.READY and not self._running and self.queue_depth == 0,
+                    idle=(self.state is WorkerState.READY and not self._running and self.queue_depth == 0
+                          and self._users == 0),
                     pinned=self.model.pinned, last_active=self._last_active,
                     rss=self._sample_rss(self.worker or self._loading_worker) or 0,
                     estimate=self.estimate().total)
@@ -638,7 +648,13 @@ class ModelSlot:
 
     # ------------------------------------------------------------------ loading
 
+    @property
+    def sleeping(self) -> bool:
+        """Unloaded for idleness and not woken since (llama-server's ``is_sleeping``)."""
+        return self.asleep and self.state is WorkerState.UNLOADED
+
     def _begin_load(self) -> None:
+        self.asleep = False
         if self._crashed:
             self._crashed = False
             self.metrics.restarts.labels(self.model.name).inc()
@@ -708,6 +724,7 @@ class ModelSlot:
         self.worker = wp
         self.metrics.load_time.labels(self.model.name).observe(time.monotonic() - t0)
         self.load_ms = ready.load_ms
+        self.last_ready = ready
         self.loaded_at = time.time()
         self.unload_reason = None  # it is loaded again: the last unload's reason no longer describes it
         self.last_exit_code = None
@@ -833,6 +850,7 @@ class ModelSlot:
             # idle for ttl: check and state change in one step (no await in between)
             self._idle_task = None
             self._idle_unloading = True
+            self.asleep = True
             why = "keep_alive" if self._keep_alive is not None else "idle_ttl_s"
             self._unload_task = self._start_unload(drain=True, reason=f"idle for {ttl:g} s ({why})")
             return
@@ -888,12 +906,36 @@ class ModelSlot:
         if self.state is WorkerState.FAILED and self.queue_depth > 0 and not self._pool.closing:
             self._want_load()
 
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Within the block the model is not idle: a one-shot call to its worker (tokenize,
+        apply-template, ...; it gets the worker with :meth:`ready_worker` inside) is not cut
+        off by an eviction for another model while it waits for the load or for its answer."""
+        self._users += 1
+        try:
+            yield
+        finally:
+            self._user_left()
+
+    def _user_left(self) -> None:
+        self._users -= 1
+        if self._users == 0:
+            self._pool.place()  # this model may have become idle: evictable for a waiting one
+
     async def ready_worker(self, *, operator: bool = False) -> WorkerProcess:
         """The ready worker, starting it and waiting for its load if needed (for
         requests that do not take a job slot: tokenize, detokenize, apply-template,
-        admin load with ``operator``). Raises ModelUnloading (draining, or unloaded while
-        the load it waited for ran), ModelLoadFailed,
+        admin load with ``operator``). While it waits the model is not idle (placement never
+        evicts it for a later request: FIFO, as llama-server's router). Raises ModelUnloading
+        (draining, or unloaded while the load it waited for ran), ModelLoadFailed,
         RestartBackoff / ModelFailed (crash backoff; never for an operator)."""
+        self._users += 1
+        try:
+            return await self._ready_worker(operator)
+        finally:
+            self._user_left()
+
+    async def _ready_worker(self, operator: bool) -> WorkerProcess:
         self._check_open()
         self._check_restart(operator=operator)
         self._last_active = time.monotonic()

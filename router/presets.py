@@ -9,16 +9,16 @@
     n_predict = 64                    # the answer's length when a request names none (and its cap)
     system_prompt = "Answer briefly." # the system message when a request sends none
     chat_template = "chatml"          # render its chats with this template (text or a known name)
-    reasoning = false                 # the template's enable_thinking (thinking models)
+    reasoning = "off"                 # the template's enable_thinking (thinking models)
 
 A request for a preset runs on its model's one worker (a preset never loads the model
 again: the pool's slot is the model's, :class:`PresetSlot` only shows the preset's defaults
 as ``.model``). A request's own value wins over the preset's, the preset's over the model's.
 A preset's ``chat_template`` and template variables travel with each of its chat requests
-(``Generate.chat_template``, ``Generate.chat_template_kwargs``; the worker compiles a template
-once and keeps the last few): ``reasoning = true / false`` sets the template's
-``enable_thinking`` (as llama.cpp's ``--reasoning-budget 0`` / Qwen3's switch), and
-``chat_template_kwargs = {...}`` any other variable.
+(``Generate.chat_template``, ``Generate.template_kwargs``; the worker compiles a template once
+and keeps the last few): ``reasoning`` (``"auto"``, ``"on"``, ``"off"`` as on a model, or true /
+false) sets the template's ``enable_thinking``, ``chat_template_kwargs = {...}`` any other
+variable; a request's own ``chat_template_kwargs`` win.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from router.config import (SAMPLING_KEYS, ConfigError, ModelConfig, _check_id, _float, _int, _n_predict,
+from router.config import (REASONING_MODES, SAMPLING_KEYS, ConfigError, ModelConfig, _check_id, _float, _int, _n_predict,
                            _no_unknown, _opt_str)
 from protocol.limits import GENERATE_LIMITS
 
@@ -34,10 +34,8 @@ PRESET_KEYS = {"model", "aliases", "n_predict", "system_prompt", "chat_template"
                "reasoning", *SAMPLING_KEYS}
 #: Keys a preset cannot have, and why (named in the config error).
 UNSUPPORTED = {
-    "enable_thinking": "write reasoning = true / false (the template's enable_thinking)",
+    "enable_thinking": 'write reasoning = "on" / "off" (the template\'s enable_thinking)',
 }
-#: The chat template variable ``reasoning`` sets (Qwen3's, DeepSeek's, SmolLM3's templates read it).
-REASONING_VARIABLE = "enable_thinking"
 
 
 def parse_presets(raw: dict[str, Any], models: dict[str, ModelConfig],
@@ -84,25 +82,32 @@ def parse_presets(raw: dict[str, Any], models: dict[str, ModelConfig],
             n_predict=_n_predict(table, where) if "n_predict" in table else base.n_predict,
             system_prompt=_opt_str(table, "system_prompt", where) if "system_prompt" in table else base.system_prompt,
             chat_template=_opt_str(table, "chat_template", where) if "chat_template" in table else base.chat_template,
+            reasoning=_reasoning(table, where, base.reasoning),
             template_kwargs=_template_kwargs(table, where))
     return out
 
 
+def _reasoning(table: dict[str, Any], where: str, default: str) -> str:
+    """``reasoning``: as ``[models.NAME]``'s (``"auto"``, ``"on"``, ``"off"``: the template's
+    ``enable_thinking``), or true / false. Raises ConfigError naming the key."""
+    v = table.get("reasoning", default)
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    if v not in REASONING_MODES:
+        raise ConfigError(f"{where}.reasoning", f"expected one of {', '.join(REASONING_MODES)} or true / false, got {v!r}")
+    return str(v)
+
+
 def _template_kwargs(table: dict[str, Any], where: str) -> dict[str, Any]:
-    """``chat_template_kwargs`` (a table of template variables) with ``reasoning`` (a bool:
-    ``enable_thinking``) over it. Raises ConfigError naming the key."""
+    """``chat_template_kwargs``: a table of template variables (``enable_thinking`` is
+    ``reasoning``'s). Raises ConfigError naming the key."""
     kw = table.get("chat_template_kwargs", {})
     if not isinstance(kw, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kw):
         raise ConfigError(f"{where}.chat_template_kwargs", "expected a table of template variable names")
     reserved = sorted({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"} & set(kw))
     if reserved:
         raise ConfigError(f"{where}.chat_template_kwargs", f"cannot set {', '.join(reserved)}")
-    out = dict(kw)
-    if "reasoning" in table:
-        if not isinstance(table["reasoning"], bool):
-            raise ConfigError(f"{where}.reasoning", "expected true or false")
-        out[REASONING_VARIABLE] = table["reasoning"]
-    return out
+    return dict(kw)
 
 
 class PresetSlot:

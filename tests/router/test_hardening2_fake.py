@@ -293,6 +293,11 @@ def test_a_cross_site_get_never_loads_a_model(router: LiveRouter) -> None:
     assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_loaded", r.text
     assert r.headers["access-control-allow-origin"] == "http://app.example"
     assert router.admin("side")["state"] == "unloaded"
+    # a browser without Fetch Metadata (older Safari): a Referer of another site says the same
+    r = httpx.get(router.url + "/props", params={"model": "side"}, timeout=WAIT_S,
+                  headers={"Referer": "http://evil.example/page.html", "Accept": "image/webp,*/*"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_loaded", r.text
+    assert router.admin("side")["state"] == "unloaded"
     # the user's own tools (no Sec-Fetch-*: curl, SDKs) and same-origin pages still load it
     r = httpx.get(router.url + "/props", params={"model": "side"}, timeout=WAIT_S,
                   headers={"Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "cors"})

@@ -40,6 +40,9 @@ chat_template = "gemma"
 model = "base"
 reasoning = false
 chat_template_kwargs = {tone = "dry"}
+[presets.think]
+model = "base"
+reasoning = "on"
 """
 
 
@@ -67,7 +70,7 @@ def test_presets_share_the_models_one_worker(router: LiveRouter) -> None:
     data = httpx.get(router.url + "/admin/models", timeout=10).json()["data"]
     assert [m["id"] for m in data] == ["base"]
     ids = [m["id"] for m in httpx.get(router.url + "/v1/models", timeout=10).json()["data"]]
-    assert ids == ["base", "b", "greedy", "terse", "short", "gem", "nothink"]
+    assert ids == ["base", "b", "greedy", "terse", "short", "gem", "nothink", "think"]
     greedy = httpx.get(router.url + "/v1/models/greedy", timeout=10).json()
     assert greedy["root"] == "base" and greedy["state"] == "ready"
     presets = httpx.get(router.url + "/admin/models", timeout=10).json()["presets"]
@@ -103,8 +106,14 @@ def test_each_preset_applies_its_defaults_and_a_requests_own_value_wins(router: 
     # a preset's reasoning switch and template variables
     assert _chat(router, "nothink").status_code == 200
     g = _last_generate(router)
-    assert g["chat_template_kwargs"] == {"tone": "dry", "enable_thinking": False} and g["chat_template"] is None
-    assert _chat(router, "base").status_code == 200 and _last_generate(router)["chat_template_kwargs"] is None
+    assert g["template_kwargs"] == {"enable_thinking": False, "tone": "dry"} and g["chat_template"] is None
+    assert _chat(router, "base").status_code == 200
+    assert _last_generate(router)["template_kwargs"] == {"enable_thinking": True}  # the model's reasoning: auto
+    assert _chat(router, "think").status_code == 200
+    assert _last_generate(router)["template_kwargs"] == {"enable_thinking": True}
+    # a request's own chat_template_kwargs win over the preset's
+    assert _chat(router, "nothink", chat_template_kwargs={"enable_thinking": True}).status_code == 200
+    assert _last_generate(router)["template_kwargs"] == {"enable_thinking": True, "tone": "dry"}
     # llama.cpp's route too
     r = httpx.post(router.url + "/completion", json={"model": "greedy", "prompt": "x"}, timeout=30)
     assert r.status_code == 200 and _last_generate(router)["temperature"] == 0.0
@@ -120,7 +129,7 @@ def test_admin_load_of_a_preset_loads_its_model(router: LiveRouter) -> None:
     ({}, "presets.p.model: required"),
     ({"model": "base", "chat_template": 3}, "presets.p.chat_template"),
     ({"model": "base", "enable_thinking": False}, "presets.p.enable_thinking: not supported in a preset"),
-    ({"model": "base", "reasoning": "off"}, "presets.p.reasoning: expected true or false"),
+    ({"model": "base", "reasoning": "maybe"}, "presets.p.reasoning: expected one of auto, on, off"),
     ({"model": "base", "chat_template_kwargs": {"messages": 1}}, "presets.p.chat_template_kwargs: cannot set messages"),
     ({"model": "base", "path": "x.gguf"}, "presets.p"),
     ({"model": "base", "temperature": -1}, "presets.p.temperature"),

@@ -262,19 +262,20 @@ class Engine:
         return t
 
     def apply_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                       tools: list[Any] | None = None) -> str:
+                       tools: list[Any] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
         """The chat prompt text for ``messages`` (OpenAI-style; content a string
-        or a list of text parts). A leading BOS text is removed when the
+        or a list of text parts; ``template_kwargs``: more template variables, llama.cpp's
+        ``chat_template_kwargs``). A leading BOS text is removed when the
         tokenizer adds BOS itself, like llama.cpp's ``/apply-template``.
 
         Raises:
             EngineError("no_chat_template" | "template_error" | "invalid_params").
         """
-        return self._require_template().render(messages, add_generation_prompt, tools)
+        return self._require_template().render(messages, add_generation_prompt, tools, template_kwargs)
 
     def tokenize_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                      tools: list[Any] | None = None, chat_template: str | None = None,
-                      template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                      tools: list[Any] | None = None, template_kwargs: dict[str, Any] | None = None,
+                      chat_template: str | None = None) -> list[int]:
         """Prompt ids for ``messages``: template markup is tokenized with special
         parsing, message contents without it (a user typing ``<|im_end|>``
         cannot close a turn); BOS added per the GGUF, exactly once. ``chat_template`` (text
@@ -284,10 +285,8 @@ class Engine:
         Raises:
             EngineError("no_chat_template" | "template_error" | "invalid_params").
         """
-        template = self._template_for(chat_template)
-        if template_kwargs:
-            template = template.with_variables(template_kwargs)
-        segments = template.render_segments(messages, add_generation_prompt, tools)
+        segments = self._template_for(chat_template).render_segments(messages, add_generation_prompt, tools,
+                                                                     template_kwargs)
         self._check_fits(sum(len(text) for text, _ in segments))
         return self.tokenizer.tokenize_pieces(segments, add_special=True)
 
@@ -310,7 +309,9 @@ class Engine:
         if n_chars > n_ctx * self._max_piece_chars:
             raise EngineError("context_length_exceeded", (
                 f"This model's maximum context length is {n_ctx} tokens. However, the prompt has {n_chars} "
-                f"characters, more than {n_ctx} tokens of at most {self._max_piece_chars} characters can hold."))
+                f"characters, more than {n_ctx} tokens of at most {self._max_piece_chars} characters can hold."),
+                # not tokenized: the fewest tokens those characters can make (> n_ctx)
+                n_prompt_tokens=-(-n_chars // self._max_piece_chars), n_ctx=n_ctx)
 
     # ------------------------------------------------------------------ generate
 
