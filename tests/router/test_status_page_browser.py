@@ -10,7 +10,6 @@ to ``test-artifacts/status-page.png`` (``$MODELYARD_TEST_ARTIFACTS`` moves it).
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
