@@ -461,6 +461,7 @@ class ApplyTemplate(Message):
     # the template's ``tools`` (as Generate.tools), for templates with their own tool syntax
     tools: list[dict[str, Any]] | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # as Generate.template_kwargs
+    chat_template: str | None = None  # as Generate.chat_template (a preset's own template)
 
 
 #: SlotAction.action values (llama.cpp's ``POST /slots/{id}?action=``).

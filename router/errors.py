@@ -305,7 +305,7 @@ _ENDPOINT = re.compile(r"\b(ipc|tcp|inproc)://[^\s'\"`,;()<>]+")
 #: error naming a route is not naming a file (tests hold every route of the app to this set).
 API_ROOTS = frozenset({"v1", "api", "admin", "slots", "props", "models", "health", "metrics", "tokenize",
                        "detokenize", "apply-template", "completion", "completions", "infill", "embedding",
-                       "embeddings", "rerank", "reranking", "openapi.json", "docs"})
+                       "embeddings", "rerank", "reranking", "openapi.json", "docs", "chat", "responses", "ui"})
 
 
 def _redact_path(m: re.Match[str]) -> str:

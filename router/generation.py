@@ -44,9 +44,9 @@ from router.params import (
     get_logit_bias,
     get_stop,
 )
-from router.config import Config, ModelConfig
 from router.pool import ModelSlot
 from router import keep_alive
+from router.presets import preset_template
 from router.run import Run
 from router.samplers import refuse_unimplemented
 from router.set_aside import set_aside
@@ -121,7 +121,9 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate, grammar_param:
     msg = check_request_budget(slot, msg)
     msg = cap_answer(msg, slot.model.n_predict)
     msg = with_system_prompt(msg, slot.model.system_prompt)
-    msg = with_preset_template(msg, slot.model, request.app.state.pool.config)
+    template = preset_template(slot)  # a preset's own template travels with its chats
+    if template is not None and msg.messages is not None and msg.chat_template is None:
+        msg = dataclasses.replace(msg, chat_template=template)
     pre = prefill_slot(request, slot)
     if pre is not None:  # disaggregated: another worker prefills, this one decodes (router.disaggregate)
         try:
@@ -169,18 +171,6 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate, grammar_param:
                 set_aside(request.state, grammar_param or "constraint", what,
                           "a JSON Schema keyword the constraint cannot enforce (the grammar was loosened)")
     return run, first
-
-
-def with_preset_template(msg: Generate, model: ModelConfig, config: Config) -> Generate:
-    """``msg`` carrying a preset's own chat template (router.presets) when it is a chat and the
-    preset's template differs from its model's (which the worker renders by default). (A
-    preset's template variables reach ``msg.template_kwargs`` through ``dialects.template_kwargs``.)"""
-    if msg.messages is None or model.preset is None or msg.chat_template is not None:
-        return msg
-    base = config.models.get(model.name)
-    if base is None or model.chat_template == base.chat_template or model.chat_template is None:
-        return msg
-    return dataclasses.replace(msg, chat_template=model.chat_template)
 
 
 def with_system_prompt(msg: Generate, system_prompt: str | None) -> Generate:

@@ -110,6 +110,15 @@ def _template_kwargs(table: dict[str, Any], where: str) -> dict[str, Any]:
     return dict(kw)
 
 
+def preset_template(slot: Any) -> str | None:
+    """The chat template a preset's requests render with when it is not its model's own (the
+    worker renders the model's by default), else None."""
+    if isinstance(slot, PresetSlot) and slot.model.chat_template is not None \
+            and slot.model.chat_template != slot.base.model.chat_template:
+        return slot.model.chat_template
+    return None
+
+
 class PresetSlot:
     """A model's slot as a preset's requests see it: ``model`` is the preset's ModelConfig
     (same name, path and worker settings as the model's; its own defaults); everything else —
@@ -118,6 +127,11 @@ class PresetSlot:
     def __init__(self, slot: Any, model: ModelConfig) -> None:
         self._slot = slot
         self.model = model
+
+    @property
+    def base(self) -> Any:
+        """The model's own slot."""
+        return self._slot
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._slot, name)

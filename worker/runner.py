@@ -513,7 +513,7 @@ class BatchRunner:
                 return DetokenizeResult(id=msg.id, content=str(eng.detokenize(msg.tokens.tolist())))
             return ApplyTemplateResult(id=msg.id, prompt=str(eng.apply_template(
                 msg.messages, add_generation_prompt=msg.add_generation_prompt, tools=msg.tools,
-                template_kwargs=msg.template_kwargs)))
+                template_kwargs=msg.template_kwargs, chat_template=msg.chat_template)))
         except EngineError as e:
             return error_frame(msg.id, e)
         except Exception as e:  # noqa: BLE001 - a request never kills the worker

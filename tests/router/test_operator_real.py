@@ -81,6 +81,9 @@ def test_a_presets_chat_template_renders_its_chats(router: LiveRouter) -> None:
     configured with that template (another worker, same weights)."""
     spawns = router.admin("smollm2")["spawn_count"]
     assert _text(router, "smol-as-chatml") == _text(router, "smol-chatml", temperature=0)
+    rendered = {m: httpx.post(router.url + "/apply-template", json={"model": m, "messages": MESSAGES},
+                              timeout=60).json()["prompt"] for m in ("smol-as-chatml", "smol-chatml", "smollm2")}
+    assert rendered["smol-as-chatml"] == rendered["smol-chatml"] != rendered["smollm2"]
     assert router.admin("smollm2")["spawn_count"] == spawns  # still the model's one worker
 
 

@@ -156,6 +156,7 @@ def test_chat_template_absent_then_supplied(tmp_path: Path) -> None:
     chat = eng.tokenize_chat(msgs, chat_template="chatml")
     assert eng.detokenize(chat) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert eng.tokenize_chat(msgs, chat_template="chatml") == chat
+    assert eng.apply_template(msgs, chat_template="chatml") == eng2.apply_template(msgs)
     assert "<start_of_turn>user\nhi<end_of_turn>" in eng.detokenize(eng2.tokenize_chat(msgs, chat_template="gemma"))
     assert eng2.tokenize_chat(msgs) == chat  # the model's own again
     for bad, code in (("{% if %}", "template_error"), ("", "invalid_params")):

@@ -262,16 +262,18 @@ class Engine:
         return t
 
     def apply_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                       tools: list[Any] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+                       tools: list[Any] | None = None, template_kwargs: dict[str, Any] | None = None,
+                       chat_template: str | None = None) -> str:
         """The chat prompt text for ``messages`` (OpenAI-style; content a string
         or a list of text parts; ``template_kwargs``: more template variables, llama.cpp's
         ``chat_template_kwargs``). A leading BOS text is removed when the
-        tokenizer adds BOS itself, like llama.cpp's ``/apply-template``.
+        tokenizer adds BOS itself, like llama.cpp's ``/apply-template``. ``chat_template``
+        (text or a known name) renders with that template instead of the model's.
 
         Raises:
             EngineError("no_chat_template" | "template_error" | "invalid_params").
         """
-        return self._require_template().render(messages, add_generation_prompt, tools, template_kwargs)
+        return self._template_for(chat_template).render(messages, add_generation_prompt, tools, template_kwargs)
 
     def tokenize_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                       tools: list[Any] | None = None, template_kwargs: dict[str, Any] | None = None,
