@@ -71,6 +71,9 @@ def test_presets_share_the_models_one_worker(router: LiveRouter) -> None:
     assert [m["id"] for m in data] == ["base"]
     ids = [m["id"] for m in httpx.get(router.url + "/v1/models", timeout=10).json()["data"]]
     assert ids == ["base", "b", "greedy", "terse", "short", "gem", "nothink", "think"]
+    doc = httpx.get(router.url + "/openapi.json", timeout=10).json()
+    chat = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert chat["properties"]["model"]["enum"] == ids  # every name a client may use
     greedy = httpx.get(router.url + "/v1/models/greedy", timeout=10).json()
     assert greedy["root"] == "base" and greedy["state"] == "ready"
     presets = httpx.get(router.url + "/admin/models", timeout=10).json()["presets"]
