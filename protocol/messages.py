@@ -399,6 +399,9 @@ class Generate(Message):
     n: int = 1  # choices: n sequences from one prefilled prompt (seed + i each when seeded)
     json_schema: str | None = None
     grammar: str | None = None
+    # with messages: render them with this chat template (Jinja text or a known name such as
+    # "chatml") instead of the model's own — a preset's template over the same loaded weights
+    chat_template: str | None = None
     trace_id: str = ""  # the HTTP request's X-Request-Id, for the worker's log lines ("" if none)
     # a plain file name (slot_filename_error): as the generation ends, the worker saves its KV entry
     # to that file in its --slot-save-path, in the same step (nothing can take the entry over
@@ -458,6 +461,7 @@ class ApplyTemplate(Message):
     # the template's ``tools`` (as Generate.tools), for templates with their own tool syntax
     tools: list[dict[str, Any]] | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # as Generate.template_kwargs
+    chat_template: str | None = None  # as Generate.chat_template (a preset's own template)
 
 
 #: SlotAction.action values (llama.cpp's ``POST /slots/{id}?action=``).

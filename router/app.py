@@ -20,9 +20,10 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
+from router import status_page
 from router import admin, anthropic_api, stream_sessions, decode_api, llamacpp_api, llamacpp_router, openai_api, openai_responses, openapi
 from router import ollama_api
 from router.background import BackgroundStore
@@ -65,7 +66,10 @@ async def health(request: Request) -> Response:
 async def root(request: Request) -> Response:
     """``GET /`` and ``HEAD /`` (also ``/api/hello``): the service answers (harnesses'
     connectivity checks — Claude Code 2.1 sends ``HEAD /api/hello`` before its first request).
-    Never loads a model; behind the api key when one is set."""
+    Never loads a model; behind the api key when one is set. A browser's ``GET /`` (Accept:
+    text/html) goes to the status page."""
+    if request.method == "GET" and "text/html" in request.headers.get("accept", ""):
+        return RedirectResponse("/ui", status_code=307)  # a browser: the status page (router.status_page)
     pool: Pool = request.app.state.pool
     return JSONResponse({"status": "ok", "service": "modelyard", "version": version(),
                          "models": list(pool.slots)})
@@ -122,10 +126,12 @@ def create_app(config: Config, *, worker_module: str | None = None,
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         app.state.pool = Pool(config, worker_module=worker_module, metrics=registry, **(pool_options or {}))
         lag_probe = asyncio.get_running_loop().create_task(registry.watch_event_loop(), name="loop-lag")
+        sampler = asyncio.get_running_loop().create_task(status_page.sample_forever(app), name="ui-sampler")
         try:
             yield
         finally:
             lag_probe.cancel()
+            sampler.cancel()
             app.state.streams.close()  # resumable streams' generations are cancelled
             await app.state.background.close()  # its runs end (Cancel) before the workers stop
             await app.state.pool.close()
@@ -134,7 +140,7 @@ def create_app(config: Config, *, worker_module: str | None = None,
               Route("/health", health, methods=["GET"]), Route("/v1/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"]),
               *openai_api.routes, *openai_responses.routes, *decode_api.routes, *anthropic_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *ollama_api.routes, *stream_sessions.routes, *admin.routes,
-              *openapi.routes]
+              *openapi.routes, *status_page.routes]
     app = Starlette(
         routes=routes,
         # outermost first: the access log and X-Request-Id, admission (requests in progress), what was set

@@ -238,5 +238,5 @@ def read_template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
 def template_kwargs(slot: ModelSlot, requested: dict[str, Any] | None) -> dict[str, Any]:
     """The template variables of a chat request on ``slot``: ``enable_thinking`` from the model's
     ``reasoning`` (true unless "off", as llama.cpp's default), then the request's
-    ``chat_template_kwargs`` over it."""
-    return {"enable_thinking": slot.model.reasoning != "off", **(requested or {})}
+    ``chat_template_kwargs`` over it (a preset's ``chat_template_kwargs`` in between, router.presets)."""
+    return {"enable_thinking": slot.model.reasoning != "off", **slot.model.template_kwargs, **(requested or {})}

@@ -306,7 +306,8 @@ _ENDPOINT = re.compile(r"\b(ipc|tcp|inproc)://[^\s'\"`,;()<>]+")
 API_ROOTS = frozenset({"v1", "api", "admin", "slots", "props", "models", "health", "metrics", "tokenize",
                        "detokenize", "apply-template", "completion", "completions", "infill", "embedding",
                        "embeddings", "rerank", "reranking", "openapi.json", "docs",
-                       "chat", "responses"})  # llama-server's /chat/completions, /responses without /v1
+                       "chat", "responses",  # llama-server's /chat/completions, /responses without /v1
+                       "ui"})
 
 
 def _redact_path(m: re.Match[str]) -> str:

@@ -69,6 +69,7 @@ from router.params import (
     read_json,
 )
 from router.pool import ModelSlot, Pool
+from router.presets import preset_template
 from router.process import WorkerUnreachable
 from router.responses import JSONResponse, dumps
 from router.set_aside import set_aside
@@ -440,8 +441,10 @@ async def apply_template(request: Request) -> Response:
     messages = parse_messages(body)
     add_gen = get_bool(body, "add_generation_prompt", True)
     kwargs = template_kwargs(slot, read_template_kwargs(body))
+    template = preset_template(slot)
     ans = await _call(request, slot, lambda i: ApplyTemplate(id=i, messages=messages, add_generation_prompt=add_gen,
-                                                             template_kwargs=kwargs), param="messages")
+                                                             template_kwargs=kwargs, chat_template=template),
+                      param="messages")
     if not isinstance(ans, ApplyTemplateResult):
         raise BadGateway(f"unexpected {ans.TYPE} answer to apply-template")
     return JSONResponse({"prompt": ans.prompt})

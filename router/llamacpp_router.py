@@ -271,13 +271,15 @@ def model_entry(slot: ModelSlot) -> dict[str, Any]:
         "created": int(m.path.stat().st_mtime) if m.path.exists() else 0,
         "path": redact_paths(str(m.path)), "status": _status(slot),
         "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
-        "source": "config",
+        "source": "models_dir" if m.discovered else "config",
         "weights": m.weights_mode,
+        "meta": gguf_meta.meta(m.path),
     }
 
 
 async def list_models(request: Request) -> Response:
     """Every configured model with its status (never loads one)."""
+    await gguf_meta.warm([s.model.path for s in _pool(request).slots.values()])
     return JSONResponse({"object": "list", "data": [model_entry(s) for s in _pool(request).slots.values()]})
 
 

@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from protocol import Accepted, Done, Generate, Token
 from protocol.limits import DEFAULT_MAX_CTX, MAX_N, MAX_N_PROBS
+from router import gguf_meta
 from router.constraints import json_format_constraint, llamacpp_constraint
 from router.dialects import (choose, content_text, custom_tool, function_tool, objects, prepare, read_template_kwargs,
                              tool_list)
@@ -96,13 +97,17 @@ def _model_object(pool: Pool, ident: str) -> dict[str, Any]:
         # the context size under the names harnesses read: LM Studio / OpenRouter (context_length),
         # vLLM (max_model_len), llama.cpp's meta (n_ctx_train; n_ctx is the size served)
         obj.update(context_length=n_ctx, max_model_len=n_ctx)
-    obj["meta"] = {"n_ctx": n_ctx, "n_ctx_train": train, "size": m.path.stat().st_size if m.path.exists() else None}
+    # the GGUF header's facts (cached; never loads the model), with the context as served
+    header = gguf_meta.meta(m.path)
+    obj["meta"] = {**header, "n_ctx": n_ctx, "n_ctx_train": train if train is not None else header["n_ctx_train"],
+                   "size": m.path.stat().st_size if m.path.exists() else None}
     return obj
 
 
 async def list_models(request: Request) -> Response:
     """Every configured name and alias. Never loads a model."""
     pool = _pool(request)
+    await gguf_meta.warm([m.path for m in pool.config.models.values()])
     return JSONResponse({"object": "list", "data": [_model_object(pool, i) for i in pool.config.ids()]})
 
 
@@ -112,6 +117,7 @@ async def get_model(request: Request) -> Response:
     if pool.config.resolve(ident) is None:
         raise NotFound(f"model '{ident}' not found; available models: {', '.join(pool.config.ids())}",
                        param="model")
+    await gguf_meta.warm([m.path for m in pool.config.models.values()])
     return JSONResponse(_model_object(pool, ident))
 
 

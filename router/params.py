@@ -90,6 +90,7 @@ async def read_json(request: Request) -> dict[str, Any]:
         if where is not None:
             raise BadRequest(f"'{where or 'body'}' holds a lone UTF-16 surrogate escape (\\ud800-\\udfff "
                              "without its pair): not valid Unicode text", param=where or None)
+    request.state.json_body = data  # the shared generation path reads keep_alive / ttl from it
     return data
 
 

@@ -513,7 +513,7 @@ class BatchRunner:
                 return DetokenizeResult(id=msg.id, content=str(eng.detokenize(msg.tokens.tolist())))
             return ApplyTemplateResult(id=msg.id, prompt=str(eng.apply_template(
                 msg.messages, add_generation_prompt=msg.add_generation_prompt, tools=msg.tools,
-                template_kwargs=msg.template_kwargs)))
+                template_kwargs=msg.template_kwargs, chat_template=msg.chat_template)))
         except EngineError as e:
             return error_frame(msg.id, e)
         except Exception as e:  # noqa: BLE001 - a request never kills the worker
@@ -528,7 +528,8 @@ class BatchRunner:
             params = sampling_params(g)
             prompt: str | list[int]
             if g.messages is not None:
-                prompt = engine.tokenize_chat(g.messages, tools=g.tools, template_kwargs=g.template_kwargs)
+                prompt = engine.tokenize_chat(g.messages, tools=g.tools, template_kwargs=g.template_kwargs,
+                                              chat_template=g.chat_template)
             else:
                 assert g.prompt is not None
                 prompt = g.prompt

@@ -239,7 +239,7 @@ class FakeWorker:
                  temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, min_p=msg.min_p,
                  seed=msg.seed, stop=msg.stop, n_probs=msg.n_probs, messages=msg.messages,
                  prompt=msg.prompt, logit_bias=msg.logit_bias, grammar=msg.grammar,
-                 json_schema=msg.json_schema, trace_id=msg.trace_id, repeat_penalty=msg.repeat_penalty,
+                 json_schema=msg.json_schema, trace_id=msg.trace_id, chat_template=msg.chat_template, repeat_penalty=msg.repeat_penalty,
                  repeat_last_n=msg.repeat_last_n, presence_penalty=msg.presence_penalty,
                  frequency_penalty=msg.frequency_penalty, tools=msg.tools, template_kwargs=msg.template_kwargs)
             if len(self.running) >= self.max_jobs:
