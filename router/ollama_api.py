@@ -23,10 +23,11 @@ Requests in:
   options that cannot change the answer here (threads, GPU layers, mmap, ...) are set
   aside; mirostat / typical_p / tfs_z only at their neutral values; any other option is
   a 400 naming it.
-* ``keep_alive``: honoured when it matches the model's configured idle time (``idle_ttl_s``;
-  negative: never unload, as ``idle_ttl_s = 0`` or ``pinned``); other values are set aside —
-  the unload time is the operator's. With an empty ``prompt`` / ``messages`` the request
-  loads the model (``done_reason: "load"``), and with ``keep_alive: 0`` unloads it
+* ``keep_alive``: honoured as on every generation route (``router.keep_alive``: the last
+  request decides how long the model stays loaded once idle, capped by
+  ``server.max_keep_alive_s``, a cap set aside visibly). With an empty ``prompt`` /
+  ``messages`` the request loads the model (``done_reason: "load"``, its keep_alive applied),
+  and with ``keep_alive: 0`` unloads it
   (``"unload"``; with ``server.admin_key`` set, only with that key: unloading is an
   operator's act there).
 * ``think``: a 400 when asked for (these models do not think), as Ollama answers for such
@@ -65,7 +66,6 @@ import hmac
 import json
 import logging
 import math
-import re
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -78,6 +78,7 @@ from starlette.routing import Route
 
 from protocol import Done, Generate, Token
 from protocol.limits import MAX_N_PROBS
+from router import keep_alive as keepalive  # the module (handlers have a keep_alive value)
 from router.constraints import schema_text
 from router.dialects import Prepared, choose, function_tool, objects, prepare, tool_list
 from router.errors import ApiError, BadRequest, Forbidden, NotFound, ollama_error_payload
@@ -163,7 +164,7 @@ def resolve(pool: Pool, name: Any) -> ModelSlot:
     if m is None:
         raise NotFound(f"model '{name}' not found; available models: "
                        f"{', '.join(tagged(i) for i in pool.config.ids())}", param="model")
-    return pool.slots[m.name]
+    return pool.get(m.preset or m.name)  # a preset: the model's slot showing its defaults (router.presets)
 
 
 def _n_ctx(slot: ModelSlot) -> int:
@@ -181,48 +182,22 @@ def _n_ctx(slot: ModelSlot) -> int:
 
 # ----------------------------------------------------------------------------- request fields
 
-_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
-_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-
 
 def keep_alive_s(v: Any) -> float | None:
-    """``keep_alive`` in seconds (negative: forever), None when absent: a number of seconds,
-    or a Go duration string (``"5m"``, ``"1h30m"``, ``"-1s"``, ``"0"``; a bare number string
-    counts as seconds). Raises BadRequest naming the field."""
-    if v is None:
+    """``keep_alive`` in seconds (negative: forever), None when absent (``router.keep_alive``
+    reads it: a number of seconds or a Go duration string). Raises BadRequest naming the field."""
+    got = keepalive.requested({"keep_alive": v})
+    if got is None:
         return None
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-        return float(v)
-    if isinstance(v, str):
-        s = v.strip()
-        try:
-            return float(s)
-        except ValueError:
-            pass
-        sign = -1.0 if s.startswith("-") else 1.0
-        body = s.lstrip("+-")
-        parts = _DURATION.findall(body)
-        if parts and "".join(n + u for n, u in parts) == body:
-            return sign * sum(float(n) * _UNITS[u] for n, u in parts)
-    raise BadRequest(f"'keep_alive' must be a number of seconds or a duration such as \"5m\", got "
-                     f"{json.dumps(v) if isinstance(v, (str, int, float)) else json_type(v)}", param="keep_alive")
+    return -1.0 if math.isinf(got[1]) else got[1]
 
 
 def _keep_alive(request: Request, body: dict[str, Any], slot: ModelSlot, *, empty: bool) -> float | None:
-    """``keep_alive`` read (seconds; None: absent); set aside unless it matches how the model
-    is kept. ``empty``: the request is Ollama's load / unload form, where 0 unloads."""
-    ka = keep_alive_s(body.get("keep_alive"))
-    if ka is None or (ka == 0 and empty):
-        return ka
-    never = slot.model.pinned or slot.model.idle_ttl_s <= 0
-    if (ka < 0 and never) or (ka > 0 and not never and ka == slot.model.idle_ttl_s):
-        return ka
-    kept = "never unloaded" if never else f"unloaded after idle_ttl_s={slot.model.idle_ttl_s:g} s"
-    why = f"the model's configuration decides how long it stays loaded: {kept}"
-    if ka == 0:
-        why += "; an empty request with keep_alive 0 unloads it"
-    set_aside(request.state, "keep_alive", str(body["keep_alive"]), why)
-    return ka
+    """``keep_alive`` read (seconds; None: absent) — a 400 before anything else when invalid.
+    A generation's is applied by ``generation.begin`` (router.keep_alive); ``empty``: the
+    request is Ollama's load / unload form, where 0 unloads and any other value is applied
+    by :func:`_load_or_unload`."""
+    return keep_alive_s(body.get("keep_alive"))
 
 
 def _think(body: dict[str, Any], model: str) -> None:
@@ -563,6 +538,8 @@ async def _load_or_unload(request: Request, slot: ModelSlot, model: str, keep_al
         await slot.unload(reason="unloaded by an Ollama request (keep_alive 0)")
         reason = "unload"
     else:
+        slot.set_keep_alive(keepalive.apply(request.state, getattr(request.state, "json_body", None),
+                                             request.app.state.pool.config.server.max_keep_alive_s))
         await until_disconnect(request.receive, slot.ready_worker())
         reason = "load"
     out: dict[str, Any] = {"model": model, "created_at": now_iso()}
@@ -771,8 +748,8 @@ async def show(request: Request) -> Response:
 
 async def ps(request: Request) -> Response:
     """The loaded models: size (the worker's resident memory, else placement's estimate),
-    ``expires_at`` (last use + ``idle_ttl_s``; about 292 years away for a model never
-    unloaded), ``context_length`` (n_ctx). ``size_vram`` is 0: everything is on the CPU."""
+    ``expires_at`` (when the idle unload is due: ``idle_ttl_s`` or the last request's
+    ``keep_alive`` after the last activity; about 292 years away for a model never unloaded), ``context_length`` (n_ctx). ``size_vram`` is 0: everything is on the CPU."""
     pool: Pool = request.app.state.pool
     out = []
     for slot in pool.slots.values():
@@ -781,8 +758,9 @@ async def ps(request: Request) -> Response:
         info = slot.describe()
         ready = slot.worker.ready
         since = slot.last_used or slot.loaded_at or time.time()
-        expires = (_iso(since + slot.model.idle_ttl_s) if slot.model.idle_ttl_s > 0 and not slot.model.pinned
-                   else _iso_forever(since))
+        due, ttl = slot.expires_at(), slot.idle_ttl()  # idle_ttl_s, or the last request's keep_alive
+        expires = (_iso(due) if due is not None else _iso_forever(since) if ttl is None
+                   else _iso(time.time() + ttl))  # busy: the TTL starts when it is idle
         details, _ = model_facts(slot.model.path)
         out.append({"name": tagged(slot.model.name), "model": tagged(slot.model.name),
                     "size": info.get("rss_bytes") or slot.estimate().total,

@@ -336,7 +336,7 @@ def _bodies(router: LiveRouter) -> list[tuple[str, str]]:
                     body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": "hi"}],
                                             "prompt": "hi", "input": "hi", "content": "hi", "tokens": [1],
                                             "max_tokens": 2, "filename": "x.bin"}
-                    r = c.request(method, url, params={"model": model},
+                    r = c.request(method, url, params={"model": model, "follow": "false"},  # event streams end
                                   json=None if method in ("GET", "DELETE") else body)
                     out.append((f"{method} {url} model={model} -> {r.status_code}", r.text))
     return out

@@ -77,8 +77,12 @@ def ndjson(router: LiveRouter, path: str, body: dict[str, Any]) -> tuple[httpx.R
 
 
 def state(router: LiveRouter, model: str) -> str:
+    return str(admin(router, model)["state"])
+
+
+def admin(router: LiveRouter, model: str) -> dict[str, Any]:
     data = httpx.get(router.url + "/admin/models", headers=AUTH, timeout=10).json()["data"]
-    return str(next(m for m in data if m["id"] == model)["state"])
+    return dict(next(m for m in data if m["id"] == model))
 
 
 def last_generate(router: LiveRouter) -> dict[str, Any]:
@@ -181,18 +185,21 @@ def test_options_without_effect_are_set_aside_visibly(router: LiveRouter) -> Non
             "keep_alive": "10m"}
     r = post(router, "/api/chat", body)
     assert r.status_code == 200 and r.json()["message"]["content"] == TEXT12
+    # keep_alive is honoured (router.keep_alive, issue 27), not set aside
     assert r.headers["x-modelyard-set-aside"] == \
-        "keep_alive:10m, options:num_thread, options:num_gpu, options:use_mmap, options:num_ctx"
+        "options:num_thread, options:num_gpu, options:use_mmap, options:num_ctx"
     log = router.log()
     assert "set aside" in log and "n_ctx=256" in log
     r, lines = ndjson(router, "/api/chat", {**body, "stream": True})
-    assert r.headers["x-modelyard-set-aside"].startswith("keep_alive:10m") and lines[-1]["done"]
+    assert r.headers["x-modelyard-set-aside"].startswith("options:num_thread") and lines[-1]["done"]
+    assert admin(router, "alpha")["keep_alive_s"] == 600
     r = post(router, "/api/generate", {"model": "alpha", "prompt": "hi", "stream": False, "keep_alive": 0})
-    assert r.status_code == 200 and r.headers["x-modelyard-set-aside"] == "keep_alive:0"  # not unloaded after it
-    assert state(router, "alpha") == "ready"
+    assert r.status_code == 200 and "x-modelyard-set-aside" not in r.headers  # unloaded after it
+    router.wait_for(lambda: state(router, "alpha") == "unloaded", what="alpha unloaded after keep_alive 0")
     body = {"model": "alpha", "prompt": "hi", "stream": False, "options": {"num_ctx": 256}, "keep_alive": -1}
-    r = post(router, "/api/generate", body)  # fits n_ctx, and alpha is never unloaded for idleness
+    r = post(router, "/api/generate", body)  # fits n_ctx; loaded again, never unloaded for idleness
     assert r.status_code == 200 and "x-modelyard-set-aside" not in r.headers
+    assert admin(router, "alpha")["keep_alive_s"] == -1 and admin(router, "alpha")["expires_at"] is None
 
 
 @pytest.mark.parametrize("path, body, param", [

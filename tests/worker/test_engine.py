@@ -152,6 +152,23 @@ def test_chat_template_absent_then_supplied(tmp_path: Path) -> None:
         assert ei.value.code == "no_chat_template"
     eng2 = Engine.load(str(path), n_ctx=64, chat_template="chatml")
     assert eng2.apply_template(msgs) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    # a request's own template (a preset's): used for that call only, compiled once
+    chat = eng.tokenize_chat(msgs, chat_template="chatml")
+    assert eng.detokenize(chat) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert eng.tokenize_chat(msgs, chat_template="chatml") == chat
+    assert eng.apply_template(msgs, chat_template="chatml") == eng2.apply_template(msgs)
+    assert "<start_of_turn>user\nhi<end_of_turn>" in eng.detokenize(eng2.tokenize_chat(msgs, chat_template="gemma"))
+    assert eng2.tokenize_chat(msgs) == chat  # the model's own again
+    for bad, code in (("{% if %}", "template_error"), ("", "invalid_params")):
+        with pytest.raises(EngineError) as ei:
+            eng.tokenize_chat(msgs, chat_template=bad)
+        assert ei.value.code == code
+    # template variables (chat_template_kwargs: a preset's reasoning switch)
+    thinking = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %} /no_think{% endif %}")
+    off = eng.detokenize(eng.tokenize_chat(msgs, chat_template=thinking, template_kwargs={"enable_thinking": False}))
+    on = eng.detokenize(eng.tokenize_chat(msgs, chat_template=thinking))
+    assert off.endswith("hi /no_think") and on.endswith("hi") and "/no_think" not in on
 
 
 # ------------------------------------------------------------------ text
