@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import re
 from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers, MutableHeaders
@@ -48,10 +49,24 @@ from router.errors import Forbidden, UnsupportedMediaType, error_response
 
 log = logging.getLogger("modelyard.security")
 
-#: Methods and request headers a listed origin may use (the API's own).
-CORS_METHODS = "GET, POST, OPTIONS"
+#: Methods and request headers a listed origin may use (the API's own). A preflight also allows
+#: the request headers it names (``Access-Control-Request-Headers``): the SDKs' own (the Anthropic
+#: SDK's ``x-api-key`` / ``anthropic-version``, the OpenAI SDK's ``x-stainless-*``) would otherwise fail
+#: it — the origin is listed, so what it sends is the operator's choice.
+CORS_METHODS = "GET, POST, DELETE, OPTIONS"
 CORS_HEADERS = "Authorization, Content-Type"
 CORS_MAX_AGE_S = 600
+#: Response headers a listed origin's page may read (beyond CORS's safelisted ones).
+CORS_EXPOSE = "X-Modelyard-Set-Aside, Retry-After, X-Request-Id"
+_HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}$")
+
+
+def preflight_headers(requested: str) -> str:
+    """``Access-Control-Allow-Headers`` of a preflight: the API's own and each well-formed header
+    name the preflight asked for (at most 32)."""
+    names = [n.strip() for n in requested.split(",")][:32]
+    extra = [n for n in names if _HEADER_NAME.match(n) and n.lower() not in ("authorization", "content-type")]
+    return ", ".join([CORS_HEADERS, *extra])
 
 
 def host_name(host_header: str) -> str:
@@ -167,7 +182,7 @@ class BrowserGuard:
             await Response(status_code=204, headers={
                 **self._cors(origin),
                 "Access-Control-Allow-Methods": CORS_METHODS,
-                "Access-Control-Allow-Headers": CORS_HEADERS,
+                "Access-Control-Allow-Headers": preflight_headers(headers.get("access-control-request-headers", "")),
                 "Access-Control-Max-Age": str(CORS_MAX_AGE_S),
             })(scope, receive, send)
             return
@@ -184,4 +199,4 @@ class BrowserGuard:
 
     @staticmethod
     def _cors(origin: str) -> dict[str, str]:
-        return {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+        return {"Access-Control-Allow-Origin": origin, "Vary": "Origin", "Access-Control-Expose-Headers": CORS_EXPOSE}

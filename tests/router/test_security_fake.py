@@ -114,6 +114,24 @@ def test_listed_origins_get_cors_headers_and_preflights(router: LiveRouter) -> N
                                                  pre.headers["access-control-allow-headers"].split(",")}
 
 
+def test_a_listed_origin_may_send_the_sdks_headers_and_read_ours(router: LiveRouter) -> None:
+    """The Anthropic SDK in a browser sends x-api-key / anthropic-version, the OpenAI SDK its
+    x-stainless-* headers: a preflight naming them is answered with them allowed (it was
+    Authorization and Content-Type only, so the browser refused the call); DELETE is one of the
+    API's methods; the page may read X-Modelyard-Set-Aside, Retry-After and X-Request-Id."""
+    pre = httpx.options(router.url + "/v1/messages", timeout=30, headers={
+        "Origin": LISTED, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "x-api-key,anthropic-version,content-type,x-stainless-os,bad header"})
+    assert pre.status_code == 204
+    allowed = {h.strip().lower() for h in pre.headers["access-control-allow-headers"].split(",")}
+    assert {"x-api-key", "anthropic-version", "content-type", "authorization", "x-stainless-os"} <= allowed
+    assert "bad header" not in allowed
+    assert "DELETE" in pre.headers["access-control-allow-methods"]
+    r = httpx.get(router.url + "/v1/models", headers={"Origin": LISTED}, timeout=30)
+    exposed = {h.strip().lower() for h in r.headers["access-control-expose-headers"].split(",")}
+    assert {"x-modelyard-set-aside", "retry-after", "x-request-id"} <= exposed
+
+
 def test_unlisted_origins_get_403_and_no_cors(router: LiveRouter) -> None:
     for origin in ("http://attacker.example", "null", "http://localhost:3001", "file://"):
         pre = httpx.options(router.url + "/v1/chat/completions", timeout=30, headers={
