@@ -190,6 +190,7 @@ def _is_server_tool(t: Any) -> bool:
 
 def _tools(request: Request, body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
     raw = body.get("tools")
+    server_names: set[Any] = set()
     if isinstance(raw, list) and any(_is_server_tool(t) for t in raw):
         # server tools run on Anthropic's side; here nothing can run them: served without them, visibly
         kept = []
@@ -197,6 +198,7 @@ def _tools(request: Request, body: dict[str, Any]) -> tuple[list[Tool], ToolChoi
             if _is_server_tool(t):
                 set_aside(request.state, f"tools[{i}]", str(t.get("type")),
                           "a server tool this server cannot run")
+                server_names.add(t.get("name"))
             else:
                 kept.append(t)
         body = {**body, "tools": kept}
@@ -206,6 +208,13 @@ def _tools(request: Request, body: dict[str, Any]) -> tuple[list[Tool], ToolChoi
         return tools, choose(tools, "auto", None, True, "tool_choice")
     if not isinstance(tc, dict) or tc.get("type") not in ("auto", "any", "tool", "none"):
         raise BadRequest("'tool_choice.type' must be one of 'auto', 'any', 'tool', 'none'", param="tool_choice")
+    if server_names and ((tc["type"] == "tool" and tc.get("name") in server_names)
+                         or (tc["type"] == "any" and not tools)):
+        # a choice of the server tools just set aside (a web-search request forcing its tool): the
+        # request is served without it too, rather than refused for naming a tool it did give
+        set_aside(request.state, "tool_choice", str(tc.get("name") if tc["type"] == "tool" else "any"),
+                  "it chose a server tool that was set aside")
+        return tools, choose(tools, "auto", None, True, "tool_choice")
     parallel = not get_bool(tc, "disable_parallel_tool_use", False)
     mode = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[tc["type"]]
     return tools, choose(tools, mode, tc.get("name"), parallel, "tool_choice")

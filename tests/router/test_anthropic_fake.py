@@ -183,6 +183,27 @@ def test_server_tools_set_aside_visibly(router: LiveRouter) -> None:
     assert r.status_code == 200 and "x-modelyard-set-aside" not in r.headers
 
 
+def test_a_tool_choice_of_a_server_tool_is_set_aside_with_it(router: LiveRouter) -> None:
+    """A request forcing its only (server) tool — tool_choice {"type": "tool", "name":
+    "web_search"} or "any" — was a 400 "'tool_choice' naming a tool needs 'tools'" though it
+    gave one: the choice is set aside with the tool. A custom tool it names is still honoured,
+    and a choice of a tool never given is still a 400."""
+    ws = {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}
+    base = {"model": "alpha", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    for tc, item in (({"type": "tool", "name": "web_search"}, "tool_choice:web_search"),
+                     ({"type": "any"}, "tool_choice:any")):
+        r = httpx.post(router.url + "/v1/messages", json={**base, "tools": [ws], "tool_choice": tc}, headers=H)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-modelyard-set-aside"] == f"tools[0]:web_search_20250305, {item}"
+    f = {"name": "f", "input_schema": {"type": "object", "properties": {}}}
+    r = httpx.post(router.url + "/v1/messages", headers=H,
+                   json={**base, "tools": [ws, f], "tool_choice": {"type": "any"}})
+    assert r.status_code == 200 and r.headers["x-modelyard-set-aside"] == "tools[0]:web_search_20250305"
+    r = httpx.post(router.url + "/v1/messages", headers=H,
+                   json={**base, "tools": [ws, f], "tool_choice": {"type": "tool", "name": "nope"}})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
 def test_set_aside_header_of_a_hostile_tool_type(router: LiveRouter) -> None:
     """A server tool's ``type`` is the client's text: CR/LF or non-ASCII in it reach the
     X-Modelyard-Set-Aside header escaped (h11 refused the raw value: an empty reply), never a
