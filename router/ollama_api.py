@@ -87,6 +87,7 @@ from router.generation import begin, collect, new_id, openai_logprob, read_sampl
 from router.gguf_meta import chat_template, metadata, tensor_infos
 from router.lifecycle import LOADED
 from router.metrics import label_request
+from router.openai_api import context_size
 from router.params import INT32_MAX, get_bool, get_int, get_str, json_type, read_json
 from router.pool import ModelSlot, Pool
 from router.responses import JSONResponse, dumps
@@ -165,19 +166,6 @@ def resolve(pool: Pool, name: Any) -> ModelSlot:
         raise NotFound(f"model '{name}' not found; available models: "
                        f"{', '.join(tagged(i) for i in pool.config.ids())}", param="model")
     return pool.get(m.preset or m.name)  # a preset: the model's slot showing its defaults (router.presets)
-
-
-def _n_ctx(slot: ModelSlot) -> int:
-    """The context the model runs with: its worker's, else the configured one, else the
-    worker's default (the GGUF's training context, at most 8192)."""
-    ready = slot.worker.ready if slot.worker is not None else None
-    if ready is not None:
-        return ready.n_ctx
-    if slot.model.n_ctx is not None:
-        return slot.model.n_ctx
-    meta = metadata(slot.model.path) or {}
-    trained = meta.get(f"{meta.get('general.architecture')}.context_length")
-    return min(int(trained), 8192) if isinstance(trained, int) and trained > 0 else 8192
 
 
 # ----------------------------------------------------------------------------- request fields
@@ -262,8 +250,8 @@ def _options(request: Request, body: dict[str, Any], slot: ModelSlot) -> dict[st
             e.param = f"options.{e.param}"
         raise
     if num_ctx is not None:
-        n_ctx = _n_ctx(slot)
-        if num_ctx > n_ctx:
+        n_ctx, _ = context_size(slot)
+        if n_ctx is not None and num_ctx > n_ctx:
             set_aside(request.state, "options", "num_ctx", f"the model's context is n_ctx={n_ctx} tokens, fixed "
                       "at load (config.toml); a longer prompt is a 400")
     # Ollama limits an answer only for num_predict > 0 (-1: none, -2: fill the context)
