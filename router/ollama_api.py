@@ -64,7 +64,6 @@ import functools
 import hashlib
 import hmac
 import json
-import logging
 import math
 import time
 from dataclasses import dataclass
@@ -94,8 +93,6 @@ from router.responses import JSONResponse, dumps
 from router.set_aside import set_aside
 from router.sse import SSEResponse, until_disconnect
 from router.tools import ChatTurn, Tool, ToolCall
-
-log = logging.getLogger("modelyard.ollama")
 
 #: The Ollama version ``/api/version`` reports: the API level this module follows (tool-call
 #: ids and indexes, ``logprobs``, ``capabilities`` in ``/api/show``, ``context_length`` in ``/api/ps``).
@@ -242,7 +239,7 @@ def _options(request: Request, body: dict[str, Any], slot: ModelSlot) -> dict[st
     sampling_in = {k: opts[k] for k in (*_SAMPLING, "mirostat", "typical_p") if k in opts}
     try:
         sampling = read_sampling(sampling_in, OLLAMA_DEFAULTS, slot, openai=False)
-        n_predict = get_int(opts, "num_predict", None)
+        n_predict = get_int(opts, "num_predict", None, None, INT32_MAX)
         num_ctx = get_int(opts, "num_ctx", None, 1, INT32_MAX)
     except BadRequest as e:
         if e.param is not None and not e.param.startswith("options."):
@@ -271,8 +268,8 @@ def _logprobs(body: dict[str, Any]) -> int | None:
 def _overflow(request: Request, body: dict[str, Any]) -> None:
     for key in ("truncate", "shift"):
         if get_bool(body, key, False):
-            set_aside(request.state, key, "true", "a prompt beyond n_ctx is a 400 and a generation that reaches it ends with "
-                           "done_reason 'length'; nothing is truncated or shifted")
+            set_aside(request.state, key, "true", "a prompt beyond n_ctx is a 400 and a generation that reaches "
+                      "it ends with done_reason 'length'; nothing is truncated or shifted")
 
 
 # ----------------------------------------------------------------------------- chat turns
