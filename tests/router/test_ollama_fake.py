@@ -335,6 +335,25 @@ def test_tool_calls_single_and_streamed(router: LiveRouter, client: ollama.Clien
     assert tc["id"].startswith("call_")
 
 
+def get_weather(city: str) -> str:
+    """Get the current weather of a city.
+
+    Args:
+      city: the city's name
+    """
+    return "18 C"
+
+
+def test_python_function_as_a_tool(router: LiveRouter, client: ollama.Client) -> None:
+    """The client turns a Python function into a tool schema (its docstring and annotations)."""
+    msgs = [{"role": "user", "content": "weather in Paris? " + reply(CALL)}]
+    r = client.chat(model="alpha", messages=msgs, tools=[get_weather])
+    calls = r.message.tool_calls or []
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", {"city": "Paris"})]
+    system = last_generate(router)["messages"][0]["content"]
+    assert "Get the current weather of a city." in system and "the city's name" in system
+
+
 def test_tool_history_is_rendered(router: LiveRouter, client: ollama.Client) -> None:
     msgs = [{"role": "user", "content": "weather in Paris?"},
             {"role": "assistant", "content": "", "tool_calls": [
