@@ -45,8 +45,9 @@ Set aside means: served without it, a warning in the log and the field named in 
 Answers out: NDJSON (``application/x-ndjson``, one object a line, ``stream`` defaults to
 true) ending with ``done: true``, ``done_reason`` (``stop`` / ``length``) and the timings in
 nanoseconds (``total_duration``, ``load_duration`` — the wait for the model's load, 0 when
-it was loaded — ``prompt_eval_count`` = the prompt's tokens, ``prompt_eval_duration``,
-``eval_count``, ``eval_duration``); or one object with ``stream: false``. Tool calls are
+it was loaded — ``prompt_eval_count`` = the prompt's tokens, ``prompt_eval_cached_count`` =
+those reused from the KV cache (when some were), ``prompt_eval_duration``, ``eval_count``,
+``eval_duration``); or one object with ``stream: false``. Tool calls are
 ``message.tool_calls`` ``[{"id", "function": {"index", "name", "arguments": {...}}}]``.
 Errors are ``{"error": "..."}`` with their status (``router.errors``: 400, 404 unknown model,
 503 + Retry-After queue full, ...); a failure after the first line is a last line
@@ -94,9 +95,10 @@ from router.set_aside import set_aside
 from router.sse import SSEResponse, until_disconnect
 from router.tools import ChatTurn, Tool, ToolCall
 
-#: The Ollama version ``/api/version`` reports: the API level this module follows (tool-call
-#: ids and indexes, ``logprobs``, ``capabilities`` in ``/api/show``, ``context_length`` in ``/api/ps``).
-OLLAMA_VERSION = "0.12.6"
+#: The Ollama version ``/api/version`` reports: the API level whose fields this module serves
+#: (tool-call ids and indexes, ``logprobs``, ``prompt_eval_cached_count``, ``capabilities`` in
+#: ``/api/show``, ``context_length`` in ``/api/ps``).
+OLLAMA_VERSION = "0.33.2"
 
 #: Ollama's sampling defaults (``api.DefaultOptions``), under the model's configured ones.
 OLLAMA_DEFAULTS: dict[str, Any] = {
@@ -355,7 +357,10 @@ def _tool(t: dict[str, Any], where: str) -> Tool:
 
 
 def _stats(done: Done, t0: float, load_ns: int) -> dict[str, Any]:
-    return {
+    """The final object's figures, as Ollama gives them: ``prompt_eval_count`` the prompt's
+    tokens in all, ``prompt_eval_cached_count`` those reused from the KV cache (only when
+    some were), ``prompt_eval_duration`` the time evaluating the others; durations in ns."""
+    out = {
         "done_reason": done.finish_reason,  # "stop" | "length" (cancelled never reaches here)
         "total_duration": int((time.monotonic() - t0) * 1e9),
         "load_duration": load_ns,
@@ -364,6 +369,9 @@ def _stats(done: Done, t0: float, load_ns: int) -> dict[str, Any]:
         "eval_count": done.completion_tokens,
         "eval_duration": int(done.predicted_ms * _NS_PER_MS),
     }
+    if done.cache_n > 0:
+        out["prompt_eval_cached_count"] = done.cache_n
+    return out
 
 
 def _call_json(c: ToolCall, index: int) -> dict[str, Any]:
