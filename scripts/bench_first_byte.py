@@ -85,7 +85,9 @@ def _is_token(route: str, event: bytes) -> bool:
     return '"content":"' in s and s.startswith("data: {")
 
 
-def measure(url: str, route: str, body: dict[str, object]) -> tuple[float, float]:
+def measure(url: str, route: str, body: dict[str, object], first_byte_only: bool = False) -> tuple[float, float]:
+    """(first byte s, first token s) of one streamed request; ``first_byte_only``: the stream is
+    closed at its first byte (the request is cancelled, no prefill waited for; first token nan)."""
     t0 = time.monotonic()
     first_byte = first_token = float("nan")
     sep = b"\n" if route.startswith("/api/") else b"\n\n"  # NDJSON lines, SSE events
@@ -95,6 +97,8 @@ def measure(url: str, route: str, body: dict[str, object]) -> tuple[float, float
         for data in r.iter_raw():
             if first_byte != first_byte:
                 first_byte = time.monotonic() - t0
+                if first_byte_only:
+                    break
             buf += data
             while sep in buf:
                 ev, buf = buf.split(sep, 1)
@@ -110,6 +114,8 @@ def main() -> None:
     ap.add_argument("--n-ctx", type=int, default=32768)
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--routes", default=",".join(DIALECTS), help="comma-separated routes to measure")
+    ap.add_argument("--first-byte-only", action="store_true",
+                    help="close each stream at its first byte (cancels it: no prefill waited for)")
     args = ap.parse_args()
     import tomllib
 
@@ -138,7 +144,7 @@ def main() -> None:
         for route in args.routes.split(","):
             for _ in range(args.runs):
                 seed += 1
-                fb, ft = measure(url, route, _body(route, args.model, _text(args.tokens, seed)))
+                fb, ft = measure(url, route, _body(route, args.model, _text(args.tokens, seed)), args.first_byte_only)
                 print(f"{route:24} {fb:13.3f} {ft:14.3f}", flush=True)
         print(f"load average {os.getloadavg()}")
     finally:
