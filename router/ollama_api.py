@@ -45,8 +45,9 @@ Set aside means: served without it, a warning in the log and the field named in 
 Answers out: NDJSON (``application/x-ndjson``, one object a line, ``stream`` defaults to
 true) ending with ``done: true``, ``done_reason`` (``stop`` / ``length``) and the timings in
 nanoseconds (``total_duration``, ``load_duration`` — the wait for the model's load, 0 when
-it was loaded — ``prompt_eval_count`` = the prompt's tokens, ``prompt_eval_duration``,
-``eval_count``, ``eval_duration``); or one object with ``stream: false``. Tool calls are
+it was loaded — ``prompt_eval_count`` = the prompt's tokens, ``prompt_eval_cached_count`` =
+those reused from the KV cache (when some were), ``prompt_eval_duration``, ``eval_count``,
+``eval_duration``); or one object with ``stream: false``. Tool calls are
 ``message.tool_calls`` ``[{"id", "function": {"index", "name", "arguments": {...}}}]``.
 Errors are ``{"error": "..."}`` with their status (``router.errors``: 400, 404 unknown model,
 503 + Retry-After queue full, ...); a failure after the first line is a last line
@@ -64,7 +65,6 @@ import functools
 import hashlib
 import hmac
 import json
-import logging
 import math
 import time
 from dataclasses import dataclass
@@ -87,6 +87,7 @@ from router.generation import begin, collect, new_id, openai_logprob, read_sampl
 from router.gguf_meta import chat_template, metadata, tensor_infos
 from router.lifecycle import LOADED
 from router.metrics import label_request
+from router.openai_api import context_size
 from router.params import INT32_MAX, get_bool, get_int, get_str, json_type, read_json
 from router.pool import ModelSlot, Pool
 from router.responses import JSONResponse, dumps
@@ -94,11 +95,10 @@ from router.set_aside import set_aside
 from router.sse import SSEResponse, until_disconnect
 from router.tools import ChatTurn, Tool, ToolCall
 
-log = logging.getLogger("modelyard.ollama")
-
-#: The Ollama version ``/api/version`` reports: the API level this module follows (tool-call
-#: ids and indexes, ``logprobs``, ``capabilities`` in ``/api/show``, ``context_length`` in ``/api/ps``).
-OLLAMA_VERSION = "0.12.6"
+#: The Ollama version ``/api/version`` reports: the API level whose fields this module serves
+#: (tool-call ids and indexes, ``logprobs``, ``prompt_eval_cached_count``, ``capabilities`` in
+#: ``/api/show``, ``context_length`` in ``/api/ps``).
+OLLAMA_VERSION = "0.33.2"
 
 #: Ollama's sampling defaults (``api.DefaultOptions``), under the model's configured ones.
 OLLAMA_DEFAULTS: dict[str, Any] = {
@@ -165,19 +165,6 @@ def resolve(pool: Pool, name: Any) -> ModelSlot:
         raise NotFound(f"model '{name}' not found; available models: "
                        f"{', '.join(tagged(i) for i in pool.config.ids())}", param="model")
     return pool.get(m.preset or m.name)  # a preset: the model's slot showing its defaults (router.presets)
-
-
-def _n_ctx(slot: ModelSlot) -> int:
-    """The context the model runs with: its worker's, else the configured one, else the
-    worker's default (the GGUF's training context, at most 8192)."""
-    ready = slot.worker.ready if slot.worker is not None else None
-    if ready is not None:
-        return ready.n_ctx
-    if slot.model.n_ctx is not None:
-        return slot.model.n_ctx
-    meta = metadata(slot.model.path) or {}
-    trained = meta.get(f"{meta.get('general.architecture')}.context_length")
-    return min(int(trained), 8192) if isinstance(trained, int) and trained > 0 else 8192
 
 
 # ----------------------------------------------------------------------------- request fields
@@ -254,7 +241,7 @@ def _options(request: Request, body: dict[str, Any], slot: ModelSlot) -> dict[st
     sampling_in = {k: opts[k] for k in (*_SAMPLING, "mirostat", "typical_p") if k in opts}
     try:
         sampling = read_sampling(sampling_in, OLLAMA_DEFAULTS, slot, openai=False)
-        n_predict = get_int(opts, "num_predict", None)
+        n_predict = get_int(opts, "num_predict", None, None, INT32_MAX)
         num_ctx = get_int(opts, "num_ctx", None, 1, INT32_MAX)
     except BadRequest as e:
         if e.param is not None and not e.param.startswith("options."):
@@ -262,8 +249,8 @@ def _options(request: Request, body: dict[str, Any], slot: ModelSlot) -> dict[st
             e.param = f"options.{e.param}"
         raise
     if num_ctx is not None:
-        n_ctx = _n_ctx(slot)
-        if num_ctx > n_ctx:
+        n_ctx, _ = context_size(slot)
+        if n_ctx is not None and num_ctx > n_ctx:
             set_aside(request.state, "options", "num_ctx", f"the model's context is n_ctx={n_ctx} tokens, fixed "
                       "at load (config.toml); a longer prompt is a 400")
     # Ollama limits an answer only for num_predict > 0 (-1: none, -2: fill the context)
@@ -283,8 +270,8 @@ def _logprobs(body: dict[str, Any]) -> int | None:
 def _overflow(request: Request, body: dict[str, Any]) -> None:
     for key in ("truncate", "shift"):
         if get_bool(body, key, False):
-            set_aside(request.state, key, "true", "a prompt beyond n_ctx is a 400 and a generation that reaches it ends with "
-                           "done_reason 'length'; nothing is truncated or shifted")
+            set_aside(request.state, key, "true", "a prompt beyond n_ctx is a 400 and a generation that reaches "
+                      "it ends with done_reason 'length'; nothing is truncated or shifted")
 
 
 # ----------------------------------------------------------------------------- chat turns
@@ -370,7 +357,10 @@ def _tool(t: dict[str, Any], where: str) -> Tool:
 
 
 def _stats(done: Done, t0: float, load_ns: int) -> dict[str, Any]:
-    return {
+    """The final object's figures, as Ollama gives them: ``prompt_eval_count`` the prompt's
+    tokens in all, ``prompt_eval_cached_count`` those reused from the KV cache (only when
+    some were), ``prompt_eval_duration`` the time evaluating the others; durations in ns."""
+    out = {
         "done_reason": done.finish_reason,  # "stop" | "length" (cancelled never reaches here)
         "total_duration": int((time.monotonic() - t0) * 1e9),
         "load_duration": load_ns,
@@ -379,6 +369,9 @@ def _stats(done: Done, t0: float, load_ns: int) -> dict[str, Any]:
         "eval_count": done.completion_tokens,
         "eval_duration": int(done.predicted_ms * _NS_PER_MS),
     }
+    if done.cache_n > 0:
+        out["prompt_eval_cached_count"] = done.cache_n
+    return out
 
 
 def _call_json(c: ToolCall, index: int) -> dict[str, Any]:
