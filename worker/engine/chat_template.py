@@ -254,16 +254,21 @@ def fit_roles(msgs: list[dict[str, Any]], caps: RoleCaps) -> list[dict[str, Any]
         else:
             out = ([{"role": "system", "content": "\n\n".join(lead)}] if n_lead else []) + rest
     if caps.alternation:
+        # each run's texts are joined once at the end: merging pairwise copied the run's text so far
+        # at every turn (quadratic: 2,000 user turns of 2 KB took 2.8 s of the worker's CPU)
         merged: list[dict[str, Any]] = []
+        runs: list[list[str]] = []  # the texts of each merged turn
         for m in out:
             prev = merged[-1] if merged else None
+            text = _text_of(m)
             if (prev is not None and prev["role"] == m["role"] and m["role"] in ("user", "assistant", "system")
-                    and _text_of(prev) is not None and _text_of(m) is not None):
-                a, b = _text_of(prev) or "", _text_of(m) or ""
-                merged[-1] = {**prev, "content": f"{a}\n\n{b}" if a and b else a + b}
+                    and _text_of(prev) is not None and text is not None):
+                runs[-1].append(text)
             else:
                 merged.append(m)
-        out = merged
+                runs.append([text or ""])
+        out = [m if len(texts) == 1 else {**m, "content": "\n\n".join(t for t in texts if t)}
+               for m, texts in zip(merged, runs)]
     return out
 
 
