@@ -164,16 +164,19 @@ def _turns(body: dict[str, Any]) -> list[ChatTurn]:
 def _combine_assistants(turns: list[ChatTurn]) -> list[ChatTurn]:
     """Consecutive assistant turns as one (Anthropic combines consecutive turns of one role;
     user turns are combined by the rendering, tool results stay their own turns)."""
-    out: list[ChatTurn] = []
+    # each run is joined once: merging pairwise copied the run so far at every turn (quadratic, on
+    # the event loop: 4,000 assistant turns of 2 KB held every other client for 7.9 s)
+    runs: list[list[ChatTurn]] = []
     for t in turns:
-        if out and t.role == out[-1].role == "assistant":
-            prev = out[-1]
-            reasoning = "\n\n".join(x for x in (prev.reasoning, t.reasoning) if x) or None
-            out[-1] = ChatTurn("assistant", "\n\n".join(x for x in (prev.content, t.content) if x),
-                               prev.tool_calls + t.tool_calls, reasoning=reasoning)
+        if runs and t.role == runs[-1][-1].role == "assistant":
+            runs[-1].append(t)
         else:
-            out.append(t)
-    return out
+            runs.append([t])
+    return [run[0] if len(run) == 1 else
+            ChatTurn("assistant", "\n\n".join(x.content for x in run if x.content),
+                     [c for x in run for c in x.tool_calls],
+                     reasoning="\n\n".join(x.reasoning for x in run if x.reasoning) or None)
+            for run in runs]
 
 
 def _tool(t: dict[str, Any], where: str) -> Tool:
