@@ -36,6 +36,7 @@ answer continues it (the worker's chat template does it, as llama.cpp's server).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -318,10 +319,26 @@ async def _begin(request: Request, req: _Request, msg: Generate,
         raise anthropic_context_error(e) from None
 
 
+#: The worker's refusal of a prompt too long to tokenize (``worker.engine.Engine``'s character bound).
+_UNTOKENIZED = re.compile(r"maximum context length is (\d+) tokens\. However, the prompt has (\d+) characters, "
+                          r"more than \d+ tokens of at most (\d+) characters")
+
+
 def anthropic_context_error(e: ContextLengthExceeded) -> ContextLengthExceeded:
-    """``e`` reworded as the Anthropic API words it (figures from the worker's message)."""
+    """``e`` reworded as the Anthropic API words it (figures from the worker's message). A prompt
+    refused before tokenizing (more characters than n_ctx tokens can hold) is worded the same,
+    with the least count its characters imply: Claude Code compacts on ``prompt is too long``."""
     if not e.n_ctx:
-        return e
+        m = _UNTOKENIZED.search(e.message)
+        if m is None:
+            return e
+        n_ctx, n_chars, per_token = (int(g) for g in m.groups())
+        at_least = -(-n_chars // per_token)
+        out = ContextLengthExceeded(f"prompt is too long: {at_least} tokens > {n_ctx - 1} maximum (at least "
+                                    f"{at_least}: the prompt's {n_chars} characters were not tokenized)",
+                                    code=e.code, param="messages")
+        out.n_ctx, out.n_prompt_tokens = n_ctx, at_least
+        return out
     if e.n_prompt_tokens >= e.n_ctx or e.n_completion <= 1:
         text = f"prompt is too long: {e.n_prompt_tokens} tokens > {e.n_ctx - 1} maximum"
         param = "messages"

@@ -220,6 +220,24 @@ def test_consecutive_assistant_turns_are_combined_once() -> None:
     assert turns[3].content == "\n\n".join(str(i) for i in range(3000)) and turns[3].tool_calls == []
 
 
+def test_a_prompt_too_long_to_tokenize_is_worded_as_anthropic_words_it() -> None:
+    """The worker refuses a prompt of more characters than n_ctx tokens can hold before
+    tokenizing it (no token count): /v1/messages answered in OpenAI's wording, which Claude
+    Code does not parse to compact; now 'prompt is too long: N tokens > M maximum' with the
+    least count the characters imply."""
+    from router.anthropic_api import anthropic_context_error
+    from router.errors import ContextLengthExceeded
+
+    e = ContextLengthExceeded("This model's maximum context length is 8192 tokens. However, the prompt has "
+                              "7807946 characters, more than 8192 tokens of at most 162 characters can hold.")
+    out = anthropic_context_error(e)
+    m = re.match(r"prompt is too long: (\d+) tokens > (\d+) maximum", out.message)
+    assert m is not None and m.groups() == ("48198", "8191"), out.message
+    assert out.param == "messages" and out.n_ctx == 8192 and out.n_prompt_tokens == 48198
+    other = ContextLengthExceeded("something else")
+    assert anthropic_context_error(other) is other
+
+
 def test_set_aside_header_of_a_hostile_tool_type(router: LiveRouter) -> None:
     """A server tool's ``type`` is the client's text: CR/LF or non-ASCII in it reach the
     X-Modelyard-Set-Aside header escaped (h11 refused the raw value: an empty reply), never a
