@@ -4,8 +4,8 @@
 pinned version and the command it installs. npm packages go into one prefix
 (``<cache>/npm``, ``npm install --prefix``); each PyPI package gets its own venv
 (``<cache>/venv-<name>``: their pinned dependency sets — aider's especially — do not
-mix). The cache is ``$MODELYARD_HARNESS_CACHE``, else
-``${XDG_CACHE_HOME:-~/.cache}/modelyard/harnesses``; a stamp file per install records
+mix). The cache is ``$MODELYARD_HARNESS_CACHE``, else ``modelyard/harnesses`` in the user's cache
+(``$MODELYARD_USER_CACHE_HOME``, else ``${XDG_CACHE_HOME:-~/.cache}``); a stamp file per install records
 the pin, so a second run installs nothing, and a changed pin installs again.
 
 An install that fails (no network, registry unreachable, npm missing) raises
@@ -59,7 +59,10 @@ def cache_dir() -> Path:
     env = os.environ.get("MODELYARD_HARNESS_CACHE")
     if env:
         return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    # the user's own cache (tests/conftest.py points XDG_CACHE_HOME at a session temp dir and keeps
+    # the user's as MODELYARD_USER_CACHE_HOME): the installs are kept between runs, as the models are
+    base = (os.environ.get("MODELYARD_USER_CACHE_HOME") or os.environ.get("XDG_CACHE_HOME")
+            or str(Path.home() / ".cache"))
     return Path(base) / "modelyard" / "harnesses"
 
 
