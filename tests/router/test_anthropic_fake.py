@@ -238,6 +238,21 @@ def test_a_prompt_too_long_to_tokenize_is_worded_as_anthropic_words_it() -> None
     assert anthropic_context_error(other) is other
 
 
+def test_many_server_tools_are_set_aside_in_bounds(router: LiveRouter) -> None:
+    """5,000 server tools: one request, one header within its bound, 33 log lines (32 items and
+    one saying more follow) — each item was a warning, found by a list scan (quadratic)."""
+    before = router.log_path.read_text(errors="replace")
+    tools = [{"type": f"web_search_{i}", "name": f"w{i}"} for i in range(5000)]
+    body = {"model": "alpha", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    r = httpx.post(router.url + "/v1/messages", json=body, headers=H, timeout=60)
+    assert r.status_code == 200, r.text
+    value = r.headers["x-modelyard-set-aside"]
+    assert value.startswith("tools[0]:web_search_0, tools[1]:web_search_1") and value.endswith(" more")
+    assert len(value) <= 2048 + 20
+    new = router.log_path.read_text(errors="replace")[len(before):]
+    assert new.count(": set aside tools[") == 32 and new.count("more than 32 items set aside") == 1
+
+
 def test_set_aside_header_of_a_hostile_tool_type(router: LiveRouter) -> None:
     """A server tool's ``type`` is the client's text: CR/LF or non-ASCII in it reach the
     X-Modelyard-Set-Aside header escaped (h11 refused the raw value: an empty reply), never a
