@@ -35,7 +35,9 @@ from .errors import EngineError
 from .gguf_loader import GGUFFile, atomic_write_bytes, cache_root
 from .attention import AttnBatch, Segment, attention, attention_mask  # noqa: F401 (re-exported)
 from .kv_cache import KVEntry, KVShape
-from .quant import _SEQ_ROWS, QConcat, QWeight, cos_sin_libm, format_tag as quant_format, fuse, row_groups, supports as quant_supports
+from .quant import (_SEQ_ROWS, QConcat, QWeight, cos_sin_libm, format_tag as quant_format, fuse, row_groups,
+                    supports as quant_supports, thread_ceiling, use_threads)
+from .threadctl import ThreadGovernor
 
 #: How weight matrices are held: ``"quantized"`` (the GGUF's own blocks, multiplied by the kernels
 #: of :mod:`.quant` exactly as llama.cpp's CPU backend computes) or ``"f32"`` (dequantized once,
@@ -615,6 +617,8 @@ class Model:
         self._cache_write = cache_write
         self._cache_thread: threading.Thread | None = None
         self._read_hparams(md)
+        #: the thread count of each forward pass on the quantized path (:mod:`.threadctl`)
+        self.threads = ThreadGovernor()
         t0 = time.perf_counter()
         self.w = self._load_weights(weight_cache)
         self.load_timings["weights"] = time.perf_counter() - t0
@@ -859,11 +863,20 @@ class Model:
         out_rows = np.asarray(rows, dtype=np.int64)
         segs = batch.segments                                   # the sequences' micro-batches, as llama.cpp sees them
         token = row_groups([s.n for s in segs], [s.ub_rows for s in segs], [s.ubatch_row for s in segs])
+        n_rows = int(tokens.shape[0])
+        ceiling = thread_ceiling() if self.weights == "quantized" else 1
+        n_threads = self.threads.choose(ceiling, n_rows)       # the numba kernels' threads for this pass
+        if ceiling > 1:
+            use_threads(n_threads)
+        t0 = time.perf_counter()
         try:
             h = self._forward_hidden(tokens, batch, out_rows)   # [R, n_embd]
-            return self._output(h)                              # [R, n_vocab]
+            logits = self._output(h)                            # [R, n_vocab]
         finally:
             _SEQ_ROWS.reset(token)
+        if ceiling > 1:
+            self.threads.record(ceiling, n_rows, n_threads, time.perf_counter() - t0)
+        return logits
 
     def _keep_output_rows(self, batch: AttnBatch, rows: np.ndarray, *xs: np.ndarray) -> tuple[np.ndarray, ...]:
         """The last block's rows after attention, as llama.cpp keeps them (``ggml_get_rows(cur,
