@@ -206,3 +206,12 @@ def test_heavy_collapse_with_jitter_costs_little(seed: int) -> None:
         best += 0.041 * f
         g.record(2, 1, n, cost)
     assert total <= best * 1.08
+
+
+def test_a_new_group_starts_where_the_last_switch_went() -> None:
+    clock = Clock()
+    g = ThreadGovernor(clock, adaptive=True)
+    run(g, clock, {1: 0.019, 2: 0.110}, 10)                 # busy: decode steps on one thread
+    assert run(g, clock, {1: 2.4, 2: 12.0}, 1, rows=128) == [1]   # the first prompt of 128 too
+    run(g, clock, {1: 0.010, 2: 0.006}, 3000)               # quiet again: decode back on two
+    assert run(g, clock, {1: 1.0, 2: 0.55}, 1, rows=300) == [2]

@@ -10,7 +10,8 @@ thread). A fixed count cannot be right for both, so :class:`ThreadGovernor` pick
 
 * passes are grouped by their row count (``rows.bit_length()``: decode steps of one stream,
   of 2-3 streams, ..., prefill chunks), each group with its own choice, since a memory-bound
-  decode and a compute-bound prefill gain differently from threads;
+  decode and a compute-bound prefill gain differently from threads; a new group starts at the
+  count the last switch of any group chose (the ceiling before any);
 * a group runs its current count and keeps its last :data:`WINDOW` pass times (seconds per row);
   a group of short passes (decode steps) probes right after its first one;
 * from time to time it *probes* a neighbouring count (the next lower or higher one of 1, 2,
@@ -38,10 +39,13 @@ choice changes only time. Only time is measured here; nothing depends on it but 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import deque
 from typing import Callable
+
+log = logging.getLogger(__name__)
 
 #: environment switch: ``0`` runs every pass at the ceiling (no measuring, no probing)
 ENV = "MODELYARD_ADAPTIVE_THREADS"
@@ -112,6 +116,7 @@ class ThreadGovernor:
         self.adaptive = enabled() if adaptive is None else adaptive
         self._ceiling = 0
         self._groups: dict[int, _Group] = {}
+        self._hint = 0                                      # the count of the last switch (0: none yet)
         #: passes run per thread count, and switches made (for benchmarks and /admin views)
         self.passes: dict[int, int] = {}
         self.switches = 0
@@ -120,10 +125,11 @@ class ThreadGovernor:
         if ceiling != self._ceiling:                        # a new share: start over at it
             self._ceiling = ceiling
             self._groups.clear()
+            self._hint = 0
         key = max(1, int(rows)).bit_length()
         g = self._groups.get(key)
-        if g is None:
-            g = self._groups[key] = _Group(ceiling, self._clock())
+        if g is None:                                       # starts where the last decision went
+            g = self._groups[key] = _Group(min(self._hint or ceiling, ceiling), self._clock())
         return g
 
     def choose(self, ceiling: int, rows: int) -> int:
@@ -197,7 +203,11 @@ class ThreadGovernor:
                 self._switch(g, best[1], None)
 
     def _switch(self, g: _Group, n: int, est: float | None) -> None:
+        log.info("passes of %d+ rows: %d thread(s) from now on, was %d (%.3g vs %.3g ms per row)",
+                 1 << (self._key(g) - 1), n, g.current, 1e3 * (est if est is not None else g.known.get(n, 0.0)),
+                 1e3 * (min(g.recent) if g.recent else g.known.get(g.current, 0.0)))
         g.current = n
+        self._hint = n
         g.recent.clear()
         g.best = float("inf") if est is None else est
         if est is not None:
@@ -207,6 +217,9 @@ class ThreadGovernor:
             if other is not g and not other.probe_n:        # after one fresh pass at their count
                 other.nudged = True
                 other.recent.clear()
+
+    def _key(self, g: _Group) -> int:
+        return next((k for k, v in self._groups.items() if v is g), 1)
 
     def state(self) -> dict[int, int]:
         """The current thread count of every row group (key: ``rows.bit_length()``)."""
