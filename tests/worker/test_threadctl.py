@@ -10,6 +10,12 @@ from worker.engine import threadctl
 from worker.engine.threadctl import ThreadGovernor, candidates
 
 
+@pytest.fixture(autouse=True)
+def _quiet_loadavg(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the governor's first guess reads the load average: this machine's must not matter here
+    monkeypatch.setattr(threadctl, "busy_machine", lambda ceiling: False)
+
+
 class Clock:
     def __init__(self) -> None:
         self.t = 0.0
@@ -215,3 +221,12 @@ def test_a_new_group_starts_where_the_last_switch_went() -> None:
     assert run(g, clock, {1: 2.4, 2: 12.0}, 1, rows=128) == [1]   # the first prompt of 128 too
     run(g, clock, {1: 0.010, 2: 0.006}, 3000)               # quiet again: decode back on two
     assert run(g, clock, {1: 1.0, 2: 0.55}, 1, rows=300) == [2]
+
+
+def test_the_first_guess_on_a_busy_machine_is_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(threadctl, "busy_machine", lambda ceiling: True)
+    clock = Clock()
+    g = ThreadGovernor(clock, adaptive=True)
+    assert run(g, clock, {1: 2.4, 2: 12.0}, 1, rows=128) == [1]
+    chosen = run(g, clock, {1: 0.010, 2: 0.006}, 300)        # wrong guess: the decode probe corrects it
+    assert chosen[-10:] == [2] * 10

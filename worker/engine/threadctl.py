@@ -11,7 +11,8 @@ thread). A fixed count cannot be right for both, so :class:`ThreadGovernor` pick
 * passes are grouped by their row count (``rows.bit_length()``: decode steps of one stream,
   of 2-3 streams, ..., prefill chunks), each group with its own choice, since a memory-bound
   decode and a compute-bound prefill gain differently from threads; a new group starts at the
-  count the last switch of any group chose (the ceiling before any);
+  count the last switch of any group chose (before any: one thread when the 1-minute load
+  average already exceeds the cores by the ceiling, else the ceiling);
 * a group runs its current count and keeps its last :data:`WINDOW` pass times (seconds per row);
   a group of short passes (decode steps) probes right after its first one;
 * from time to time it *probes* a neighbouring count (the next lower or higher one of 1, 2,
@@ -75,6 +76,15 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def busy_machine(ceiling: int) -> bool:
+    """Whether the 1-minute load average already exceeds the cores by ``ceiling`` (other
+    processes would take the threads' cores): the start before any pass was measured."""
+    try:
+        return os.getloadavg()[0] >= (os.cpu_count() or 1) + max(1, ceiling)
+    except OSError:
+        return False
+
+
 def candidates(ceiling: int) -> list[int]:
     """Thread counts tried under ``ceiling``: 1, 2, 4, ... below it, and the ceiling."""
     out, n = [], 1
@@ -129,6 +139,8 @@ class ThreadGovernor:
         key = max(1, int(rows)).bit_length()
         g = self._groups.get(key)
         if g is None:                                       # starts where the last decision went
+            if not self._hint and busy_machine(ceiling):
+                self._hint = 1
             g = self._groups[key] = _Group(min(self._hint or ceiling, ceiling), self._clock())
         return g
 
