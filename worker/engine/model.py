@@ -33,7 +33,7 @@ import numpy as np
 
 from .errors import EngineError
 from .gguf_loader import GGUFFile, atomic_write_bytes, cache_root
-from .attention import AttnBatch, Segment, attention, attention_mask  # noqa: F401 (re-exported)
+from .attention import AttnBatch, Segment, attention, attention_mask, kernels  # noqa: F401 (re-exported)
 from .kv_cache import KVEntry, KVShape
 from .quant import (_SEQ_ROWS, QConcat, QWeight, cos_sin_libm, format_tag as quant_format, fuse, row_groups,
                     supports as quant_supports, thread_ceiling, use_threads)
@@ -185,7 +185,7 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, kernel: bool = False) -> 
     included, so the same bits (tested ``==``), in one pass instead of six NumPy ones.
     """
     if kernel and x.dtype == np.float32 and x.shape[-1] <= _PAIRWISE_MAX:
-        from . import attn_kernels
+        attn_kernels = kernels()
 
         n = x.shape[-1]
         xc = np.ascontiguousarray(x).reshape(-1, n)                   # [R, n]
@@ -237,7 +237,7 @@ def glu_ggml(gu: np.ndarray, n_ff: int, act: Any) -> np.ndarray:
     """``act(gu[:, :n_ff]) * gu[:, n_ff:]`` for ``act`` :func:`silu_ggml` or :func:`gelu_tanh_ggml`,
     by one numba kernel (the same float32 operations as those functions, then the product).
     float32 ``[T, 2*n_ff]`` -> float32 ``[T, n_ff]``."""
-    from . import attn_kernels
+    attn_kernels = kernels()
 
     gu = np.ascontiguousarray(gu, dtype=np.float32)
     out = np.empty((gu.shape[0], n_ff), np.float32)
@@ -265,7 +265,7 @@ def silu_ggml(x: np.ndarray) -> np.ndarray:
     """SiLU as ggml's CPU kernels compute it on this machine kind (``ggml_vec_swiglu_f32``,
     AVX-512: ``x / (1 + ggml_v_expf(-x))`` in blocks of 16 per row, libm ``expf`` for the rest;
     :func:`.attn_kernels.silu_rows`). float32 ``[T, n]`` -> float32 ``[T, n]``."""
-    from . import attn_kernels
+    attn_kernels = kernels()
 
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty_like(x)
@@ -315,7 +315,7 @@ _GELU_TABLE: list[np.ndarray] = []
 def _gelu_table() -> np.ndarray:
     """float32 ``[65536]``: ggml_table_gelu_f16 indexed by fp16 bit pattern (built once)."""
     if not _GELU_TABLE:
-        from . import attn_kernels
+        attn_kernels = kernels()
         xs = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
         table = np.empty(65536, np.float32)
         attn_kernels.gelu_table_f16(xs, table)
@@ -392,7 +392,7 @@ class RopeTable:
     def _rotate_kernel(self, x: np.ndarray, positions: np.ndarray, neox: bool) -> np.ndarray:
         """:meth:`_rotate` of every pair of float32 ``x [T, n_heads, hd]`` in place by one numba pass
         (:func:`.attn_kernels.rope_rows`: the same operations, the same bits)."""
-        from . import attn_kernels
+        attn_kernels = kernels()
 
         attn_kernels.rope_rows(x, np.ascontiguousarray(positions, dtype=np.int64), self.cos, self.sin,
                                self.n_rot, neox)
