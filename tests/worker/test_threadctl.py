@@ -230,3 +230,17 @@ def test_the_first_guess_on_a_busy_machine_is_one_thread(monkeypatch: pytest.Mon
     assert run(g, clock, {1: 2.4, 2: 12.0}, 1, rows=128) == [1]
     chosen = run(g, clock, {1: 0.010, 2: 0.006}, 300)        # wrong guess: the decode probe corrects it
     assert chosen[-10:] == [2] * 10
+
+
+def test_an_unknown_probe_is_costed_by_the_other_groups() -> None:
+    # busy: decode learned that two threads take 6x one thread; the prefill group (started on one
+    # thread) must not try two threads on a 2 s prompt every minute
+    clock = Clock()
+    g = ThreadGovernor(clock, adaptive=True)
+    run(g, clock, {1: 0.019, 2: 0.114}, 50)
+    chosen = []
+    for _ in range(20):                                         # a 2 s prompt every 30 s, decode between
+        chosen += run(g, clock, {1: 2.0, 2: 12.0}, 1, rows=512)
+        run(g, clock, {1: 0.019, 2: 0.114}, 100)
+        clock.t += 28
+    assert chosen.count(2) <= 1

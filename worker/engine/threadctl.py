@@ -20,9 +20,10 @@ thread). A fixed count cannot be right for both, so :class:`ThreadGovernor` pick
   :data:`MARGIN` faster than the current count's best recent time; a probe that loses doubles
   the wait to the next one (from :data:`BASE_INTERVAL_S` to :data:`MAX_INTERVAL_S`), and a probe
   never costs more than :data:`PROBE_SHARE` of the time since the last one, judged by the
-  probed count's last known time (so a prefill pass of a second, or two threads that took 30x
-  one thread's time under load, are probed rarely); a probe pass much slower than the current
-  count (x :data:`ABORT_RATIO`) ends the probe at once;
+  probed count's last known time, or when the group never ran it, by the current count's time
+  times how much slower that count was in the other groups (so a prefill pass of a second, or
+  two threads that took 30x one thread's time under load, are probed rarely); a probe pass
+  much slower than the current count (x :data:`ABORT_RATIO`) ends the probe at once;
 * when every one of the current count's last :data:`WINDOW` passes is slower than another
   count's last known time by :data:`MARGIN`, it switches at once (load arrived): that count's
   next passes then refresh its time;
@@ -162,8 +163,9 @@ class ThreadGovernor:
             known = g.known.get(n)
             if known is not None:                           # a probe's known cost fits in the share
                 affordable = since * PROBE_SHARE >= known * rows
-            else:                                           # unknown: judged by the current count's
-                affordable = triggered or since * PROBE_SHARE >= min(g.recent) * rows
+            else:                                           # unknown: the current count's time, times
+                ratio = self._ratio(g, n)                   # how much slower n was in other groups
+                affordable = triggered or since * PROBE_SHARE >= min(g.recent) * rows * ratio
             if n != g.current and affordable and (triggered or since >= g.interval):
                 g.nudged = False
                 g.best = min(g.recent)                      # a rise is judged from here on
@@ -171,6 +173,15 @@ class ThreadGovernor:
                 g.probe_n, g.probe_left, g.probe_best = n, PROBE_PASSES, float("inf")
                 return n
         return g.current
+
+    def _ratio(self, g: _Group, n: int) -> float:
+        """How many times slower (at least 1) count ``n`` was than ``g``'s current count in the
+        other groups that measured both: an unknown probe's cost is judged by it."""
+        r = 1.0
+        for h in self._groups.values():
+            if h is not g and n in h.known and g.current in h.known:
+                r = max(r, h.known[n] / h.known[g.current])
+        return r
 
     def _neighbour(self, g: _Group, ceiling: int, flip: bool) -> int:
         c = candidates(ceiling)
