@@ -71,3 +71,8 @@ DEFAULT_WEIGHTS = "quantized"
 
 #: The most choices (``n``) one request may ask for.
 MAX_N = int(GENERATE_LIMITS["n"].hi or 1)
+
+#: A worker started without ``--n-ctx`` runs ``min(<arch>.context_length, DEFAULT_MAX_CTX)`` tokens
+#: (``worker.engine.model.DEFAULT_MAX_CTX``, the same value: a test keeps them equal), so the
+#: router can state a model's context size before its worker is loaded (``/v1/models``).
+DEFAULT_MAX_CTX = 8192

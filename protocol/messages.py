@@ -11,7 +11,7 @@ use their own id). Field names follow OpenAI's and llama.cpp's wire names
 
 Direction:
 
-* worker -> router: Hello, LoadProgress, Ready, Token, Done, Error, Pong, TokenizeResult,
+* worker -> router: Hello, LoadProgress, Ready, Accepted, Token, Done, Error, Pong, TokenizeResult,
   DetokenizeResult, ApplyTemplateResult, SlotActionResult, KVChunk (a prefill worker's
   state), KVAck (a decode worker took a chunk)
 * router -> worker: Generate, Cancel, Ping, Shutdown, Tokenize, Detokenize,
@@ -34,7 +34,8 @@ from typing import Any, ClassVar
 #: 5: KV-state streams (KVChunk / KVAck, Generate.stream_state).
 #: 6: token ids of TokenizeResult / Detokenize travel as TokenIds (int32 bytes), pieces as one blob.
 #: 7: LoadProgress stage ``loading_kernels``.
-PROTOCOL_VERSION = 7
+#: 8: Accepted (a Generate's prompt fits and is queued; what its constraint set aside).
+PROTOCOL_VERSION = 8
 
 #: Largest frame either side accepts, in bytes (a 100 KB prompt as token ids is < 1 MiB).
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -191,6 +192,22 @@ class Ready(Message):
     load_ms: float
     max_jobs: int = 1  # generations run at once: the worker's KV slots (config ``parallel``)
     kv_budget_tokens: int = 0  # KV positions the worker's budget holds in all (0: unknown)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Accepted(Message):
+    """A Generate was taken: its prompt is tokenized, fits the context and the KV budget,
+    its constraint compiled, and it is queued for a slot. Sent once, before any Token, so
+    the router can open a stream (and keep it alive) while the prompt is prefilled; every
+    error that can still follow is one of the generation itself.
+
+    ``set_aside``: what the constraint could not enforce and was loosened to the nearest
+    enforceable grammar (e.g. ``Unimplemented keys: ["propertyNames"]``), for the client
+    to be told (``router.set_aside``)."""
+
+    TYPE: ClassVar[str] = "accepted"
+    prompt_tokens: int  # the prompt's tokens
+    set_aside: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -426,6 +443,8 @@ class ApplyTemplate(Message):
     TYPE: ClassVar[str] = "apply_template"
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
+    # the template's ``tools`` (as Generate.tools), for templates with their own tool syntax
+    tools: list[dict[str, Any]] | None = None
 
 
 #: SlotAction.action values (llama.cpp's ``POST /slots/{id}?action=``).
@@ -529,7 +548,7 @@ class KVAck(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
-        Hello, LoadProgress, Ready, Token, Done, Error, Pong, TokenizeResult, DetokenizeResult,
+        Hello, LoadProgress, Ready, Accepted, Token, Done, Error, Pong, TokenizeResult, DetokenizeResult,
         ApplyTemplateResult, Generate, Cancel, Ping, Shutdown, Tokenize, Detokenize,
         ApplyTemplate, SlotAction, SlotActionResult, KVChunk, KVAck,
     )

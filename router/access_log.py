@@ -10,14 +10,15 @@ on the ``modelyard.access`` logger at INFO, ``key=value`` pairs::
 
     request_id=req-... method=POST route=/v1/chat/completions model=SmolLM2-135M-Instruct
     status=200 prompt_tokens=31 cached_tokens=0 completion_tokens=12 ttft_ms=48.1
-    duration_ms=212.9 disconnected=false client=127.0.0.1
+    duration_ms=212.9 disconnected=false stalled=false client=127.0.0.1
 
 ``model`` is the configured name a handler resolved (``-`` if none); the token
 figures and ``ttft_ms`` come from the generation (``-`` for other routes);
 ``status`` 499 means the client left (or was cut off for not reading:
 ``stream_stall_timeout_s``) before the answer was complete — nginx's "client
 closed request" — even when a 200 stream had begun; ``disconnected`` is true then
-too. For a generation the client left, ``completion_tokens`` counts the tokens
+too, and ``stalled`` is true when the router cut the client off for reading nothing.
+For a generation the client left, ``completion_tokens`` counts the tokens
 relayed to it (``prompt_tokens`` is ``-``: the worker's Done never came).
 """
 
@@ -138,6 +139,7 @@ class AccessLog:
                 "completion_tokens": rec.get("completion_tokens"), "ttft_ms": rec.get("ttft_ms"),
                 "duration_ms": (time.monotonic() - t0) * 1000,
                 "disconnected": disconnected[0] or (code != 499 and not complete[0] and not failed),
+                "stalled": bool(state.get("stalled")),
                 "client": client[0] if client else None,
             }
             log.info("%s", " ".join(f"{k}={_fmt(v)}" for k, v in fields.items()))

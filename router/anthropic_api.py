@@ -42,16 +42,19 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from protocol import Done, Generate, Token
+from protocol import Accepted, Done, Generate, Token
 from router.constraints import json_format_constraint
+from router.counting import count_beyond_context, refused_for_length
 from router.dialects import Prepared, choose, function_tool, objects, prepare, tool_list
-from router.errors import ApiError, BadRequest, anthropic_error_payload
+from router.errors import ApiError, BadRequest, ContextLengthExceeded, anthropic_error_payload
 from router.field_policy import refuse_ignored
 from router.generation import OPENAI_DEFAULTS, begin, collect, new_id, read_sampling, stream
 from router.metrics import label_request
 from router.params import INT32_MAX, get_bool, get_float, get_int, get_str, read_json
 from router.pool import ModelSlot, Pool
 from router.responses import JSONResponse
+from router.run import Run
+from router.set_aside import set_aside
 from router.sse import SSEResponse, sse_named
 from router.tools import ChatTurn, Tool, ToolCall, ToolChoice
 
@@ -94,8 +97,16 @@ def _turns(body: dict[str, Any]) -> list[ChatTurn]:
             turns.append(ChatTurn("system", text))
     for where, m in objects(body.get("messages"), "messages"):
         role = m.get("role")
+        if role in ("system", "developer"):
+            # a system turn inside the conversation (Claude Code's mid-conversation-system beta):
+            # kept in its place; the worker fits it to what the model's template can express
+            text = _text_blocks(m.get("content", ""), f"{where}.content")
+            if text:
+                turns.append(ChatTurn("system", text))
+            continue
         if role not in ("user", "assistant"):
-            raise BadRequest(f"'{where}.role' must be 'user' or 'assistant', got {role!r}", param=f"{where}.role")
+            raise BadRequest(f"'{where}.role' must be 'user', 'assistant' or 'system', got {role!r}",
+                             param=f"{where}.role")
         content = m.get("content")
         if isinstance(content, str):
             turns.append(ChatTurn(role, content))
@@ -155,15 +166,29 @@ def _combine_assistants(turns: list[ChatTurn]) -> list[ChatTurn]:
 
 
 def _tool(t: dict[str, Any], where: str) -> Tool:
-    if t.get("type") not in (None, "custom"):
-        raise BadRequest(f"'{where}': server tools ({t.get('type')!r}) are not supported; "
-                         "only custom tools with an input_schema", param=f"{where}.type")
     if not isinstance(t.get("input_schema"), dict):
         raise BadRequest(f"'{where}.input_schema' must be a JSON Schema object", param=f"{where}.input_schema")
     return function_tool(t.get("name"), t.get("description"), t["input_schema"], where, "input_schema")
 
 
-def _tools(body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
+def _is_server_tool(t: Any) -> bool:
+    """An Anthropic server tool (``web_search_20250305``, ``code_execution_...``, ``bash_...``,
+    ``text_editor_...``, ``computer_...``, ``web_fetch_...``): a ``type`` other than ``custom``."""
+    return isinstance(t, dict) and t.get("type") not in (None, "custom")
+
+
+def _tools(request: Request, body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
+    raw = body.get("tools")
+    if isinstance(raw, list) and any(_is_server_tool(t) for t in raw):
+        # server tools run on Anthropic's side; here nothing can run them: served without them, visibly
+        kept = []
+        for i, t in enumerate(raw):
+            if _is_server_tool(t):
+                set_aside(request.state, f"tools[{i}]", str(t.get("type")),
+                          "a server tool this server cannot run")
+            else:
+                kept.append(t)
+        body = {**body, "tools": kept}
     tools = tool_list(body, _tool)
     tc = body.get("tool_choice")
     if tc is None:
@@ -205,7 +230,7 @@ async def _parse(request: Request, body: dict[str, Any]) -> _Request:
     label_request(request, slot.model.name)
     _refuse_unsupported(body)
     turns = _turns(body)
-    tools, choice = _tools(body)
+    tools, choice = _tools(request, body)
     text_schema, fmt_param = _output_format(body)
     return _Request(model, slot, prepare(slot, turns, tools, choice, text_schema, fmt_param))
 
@@ -236,9 +261,18 @@ def _usage(done: Done) -> dict[str, Any]:
             "cache_read_input_tokens": done.cache_n, "cache_creation_input_tokens": 0}
 
 
-def _start_usage(first: Token | Done) -> dict[str, Any]:
-    """``message_start``'s usage, as Anthropic sends it: the prompt's counts (the first
-    Token carries them; a Done, when nothing was generated) and 1 output token."""
+#: Anthropic's keep-alive event (its streams carry ``ping`` events).
+_PING = sse_named("ping", {"type": "ping"})
+
+
+def _start_usage(first: Token | Done | Accepted) -> dict[str, Any]:
+    """``message_start``'s usage, as Anthropic sends it: the prompt's counts (the worker's
+    Accepted or the first Token carries them — how much of the prompt the KV cache holds is
+    known only later: ``message_delta``'s usage has it; a Done, when nothing was generated)
+    and 1 output token."""
+    if isinstance(first, Accepted):
+        return {"input_tokens": first.prompt_tokens, "output_tokens": 1, "cache_read_input_tokens": 0,
+                "cache_creation_input_tokens": 0}
     if isinstance(first, Done):
         return {**_usage(first), "output_tokens": first.completion_tokens}
     return {"input_tokens": first.prompt_tokens - first.cache_n, "output_tokens": 1,
@@ -247,6 +281,33 @@ def _start_usage(first: Token | Done) -> dict[str, Any]:
 
 def _tool_block(c: ToolCall) -> dict[str, Any]:
     return {"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)}
+
+
+async def _begin(request: Request, req: _Request, msg: Generate,
+                 early: bool = False) -> tuple[Run, Token | Done | Accepted]:
+    """``begin``, with a context overflow worded as Anthropic words it — the text Claude
+    Code parses to compact the conversation (``prompt is too long: N tokens > M maximum``)
+    or to lower ``max_tokens`` (``input length and `max_tokens` exceed context limit: N + M > C``)."""
+    try:
+        return await begin(request, req.slot, msg, grammar_param=req.prep.constraint_param, early=early)
+    except ContextLengthExceeded as e:
+        raise anthropic_context_error(e) from None
+
+
+def anthropic_context_error(e: ContextLengthExceeded) -> ContextLengthExceeded:
+    """``e`` reworded as the Anthropic API words it (figures from the worker's message)."""
+    if not e.n_ctx:
+        return e
+    if e.n_prompt_tokens >= e.n_ctx or e.n_completion <= 1:
+        text = f"prompt is too long: {e.n_prompt_tokens} tokens > {e.n_ctx - 1} maximum"
+        param = "messages"
+    else:
+        text = (f"input length and `max_tokens` exceed context limit: {e.n_prompt_tokens} + {e.n_completion} > "
+                f"{e.n_ctx}, decrease input length or `max_tokens` and try again")
+        param = "max_tokens"
+    out = ContextLengthExceeded(text, code=e.code, param=param)
+    out.n_ctx, out.n_prompt_tokens, out.n_completion = e.n_ctx, e.n_prompt_tokens, e.n_completion
+    return out
 
 
 def _error_event(err: ApiError) -> bytes:
@@ -262,7 +323,7 @@ async def messages(request: Request) -> Response:
         raise BadRequest("'max_tokens' is required", param="max_tokens")
     streaming = get_bool(body, "stream", False)
     msg = _generate(req, body, max_tokens, "msg")
-    run, first = await begin(request, req.slot, msg, grammar_param=req.prep.constraint_param)
+    run, first = await _begin(request, req, msg, early=streaming)
     mid = "msg_" + msg.id.split("-", 1)[1]
     parser = req.prep.parser("toolu")
 
@@ -307,8 +368,7 @@ async def messages(request: Request) -> Response:
                 "delta": {"type": "input_json_delta", "partial_json": c.arguments}}))
             close_block()
 
-    async def on_frame(item: Token | Done) -> list[bytes]:
-        out_events.clear()
+    def start(item: Token | Done | Accepted) -> None:
         if not state["started"]:
             state["started"] = True
             out_events.append(sse_named("message_start", {"type": "message_start", "message": {
@@ -317,6 +377,18 @@ async def messages(request: Request) -> Response:
             if not parser.mode == "undecided":  # plain text: the block opens at once, as Anthropic's
                 state["text_open"] = True
                 open_block({"type": "text", "text": ""})
+            elif not state["pinged"]:
+                state["pinged"] = True
+                out_events.append(_PING)
+
+    def on_open(accepted: Accepted) -> list[bytes]:
+        out_events.clear()
+        start(accepted)  # message_start at once: the prompt's prefill has not begun yet
+        return list(out_events)
+
+    async def on_frame(item: Token | Done) -> list[bytes]:
+        out_events.clear()
+        start(item)
         if isinstance(item, Token):
             emit(*parser.feed(item.text))
             return list(out_events)
@@ -334,7 +406,8 @@ async def messages(request: Request) -> Response:
         out_events.append(sse_named("message_stop", {"type": "message_stop"}))
         return list(out_events)
 
-    return SSEResponse(stream(run, first, on_frame, on_error=_error_event), run.close)
+    return SSEResponse(stream(run, first, on_frame, on_error=_error_event, on_open=on_open, keepalive=_PING),
+                       run.close)
 
 
 async def count_tokens(request: Request) -> Response:
@@ -344,7 +417,12 @@ async def count_tokens(request: Request) -> Response:
     body = await read_json(request)
     req = await _parse(request, body)
     msg = _generate(req, body, 0, "count")
-    run, first = await begin(request, req.slot, msg, grammar_param=req.prep.constraint_param)
+    try:
+        run, first = await begin(request, req.slot, msg, grammar_param=req.prep.constraint_param)
+    except BadRequest as e:  # beyond the context (or KV budget): still a count (router.counting)
+        if not refused_for_length(e):
+            raise
+        return JSONResponse({"input_tokens": await count_beyond_context(request, req.slot, msg, e)})
     _, done = await collect(request, run, first)
     return JSONResponse({"input_tokens": done.prompt_tokens})
 

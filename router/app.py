@@ -23,17 +23,20 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from router import admin, anthropic_api, decode_api, llamacpp_api, llamacpp_router, openai_api, openai_responses, openapi
+from router import ollama_api
 from router.background import BackgroundStore
 from router.access_log import AccessLog
 from router.auth import BearerAuth
+from router.cli_args import version
 from router.config import Config
 from router.errors import ApiError, InternalError, MethodNotAllowed, NotFound, error_response
 from router.metrics import CONTENT_TYPE, Metrics, RequestMetrics
-from router.http_server import FramingGuard
+from router.http_server import FramingGuard, RequestAdmission
 from router.pool import Pool
 from router.response_store import ResponseStore
 from router.responses import JSONResponse
 from router.security import BrowserGuard
+from router.set_aside import SetAsideHeader
 
 log = logging.getLogger("modelyard.app")
 
@@ -52,6 +55,15 @@ async def health(request: Request) -> Response:
     pool: Pool = request.app.state.pool
     return JSONResponse({"status": "ok", "models": {n: s.state.value for n, s in pool.slots.items()},
                          "weights": {n: s.model.weights_mode for n, s in pool.slots.items()}})
+
+
+async def root(request: Request) -> Response:
+    """``GET /`` and ``HEAD /`` (also ``/api/hello``): the service answers (harnesses'
+    connectivity checks — Claude Code 2.1 sends ``HEAD /api/hello`` before its first request).
+    Never loads a model; behind the api key when one is set."""
+    pool: Pool = request.app.state.pool
+    return JSONResponse({"status": "ok", "service": "modelyard", "version": version(),
+                         "models": list(pool.slots)})
 
 
 async def metrics(request: Request) -> Response:
@@ -110,13 +122,16 @@ def create_app(config: Config, *, worker_module: str | None = None,
             await app.state.background.close()  # its runs end (Cancel) before the workers stop
             await app.state.pool.close()
 
-    routes = [Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
-              *openai_api.routes, *openai_responses.routes, *decode_api.routes, *anthropic_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *admin.routes,
+    routes = [Route("/", root, methods=["GET", "HEAD"]), Route("/api/hello", root, methods=["GET", "HEAD"]),
+              Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
+              *openai_api.routes, *openai_responses.routes, *decode_api.routes, *anthropic_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *ollama_api.routes, *admin.routes,
               *openapi.routes]
     app = Starlette(
         routes=routes,
-        # outermost first: the access log and X-Request-Id, request framing, metrics, then browser-origin rules (and CORS preflights), then keys
-        middleware=[Middleware(AccessLog, routes=routes), Middleware(FramingGuard),
+        # outermost first: the access log and X-Request-Id, admission (requests in progress), what was set
+        # aside (router.set_aside), request framing, metrics, then browser-origin rules (and CORS preflights), then keys
+        middleware=[Middleware(AccessLog, routes=routes), Middleware(RequestAdmission, server=config.server),
+                    Middleware(SetAsideHeader), Middleware(FramingGuard),
                     Middleware(RequestMetrics, metrics=registry, routes=routes),
                     Middleware(BrowserGuard, server=config.server),
                     Middleware(BearerAuth, server=config.server)],
@@ -127,6 +142,7 @@ def create_app(config: Config, *, worker_module: str | None = None,
     app.state.responses = ResponseStore(config.server.responses_store_max, config.server.responses_store_ttl_s)
     srv = config.server
     app.state.background = BackgroundStore(srv.background_max, srv.background_ttl_s,
-                                           int(srv.background_max_mib * 2**20))
+                                           int(srv.background_max_mib * 2**20),
+                                           per_key=srv.background_per_key, unread_s=srv.background_unread_s)
     app.state.metrics = registry
     return app

@@ -23,7 +23,16 @@ any number may read at once, and a reader leaving never cancels the job.
 :meth:`BackgroundStore.cancel` does: the task is cancelled, which closes the run (the
 worker gets Cancel; its slot is released when it answers).
 
-Bounds (``[server]`` keys): ``background_max`` jobs (running or finished),
+Bounds of running work (issue 23: ``n: 16`` background choices took every slot of a
+model with no client attached): the choices (``n``) of a model's running jobs at most
+its ``background_slots`` (0: half its ``parallel``, at least one), else 503
+``background_model_busy``; the running jobs of one API key (the credential the POST
+presented; keyless clients share one) at most ``background_per_key``, else 503
+``background_key_busy``. A running job nobody collects expires: one with no reader
+attached (a GET's SSE stream) and no GET for ``background_unread_s`` seconds is cancelled
+(its worker gets Cancel) and forgotten — a 404 from then on (one INFO line).
+
+Bounds of what is kept (``[server]`` keys): ``background_max`` jobs (running or finished),
 ``background_ttl_s`` seconds a finished job is kept after it ended (0: no expiry),
 ``background_max_mib`` MiB of stored events over all jobs. Making room drops the
 oldest finished jobs first; when only running jobs hold the count, a new one is a
@@ -37,6 +46,7 @@ restart. Single-threaded (the router's event loop), no lock.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -48,7 +58,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from router.errors import ApiError, InternalError, Unavailable, error_payload
+from router.errors import ApiError, BadRequest, InternalError, Unavailable, error_payload
 from router.run import Run
 from router.sse import SSEResponse
 
@@ -88,6 +98,13 @@ class Job:
         self.outcome = "completed"  # the status it gets when its stream ends (from the events)
         self.ended_at: float | None = None  # the store's clock, once finished
         self.snapshot: Callable[[str], dict[str, Any]] | None = None
+        self.key = "-"  # whose work it is (a digest of the API key the POST presented; "-": none)
+        self.model_name = ""  # the configured model it counts against ("": unknown)
+        self.n = 1  # the choices it runs
+        self.readers = 0  # SSE readers attached now
+        self.last_read = 0.0  # the store's clock when it was last collected (created, GET, a reader left)
+        self._clock: Callable[[], float] = time.monotonic
+        self._gate: Callable[[], None] | None = None  # the store's bounds, checked at admission
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._run: Run | None = None
@@ -102,6 +119,10 @@ class Job:
     def on_run(self, run: Run, stage: str) -> None:
         """``stage`` ``admitted`` (the run has its place in the queue; ``run.ticket.worker`` is
         set when it got its worker at once) or ``started`` (its Generate was sent)."""
+        if stage == "admitted" and self._gate is not None:
+            self.model_name = run.slot.model.name
+            gate, self._gate = self._gate, None
+            gate()  # the bounds of running background work: raises before the job is admitted
         self._run = run
         self.model = run.slot.model.name
         w = run.worker or run.ticket.worker
@@ -118,15 +139,21 @@ class Job:
         self._wake = asyncio.Event()
 
     async def follow(self) -> AsyncIterator[bytes]:
-        """Every event from the first, then each new one as it comes, until the job ends."""
+        """Every event from the first, then each new one as it comes, until the job ends.
+        A reader following it collects it (it never expires unread meanwhile)."""
         i = 0
-        while True:
-            while i < len(self.events):
-                yield self.events[i]
-                i += 1
-            if not self.running:
-                return
-            await self._wake.wait()
+        self.readers += 1
+        try:
+            while True:
+                while i < len(self.events):
+                    yield self.events[i]
+                    i += 1
+                if not self.running:
+                    return
+                await self._wake.wait()
+        finally:
+            self.readers -= 1
+            self.last_read = self._clock()
 
     def describe(self) -> dict[str, Any]:
         """The store's view: id, status, model, worker identity, created_at, error."""
@@ -240,10 +267,12 @@ class BackgroundStore:
     """The router's one store of background jobs (``app.state.background``)."""
 
     def __init__(self, max_jobs: int, ttl_s: float, max_bytes: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *, per_key: int = 8, unread_s: float = 600.0) -> None:
         self.max_jobs = max_jobs
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
+        self.per_key = per_key
+        self.unread_s = unread_s
         self._clock = clock
         self._jobs: OrderedDict[str, Job] = OrderedDict()
         self.nbytes = 0  # events held by all jobs
@@ -254,8 +283,51 @@ class BackgroundStore:
         return len(self._jobs)
 
     def get(self, job_id: str) -> Job | None:
+        """The job (None if unknown, deleted or expired); asking for it collects it."""
         self._expire()
-        return self._jobs.get(job_id)
+        job = self._jobs.get(job_id)
+        if job is not None:
+            job.last_read = self._clock()
+        return job
+
+    # -- bounds of running work
+
+    def _check_running(self, job: Job, config: Any) -> None:
+        """Raises Unavailable (503) when ``job`` would pass its key's or its model's bound,
+        BadRequest when its ``n`` can never fit its model's background slots. Called once
+        the request is valid and admitted (``Job.on_run``), so a bad request keeps its 400."""
+        others = [j for j in self._jobs.values() if j.running and j is not job]
+        mine = [j for j in others if j.key == job.key]
+        if len(mine) >= self.per_key:
+            raise Unavailable(f"{len(mine)} background generations of this API key are running "
+                              f"(background_per_key={self.per_key}); retry when one has finished",
+                              code="background_key_busy", retry_after_s=1)
+        m = config.models.get(job.model_name) if config is not None else None
+        if m is None:
+            return
+        bound = m.background_slots or max(1, m.parallel // 2)
+        if job.n > bound:
+            raise BadRequest(f"n={job.n} background choices can never run on model '{m.name}': it gives background "
+                             f"work {bound} of its {m.parallel} KV slots (background_slots)", param="n",
+                             code="background_too_large")
+        held = sum(j.n for j in others if j.model_name == m.name)
+        if held + job.n > bound:
+            raise Unavailable(f"model '{m.name}': background generations hold {held} of its {bound} background "
+                              f"slots (background_slots; {m.parallel} KV slots in all) and this one needs "
+                              f"{job.n}; retry when one has finished", code="background_model_busy", retry_after_s=1)
+
+    def _watch_unread(self, job: Job) -> None:
+        """Cancel and forget ``job`` once nobody has collected it for ``unread_s``."""
+        if self.unread_s <= 0 or self.closed or self._jobs.get(job.id) is not job or not job.running:
+            return
+        loop = asyncio.get_running_loop()
+        left = self.unread_s - (self._clock() - job.last_read)
+        if job.readers > 0 or left > 0:
+            loop.call_later(max(left, 0.05) if job.readers == 0 else self.unread_s, self._watch_unread, job)
+            return
+        log.info("background %s (model %s): nobody collected it for background_unread_s=%g s; cancelled",
+                 job.id, job.model, self.unread_s)
+        self.cancel(job.id, forget=True)
 
     # -- bounds
 
@@ -328,7 +400,14 @@ class BackgroundStore:
         closed, and Unavailable(background_store_full) when it is full of running jobs."""
         if self.closed:
             raise Unavailable("the server is shutting down", code="server_shutting_down")
+        job.key = key_of(outer)
+        n = body.get("n", 1)
+        job.n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+        config = getattr(outer.app.state, "config", None)
+        job._gate = lambda: self._check_running(job, config)
         self._make_room()
+        job._clock = self._clock
+        job.last_read = self._clock()
         self._jobs[job.id] = job
         inner = _inner_request(outer, path, {**body, "stream": True}, job)
         job._task = asyncio.create_task(self._drive(job, handler, inner), name=f"background-{job.id}")
@@ -338,6 +417,7 @@ class BackgroundStore:
             self.cancel(job.id, forget=True)
             raise
         if job._admitted.done():
+            self._watch_unread(job)
             return job
         self._drop(job)  # failed before admission: the POST gets the error, the job never existed
         exc = job._task.exception()
@@ -401,6 +481,14 @@ class BackgroundStore:
             t.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def key_of(request: Request) -> str:
+    """Whose background work a request starts: a digest of the API key it presented
+    (``Authorization: Bearer``, else ``x-api-key``), or ``"-"`` when it presented none."""
+    auth = request.headers.get("authorization", "")
+    cred = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+    return hashlib.sha256(cred.encode()).hexdigest()[:16] if cred else "-"
 
 
 def store_of(request: Request) -> BackgroundStore:

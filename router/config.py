@@ -5,13 +5,13 @@ Layout::
     [server]            host, port, api_key, admin_key, models_dir, transport,
                         shutdown_timeout_s, allowed_hosts, cors_origins, header_timeout_s,
                         body_timeout_s, keep_alive_timeout_s, max_connections, max_header_bytes,
-                        stream_stall_timeout_s, max_loaded
+                        stream_stall_timeout_s, sse_keepalive_s, max_loaded
     [defaults]          any per-model key below except path/aliases; applies to every model
     [models.NAME]       path (required), aliases, n_ctx, chat_template, max_queue,
                         load_timeout_s, cancel_timeout_s, drain_timeout_s,
                         shutdown_grace_s, ping_interval_s, ping_timeout_s, unresponsive_after_s,
                         idle_ttl_s, n_threads, parallel, kv_budget_mib, restart_backoff_s, restart_backoff_max_s,
-                        max_crashes, crash_window_s, pinned,
+                        max_crashes, crash_window_s, pinned, n_predict,
                         and default sampling values (temperature, top_p, top_k, min_p,
                         repeat_penalty, repeat_last_n, presence_penalty,
                         frequency_penalty, seed)
@@ -113,6 +113,13 @@ class ModelConfig:
     # relayed by the router, the default) or "file" (through a slot_save_path both share)
     prefill_model: str | None = None
     kv_transfer: str = "wire"
+    # llama.cpp's -n / --n-predict: the length of an answer whose request names none, and the cap of
+    # one that names more (it then ends with finish_reason "length"); -1: no limit but n_ctx
+    n_predict: int = -1
+    # budgets (router.budget): n x max_tokens of one request at most this many tokens (0: n_ctx);
+    # background generations' choices running at once on this model (0: max(1, parallel // 2))
+    max_request_tokens: int = 0
+    background_slots: int = 0
     sampling: dict[str, float | int] = field(default_factory=dict)
 
     @property
@@ -142,9 +149,10 @@ class ServerConfig:
     header_timeout_s: float = 10.0  # a connection's request head must arrive within this
     body_timeout_s: float = 30.0  # a request body must arrive in full within this (else 408)
     keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
-    max_connections: int = 256  # open connections beyond this get 503 (uvicorn's limit_concurrency)
+    max_connections: int = 256  # requests in progress beyond this get 503; idle sockets beyond it are closed
     max_header_bytes: int = 16 * 1024  # a request head larger than this is a 400 (h11)
     stream_stall_timeout_s: float = 30.0  # a client that reads nothing of its answer this long is cut off
+    sse_keepalive_s: float = 5.0  # a stream silent this long (a prompt prefilling) sends a keep-alive
     max_loaded: int = 0  # models holding a worker at once (0: no limit); router.placement evicts idle ones
     # the Responses API's stored responses (router.response_store)
     responses_store_max: int = 256  # responses kept for GET /v1/responses/{id} and previous_response_id
@@ -153,6 +161,8 @@ class ServerConfig:
     background_max: int = 256  # jobs kept, running or finished (the oldest finished is dropped first)
     background_ttl_s: float = 3600.0  # a finished job is forgotten this long after it ended (0: never)
     background_max_mib: float = 64.0  # the stored events of all jobs, MiB (oldest finished dropped first)
+    background_per_key: int = 8  # background jobs running at once per API key (keyless clients share one)
+    background_unread_s: float = 600.0  # a running job nobody has read for this long is cancelled (0: never)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,18 +194,29 @@ _MODEL_KEYS = {
     "cancel_timeout_s", "drain_timeout_s", "shutdown_grace_s", "ping_interval_s",
     "ping_timeout_s", "unresponsive_after_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", "weights",
     "n_ubatch", "restart_backoff_s", "restart_backoff_max_s", "max_crashes", "crash_window_s", "pinned", "slot_save_path",
-    "kv_cache_dir", "kv_cache_mib", "prefill_model", "kv_transfer", *SAMPLING_KEYS,
+    "kv_cache_dir", "kv_cache_mib", "prefill_model", "kv_transfer", "n_predict", "max_request_tokens",
+    "background_slots", *SAMPLING_KEYS,
 }
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases", "prefill_model", "kv_transfer"}
 #: ``kv_transfer`` values (router.disaggregate).
 KV_TRANSFERS = ("wire", "file")
 _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport", "shutdown_timeout_s",
                 "allowed_hosts", "cors_origins", "header_timeout_s", "body_timeout_s",
-                "keep_alive_timeout_s", "max_connections", "max_header_bytes", "stream_stall_timeout_s", "max_loaded",
-                "responses_store_max", "responses_store_ttl_s", "background_max", "background_ttl_s", "background_max_mib"}
+                "keep_alive_timeout_s", "max_connections", "max_header_bytes", "stream_stall_timeout_s", "sse_keepalive_s",
+                "max_loaded",
+                "responses_store_max", "responses_store_ttl_s", "background_max", "background_ttl_s", "background_max_mib",
+                "background_per_key", "background_unread_s"}
 
 #: A ``cors_origins`` entry: scheme://host[:port], nothing after it (or "*").
 _ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#]+$")
+
+
+def _n_predict(merged: dict[str, Any], where: str) -> int:
+    """``n_predict``: -1 (no limit) or a positive number of tokens."""
+    n = _int(merged, "n_predict", where, -1, -1, 2**31 - 1)
+    if n == 0:
+        raise ConfigError(f"{where}.n_predict", "must be -1 (no limit) or a positive number of tokens, got 0")
+    return n
 
 
 def load_config(path: str | Path) -> Config:
@@ -238,12 +259,15 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
         max_connections=_int(server_raw, "max_connections", "server", 256, 1, 1_000_000),
         max_header_bytes=_int(server_raw, "max_header_bytes", "server", 16 * 1024, 1024, 1024 * 1024),
         stream_stall_timeout_s=_float(server_raw, "stream_stall_timeout_s", "server", 30.0, 0.1),
+        sse_keepalive_s=_float(server_raw, "sse_keepalive_s", "server", 5.0, 0.05, 3600.0),
         max_loaded=_int(server_raw, "max_loaded", "server", 0, 0, 100_000),
         responses_store_max=_int(server_raw, "responses_store_max", "server", 256, 0, 1_000_000),
         responses_store_ttl_s=_float(server_raw, "responses_store_ttl_s", "server", 3600.0, 0.0),
         background_max=_int(server_raw, "background_max", "server", 256, 1, 1_000_000),
         background_ttl_s=_float(server_raw, "background_ttl_s", "server", 3600.0, 0.0),
         background_max_mib=_float(server_raw, "background_max_mib", "server", 64.0, 0.01),
+        background_per_key=_int(server_raw, "background_per_key", "server", 8, 1, 1_000_000),
+        background_unread_s=_float(server_raw, "background_unread_s", "server", 600.0, 0.0),
     )
     check_public_bind(server)
 
@@ -328,6 +352,9 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
             kv_cache_mib=_float(merged, "kv_cache_mib", src("kv_cache_mib"), 1024.0, 0.0, float(1 << 30)),
             prefill_model=_opt_str(table, "prefill_model", where),
             kv_transfer=_kv_transfer(table, where),
+            n_predict=_n_predict(merged, src("n_predict")),
+            max_request_tokens=_int(merged, "max_request_tokens", src("max_request_tokens"), 0, 0, 1 << 30),
+            background_slots=_int(merged, "background_slots", src("background_slots"), 0, 0, 100_000),
             sampling=sampling,
         )
     for name, m in models.items():

@@ -32,8 +32,11 @@ from router.errors import BadRequest
 from router.params import get_str
 from router.tools import CALL_CLOSE, GENERIC, Tool, ToolChoice, ToolSyntax
 
-#: How the JSON of a call is written (the worker's default for json_schema too).
-JSON_STYLE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+#: How the JSON of a call is written (the worker's default for json_schema too). ``lenient``: a
+#: schema keyword the grammar cannot enforce (``propertyNames``, ``not``, ...) is left out — the
+#: worker reports it and the response names it (``router.set_aside``) — never a failed request.
+JSON_STYLE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+                              "lenient": True}
 
 
 #: Schema keywords whose values are schemas / maps of schemas / lists of schemas.
@@ -173,10 +176,13 @@ def json_format_constraint(fmt: dict[str, Any], param: str) -> str | None:
     ``{"type": "text"}`` -> None; ``{"type": "json_object"}`` -> any JSON object;
     ``{"type": "json_schema", ...}`` -> its schema, found as ``json_schema.schema``
     (chat completions) or ``schema`` (Responses API, Anthropic's ``output_config``).
-    The schema is always enforced, and a keyword the constraint engine cannot enforce
-    is a 400 (never silently dropped). ``strict: true`` adds OpenAI's strict-mode rule
-    that objects have no keys beyond their ``properties`` (``additionalProperties:
-    false`` wherever the schema does not say). Raises BadRequest naming ``param``."""
+    The schema is enforced; a keyword the constraint engine cannot enforce is left out
+    (the grammar loosened to the nearest one it can enforce) and named in the response's
+    ``X-Modelyard-Set-Aside`` header, never silently. Objects hold only their
+    ``properties`` (``additionalProperties: false`` wherever the schema does not say):
+    OpenAI's strict-mode rule, applied whether ``strict`` is set or not — an answer is
+    still valid under the client's schema, and a small model does not pad its objects
+    with invented keys (as for tool arguments). Raises BadRequest naming ``param``."""
     kind = fmt.get("type")
     if kind == "text":
         return None
@@ -185,12 +191,12 @@ def json_format_constraint(fmt: dict[str, Any], param: str) -> str | None:
     if kind == "json_schema":
         inner = fmt.get("json_schema")
         if isinstance(inner, dict) and "schema" in inner:
-            schema, where, strict = inner["schema"], f"{param}.json_schema.schema", inner.get("strict") is True
+            schema, where = inner["schema"], f"{param}.json_schema.schema"
         elif "schema" in fmt:
-            schema, where, strict = fmt["schema"], f"{param}.schema", fmt.get("strict") is True
+            schema, where = fmt["schema"], f"{param}.schema"
         else:
             raise BadRequest(f"'{param}' of type json_schema needs a schema", param=param)
-        return schema_text(closed(schema) if strict else schema, where)
+        return schema_text(closed(schema), where)
     raise BadRequest(f"'{param}.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
                      param=f"{param}.type")
 

@@ -2,7 +2,8 @@
 
 Handlers and the pool *raise* an :class:`ApiError` subclass; the app turns it
 into an OpenAI-shaped body (``{"error": {"message", "type", "param", "code"}}``;
-Anthropic's ``{"type": "error", "error": {"type", "message"}}`` on ``/v1/messages*``)
+Anthropic's ``{"type": "error", "error": {"type", "message"}}`` on ``/v1/messages*``;
+Ollama's ``{"error": "<message>"}`` on ``/api/*``)
 with the class's status (:func:`error_response`), or, once a stream has started,
 into an SSE ``data: {"error": ...}`` event (:func:`error_payload`). Worker
 ``Error`` frames map to these classes in :func:`from_worker_error` — nowhere else.
@@ -52,9 +53,25 @@ class BadRequest(ApiError):
 
 
 class ContextLengthExceeded(BadRequest):
-    """400: prompt + max_tokens beyond n_ctx (message contains "maximum context length")."""
+    """400: prompt + max_tokens beyond n_ctx (message contains "maximum context length").
+
+    ``n_prompt_tokens``, ``n_completion`` (the completion tokens the request needs room
+    for) and ``n_ctx`` are read from the worker's message when it gives them (else 0):
+    each dialect words the error its clients parse (Anthropic's ``prompt is too long``,
+    llama.cpp's ``exceed_context_size_error``)."""
 
     default_code = "context_length_exceeded"
+
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None,
+                 retry_after_s: int | None = None) -> None:
+        super().__init__(message, code=code, param=param, retry_after_s=retry_after_s)
+        m = _CONTEXT_FIGURES.search(message)
+        self.n_ctx, _, self.n_prompt_tokens, self.n_completion = (int(g) for g in m.groups()) if m else (0, 0, 0, 0)
+
+
+#: The figures of the worker's context-length message (``worker.engine.generate.check_context``).
+_CONTEXT_FIGURES = re.compile(r"maximum context length is (\d+) tokens\. However, you requested (\d+) tokens "
+                              r"\((\d+) in the prompt, (\d+) for the completion\)")
 
 
 class PayloadTooLarge(ApiError):
@@ -256,17 +273,34 @@ def unsendable(reason: str) -> BadRequest:
 
 #: An absolute file path inside a message (two or more components): ``/a/b/model.gguf``.
 _ABS_PATH = re.compile(r"(?<![\w.~:/-])/(?:[^\s/'\"`:,;()<>]+/)+([^\s/'\"`:,;()<>]+)")
+#: A worker socket's endpoint (``ipc:///run/.../w.sock``, ``tcp://127.0.0.1:40123``).
+_ENDPOINT = re.compile(r"\b(ipc|tcp|inproc)://[^\s'\"`,;()<>]+")
+
+
+#: First components of this API's own routes (``/v1/chat/completions``, ``/api/chat``, ...): an
+#: error naming a route is not naming a file (tests hold every route of the app to this set).
+API_ROOTS = frozenset({"v1", "api", "admin", "slots", "props", "models", "health", "metrics", "tokenize",
+                       "detokenize", "apply-template", "completion", "completions", "infill", "embedding",
+                       "embeddings", "rerank", "reranking", "openapi.json", "docs"})
+
+
+def _redact_path(m: re.Match[str]) -> str:
+    first = m.group(0)[1:].split("/", 1)[0]
+    return m.group(0) if first in API_ROOTS else f".../{m.group(1)}"
 
 
 def redact_paths(message: str) -> str:
-    """``message`` with every absolute path cut to its last component (``.../model.gguf``):
-    what a client sees of a load error (the router log and /admin keep the full text)."""
-    return _ABS_PATH.sub(lambda m: f".../{m.group(1)}", message)
+    """``message`` with every absolute file path cut to its last component (``.../model.gguf``)
+    and every worker socket endpoint cut to its scheme (``ipc://...``): what a client sees
+    (every error body goes through it, :func:`error_payload`); the router log and /admin
+    keep the full text. The API's own routes (:data:`API_ROOTS`) are left as they are."""
+    return _ABS_PATH.sub(_redact_path, _ENDPOINT.sub(lambda m: f"{m.group(1)}://...", message))
 
 
 def error_payload(err: ApiError) -> dict[str, Any]:
-    """``{"error": {...}}`` as OpenAI shapes it."""
-    return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+    """``{"error": {...}}`` as OpenAI shapes it (the message without host paths: :func:`redact_paths`)."""
+    return {"error": {"message": redact_paths(err.message), "type": err.type, "param": err.param,
+                      "code": err.code}}
 
 
 #: HTTP status -> Anthropic's error ``type`` (docs.anthropic.com "Errors"); others: ``api_error``.
@@ -285,14 +319,30 @@ def anthropic_error_payload(err: ApiError) -> dict[str, Any]:
     """``{"type": "error", "error": {"type", "message"}}`` as Anthropic shapes it (our
     machine-readable ``code`` and ``param`` ride along; the SDK ignores extra keys)."""
     return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(err.status, "api_error"),
-                                       "message": err.message, "code": err.code, "param": err.param}}
+                                       "message": redact_paths(err.message), "code": err.code, "param": err.param}}
 
 
 def is_anthropic_path(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in ANTHROPIC_PATHS)
 
 
+#: Path prefix whose errors take Ollama's shape (its native API, ``router.ollama_api``).
+OLLAMA_PREFIX = "/api/"
+
+
+def ollama_error_payload(err: ApiError) -> dict[str, Any]:
+    """``{"error": "<message>"}`` as Ollama shapes it (its clients read that one key; on a
+    stream it is the last NDJSON line)."""
+    return {"error": redact_paths(err.message)}
+
+
 def error_response(err: ApiError, path: str = "") -> JSONResponse:
-    """The HTTP answer for ``err``: Anthropic-shaped on the Messages API's paths, else OpenAI-shaped."""
-    body = anthropic_error_payload(err) if is_anthropic_path(path) else error_payload(err)
+    """The HTTP answer for ``err``: Anthropic-shaped on the Messages API's paths, Ollama-shaped
+    on ``/api/*``, else OpenAI-shaped."""
+    if is_anthropic_path(path):
+        body = anthropic_error_payload(err)
+    elif path.startswith(OLLAMA_PREFIX):
+        body = ollama_error_payload(err)
+    else:
+        body = error_payload(err)
     return JSONResponse(body, status_code=err.status, headers=err.headers())

@@ -150,6 +150,9 @@ HONOURED: dict[str, frozenset[str]] = {
     "/v1/messages": frozenset({"max_tokens", "stop_sequences", "top_k", "tools", "tool_choice", "system"}),
     "/completion": _SAMPLING | {"n_predict", "max_tokens", "max_completion_tokens", "n_probs", "json_schema",
                                 "grammar"},
+    # Ollama's native routes (router.ollama_api): sampling fields live in its "options"
+    "/api/chat": frozenset({"tools", "logprobs", "top_logprobs"}),
+    "/api/generate": frozenset({"system", "logprobs", "top_logprobs"}),
 }
 
 #: (route, field) -> the route's own way of saying the same thing.
@@ -194,6 +197,18 @@ _INSTEAD: dict[tuple[str, str], str] = {
     ("/completion", "tool_choice"): "tools are offered on /v1/chat/completions",
     ("/completion", "system"): "a completion has no system prompt; put it in 'prompt'",
     ("/completion", "instructions"): "a completion has no system prompt; put it in 'prompt'",
+    **{(r, f): "Ollama's clients give it in 'options'" for r in ("/api/chat", "/api/generate")
+       for f in ("seed", "top_k", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty", "stop")},
+    **{(r, f): "use 'options.num_predict'" for r in ("/api/chat", "/api/generate")
+       for f in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n_predict")},
+    **{(r, f): "use 'format' (\"json\" or a JSON Schema)" for r in ("/api/chat", "/api/generate")
+       for f in ("response_format", "json_schema")},
+    ("/api/chat", "tool_choice"): "Ollama's API has no tool choice: with 'tools' the model chooses",
+    ("/api/chat", "system"): "put a system message first in 'messages'",
+    ("/api/chat", "instructions"): "put a system message first in 'messages'",
+    ("/api/generate", "instructions"): "use 'system'",
+    ("/api/generate", "tools"): "tools are offered on /api/chat",
+    ("/api/generate", "tool_choice"): "tools are offered on /api/chat",
 }
 
 

@@ -14,8 +14,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,8 +27,9 @@ from typing import Any
 
 from starlette.requests import Request
 
-from protocol import Done, Generate, Token
+from protocol import Accepted, Done, Generate, KVChunk, Token
 from router.access_log import access_record
+from router.budget import check_request_budget, request_ceiling
 from router.disaggregate import prefill_and_hand_over, prefill_slot
 from router.errors import ApiError, BadRequest, ContextLengthExceeded, InternalError, Unavailable, error_payload
 from protocol.limits import GENERATE_LIMITS
@@ -43,6 +47,7 @@ from router.params import (
 from router.pool import ModelSlot
 from router.run import Run
 from router.samplers import refuse_unimplemented
+from router.set_aside import set_aside
 from router.sse import sse_event, until_disconnect
 
 log = logging.getLogger("modelyard.generation")
@@ -95,10 +100,13 @@ def read_sampling(body: dict[str, Any], api_defaults: dict[str, Any], slot: Mode
     }
 
 
-async def begin(request: Request, slot: ModelSlot, msg: Generate,
-                grammar_param: str | None = None) -> tuple[Run, Token | Done]:
+async def begin(request: Request, slot: ModelSlot, msg: Generate, grammar_param: str | None = None, *,
+                early: bool = False) -> tuple[Run, Token | Done | Accepted]:
     """Admit ``msg``'s request (503 if full), wait its turn, send it, and return the
-    run with its first frame. A client that leaves meanwhile cancels it
+    run with its first frame: with ``early`` (a stream), the worker's Accepted — the prompt
+    fits and is queued, so the stream can open before the prefill (:func:`stream`) — else
+    the first Token or the Done. What the worker's constraint set aside is recorded for
+    the response header (``router.set_aside``). A client that leaves meanwhile cancels it
     (ClientDisconnected). Raises the ApiError of a worker Error frame; an invalid
     constraint (``invalid_grammar``) names ``grammar_param``, the request field it came from.
     A background job's request (``router.background``) has ``state.run_hook(run, stage)``,
@@ -106,6 +114,10 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate,
     rid = getattr(request.state, "request_id", "")
     if rid:
         msg = dataclasses.replace(msg, trace_id=rid)  # the worker logs it with the generation
+    # n x max_tokens within the model's ceiling (router.budget) — on what the client asked, before
+    # the model's n_predict gives an answer that names no length its default
+    msg = check_request_budget(slot, msg)
+    msg = cap_answer(msg, slot.model.n_predict)
     pre = prefill_slot(request, slot)
     if pre is not None:  # disaggregated: another worker prefills, this one decodes (router.disaggregate)
         try:
@@ -119,10 +131,14 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate,
         # very evaluation (a prefix is only ever reused for the same tokens)
         msg = dataclasses.replace(msg, cache_prompt=True)
     run = Run(slot, msg.id, access=access_record(request.state))
+    run.early = early
     hook = getattr(request.state, "run_hook", None)
     try:
         if hook is not None:
             hook(run, "admitted")
+        if request_ceiling(slot)[0] is None:  # no n_ctx known before the load: checked on its worker
+            await until_disconnect(request.receive, run.wait_worker())
+            msg = check_request_budget(slot, msg)
         await until_disconnect(request.receive, run.start(msg))
         if hook is not None:
             hook(run, "started")
@@ -140,7 +156,39 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate,
     except BaseException:
         run.close()
         raise
+    if run.accepted is not None:
+        for warning in run.accepted.set_aside:
+            for what in _set_aside_items(warning):
+                set_aside(request.state, grammar_param or "constraint", what,
+                          "a JSON Schema keyword the constraint cannot enforce (the grammar was loosened)")
     return run, first
+
+
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[.*?\])")
+
+
+def _set_aside_items(warning: str) -> list[str]:
+    """The schema keywords an llguidance warning names (``Unimplemented keys: ["a", "b"]``),
+    else the warning itself (short)."""
+    m = _UNIMPLEMENTED.search(warning)
+    if m:
+        try:
+            keys = json.loads(m.group(1))
+            if isinstance(keys, list) and all(isinstance(k, str) for k in keys):
+                return keys
+        except ValueError:
+            pass
+    return [warning[:120]]
+
+
+def cap_answer(msg: Generate, n_predict: int) -> Generate:
+    """``msg`` with the model's ``n_predict`` applied as llama.cpp's ``-n`` applies it: the
+    answer's length when the request names none (``max_tokens`` None), its cap when the
+    request names more (the answer then ends with finish_reason "length"). ``n_predict``
+    -1: no limit (the request's own, else the context)."""
+    if n_predict > 0 and (msg.max_tokens is None or msg.max_tokens > n_predict):
+        return dataclasses.replace(msg, max_tokens=n_predict)
+    return msg
 
 
 def _worker_error_param(e: BadRequest, msg: Generate, grammar_param: str | None) -> str | None:
@@ -157,15 +205,16 @@ def _worker_error_param(e: BadRequest, msg: Generate, grammar_param: str | None)
     return None
 
 
-async def collect(request: Request, run: Run, first: Token | Done) -> tuple[list[Token], Done]:
+async def collect(request: Request, run: Run, first: Token | Done | Accepted) -> tuple[list[Token], Done]:
     """Every Token and the Done of a run (non-streaming). The client leaving cancels it."""
 
     async def go() -> tuple[list[Token], Done]:
         tokens: list[Token] = []
         item = first
-        while isinstance(item, Token):
-            tokens.append(item)
-            item = await run.next()
+        while not isinstance(item, Done):
+            if isinstance(item, Token):
+                tokens.append(item)
+            item = await run.next()  # type: ignore[assignment]
         return tokens, item
 
     try:
@@ -186,28 +235,65 @@ def check_not_cancelled(done: Done) -> None:
 Formatter = Callable[[Token | Done], Awaitable[list[bytes]]]
 
 
-async def stream(run: Run, first: Token | Done, on_frame: Formatter,
-                 on_error: Callable[[ApiError], bytes] | None = None) -> AsyncIterator[bytes]:
+#: A stream that has sent nothing for ``[server] sse_keepalive_s`` sends a keep-alive: while a long
+#: prompt is prefilled, or a tool call is held back until it is whole, no client waits in silence.
+#: The default keep-alive: an SSE comment line, which every SSE parser skips.
+KEEPALIVE_COMMENT = b": keep-alive\n\n"
+
+
+async def stream(run: Run, first: Token | Done | Accepted, on_frame: Formatter,
+                 on_error: Callable[[ApiError], bytes] | None = None, *,
+                 on_open: Callable[[Accepted], list[bytes]] | None = None,
+                 keepalive: bytes = KEEPALIVE_COMMENT) -> AsyncIterator[bytes]:
     """SSE events for every frame of ``run`` (``on_frame`` formats; may return none).
+
+    ``first`` an Accepted (``begin(early=True)``): ``on_open`` gives the dialect's opening
+    events at once (Anthropic ``message_start``, the chat role chunk, ``response.created``;
+    none given: a keep-alive), before the prompt is prefilled. Whenever nothing was sent
+    for the server's ``sse_keepalive_s``, ``keepalive`` is (an SSE comment, Anthropic's ``ping``).
     An ApiError mid-stream becomes one error event (``on_error``, default
     :func:`error_event`: OpenAI's shape) and ends the stream."""
     on_error = on_error or error_event
+    keepalive_s = run.slot.sse_keepalive_s
+    getter: asyncio.Future[Token | Done | Accepted | KVChunk] | None = None
     try:
-        item: Token | Done = first
+        item: Token | Done | Accepted = first
+        sent_at = time.monotonic()  # the response head goes out with the first event
         while True:
             if isinstance(item, Done):
                 check_not_cancelled(item)
-            for ev in await on_frame(item):
+            if isinstance(item, Accepted):
+                events = on_open(item) if on_open is not None else [keepalive]
+            else:
+                events = await on_frame(item)
+            for ev in events:
                 yield ev
+            if events:
+                sent_at = time.monotonic()
             if isinstance(item, Done):
                 return
-            item = await run.next()
+            # the next frame, with a keep-alive whenever none came for keepalive_s. Not asyncio.wait_for:
+            # before Python 3.12 it swallows a cancellation that meets a finished frame, and the
+            # stream of a client gone (the pump cancelled) would go on
+            getter = asyncio.ensure_future(run.next())
+            while True:
+                done, _ = await asyncio.wait({getter}, timeout=max(0.05, keepalive_s - (time.monotonic() - sent_at)))
+                if done:
+                    break
+                yield keepalive
+                sent_at = time.monotonic()
+            nxt = getter.result()
+            getter = None
+            assert not isinstance(nxt, KVChunk)
+            item = nxt
     except ApiError as err:
         yield on_error(err)
     except Exception as exc:  # a bug: still end the stream with an error event, not a cut connection
         log.exception("stream of request %s failed", run.id)
         yield on_error(InternalError(f"internal error: {type(exc).__name__}"))
     finally:
+        if getter is not None and not getter.done():
+            getter.cancel()
         run.close()
 
 

@@ -2,7 +2,8 @@
 and its tensor infos.
 
 Only what the router needs without asking a worker: ``/props``'s
-``tokenizer.chat_template``, and the tensor infos placement sizes a model by.
+``tokenizer.chat_template``, the tensor infos placement sizes a model by, and the
+whole key/value header (:func:`metadata`) that Ollama's ``/api/show`` lists.
 Pure Python (``struct``; the router never imports numpy or ``gguf``): it walks
 the key/value section of the header (GGUF v2/v3, little-endian), skipping values
 it does not need — arrays of fixed-size items with one seek, string arrays
@@ -16,7 +17,7 @@ import functools
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 _MAGIC = b"GGUF"
 #: Byte size of each fixed-size GGUF value type (type code -> size).
@@ -101,6 +102,46 @@ def _read_string(path: str, size: int, mtime_ns: int, key: str) -> str | None:
     return None
 
 
+#: struct formats of the integer GGUF value types (type code -> format).
+_INTS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
+
+
+def read_int(path: Path, key: str) -> int | None:
+    """The integer value of ``key`` in the GGUF header of ``path`` (None if absent, not an
+    integer, or the file is unreadable or not GGUF), e.g. ``llama.context_length``."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return _read_int(str(path), st.st_size, st.st_mtime_ns, key)
+
+
+@functools.lru_cache(maxsize=64)
+def _read_int(path: str, size: int, mtime_ns: int, key: str) -> int | None:
+    want = key.encode()
+    try:
+        with open(path, "rb") as f:
+            if _read(f, 4) != _MAGIC or _u32(f) < 2:
+                return None
+            _u64(f)  # tensor count
+            for _ in range(_u64(f)):
+                k = _string(f)
+                vtype = _u32(f)
+                if k == want:
+                    fmt = _INTS.get(vtype)
+                    return int(struct.unpack(fmt, _read(f, struct.calcsize(fmt)))[0]) if fmt else None
+                _skip(f, vtype)
+    except (OSError, _Truncated, struct.error):
+        return None
+    return None
+
+
+def n_ctx_train(path: Path) -> int | None:
+    """The context length the model was trained with (``<arch>.context_length``), or None."""
+    arch = read_string(path, "general.architecture")
+    return read_int(path, f"{arch}.context_length") if arch else None
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """One tensor info of a GGUF file: ``name``, ``dims`` in GGUF order (``ne[0]``, the row
@@ -143,6 +184,64 @@ def _tensor_infos(path: str, size: int, mtime_ns: int) -> tuple[TensorInfo, ...]
                 _u64(f)  # offset
                 infos.append(TensorInfo(name, dims, type_code))
             return tuple(infos)
+    except (OSError, _Truncated, struct.error):
+        return None
+
+
+#: struct format of each fixed-size GGUF value type (type code -> format; 7 is bool).
+_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+            12: "<d"}
+
+
+def _value(f: BinaryIO, vtype: int, arrays: bool) -> Any:
+    """One value of type ``vtype``: a number, bool or str; an array as a list (``arrays``)
+    or skipped and given as ``[]``."""
+    if vtype == 6:  # float32: its shortest decimal that reads back to the same float32 (1e-05, not 9.99e-06)
+        raw = _read(f, 4)
+        v = struct.unpack("<f", raw)[0]
+        for digits in range(1, 10):
+            short = float(f"{v:.{digits}g}")
+            if struct.pack("<f", short) == raw:
+                return short
+        return v
+    if vtype in _FORMATS:
+        return struct.unpack(_FORMATS[vtype], _read(f, _FIXED[vtype]))[0]
+    if vtype == _STRING:
+        return _string(f).decode("utf-8", "replace")
+    if vtype == _ARRAY:
+        if not arrays:
+            _skip(f, vtype)
+            return []
+        itype, count = _u32(f), _u64(f)
+        return [_value(f, itype, True) for _ in range(count)]
+    raise _Truncated  # unknown type
+
+
+def metadata(path: Path, *, arrays: bool = False) -> dict[str, Any] | None:
+    """Every key/value of the GGUF header of ``path``, in file order: numbers, bools and
+    strings as they are; arrays (``tokenizer.ggml.tokens``, ...) as lists with ``arrays``,
+    else as ``[]`` (they can hold 100k+ items). None if the file is unreadable, not GGUF
+    or cut short. Cached per (path, size, mtime)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    out = _metadata(str(path), st.st_size, st.st_mtime_ns, arrays)
+    return dict(out) if out is not None else None
+
+
+@functools.lru_cache(maxsize=16)
+def _metadata(path: str, size: int, mtime_ns: int, arrays: bool) -> tuple[tuple[str, Any], ...] | None:
+    try:
+        with open(path, "rb") as f:
+            if _read(f, 4) != _MAGIC or _u32(f) < 2:
+                return None
+            _u64(f)  # tensor count
+            items = []
+            for _ in range(_u64(f)):
+                key = _string(f).decode("utf-8", "replace")
+                items.append((key, _value(f, _u32(f), arrays)))
+            return tuple(items)
     except (OSError, _Truncated, struct.error):
         return None
 

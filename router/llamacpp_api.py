@@ -140,7 +140,7 @@ async def completion(request: Request) -> Response:
         json_schema=json_schema, grammar=grammar,
         **read_sampling(body, LLAMACPP_DEFAULTS, slot, openai=False),
     )
-    run, first = await begin(request, slot, msg, grammar_param=param)
+    run, first = await begin(request, slot, msg, grammar_param=param, early=streaming)
 
     def summary(done: Done, tokens: list[int], content: str) -> dict[str, Any]:
         ready = run.worker.ready if run.worker is not None else None

@@ -17,8 +17,10 @@ unknown model is a 404.
 * ``/slots`` — one entry per KV slot, from a fresh Pong (the worker's own slot
   list, or, when it sends none, made from the router's running requests).
   ``id_task`` is the request id running in the slot (``null`` when idle);
-  ``n_past`` the tokens its KV holds. ``?fail_on_no_slot=1``: 503 when every
-  slot is busy.
+  ``n_past`` the tokens its KV holds; ``reader_stalled_s`` (modelyard's) the seconds
+  the client of the request in the slot has taken nothing of its stream (its send
+  queue is full: ``router.http_server``), ``null`` while it reads. ``?fail_on_no_slot=1``:
+  503 when every slot is busy.
 * ``POST /slots/{id_slot}?action=save|restore|erase`` — llama.cpp's slot actions (off,
   a 501, unless the model's ``slot_save_path`` is set). ``{"filename": NAME}`` (save /
   restore; the model in the query or the body): a plain name inside ``slot_save_path``
@@ -42,6 +44,7 @@ unknown model is a 404.
 
 from __future__ import annotations
 
+import time
 from importlib import metadata
 from typing import Any
 
@@ -53,12 +56,14 @@ from protocol import SLOT_ACTIONS, SlotAction, SlotActionResult, slot_filename_e
 from router.errors import ApiError, BadGateway, BadRequest, NotSupported, Unavailable, error_response, redact_paths
 from router.llamacpp_api import call_worker
 from router.generation import LLAMACPP_DEFAULTS
+from router.http_server import STALLED_READERS
 from router import gguf_meta
 from router.metrics import label_request
 from router.params import get_str, read_json
 from router.pool import ModelSlot, Pool
 from router.lifecycle import WorkerState
 from router.responses import JSONResponse
+from router.security import may_load_on_get
 from router.sse import until_disconnect
 
 #: llama.cpp's LLAMA_DEFAULT_SEED: "random".
@@ -109,8 +114,10 @@ def _query_slot(request: Request) -> ModelSlot:
 
 
 def _autoload(request: Request) -> bool:
+    """``?autoload`` (default true), and never for a cross-site browser request
+    (``router.security.may_load_on_get``: a GET must not have that side effect)."""
     v = request.query_params.get("autoload", "true").strip().lower()
-    return v in ("1", "true", "yes", "")
+    return v in ("1", "true", "yes", "") and may_load_on_get(request.headers)
 
 
 async def _ready(request: Request, slot: ModelSlot) -> None:
@@ -183,8 +190,10 @@ async def slots(request: Request) -> Response:
     await slot.probe(PROBE_TIMEOUT_S)
     n_ctx = _n_ctx(slot)
     params = generation_params(slot)
+    now = time.monotonic()
     out = [{"id": s["id"], "id_task": s["id_task"], "n_ctx": n_ctx, "speculative": False,
-            "is_processing": s["is_processing"], "n_past": s["n_past"], "params": params}
+            "is_processing": s["is_processing"], "n_past": s["n_past"], "params": params,
+            "reader_stalled_s": STALLED_READERS.stalled_s(s["id_task"], now)}
            for s in slot.kv_slots()]
     if request.query_params.get("fail_on_no_slot") in ("1", "true") and all(s["is_processing"] for s in out):
         raise Unavailable(f"model '{slot.model.name}' has no free slot", code="no_slot_available")
@@ -243,11 +252,11 @@ def _status(slot: ModelSlot) -> dict[str, Any]:
     status: dict[str, Any] = {"value": value, "state": slot.state.value}
     w = slot.worker
     if w is not None and w.command:
-        status["args"] = [redact_paths(a) for a in w.command]  # a client's view: no absolute paths
+        status["args"] = [redact_paths(a) for a in w.command]  # a client's view: no paths, no endpoints
     if slot.state is WorkerState.FAILED:
         status["failed"] = True
         status["exit_code"] = slot.last_exit_code
-        status["error"] = slot.last_error
+        status["error"] = redact_paths(slot.last_error) if slot.last_error else slot.last_error
     return status
 
 

@@ -19,12 +19,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from protocol import Done, Generate, Token
-from protocol.limits import MAX_N, MAX_N_PROBS
+from protocol import Accepted, Done, Generate, Token
+from protocol.limits import DEFAULT_MAX_CTX, MAX_N, MAX_N_PROBS
 from router.constraints import json_format_constraint, llamacpp_constraint
 from router.dialects import choose, content_text, custom_tool, function_tool, objects, prepare, tool_list
 from router.errors import BadRequest, NotFound
 from router.field_policy import refuse_ignored
+from router.gguf_meta import n_ctx_train
 from router.generation import (
     OPENAI_DEFAULTS,
     TokenProb,
@@ -60,12 +61,27 @@ def _pool(request: Request) -> Pool:
 # ----------------------------------------------------------------------------- models
 
 
+def context_size(slot: ModelSlot) -> tuple[int | None, int | None]:
+    """``(n_ctx, n_ctx_train)`` of a model, without loading it: its worker's when ready, else
+    the configured ``n_ctx`` or the worker's default (``min(n_ctx_train, DEFAULT_MAX_CTX)``),
+    with ``n_ctx_train`` from the GGUF header (None when unreadable)."""
+    m = slot.model
+    ready = slot.worker.ready if slot.worker is not None else None
+    train = ready.n_ctx_train if ready is not None else n_ctx_train(m.path)
+    if ready is not None:
+        return ready.n_ctx, train
+    if m.n_ctx is not None:
+        return m.n_ctx, train
+    return (min(train, DEFAULT_MAX_CTX) if train else None), train
+
+
 def _model_object(pool: Pool, ident: str) -> dict[str, Any]:
     m = pool.config.resolve(ident)
     assert m is not None
     slot = pool.slots[m.name]
     created = int(m.path.stat().st_mtime) if m.path.exists() else 0
-    return {
+    n_ctx, train = context_size(slot)
+    obj: dict[str, Any] = {
         "id": ident,
         "object": "model",
         "created": created,
@@ -75,6 +91,12 @@ def _model_object(pool: Pool, ident: str) -> dict[str, Any]:
         "state": slot.state.value,
         "weights": m.weights_mode,
     }
+    if n_ctx is not None:
+        # the context size under the names harnesses read: LM Studio / OpenRouter (context_length),
+        # vLLM (max_model_len), llama.cpp's meta (n_ctx_train; n_ctx is the size served)
+        obj.update(context_length=n_ctx, max_model_len=n_ctx)
+    obj["meta"] = {"n_ctx": n_ctx, "n_ctx_train": train, "size": m.path.stat().st_size if m.path.exists() else None}
+    return obj
 
 
 async def list_models(request: Request) -> Response:
@@ -332,7 +354,7 @@ async def chat_completions(request: Request) -> Response:
     include_usage = _include_usage(body)
     msg = Generate(n_probs=max(top_n, 1) if want_logprobs else 0, **fields, **common)
 
-    run, first = await begin(request, slot, msg, grammar_param=constraint_param)
+    run, first = await begin(request, slot, msg, grammar_param=constraint_param, early=streaming)
     worker = run.worker
     assert worker is not None
     rid, created, fp = msg.id, now_s(), _fingerprint(worker)
@@ -375,7 +397,15 @@ async def chat_completions(request: Request) -> Response:
     def start(i: int, out: list[bytes]) -> None:
         if i not in started:
             started.add(i)
-            out.append(sse_event(chunk({"role": "assistant", "content": None if offered else ""}, index=i)))
+            # content null, as llama-server's first chunk (its clients expect a non-empty delta or null)
+            out.append(sse_event(chunk({"role": "assistant", "content": None}, index=i)))
+
+    def on_open(accepted: Accepted) -> list[bytes]:
+        """Every choice's role chunk at once, before the prompt is prefilled."""
+        out: list[bytes] = []
+        for i in range(n):
+            start(i, out)
+        return out
 
     def emit(i: int, content: str, calls: list[ToolCall], out: list[bytes]) -> None:
         """Choice i's content deltas (with the logprobs of the tokens that made them) and tool-call
@@ -421,7 +451,7 @@ async def chat_completions(request: Request) -> Response:
                 out.extend(_final_events(last, item, head, include_usage))
         return out
 
-    return SSEResponse(stream(run, first, on_frame), run.close)
+    return SSEResponse(stream(run, first, on_frame, on_open=on_open), run.close)
 
 
 # ----------------------------------------------------------------------------- completions
@@ -502,7 +532,7 @@ async def completions(request: Request) -> Response:
     msg = Generate(prompt=prompt, n_probs=max(n_lp, 1) if n_lp is not None else 0, json_schema=json_schema,
                    grammar=grammar, **common)
 
-    run, first = await begin(request, slot, msg, grammar_param=cparam)
+    run, first = await begin(request, slot, msg, grammar_param=cparam, early=streaming)
     worker = run.worker
     assert worker is not None
     rid, created, fp = msg.id, now_s(), _fingerprint(worker)

@@ -61,11 +61,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from protocol import Done, Generate, Token
+from protocol import Accepted, Done, Generate, Token
 from protocol.limits import MAX_N_PROBS as MAX_TOP_LOGPROBS
 from router.constraints import json_format_constraint
 from router.dialects import Prepared, choose, content_text, custom_tool, function_tool, objects, prepare, tool_list
-from router.errors import ApiError, BadRequest, NotFound
+from router.errors import ApiError, BadRequest, NotFound, redact_paths
 from router.field_policy import refuse_ignored
 from router.generation import OPENAI_DEFAULTS, begin, collect, openai_logprob, read_sampling, stream, token_probs
 from router.metrics import label_request
@@ -285,7 +285,7 @@ class _Answer:
         return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
                 "completed_at": self.completed_at if status == "completed" else None,
                 "model": self.req.model, "output": list(self.output), "error": (
-                    {"code": error.code or "server_error", "message": error.message} if error else None),
+                    {"code": error.code or "server_error", "message": redact_paths(error.message)} if error else None),
                 "incomplete_details": incomplete, "usage": _usage(done) if done is not None else None,
                 "truncation": "disabled", "max_output_tokens": None, "instructions": None,
                 "previous_response_id": None, "temperature": None, "top_p": None, **self.req.echo}
@@ -316,7 +316,7 @@ async def create(request: Request) -> Response:
     if job is not None:
         job.snapshot = ans.obj
     msg = _generate(req, body, max_tokens, ans.id)
-    run, first = await begin(request, req.slot, msg, grammar_param=req.prep.constraint_param)
+    run, first = await begin(request, req.slot, msg, grammar_param=req.prep.constraint_param, early=streaming)
     parser = req.prep.parser()
     mid = "msg_" + _hex()
 
@@ -384,15 +384,23 @@ async def create(request: Request) -> Response:
             ans.output[idx] = _call_item(c, "completed")
             ev("response.output_item.done", output_index=idx, item=ans.output[idx])
 
-    async def on_frame(item: Token | Done) -> list[bytes]:
+    def start() -> None:
         nonlocal started
-        events.clear()
         if not started:
             started = True
             ev("response.created", response=ans.obj("in_progress"))
             ev("response.in_progress", response=ans.obj("in_progress"))
             if parser.mode != "undecided":
                 open_message()
+
+    def on_open(accepted: Accepted) -> list[bytes]:
+        events.clear()
+        start()  # response.created at once, before the prompt is prefilled
+        return list(events)
+
+    async def on_frame(item: Token | Done) -> list[bytes]:
+        events.clear()
+        start()
         if isinstance(item, Token):
             lp = _logprobs(req, [item])
             all_lp.extend(lp)
@@ -416,7 +424,7 @@ async def create(request: Request) -> Response:
         ev("response.failed", response=ans.obj("failed", error=err))
         return events[0]
 
-    return SSEResponse(stream(run, first, on_frame, on_error=on_error), run.close)
+    return SSEResponse(stream(run, first, on_frame, on_error=on_error, on_open=on_open), run.close)
 
 
 async def input_tokens(request: Request) -> Response:

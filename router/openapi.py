@@ -77,7 +77,7 @@ def document(routes: list[BaseRoute], models: list[str]) -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {"title": "modelyard", "version": build_info().removeprefix("modelyard").strip() or "0",
-                 "description": "OpenAI, Anthropic and llama.cpp server APIs in front of local GGUF models."},
+                 "description": "OpenAI, Anthropic, llama.cpp server and Ollama APIs in front of local GGUF models."},
         "paths": paths,
     }
 

@@ -152,6 +152,11 @@ class ModelSlot:
         self.unresponsive_since: float | None = None  # unix time the worker went unresponsive
 
     @property
+    def sse_keepalive_s(self) -> float:
+        """How long a stream of this model may be silent before it sends a keep-alive (s)."""
+        return self._pool.config.server.sse_keepalive_s
+
+    @property
     def metrics(self) -> Metrics:
         return self._pool.metrics
 

@@ -22,7 +22,7 @@ import logging
 import time
 from typing import Any
 
-from protocol import Done, Error, Generate, KVChunk, ProtocolError, Token, encode
+from protocol import Accepted, Done, Error, Generate, KVChunk, ProtocolError, Token, encode
 from router.errors import ApiError, BadGateway, ServerShuttingDown, from_worker_error, unsendable
 from router.pool import ModelSlot, Ticket
 from router.process import Aborted, StreamItem, WorkerGone, WorkerProcess, WorkerUnreachable
@@ -38,6 +38,8 @@ class Run:
     def __init__(self, slot: ModelSlot, request_id: str, access: dict[str, Any] | None = None) -> None:
         self.slot = slot
         self._access = access if access is not None else {}  # the access-log figures (router.access_log)
+        # the request's generations, by id: how the HTTP layer names the slot whose reader stalls
+        self._access.setdefault("generation_ids", []).append(request_id)
         self.id = request_id
         self.ticket: Ticket = slot.admit(request_id)
         self.worker: WorkerProcess | None = None
@@ -48,6 +50,8 @@ class Run:
         self._n_tokens = 0
         self._last_token_at = 0.0
         self._ended = False  # its final frame (or the worker's death) has been accounted for
+        self.accepted: Accepted | None = None  # the worker's Accepted frame, once it came
+        self.early = False  # next() returns the Accepted frame too (a stream opened before its first token)
 
     @property
     def _model(self) -> str:
@@ -79,8 +83,10 @@ class Run:
             raise BadGateway(f"model '{self.slot.model.name}' worker is unreachable: {e}",
                              code="worker_crashed") from None
 
-    async def next(self) -> Token | Done | KVChunk:
-        """The next Token (or, for a Generate with ``stream_state``, KVChunk), or the final Done. Raises the mapped ApiError for a
+    async def next(self) -> Token | Done | KVChunk | Accepted:
+        """The next Token (or, for a Generate with ``stream_state``, KVChunk), or the final Done;
+        with ``early`` set, the worker's Accepted frame as well (else it is only kept in
+        ``accepted``). Raises the mapped ApiError for a
         worker Error frame, BadGateway(code="worker_crashed") if the worker died,
         ServerShuttingDown if the router ended it (``close()`` then cancels it)."""
         assert self._q is not None, "start() first"
@@ -108,6 +114,11 @@ class Run:
                 return item
             if isinstance(item, KVChunk):
                 return item
+            if isinstance(item, Accepted):
+                self.accepted = item
+                if self.early:
+                    return item
+                continue
             log.warning("unexpected %s frame for request %s", item.TYPE, self.id)
 
     def _on_token(self) -> None:

@@ -12,7 +12,16 @@ CVE-2024-28224). :class:`BrowserGuard` (pure ASGI; wraps ``send`` only, never
   403 ``host_not_allowed``;
 * an ``Origin`` other than the router's own (``http://<Host>``) that is not listed
   in ``server.cors_origins``: 403 ``origin_not_allowed``. Requests without
-  ``Origin`` (curl, SDKs) are not affected.
+  ``Origin`` (curl, SDKs) are not affected;
+* a request the browser marks ``Sec-Fetch-Site: cross-site`` (Fetch Metadata; every
+  current browser sends it) whose ``Origin`` is not listed in ``server.cors_origins``:
+  403 ``cross_site_request`` — this is what stops an ``<img src=".../props?model=...">``
+  or a ``no-cors`` fetch, which carry no ``Origin`` at all.
+
+A GET that would load a model (llama.cpp's autoload: ``/props``, ``/slots``,
+``/health?model=``) loads it only for a same-origin or same-site browser request
+or a caller that is not a browser (no ``Sec-Fetch-Site``): :func:`may_load_on_get`;
+a cross-site one from a listed origin gets its answer as with ``autoload=false``.
 
 Listed origins get CORS headers (``Access-Control-Allow-Origin`` with their own
 origin, ``Vary: Origin``) on every answer, and a CORS preflight (``OPTIONS`` with
@@ -82,6 +91,15 @@ def check_json_content_type(headers: Headers) -> None:
             "Content-Type must be application/json (the header is missing)")
 
 
+#: ``Sec-Fetch-Site`` values of requests a page of another site made the browser send.
+CROSS_SITE = "cross-site"
+
+
+def may_load_on_get(headers: Headers) -> bool:
+    """Whether a GET may have a side effect (load a model): not a cross-site browser request."""
+    return headers.get("sec-fetch-site", "").strip().lower() != CROSS_SITE
+
+
 class BrowserGuard:
     """Host allowlist, Origin check and CORS for listed origins (see the module docstring)."""
 
@@ -115,6 +133,14 @@ class BrowserGuard:
             await error_response(err, scope.get("path", ""))(scope, receive, send)
             return
         origin = headers.get("origin")
+        if (headers.get("sec-fetch-site", "").strip().lower() == CROSS_SITE
+                and not (origin is not None and self.origin_listed(origin))):
+            log.info("refused %s %s: a cross-site browser request (Sec-Fetch-Site: cross-site) from %s",
+                     scope["method"], scope["path"], repr(origin) if origin else "a page with no Origin")
+            err = Forbidden("a cross-site browser request is not allowed (Sec-Fetch-Site: cross-site; list the "
+                            "page's origin in server.cors_origins)", code="cross_site_request")
+            await error_response(err, scope.get("path", ""))(scope, receive, send)
+            return
         if origin is None or (host is not None and origin in (f"http://{host}", f"https://{host}")):
             await self.app(scope, receive, send)  # not cross-origin
             return

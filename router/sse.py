@@ -74,27 +74,37 @@ class SSEResponse:
     """A ``text/event-stream`` ASGI response fed by ``events`` (already-encoded bytes).
 
     ``on_close()`` (synchronous) is called exactly once when the stream ends for any
-    reason: finished, client gone, server shutting down.
+    reason: finished, client gone, server shutting down. ``content_type``: the stream's
+    media type (a subclass streams another framing the same way: Ollama's NDJSON).
     """
+
+    content_type: bytes = b"text/event-stream; charset=utf-8"
 
     def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None],
                  headers: dict[str, str] | None = None) -> None:
         self.events = events
         self.on_close = on_close
         self.headers = headers or {}
+        self._gone = False  # the client has left: the pump stops
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"content-type", self.content_type),
             (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no"),
             *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()),
         ]
+        self._gone = False
         pump = asyncio.ensure_future(self._pump(send, headers))
         watcher = asyncio.ensure_future(wait_disconnect(receive))
         try:
             await asyncio.wait({pump, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if not pump.done():
+                # the client left: the pump stops at its next event even if an iterator below it
+                # swallowed the cancellation (Python 3.11's asyncio.wait_for can, when the awaited
+                # frame is ready at the same moment — a stream that never waits would then be
+                # pumped to its end into a closed connection, holding its KV slot)
+                self._gone = True
                 pump.cancel()
                 with contextlib.suppress(asyncio.CancelledError, OSError):
                     await pump
@@ -119,5 +129,7 @@ class SSEResponse:
     async def _pump(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         async for chunk in self.events:
+            if self._gone:
+                return
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})

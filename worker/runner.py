@@ -42,6 +42,7 @@ from typing import Any
 
 from protocol.limits import GENERATE_LIMITS
 from protocol import (
+    Accepted,
     ApplyTemplate,
     ApplyTemplateResult,
     Detokenize,
@@ -504,7 +505,7 @@ class BatchRunner:
             if isinstance(msg, Detokenize):
                 return DetokenizeResult(id=msg.id, content=str(eng.detokenize(msg.tokens.tolist())))
             return ApplyTemplateResult(id=msg.id, prompt=str(eng.apply_template(
-                msg.messages, add_generation_prompt=msg.add_generation_prompt)))
+                msg.messages, add_generation_prompt=msg.add_generation_prompt, tools=msg.tools)))
         except EngineError as e:
             return Error(id=msg.id, code=e.code, message=e.message)
         except Exception as e:  # noqa: BLE001 - a request never kills the worker
@@ -690,9 +691,22 @@ class BatchRunner:
             self._end(job.id, Error(id=job.id, code=ErrorCode.INVALID_REQUEST,
                                     message="stream_state: n must be 1, and not with save_slot_to"))
             return
-        run = _Run(job, ids, p, max(1, int(job.msg.n)))
+        n = max(1, int(job.msg.n))
+        budget = int(getattr(self.engine.info, "kv_budget_tokens", 0) or 0)
+        if n > 1 and budget > 0:  # every choice holds its prompt and its answer at once (issue 23)
+            n_ctx = int(self.engine.info.n_ctx)
+            answer = job.msg.max_tokens if job.msg.max_tokens is not None else n_ctx - len(ids)
+            need = n * (len(ids) + max(0, min(answer, n_ctx - len(ids))))
+            if need > budget:
+                self._end(job.id, Error(id=job.id, code=ErrorCode.KV_BUDGET_EXCEEDED, message=(
+                    f"n={n} choices of {len(ids)} prompt tokens and up to {answer} answer tokens each need {need} "
+                    f"tokens of KV; this model's KV budget holds {budget}")))
+                return
+        run = _Run(job, ids, p, n)
         self._runs[job.id] = run
         self._add_choices(run, upto=1)
+        if run.added:  # queued in the engine: the router may open its stream now (before the prefill)
+            self._post(FrameOut(Accepted(id=job.id, prompt_tokens=len(ids), set_aside=list(p.set_aside))))
 
     def _add_choices(self, run: _Run, upto: int | None = None) -> None:
         """Add choices ``run.added .. upto-1`` (all when None) to the engine."""

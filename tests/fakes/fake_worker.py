@@ -32,6 +32,7 @@ Per-request directives inside the prompt (or any message content):
 ``[crash]`` exit 9 after the first token; ``[hang]`` freeze the whole process
 (no Pong, no Cancel); ``[slow=S]`` S seconds per token; ``[len=N]`` N tokens
 before EOS; ``[utf8]`` a two-token "é" (first token ends mid-character);
+``[prefill=S]`` the prefill takes S seconds (after Accepted; a Cancel ends it);
 ``[hold]`` before each token, wait while the hold file exists (a Cancel still ends it);
 ``[hold@N]`` the same from token N on (the first N tokens flow freely);
 ``[reply64=B]`` the reply is the UTF-8 text whose base64 is B, three bytes a token
@@ -64,6 +65,7 @@ import zmq.asyncio
 from protocol.limits import WEIGHT_MODES
 
 from protocol import (
+    Accepted,
     ApplyTemplate,
     ApplyTemplateResult,
     Cancel,
@@ -237,7 +239,9 @@ class FakeWorker:
                  temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, min_p=msg.min_p,
                  seed=msg.seed, stop=msg.stop, n_probs=msg.n_probs, messages=msg.messages,
                  prompt=msg.prompt, logit_bias=msg.logit_bias, grammar=msg.grammar,
-                 json_schema=msg.json_schema, trace_id=msg.trace_id)
+                 json_schema=msg.json_schema, trace_id=msg.trace_id, repeat_penalty=msg.repeat_penalty,
+                 repeat_last_n=msg.repeat_last_n, presence_penalty=msg.presence_penalty,
+                 frequency_penalty=msg.frequency_penalty, tools=msg.tools)
             if len(self.running) >= self.max_jobs:
                 await self.send(Error(id=msg.id, code="busy", message="a generation is already running"))
                 return
@@ -312,8 +316,12 @@ class FakeWorker:
         hold_from = (int(m.group(1) or 0)) if m else None
         slot = self.running[g.id]
         self.held[slot] = len(prompt_ids)
+        await self.send(Accepted(id=g.id, prompt_tokens=len(prompt_ids)))  # taken: the prefill starts
         t0 = time.monotonic()
-        await asyncio.sleep(0.01)  # "prefill"
+        m = re.search(r"\[prefill=([0-9.]+)\]", text)
+        prefill_s = float(m.group(1)) if m else 0.01
+        while time.monotonic() - t0 < prefill_s and g.id not in self.cancelled:  # "prefill"
+            await asyncio.sleep(min(0.01, prefill_s))
         prompt_ms = (time.monotonic() - t0) * 1000
         t1 = time.monotonic()
         limit = max_tokens if max_tokens is not None else self.n_ctx - len(prompt_ids)
@@ -377,6 +385,8 @@ class FakeWorker:
             top = [[tid + j, -0.5 - j,
                     pc if j == 0 else (bytes([0xC3 + j]) if utf8 and i < 2 else piece(tid + j))]
                    for j in range(g.n_probs)]
+            if n == 1:
+                _log("first_token", id=g.id)
             await self.send(Token(id=g.id, text=delta, token_id=tid, piece=pc,
                                   logprob=-0.5 if g.n_probs else None, top_logprobs=top))
             if crash:

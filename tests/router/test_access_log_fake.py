@@ -81,8 +81,8 @@ def test_a_client_leaving_mid_stream_is_logged_as_disconnected(router: LiveRoute
         with c.stream("POST", "/v1/chat/completions", headers={"X-Request-Id": "r-gone"}, json={
                 "model": "m", "stream": True, "messages": [{"role": "user", "content": "[slow=0.2] [len=100] hi"}]}) as r:
             for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    break  # leave after the first event
+                if line.startswith("data: {") and '"content":" w' in line:
+                    break  # leave after the first token's event (the role chunk comes before it)
     rec = one_line(router, "r-gone")
     # nginx's 499 "client closed request", though a 200 stream had begun; the tokens it was sent
     assert rec["disconnected"] == "true" and rec["status"] == "499"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,7 @@ def test_errors_are_anthropic_shaped(router: LiveRouter, client: anthropic.Anthr
     assert "max_tokens" in r.json()["error"]["message"]
     for bad, field in [
         ({"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": ""}}]}, "image"),
-        ({"role": "system", "content": "x"}, "role"),
+        ({"role": "tool", "content": "x"}, "role"),
     ]:
         r = httpx.post(router.url + "/v1/messages", json={"model": "alpha", "max_tokens": 5, "messages": [bad]},
                        headers=H)
@@ -130,7 +131,7 @@ def test_unknown_and_ignored_fields(router: LiveRouter, client: anthropic.Anthro
     r = httpx.post(router.url + "/v1/messages", headers=H, json={
         "model": "alpha", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
         "tools": [{"type": "web_search_20250305", "name": "web_search"}]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].type"
+    assert r.status_code == 200 and r.headers["x-modelyard-set-aside"] == "tools[0]:web_search_20250305"
 
 
 def test_tool_history_is_rendered_not_dropped(router: LiveRouter, client: anthropic.Anthropic) -> None:
@@ -151,6 +152,37 @@ def test_tool_history_is_rendered_not_dropped(router: LiveRouter, client: anthro
     assert msgs[3]["content"] == "The tool get_weather returned:\n18 C\nAnswer the question with it.\n\nAnd so?"
 
 
+def test_system_turns_inside_messages_are_kept_in_place(router: LiveRouter, client: anthropic.Anthropic) -> None:
+    """Claude Code's mid-conversation system turns: rendered where they stand, not a 400."""
+    out = client.messages.create(model="alpha", max_tokens=3, system="top", messages=[  # type: ignore[list-item]
+        {"role": "user", "content": "one"},
+        {"role": "assistant", "content": "two"},
+        {"role": "system", "content": [{"type": "text", "text": "reminder"}]},
+        {"role": "user", "content": "three"},
+    ])
+    assert out.stop_reason == "max_tokens"
+    msgs = router.fake_events("generate")[-1]["messages"]
+    assert [(m["role"], m["content"]) for m in msgs] == [
+        ("system", "top"), ("user", "one"), ("assistant", "two"), ("system", "reminder"), ("user", "three")]
+
+
+def test_server_tools_set_aside_visibly(router: LiveRouter) -> None:
+    """A server tool (web search, ...) cannot run here: served without it, named in the header."""
+    body = {"model": "alpha", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "web_search_20250305", "name": "web_search", "max_uses": 5},
+                      {"name": "f", "input_schema": {"type": "object", "properties": {}}}]}
+    r = httpx.post(router.url + "/v1/messages", json=body, headers=H)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-modelyard-set-aside"] == "tools[0]:web_search_20250305"
+    msgs = router.fake_events("generate")[-1]["messages"]
+    assert '"name": "f"' in msgs[0]["content"] and "web_search" not in msgs[0]["content"]
+    with httpx.stream("POST", router.url + "/v1/messages", json={**body, "stream": True}, headers=H) as r:
+        assert r.status_code == 200 and r.headers["x-modelyard-set-aside"] == "tools[0]:web_search_20250305"
+        r.read()
+    r = httpx.post(router.url + "/v1/messages", json={**body, "tools": body["tools"][1:]}, headers=H)
+    assert r.status_code == 200 and "x-modelyard-set-aside" not in r.headers
+
+
 def test_tool_use_parsed_streamed_and_not(router: LiveRouter, client: anthropic.Anthropic) -> None:
     tools = [{"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -166,7 +198,9 @@ def test_tool_use_parsed_streamed_and_not(router: LiveRouter, client: anthropic.
     assert [(b.type, b.name, b.input) for b in final.content] == [(b.type, b.name, b.input) for b in m.content]  # type: ignore[union-attr]
     assert final.stop_reason == "tool_use"
     evs = events(router, body)
-    assert [n for n, _ in evs][:3] == ["message_start", "content_block_start", "ping"]
+    # undecided between text and a call, the stream opens before its first block: its ping comes
+    # before it (Anthropic streams may carry pings anywhere)
+    assert [n for n, _ in evs][:3] == ["message_start", "ping", "content_block_start"]
     assert all(d["delta"]["type"] == "input_json_delta" for n, d in evs if n == "content_block_delta")
     # text that only looks like the start of a call is content, nothing held back is lost
     m = client.messages.create(**{**body, "messages": [{"role": "user", "content": reply("<tool is fine")}]})  # type: ignore[arg-type]
@@ -180,9 +214,24 @@ def test_count_tokens_agrees_with_usage(client: anthropic.Anthropic) -> None:
     assert n.input_tokens == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) > 0
 
 
+def test_too_long_prompt_in_anthropic_wording(router: LiveRouter, client: anthropic.Anthropic) -> None:
+    """Claude Code starts its compaction on Anthropic's own wording only."""
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="alpha", max_tokens=32000,
+                               messages=[{"role": "user", "content": "word " * 3000}])
+    err = e.value.body["error"]  # type: ignore[index]
+    assert err["type"] == "invalid_request_error"
+    m = re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum", err["message"])
+    assert m and int(m.group(1)) > int(m.group(2)), err
+    r = httpx.post(router.url + "/v1/chat/completions", headers=H, json={
+        "model": "alpha", "messages": [{"role": "user", "content": "word " * 3000}]})
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+
+
 def test_failure_mid_stream_is_an_error_event(router: LiveRouter) -> None:
     evs = events(router, {"model": "alpha", "max_tokens": 20, "messages": [{"role": "user", "content": "hi [crash]"}]})
     assert evs[0][0] == "message_start" and evs[-1][0] == "error"
     err = evs[-1][1]
     assert err["type"] == "error" and err["error"]["type"] == "api_error" and err["error"]["code"] == "worker_crashed"
     assert "message_stop" not in [n for n, _ in evs]
+

@@ -182,6 +182,7 @@ background_max_mib = 0.02
 path = "m.gguf"
 ping_interval_s = 0
 max_queue = 4
+background_slots = 5  # the store's own bounds under test, not those of running work (test_hardening2_fake)
 """
 
 

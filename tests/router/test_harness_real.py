@@ -245,7 +245,7 @@ def test_chat_parse_with_a_pydantic_model_and_json_schema(oai: openai.OpenAI) ->
 
 
 def test_invalid_schema_or_grammar_is_400_before_any_token(router: LiveRouter, oai: openai.OpenAI) -> None:
-    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "format": "no-such"}}}
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such"}}}
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as e:
             res = oai.chat.completions.create(model="smollm2", messages=MSG, response_format=bad, max_tokens=5,  # type: ignore[arg-type]
@@ -263,6 +263,36 @@ def test_invalid_schema_or_grammar_is_400_before_any_token(router: LiveRouter, o
         oai.responses.create(model="smollm2", input="x", max_output_tokens=5, tool_choice="required", tools=[
             {"type": "custom", "name": "t", "format": {"type": "grammar", "syntax": "lark", "definition": "start: ("}}])
     assert e.value.code == "invalid_grammar" and e.value.param == "tools"
+
+
+def test_unenforceable_schema_keywords_are_set_aside_visibly(router: LiveRouter, claude: anthropic.Anthropic,
+                                                             oai: openai.OpenAI) -> None:
+    """Zod-made schemas (Claude Code's tools) carry keywords no grammar enforces: the request
+    is served with the grammar loosened, and the header names each keyword set aside."""
+    tools = [{"name": "task", "description": "Create a task",
+              "input_schema": {"type": "object", "properties": {
+                  "title": {"type": "string"},
+                  "meta": {"type": "object", "propertyNames": {"type": "string"},
+                           "additionalProperties": {"type": "string"}}}, "required": ["title"]}}]
+    raw = claude.messages.with_raw_response.create(model="smollm2", max_tokens=40, tools=tools,  # type: ignore[arg-type]
+                                                   tool_choice={"type": "any"}, messages=MSG)
+    assert raw.headers["x-modelyard-set-aside"] == "tools:propertyNames"
+    msg = raw.parse()
+    assert msg.stop_reason in ("tool_use", "max_tokens")
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "string", "format": "no-such"}, "b": {"not": {"type": "null"}}},
+        "required": ["a"]}}}
+    raw2 = oai.chat.completions.with_raw_response.create(model="smollm2", messages=MSG, response_format=fmt,  # type: ignore[arg-type]
+                                                         max_tokens=20)
+    assert "response_format:not" in raw2.headers["x-modelyard-set-aside"]
+    raw3 = oai.chat.completions.with_raw_response.create(model="smollm2", messages=MSG, max_tokens=2)
+    assert "x-modelyard-set-aside" not in raw3.headers
+
+
+def test_models_list_the_gguf_context_before_any_load(router: LiveRouter) -> None:
+    m = httpx.get(router.url + "/v1/models/smollm2", timeout=30).json()
+    assert m["context_length"] == m["max_model_len"] == 1024  # the configured n_ctx
+    assert m["meta"]["n_ctx_train"] == 8192  # SmolLM2's GGUF header
 
 
 def test_completion_json_schema_and_lark_grammar(router: LiveRouter) -> None:

@@ -452,6 +452,27 @@ def test_n_choices_through_the_sdk_streamed_and_not(client: openai.OpenAI) -> No
     assert streamed == {0: seeded.choices[0].text, 1: seeded.choices[1].text}
 
 
+@pytest.mark.reliability
+def test_count_tokens_beyond_the_context_is_a_count(router: LiveRouter) -> None:
+    """Issue 23: count_tokens with 500 tools (~31k tokens, n_ctx 512) was a 400
+    context_length_exceeded; a count is bounded by the body limit, not the context. Within the
+    context the count is the generation's own (exact); beyond it, the worker renders the same
+    template with the same tools and tokenizes it — so the counts grow with the tools."""
+    def count(n_tools: int) -> int:
+        tools = [{"name": f"tool_{i}", "description": f"does thing {i} with some words",
+                  "input_schema": {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}}
+                 for i in range(n_tools)]
+        r = httpx.post(router.url + "/v1/messages/count_tokens", timeout=300,
+                       json={"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "tools": tools})
+        assert r.status_code == 200, r.text
+        return int(r.json()["input_tokens"])
+
+    one, fifty, five_hundred = count(1), count(50), count(500)
+    assert one < 512 < fifty < five_hundred
+    per_tool = (five_hundred - fifty) / 450  # counted by rendering + tokenizing (beyond the context)
+    assert abs((fifty - one) / 49 - per_tool) < 0.1 * per_tool  # as the generation path counts a tool
+
+
 # ----------------------------------------------------------------------------- reliability (issue 11)
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import msgpack
 import zmq
 
-from protocol import PROTOCOL_VERSION, Done, Error, Generate, Hello, Message, Ping, Ready, Token, decode, encode
+from protocol import PROTOCOL_VERSION, Accepted, Done, Error, Generate, Hello, Message, Ping, Ready, Token, decode, encode
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,6 +42,7 @@ class RouterStub:
         self.sock.bind(endpoint)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.ident: bytes | None = None
+        self.accepted: dict[str, Accepted] = {}  # each request's Accepted frame (stream())
         self.received: list[tuple[float, Message]] = []  # (monotonic s, frame)
         self._unread: list[Message] = []
 
@@ -80,16 +81,28 @@ class RouterStub:
                 return m
             self._unread.append(m)
 
-    def next_for(self, req_id: str, timeout_s: float = 30.0) -> Message:
-        return self.next(lambda m: m.id == req_id, timeout_s)
+    def next_for(self, req_id: str, timeout_s: float = 30.0, accepted: bool = False) -> Message:
+        """The next frame of ``req_id``; its Accepted frame only with ``accepted`` (else it is
+        kept in ``self.accepted`` and the frame after it is returned)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = self.next(lambda m: m.id == req_id, deadline - time.monotonic())
+            if accepted or not isinstance(m, Accepted):
+                return m
+            assert req_id not in self.accepted, f"two Accepted frames for {req_id}"
+            self.accepted[req_id] = m
 
     def stream(self, req_id: str, timeout_s: float = 60.0) -> tuple[list[Token], Done | Error]:
-        """Token frames of ``req_id`` up to and including its Done or Error."""
+        """Token frames of ``req_id`` up to and including its Done or Error. The worker's
+        Accepted (at most one, before any Token) is kept in ``accepted[req_id]``."""
         tokens: list[Token] = []
         deadline = time.monotonic() + timeout_s
         while True:
-            m = self.next_for(req_id, deadline - time.monotonic())
-            if isinstance(m, Token):
+            m = self.next_for(req_id, deadline - time.monotonic(), accepted=True)
+            if isinstance(m, Accepted):
+                assert not tokens and req_id not in self.accepted, f"Accepted out of order for {req_id}"
+                self.accepted[req_id] = m
+            elif isinstance(m, Token):
                 tokens.append(m)
             elif isinstance(m, (Done, Error)):
                 return tokens, m

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tests.worker.test_tokenizer import bpe_metadata, load_fixture, real_metadata, real_tokenizer
-from worker.engine.chat_template import (
+from worker.engine.chat_template import (  # noqa: I001
+    RoleCaps,
+    fit_roles,
     CHATML_TEMPLATE,
     GEMMA_TEMPLATE,
     ChatTemplate,
@@ -251,3 +253,35 @@ def test_assistant_prefill_is_continued_not_closed() -> None:
     g = ChatTemplate(resolve_template("gemma"), bos_token="<bos>", strip_bos=True)
     assert g.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " Sure: "}]) \
         == "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n Sure: "
+
+
+def test_role_caps_probed_from_the_template() -> None:
+    assert ChatTemplate(CHATML_TEMPLATE).role_caps == RoleCaps(True, True, False)
+    assert ChatTemplate(GEMMA_TEMPLATE, "<bos>").role_caps == RoleCaps(True, False, True)
+    no_system = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}"
+                 "[{{ m['role'] }}:{{ m['content'] }}]{% endfor %}")
+    assert ChatTemplate(no_system).role_caps == RoleCaps(False, False, False)
+
+
+def test_developer_and_system_turns_anywhere_fit_an_alternating_template() -> None:
+    """Codex's developer, developer, user, user and Claude Code's mid-conversation system turn
+    on Gemma's template (system first only, roles alternate): every text kept, in order."""
+    g = ChatTemplate(GEMMA_TEMPLATE, "<bos>")
+    out = g.render([{"role": "developer", "content": "d1"}, {"role": "developer", "content": "d2"},
+                    {"role": "user", "content": "u1"}, {"role": "user", "content": "u2"}])
+    assert out == "<bos><start_of_turn>user\nd1\n\nd2\n\nu1\n\nu2<end_of_turn>\n<start_of_turn>model\n"
+    out = g.render([{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
+                    {"role": "system", "content": "mid"}, {"role": "user", "content": "u2"}])
+    assert out == ("<bos><start_of_turn>user\nu1<end_of_turn>\n<start_of_turn>model\na1<end_of_turn>\n"
+                   "<start_of_turn>user\nmid\n\nu2<end_of_turn>\n<start_of_turn>model\n")
+
+
+def test_fit_roles_leaves_what_the_template_expresses_alone() -> None:
+    msgs = [{"role": "system", "content": "s1"}, {"role": "system", "content": "s2"},
+            {"role": "user", "content": "u"}, {"role": "user", "content": "v"}]
+    assert fit_roles(msgs, RoleCaps()) == msgs
+    assert fit_roles(msgs, RoleCaps(system_role=False, system_anywhere=False)) == [
+        {"role": "user", "content": "s1\n\ns2"}, {"role": "user", "content": "u"}, {"role": "user", "content": "v"}]
+    calls = [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+             {"role": "assistant", "content": "x"}]
+    assert fit_roles(calls, RoleCaps(alternation=True)) == calls  # tool calls are never merged into text

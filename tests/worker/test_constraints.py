@@ -83,7 +83,7 @@ def test_invalid_constraints_are_refused_before_any_token(engine: Engine) -> Non
     ids = engine.tokenize("hello")
     for params, needle in [
         (SamplingParams(json_schema="{not json"), "not valid JSON"),
-        (SamplingParams(json_schema=json.dumps({"type": "string", "format": "nonsense"})), "nonsense"),
+        (SamplingParams(json_schema=json.dumps({"type": "strin"})), "strin"),
         (SamplingParams(grammar="start: ("), "grammar"),
         (SamplingParams(grammar="root ::= ("), "GBNF"),
         (SamplingParams(grammar="start: x", json_schema="{}"), "at most one"),
@@ -91,6 +91,19 @@ def test_invalid_constraints_are_refused_before_any_token(engine: Engine) -> Non
         with pytest.raises(EngineError) as e:
             engine.prepare(ids, params)
         assert e.value.code == "invalid_grammar" and needle in e.value.message, e.value.message
+
+
+def test_unenforceable_keywords_are_set_aside_and_reported(engine: Engine) -> None:
+    """A keyword llguidance cannot enforce (Zod's ``propertyNames``, ``not``, an unknown
+    format) loosens the grammar instead of failing the request, and is reported."""
+    ids = engine.tokenize("hello")
+    schema = {"type": "object", "properties": {
+        "tags": {"type": "object", "propertyNames": {"type": "string"}, "additionalProperties": {"type": "string"}},
+        "n": {"not": {"type": "string"}}, "u": {"type": "string", "format": "nonsense"}}}
+    _, p = engine.prepare(ids, SamplingParams(json_schema=json.dumps(schema)))
+    assert any("propertyNames" in w for w in p.set_aside) and any("not" in w for w in p.set_aside), p.set_aside
+    _, p = engine.prepare(ids, SamplingParams(json_schema=json.dumps({"type": "object"})))
+    assert p.set_aside == ()
 
 
 def test_constrained_and_free_sequences_batched_get_what_they_get_alone(engine: Engine) -> None:

@@ -498,8 +498,9 @@ def test_n_choices_share_one_prefilled_prompt(wa: Proc, sockdir: str) -> None:
         toks, done = wa.stub.stream(f"nsolo{i}", 120)
         assert isinstance(done, Done)
         solo.append([t.token_id for t in toks])
-    wp = _start(f"ipc://{sockdir}/wn.sock", "--parallel", "4")
+    wp = _start(f"ipc://{sockdir}/wn.sock", "--parallel", "4", "--kv-budget-mib", "64")
     try:
+        assert 3 * 200 <= wp.ready.kv_budget_tokens < 5 * N_CTX, wp.ready.kv_budget_tokens
         s = wp.stub
         s.send(Generate(id="n3", prompt=prompt, max_tokens=10, temperature=0.9, seed=7, ignore_eos=True, n=3))
         toks, done = s.stream("n3", 120)
@@ -513,5 +514,9 @@ def test_n_choices_share_one_prefilled_prompt(wa: Proc, sockdir: str) -> None:
         s.send(Generate(id="nbad", prompt=prompt, max_tokens=2, n=17))
         err = s.next_for("nbad", 30)
         assert isinstance(err, Error) and err.code == "invalid_params" and "n must be" in err.message
+        # n choices x (prompt + answer) beyond the KV budget: refused before any token (issue 23)
+        s.send(Generate(id="nbig", prompt=prompt, n=5))
+        err = s.next_for("nbig", 30)
+        assert isinstance(err, Error) and err.code == "kv_budget_exceeded" and "n=5 choices" in err.message
     finally:
         wp.stop()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -32,7 +33,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import EngineError
 
-__all__ = ["KNOWN_TEMPLATES", "ChatTemplate", "normalize_messages", "resolve_template"]
+__all__ = ["KNOWN_TEMPLATES", "ChatTemplate", "RoleCaps", "fit_roles", "normalize_messages", "resolve_template"]
 
 # ChatML as llama.cpp's built-in "chatml" template writes it.
 CHATML_TEMPLATE = (
@@ -161,6 +162,61 @@ def normalize_messages(messages: Any, developer_known: bool) -> list[dict[str, A
     return out
 
 
+@dataclass(frozen=True)
+class RoleCaps:
+    """What a template can express about roles, found by rendering probe conversations once
+    (as llama.cpp's ``common/chat`` probes a template's capabilities).
+
+    ``system_role``: a leading system message's text reaches the prompt.
+    ``system_anywhere``: a system message after other turns renders, its text in the prompt.
+    ``alternation``: two consecutive user turns are refused (roles must alternate)."""
+
+    system_role: bool = True
+    system_anywhere: bool = True
+    alternation: bool = False
+
+
+def _text_of(m: dict[str, Any]) -> str | None:
+    """A message's content when it is plain text (None: tool calls, null content)."""
+    c = m.get("content")
+    return c if isinstance(c, str) and not m.get("tool_calls") else None
+
+
+def fit_roles(msgs: list[dict[str, Any]], caps: RoleCaps) -> list[dict[str, Any]]:
+    """``msgs`` (normalized) in the roles the template can express, losing no text.
+
+    Where the template cannot render a system turn after other turns, the leading system
+    turns become one and a later one becomes a user turn in its place; where it renders
+    no system turn at all, the system text opens the first user turn; where roles must
+    alternate, consecutive plain-text turns of one role are merged (``"\n\n"`` between
+    them). A conversation the template already expresses is returned unchanged."""
+    out = [dict(m) for m in msgs]
+    if not caps.system_anywhere or not caps.system_role:
+        n_lead = 0
+        while n_lead < len(out) and out[n_lead]["role"] == "system":
+            n_lead += 1
+        lead = [t for t in (_text_of(m) for m in out[:n_lead]) if t]
+        rest = [{**m, "role": "user"} if m["role"] == "system" else m for m in out[n_lead:]]
+        if not caps.system_role:
+            if lead:
+                rest.insert(0, {"role": "user", "content": "\n\n".join(lead)})
+            out = rest
+        else:
+            out = ([{"role": "system", "content": "\n\n".join(lead)}] if n_lead else []) + rest
+    if caps.alternation:
+        merged: list[dict[str, Any]] = []
+        for m in out:
+            prev = merged[-1] if merged else None
+            if (prev is not None and prev["role"] == m["role"] and m["role"] in ("user", "assistant", "system")
+                    and _text_of(prev) is not None and _text_of(m) is not None):
+                a, b = _text_of(prev) or "", _text_of(m) or ""
+                merged[-1] = {**prev, "content": f"{a}\n\n{b}" if a and b else a + b}
+            else:
+                merged.append(m)
+        out = merged
+    return out
+
+
 def _prefill(msgs: list[dict[str, Any]]) -> str | None:
     """The content of a last assistant message to continue (None: no prefill)."""
     last = msgs[-1]
@@ -197,6 +253,7 @@ class ChatTemplate:
         self.strip_bos = strip_bos and bool(self.bos_token)
         self.strip_eos = strip_eos and bool(self.eos_token)
         self.developer_known = "developer" in source
+        self._caps: RoleCaps | None = None
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson
@@ -254,8 +311,35 @@ class ChatTemplate:
                               add_generation_prompt, tools)
         return segs + [(prefill, False)] if prefill else segs
 
+    @property
+    def role_caps(self) -> RoleCaps:
+        """What this template can express about roles (probed once, on first use)."""
+        if self._caps is None:
+            self._caps = self._probe_roles()
+        return self._caps
+
+    def _renders(self, messages: list[dict[str, Any]], *needles: str) -> bool:
+        try:
+            text = self._render_raw(messages, True, None)
+        except EngineError:
+            return False
+        return all(n in text for n in needles)
+
+    def _probe_roles(self) -> RoleCaps:
+        s1, s2, u1, u2, a1 = (f"modelyard-probe-{k}" for k in ("s1", "s2", "u1", "u2", "a1"))
+        system_role = self._renders([{"role": "system", "content": s1}, {"role": "user", "content": u1}], s1, u1)
+        anywhere = system_role and self._renders(
+            [{"role": "user", "content": u1}, {"role": "assistant", "content": a1},
+             {"role": "system", "content": s2}, {"role": "user", "content": u2}], s2, u2)
+        try:  # refused, not merely dropped: a template that reads only some messages is left alone
+            self._render_raw([{"role": "user", "content": u1}, {"role": "user", "content": u2}], True, None)
+            alternation = False
+        except EngineError:
+            alternation = self._renders([{"role": "user", "content": u1}], u1)
+        return RoleCaps(system_role=system_role, system_anywhere=anywhere, alternation=alternation)
+
     def _split_prefill(self, messages: Any, add_generation_prompt: bool) -> tuple[list[dict[str, Any]], str | None]:
-        msgs = normalize_messages(messages, self.developer_known)
+        msgs = fit_roles(normalize_messages(messages, self.developer_known), self.role_caps)
         prefill = _prefill(msgs) if add_generation_prompt else None
         return (msgs[:-1], prefill) if prefill is not None else (msgs, None)
 

@@ -46,7 +46,14 @@ __all__ = ["Constraint", "JSON_OPTIONS", "check", "grammar_text", "ll_tokenizer"
 
 #: How schemas are written out: the separators models write themselves, no free whitespace
 #: (a greedy small model given free whitespace may write newlines forever).
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+#: ``lenient``: a schema keyword llguidance cannot enforce (``propertyNames``, ``if``/``then``,
+#: ``not``, ``uniqueItems``, ...) is left out — the grammar is loosened to the nearest one it
+#: can enforce, a superset of what the schema allows — and reported (:func:`check`'s list),
+#: never a failed request: real clients' schemas (Zod's) carry such keywords routinely.
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+                                "lenient": True}
+#: Longest llguidance message kept in an ``invalid_grammar`` error (it may quote a whole grammar).
+MAX_ERROR_CHARS = 600
 
 _cache_lock = threading.Lock()
 _cache: dict[tuple[int, int], tuple[Tokenizer, Any]] = {}
@@ -164,8 +171,11 @@ def _fresh(tok: Tokenizer, n_vocab: int, json_schema: str | None, grammar: str |
     assert g is not None
     m = llguidance.LLMatcher(ll, g, log_level=0)
     if m.is_error():
+        err = str(m.get_error())
+        if len(err) > MAX_ERROR_CHARS:
+            err = err[:MAX_ERROR_CHARS] + f"... ({len(err) - MAX_ERROR_CHARS} more characters)"
         raise EngineError("invalid_grammar", f"invalid {'json_schema' if json_schema is not None else 'grammar'}: "
-                          f"{m.get_error()}")
+                          f"{err}")
     with _cache_lock:
         compilations += 1
         _compiled[key] = m
@@ -175,11 +185,16 @@ def _fresh(tok: Tokenizer, n_vocab: int, json_schema: str | None, grammar: str |
     return m
 
 
-def check(tok: Tokenizer, n_vocab: int, json_schema: str | None, grammar: str | None) -> None:
-    """Compile the request's constraint now (kept for its sequence, see :func:`_fresh`).
+def check(tok: Tokenizer, n_vocab: int, json_schema: str | None, grammar: str | None) -> list[str]:
+    """Compile the request's constraint now (kept for its sequence, see :func:`_fresh`) and
+    return what it set aside: llguidance's warnings, e.g. ``Unimplemented keys:
+    ["propertyNames"]`` for a keyword left out (:data:`JSON_OPTIONS` ``lenient``).
     Raises EngineError("invalid_grammar") with llguidance's message (it names the
-    unsupported schema keyword or the grammar line)."""
-    _fresh(tok, n_vocab, json_schema, grammar)
+    grammar line or what cannot compile), cut to :data:`MAX_ERROR_CHARS`."""
+    m = _fresh(tok, n_vocab, json_schema, grammar)
+    if m is None:
+        return []
+    return sorted({str(w) for w in m.get_grammar_warnings()})
 
 
 class Constraint:

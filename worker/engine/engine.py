@@ -313,7 +313,9 @@ class Engine:
             raise EngineError("invalid_params", "prompt must be a string or a list of token ids")
         if not ids:
             raise EngineError("empty_prompt", "the prompt is empty (it tokenizes to no tokens)")
-        constraints.check(self.tokenizer, self.info.n_vocab, p.json_schema, p.grammar)
+        set_aside = constraints.check(self.tokenizer, self.info.n_vocab, p.json_schema, p.grammar)
+        if set_aside:
+            p = replace(p, set_aside=tuple(set_aside))
         room = self.info.n_ctx - len(ids)
         if p.max_tokens is not None and 0 < room < p.max_tokens:
             p = replace(p, max_tokens=room)  # llama.cpp's behaviour: generate until the context is full

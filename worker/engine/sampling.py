@@ -79,6 +79,8 @@ class SamplingParams:
     cache_prompt: bool = True
     json_schema: str | None = None  # constraint: the output matches this JSON Schema (its text)
     grammar: str | None = None  # constraint: the output matches this Lark grammar (llguidance's dialect)
+    # what the constraint could not enforce and left out (set by Engine.prepare; constraints.check)
+    set_aside: tuple[str, ...] = ()
 
     def validated(self, n_vocab: int) -> SamplingParams:
         """A checked copy: ``logit_bias`` keys as ``int`` (decimal strings accepted,
