@@ -244,3 +244,12 @@ def test_an_unknown_probe_is_costed_by_the_other_groups() -> None:
         run(g, clock, {1: 0.019, 2: 0.114}, 100)
         clock.t += 28
     assert chosen.count(2) <= 1
+
+
+def test_quieter_machine_is_noticed_at_once_even_after_a_long_collapse() -> None:
+    clock = Clock()
+    g = ThreadGovernor(clock, adaptive=True)
+    run(g, clock, {1: 0.040, 2: 1.3}, 400)                  # two threads 30x slower: probed rarely
+    assert g.state() == {1: 1}
+    chosen = run(g, clock, {1: 0.010, 2: 0.006}, 30)        # quiet: one thread 4x faster at once
+    assert chosen[-10:] == [2] * 10

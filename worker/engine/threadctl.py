@@ -27,6 +27,8 @@ thread). A fixed count cannot be right for both, so :class:`ThreadGovernor` pick
 * when every one of the current count's last :data:`WINDOW` passes is slower than another
   count's last known time by :data:`MARGIN`, it switches at once (load arrived): that count's
   next passes then refresh its time;
+* when they are all faster than when the last probe started (by :data:`SLOWER_RATIO`: the machine
+  got quieter, what was known of the other counts is stale), the group probes at once;
 * when they are all slower than the best the current count did (x :data:`SLOWER_RATIO`), or
   another group has just switched (then after one fresh pass at its count), the group probes
   at once whatever the wait (the machine changed; a long prefill pass under new load need not
@@ -62,7 +64,7 @@ MARGIN = 0.08
 BASE_INTERVAL_S = 0.5
 MAX_INTERVAL_S = 8.0
 #: a probe may cost at most this share of the time since the group's last probe
-PROBE_SHARE = 0.03
+PROBE_SHARE = 0.015
 #: a probe pass slower than the current count's estimate times this ends the probe
 ABORT_RATIO = 1.5
 #: the current count's recent passes all this much slower than its best: probe at once
@@ -97,7 +99,7 @@ def candidates(ceiling: int) -> list[int]:
 
 
 class _Group:
-    __slots__ = ("current", "recent", "known", "best", "interval", "last_probe", "probe_n", "probe_left",
+    __slots__ = ("current", "recent", "known", "best", "ref", "interval", "last_probe", "probe_n", "probe_left",
                  "probe_best", "probe_up", "nudged")
 
     def __init__(self, current: int, now: float) -> None:
@@ -105,6 +107,7 @@ class _Group:
         self.recent: deque[float] = deque(maxlen=WINDOW)   # seconds per row at ``current``
         self.known: dict[int, float] = {}                   # last estimate of every count measured
         self.best = float("inf")                            # best time at ``current`` since the last probe
+        self.ref = float("inf")                             # its time when the last probe started
         self.nudged = False                                 # another group switched: probe soon
         self.interval = BASE_INTERVAL_S
         self.last_probe = now
@@ -160,15 +163,18 @@ class ThreadGovernor:
             n = self._neighbour(g, ceiling, flip=False)
             triggered = g.nudged or (len(g.recent) == WINDOW and min(g.recent) > g.best * SLOWER_RATIO) \
                 or (not g.known.keys() - {g.current} and rows < FIRST_PROBE_ROWS)
+            faster = len(g.recent) == WINDOW and max(g.recent) * SLOWER_RATIO < g.ref
             known = g.known.get(n)
-            if known is not None:                           # a probe's known cost fits in the share
+            if faster or g.nudged:                          # the machine changed: what is known is stale
+                affordable = triggered = True
+            elif known is not None:                         # a probe's known cost fits in the share
                 affordable = since * PROBE_SHARE >= known * rows
             else:                                           # unknown: the current count's time, times
                 ratio = self._ratio(g, n)                   # how much slower n was in other groups
                 affordable = triggered or since * PROBE_SHARE >= min(g.recent) * rows * ratio
             if n != g.current and affordable and (triggered or since >= g.interval):
                 g.nudged = False
-                g.best = min(g.recent)                      # a rise is judged from here on
+                g.best = g.ref = min(g.recent)              # a rise or a fall is judged from here on
                 self._neighbour(g, ceiling, flip=True)
                 g.probe_n, g.probe_left, g.probe_best = n, PROBE_PASSES, float("inf")
                 return n
@@ -219,6 +225,8 @@ class ThreadGovernor:
         g.recent.append(per)
         g.known[n] = min(g.recent)
         g.best = min(g.best, per)
+        if g.ref == float("inf") and len(g.recent) == WINDOW:   # after a switch: the new count's level
+            g.ref = min(g.recent)
         if len(g.recent) == WINDOW:
             worst_recent = min(g.recent)                    # every recent pass was at least this slow
             best = min(((v, k) for k, v in g.known.items() if k != n), default=None)
@@ -233,6 +241,7 @@ class ThreadGovernor:
         self._hint = n
         g.recent.clear()
         g.best = float("inf") if est is None else est
+        g.ref = g.best
         if est is not None:
             g.recent.append(est)
         self.switches += 1
