@@ -214,6 +214,8 @@ class ThreadGovernor:
             g.probe_n = 0
             g.last_probe = self._clock()
             g.known[n] = g.probe_best
+            log.debug("probe of %d thread(s) for %d-row passes: %.3g ms per row against %.3g at %d",
+                      n, rows, 1e3 * g.probe_best, 1e3 * (cur or 0.0), g.current)
             if cur is None or g.probe_best < cur * (1 - MARGIN):
                 self._switch(g, n, g.probe_best)
                 g.interval = BASE_INTERVAL_S
