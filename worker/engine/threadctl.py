@@ -28,7 +28,8 @@ thread). A fixed count cannot be right for both, so :class:`ThreadGovernor` pick
   count's last known time by :data:`MARGIN`, it switches at once (load arrived): that count's
   next passes then refresh its time;
 * when they are all faster than when the last probe started (by :data:`SLOWER_RATIO`: the machine
-  got quieter, what was known of the other counts is stale), the group probes at once;
+  got quieter), the group probes without waiting for its interval, a known probe cost being
+  scaled by that speed-up (a 2x jitter of a busy machine then costs at most twice the share);
 * when they are all slower than the best the current count did (x :data:`SLOWER_RATIO`), or
   another group has just switched (then after one fresh pass at its count), the group probes
   at once whatever the wait (the machine changed; a long prefill pass under new load need not
@@ -165,10 +166,12 @@ class ThreadGovernor:
                 or (not g.known.keys() - {g.current} and rows < FIRST_PROBE_ROWS)
             faster = len(g.recent) == WINDOW and max(g.recent) * SLOWER_RATIO < g.ref
             known = g.known.get(n)
-            if faster or g.nudged:                          # the machine changed: what is known is stale
+            if g.nudged:                                    # another group saw the machine change
                 affordable = triggered = True
-            elif known is not None:                         # a probe's known cost fits in the share
-                affordable = since * PROBE_SHARE >= known * rows
+            elif known is not None:                         # a probe's known cost fits in the share,
+                scale = min(1.0, min(g.recent) / g.ref)     # scaled as the current count sped up since
+                affordable = since * PROBE_SHARE >= known * rows * scale
+                triggered = triggered or faster
             else:                                           # unknown: the current count's time, times
                 ratio = self._ratio(g, n)                   # how much slower n was in other groups
                 affordable = triggered or since * PROBE_SHARE >= min(g.recent) * rows * ratio
