@@ -30,10 +30,11 @@ thread). A fixed count cannot be right for both, so :class:`ThreadGovernor` pick
 * when they are all faster than when the last probe started (by :data:`SLOWER_RATIO`: the machine
   got quieter), the group probes without waiting for its interval, a known probe cost being
   scaled by that speed-up (a 2x jitter of a busy machine then costs at most twice the share);
-* when they are all slower than the best the current count did (x :data:`SLOWER_RATIO`), or
-  another group has just switched (then after one fresh pass at its count), the group probes
-  at once whatever the wait (the machine changed; a long prefill pass under new load need not
-  wait many seconds to learn it).
+* when they are all slower than the best the current count did (x :data:`SLOWER_RATIO`), the
+  group probes without waiting for its interval (within the share); when another group has just
+  switched (then after one fresh pass at its count), it probes at once, interval and share
+  aside, what it knew being stale (the machine changed; a long prefill pass under new load need
+  not wait many seconds to learn it).
 
 The ceiling is the share the worker was given (:func:`.quant.set_num_threads`, the router's
 share or ``--threads``), or numba's thread count; the governor never uses more.
