@@ -34,8 +34,10 @@ from typing import Any, ClassVar
 #: 5: KV-state streams (KVChunk / KVAck, Generate.stream_state).
 #: 6: token ids of TokenizeResult / Detokenize travel as TokenIds (int32 bytes), pieces as one blob.
 #: 7: LoadProgress stage ``loading_kernels``.
-#: 8: Accepted (a Generate's prompt fits and is queued; what its constraint set aside).
-PROTOCOL_VERSION = 8
+#: 8: Accepted (a Generate's prompt fits and is queued; what its constraint set aside); ApplyTemplate.tools.
+#: 9: Error.n_prompt_tokens / n_ctx (a context overflow's figures); Generate / ApplyTemplate template_kwargs;
+#:    Generate.post_sampling_probs.
+PROTOCOL_VERSION = 9
 
 #: Largest frame either side accepts, in bytes (a 100 KB prompt as token ids is < 1 MiB).
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -267,6 +269,10 @@ class Error(Message):
     TYPE: ClassVar[str] = "error"
     code: str
     message: str
+    # context_length_exceeded: the prompt's tokens and the context size, as llama-server's
+    # exceed_context_size_error carries them (None: not known, or another code)
+    n_prompt_tokens: int | None = None
+    n_ctx: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -367,6 +373,9 @@ class Generate(Message):
     # with messages: the template's ``tools`` (HF's shape, [{"type": "function", "function":
     # {"name", "description", "parameters"}}]), for templates with their own tool syntax
     tools: list[dict[str, Any]] | None = None
+    # with messages: more variables for the template (llama.cpp's chat_template_kwargs, e.g.
+    # enable_thinking); messages, tools, add_generation_prompt, bos_token, eos_token are not among them
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
     add_special: bool = True
     parse_special: bool = True
     max_tokens: int | None = None
@@ -382,11 +391,17 @@ class Generate(Message):
     logit_bias: list[list[Any]] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     n_probs: int = 0  # top-N logprobs per token, 0 = none
+    # llama.cpp's post_sampling_probs: the logprobs (the token's and the top n_probs) are of the
+    # sampler chain's distribution (after top-k, top-p, min-p, temperature), not the model's
+    post_sampling_probs: bool = False
     ignore_eos: bool = False
     cache_prompt: bool = True
     n: int = 1  # choices: n sequences from one prefilled prompt (seed + i each when seeded)
     json_schema: str | None = None
     grammar: str | None = None
+    # with messages: render them with this chat template (Jinja text or a known name such as
+    # "chatml") instead of the model's own — a preset's template over the same loaded weights
+    chat_template: str | None = None
     trace_id: str = ""  # the HTTP request's X-Request-Id, for the worker's log lines ("" if none)
     # a plain file name (slot_filename_error): as the generation ends, the worker saves its KV entry
     # to that file in its --slot-save-path, in the same step (nothing can take the entry over
@@ -445,6 +460,8 @@ class ApplyTemplate(Message):
     add_generation_prompt: bool = True
     # the template's ``tools`` (as Generate.tools), for templates with their own tool syntax
     tools: list[dict[str, Any]] | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # as Generate.template_kwargs
+    chat_template: str | None = None  # as Generate.chat_template (a preset's own template)
 
 
 #: SlotAction.action values (llama.cpp's ``POST /slots/{id}?action=``).

@@ -24,6 +24,7 @@ relayed to it (``prompt_tokens`` is ``-``: the worker's Done never came).
 
 from __future__ import annotations
 
+import collections
 import logging
 import re
 import time
@@ -37,6 +38,26 @@ log = logging.getLogger("modelyard.access")
 
 HEADER = b"x-request-id"
 _SANE = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
+
+
+#: Access-log records kept in memory for the status page (``recent_requests``).
+RECENT = 100
+
+
+def recent_requests(state: Any) -> collections.deque[dict[str, Any]]:
+    """The app's ring of the last :data:`RECENT` access-log records (each the logged fields
+    and ``at``, unix time); see :func:`shown_in_recent`."""
+    ring = getattr(state, "recent_requests", None)
+    if ring is None:
+        ring = collections.deque(maxlen=RECENT)
+        state.recent_requests = ring
+    return ring
+
+
+def shown_in_recent(route: str) -> bool:
+    """Kept for the status page: not its own polling (``/ui...``) nor probes and scrapes
+    (``/health``, ``/metrics``), which would push the requests an operator looks for out."""
+    return not (route.startswith("/ui") or route in ("/health", "/metrics"))
 
 
 def request_id_of(scope: Scope) -> str:
@@ -128,8 +149,8 @@ class AccessLog:
             failed = False
         finally:
             code = status[0] or (500 if failed else 499)
-            if status[0] and disconnected[0] and not complete[0]:
-                code = 499  # a started answer the client did not take in full
+            if status[0] and disconnected[0] and not complete[0] and not state.get("open_ended"):
+                code = 499  # a started answer the client did not take in full (a followed stream ends so)
             rec = state.get("access", {})
             client = scope.get("client")
             fields = {
@@ -143,3 +164,6 @@ class AccessLog:
                 "client": client[0] if client else None,
             }
             log.info("%s", " ".join(f"{k}={_fmt(v)}" for k, v in fields.items()))
+            app = scope.get("app")
+            if app is not None and shown_in_recent(str(fields["route"])):
+                recent_requests(app.state).append({"at": time.time(), **fields})

@@ -2,8 +2,9 @@
 ``POST /v1/messages/count_tokens``, as the official ``anthropic`` SDK sends and parses them.
 
 Request in: ``system`` (a string or text blocks), ``messages`` (content a string or
-blocks ``text``, ``tool_use``, ``tool_result``; ``thinking`` blocks of earlier
-turns are dropped, as Anthropic does; images and documents are a 400),
+blocks ``text``, ``tool_use``, ``tool_result``; the text of ``thinking`` blocks of earlier
+turns is kept as the turn's reasoning — the template's ``reasoning_content``, as llama-server
+gives it — and ``redacted_thinking`` blocks are dropped; images and documents are a 400),
 ``max_tokens`` (required), ``stop_sequences``, ``temperature`` (0..1), ``top_p``,
 ``top_k``, ``tools`` (custom tools: ``name``, ``description``, ``input_schema``)
 and ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``;
@@ -50,7 +51,7 @@ from router.errors import ApiError, BadRequest, ContextLengthExceeded, anthropic
 from router.field_policy import refuse_ignored
 from router.generation import OPENAI_DEFAULTS, begin, collect, new_id, read_sampling, stream
 from router.metrics import label_request
-from router.params import INT32_MAX, get_bool, get_float, get_int, get_str, read_json
+from router.params import INT32_MAX, get_bool, get_float, get_int, get_str, model_of, read_json
 from router.pool import ModelSlot, Pool
 from router.responses import JSONResponse
 from router.run import Run
@@ -58,8 +59,9 @@ from router.set_aside import set_aside
 from router.sse import SSEResponse, sse_named
 from router.tools import ChatTurn, Tool, ToolCall, ToolChoice
 
-#: Content block types of earlier assistant turns that carry no text for the prompt.
-_DROPPED_BLOCKS = ("thinking", "redacted_thinking")
+#: Content block types of earlier assistant turns that carry no text for the prompt (a ``thinking``
+#: block's text is kept: the turn's reasoning, the template's ``reasoning_content``).
+_DROPPED_BLOCKS = ("redacted_thinking",)
 
 
 @dataclass
@@ -95,7 +97,9 @@ def _turns(body: dict[str, Any]) -> list[ChatTurn]:
         text = _text_blocks(system, "system")
         if text:
             turns.append(ChatTurn("system", text))
-    for where, m in objects(body.get("messages"), "messages"):
+    # an empty conversation is rendered (system prompt and generation prompt only), as llama-server does
+    raw = body.get("messages")
+    for where, m in ([] if raw == [] else objects(raw, "messages")):
         role = m.get("role")
         if role in ("system", "developer"):
             # a system turn inside the conversation (Claude Code's mid-conversation-system beta):
@@ -116,6 +120,7 @@ def _turns(body: dict[str, Any]) -> list[ChatTurn]:
                              param=f"{where}.content")
         texts: list[str] = []
         calls: list[ToolCall] = []
+        thoughts: list[str] = []
         for j, b in enumerate(content):
             bw = f"{where}.content[{j}]"
             if not isinstance(b, dict):
@@ -138,6 +143,10 @@ def _turns(body: dict[str, Any]) -> list[ChatTurn]:
                 if b.get("is_error") is True:
                     result = f"Error: {result}"
                 turns.append(ChatTurn("tool", result, tool_call_id=ident))
+            elif kind == "thinking" and role == "assistant":
+                if not isinstance(b.get("thinking"), str):
+                    raise BadRequest(f"'{bw}.thinking' must be a string", param=f"{bw}.thinking")
+                thoughts.append(b["thinking"])
             elif kind in _DROPPED_BLOCKS and role == "assistant":
                 continue
             elif kind in ("image", "document"):
@@ -147,7 +156,8 @@ def _turns(body: dict[str, Any]) -> list[ChatTurn]:
                 raise BadRequest(f"'{bw}': content blocks of type {kind!r} are not supported in a {role} "
                                  "message", param=bw)
         if texts or calls or role == "assistant":
-            turns.append(ChatTurn(role, "\n".join(texts), tool_calls=calls))
+            turns.append(ChatTurn(role, "\n".join(texts), tool_calls=calls,
+                                  reasoning="\n\n".join(thoughts) if thoughts else None))
     return _combine_assistants(turns)
 
 
@@ -158,8 +168,9 @@ def _combine_assistants(turns: list[ChatTurn]) -> list[ChatTurn]:
     for t in turns:
         if out and t.role == out[-1].role == "assistant":
             prev = out[-1]
+            reasoning = "\n\n".join(x for x in (prev.reasoning, t.reasoning) if x) or None
             out[-1] = ChatTurn("assistant", "\n\n".join(x for x in (prev.content, t.content) if x),
-                               prev.tool_calls + t.tool_calls)
+                               prev.tool_calls + t.tool_calls, reasoning=reasoning)
         else:
             out.append(t)
     return out
@@ -225,14 +236,15 @@ def _output_format(body: dict[str, Any]) -> tuple[str | None, str | None]:
 
 async def _parse(request: Request, body: dict[str, Any]) -> _Request:
     pool: Pool = request.app.state.pool
-    model = get_str(body, "model")
+    model = model_of(body, pool.config.default_name(), pool.config.ids())
     slot = pool.get(model)
     label_request(request, slot.model.name)
     _refuse_unsupported(body)
     turns = _turns(body)
     tools, choice = _tools(request, body)
     text_schema, fmt_param = _output_format(body)
-    return _Request(model, slot, prepare(slot, turns, tools, choice, text_schema, fmt_param))
+    return _Request(model, slot, prepare(slot, turns, tools, choice, text_schema, fmt_param,
+                                         allow_empty=body.get("messages") == []))
 
 
 def _generate(req: _Request, body: dict[str, Any], max_tokens: int, prefix: str) -> Generate:

@@ -15,16 +15,19 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import psutil
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
-from router import admin, anthropic_api, decode_api, llamacpp_api, llamacpp_router, openai_api, openai_responses, openapi
+from router import status_page
+from router import admin, anthropic_api, stream_sessions, decode_api, llamacpp_api, llamacpp_router, openai_api, openai_responses, openapi
 from router import ollama_api
 from router.background import BackgroundStore
+from router.stream_sessions import StreamSessions
 from router.access_log import AccessLog
 from router.auth import BearerAuth
 from router.cli_args import version
@@ -40,6 +43,9 @@ from router.set_aside import SetAsideHeader
 
 log = logging.getLogger("modelyard.app")
 
+
+#: When this router process started, unix seconds (/metrics' ``Process-Start-Time-Unix``).
+PROCESS_START_UNIX = int(psutil.Process().create_time())
 
 #: How long /metrics waits for each ready worker's Pong (KV figures), s.
 METRICS_PROBE_TIMEOUT_S = 1.0
@@ -60,7 +66,10 @@ async def health(request: Request) -> Response:
 async def root(request: Request) -> Response:
     """``GET /`` and ``HEAD /`` (also ``/api/hello``): the service answers (harnesses'
     connectivity checks — Claude Code 2.1 sends ``HEAD /api/hello`` before its first request).
-    Never loads a model; behind the api key when one is set."""
+    Never loads a model; behind the api key when one is set. A browser's ``GET /`` (Accept:
+    text/html) goes to the status page."""
+    if request.method == "GET" and "text/html" in request.headers.get("accept", ""):
+        return RedirectResponse("/ui", status_code=307)  # a browser: the status page (router.status_page)
     pool: Pool = request.app.state.pool
     return JSONResponse({"status": "ok", "service": "modelyard", "version": version(),
                          "models": list(pool.slots)})
@@ -71,7 +80,9 @@ async def metrics(request: Request) -> Response:
     pool: Pool = request.app.state.pool
     await asyncio.gather(*(s.probe(METRICS_PROBE_TIMEOUT_S) for s in pool.slots.values()))
     m: Metrics = request.app.state.metrics
-    return Response(m.render(), media_type=CONTENT_TYPE)
+    # llama-server's header: when this process started (unix s); a scraper sees a restart by it
+    return Response(m.render(), media_type=CONTENT_TYPE,
+                    headers={"Process-Start-Time-Unix": str(PROCESS_START_UNIX)})
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -115,17 +126,21 @@ def create_app(config: Config, *, worker_module: str | None = None,
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         app.state.pool = Pool(config, worker_module=worker_module, metrics=registry, **(pool_options or {}))
         lag_probe = asyncio.get_running_loop().create_task(registry.watch_event_loop(), name="loop-lag")
+        sampler = asyncio.get_running_loop().create_task(status_page.sample_forever(app), name="ui-sampler")
         try:
             yield
         finally:
             lag_probe.cancel()
+            sampler.cancel()
+            app.state.streams.close()  # resumable streams' generations are cancelled
             await app.state.background.close()  # its runs end (Cancel) before the workers stop
             await app.state.pool.close()
 
     routes = [Route("/", root, methods=["GET", "HEAD"]), Route("/api/hello", root, methods=["GET", "HEAD"]),
-              Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
-              *openai_api.routes, *openai_responses.routes, *decode_api.routes, *anthropic_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *ollama_api.routes, *admin.routes,
-              *openapi.routes]
+              Route("/health", health, methods=["GET"]), Route("/v1/health", health, methods=["GET"]),
+              Route("/metrics", metrics, methods=["GET"]),
+              *openai_api.routes, *openai_responses.routes, *decode_api.routes, *anthropic_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *ollama_api.routes, *stream_sessions.routes, *admin.routes,
+              *openapi.routes, *status_page.routes]
     app = Starlette(
         routes=routes,
         # outermost first: the access log and X-Request-Id, admission (requests in progress), what was set
@@ -145,4 +160,5 @@ def create_app(config: Config, *, worker_module: str | None = None,
                                            int(srv.background_max_mib * 2**20),
                                            per_key=srv.background_per_key, unread_s=srv.background_unread_s)
     app.state.metrics = registry
+    app.state.streams = StreamSessions()
     return app

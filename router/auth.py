@@ -1,9 +1,10 @@
 """Bearer-key checks, as pure ASGI middleware (does not wrap ``receive``, so
 client-disconnect detection downstream keeps working).
 
-* ``server.api_key`` set: every route but ``/health`` needs ``Authorization: Bearer <api_key>``
+* ``server.api_key`` set: every route but ``/health`` (and llama-server's ``/v1/health``) needs ``Authorization: Bearer <api_key>``
   (or ``x-api-key: <api_key>``, as Anthropic's clients send it; a Bearer header wins when both come)
   (``/health?model=NAME`` needs it too: it may start loading the model).
+* ``/ui`` and ``/ui/static/*`` (the status page's files, which hold no data) need no key.
 * ``server.admin_key`` set: ``/admin/*`` and llama.cpp's ``/models/load`` and
   ``/models/unload`` need ``Authorization: Bearer <admin_key>`` (without an
   admin_key, they are guarded by the api_key like the rest).
@@ -27,7 +28,9 @@ class BearerAuth:
         self.admin_key = server.admin_key
 
     def _required(self, path: str, query: bytes) -> str | None:
-        if path == "/health" and "model" not in parse_qs(query.decode("latin-1"), keep_blank_values=True):
+        if path in ("/ui", "/ui/") or path.startswith("/ui/static/"):
+            return None  # the status page's own files: no data (its data routes, /ui/api/*, need the key)
+        if path in ("/health", "/v1/health") and "model" not in parse_qs(query.decode("latin-1"), keep_blank_values=True):
             return None
         if path == "/admin" or path.startswith("/admin/") or path in ("/models/load", "/models/unload"):
             return self.admin_key or self.api_key

@@ -1,5 +1,7 @@
 """``modelyard serve [--config PATH] [--host H] [--port P]`` (also ``python -m router``);
-``modelyard --version``.
+``modelyard --version``; ``modelyard ps | models | load NAME | unload NAME | events`` talk to a
+running service (``router.cli_client``). Bare ``modelyard`` prints the commands and exits 2;
+options without a command serve, saying so.
 
 Exits 1 with the offending key path on a config error, and with one line naming
 the ``--port`` option when the port is taken (the socket is bound before anything
@@ -34,7 +36,8 @@ import uvicorn
 from starlette.applications import Starlette
 
 from router.app import create_app
-from router.cli_args import parser, version
+from router import cli_client, discovery
+from router.cli_args import CLIENT_COMMANDS, parser, version
 from router.config import Config, ConfigError, check_public_bind, load_config
 from router.http_server import uvicorn_settings
 
@@ -139,12 +142,15 @@ def banner(config: Config, sock: socket.socket) -> list[str]:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     lines = [f"modelyard {version()} listening on http://{shown}:{port} (config {config.source or '-'})"]
-    lines.append(f"models directory: {config.server.models_dir}")
+    lines.append(f"models directory: {config.server.models_dir}"
+                 + (" (GGUF files there are served: discover_models)" if config.server.discover_models else ""))
     max_loaded = config.server.max_loaded
     lines.append(f"models ({len(config.models)}; loaded on first request"
                  + (f"; at most {max_loaded} at once" if max_loaded else "") + "):")
     for m in config.models.values():
         extra = [f"weights: {m.weights_mode}"] + ([f"aliases: {', '.join(m.aliases)}"] if m.aliases else [])
+        if m.discovered:
+            extra.append("found in models_dir")
         if m.pinned:
             extra.append("pinned")
         if m.idle_ttl_s > 0:
@@ -160,7 +166,17 @@ def banner(config: Config, sock: socket.socket) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:  # bare `modelyard`: say what it does rather than quietly serve on 8080
+        parser().print_help(sys.stderr)
+        print("\nmodelyard: no command given; 'modelyard serve' starts the service", file=sys.stderr)
+        return 2
     args = parser().parse_args(argv)
+    if args.command in CLIENT_COMMANDS:
+        return cli_client.main(args)
+    if args.command is None:
+        print("modelyard: no command given: serving (as 'modelyard serve'; 'modelyard --help' lists "
+              "the commands)", file=sys.stderr)
     try:
         config = load_config(args.config)
         server = config.server
@@ -172,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             server = dataclasses.replace(server, port=args.port)
         check_public_bind(server)
         config = dataclasses.replace(config, server=server)
+        found = discovery.scan(config)
+        config = discovery.apply(config, found)
     except ConfigError as e:
         print(f"modelyard: config error: {e}", file=sys.stderr)
         return 1
@@ -188,11 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     for line in banner(config, sock):
         logging.getLogger("modelyard").info("%s", line)
     app = create_app(config)
+    app.state.discovery = found
     uv = uvicorn.Config(app, host=server.host, port=server.port, log_level=args.log_level, lifespan="on",
                         timeout_graceful_shutdown=math.ceil(server.shutdown_timeout_s + ABORT_MARGIN_S),
                         access_log=args.log_level == "debug", **uvicorn_settings(server))
     def reread() -> Config:
-        return load_config(args.config)
+        new = load_config(args.config)
+        again = discovery.scan(new)
+        app.state.discovery = again
+        return discovery.apply(new, again)
 
     server_ = RouterServer(uv, app, server.shutdown_timeout_s, reload=reread)
     try:

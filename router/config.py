@@ -5,13 +5,16 @@ Layout::
     [server]            host, port, api_key, admin_key, models_dir, transport,
                         shutdown_timeout_s, allowed_hosts, cors_origins, header_timeout_s,
                         body_timeout_s, keep_alive_timeout_s, max_connections, max_header_bytes,
-                        stream_stall_timeout_s, sse_keepalive_s, max_loaded
+                        stream_stall_timeout_s, sse_keepalive_s, max_loaded, default_model,
+                        discover_models, max_keep_alive_s
     [defaults]          any per-model key below except path/aliases; applies to every model
-    [models.NAME]       path (required), aliases, n_ctx, chat_template, max_queue,
+    [presets.NAME]      model (required), aliases, sampling keys, n_predict, system_prompt, chat_template,
+                        reasoning, chat_template_kwargs (router.presets)
+    [models.NAME]       path (required), aliases, n_ctx, chat_template, reasoning, max_queue,
                         load_timeout_s, cancel_timeout_s, drain_timeout_s,
                         shutdown_grace_s, ping_interval_s, ping_timeout_s, unresponsive_after_s,
                         idle_ttl_s, n_threads, parallel, kv_budget_mib, restart_backoff_s, restart_backoff_max_s,
-                        max_crashes, crash_window_s, pinned, n_predict,
+                        max_crashes, crash_window_s, pinned, n_predict, system_prompt,
                         and default sampling values (temperature, top_p, top_k, min_p,
                         repeat_penalty, repeat_last_n, presence_penalty,
                         frequency_penalty, seed)
@@ -76,6 +79,10 @@ class ModelConfig:
     aliases: tuple[str, ...] = ()
     n_ctx: int | None = None
     chat_template: str | None = None
+    # llama.cpp's --reasoning: "auto" / "on" render the template with enable_thinking true (a reasoning
+    # template opens its think block; others ignore it), "off" with enable_thinking false (it is closed);
+    # a request's chat_template_kwargs.enable_thinking wins
+    reasoning: str = "auto"
     max_queue: int = 8
     load_timeout_s: float = 120.0
     cancel_timeout_s: float = 10.0  # Cancel sent -> no Done within this: the worker is killed
@@ -121,6 +128,10 @@ class ModelConfig:
     max_request_tokens: int = 0
     background_slots: int = 0
     sampling: dict[str, float | int] = field(default_factory=dict)
+    discovered: bool = False  # found in models_dir (router.discovery), not a [models.NAME] table
+    system_prompt: str | None = None  # the system message a chat request without one gets
+    preset: str | None = None  # set on the view a [presets.NAME] gives of this model (router.presets)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # a preset's chat template variables
 
     @property
     def weights_mode(self) -> str:
@@ -161,8 +172,13 @@ class ServerConfig:
     background_max: int = 256  # jobs kept, running or finished (the oldest finished is dropped first)
     background_ttl_s: float = 3600.0  # a finished job is forgotten this long after it ended (0: never)
     background_max_mib: float = 64.0  # the stored events of all jobs, MiB (oldest finished dropped first)
+    discover_models: bool = False  # serve every GGUF in models_dir under its file's name (router.discovery)
+    max_keep_alive_s: float | None = None  # the longest keep_alive / ttl a request may set (None: no cap)
     background_per_key: int = 8  # background jobs running at once per API key (keyless clients share one)
     background_unread_s: float = 600.0  # a running job nobody has read for this long is cancelled (0: never)
+    # the model a request without "model" gets (a name or alias; None: the only model when exactly one
+    # is configured, else "model" is required), as llama-server answers with the model it serves
+    default_model: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,6 +186,8 @@ class Config:
     server: ServerConfig
     models: dict[str, ModelConfig]  # by canonical name, in file order
     source: Path | None = None
+    defaults: dict[str, Any] = field(default_factory=dict)  # the [defaults] table (discovered models use it)
+    presets: dict[str, ModelConfig] = field(default_factory=dict)  # [presets.NAME]: a model's view (router.presets)
 
     def resolve(self, name: str) -> ModelConfig | None:
         """The model called ``name`` (canonical name or alias), else None."""
@@ -178,7 +196,19 @@ class Config:
         for m in self.models.values():
             if name in m.aliases:
                 return m
+        if name in self.presets:
+            return self.presets[name]
+        for m in self.presets.values():
+            if name in m.aliases:
+                return m
         return None
+
+    def default_name(self) -> str | None:
+        """The model a request without ``"model"`` is served by: ``[server] default_model``, else
+        the only configured model, else None (``"model"`` is then required)."""
+        if self.server.default_model is not None:
+            return self.server.default_model
+        return next(iter(self.models)) if len(self.models) == 1 else None
 
     def ids(self) -> list[str]:
         """Every name a client may use: canonical names and aliases."""
@@ -186,18 +216,23 @@ class Config:
         for m in self.models.values():
             out.append(m.name)
             out.extend(m.aliases)
+        for name, p in self.presets.items():
+            out.append(name)
+            out.extend(p.aliases)
         return out
 
 
 _MODEL_KEYS = {
-    "path", "aliases", "n_ctx", "chat_template", "max_queue", "load_timeout_s",
+    "path", "aliases", "n_ctx", "chat_template", "reasoning", "max_queue", "load_timeout_s",
     "cancel_timeout_s", "drain_timeout_s", "shutdown_grace_s", "ping_interval_s",
     "ping_timeout_s", "unresponsive_after_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", "weights",
     "n_ubatch", "restart_backoff_s", "restart_backoff_max_s", "max_crashes", "crash_window_s", "pinned", "slot_save_path",
     "kv_cache_dir", "kv_cache_mib", "prefill_model", "kv_transfer", "n_predict", "max_request_tokens",
-    "background_slots", *SAMPLING_KEYS,
+    "background_slots", "system_prompt", *SAMPLING_KEYS,
 }
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases", "prefill_model", "kv_transfer"}
+#: ``reasoning`` values (llama.cpp's ``--reasoning``): the first is the default.
+REASONING_MODES = ("auto", "on", "off")
 #: ``kv_transfer`` values (router.disaggregate).
 KV_TRANSFERS = ("wire", "file")
 _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport", "shutdown_timeout_s",
@@ -205,7 +240,7 @@ _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport
                 "keep_alive_timeout_s", "max_connections", "max_header_bytes", "stream_stall_timeout_s", "sse_keepalive_s",
                 "max_loaded",
                 "responses_store_max", "responses_store_ttl_s", "background_max", "background_ttl_s", "background_max_mib",
-                "background_per_key", "background_unread_s"}
+                "background_per_key", "background_unread_s", "default_model", "discover_models", "max_keep_alive_s"}
 
 #: A ``cors_origins`` entry: scheme://host[:port], nothing after it (or "*").
 _ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#]+$")
@@ -236,7 +271,7 @@ def load_config(path: str | Path) -> Config:
 
 def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = None) -> Config:
     """Validate an already-parsed TOML document. Raises ConfigError."""
-    _no_unknown(data, {"server", "defaults", "models"}, "")
+    _no_unknown(data, {"server", "defaults", "models", "presets"}, "")
     server_raw = _table(data, "server", "server")
     _no_unknown(server_raw, _SERVER_KEYS, "server")
     host = _str(server_raw, "host", "server", "127.0.0.1")
@@ -266,15 +301,19 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
         background_max=_int(server_raw, "background_max", "server", 256, 1, 1_000_000),
         background_ttl_s=_float(server_raw, "background_ttl_s", "server", 3600.0, 0.0),
         background_max_mib=_float(server_raw, "background_max_mib", "server", 64.0, 0.01),
+        discover_models=_bool(server_raw, "discover_models", "server", False),
+        max_keep_alive_s=(None if server_raw.get("max_keep_alive_s") is None
+                          else _float(server_raw, "max_keep_alive_s", "server", 0.0, 0.0)),
         background_per_key=_int(server_raw, "background_per_key", "server", 8, 1, 1_000_000),
         background_unread_s=_float(server_raw, "background_unread_s", "server", 600.0, 0.0),
+        default_model=_opt_str(server_raw, "default_model", "server"),
     )
     check_public_bind(server)
 
     defaults = _table(data, "defaults", "defaults")
     _no_unknown(defaults, _DEFAULTS_KEYS, "defaults")
     models_raw = _table(data, "models", "models")
-    if not models_raw:
+    if not models_raw and not server.discover_models:
         raise ConfigError("models", "at least one [models.NAME] table is required")
     models: dict[str, ModelConfig] = {}
     seen_ids: dict[str, str] = {}
@@ -324,6 +363,7 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
             aliases=tuple(aliases_raw),
             n_ctx=n_ctx,
             chat_template=_opt_str(merged, "chat_template", src("chat_template")),
+            reasoning=_choice(merged, "reasoning", src("reasoning"), REASONING_MODES),
             max_queue=_int(merged, "max_queue", src("max_queue"), 8, 0, 100_000),
             load_timeout_s=_float(merged, "load_timeout_s", src("load_timeout_s"), 120.0, 0.001),
             cancel_timeout_s=_float(merged, "cancel_timeout_s", src("cancel_timeout_s"), 10.0, 0.001),
@@ -356,10 +396,17 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
             max_request_tokens=_int(merged, "max_request_tokens", src("max_request_tokens"), 0, 0, 1 << 30),
             background_slots=_int(merged, "background_slots", src("background_slots"), 0, 0, 100_000),
             sampling=sampling,
+            system_prompt=_opt_str(merged, "system_prompt", src("system_prompt")),
         )
     for name, m in models.items():
         _check_prefill_model(name, m, models)
-    return Config(server=server, models=models, source=source)
+    from router.presets import parse_presets  # it builds on this module's readers
+
+    presets = parse_presets(_table(data, "presets", "presets"), models, seen_ids)
+    if server.default_model is not None and server.default_model not in seen_ids:
+        raise ConfigError("server.default_model", f"{server.default_model!r} is not a configured model name or "
+                          f"alias (configured: {', '.join(seen_ids)})")
+    return Config(server=server, models=models, source=source, defaults=dict(defaults), presets=presets)
 
 
 def _check_prefill_model(name: str, m: ModelConfig, models: dict[str, ModelConfig]) -> None:

@@ -173,7 +173,8 @@ def schema_text(schema: Any, param: str) -> str:
 def json_format_constraint(fmt: dict[str, Any], param: str) -> str | None:
     """The JSON Schema text a response format asks for (None: plain text).
 
-    ``{"type": "text"}`` -> None; ``{"type": "json_object"}`` -> any JSON object;
+    ``{"type": "text"}`` -> None; ``{"type": "json_object"}`` -> any JSON object (with a
+    ``schema`` beside it, as llama-server takes it: that schema);
     ``{"type": "json_schema", ...}`` -> its schema, found as ``json_schema.schema``
     (chat completions) or ``schema`` (Responses API, Anthropic's ``output_config``).
     The schema is enforced; a keyword the constraint engine cannot enforce is left out
@@ -186,7 +187,9 @@ def json_format_constraint(fmt: dict[str, Any], param: str) -> str | None:
     kind = fmt.get("type")
     if kind == "text":
         return None
-    if kind == "json_object":
+    if kind == "json_object":  # llama.cpp's extension: a "schema" beside it is the schema
+        if fmt.get("schema") is not None:
+            return schema_text(fmt["schema"], f"{param}.schema")
         return json.dumps({"type": "object"})
     if kind == "json_schema":
         inner = fmt.get("json_schema")

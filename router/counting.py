@@ -30,7 +30,10 @@ async def count_prompt_tokens(request: Request, slot: ModelSlot, msg: Generate) 
     text = msg.prompt or ""
     if msg.messages is not None:
         ans = await call_worker(request, slot, lambda i: ApplyTemplate(id=i, messages=msg.messages or [],
-                                                                       tools=msg.tools), param="messages")
+                                                                       tools=msg.tools,
+                                                                       template_kwargs=msg.template_kwargs,
+                                                                       chat_template=msg.chat_template),
+                                param="messages")
         if not isinstance(ans, ApplyTemplateResult):
             raise BadGateway(f"unexpected {ans.TYPE} answer to apply_template")
         text = ans.prompt

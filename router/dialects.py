@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from router.constraints import tool_constraint
@@ -53,9 +53,11 @@ def objects(v: Any, param: str) -> Iterator[tuple[str, dict[str, Any]]]:
         yield where, item
 
 
-def tool_list(body: dict[str, Any], one: Callable[[dict[str, Any], str], Tool]) -> list[Tool]:
+def tool_list(body: dict[str, Any], one: Callable[[dict[str, Any], str], Tool | list[Tool]]) -> list[Tool]:
     """``body["tools"]`` (absent: none) read by ``one(tool object, where)``, each checked
-    to be an object. Raises BadRequest naming the field."""
+    to be an object. ``one`` returns a tool, or a list of them (a Responses ``namespace``
+    flattened to its functions; empty for a tool set aside). Names must be unique across
+    the result. Raises BadRequest naming the field."""
     raw = body.get("tools")
     if raw is None:
         return []
@@ -66,10 +68,11 @@ def tool_list(body: dict[str, Any], one: Callable[[dict[str, Any], str], Tool]) 
         where = f"tools[{i}]"
         if not isinstance(t, dict):
             raise BadRequest(f"'{where}' must be an object", param=where)
-        tool = one(t, where)
-        if any(o.name == tool.name for o in out):  # a call names its tool: two of one name are ambiguous
-            raise BadRequest(f"'{where}': tool names must be unique, '{tool.name}' is given twice", param=where)
-        out.append(tool)
+        got = one(t, where)
+        for tool in [got] if isinstance(got, Tool) else got:
+            if any(o.name == tool.name for o in out):  # a call names its tool: two of one name are ambiguous
+                raise BadRequest(f"'{where}': tool names must be unique, '{tool.name}' is given twice", param=where)
+            out.append(tool)
     return out
 
 
@@ -168,6 +171,7 @@ class Prepared:
     grammar: str | None
     json_schema: str | None
     constraint_param: str | None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # more template variables (enable_thinking)
 
     def parser(self, id_prefix: str = "call") -> CallParser:
         """A fresh parser of one answer (one per choice)."""
@@ -177,18 +181,21 @@ class Prepared:
     def generate_fields(self) -> dict[str, Any]:
         """The protocol ``Generate`` fields this sets."""
         return {"messages": self.messages, "tools": self.tools, "grammar": self.grammar,
-                "json_schema": self.json_schema}
+                "json_schema": self.json_schema, "template_kwargs": self.template_kwargs}
 
 
 def prepare(slot: ModelSlot, turns: list[ChatTurn], tools: list[Tool], choice: ToolChoice,
             text_schema: str | None, format_param: str | None, tools_param: str = "tools",
-            messages_param: str = "messages") -> Prepared:
+            messages_param: str = "messages", allow_empty: bool = False,
+            chat_template_kwargs: dict[str, Any] | None = None) -> Prepared:
     """Turns + tools + a response format (``text_schema``, the JSON Schema text from
     ``format_param``) as a :class:`Prepared`, in ``slot``'s template tool syntax.
     ``choice`` none: the tools are neither described nor parsed. Turns that all fell
     away in the dialect's reading (only ``reasoning`` items, a user message with no
-    content blocks) are a 400 naming ``messages_param``, never an empty prompt sent on."""
-    if not turns:
+    content blocks) are a 400 naming ``messages_param``, never an empty prompt sent on —
+    unless the client sent no turn at all and the dialect renders that (``allow_empty``:
+    llama-server answers an empty Anthropic conversation from its template alone)."""
+    if not turns and not allow_empty:
         raise BadRequest(f"'{messages_param}' holds no message to answer (items that carry nothing for "
                          "these models, such as reasoning items or empty content, are dropped)",
                          param=messages_param)
@@ -201,4 +208,35 @@ def prepare(slot: ModelSlot, turns: list[ChatTurn], tools: list[Tool], choice: T
         messages = render_messages(turns, offered, syntax)
     except TrailingAssistants as e:
         raise BadRequest(str(e), param=messages_param) from None
-    return Prepared(messages, template_tools(offered, syntax), offered, choice, syntax, grammar, json_schema, param)
+    return Prepared(messages, template_tools(offered, syntax), offered, choice, syntax, grammar, json_schema, param,
+                    template_kwargs(slot, chat_template_kwargs))
+
+
+#: Template variables a request cannot set: the renderer passes them itself.
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+
+def read_template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
+    """llama.cpp's ``chat_template_kwargs`` (an object of template variables, e.g.
+    ``{"enable_thinking": false}``), or None when absent. Raises BadRequest naming it: not an
+    object, a variable the renderer sets itself, or a non-boolean ``enable_thinking``."""
+    raw = body.get("chat_template_kwargs")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise BadRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    reserved = sorted(RESERVED_TEMPLATE_VARS & raw.keys())
+    if reserved:
+        raise BadRequest(f"'chat_template_kwargs' cannot set {', '.join(reserved)} (the request's own fields "
+                         "set them)", param="chat_template_kwargs")
+    if "enable_thinking" in raw and not isinstance(raw["enable_thinking"], bool):
+        raise BadRequest("'chat_template_kwargs.enable_thinking' must be a boolean",
+                         param="chat_template_kwargs.enable_thinking")
+    return dict(raw)
+
+
+def template_kwargs(slot: ModelSlot, requested: dict[str, Any] | None) -> dict[str, Any]:
+    """The template variables of a chat request on ``slot``: ``enable_thinking`` from the model's
+    ``reasoning`` (true unless "off", as llama.cpp's default), then the request's
+    ``chat_template_kwargs`` over it (a preset's ``chat_template_kwargs`` in between, router.presets)."""
+    return {"enable_thinking": slot.model.reasoning != "off", **slot.model.template_kwargs, **(requested or {})}

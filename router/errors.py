@@ -44,6 +44,10 @@ class ApiError(Exception):
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
 
+    def extra_fields(self) -> dict[str, Any]:
+        """Fields beyond message/type/param/code in the OpenAI-shaped ``error`` (llama-server's)."""
+        return {}
+
 
 class BadRequest(ApiError):
     """400: malformed JSON, invalid values, input the model cannot take."""
@@ -53,20 +57,33 @@ class BadRequest(ApiError):
 
 
 class ContextLengthExceeded(BadRequest):
-    """400: prompt + max_tokens beyond n_ctx (message contains "maximum context length").
+    """400: the prompt (+ max_tokens) does not fit n_ctx.
 
-    ``n_prompt_tokens``, ``n_completion`` (the completion tokens the request needs room
-    for) and ``n_ctx`` are read from the worker's message when it gives them (else 0):
-    each dialect words the error its clients parse (Anthropic's ``prompt is too long``,
-    llama.cpp's ``exceed_context_size_error``)."""
+    ``n_prompt_tokens`` and ``n_ctx`` come from the worker's Error frame when it carries them,
+    else (with ``n_completion``, the completion tokens the request needs room for) from its
+    message (else 0). Each dialect words the error its clients parse: on the OpenAI and
+    llama.cpp routes llama-server's ``type`` "exceed_context_size_error" with ``n_prompt_tokens``
+    and ``n_ctx`` and its message "request (N tokens) exceeds the available context size (M
+    tokens), try increasing it", OpenAI's ``code`` "context_length_exceeded" and wording
+    ("maximum context length") kept after it; on /v1/messages Anthropic's ``prompt is too long``
+    (router.anthropic_api)."""
 
+    type = "exceed_context_size_error"
     default_code = "context_length_exceeded"
 
     def __init__(self, message: str, *, code: str | None = None, param: str | None = None,
-                 retry_after_s: int | None = None) -> None:
-        super().__init__(message, code=code, param=param, retry_after_s=retry_after_s)
+                 retry_after_s: int | None = None, n_prompt_tokens: int | None = None,
+                 n_ctx: int | None = None) -> None:
         m = _CONTEXT_FIGURES.search(message)
         self.n_ctx, _, self.n_prompt_tokens, self.n_completion = (int(g) for g in m.groups()) if m else (0, 0, 0, 0)
+        if n_prompt_tokens is not None and n_ctx is not None:
+            self.n_prompt_tokens, self.n_ctx = n_prompt_tokens, n_ctx
+            message = (f"request ({n_prompt_tokens} tokens) exceeds the available context size ({n_ctx} tokens), "
+                       f"try increasing it. {message}")
+        super().__init__(message, code=code, param=param, retry_after_s=retry_after_s)
+
+    def extra_fields(self) -> dict[str, Any]:
+        return {"n_prompt_tokens": self.n_prompt_tokens, "n_ctx": self.n_ctx} if self.n_ctx else {}
 
 
 #: The figures of the worker's context-length message (``worker.engine.generate.check_context``).
@@ -83,8 +100,11 @@ class PayloadTooLarge(ApiError):
 
 
 class Unauthorized(ApiError):
+    """401: a missing or wrong key. ``type`` is llama-server's (and Anthropic's) "authentication_error";
+    ``code`` OpenAI's "invalid_api_key"."""
+
     status = 401
-    type = "invalid_request_error"
+    type = "authentication_error"
     default_code = "invalid_api_key"
 
 
@@ -250,15 +270,19 @@ WORKER_CODES: dict[ErrorCode, type[ApiError]] = {
 }
 
 
-def from_worker_error(code: str, message: str) -> ApiError:
-    """The ApiError for a worker ``Error`` frame (keeps the worker's code and message).
-    A code outside ``ErrorCode`` is logged and becomes a 502 ``worker_error``."""
+def from_worker_error(code: str, message: str, *, n_prompt_tokens: int | None = None,
+                      n_ctx: int | None = None) -> ApiError:
+    """The ApiError for a worker ``Error`` frame (keeps the worker's code and message; a context
+    overflow's ``n_prompt_tokens`` / ``n_ctx`` too). A code outside ``ErrorCode`` is logged and
+    becomes a 502 ``worker_error``."""
     known = ErrorCode.of(code)
     if known is None:
         log.warning("worker sent an unknown error code %r (%s); answering 502", code, message[:200])
         return BadGateway(f"the worker failed with an unknown error code {code!r}: {message}")
     if known is ErrorCode.WORKER_GONE:
         return BadGateway(message, code="worker_crashed")
+    if known is ErrorCode.CONTEXT_LENGTH_EXCEEDED:
+        return ContextLengthExceeded(message, code=str(known), n_prompt_tokens=n_prompt_tokens, n_ctx=n_ctx)
     return WORKER_CODES[known](message, code=str(known))
 
 
@@ -281,7 +305,9 @@ _ENDPOINT = re.compile(r"\b(ipc|tcp|inproc)://[^\s'\"`,;()<>]+")
 #: error naming a route is not naming a file (tests hold every route of the app to this set).
 API_ROOTS = frozenset({"v1", "api", "admin", "slots", "props", "models", "health", "metrics", "tokenize",
                        "detokenize", "apply-template", "completion", "completions", "infill", "embedding",
-                       "embeddings", "rerank", "reranking", "openapi.json", "docs"})
+                       "embeddings", "rerank", "reranking", "openapi.json", "docs",
+                       "chat", "responses",  # llama-server's /chat/completions, /responses without /v1
+                       "ui"})
 
 
 def _redact_path(m: re.Match[str]) -> str:
@@ -300,7 +326,7 @@ def redact_paths(message: str) -> str:
 def error_payload(err: ApiError) -> dict[str, Any]:
     """``{"error": {...}}`` as OpenAI shapes it (the message without host paths: :func:`redact_paths`)."""
     return {"error": {"message": redact_paths(err.message), "type": err.type, "param": err.param,
-                      "code": err.code}}
+                      "code": err.code, **err.extra_fields()}}
 
 
 #: HTTP status -> Anthropic's error ``type`` (docs.anthropic.com "Errors"); others: ``api_error``.

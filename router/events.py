@@ -26,11 +26,14 @@ An event is a map: ``seq`` (1, 2, ... per router), ``at`` (unix time), ``model``
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from typing import Any
 
 #: Events a subscriber may fall behind by before the oldest are dropped.
 QUEUE_LIMIT = 1000
+#: Past events kept for a reader that asks to see the recent ones (``/admin/events?recent=N``).
+HISTORY = 200
 
 Event = dict[str, Any]
 
@@ -39,16 +42,27 @@ class EventHub:
     def __init__(self) -> None:
         self._seq = 0
         self._subs: set[asyncio.Queue[Event | None]] = set()
+        self._history: collections.deque[Event] = collections.deque(maxlen=HISTORY)
         self.closed = False
 
     def emit(self, model: str, event: str, **fields: Any) -> Event:
         self._seq += 1
         ev: Event = {"seq": self._seq, "at": time.time(), "model": model, "event": event, **fields}
+        self._history.append(ev)
         for q in self._subs:
             if q.full():
                 q.get_nowait()  # this reader is behind: it loses the oldest
             q.put_nowait(ev)
         return ev
+
+    @property
+    def seq(self) -> int:
+        """The last event's ``seq`` (0 before the first)."""
+        return self._seq
+
+    def recent(self, n: int) -> list[Event]:
+        """The last ``n`` events (oldest first; at most :data:`HISTORY`)."""
+        return list(self._history)[-n:] if n > 0 else []
 
     def subscribe(self) -> asyncio.Queue[Event | None]:
         q: asyncio.Queue[Event | None] = asyncio.Queue(QUEUE_LIMIT)

@@ -143,7 +143,7 @@ _SAMPLING = frozenset({"stop", "seed", "top_k", "min_p", "repeat_penalty", "pres
 HONOURED: dict[str, frozenset[str]] = {
     "/v1/chat/completions": _SAMPLING | {
         "max_tokens", "max_completion_tokens", "n_predict", "n", "logprobs", "top_logprobs",
-        "response_format", "json_schema", "grammar", "tools", "tool_choice"},
+        "response_format", "json_schema", "grammar", "tools", "tool_choice", "chat_template_kwargs"},
     "/v1/completions": _SAMPLING | {
         "max_tokens", "max_completion_tokens", "n_predict", "n", "logprobs", "json_schema", "grammar"},
     "/v1/responses": frozenset({"max_output_tokens", "top_logprobs", "tools", "tool_choice", "instructions"}),

@@ -45,6 +45,8 @@ from router.params import (
     get_stop,
 )
 from router.pool import ModelSlot
+from router import keep_alive
+from router.presets import preset_template
 from router.run import Run
 from router.samplers import refuse_unimplemented
 from router.set_aside import set_aside
@@ -118,6 +120,10 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate, grammar_param:
     # the model's n_predict gives an answer that names no length its default
     msg = check_request_budget(slot, msg)
     msg = cap_answer(msg, slot.model.n_predict)
+    msg = with_system_prompt(msg, slot.model.system_prompt)
+    template = preset_template(slot)  # a preset's own template travels with its chats
+    if template is not None and msg.messages is not None and msg.chat_template is None:
+        msg = dataclasses.replace(msg, chat_template=template)
     pre = prefill_slot(request, slot)
     if pre is not None:  # disaggregated: another worker prefills, this one decodes (router.disaggregate)
         try:
@@ -130,7 +136,10 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate, grammar_param:
         # prefill worker evaluated this prompt afresh (cache_prompt as asked), and the state is that
         # very evaluation (a prefix is only ever reused for the same tokens)
         msg = dataclasses.replace(msg, cache_prompt=True)
+    keep = keep_alive.apply(request.state, getattr(request.state, "json_body", None),
+                            request.app.state.pool.config.server.max_keep_alive_s)  # 400 before admission
     run = Run(slot, msg.id, access=access_record(request.state))
+    slot.set_keep_alive(keep)
     run.early = early
     hook = getattr(request.state, "run_hook", None)
     try:
@@ -162,6 +171,16 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate, grammar_param:
                 set_aside(request.state, grammar_param or "constraint", what,
                           "a JSON Schema keyword the constraint cannot enforce (the grammar was loosened)")
     return run, first
+
+
+def with_system_prompt(msg: Generate, system_prompt: str | None) -> Generate:
+    """``msg`` with the model's (or preset's) ``system_prompt`` as its first message when it is
+    a chat whose messages bring no system (or developer) message of their own."""
+    if not system_prompt or msg.messages is None:
+        return msg
+    if any(m.get("role") in ("system", "developer") for m in msg.messages if isinstance(m, dict)):
+        return msg
+    return dataclasses.replace(msg, messages=[{"role": "system", "content": system_prompt}, *msg.messages])
 
 
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[.*?\])")
@@ -310,6 +329,10 @@ def timings_of(done: Done) -> dict[str, Any]:
     def per_s(ms: float, n: int) -> float:
         return 1000.0 * n / ms if ms > 0 else 0.0
 
+    # one token came out of the prompt's own pass: no decode step was timed, so there is no
+    # generation rate (llama-server reports 0 there, not a figure from a few microseconds)
+    predicted_per_second = per_s(done.predicted_ms, done.predicted_n) if done.predicted_n > 1 else 0.0
+
     return {
         "cache_n": done.cache_n,
         "prompt_n": done.prompt_n,
@@ -319,7 +342,7 @@ def timings_of(done: Done) -> dict[str, Any]:
         "predicted_n": done.predicted_n,
         "predicted_ms": done.predicted_ms,
         "predicted_per_token_ms": per_tok(done.predicted_ms, done.predicted_n),
-        "predicted_per_second": per_s(done.predicted_ms, done.predicted_n),
+        "predicted_per_second": predicted_per_second,
     }
 
 

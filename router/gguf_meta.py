@@ -252,3 +252,132 @@ def chat_template(configured: str | None, path: Path) -> str:
     if configured is not None:
         return configured
     return read_string(path, "tokenizer.chat_template") or ""
+
+
+#: llama.cpp's ``llama_ftype`` (``general.file_type``): the quantization a file was made with.
+FILE_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
+    12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
+    19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL",
+    26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0",
+    37: "TQ2_0",
+}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a GGUF file says of its model, read from its header without loading it.
+
+    ``valid`` False means the router cannot serve the file; ``reason`` then says why
+    (not GGUF, version, cut short, unreadable, no architecture). Sizes in bytes;
+    ``parameters`` is the element count of every tensor; ``context_length`` the
+    model's trained context (``<arch>.context_length``); ``quantization`` the file type
+    (``general.file_type`` as llama.cpp names it, e.g. ``Q4_K_M``)."""
+
+    valid: bool
+    reason: str | None
+    file_size: int | None
+    architecture: str | None = None
+    name: str | None = None
+    parameters: int | None = None
+    quantization: str | None = None
+    context_length: int | None = None
+    gguf_version: int | None = None
+
+    def describe(self) -> dict[str, object]:
+        return {"valid": self.valid, "reason": self.reason, "file_size": self.file_size,
+                "architecture": self.architecture, "name": self.name, "parameters": self.parameters,
+                "parameters_text": params_text(self.parameters), "quantization": self.quantization,
+                "context_length": self.context_length, "gguf_version": self.gguf_version}
+
+
+def params_text(n: int | None) -> str | None:
+    """``135M``, ``1.5B``: a parameter count as model cards write it."""
+    if n is None:
+        return None
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            v = n / div
+            return f"{v:.0f}{unit}" if v >= 100 else f"{v:.3g}{unit}"
+    return str(n)
+
+
+def model_info(path: Path) -> ModelInfo:
+    """The model the GGUF file at ``path`` holds (see :class:`ModelInfo`); never raises:
+    a missing, unreadable or invalid file is ``valid=False`` with the reason. Cached per
+    (path, size, mtime)."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        return ModelInfo(False, f"cannot read the file: {e.strerror or e}", None)
+    if not path.is_file():
+        return ModelInfo(False, "not a regular file", None)
+    return _model_info(str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=256)
+def _model_info(path: str, size: int, mtime_ns: int) -> ModelInfo:
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+            if magic != _MAGIC:
+                return ModelInfo(False, f"not a GGUF file (starts with {magic!r}, expected b'GGUF')", size)
+            version = _u32(f)
+            if version not in (2, 3):
+                return ModelInfo(False, f"GGUF version {version} is not supported (2 or 3)", size)
+            n_tensors, n_kv = _u64(f), _u64(f)
+            if n_kv > 1_000_000 or n_tensors > 1_000_000:
+                return ModelInfo(False, f"implausible header ({n_kv} keys, {n_tensors} tensors)", size)
+            meta: dict[str, object] = {}
+            for _ in range(n_kv):
+                k = _string(f).decode("utf-8", "replace")
+                meta[k] = _value(f, _u32(f), False)  # arrays skipped
+            params = 0
+            for _ in range(n_tensors):
+                _string(f)
+                n_dims = _u32(f)
+                if n_dims > 8:
+                    return ModelInfo(False, f"a tensor has {n_dims} dimensions (at most 8)", size, gguf_version=version)
+                n = 1
+                for _ in range(n_dims):
+                    n *= _u64(f)
+                params += n
+                _u32(f)
+                _u64(f)
+    except _Truncated:
+        return ModelInfo(False, "the GGUF header is cut short or malformed", size)
+    except struct.error:
+        return ModelInfo(False, "the GGUF header is cut short or malformed", size)
+    except OSError as e:
+        return ModelInfo(False, f"cannot read the file: {e.strerror or e}", size)
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
+        return ModelInfo(False, "no general.architecture in the GGUF header", size, gguf_version=version)
+    ftype = meta.get("general.file_type")
+    ctx = meta.get(f"{arch}.context_length")
+    name = meta.get("general.name")
+    return ModelInfo(True, None, size, architecture=arch, name=name if isinstance(name, str) else None,
+                     parameters=params or None,
+                     quantization=FILE_TYPES.get(ftype, f"type {ftype}") if isinstance(ftype, int) else None,
+                     context_length=ctx if isinstance(ctx, int) else None, gguf_version=version)
+
+
+def meta(path: Path) -> dict[str, object]:
+    """``/v1/models``' ``meta`` for a model file, in llama-server's names where it has them
+    (``n_ctx_train``, ``n_params``, ``size``) plus ``architecture``, ``quantization`` and, for a
+    file that is not a valid GGUF, ``invalid`` (the reason). Read from the header, cached."""
+    info = model_info(path)
+    out: dict[str, object] = {"n_ctx_train": info.context_length, "n_params": info.parameters,
+                              "size": info.file_size, "architecture": info.architecture,
+                              "quantization": info.quantization}
+    if not info.valid:
+        out["invalid"] = info.reason
+    return out
+
+
+async def warm(paths: list[Path]) -> None:
+    """Read (and cache) the headers of ``paths`` off the event loop: the first read of a
+    large vocabulary's header takes up to a second."""
+    import asyncio
+
+    await asyncio.to_thread(lambda: [model_info(p) for p in paths])

@@ -54,7 +54,7 @@ from starlette.routing import Route
 
 from protocol import SLOT_ACTIONS, SlotAction, SlotActionResult, slot_filename_error
 from router.errors import ApiError, BadGateway, BadRequest, NotSupported, Unavailable, error_response, redact_paths
-from router.llamacpp_api import call_worker
+from router.llamacpp_api import RANDOM_SEED, call_worker
 from router.generation import LLAMACPP_DEFAULTS
 from router.http_server import STALLED_READERS
 from router import gguf_meta
@@ -66,8 +66,6 @@ from router.responses import JSONResponse
 from router.security import may_load_on_get
 from router.sse import until_disconnect
 
-#: llama.cpp's LLAMA_DEFAULT_SEED: "random".
-RANDOM_SEED = 0xFFFFFFFF
 #: How long /slots waits for the worker's Pong before using the router's own view, s.
 PROBE_TIMEOUT_S = 2.0
 #: How long a slot action may take (a busy slot's action waits for the slot), s.
@@ -149,7 +147,7 @@ def generation_params(slot: ModelSlot) -> dict[str, Any]:
 
 
 def _n_ctx(slot: ModelSlot) -> int:
-    ready = slot.worker.ready if slot.worker is not None else None
+    ready = slot.worker.ready if slot.worker is not None else slot.last_ready if slot.sleeping else None
     return ready.n_ctx if ready is not None else (slot.model.n_ctx or 0)
 
 
@@ -165,19 +163,22 @@ async def props(request: Request) -> Response:
             "default_generation_settings": {"params": {}, "n_ctx": 0},
             "build_info": build_info(),
         })
-    await _ready(request, slot)
+    sleeping = slot.sleeping  # as llama-server: a sleeping model answers from what it knew, and stays asleep
+    if not sleeping:
+        await _ready(request, slot)
+    last = slot.last_ready
     return JSONResponse({
         "default_generation_settings": {
             "id": 0, "id_task": None, "n_ctx": _n_ctx(slot), "speculative": False, "is_processing": False,
             "params": generation_params(slot),
         },
-        "total_slots": slot.total_slots,
+        "total_slots": last.max_jobs if sleeping and last is not None else slot.total_slots,
         "model_alias": slot.model.name,
         "model_path": redact_paths(str(slot.model.path)),
         "chat_template": chat_template(slot),
         "modalities": {"vision": False, "audio": False},
         "build_info": build_info(),
-        "is_sleeping": False,
+        "is_sleeping": sleeping,
     })
 
 
@@ -257,6 +258,8 @@ def _status(slot: ModelSlot) -> dict[str, Any]:
         status["failed"] = True
         status["exit_code"] = slot.last_exit_code
         status["error"] = redact_paths(slot.last_error) if slot.last_error else slot.last_error
+    if slot.sleeping:
+        status["is_sleeping"] = True  # unloaded for idleness: the next generation loads it again
     return status
 
 
@@ -268,13 +271,15 @@ def model_entry(slot: ModelSlot) -> dict[str, Any]:
         "created": int(m.path.stat().st_mtime) if m.path.exists() else 0,
         "path": redact_paths(str(m.path)), "status": _status(slot),
         "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
-        "source": "config",
+        "source": "models_dir" if m.discovered else "config",
         "weights": m.weights_mode,
+        "meta": gguf_meta.meta(m.path),
     }
 
 
 async def list_models(request: Request) -> Response:
     """Every configured model with its status (never loads one)."""
+    await gguf_meta.warm([s.model.path for s in _pool(request).slots.values()])
     return JSONResponse({"object": "list", "data": [model_entry(s) for s in _pool(request).slots.values()]})
 
 
@@ -314,6 +319,8 @@ async def model_health(request: Request, name: str) -> Response:
     label_request(request, slot.model.name)
     if slot.state is WorkerState.READY:
         return JSONResponse({"status": "ok", "model": slot.model.name})
+    if slot.sleeping:  # llama-server's sleeping server is healthy; its next generation wakes it
+        return JSONResponse({"status": "ok", "model": slot.model.name, "is_sleeping": True})
     err: ApiError
     if slot.state in (WorkerState.UNLOADED, WorkerState.FAILED) and _autoload(request):
         failed = slot.state is WorkerState.FAILED

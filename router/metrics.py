@@ -1,5 +1,8 @@
 """Prometheus metrics of one router (``GET /metrics``), with prometheus-client.
 
+llama-server's own ``llamacpp:*`` families are there too, by its names
+(:class:`_LlamacppCollector`), so dashboards written for llama-server read them unchanged.
+
 Every metric lives on the app's own :class:`~prometheus_client.CollectorRegistry`
 (never the process-global one), so several apps in one process — tests — keep
 separate counts. Names are ``modelyard_*`` and follow vLLM's where one exists
@@ -23,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from starlette.requests import Request
 from starlette.routing import BaseRoute
@@ -53,6 +56,23 @@ _LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 LOOP_LAG_INTERVAL_S = 0.02
 
 _LOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+@dataclass
+class LlamacppTotals:
+    """One model's figures behind llama-server's ``llamacpp:*`` metrics (tools/server
+    server-context.cpp ``metrics``): totals since start, and the window since the last scrape
+    the throughput gauges average over (llama-server resets that window at each /metrics)."""
+
+    prompt_tokens: int = 0  # prompt tokens evaluated (Done.prompt_n: cached ones excluded)
+    prompt_seconds: float = 0.0  # time spent evaluating them (Done.prompt_ms)
+    tokens_predicted: int = 0  # tokens generated (Done.predicted_n)
+    predicted_seconds: float = 0.0  # time spent generating them (Done.predicted_ms)
+    n_tokens_max: int = 0  # the most KV positions one request held (prompt + generated)
+    window_prompt_tokens: int = 0
+    window_prompt_seconds: float = 0.0
+    window_predicted_tokens: int = 0
+    window_predicted_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -117,6 +137,7 @@ class Metrics:
                                   "stream of the router waits)", buckets=_LAG_BUCKETS, registry=reg)
         self.loop_lag_max = Gauge("modelyard_event_loop_lag_max_seconds", "The longest event-loop lag "
                                   "seen since the router started", registry=reg)
+        self.llamacpp: dict[str, LlamacppTotals] = {}
         for m in models:
             self.add_model(m)
 
@@ -142,10 +163,28 @@ class Metrics:
             c.labels(m)
         for stage in CANCEL_STAGES:
             self.cancellations.labels(m, stage)
+        self.llamacpp.setdefault(m, LlamacppTotals())
+
+    def count_generation(self, model: str, prompt_n: int, prompt_ms: float, predicted_n: int,
+                         predicted_ms: float, n_tokens: int) -> None:
+        """Add one finished generation to ``model``'s ``llamacpp:*`` figures: ``prompt_n`` tokens
+        evaluated in ``prompt_ms`` ms, ``predicted_n`` generated in ``predicted_ms`` ms, ``n_tokens``
+        KV positions held at its end (as llama-server counts them when a slot is released)."""
+        t = self.llamacpp.setdefault(model, LlamacppTotals())
+        t.prompt_tokens += prompt_n
+        t.prompt_seconds += prompt_ms / 1000
+        t.tokens_predicted += predicted_n
+        t.predicted_seconds += predicted_ms / 1000
+        t.n_tokens_max = max(t.n_tokens_max, n_tokens)
+        t.window_prompt_tokens += prompt_n
+        t.window_prompt_seconds += prompt_ms / 1000
+        t.window_predicted_tokens += predicted_n
+        t.window_predicted_seconds += predicted_ms / 1000
 
     def watch(self, snapshot: Callable[[], list[ModelGauges]]) -> None:
         """Read the per-model gauges from ``snapshot()`` at every scrape."""
         self.registry.register(_GaugeCollector(snapshot))
+        self.registry.register(_LlamacppCollector(snapshot, self.llamacpp))
 
     def render(self) -> bytes:
         """The text exposition of every metric."""
@@ -186,6 +225,62 @@ class _GaugeCollector:
                 fam.add_metric([row.model], float(getattr(row, key)))
         yield state
         yield from families.values()
+
+
+class _LlamacppCollector:
+    """llama-server's ``llamacpp:*`` families (its README "GET /metrics"), one series per model
+    (label ``model``, as its router mode's ``/metrics?model=`` gives one model's). The throughput
+    gauges average over the window since the previous scrape, which a scrape then resets, as
+    llama-server does. Not served: ``llamacpp:n_decode_total`` and
+    ``llamacpp:n_busy_slots_per_decode`` (the router sees no decode calls)."""
+
+    def __init__(self, snapshot: Callable[[], list[ModelGauges]], totals: dict[str, LlamacppTotals]) -> None:
+        self._snapshot = snapshot
+        self._totals = totals
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        rows = {r.model: r for r in self._snapshot()}
+
+        def counter(name: str, doc: str) -> CounterMetricFamily:
+            return CounterMetricFamily(f"llamacpp:{name}", doc, labels=["model"])
+
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"llamacpp:{name}", doc, labels=["model"])
+
+        prompt_tokens = counter("prompt_tokens", "Number of prompt tokens processed.")
+        prompt_seconds = counter("prompt_seconds", "Prompt process time")
+        predicted = counter("tokens_predicted", "Number of generation tokens processed.")
+        predicted_seconds = counter("tokens_predicted_seconds", "Predict process time")
+        n_tokens_max = gauge("n_tokens_max", "Largest observed n_tokens.")
+        prompt_tps = gauge("prompt_tokens_seconds", "Average prompt throughput in tokens/s.")
+        predicted_tps = gauge("predicted_tokens_seconds", "Average generation throughput in tokens/s.")
+        processing = gauge("requests_processing", "Number of requests processing.")
+        deferred = gauge("requests_deferred", "Number of requests deferred.")
+        kv_ratio = gauge("kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage.")
+        kv_tokens = gauge("kv_cache_tokens", "KV-cache tokens.")
+        for model, t in self._totals.items():
+            prompt_tokens.add_metric([model], t.prompt_tokens)
+            prompt_seconds.add_metric([model], t.prompt_seconds)
+            predicted.add_metric([model], t.tokens_predicted)
+            predicted_seconds.add_metric([model], t.predicted_seconds)
+            n_tokens_max.add_metric([model], t.n_tokens_max)
+            prompt_tps.add_metric([model], t.window_prompt_tokens / t.window_prompt_seconds
+                                  if t.window_prompt_seconds > 0 else 0.0)
+            predicted_tps.add_metric([model], t.window_predicted_tokens / t.window_predicted_seconds
+                                     if t.window_predicted_seconds > 0 else 0.0)
+            t.window_prompt_tokens = t.window_predicted_tokens = 0
+            t.window_prompt_seconds = t.window_predicted_seconds = 0.0
+            row = rows.get(model)
+            processing.add_metric([model], row.running if row else 0)
+            deferred.add_metric([model], row.waiting if row else 0)
+            kv_ratio.add_metric([model], row.kv_tokens / row.kv_budget_tokens
+                                if row and row.kv_budget_tokens else 0.0)
+            kv_tokens.add_metric([model], row.kv_tokens if row else 0)
+        yield from (prompt_tokens, prompt_seconds, predicted, predicted_seconds, n_tokens_max, prompt_tps,
+                    predicted_tps, processing, deferred, kv_ratio, kv_tokens)
 
 
 def label_request(request: Request, model: str) -> None:

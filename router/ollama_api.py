@@ -23,10 +23,11 @@ Requests in:
   options that cannot change the answer here (threads, GPU layers, mmap, ...) are set
   aside; mirostat / typical_p / tfs_z only at their neutral values; any other option is
   a 400 naming it.
-* ``keep_alive``: honoured when it matches the model's configured idle time (``idle_ttl_s``;
-  negative: never unload, as ``idle_ttl_s = 0`` or ``pinned``); other values are set aside —
-  the unload time is the operator's. With an empty ``prompt`` / ``messages`` the request
-  loads the model (``done_reason: "load"``), and with ``keep_alive: 0`` unloads it
+* ``keep_alive``: honoured as on every generation route (``router.keep_alive``: the last
+  request decides how long the model stays loaded once idle, capped by
+  ``server.max_keep_alive_s``, a cap set aside visibly). With an empty ``prompt`` /
+  ``messages`` the request loads the model (``done_reason: "load"``, its keep_alive applied),
+  and with ``keep_alive: 0`` unloads it
   (``"unload"``; with ``server.admin_key`` set, only with that key: unloading is an
   operator's act there).
 * ``think``: a 400 when asked for (these models do not think), as Ollama answers for such
@@ -44,8 +45,9 @@ Set aside means: served without it, a warning in the log and the field named in 
 Answers out: NDJSON (``application/x-ndjson``, one object a line, ``stream`` defaults to
 true) ending with ``done: true``, ``done_reason`` (``stop`` / ``length``) and the timings in
 nanoseconds (``total_duration``, ``load_duration`` — the wait for the model's load, 0 when
-it was loaded — ``prompt_eval_count`` = the prompt's tokens, ``prompt_eval_duration``,
-``eval_count``, ``eval_duration``); or one object with ``stream: false``. Tool calls are
+it was loaded — ``prompt_eval_count`` = the prompt's tokens, ``prompt_eval_cached_count`` =
+those reused from the KV cache (when some were), ``prompt_eval_duration``, ``eval_count``,
+``eval_duration``); or one object with ``stream: false``. Tool calls are
 ``message.tool_calls`` ``[{"id", "function": {"index", "name", "arguments": {...}}}]``.
 Errors are ``{"error": "..."}`` with their status (``router.errors``: 400, 404 unknown model,
 503 + Retry-After queue full, ...); a failure after the first line is a last line
@@ -63,9 +65,7 @@ import functools
 import hashlib
 import hmac
 import json
-import logging
 import math
-import re
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -78,6 +78,7 @@ from starlette.routing import Route
 
 from protocol import Done, Generate, Token
 from protocol.limits import MAX_N_PROBS
+from router import keep_alive as keepalive  # the module (handlers have a keep_alive value)
 from router.constraints import schema_text
 from router.dialects import Prepared, choose, function_tool, objects, prepare, tool_list
 from router.errors import ApiError, BadRequest, Forbidden, NotFound, ollama_error_payload
@@ -86,6 +87,7 @@ from router.generation import begin, collect, new_id, openai_logprob, read_sampl
 from router.gguf_meta import chat_template, metadata, tensor_infos
 from router.lifecycle import LOADED
 from router.metrics import label_request
+from router.openai_api import context_size
 from router.params import INT32_MAX, get_bool, get_int, get_str, json_type, read_json
 from router.pool import ModelSlot, Pool
 from router.responses import JSONResponse, dumps
@@ -93,11 +95,10 @@ from router.set_aside import set_aside
 from router.sse import SSEResponse, until_disconnect
 from router.tools import ChatTurn, Tool, ToolCall
 
-log = logging.getLogger("modelyard.ollama")
-
-#: The Ollama version ``/api/version`` reports: the API level this module follows (tool-call
-#: ids and indexes, ``logprobs``, ``capabilities`` in ``/api/show``, ``context_length`` in ``/api/ps``).
-OLLAMA_VERSION = "0.12.6"
+#: The Ollama version ``/api/version`` reports: the API level whose fields this module serves
+#: (tool-call ids and indexes, ``logprobs``, ``prompt_eval_cached_count``, ``capabilities`` in
+#: ``/api/show``, ``context_length`` in ``/api/ps``).
+OLLAMA_VERSION = "0.33.2"
 
 #: Ollama's sampling defaults (``api.DefaultOptions``), under the model's configured ones.
 OLLAMA_DEFAULTS: dict[str, Any] = {
@@ -163,66 +164,27 @@ def resolve(pool: Pool, name: Any) -> ModelSlot:
     if m is None:
         raise NotFound(f"model '{name}' not found; available models: "
                        f"{', '.join(tagged(i) for i in pool.config.ids())}", param="model")
-    return pool.slots[m.name]
-
-
-def _n_ctx(slot: ModelSlot) -> int:
-    """The context the model runs with: its worker's, else the configured one, else the
-    worker's default (the GGUF's training context, at most 8192)."""
-    ready = slot.worker.ready if slot.worker is not None else None
-    if ready is not None:
-        return ready.n_ctx
-    if slot.model.n_ctx is not None:
-        return slot.model.n_ctx
-    meta = metadata(slot.model.path) or {}
-    trained = meta.get(f"{meta.get('general.architecture')}.context_length")
-    return min(int(trained), 8192) if isinstance(trained, int) and trained > 0 else 8192
+    return pool.get(m.preset or m.name)  # a preset: the model's slot showing its defaults (router.presets)
 
 
 # ----------------------------------------------------------------------------- request fields
 
-_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
-_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-
 
 def keep_alive_s(v: Any) -> float | None:
-    """``keep_alive`` in seconds (negative: forever), None when absent: a number of seconds,
-    or a Go duration string (``"5m"``, ``"1h30m"``, ``"-1s"``, ``"0"``; a bare number string
-    counts as seconds). Raises BadRequest naming the field."""
-    if v is None:
+    """``keep_alive`` in seconds (negative: forever), None when absent (``router.keep_alive``
+    reads it: a number of seconds or a Go duration string). Raises BadRequest naming the field."""
+    got = keepalive.requested({"keep_alive": v})
+    if got is None:
         return None
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-        return float(v)
-    if isinstance(v, str):
-        s = v.strip()
-        try:
-            return float(s)
-        except ValueError:
-            pass
-        sign = -1.0 if s.startswith("-") else 1.0
-        body = s.lstrip("+-")
-        parts = _DURATION.findall(body)
-        if parts and "".join(n + u for n, u in parts) == body:
-            return sign * sum(float(n) * _UNITS[u] for n, u in parts)
-    raise BadRequest(f"'keep_alive' must be a number of seconds or a duration such as \"5m\", got "
-                     f"{json.dumps(v) if isinstance(v, (str, int, float)) else json_type(v)}", param="keep_alive")
+    return -1.0 if math.isinf(got[1]) else got[1]
 
 
 def _keep_alive(request: Request, body: dict[str, Any], slot: ModelSlot, *, empty: bool) -> float | None:
-    """``keep_alive`` read (seconds; None: absent); set aside unless it matches how the model
-    is kept. ``empty``: the request is Ollama's load / unload form, where 0 unloads."""
-    ka = keep_alive_s(body.get("keep_alive"))
-    if ka is None or (ka == 0 and empty):
-        return ka
-    never = slot.model.pinned or slot.model.idle_ttl_s <= 0
-    if (ka < 0 and never) or (ka > 0 and not never and ka == slot.model.idle_ttl_s):
-        return ka
-    kept = "never unloaded" if never else f"unloaded after idle_ttl_s={slot.model.idle_ttl_s:g} s"
-    why = f"the model's configuration decides how long it stays loaded: {kept}"
-    if ka == 0:
-        why += "; an empty request with keep_alive 0 unloads it"
-    set_aside(request.state, "keep_alive", str(body["keep_alive"]), why)
-    return ka
+    """``keep_alive`` read (seconds; None: absent) — a 400 before anything else when invalid.
+    A generation's is applied by ``generation.begin`` (router.keep_alive); ``empty``: the
+    request is Ollama's load / unload form, where 0 unloads and any other value is applied
+    by :func:`_load_or_unload`."""
+    return keep_alive_s(body.get("keep_alive"))
 
 
 def _think(body: dict[str, Any], model: str) -> None:
@@ -279,7 +241,7 @@ def _options(request: Request, body: dict[str, Any], slot: ModelSlot) -> dict[st
     sampling_in = {k: opts[k] for k in (*_SAMPLING, "mirostat", "typical_p") if k in opts}
     try:
         sampling = read_sampling(sampling_in, OLLAMA_DEFAULTS, slot, openai=False)
-        n_predict = get_int(opts, "num_predict", None)
+        n_predict = get_int(opts, "num_predict", None, None, INT32_MAX)
         num_ctx = get_int(opts, "num_ctx", None, 1, INT32_MAX)
     except BadRequest as e:
         if e.param is not None and not e.param.startswith("options."):
@@ -287,8 +249,8 @@ def _options(request: Request, body: dict[str, Any], slot: ModelSlot) -> dict[st
             e.param = f"options.{e.param}"
         raise
     if num_ctx is not None:
-        n_ctx = _n_ctx(slot)
-        if num_ctx > n_ctx:
+        n_ctx, _ = context_size(slot)
+        if n_ctx is not None and num_ctx > n_ctx:
             set_aside(request.state, "options", "num_ctx", f"the model's context is n_ctx={n_ctx} tokens, fixed "
                       "at load (config.toml); a longer prompt is a 400")
     # Ollama limits an answer only for num_predict > 0 (-1: none, -2: fill the context)
@@ -308,8 +270,8 @@ def _logprobs(body: dict[str, Any]) -> int | None:
 def _overflow(request: Request, body: dict[str, Any]) -> None:
     for key in ("truncate", "shift"):
         if get_bool(body, key, False):
-            set_aside(request.state, key, "true", "a prompt beyond n_ctx is a 400 and a generation that reaches it ends with "
-                           "done_reason 'length'; nothing is truncated or shifted")
+            set_aside(request.state, key, "true", "a prompt beyond n_ctx is a 400 and a generation that reaches "
+                      "it ends with done_reason 'length'; nothing is truncated or shifted")
 
 
 # ----------------------------------------------------------------------------- chat turns
@@ -395,7 +357,10 @@ def _tool(t: dict[str, Any], where: str) -> Tool:
 
 
 def _stats(done: Done, t0: float, load_ns: int) -> dict[str, Any]:
-    return {
+    """The final object's figures, as Ollama gives them: ``prompt_eval_count`` the prompt's
+    tokens in all, ``prompt_eval_cached_count`` those reused from the KV cache (only when
+    some were), ``prompt_eval_duration`` the time evaluating the others; durations in ns."""
+    out = {
         "done_reason": done.finish_reason,  # "stop" | "length" (cancelled never reaches here)
         "total_duration": int((time.monotonic() - t0) * 1e9),
         "load_duration": load_ns,
@@ -404,6 +369,9 @@ def _stats(done: Done, t0: float, load_ns: int) -> dict[str, Any]:
         "eval_count": done.completion_tokens,
         "eval_duration": int(done.predicted_ms * _NS_PER_MS),
     }
+    if done.cache_n > 0:
+        out["prompt_eval_cached_count"] = done.cache_n
+    return out
 
 
 def _call_json(c: ToolCall, index: int) -> dict[str, Any]:
@@ -563,6 +531,8 @@ async def _load_or_unload(request: Request, slot: ModelSlot, model: str, keep_al
         await slot.unload(reason="unloaded by an Ollama request (keep_alive 0)")
         reason = "unload"
     else:
+        slot.set_keep_alive(keepalive.apply(request.state, getattr(request.state, "json_body", None),
+                                             request.app.state.pool.config.server.max_keep_alive_s))
         await until_disconnect(request.receive, slot.ready_worker())
         reason = "load"
     out: dict[str, Any] = {"model": model, "created_at": now_iso()}
@@ -771,8 +741,8 @@ async def show(request: Request) -> Response:
 
 async def ps(request: Request) -> Response:
     """The loaded models: size (the worker's resident memory, else placement's estimate),
-    ``expires_at`` (last use + ``idle_ttl_s``; about 292 years away for a model never
-    unloaded), ``context_length`` (n_ctx). ``size_vram`` is 0: everything is on the CPU."""
+    ``expires_at`` (when the idle unload is due: ``idle_ttl_s`` or the last request's
+    ``keep_alive`` after the last activity; about 292 years away for a model never unloaded), ``context_length`` (n_ctx). ``size_vram`` is 0: everything is on the CPU."""
     pool: Pool = request.app.state.pool
     out = []
     for slot in pool.slots.values():
@@ -781,8 +751,9 @@ async def ps(request: Request) -> Response:
         info = slot.describe()
         ready = slot.worker.ready
         since = slot.last_used or slot.loaded_at or time.time()
-        expires = (_iso(since + slot.model.idle_ttl_s) if slot.model.idle_ttl_s > 0 and not slot.model.pinned
-                   else _iso_forever(since))
+        due, ttl = slot.expires_at(), slot.idle_ttl()  # idle_ttl_s, or the last request's keep_alive
+        expires = (_iso(due) if due is not None else _iso_forever(since) if ttl is None
+                   else _iso(time.time() + ttl))  # busy: the TTL starts when it is idle
         details, _ = model_facts(slot.model.path)
         out.append({"name": tagged(slot.model.name), "model": tagged(slot.model.name),
                     "size": info.get("rss_bytes") or slot.estimate().total,

@@ -21,8 +21,10 @@ from starlette.routing import Route
 
 from protocol import Accepted, Done, Generate, Token
 from protocol.limits import DEFAULT_MAX_CTX, MAX_N, MAX_N_PROBS
+from router import gguf_meta
 from router.constraints import json_format_constraint, llamacpp_constraint
-from router.dialects import choose, content_text, custom_tool, function_tool, objects, prepare, tool_list
+from router.dialects import (choose, content_text, custom_tool, function_tool, objects, prepare, read_template_kwargs,
+                             tool_list)
 from router.errors import BadRequest, NotFound
 from router.field_policy import refuse_ignored
 from router.gguf_meta import n_ctx_train
@@ -41,7 +43,7 @@ from router.generation import (
     usage_of,
 )
 from router.metrics import label_request
-from router.params import INT32_MAX, N_PREDICT_MIN, get_bool, get_int, get_prompt, get_str, read_json
+from router.params import INT32_MAX, N_PREDICT_MIN, get_bool, get_int, model_of, get_prompt, get_str, read_json
 from router.pool import ModelSlot, Pool
 from router.process import WorkerProcess
 from router.responses import JSONResponse
@@ -95,13 +97,17 @@ def _model_object(pool: Pool, ident: str) -> dict[str, Any]:
         # the context size under the names harnesses read: LM Studio / OpenRouter (context_length),
         # vLLM (max_model_len), llama.cpp's meta (n_ctx_train; n_ctx is the size served)
         obj.update(context_length=n_ctx, max_model_len=n_ctx)
-    obj["meta"] = {"n_ctx": n_ctx, "n_ctx_train": train, "size": m.path.stat().st_size if m.path.exists() else None}
+    # the GGUF header's facts (cached; never loads the model), with the context as served
+    header = gguf_meta.meta(m.path)
+    obj["meta"] = {**header, "n_ctx": n_ctx, "n_ctx_train": train if train is not None else header["n_ctx_train"],
+                   "size": m.path.stat().st_size if m.path.exists() else None}
     return obj
 
 
 async def list_models(request: Request) -> Response:
     """Every configured name and alias. Never loads a model."""
     pool = _pool(request)
+    await gguf_meta.warm([m.path for m in pool.config.models.values()])
     return JSONResponse({"object": "list", "data": [_model_object(pool, i) for i in pool.config.ids()]})
 
 
@@ -111,6 +117,7 @@ async def get_model(request: Request) -> Response:
     if pool.config.resolve(ident) is None:
         raise NotFound(f"model '{ident}' not found; available models: {', '.join(pool.config.ids())}",
                        param="model")
+    await gguf_meta.warm([m.path for m in pool.config.models.values()])
     return JSONResponse(_model_object(pool, ident))
 
 
@@ -234,7 +241,11 @@ def parse_turns(body: dict[str, Any]) -> list[ChatTurn]:
             raise BadRequest(f"'{where}.tool_call_id' is required in a tool message (the id of the call it "
                              "answers)", param=f"{where}.tool_call_id")
         name = m.get("name") if role == "tool" and isinstance(m.get("name"), str) else None
-        out.append(ChatTurn(CHAT_ROLES[role], text, calls, call_id if isinstance(call_id, str) else None, name))
+        reasoning = m.get("reasoning_content") if role == "assistant" else None  # llama.cpp's, kept for the template
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise BadRequest(f"'{where}.reasoning_content' must be a string", param=f"{where}.reasoning_content")
+        out.append(ChatTurn(CHAT_ROLES[role], text, calls, call_id if isinstance(call_id, str) else None, name,
+                            reasoning or None))
     return out
 
 
@@ -326,7 +337,7 @@ def _chat_finish(finish: str, calls: list[ToolCall]) -> str:
 async def chat_completions(request: Request) -> Response:
     body = await read_json(request)
     pool = _pool(request)
-    model_name = get_str(body, "model")
+    model_name = model_of(body, pool.config.default_name(), pool.config.ids())
     slot = pool.get(model_name)
     label_request(request, slot.model.name)
     refuse_unsupported_chat(body)
@@ -336,7 +347,8 @@ async def chat_completions(request: Request) -> Response:
         raise BadRequest(f"give at most one of 'response_format' and '{cparam}'", param=cparam)
     text_schema, fmt_param = (schema, "json_schema") if schema is not None else (_response_format(body),
                                                                                "response_format")
-    prep = prepare(slot, parse_turns(body), tools, choice, text_schema, fmt_param)
+    prep = prepare(slot, parse_turns(body), tools, choice, text_schema, fmt_param,
+                   chat_template_kwargs=read_template_kwargs(body))
     fields, constraint_param = prep.generate_fields(), prep.constraint_param
     if grammar is not None:
         if prep.grammar is not None:
@@ -454,6 +466,29 @@ async def chat_completions(request: Request) -> Response:
     return SSEResponse(stream(run, first, on_frame, on_open=on_open), run.close)
 
 
+async def chat_input_tokens(request: Request) -> Response:
+    """``{"object": "chat.completion.input_tokens", "input_tokens": N}`` (llama-server's
+    ``/chat/completions/input_tokens``): the prompt tokens ``/v1/chat/completions`` would have
+    for this body (template, tools and response format included). Exact: the worker renders
+    and tokenizes it as a generation of 0 tokens (which also warms the prefix cache)."""
+    body = await read_json(request)
+    pool = _pool(request)
+    slot = pool.get(model_of(body, pool.config.default_name(), pool.config.ids()))
+    label_request(request, slot.model.name)
+    refuse_unsupported_chat(body)
+    tools, choice = parse_tools(body)
+    schema, grammar, cparam = llamacpp_constraint(body)
+    text_schema, fmt_param = (schema, "json_schema") if schema is not None else (_response_format(body),
+                                                                               "response_format")
+    prep = prepare(slot, parse_turns(body), tools, choice, text_schema, fmt_param,
+                   chat_template_kwargs=read_template_kwargs(body))
+    msg = Generate(id=new_id("count"), max_tokens=0, cache_prompt=get_bool(body, "cache_prompt", True),
+                   **prep.generate_fields())
+    run, first = await begin(request, slot, msg, grammar_param=prep.constraint_param)
+    _, done = await collect(request, run, first)
+    return JSONResponse({"object": "chat.completion.input_tokens", "input_tokens": done.prompt_tokens})
+
+
 # ----------------------------------------------------------------------------- completions
 
 
@@ -513,7 +548,7 @@ def _legacy_logprobs(probs: list[TokenProb], n_top: int, offsets: _TextOffsets) 
 async def completions(request: Request) -> Response:
     body = await read_json(request)
     pool = _pool(request)
-    model_name = get_str(body, "model")
+    model_name = model_of(body, pool.config.default_name(), pool.config.ids())
     slot = pool.get(model_name)
     label_request(request, slot.model.name)
     refuse_ignored(body, "/v1/completions")

@@ -7,10 +7,19 @@ Request in: ``input`` (a string, or items: ``message`` with ``input_text`` /
 ``function_call``, ``function_call_output``; ``reasoning`` items are dropped, as
 they carry nothing for these models; images and files are a 400),
 ``instructions`` (a system message for this response only: not carried over by
-``previous_response_id``), ``tools`` (``function`` tools, and ``custom`` tools whose
+``previous_response_id``), ``tools`` (``function`` tools, ``custom`` tools whose
 free-text input may follow a ``grammar`` format in Lark or regex syntax, as Codex's
-``apply_patch``), ``tool_choice`` (``none`` / ``auto`` / ``required`` /
-``{"type": "function" | "custom", "name"}``),
+``apply_patch``, and ``namespace`` tools — a named group of those, as Codex's
+``multi_agent_v1`` — flattened to their tools: the model sees ``<namespace>__<name>``,
+the client gets its calls back as ``name`` + ``namespace``, and sends them so in
+``input``; hosted built-in tools — ``web_search``, ``file_search``,
+``code_interpreter``, ``computer_use_preview``, ``image_generation``, ``mcp``,
+``local_shell``, any other type — cannot run here and are set aside: served without,
+a warning logged and the ``X-Modelyard-Set-Aside`` header naming them, see
+``router.set_aside``), ``tool_choice`` (``none`` / ``auto`` / ``required`` /
+``{"type": "function" | "custom", "name", "namespace"?}`` / ``{"type":
+"allowed_tools", "mode", "tools"}``; one naming a built-in tool is set aside as
+``auto``),
 ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p``,
 ``text.format`` (``text``, ``json_object``, ``json_schema``), ``include`` with
 ``message.output_text.logprobs`` (the output text's token logprobs, ``top_logprobs``
@@ -54,7 +63,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -69,7 +78,7 @@ from router.errors import ApiError, BadRequest, NotFound, redact_paths
 from router.field_policy import refuse_ignored
 from router.generation import OPENAI_DEFAULTS, begin, collect, openai_logprob, read_sampling, stream, token_probs
 from router.metrics import label_request
-from router.params import INT32_MAX, get_bool, get_int, get_str, read_json
+from router.params import INT32_MAX, get_bool, get_int, get_str, model_of, read_json
 from router.pool import ModelSlot, Pool
 from router.background import Job, new_job_id
 from router.background import store_of as background_of
@@ -77,7 +86,8 @@ from router.decode_api import job_events, stream_query
 from router.response_store import ResponseStore
 from router.responses import JSONResponse
 from router.sse import SSEResponse, sse_named
-from router.tools import ChatTurn, Tool, ToolCall, ToolChoice
+from router.set_aside import set_aside
+from router.tools import ChatTurn, Tool, ToolCall, ToolChoice, namespaced_name
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -106,6 +116,15 @@ class _Request:
     prep: Prepared  # the prompt, the template's tools, the constraint, the answer's parser
     echo: dict[str, Any] = field(default_factory=dict)
     n_top: int | None = None  # logprobs wanted (include message.output_text.logprobs): alternatives per token
+    namespaced: dict[str, Tool] = field(default_factory=dict)  # flat name -> a namespace's function
+
+    def call_names(self, c: ToolCall) -> dict[str, str]:
+        """A call's ``name`` as the client knows it, with its ``namespace`` when it has one."""
+        t = self.namespaced.get(c.name)
+        if t is None:
+            return {"name": c.name}
+        ns, name = t.client_name()
+        return {"name": name, "namespace": ns or ""}
 
 
 def _part_text(content: Any, where: str) -> str:
@@ -128,6 +147,11 @@ def _input_turns(v: Any) -> list[ChatTurn]:
             name, call_id, text = item.get("name"), item.get("call_id"), item.get(field, "")
             if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(text, str):
                 raise BadRequest(f"'{where}': a {kind} needs string 'call_id', 'name' and '{field}'", param=where)
+            ns = item.get("namespace")
+            if ns is not None and not isinstance(ns, str):
+                raise BadRequest(f"'{where}.namespace' must be a string", param=f"{where}.namespace")
+            if ns:  # a namespace's function: the model saw (and called) it by its flat name
+                name = namespaced_name(ns, name)
             call = ToolCall(call_id, name, text, custom=kind == "custom_tool_call")
             if turns and turns[-1].role == "assistant":
                 turns[-1].tool_calls.append(call)
@@ -145,17 +169,69 @@ def _input_turns(v: Any) -> list[ChatTurn]:
     return turns
 
 
-def _tool(t: dict[str, Any], where: str) -> Tool:
-    if t.get("type") == "custom":
+#: Tool types whose calls the model makes and the client runs; every other type is a hosted
+#: built-in tool (web_search, file_search, code_interpreter, computer_use_preview,
+#: image_generation, mcp, local_shell, ...), run by OpenAI's servers: set aside here.
+_RUNNABLE = ("function", "custom", "namespace")
+
+
+def _tool(request: Request, t: dict[str, Any], where: str) -> Tool | list[Tool]:
+    kind = t.get("type")
+    if kind == "custom":
         return custom_tool(t.get("name"), t.get("description"), t.get("format"), where)
-    if t.get("type") != "function":
-        raise BadRequest(f"'{where}': tools of type {t.get('type')!r} are not supported (function and "
-                         "custom tools only)", param=f"{where}.type")
-    return function_tool(t.get("name"), t.get("description"), t.get("parameters"), where, "parameters")
+    if kind == "function":
+        return function_tool(t.get("name"), t.get("description"), t.get("parameters"), where, "parameters")
+    if kind == "namespace":
+        return _namespace(request, t, where)
+    if not isinstance(kind, str) or not kind:
+        raise BadRequest(f"'{where}.type' must be a tool type (function, custom, namespace, or a built-in "
+                         "tool's type)", param=f"{where}.type")
+    set_aside(request.state, where, kind, "a hosted built-in tool: this server cannot run it; served without it")
+    return []
 
 
-def _tools(body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
-    tools = tool_list(body, _tool)
+def _namespace(request: Request, t: dict[str, Any], where: str) -> list[Tool]:
+    """A ``namespace`` tool (a named group of function / custom tools, as Codex's
+    ``multi_agent_v1``) flattened to its tools, each under its flat name
+    (``router.tools.namespaced_name``); a call is answered with ``name`` and ``namespace``."""
+    ns = t.get("name")
+    if not isinstance(ns, str) or not ns or '"' in ns or "\n" in ns:
+        raise BadRequest(f"'{where}.name' must be a non-empty string without quotes or newlines",
+                         param=f"{where}.name")
+    inner = t.get("tools")
+    if not isinstance(inner, list):
+        raise BadRequest(f"'{where}.tools' must be an array of tools", param=f"{where}.tools")
+    out: list[Tool] = []
+    for j, f in enumerate(inner):
+        fw = f"{where}.tools[{j}]"
+        if not isinstance(f, dict):
+            raise BadRequest(f"'{fw}' must be an object", param=fw)
+        kind = f.get("type", "function")
+        if kind not in ("function", "custom"):
+            set_aside(request.state, fw, str(kind), "only function and custom tools run inside a namespace")
+            continue
+        tool = _tool(request, {**f, "type": kind}, fw)
+        assert isinstance(tool, Tool)
+        out.append(replace(tool, name=namespaced_name(ns, tool.name), namespace=ns, local_name=tool.name))
+    return out
+
+
+def _named(tools: list[Tool], tc: dict[str, Any], where: str) -> str:
+    """The flat name of the tool a ``tool_choice`` / ``allowed_tools`` entry names (with its
+    ``namespace``, or a namespace's function named alone when that is unambiguous)."""
+    name, ns = tc.get("name"), tc.get("namespace")
+    if not isinstance(name, str):
+        raise BadRequest(f"'{where}.name' must be a string", param=f"{where}.name")
+    if isinstance(ns, str) and ns:
+        return namespaced_name(ns, name)
+    if any(t.name == name for t in tools):
+        return name
+    inner = [t.name for t in tools if t.local_name == name]
+    return inner[0] if len(inner) == 1 else name
+
+
+def _tools(request: Request, body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
+    tools = tool_list(body, lambda t, where: _tool(request, t, where))
     parallel = get_bool(body, "parallel_tool_calls", True)
     tc = body.get("tool_choice", "auto")
     if tc is None:
@@ -163,10 +239,31 @@ def _tools(body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
     if tc in ("none", "auto", "required"):
         return tools, choose(tools, tc, None, parallel, "tool_choice")
     if isinstance(tc, dict) and tc.get("type") in ("function", "custom"):
-        return tools, choose(tools, "named", tc.get("name"), parallel, "tool_choice")
-    raise BadRequest("'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\" | \"custom\", "
-                     "\"name\": ...}",
+        return tools, choose(tools, "named", _named(tools, tc, "tool_choice"), parallel, "tool_choice")
+    if isinstance(tc, dict) and tc.get("type") == "allowed_tools":
+        return _allowed_tools(tools, tc, parallel)
+    if isinstance(tc, dict) and isinstance(tc.get("type"), str) and tc["type"] not in _RUNNABLE:
+        # a built-in tool forced (web_search, file_search, mcp, ...): it was set aside with the tools
+        set_aside(request.state, "tool_choice", tc["type"], "names a hosted built-in tool; served with 'auto'")
+        return tools, choose(tools, "auto", None, parallel, "tool_choice")
+    raise BadRequest("'tool_choice' must be 'none', 'auto', 'required', {\"type\": \"function\" | \"custom\", "
+                     "\"name\": ...} or {\"type\": \"allowed_tools\", ...}",
                      param="tool_choice")
+
+
+def _allowed_tools(tools: list[Tool], tc: dict[str, Any], parallel: bool) -> tuple[list[Tool], ToolChoice]:
+    """``{"type": "allowed_tools", "mode": "auto" | "required", "tools": [...]}``: only the
+    listed tools are offered (a listed built-in tool was set aside with the tools)."""
+    mode = tc.get("mode", "auto")
+    if mode not in ("auto", "required"):
+        raise BadRequest("'tool_choice.mode' must be 'auto' or 'required'", param="tool_choice.mode")
+    listed = tc.get("tools")
+    if not isinstance(listed, list) or not all(isinstance(x, dict) for x in listed):
+        raise BadRequest("'tool_choice.tools' must be an array of tool references", param="tool_choice.tools")
+    names = {_named(tools, x, f"tool_choice.tools[{i}]") for i, x in enumerate(listed)
+             if x.get("type") in ("function", "custom")}
+    allowed = [t for t in tools if t.name in names]
+    return allowed, choose(allowed, mode, None, parallel, "tool_choice")
 
 
 def _text_format(body: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
@@ -194,7 +291,7 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
 
 def _parse(request: Request, body: dict[str, Any]) -> _Request:
     pool: Pool = request.app.state.pool
-    model = get_str(body, "model")
+    model = model_of(body, pool.config.default_name(), pool.config.ids())
     slot = pool.get(model)
     label_request(request, slot.model.name)
     _refuse_unsupported(body)
@@ -211,7 +308,7 @@ def _parse(request: Request, body: dict[str, Any]) -> _Request:
     history += _input_turns(body["input"])
     instructions = get_str(body, "instructions", None)
     turns = ([ChatTurn("system", instructions)] if instructions else []) + history
-    tools, choice = _tools(body)
+    tools, choice = _tools(request, body)
     text_schema, fmt = _text_format(body)
     prep = prepare(slot, turns, tools, choice, text_schema, "text.format", messages_param="input")
     echo = {k: body[k] for k in _ECHO if body.get(k) is not None}
@@ -222,7 +319,8 @@ def _parse(request: Request, body: dict[str, Any]) -> _Request:
     echo["metadata"] = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
     echo["store"] = get_bool(body, "store", True)
     echo["background"] = get_bool(body, "background", False)
-    return _Request(model, slot, history, prep, echo, _logprobs_wanted(body))
+    return _Request(model, slot, history, prep, echo, _logprobs_wanted(body),
+                    {t.name: t for t in tools if t.namespace})
 
 
 def _logprobs_wanted(body: dict[str, Any]) -> int | None:
@@ -261,12 +359,13 @@ def _logprobs(req: _Request, tokens: list[Token]) -> list[dict[str, Any]]:
     return [openai_logprob(p, req.n_top) for p in token_probs(tokens, req.n_top)]
 
 
-def _call_item(c: ToolCall, status: str, arguments: str | None = None) -> dict[str, Any]:
+def _call_item(req: _Request, c: ToolCall, status: str, arguments: str | None = None) -> dict[str, Any]:
     text = c.arguments if arguments is None else arguments
+    names = req.call_names(c)
     if c.custom:
-        return {"type": "custom_tool_call", "id": "ctc_" + c.id.split("_", 1)[1], "call_id": c.id, "name": c.name,
+        return {"type": "custom_tool_call", "id": "ctc_" + c.id.split("_", 1)[1], "call_id": c.id, **names,
                 "input": text, "status": status}
-    return {"type": "function_call", "id": "fc_" + c.id.split("_", 1)[1], "call_id": c.id, "name": c.name,
+    return {"type": "function_call", "id": "fc_" + c.id.split("_", 1)[1], "call_id": c.id, **names,
             "arguments": text, "status": status}
 
 
@@ -325,7 +424,7 @@ async def create(request: Request) -> Response:
         out = parser.read([*(t.text for t in tokens), done.text])
         status = "incomplete" if done.finish_reason == "length" else "completed"
         if out.content is None:
-            ans.output = [_call_item(c, "completed") for c in out.calls]
+            ans.output = [_call_item(req, c, "completed") for c in out.calls]
         if not ans.output:
             ans.output = [_message_item(mid, out.content or "", status, _logprobs(req, tokens))]
         return JSONResponse(ans.finish(request, done, out.calls, out.content))
@@ -370,7 +469,7 @@ async def create(request: Request) -> Response:
                delta=text, logprobs=list(pending_lp))
             pending_lp.clear()
         for c in calls:
-            ans.output.append(_call_item(c, "in_progress", ""))
+            ans.output.append(_call_item(req, c, "in_progress", ""))
             idx = len(ans.output) - 1
             item_id = ans.output[idx]["id"]
             ev("response.output_item.added", output_index=idx, item=ans.output[idx])
@@ -380,8 +479,8 @@ async def create(request: Request) -> Response:
             else:
                 ev("response.function_call_arguments.delta", item_id=item_id, output_index=idx, delta=c.arguments)
                 ev("response.function_call_arguments.done", item_id=item_id, output_index=idx,
-                   arguments=c.arguments, name=c.name)
-            ans.output[idx] = _call_item(c, "completed")
+                   arguments=c.arguments, **req.call_names(c))
+            ans.output[idx] = _call_item(req, c, "completed")
             ev("response.output_item.done", output_index=idx, item=ans.output[idx])
 
     def start() -> None:

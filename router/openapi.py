@@ -23,7 +23,7 @@ from router.llamacpp_router import build_info
 from router.responses import JSONResponse
 
 #: Path prefixes of routes that are not part of the client API.
-PRIVATE_PREFIXES = ("/admin/", "/openapi.json")
+PRIVATE_PREFIXES = ("/admin/", "/openapi.json", "/ui")  # /ui: the status page (router.status_page)
 
 _PARAM = re.compile(r"{([^}:]+)(?::[^}]+)?}")
 
@@ -83,8 +83,11 @@ def document(routes: list[BaseRoute], models: list[str]) -> dict[str, Any]:
 
 
 async def openapi_json(request: Request) -> Response:
-    """The OpenAPI document of this router's public routes."""
-    return JSONResponse(document(request.app.routes, list(request.app.state.config.models)))
+    """The OpenAPI document of this router's public routes; ``model`` lists every name a client may
+    use now (names, aliases, presets, models found in models_dir since the last rescan)."""
+    pool = getattr(request.app.state, "pool", None)
+    names = pool.config.ids() if pool is not None else list(request.app.state.config.models)
+    return JSONResponse(document(request.app.routes, names))
 
 
 routes = [Route("/openapi.json", openapi_json, methods=["GET"])]

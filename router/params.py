@@ -90,6 +90,7 @@ async def read_json(request: Request) -> dict[str, Any]:
         if where is not None:
             raise BadRequest(f"'{where or 'body'}' holds a lone UTF-16 surrogate escape (\\ud800-\\udfff "
                              "without its pair): not valid Unicode text", param=where or None)
+    request.state.json_body = data  # the shared generation path reads keep_alive / ttl from it
     return data
 
 
@@ -150,6 +151,19 @@ def get_str(body: dict[str, Any], key: str, default: Any = _MISSING) -> Any:
     if not isinstance(v, str):
         raise BadRequest(f"'{key}' must be a string, got {json_type(v)}", param=key)
     return v
+
+
+def model_of(body: dict[str, Any], default: str | None, ids: list[str]) -> str:
+    """``body["model"]``; when it is absent, null or "", ``default`` (``Config.default_name``:
+    ``[server] default_model`` or the only configured model), as llama-server serves its model
+    to a request that names none. Raises BadRequest (param "model") when there is no default."""
+    name = get_str(body, "model", None)
+    if name:
+        return str(name)
+    if default is None:
+        raise BadRequest(f"'model' is required (no [server] default_model is set and several models are "
+                         f"configured); available models: {', '.join(ids)}", param="model")
+    return default
 
 
 def get_bool(body: dict[str, Any], key: str, default: bool) -> bool:

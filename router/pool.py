@@ -49,19 +49,21 @@ the worker is not refused — it waits and starts the model again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import math
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import zmq.asyncio
 
-from protocol import Ping, Pong
+from protocol import Ping, Pong, Ready
 from router.backoff import CrashHistory, CrashPolicy, Failure
 from router.config import Config, ModelConfig
 from router.events import EventHub
@@ -132,6 +134,8 @@ class ModelSlot:
         self._unload_task: asyncio.Task[None] | None = None
         self._ping_task: asyncio.Task[None] | None = None
         self._idle_task: asyncio.Task[None] | None = None
+        self._keep_alive: float | None = None  # the last request's keep_alive (s; inf: forever); None: idle_ttl_s
+        self._idle_wake = asyncio.Event()  # the idle loop re-reads activity and its TTL
         self._last_active = time.monotonic()  # last admission / finished request / load (monotonic s)
         self._idle_unloading = False  # the current drain is an idle unload: new requests wait, then reload
         self._changed = asyncio.Event()  # set whenever running/state changes (drain waits on it)
@@ -140,6 +144,14 @@ class ModelSlot:
         self._reload_task: asyncio.Task[float] | None = None  # begin_load during an idle unload
         self._placement: asyncio.Future[None] | None = None  # set while waiting for a place (Pool._place)
         self._placement_holders = 0  # ready_worker callers waiting on it (they hold no ticket)
+        # requests without a ticket (tokenize, props, ...) waiting for the worker or calling it
+        # (ready_worker, use): like a waiting or running request, they keep the model from being
+        # idle, so a later request for another model never evicts the one they wait for
+        self._users = 0
+        # unloaded for idleness (idle_ttl_s): llama-server's "sleeping" (--sleep-idle-seconds); the
+        # next generation wakes it (loads it again), read-only routes (/props, /health) do not
+        self.asleep = False
+        self.last_ready: Ready | None = None  # the last worker's Ready (its n_ctx, slots), kept while asleep
         self._placement_sticky = False  # an operator asked for the load: wanted even with nobody waiting
         self.waiting_for: str | None = None  # why the wanted load has not started (placement)
         self.rss_after_load: int | None = None  # the last worker's RSS right after Ready, bytes
@@ -250,6 +262,9 @@ class ModelSlot:
             "last_error": self.last_error,
             "unload_reason": self.unload_reason,
             "idle_ttl_s": self.model.idle_ttl_s,
+            "keep_alive_s": (None if self._keep_alive is None else -1 if math.isinf(self._keep_alive)
+                             else self._keep_alive),
+            "expires_at": self.expires_at(),
             "blas_threads": self.blas_threads,
             "last_exit_code": self.last_exit_code,
             "condition": self.condition(),
@@ -268,6 +283,35 @@ class ModelSlot:
         }
 
     # ------------------------------------------------------------------ placement facts
+
+    def expires_at(self) -> float | None:
+        """Unix time the idle unload is due (``idle_ttl_s`` after the last activity), while the
+        model is ready and idle; None when it has no TTL, is busy or is not loaded."""
+        ttl = self.idle_ttl()
+        if ttl is None or self.state is not WorkerState.READY or self._running or self.queue_depth > 0:
+            return None
+        return time.time() + max(0.0, self._last_active + ttl - time.monotonic())
+
+    def idle_ttl(self) -> float | None:
+        """The idle time-to-live in force, s: the last request's keep_alive (router.keep_alive),
+        else the config's ``idle_ttl_s``; None: never unloaded for idleness (pinned, a TTL of 0
+        in the config, or a keep_alive of "until unloaded")."""
+        if self.model.pinned:
+            return None
+        if self._keep_alive is not None:
+            return None if math.isinf(self._keep_alive) else self._keep_alive
+        return self.model.idle_ttl_s if self.model.idle_ttl_s > 0 else None
+
+    def set_keep_alive(self, seconds: float | None) -> None:
+        """A generation request's keep_alive (s; inf: until unloaded; None: it set none, the
+        config's ``idle_ttl_s`` again) decides the idle TTL from now on, as Ollama's each request
+        does; 0 unloads the model once it has nothing running or waiting."""
+        self._keep_alive = seconds
+        self._idle_wake.set()
+        wp = self.worker
+        if (self._idle_task is None and wp is not None and self.state is WorkerState.READY
+                and self.idle_ttl() is not None):
+            self._idle_task = asyncio.create_task(self._idle_loop(wp), name=f"idle-{self.model.name}")
 
     def estimate(self) -> Estimate:
         """What this model will take once loaded (router.placement.estimate)."""
@@ -289,7 +333,8 @@ class ModelSlot:
         if self.state not in (WorkerState.LOADING, *LOADED, WorkerState.DRAINING):
             return None
         return Seat(name=self.model.name, state=self.state.value,
-                    idle=self.state is WorkerState.READY and not self._running and self.queue_depth == 0,
+                    idle=(self.state is WorkerState.READY and not self._running and self.queue_depth == 0
+                          and self._users == 0),
                     pinned=self.model.pinned, last_active=self._last_active,
                     rss=self._sample_rss(self.worker or self._loading_worker) or 0,
                     estimate=self.estimate().total)
@@ -377,6 +422,7 @@ class ModelSlot:
             del self._running[ticket.id]
             self.last_used = time.time()
             self._last_active = time.monotonic()
+            self._idle_wake.set()
             if not self._running:
                 self._pool.share_cores()
         self._changed.set()
@@ -602,7 +648,13 @@ class ModelSlot:
 
     # ------------------------------------------------------------------ loading
 
+    @property
+    def sleeping(self) -> bool:
+        """Unloaded for idleness and not woken since (llama-server's ``is_sleeping``)."""
+        return self.asleep and self.state is WorkerState.UNLOADED
+
     def _begin_load(self) -> None:
+        self.asleep = False
         if self._crashed:
             self._crashed = False
             self.metrics.restarts.labels(self.model.name).inc()
@@ -672,7 +724,9 @@ class ModelSlot:
         self.worker = wp
         self.metrics.load_time.labels(self.model.name).observe(time.monotonic() - t0)
         self.load_ms = ready.load_ms
+        self.last_ready = ready
         self.loaded_at = time.time()
+        self.unload_reason = None  # it is loaded again: the last unload's reason no longer describes it
         self.last_exit_code = None
         self._set_state(WorkerState.READY)
         self.rss_after_load = self._sample_rss(wp)
@@ -685,7 +739,7 @@ class ModelSlot:
         if self.model.ping_interval_s > 0:
             self._ping_task = asyncio.create_task(self._ping_loop(wp), name=f"ping-{self.model.name}")
         self._last_active = time.monotonic()
-        if self.model.idle_ttl_s > 0 and not self.model.pinned:
+        if self.idle_ttl() is not None:
             self._idle_task = asyncio.create_task(self._idle_loop(wp), name=f"idle-{self.model.name}")
         self._pool.share_cores()
         self._pump()
@@ -780,18 +834,28 @@ class ModelSlot:
         last activity (a finished request moves it), so the unload comes
         ``idle_ttl_s`` after the last request finished, not later.
         """
-        ttl = self.model.idle_ttl_s
         while self.worker is wp and self.state in LOADED:
+            ttl = self.idle_ttl()  # a request's keep_alive may change it
+            if ttl is None:
+                break
             busy = bool(self._running) or self.queue_depth > 0 or self.state is not WorkerState.READY
             left = self._last_active + ttl - time.monotonic()
             if busy or left > 0:
-                await asyncio.sleep(ttl if busy else left)
+                self._idle_wake.clear()  # set by a release or a new keep_alive
+                try:
+                    await asyncio.wait_for(self._idle_wake.wait(), max(ttl, 1.0) if busy else left)
+                except TimeoutError:
+                    pass
                 continue
             # idle for ttl: check and state change in one step (no await in between)
             self._idle_task = None
             self._idle_unloading = True
-            self._unload_task = self._start_unload(drain=True, reason=f"idle for {ttl:g} s (idle_ttl_s)")
+            self.asleep = True
+            why = "keep_alive" if self._keep_alive is not None else "idle_ttl_s"
+            self._unload_task = self._start_unload(drain=True, reason=f"idle for {ttl:g} s ({why})")
             return
+        if self._idle_task is asyncio.current_task():
+            self._idle_task = None
 
     def _cancel_watchers(self) -> None:
         for task in (self._ping_task, self._idle_task):  # the idle loop clears its own before unloading
@@ -842,12 +906,36 @@ class ModelSlot:
         if self.state is WorkerState.FAILED and self.queue_depth > 0 and not self._pool.closing:
             self._want_load()
 
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Within the block the model is not idle: a one-shot call to its worker (tokenize,
+        apply-template, ...; it gets the worker with :meth:`ready_worker` inside) is not cut
+        off by an eviction for another model while it waits for the load or for its answer."""
+        self._users += 1
+        try:
+            yield
+        finally:
+            self._user_left()
+
+    def _user_left(self) -> None:
+        self._users -= 1
+        if self._users == 0:
+            self._pool.place()  # this model may have become idle: evictable for a waiting one
+
     async def ready_worker(self, *, operator: bool = False) -> WorkerProcess:
         """The ready worker, starting it and waiting for its load if needed (for
         requests that do not take a job slot: tokenize, detokenize, apply-template,
-        admin load with ``operator``). Raises ModelUnloading (draining, or unloaded while
-        the load it waited for ran), ModelLoadFailed,
+        admin load with ``operator``). While it waits the model is not idle (placement never
+        evicts it for a later request: FIFO, as llama-server's router). Raises ModelUnloading
+        (draining, or unloaded while the load it waited for ran), ModelLoadFailed,
         RestartBackoff / ModelFailed (crash backoff; never for an operator)."""
+        self._users += 1
+        try:
+            return await self._ready_worker(operator)
+        finally:
+            self._user_left()
+
+    async def _ready_worker(self, operator: bool) -> WorkerProcess:
         self._check_open()
         self._check_restart(operator=operator)
         self._last_active = time.monotonic()
@@ -882,6 +970,8 @@ class ModelSlot:
         Returns the worker's load time, ms. Raises ModelLoadFailed, Conflict (draining)."""
         if self._refusing() and not self._pool.closing:  # closing: ready_worker says so (503)
             raise Conflict(f"model '{self.model.name}' is being unloaded", code="model_unloading")
+        if self.state is WorkerState.UNLOADED:
+            self._keep_alive = None  # an operator's load keeps the config's idle_ttl_s until a request says otherwise
         await self.ready_worker(operator=True)
         return self.load_ms or 0.0
 
@@ -1057,6 +1147,10 @@ class Pool:
         if m is None:
             raise NotFound(f"model '{name}' not found; available models: {', '.join(self.config.ids())}",
                            param="model")
+        if m.preset is not None:  # a preset: the model's one slot, showing the preset's defaults
+            from router.presets import PresetSlot
+
+            return PresetSlot(self.slots[m.name], m)  # type: ignore[return-value]
         return self.slots[m.name]
 
     # ------------------------------------------------------------------ CPU sharing

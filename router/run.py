@@ -102,7 +102,8 @@ class Run:
             if isinstance(item, Error):
                 self._end(None)
                 self._finish()
-                raise from_worker_error(item.code, item.message)
+                raise from_worker_error(item.code, item.message, n_prompt_tokens=item.n_prompt_tokens,
+                                        n_ctx=item.n_ctx)
             if isinstance(item, Done):
                 self._end(item)
                 if item.finish_reason == "cancelled":  # stopped by the server (unload timeout)
@@ -145,6 +146,8 @@ class Run:
             m.prompt_tokens.labels(self._model).inc(done.prompt_tokens)
             m.prompt_tokens_cached.labels(self._model).inc(done.cache_n)
             m.generation_tokens.labels(self._model).inc(done.completion_tokens)
+            m.count_generation(self._model, done.prompt_n, done.prompt_ms, done.predicted_n, done.predicted_ms,
+                               done.prompt_tokens + done.completion_tokens)
 
     def _count_cancel(self) -> None:
         if not self._sent:

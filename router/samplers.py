@@ -55,8 +55,8 @@ def refuse_unimplemented(body: dict[str, Any]) -> None:
             raise BadRequest(f"'{key}' is not supported (this server's sampler has no such stage); "
                              f"leave it out or at {value}", param=key)
     if get_bool(body, "post_sampling_probs", False):
-        raise BadRequest("'post_sampling_probs' is not supported: probabilities are reported before "
-                         "sampling (log-softmax of the model's logits)", param="post_sampling_probs")
+        raise BadRequest("'post_sampling_probs' is served on /completion only: here probabilities are "
+                         "reported before sampling (log-softmax of the model's logits)", param="post_sampling_probs")
     if body.get("samplers") is not None:
         check_order(body["samplers"])
 

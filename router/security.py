@@ -20,7 +20,8 @@ CVE-2024-28224). :class:`BrowserGuard` (pure ASGI; wraps ``send`` only, never
 
 A GET that would load a model (llama.cpp's autoload: ``/props``, ``/slots``,
 ``/health?model=``) loads it only for a same-origin or same-site browser request
-or a caller that is not a browser (no ``Sec-Fetch-Site``): :func:`may_load_on_get`;
+or a caller that is not a browser (no ``Sec-Fetch-Site``, and no ``Referer`` of another
+host — what an older browser without Fetch Metadata sends): :func:`may_load_on_get`;
 a cross-site one from a listed origin gets its answer as with ``autoload=false``.
 
 Listed origins get CORS headers (``Access-Control-Allow-Origin`` with their own
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import Response
@@ -96,8 +98,18 @@ CROSS_SITE = "cross-site"
 
 
 def may_load_on_get(headers: Headers) -> bool:
-    """Whether a GET may have a side effect (load a model): not a cross-site browser request."""
-    return headers.get("sec-fetch-site", "").strip().lower() != CROSS_SITE
+    """Whether a GET may have a side effect (load a model): not a cross-site browser request —
+    ``Sec-Fetch-Site: cross-site``, or, from a browser without Fetch Metadata (Safari before
+    16.4), a ``Referer`` on another host than the request's own (a browser sends the page's
+    origin with a cross-site subresource request; curl and SDKs send none)."""
+    site = headers.get("sec-fetch-site")
+    if site is not None:
+        return site.strip().lower() != CROSS_SITE
+    referer, host = headers.get("referer"), headers.get("host")
+    if referer and host:
+        ref_host = urlsplit(referer.strip()).netloc.lower()
+        return not ref_host or ref_host == host.strip().lower()
+    return True
 
 
 class BrowserGuard:

@@ -6,7 +6,8 @@
   in the queue, during prefill, and for whole non-streaming generations.
 * :class:`SSEResponse` sends ``data: <json>\\n\\n`` events (no ``id:`` or
   ``retry:`` fields) from an async iterator, and stops — closing the iterator,
-  whose ``finally`` cancels the generation — as soon as the client disconnects.
+  whose ``finally`` cancels the generation — as soon as the client disconnects;
+  with ``X-Conversation-Id`` the stream is resumable instead (``router.stream_sessions``).
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ class SSEResponse:
             *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()),
         ]
         self._gone = False
+        if self.content_type.startswith(b"text/event-stream") and await self._resumable(scope, receive, send,
+                                                                                         headers):
+            return
         pump = asyncio.ensure_future(self._pump(send, headers))
         watcher = asyncio.ensure_future(wait_disconnect(receive))
         try:
@@ -119,6 +123,29 @@ class SSEResponse:
                 await self._aclose()
             finally:
                 self.on_close()
+
+    async def _resumable(self, scope: Scope, receive: Receive, send: Send,
+                         headers: list[tuple[bytes, bytes]]) -> bool:
+        """With ``X-Conversation-Id`` (llama-server's resumable streams, ``router.stream_sessions``):
+        the events run into the conversation's session to their end whatever this connection
+        does, and this response reads them from there. False: no session (a plain stream)."""
+        from router import stream_sessions  # it imports router.params, which imports this module
+
+        cid = stream_sessions.conversation_id(scope)
+        store = stream_sessions.store_of(scope) if cid else None
+        session = store.create(cid) if store is not None else None
+        if session is None:
+            return False
+
+        async def close() -> None:
+            try:
+                await self._aclose()
+            finally:
+                self.on_close()
+
+        stream_sessions.produce(session, self.events, close)
+        await stream_sessions.serve(session, 0, receive, send, headers)
+        return True
 
     async def _aclose(self) -> None:
         aclose = getattr(self.events, "aclose", None)

@@ -130,6 +130,12 @@ class Tool:
     parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
     custom: bool = False
     grammar: tuple[str, str] | None = None
+    namespace: str | None = None  # a Responses namespace's function: ``name`` is its flat name
+    local_name: str | None = None  # ... and this its name inside the namespace
+
+    def client_name(self) -> tuple[str | None, str]:
+        """(namespace, name) as the client named it: (None, ``name``) for a plain tool."""
+        return (self.namespace, self.local_name or self.name) if self.namespace else (None, self.name)
 
     def as_json(self) -> dict[str, Any]:
         if not self.custom:
@@ -137,6 +143,19 @@ class Tool:
         shape = "free text" if self.grammar is None else f"text matching this {self.grammar[0]} grammar: " \
             + self.grammar[1]
         return {"name": self.name, "description": self.description, "input": shape}
+
+
+#: Joins a namespace and a function's name into the one flat name the model sees.
+NAMESPACE_SEP = "__"
+
+
+def namespaced_name(namespace: str, name: str) -> str:
+    """The flat name of function ``name`` of Responses namespace ``namespace`` (e.g. Codex's
+    ``multi_agent_v1`` + ``spawn_agent`` -> ``multi_agent_v1__spawn_agent``): the form Codex
+    itself uses where a boundary cannot keep the split (``ToolName::canonical_flat_name``,
+    underscores around the separator trimmed). The model sees and calls this name; the
+    dialect hands the call back split (``name`` + ``namespace``)."""
+    return f"{namespace.rstrip('_')}{NAMESPACE_SEP}{name.lstrip('_')}"
 
 
 @dataclass(frozen=True)
@@ -156,13 +175,17 @@ class ChatTurn:
 
     ``role``: system | user | assistant | tool. ``content``: its text.
     ``tool_calls``: the calls an assistant turn made. ``tool_call_id`` / ``name``:
-    which call a tool turn answers (``name`` found from the id when not given)."""
+    which call a tool turn answers (``name`` found from the id when not given).
+    ``reasoning``: an assistant turn's reasoning (OpenAI's ``reasoning_content``, Anthropic's
+    ``thinking`` blocks), given to the template as the message's ``reasoning_content`` as
+    llama.cpp does (a reasoning template renders it or leaves it out; others ignore it)."""
 
     role: str
     content: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning: str | None = None
 
 
 def render_call(name: str, arguments: str, custom: bool = False) -> str:
@@ -210,19 +233,22 @@ def render_messages(turns: list[ChatTurn], tools: list[Tool] | None = None,
     names: dict[str, str] = {}
     out: list[dict[str, Any]] = []
 
-    def push(role: str, text: str) -> None:
+    def push(role: str, text: str, reasoning: str | None = None) -> None:
         if out and out[-1]["role"] == role and role != "system":
             prev = out[-1]["content"]
             out[-1]["content"] = f"{prev}\n\n{text}" if prev and text else prev + text
         else:
             out.append({"role": role, "content": text})
+        if reasoning is not None:
+            had = out[-1].get("reasoning_content")
+            out[-1]["reasoning_content"] = f"{had}\n\n{reasoning}" if had else reasoning
 
     for k, t in enumerate(turns):
         if t.role == "assistant":
             for c in t.tool_calls:
                 names[c.id] = c.name
             calls = "".join(render_call(c.name, c.arguments, c.custom) for c in t.tool_calls)
-            push("assistant", "\n".join(p for p in (t.content, calls) if p))
+            push("assistant", "\n".join(p for p in (t.content, calls) if p), t.reasoning)
         elif t.role == "tool":
             name = t.name or names.get(t.tool_call_id or "", "") or "tool"
             text = f"{RESULT_HEAD.format(name=name)}\n{t.content}"
@@ -264,12 +290,16 @@ def _native_messages(turns: list[ChatTurn], syntax: ToolSyntax) -> list[dict[str
             out.append({"role": "assistant", "content": t.content or None, "tool_calls": [
                 {"id": _template_call_id(c.id, syntax), "type": "function",
                  "function": {"name": c.name, "arguments": _args_object(c.arguments)}} for c in t.tool_calls]})
+            if t.reasoning is not None:
+                out[-1]["reasoning_content"] = t.reasoning
         elif t.role == "tool":
             ident = t.tool_call_id or ""
             out.append({"role": "tool", "content": t.content, "tool_call_id": _template_call_id(ident, syntax),
                         "name": t.name or names.get(ident, "") or "tool"})
         else:
             out.append({"role": t.role, "content": t.content})
+            if t.role == "assistant" and t.reasoning is not None:
+                out[-1]["reasoning_content"] = t.reasoning
     return out
 
 

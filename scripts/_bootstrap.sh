@@ -10,9 +10,26 @@ if [ ! -x .venv/bin/python ]; then
 fi
 STAMP=.venv/.modelyard-installed
 if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
-    echo "[setup] installing modelyard and its dependencies into .venv"
+    echo "[setup] installing modelyard and its dependencies into .venv (~1-2 min and ~600 MB on a fresh machine; the full log: .venv/pip-install.log)"
     .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-    .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+    # one line per package as pip gets it (pip -q says nothing for a minute or more); on failure, the log's end
+    if ! .venv/bin/python -m pip install --disable-pip-version-check -e '.[dev]' > .venv/pip-install.log 2>&1 < /dev/null; then
+        tail -n 30 .venv/pip-install.log >&2
+        echo "[setup] pip install failed (full log: .venv/pip-install.log)" >&2
+        exit 1
+    fi &
+    PIP_PID=$!
+    SHOWN=0
+    while kill -0 "$PIP_PID" 2> /dev/null; do
+        sleep 5
+        N=$(grep -c '^Collecting' .venv/pip-install.log 2> /dev/null || true)
+        if [ "${N:-0}" != "$SHOWN" ]; then
+            echo "[setup]   $N packages resolved so far (latest: $(grep '^Collecting' .venv/pip-install.log | tail -n 1 | cut -d' ' -f2))"
+            SHOWN=$N
+        fi
+    done
+    wait "$PIP_PID"
+    grep '^Successfully installed' .venv/pip-install.log | cut -c1-200 | sed 's/^/[setup]   /' || true
     touch "$STAMP"
 else
     echo "[setup] .venv is up to date"
@@ -32,7 +49,7 @@ if [ "${MODELYARD_COMPILE_KERNELS:-1}" != "0" ]; then
     KWANT="numba cache: ${NUMBA_CACHE_DIR:-worker/engine/__pycache__}"
     if [ ! -f "$KSTAMP" ] || [ "$(cat "$KSTAMP")" != "$KWANT" ] || [ "$STAMP" -nt "$KSTAMP" ] \
             || [ -n "$(find worker/engine -name '*.py' -newer "$KSTAMP")" ]; then
-        echo "[setup] quantized path's kernels: compiling what numba's disk cache lacks (~40 s the first time in a checkout)"
+        echo "[setup] quantized path's kernels: compiling what numba's disk cache lacks (the first time in a checkout: ~1 min of one core on an idle machine, 2-3 min on a busy one; progress every 15 s)"
         if .venv/bin/python scripts/compile_kernels.py; then
             echo "$KWANT" > "$KSTAMP"
         fi

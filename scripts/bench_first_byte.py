@@ -2,11 +2,12 @@
 """Time to the first SSE byte vs time to the first token, per dialect, on a long prompt.
 
     .venv/bin/python scripts/bench_first_byte.py [--model gemma-3-270m] [--tokens 16000]
-        [--n-ctx 32768] [--runs 1]
+        [--n-ctx 32768] [--runs 1] [--routes /api/chat,/api/generate]
 
 Starts ``modelyard serve`` on a temporary config (the shipped model file, ``n_ctx``
 large enough), loads the model, then for each streaming dialect — chat completions,
-completions, Responses, Anthropic Messages, ``/completion`` — sends a prompt of about
+completions, Responses, Anthropic Messages, ``/completion``, Ollama's ``/api/chat`` and
+``/api/generate`` (NDJSON: one event a line) — sends a prompt of about
 ``--tokens`` tokens (a different one each time, so no prefix cache helps) and reports,
 from the moment the request was sent: the first byte of the response body (the
 stream's opening event or a keep-alive), and the first token. With streams opened at
@@ -35,7 +36,8 @@ WORDS = ("river city market bridge stone garden winter harbor lantern music orch
          "library mountain village letter candle meadow thunder").split()
 
 #: route -> (body, is the event a token?)
-DIALECTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/completion")
+DIALECTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/completion",
+            "/api/chat", "/api/generate")
 
 
 def _free_port() -> int:
@@ -59,11 +61,19 @@ def _body(route: str, model: str, text: str) -> dict[str, object]:
         return {"model": model, "input": msgs, "max_output_tokens": 4, "stream": True}
     if route == "/v1/completions":
         return {"model": model, "prompt": text, "max_tokens": 4, "stream": True}
+    if route == "/api/chat":  # Ollama: streams by default
+        return {"model": model, "messages": msgs, "options": {"num_predict": 4}}
+    if route == "/api/generate":
+        return {"model": model, "prompt": text, "options": {"num_predict": 4}}
     return {"model": model, "prompt": text, "n_predict": 4, "stream": True}
 
 
 def _is_token(route: str, event: bytes) -> bool:
     s = event.decode("utf-8", "replace")
+    if route.startswith("/api/"):  # an NDJSON line; the opening and keep-alive lines carry no text
+        obj = json.loads(s)
+        return bool(obj.get("response") or (obj.get("message") or {}).get("content")
+                    or (obj.get("message") or {}).get("tool_calls") or obj.get("done"))
     if route == "/v1/messages":
         return "content_block_delta" in s
     if route == "/v1/responses":
@@ -75,18 +85,23 @@ def _is_token(route: str, event: bytes) -> bool:
     return '"content":"' in s and s.startswith("data: {")
 
 
-def measure(url: str, route: str, body: dict[str, object]) -> tuple[float, float]:
+def measure(url: str, route: str, body: dict[str, object], first_byte_only: bool = False) -> tuple[float, float]:
+    """(first byte s, first token s) of one streamed request; ``first_byte_only``: the stream is
+    closed at its first byte (the request is cancelled, no prefill waited for; first token nan)."""
     t0 = time.monotonic()
     first_byte = first_token = float("nan")
+    sep = b"\n" if route.startswith("/api/") else b"\n\n"  # NDJSON lines, SSE events
     with httpx.stream("POST", url + route, json=body, timeout=600) as r:
         r.raise_for_status()
         buf = b""
         for data in r.iter_raw():
             if first_byte != first_byte:
                 first_byte = time.monotonic() - t0
+                if first_byte_only:
+                    break
             buf += data
-            while b"\n\n" in buf:
-                ev, buf = buf.split(b"\n\n", 1)
+            while sep in buf:
+                ev, buf = buf.split(sep, 1)
                 if first_token != first_token and _is_token(route, ev):
                     first_token = time.monotonic() - t0
     return first_byte, first_token
@@ -98,6 +113,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16000)
     ap.add_argument("--n-ctx", type=int, default=32768)
     ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--routes", default=",".join(DIALECTS), help="comma-separated routes to measure")
+    ap.add_argument("--first-byte-only", action="store_true",
+                    help="close each stream at its first byte (cancels it: no prefill waited for)")
     args = ap.parse_args()
     import tomllib
 
@@ -123,10 +141,10 @@ def main() -> None:
         print(f"{args.model}, prompt ~{args.tokens} tokens, n_ctx {args.n_ctx}; load average {os.getloadavg()}")
         print(f"{'route':24} {'first byte s':>13} {'first token s':>14}")
         seed = 0
-        for route in DIALECTS:
+        for route in args.routes.split(","):
             for _ in range(args.runs):
                 seed += 1
-                fb, ft = measure(url, route, _body(route, args.model, _text(args.tokens, seed)))
+                fb, ft = measure(url, route, _body(route, args.model, _text(args.tokens, seed)), args.first_byte_only)
                 print(f"{route:24} {fb:13.3f} {ft:14.3f}", flush=True)
         print(f"load average {os.getloadavg()}")
     finally:

@@ -20,6 +20,7 @@ Exit status 0 on success, 1 on failure (numba's error on stderr).
 from __future__ import annotations
 
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -27,9 +28,37 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+#: Seconds between two progress lines while compiling.
+PROGRESS_S = 15.0
+
+
+def _counts(mods: tuple[object, ...]) -> tuple[int, int]:
+    """(signatures compiled, loaded from the cache) so far, from numba's dispatcher stats."""
+    hits = misses = 0
+    for mod in mods:
+        for obj in list(vars(mod).values()):
+            stats = getattr(obj, "stats", None)
+            if stats is not None and hasattr(stats, "cache_hits"):
+                hits += sum(dict(stats.cache_hits).values())
+                misses += sum(dict(stats.cache_misses).values())
+    return misses, hits
+
+
+def _ticker(t0: float, done: threading.Event) -> None:
+    """A line every PROGRESS_S while compiling: a silent minute looks like a hang."""
+    while not done.wait(PROGRESS_S):
+        mods = tuple(m for m in (sys.modules.get("worker.engine.quant_kernels"),
+                                 sys.modules.get("worker.engine.attn_kernels")) if m is not None)
+        misses, hits = _counts(mods)
+        print(f"[setup]   still compiling kernels: {time.perf_counter() - t0:.0f} s, {misses} signatures "
+              f"compiled and {hits} loaded so far", flush=True)
+
+
 def main() -> int:
     sys.path.insert(0, str(ROOT))
     t0 = time.perf_counter()
+    done = threading.Event()
+    threading.Thread(target=_ticker, args=(t0, done), daemon=True).start()
     try:
         from worker.engine import attn_kernels, compile_kernels, quant_kernels
 
@@ -38,13 +67,9 @@ def main() -> int:
         traceback.print_exc()
         print("[setup] compiling the quantized kernels FAILED (a quantized load will try again)", file=sys.stderr)
         return 1
-    hits = misses = 0
-    for mod in (quant_kernels, attn_kernels):
-        for obj in vars(mod).values():
-            stats = getattr(obj, "stats", None)
-            if stats is not None and hasattr(stats, "cache_hits"):
-                hits += sum(stats.cache_hits.values())
-                misses += sum(stats.cache_misses.values())
+    finally:
+        done.set()
+    misses, hits = _counts((quant_kernels, attn_kernels))
     print(f"[setup] quantized kernels ready in {time.perf_counter() - t0:.1f} s "
           f"({misses} signatures compiled, {hits} loaded from numba's cache)")
     return 0

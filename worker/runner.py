@@ -64,6 +64,12 @@ from worker.threads import apply_blas_threads
 
 log = logging.getLogger("modelyard.worker")
 
+
+def error_frame(request_id: str, e: EngineError) -> Error:
+    """The Error frame of an engine failure: its code and message, and for a context overflow the
+    prompt's tokens and the context size (``n_prompt_tokens`` / ``n_ctx``, as llama-server gives them)."""
+    return Error(id=request_id, code=e.code, message=e.message, n_prompt_tokens=e.n_prompt_tokens, n_ctx=e.n_ctx)
+
 __all__ = [
     "BatchRunner", "FrameOut", "Job", "JobFinished", "LoadFailed", "LoadStep", "Loaded", "Persisted", "RunnerEvent",
     "RunnerSnapshot", "StateOut", "cancelled_done", "check_generate", "sampling_params",
@@ -197,7 +203,7 @@ def check_generate(g: Generate, n_vocab: int | None = None) -> Error | None:
         if n_vocab is not None:
             params.validated(n_vocab)
     except EngineError as e:
-        return Error(id=g.id, code=e.code, message=e.message)
+        return error_frame(g.id, e)
     if n_vocab is not None and isinstance(g.prompt, list):
         if not g.prompt:
             return Error(id=g.id, code=ErrorCode.EMPTY_PROMPT, message="the prompt is empty (no token ids)")
@@ -235,6 +241,7 @@ def sampling_params(g: Generate) -> SamplingParams:
         min_p=g.min_p, repeat_penalty=g.repeat_penalty, repeat_last_n=g.repeat_last_n,
         presence_penalty=g.presence_penalty, frequency_penalty=g.frequency_penalty, seed=g.seed,
         logit_bias=_bias_pairs(g.logit_bias), stop=list(g.stop), n_probs=g.n_probs,
+        post_sampling_probs=g.post_sampling_probs,
         ignore_eos=g.ignore_eos, add_special=g.add_special, parse_special=g.parse_special,
         cache_prompt=g.cache_prompt, json_schema=g.json_schema, grammar=g.grammar,
     )
@@ -505,9 +512,10 @@ class BatchRunner:
             if isinstance(msg, Detokenize):
                 return DetokenizeResult(id=msg.id, content=str(eng.detokenize(msg.tokens.tolist())))
             return ApplyTemplateResult(id=msg.id, prompt=str(eng.apply_template(
-                msg.messages, add_generation_prompt=msg.add_generation_prompt, tools=msg.tools)))
+                msg.messages, add_generation_prompt=msg.add_generation_prompt, tools=msg.tools,
+                template_kwargs=msg.template_kwargs, chat_template=msg.chat_template)))
         except EngineError as e:
-            return Error(id=msg.id, code=e.code, message=e.message)
+            return error_frame(msg.id, e)
         except Exception as e:  # noqa: BLE001 - a request never kills the worker
             log.error("%s %s failed:\n%s", msg.TYPE, msg.id, traceback.format_exc())
             return Error(id=msg.id, code=INTERNAL_ERROR, message=f"{type(e).__name__}: {e}"[:1000])
@@ -520,13 +528,14 @@ class BatchRunner:
             params = sampling_params(g)
             prompt: str | list[int]
             if g.messages is not None:
-                prompt = engine.tokenize_chat(g.messages, tools=g.tools)
+                prompt = engine.tokenize_chat(g.messages, tools=g.tools, template_kwargs=g.template_kwargs,
+                                              chat_template=g.chat_template)
             else:
                 assert g.prompt is not None
                 prompt = g.prompt
             ids, p = engine.prepare(prompt, params)
         except EngineError as e:
-            return job, None, Error(id=g.id, code=e.code, message=e.message), None
+            return job, None, error_frame(g.id, e), None
         return job, ids, p, self._disk_state(ids, p)
 
     def _disk_state(self, ids: list[int], params: Any) -> Any:
@@ -577,7 +586,7 @@ class BatchRunner:
                                                      ms=(time.perf_counter() - op.t0) * 1e3)))
             except Exception as e:  # noqa: BLE001 - a request never kills the worker
                 if isinstance(e, EngineError):
-                    err = Error(id=msg.id, code=e.code, message=e.message)
+                    err = error_frame(msg.id, e)
                 elif isinstance(e, OSError):
                     err = Error(id=msg.id, code=INTERNAL_ERROR,
                                 message=f"cannot write {msg.filename!r}: {e.strerror or e}"[:1000])
@@ -737,7 +746,7 @@ class BatchRunner:
                 engine.add(sid, run.ids, params, on_token, job.cancel.is_set)
             except EngineError as e:
                 self._abort(run)
-                self._end(job.id, Error(id=job.id, code=e.code, message=e.message))
+                self._end(job.id, error_frame(job.id, e))
                 return
             self._seq[sid] = (run, i)
             run.added = i + 1
@@ -789,7 +798,7 @@ class BatchRunner:
                                            ms=(time.perf_counter() - op.t0) * 1e3)
                 answers.append(res)
             except EngineError as e:
-                answers.append(Error(id=msg.id, code=e.code, message=e.message))
+                answers.append(error_frame(msg.id, e))
             except Exception as e:  # noqa: BLE001 - a request never kills the worker
                 log.error("slot action %s failed:\n%s", msg.id, traceback.format_exc())
                 answers.append(Error(id=msg.id, code=INTERNAL_ERROR, message=f"{type(e).__name__}: {e}"[:1000]))
@@ -841,7 +850,7 @@ class BatchRunner:
             try:
                 state = self.engine.save_slot(run.finished[0].id_slot)
             except EngineError as e:
-                self._end(job_id, Error(id=job_id, code=e.code, message=e.message))
+                self._end(job_id, error_frame(job_id, e))
                 return
             self._end(job_id, first, post=False)
             self._post(StateOut(job_id, state, first))
@@ -851,7 +860,7 @@ class BatchRunner:
             try:
                 state = self.engine.save_slot(run.finished[0].id_slot)
             except EngineError as e:
-                self._end(job_id, Error(id=job_id, code=e.code, message=e.message))
+                self._end(job_id, error_frame(job_id, e))
                 return
             op = _SlotOp(SlotAction(id=job_id, action="save", id_slot=run.finished[0].id_slot, filename=save_to),
                          time.perf_counter(), state)
@@ -874,7 +883,7 @@ class BatchRunner:
         if f.error is not None:
             e = f.error
             if isinstance(e, EngineError):
-                return Error(id=job_id, code=e.code, message=e.message)
+                return error_frame(job_id, e)
             log.error("generation %s failed: %s: %s", f.id, type(e).__name__, e)
             return Error(id=job_id, code=INTERNAL_ERROR, message=f"generation failed: {type(e).__name__}: {e}"[:1000])
         res = f.result

@@ -239,9 +239,9 @@ class FakeWorker:
                  temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, min_p=msg.min_p,
                  seed=msg.seed, stop=msg.stop, n_probs=msg.n_probs, messages=msg.messages,
                  prompt=msg.prompt, logit_bias=msg.logit_bias, grammar=msg.grammar,
-                 json_schema=msg.json_schema, trace_id=msg.trace_id, repeat_penalty=msg.repeat_penalty,
+                 json_schema=msg.json_schema, trace_id=msg.trace_id, chat_template=msg.chat_template, repeat_penalty=msg.repeat_penalty,
                  repeat_last_n=msg.repeat_last_n, presence_penalty=msg.presence_penalty,
-                 frequency_penalty=msg.frequency_penalty, tools=msg.tools)
+                 frequency_penalty=msg.frequency_penalty, tools=msg.tools, template_kwargs=msg.template_kwargs)
             if len(self.running) >= self.max_jobs:
                 await self.send(Error(id=msg.id, code="busy", message="a generation is already running"))
                 return
@@ -299,7 +299,8 @@ class FakeWorker:
         if need > self.n_ctx or len(prompt_ids) >= self.n_ctx:
             await self.send(Error(id=g.id, code="context_length_exceeded", message=(
                 f"This model's maximum context length is {self.n_ctx} tokens. However, you requested "
-                f"{need} tokens ({len(prompt_ids)} in the prompt, {max_tokens or 0} for the completion).")))
+                f"{need} tokens ({len(prompt_ids)} in the prompt, {max_tokens or 0} for the completion)."),
+                n_prompt_tokens=len(prompt_ids), n_ctx=self.n_ctx))
             return
         delay = float(self.sw.get("token_delay_s", 0.005))
         m = re.search(r"\[slow=([0-9.]+)\]", text)

@@ -293,6 +293,11 @@ def test_a_cross_site_get_never_loads_a_model(router: LiveRouter) -> None:
     assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_loaded", r.text
     assert r.headers["access-control-allow-origin"] == "http://app.example"
     assert router.admin("side")["state"] == "unloaded"
+    # a browser without Fetch Metadata (older Safari): a Referer of another site says the same
+    r = httpx.get(router.url + "/props", params={"model": "side"}, timeout=WAIT_S,
+                  headers={"Referer": "http://evil.example/page.html", "Accept": "image/webp,*/*"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_loaded", r.text
+    assert router.admin("side")["state"] == "unloaded"
     # the user's own tools (no Sec-Fetch-*: curl, SDKs) and same-origin pages still load it
     r = httpx.get(router.url + "/props", params={"model": "side"}, timeout=WAIT_S,
                   headers={"Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "cors"})
@@ -331,7 +336,7 @@ def _bodies(router: LiveRouter) -> list[tuple[str, str]]:
                     body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": "hi"}],
                                             "prompt": "hi", "input": "hi", "content": "hi", "tokens": [1],
                                             "max_tokens": 2, "filename": "x.bin"}
-                    r = c.request(method, url, params={"model": model},
+                    r = c.request(method, url, params={"model": model, "follow": "false"},  # event streams end
                                   json=None if method in ("GET", "DELETE") else body)
                     out.append((f"{method} {url} model={model} -> {r.status_code}", r.text))
     return out

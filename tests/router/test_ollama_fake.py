@@ -77,8 +77,12 @@ def ndjson(router: LiveRouter, path: str, body: dict[str, Any]) -> tuple[httpx.R
 
 
 def state(router: LiveRouter, model: str) -> str:
+    return str(admin(router, model)["state"])
+
+
+def admin(router: LiveRouter, model: str) -> dict[str, Any]:
     data = httpx.get(router.url + "/admin/models", headers=AUTH, timeout=10).json()["data"]
-    return str(next(m for m in data if m["id"] == model)["state"])
+    return dict(next(m for m in data if m["id"] == model))
 
 
 def last_generate(router: LiveRouter) -> dict[str, Any]:
@@ -94,7 +98,7 @@ STATS = ("total_duration", "load_duration", "prompt_eval_count", "prompt_eval_du
 # ----------------------------------------------------------------------------- chat / generate
 
 
-def test_chat_non_streaming_with_the_client(client: ollama.Client) -> None:
+def test_chat_non_streaming_with_the_client(router: LiveRouter, client: ollama.Client) -> None:
     r = client.chat(model="alpha", messages=[{"role": "user", "content": "hi"}], stream=False)
     assert r.message.role == "assistant" and r.message.content == TEXT12
     assert r.done is True and r.done_reason == "stop" and r.model == "alpha"
@@ -103,6 +107,20 @@ def test_chat_non_streaming_with_the_client(client: ollama.Client) -> None:
     assert r.eval_duration and r.eval_duration > 1_000_000  # nanoseconds: 12 tokens at 5 ms each
     assert r.total_duration and r.total_duration >= r.eval_duration
     assert r.created_at and r.created_at.endswith("Z")
+    raw = post(router, "/api/chat", {"model": "alpha", "stream": False, "messages": [{"role": "user", "content": "hi"}]})
+    assert "prompt_eval_cached_count" not in raw.json()  # nothing reused from the KV cache
+
+
+def test_cached_prompt_tokens_are_counted(router: LiveRouter) -> None:
+    """prompt_eval_count is the whole prompt; prompt_eval_cached_count what the KV cache held."""
+    router.set_fake({"*": {"cache_n": 3}})
+    try:
+        r = post(router, "/api/chat", {"model": "tiny", "stream": False,
+                                       "messages": [{"role": "user", "content": "hi there"}]}).json()
+    finally:
+        router.set_fake({})
+        post(router, "/api/chat", {"model": "tiny", "messages": [], "keep_alive": 0})  # the switch is read at spawn
+    assert r["prompt_eval_cached_count"] == 3 and r["prompt_eval_count"] > 3
 
 
 def test_chat_stream_is_ndjson_and_equals_the_single_answer(router: LiveRouter, client: ollama.Client) -> None:
@@ -181,18 +199,21 @@ def test_options_without_effect_are_set_aside_visibly(router: LiveRouter) -> Non
             "keep_alive": "10m"}
     r = post(router, "/api/chat", body)
     assert r.status_code == 200 and r.json()["message"]["content"] == TEXT12
+    # keep_alive is honoured (router.keep_alive, issue 27), not set aside
     assert r.headers["x-modelyard-set-aside"] == \
-        "keep_alive:10m, options:num_thread, options:num_gpu, options:use_mmap, options:num_ctx"
+        "options:num_thread, options:num_gpu, options:use_mmap, options:num_ctx"
     log = router.log()
     assert "set aside" in log and "n_ctx=256" in log
     r, lines = ndjson(router, "/api/chat", {**body, "stream": True})
-    assert r.headers["x-modelyard-set-aside"].startswith("keep_alive:10m") and lines[-1]["done"]
+    assert r.headers["x-modelyard-set-aside"].startswith("options:num_thread") and lines[-1]["done"]
+    assert admin(router, "alpha")["keep_alive_s"] == 600
     r = post(router, "/api/generate", {"model": "alpha", "prompt": "hi", "stream": False, "keep_alive": 0})
-    assert r.status_code == 200 and r.headers["x-modelyard-set-aside"] == "keep_alive:0"  # not unloaded after it
-    assert state(router, "alpha") == "ready"
+    assert r.status_code == 200 and "x-modelyard-set-aside" not in r.headers  # unloaded after it
+    router.wait_for(lambda: state(router, "alpha") == "unloaded", what="alpha unloaded after keep_alive 0")
     body = {"model": "alpha", "prompt": "hi", "stream": False, "options": {"num_ctx": 256}, "keep_alive": -1}
-    r = post(router, "/api/generate", body)  # fits n_ctx, and alpha is never unloaded for idleness
+    r = post(router, "/api/generate", body)  # fits n_ctx; loaded again, never unloaded for idleness
     assert r.status_code == 200 and "x-modelyard-set-aside" not in r.headers
+    assert admin(router, "alpha")["keep_alive_s"] == -1 and admin(router, "alpha")["expires_at"] is None
 
 
 @pytest.mark.parametrize("path, body, param", [
@@ -326,6 +347,25 @@ def test_tool_calls_single_and_streamed(router: LiveRouter, client: ollama.Clien
     tc = raw["message"]["tool_calls"][0]
     assert tc["function"] == {"index": 0, "name": "get_weather", "arguments": {"city": "Paris"}}
     assert tc["id"].startswith("call_")
+
+
+def get_weather(city: str) -> str:
+    """Get the current weather of a city.
+
+    Args:
+      city: the city's name
+    """
+    return "18 C"
+
+
+def test_python_function_as_a_tool(router: LiveRouter, client: ollama.Client) -> None:
+    """The client turns a Python function into a tool schema (its docstring and annotations)."""
+    msgs = [{"role": "user", "content": "weather in Paris? " + reply(CALL)}]
+    r = client.chat(model="alpha", messages=msgs, tools=[get_weather])
+    calls = r.message.tool_calls or []
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", {"city": "Paris"})]
+    system = last_generate(router)["messages"][0]["content"]
+    assert "Get the current weather of a city." in system and "the city's name" in system
 
 
 def test_tool_history_is_rendered(router: LiveRouter, client: ollama.Client) -> None:

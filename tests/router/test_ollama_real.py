@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import ollama
 import pytest
@@ -136,12 +137,18 @@ def test_tool_calls_and_round_trip(client: ollama.Client) -> None:
     assert answer.message.content or answer.message.tool_calls
 
 
-def test_format_schema_holds_the_answer(client: ollama.Client) -> None:
+def test_format_schema_holds_the_answer(router: LiveRouter, client: ollama.Client) -> None:
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"]}
     r = client.chat(model="smollm2", messages=[{"role": "user", "content": "Ada is 36. Give her name and age."}],
                     format=schema, options={"temperature": 0, "num_predict": 48})
     jsonschema.validate(json.loads(r.message.content or ""), schema)
+    loose = {**schema, "propertyNames": {"type": "string", "maxLength": 8}}  # not enforceable: set aside, visibly
+    h = httpx.post(router.url + "/api/chat", timeout=300, json={
+        "model": "smollm2", "stream": False, "format": loose, "options": {"temperature": 0, "num_predict": 48},
+        "messages": [{"role": "user", "content": "Ada is 36. Give her name and age."}]})
+    assert h.status_code == 200 and "format:propertyNames" in h.headers["x-modelyard-set-aside"]
+    jsonschema.validate(json.loads(h.json()["message"]["content"]), schema)
     r2 = client.generate(model="smollm2", prompt="A JSON object with a colour.", format="json",
                          options={"temperature": 0, "num_predict": 48})
     assert isinstance(json.loads(r2.response or ""), dict)

@@ -130,7 +130,7 @@ def test_a_prefill_is_stored_as_one_turn_with_its_continuation(router: LiveRoute
 def test_refusals_name_the_field(router: LiveRouter) -> None:
     for body, param in [
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
-        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": "x", "tools": [{"name": "untyped"}]}, "tools[0].type"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
         ({"input": "x", "tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice.name"),
         ({}, "input"),

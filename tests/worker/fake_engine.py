@@ -119,12 +119,15 @@ class FakeEngine:
         return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
     def apply_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                       tools: list[Any] | None = None) -> str:
+                       tools: list[Any] | None = None, template_kwargs: dict[str, Any] | None = None,
+                       chat_template: str | None = None) -> str:
         return self._render(messages, add_generation_prompt)
 
     def tokenize_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                      tools: list[Any] | None = None) -> list[int]:
-        return self.tokenize(self._render(messages, add_generation_prompt), add_special=True)
+                      tools: list[Any] | None = None, chat_template: str | None = None,
+                      template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        text = self._render(messages, add_generation_prompt)  # a request's template: marked, not rendered
+        return self.tokenize((f"[{chat_template}]" if chat_template else "") + text, add_special=True)
 
     # ---------------------------------------------------------------- generate
 

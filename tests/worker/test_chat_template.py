@@ -121,7 +121,6 @@ def test_content_parts_joined() -> None:
 @pytest.mark.parametrize(
     "messages",
     [
-        [],
         "hello",
         [{"role": "wizard", "content": "x"}],
         [{"content": "x"}],

@@ -152,6 +152,23 @@ def test_chat_template_absent_then_supplied(tmp_path: Path) -> None:
         assert ei.value.code == "no_chat_template"
     eng2 = Engine.load(str(path), n_ctx=64, chat_template="chatml")
     assert eng2.apply_template(msgs) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    # a request's own template (a preset's): used for that call only, compiled once
+    chat = eng.tokenize_chat(msgs, chat_template="chatml")
+    assert eng.detokenize(chat) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert eng.tokenize_chat(msgs, chat_template="chatml") == chat
+    assert eng.apply_template(msgs, chat_template="chatml") == eng2.apply_template(msgs)
+    assert "<start_of_turn>user\nhi<end_of_turn>" in eng.detokenize(eng2.tokenize_chat(msgs, chat_template="gemma"))
+    assert eng2.tokenize_chat(msgs) == chat  # the model's own again
+    for bad, code in (("{% if %}", "template_error"), ("", "invalid_params")):
+        with pytest.raises(EngineError) as ei:
+            eng.tokenize_chat(msgs, chat_template=bad)
+        assert ei.value.code == code
+    # template variables (chat_template_kwargs: a preset's reasoning switch)
+    thinking = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %} /no_think{% endif %}")
+    off = eng.detokenize(eng.tokenize_chat(msgs, chat_template=thinking, template_kwargs={"enable_thinking": False}))
+    on = eng.detokenize(eng.tokenize_chat(msgs, chat_template=thinking))
+    assert off.endswith("hi /no_think") and on.endswith("hi") and "/no_think" not in on
 
 
 # ------------------------------------------------------------------ text
@@ -480,3 +497,15 @@ def test_compile_kernels_covers_every_kernel_a_quantized_load_and_request_run(tm
                  "swiglu_rows", "rope_rows") + (("lane_levels",) if v else ()):
         assert got["before"][name], name
     assert got["after"] == got["before"]
+
+
+@pytest.mark.slow
+def test_the_prompt_size_bound_holds_every_piece(smollm2: Engine) -> None:
+    """``_check_fits`` refuses a text only when no tokenization could fit n_ctx: its bound
+    (the longest token text in bytes) is at least every decoded piece's characters."""
+    tok = smollm2.tokenizer
+    longest = max(len(tok.token_bytes(i).decode("utf-8", "replace")) for i in range(tok.n_vocab))
+    with pytest.raises(EngineError):
+        smollm2._check_fits(10**9)
+    assert smollm2._max_piece_chars is not None and smollm2._max_piece_chars >= longest
+    smollm2._check_fits(1024 * longest)  # the longest pieces, n_ctx of them: not refused by the bound

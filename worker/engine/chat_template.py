@@ -5,7 +5,9 @@
 ``trim_blocks=True, lstrip_blocks=True`` and the ``loopcontrols`` extension, a
 ``tojson`` filter that does not HTML-escape, and the globals
 ``raise_exception`` and ``strftime_now``; it renders with ``messages``,
-``tools``, ``add_generation_prompt``, ``bos_token`` and ``eos_token``. With
+``tools``, ``add_generation_prompt``, ``bos_token`` and ``eos_token`` — and, as llama.cpp
+does, ``date_string``, ``datetime`` and the request's ``chat_template_kwargs`` (such as
+``enable_thinking``; :func:`template_context`). With
 these settings SmolLM2's template renders byte-for-byte what llama.cpp's
 ``/apply-template`` renders.
 
@@ -25,7 +27,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 import jinja2
@@ -33,7 +35,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import EngineError
 
-__all__ = ["KNOWN_TEMPLATES", "ChatTemplate", "RoleCaps", "fit_roles", "normalize_messages", "resolve_template"]
+__all__ = ["KNOWN_TEMPLATES", "ChatTemplate", "RoleCaps", "fit_roles", "normalize_messages", "resolve_template",
+           "template_context"]
 
 # ChatML as llama.cpp's built-in "chatml" template writes it.
 CHATML_TEMPLATE = (
@@ -89,17 +92,41 @@ GEMMA_TEMPLATE = """{{ bos_token }}
 {%- endif -%}
 """
 
+# llama.cpp's built-in "llama3" format (src/llama-chat.cpp, LLM_CHAT_TEMPLATE_LLAMA_3): every message
+# as a header with its role and its trimmed text closed by <|eot_id|>; BOS comes from the tokenizer.
+LLAMA3_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    " + ((message['content'] if message['content'] is string else '') | trim) + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
+)
+
+# llama.cpp's built-in "command-r" format (LLM_CHAT_TEMPLATE_COMMAND_R, CohereForAI/c4ai-command-r-plus):
+# system / user / assistant turns with their role tokens and trimmed text; other roles are not written.
+COMMAND_R_TEMPLATE = (
+    "{%- set tokens = {'system': '<|SYSTEM_TOKEN|>', 'user': '<|USER_TOKEN|>', 'assistant': '<|CHATBOT_TOKEN|>'} %}"
+    "{%- for message in messages %}{%- if message['role'] in tokens %}"
+    "{{- '<|START_OF_TURN_TOKEN|>' + tokens[message['role']]"
+    " + ((message['content'] if message['content'] is string else '') | trim) + '<|END_OF_TURN_TOKEN|>' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' }}{%- endif %}"
+)
+
 KNOWN_TEMPLATES: dict[str, str] = {
     "chatml": CHATML_TEMPLATE,
     "gemma": GEMMA_TEMPLATE,
     "gemma3": GEMMA_TEMPLATE,
+    "llama3": LLAMA3_TEMPLATE,
+    "command-r": COMMAND_R_TEMPLATE,
 }
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def resolve_template(name_or_text: str) -> str:
-    """A known template name (``"chatml"``, ``"gemma"``, ``"gemma3"``) -> its text; any other string is a template text."""
+    """A known template name (``"chatml"``, ``"gemma"``, ``"gemma3"``, ``"llama3"``, ``"command-r"``: llama.cpp's
+    built-in formats of those names) -> its text; any other string is a template text."""
     return KNOWN_TEMPLATES.get(name_or_text.strip().lower(), name_or_text)
 
 
@@ -117,6 +144,20 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+def template_context(template_kwargs: Mapping[str, Any] | None = None,
+                     now: datetime | None = None) -> dict[str, Any]:
+    """The variables a template gets besides ``messages``, ``tools``, ``add_generation_prompt``,
+    ``bos_token`` and ``eos_token`` (which nothing here overrides), as llama.cpp's
+    ``common/chat.cpp`` passes them: ``date_string`` (``"%d %b %Y"``, e.g. ``"07 Dec 2026"``, the
+    Llama 3.x templates' date line) and ``datetime`` (``"%b %d %Y %H:%M:%S GMT"``, firefunction
+    v2's; written in UTC, which the "GMT" says) of ``now`` (local time; default: the clock), then
+    ``template_kwargs`` (llama.cpp's ``chat_template_kwargs``: ``enable_thinking``, ...) over them."""
+    now = now if now is not None else datetime.now().astimezone()
+    utc = now.astimezone(timezone.utc) if now.tzinfo is not None else now
+    return {"date_string": now.strftime("%d %b %Y"), "datetime": utc.strftime("%b %d %Y %H:%M:%S GMT"),
+            **(template_kwargs or {})}
+
+
 def normalize_messages(messages: Any, developer_known: bool) -> list[dict[str, Any]]:
     """Validate OpenAI-style chat messages and bring them to the form templates expect.
 
@@ -129,11 +170,12 @@ def normalize_messages(messages: Any, developer_known: bool) -> list[dict[str, A
     are passed through.
 
     Raises:
-        EngineError("invalid_params"): not a non-empty list of such messages,
+        EngineError("invalid_params"): not a list of such messages (an empty one renders the
+            template with no turns, as llama-server does for an empty Anthropic conversation),
             or a content part that is not text.
     """
-    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
-        raise EngineError("invalid_params", "messages must be a non-empty list")
+    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
+        raise EngineError("invalid_params", "messages must be a list")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
@@ -219,6 +261,8 @@ def fit_roles(msgs: list[dict[str, Any]], caps: RoleCaps) -> list[dict[str, Any]
 
 def _prefill(msgs: list[dict[str, Any]]) -> str | None:
     """The content of a last assistant message to continue (None: no prefill)."""
+    if not msgs:
+        return None
     last = msgs[-1]
     if last["role"] != "assistant" or last.get("tool_calls"):
         return None
@@ -254,6 +298,7 @@ class ChatTemplate:
         self.strip_eos = strip_eos and bool(self.eos_token)
         self.developer_known = "developer" in source
         self._caps: RoleCaps | None = None
+        self._requires_content: bool | None = None
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson
@@ -265,17 +310,19 @@ class ChatTemplate:
             raise EngineError("template_error", f"chat template does not compile: {e}") from e
 
     def _render_raw(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                    tools: list[Any] | None) -> str:
+                    tools: list[Any] | None, context: Mapping[str, Any] | None = None) -> str:
         try:
-            return self._template.render(messages=messages, tools=tools,
-                                         add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token)
+            return self._template.render({**(context if context is not None else template_context()),
+                                          "messages": messages, "tools": tools,
+                                          "add_generation_prompt": add_generation_prompt,
+                                          "bos_token": self.bos_token, "eos_token": self.eos_token})
         except jinja2.TemplateError as e:
             raise EngineError("template_error", f"chat template error: {e}") from e
         except Exception as e:  # a template can fail in many ways (TypeError, ...)
             raise EngineError("template_error", f"chat template error: {type(e).__name__}: {e}") from e
 
-    def render(self, messages: Any, add_generation_prompt: bool = True, tools: list[Any] | None = None) -> str:
+    def render(self, messages: Any, add_generation_prompt: bool = True, tools: list[Any] | None = None,
+               template_kwargs: Mapping[str, Any] | None = None) -> str:
         """The prompt text for ``messages`` (BOS/EOS text stripped as configured).
 
         Assistant prefill, as llama.cpp's server does it: with ``add_generation_prompt``, a
@@ -287,15 +334,20 @@ class ChatTemplate:
             EngineError("invalid_params"): malformed messages, or two assistant messages at
                 the end (a prefill follows a non-assistant turn).
             EngineError("template_error"): the template raised while rendering.
+
+        ``template_kwargs``: more variables for the template (llama.cpp's ``chat_template_kwargs``,
+        e.g. ``enable_thinking``), over :func:`template_context`'s date variables.
         """
+        context = template_context(template_kwargs)
         msgs, prefill = self._split_prefill(messages, add_generation_prompt)
-        real = self._render_raw(msgs, add_generation_prompt, tools)
+        real = self._render_raw(msgs, add_generation_prompt, tools, context)
         if (self.strip_bos and real.startswith(self.bos_token)) or (self.strip_eos and real.endswith(self.eos_token)):
-            real = "".join(t for t, _ in self._segments(msgs, real, add_generation_prompt, tools))
+            real = "".join(t for t, _ in self._segments(msgs, real, add_generation_prompt, tools, context))
         return real + (prefill or "")
 
     def render_segments(self, messages: Any, add_generation_prompt: bool = True,
-                        tools: list[Any] | None = None) -> list[tuple[str, bool]]:
+                        tools: list[Any] | None = None,
+                        template_kwargs: Mapping[str, Any] | None = None) -> list[tuple[str, bool]]:
         """The prompt as ``(text, is_markup)`` pieces whose concatenation is :meth:`render`'s text.
 
         Message contents are located by rendering once more with each content
@@ -306,9 +358,10 @@ class ChatTemplate:
         markup (and so can't be protected) -- the rendering itself is always
         the real one. A prefill (see :meth:`render`) is the last piece, content.
         """
+        context = template_context(template_kwargs)  # one clock reading for both renderings
         msgs, prefill = self._split_prefill(messages, add_generation_prompt)
-        segs = self._segments(msgs, self._render_raw(msgs, add_generation_prompt, tools),
-                              add_generation_prompt, tools)
+        segs = self._segments(msgs, self._render_raw(msgs, add_generation_prompt, tools, context),
+                              add_generation_prompt, tools, context)
         return segs + [(prefill, False)] if prefill else segs
 
     @property
@@ -338,19 +391,44 @@ class ChatTemplate:
             alternation = self._renders([{"role": "user", "content": u1}], u1)
         return RoleCaps(system_role=system_role, system_anywhere=anywhere, alternation=alternation)
 
+    @property
+    def requires_content(self) -> bool:
+        """The template fails on a message whose ``content`` is null (an assistant turn that only
+        calls tools) but renders it with ``""`` — as a Qwen3 template testing ``'</think>' in
+        message.content`` does. Probed once, as llama.cpp's minja probes its
+        ``requires_non_null_content``; such messages then get ``""``."""
+        if self._requires_content is None:
+            call = [{"id": "call_0", "type": "function", "function": {"name": "f", "arguments": {}}}]
+            probe = [{"role": "user", "content": "modelyard-probe-u1"},
+                     {"role": "assistant", "content": None, "tool_calls": call},
+                     {"role": "tool", "content": "modelyard-probe-t1", "tool_call_id": "call_0", "name": "f"}]
+            try:
+                self._render_raw(probe, True, None)
+                self._requires_content = False
+            except EngineError:
+                try:
+                    self._render_raw([{**m, "content": m["content"] or ""} for m in probe], True, None)
+                    self._requires_content = True
+                except EngineError:
+                    self._requires_content = False  # it fails either way: leave the messages as they are
+        return self._requires_content
+
     def _split_prefill(self, messages: Any, add_generation_prompt: bool) -> tuple[list[dict[str, Any]], str | None]:
         msgs = fit_roles(normalize_messages(messages, self.developer_known), self.role_caps)
+        if any(m.get("content") is None for m in msgs) and self.requires_content:
+            msgs = [{**m, "content": ""} if m.get("content") is None else m for m in msgs]
         prefill = _prefill(msgs) if add_generation_prompt else None
         return (msgs[:-1], prefill) if prefill is not None else (msgs, None)
 
     def _segments(self, msgs: list[dict[str, Any]], real: str, add_generation_prompt: bool,
-                  tools: list[Any] | None) -> list[tuple[str, bool]]:
+                  tools: list[Any] | None, context: Mapping[str, Any]) -> list[tuple[str, bool]]:
         contents = [m["content"] if isinstance(m["content"], str) else None for m in msgs]
-        segments = self._align(msgs, contents, real, add_generation_prompt, tools)
+        segments = self._align(msgs, contents, real, add_generation_prompt, tools, context)
         return self._strip_special(segments)
 
     def _align(self, msgs: list[dict[str, Any]], contents: list[str | None], real: str,
-               add_generation_prompt: bool, tools: list[Any] | None) -> list[tuple[str, bool]]:
+               add_generation_prompt: bool, tools: list[Any] | None,
+               context: Mapping[str, Any]) -> list[tuple[str, bool]]:
         if not any(contents):
             return [(real, True)]
         marked = [dict(m) for m in msgs]
@@ -358,7 +436,7 @@ class ChatTemplate:
             if c:
                 marked[i]["content"] = f"\U000F0000{i}\U000F0001"
         try:
-            skeleton = self._render_raw(marked, add_generation_prompt, tools)
+            skeleton = self._render_raw(marked, add_generation_prompt, tools, context)
         except EngineError:
             skeleton = None
         if skeleton is not None:

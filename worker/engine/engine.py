@@ -237,27 +237,58 @@ class Engine:
                               "configure one (a template text or a name such as 'chatml' or 'gemma')")
         return self._template
 
+    #: Request templates (``chat_template`` of a request: a preset's) kept compiled, most recent last.
+    TEMPLATE_CACHE = 8
+
+    def _template_for(self, chat_template: str | None) -> ChatTemplate:
+        """The model's template (``chat_template`` None), else that template text or known name,
+        compiled once (the last :attr:`TEMPLATE_CACHE` kept).
+
+        Raises:
+            EngineError("no_chat_template" | "template_error" | "invalid_params")."""
+        if chat_template is None:
+            return self._require_template()
+        if not isinstance(chat_template, str) or not chat_template.strip():
+            raise EngineError("invalid_params", "chat_template must be a non-empty string")
+        cache: dict[str, ChatTemplate] = self.__dict__.setdefault("_request_templates", {})
+        t = cache.pop(chat_template, None)
+        if t is None:
+            tok = self.tokenizer
+            t = ChatTemplate(resolve_template(chat_template), tok.bos_token, tok.eos_token,
+                             strip_bos=tok.add_bos, strip_eos=tok.add_eos)
+            while len(cache) >= self.TEMPLATE_CACHE:
+                cache.pop(next(iter(cache)))
+        cache[chat_template] = t
+        return t
+
     def apply_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                       tools: list[Any] | None = None) -> str:
+                       tools: list[Any] | None = None, template_kwargs: dict[str, Any] | None = None,
+                       chat_template: str | None = None) -> str:
         """The chat prompt text for ``messages`` (OpenAI-style; content a string
-        or a list of text parts). A leading BOS text is removed when the
-        tokenizer adds BOS itself, like llama.cpp's ``/apply-template``.
+        or a list of text parts; ``template_kwargs``: more template variables, llama.cpp's
+        ``chat_template_kwargs``). A leading BOS text is removed when the
+        tokenizer adds BOS itself, like llama.cpp's ``/apply-template``. ``chat_template``
+        (text or a known name) renders with that template instead of the model's.
 
         Raises:
             EngineError("no_chat_template" | "template_error" | "invalid_params").
         """
-        return self._require_template().render(messages, add_generation_prompt, tools)
+        return self._template_for(chat_template).render(messages, add_generation_prompt, tools, template_kwargs)
 
     def tokenize_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                      tools: list[Any] | None = None) -> list[int]:
+                      tools: list[Any] | None = None, template_kwargs: dict[str, Any] | None = None,
+                      chat_template: str | None = None) -> list[int]:
         """Prompt ids for ``messages``: template markup is tokenized with special
         parsing, message contents without it (a user typing ``<|im_end|>``
-        cannot close a turn); BOS added per the GGUF, exactly once.
+        cannot close a turn); BOS added per the GGUF, exactly once. ``chat_template`` (text
+        or a known name) renders them with that template instead of the model's;
+        ``template_kwargs`` are extra template variables (``chat_template_kwargs``).
 
         Raises:
             EngineError("no_chat_template" | "template_error" | "invalid_params").
         """
-        segments = self._require_template().render_segments(messages, add_generation_prompt, tools)
+        segments = self._template_for(chat_template).render_segments(messages, add_generation_prompt, tools,
+                                                                     template_kwargs)
         self._check_fits(sum(len(text) for text, _ in segments))
         return self.tokenizer.tokenize_pieces(segments, add_special=True)
 
@@ -272,12 +303,17 @@ class Engine:
         if n_chars <= n_ctx:
             return
         if self._max_piece_chars is None:
-            self._max_piece_chars = max(1, max(len(self.tokenizer.token_bytes(i).decode("utf-8", "replace"))
-                                               for i in range(self.tokenizer.n_vocab)))
+            # the longest token text in UTF-8 bytes bounds every piece's characters (a piece's
+            # bytes are at most its text's: SentencePiece's "\u2581" and "<0xNN>", GPT-2's byte
+            # alphabet all shrink when decoded): one numpy pass over the vocabulary's compact
+            # storage, where decoding 262k pieces took seconds on the first long prompt
+            self._max_piece_chars = max(1, int(self.tokenizer.tokens.byte_lengths().max()))
         if n_chars > n_ctx * self._max_piece_chars:
             raise EngineError("context_length_exceeded", (
                 f"This model's maximum context length is {n_ctx} tokens. However, the prompt has {n_chars} "
                 f"characters, more than {n_ctx} tokens of at most {self._max_piece_chars} characters can hold."))
+            # no n_prompt_tokens: not tokenized, the count is unknown (a count_tokens answer takes
+            # the figure as exact: router.counting)
 
     # ------------------------------------------------------------------ generate
 

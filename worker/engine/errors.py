@@ -21,10 +21,20 @@ class EngineError(Exception):
             tensor or value).
     """
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, *, n_prompt_tokens: int | None = None,
+                 n_ctx: int | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code: str = code
         self.message: str = message
+        #: "context_length_exceeded": the prompt's tokens and the context size (llama-server's
+        #: exceed_context_size_error fields), when known
+        self.n_prompt_tokens = n_prompt_tokens
+        self.n_ctx = n_ctx
 
-    def __reduce__(self):  # picklable across processes with (code, message)
-        return (self.__class__, (self.code, self.message))
+    def __reduce__(self):  # picklable across processes with (code, message) and the context figures
+        return (_rebuild, (self.__class__, self.code, self.message, self.n_prompt_tokens, self.n_ctx))
+
+
+def _rebuild(cls: type[EngineError], code: str, message: str, n_prompt_tokens: int | None,
+             n_ctx: int | None) -> EngineError:
+    return cls(code, message, n_prompt_tokens=n_prompt_tokens, n_ctx=n_ctx)

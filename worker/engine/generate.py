@@ -72,6 +72,7 @@ def check_context(n_ctx: int, n_prompt: int, max_tokens: int | None) -> None:
             "context_length_exceeded",
             f"This model's maximum context length is {n_ctx} tokens. However, you requested "
             f"{n_prompt + n_completion} tokens ({n_prompt} in the prompt, {n_completion} for the completion).",
+            n_prompt_tokens=n_prompt, n_ctx=n_ctx,
         )
 
 
@@ -135,6 +136,15 @@ class Sequence:
             self.finish("length", "limit")
         return self.done
 
+    def _probs(self, logits: np.ndarray, tid: int) -> tuple[float | None, list[tuple[int, float]]]:
+        """``(logprob of tid, top n_probs)``: of the model's distribution, or with
+        ``post_sampling_probs`` of the sampler chain's (``Sampler.post_sampling``)."""
+        if self.params.n_probs <= 0:
+            return None, []
+        if self.params.post_sampling_probs:
+            return self.sampler.post_sampling(tid, self.params.n_probs)
+        return raw_logprobs(logits[: self.sampler.n_vocab], tid, self.params.n_probs)
+
     def step(self, logits: np.ndarray) -> int | None:
         """Sample from ``logits`` (float32 ``[n_vocab]``), emit, and return the token to feed next,
         or None when the sequence has finished."""
@@ -147,15 +157,11 @@ class Sequence:
         self.sampler.accept(tid)
         self.tokens.append(tid)
         if tid in self.tok.eog_ids and not self.params.ignore_eos:
-            lp, top = (None, [])
-            if self.params.n_probs > 0:
-                lp, top = raw_logprobs(logits[: self.sampler.n_vocab], tid, self.params.n_probs)
+            lp, top = self._probs(logits, tid)
             self.eog = (tid, lp, top)
             self.finish("stop", "eos")  # the end-of-generation token is not text
             return None
-        lp, top = (None, [])
-        if self.params.n_probs > 0:
-            lp, top = raw_logprobs(logits[: self.sampler.n_vocab], tid, self.params.n_probs)
+        lp, top = self._probs(logits, tid)
         piece = self.tok.token_bytes(tid, special=False)
         old_len = len(self.text)
         self.text += self.decoder.feed(piece)

@@ -73,6 +73,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     stop: list[str] = field(default_factory=list)
     n_probs: int = 0
+    # llama.cpp's post_sampling_probs: report the probabilities after the sampler chain (top-k,
+    # top-p, min-p, temperature) instead of the model's log-softmax (Sampler.last_candidates)
+    post_sampling_probs: bool = False
     ignore_eos: bool = False
     add_special: bool = True
     parse_special: bool = True
@@ -157,6 +160,7 @@ class SamplingParams:
             stop=[s for s in dict.fromkeys(stop) if s], n_probs=int(self.n_probs),
             ignore_eos=bool(self.ignore_eos), add_special=bool(self.add_special),
             parse_special=bool(self.parse_special), cache_prompt=bool(self.cache_prompt),
+            post_sampling_probs=bool(self.post_sampling_probs),
         )
 
 
@@ -216,6 +220,11 @@ class Sampler:
             params.repeat_penalty == 1.0 and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0
         )
         self.history: list[int] = list(history)
+        #: with ``post_sampling_probs``: the last :meth:`sample`'s candidates after the chain,
+        #: ``(ids int64 [k], probabilities float64 [k])`` by decreasing probability (ties: id), as
+        #: llama.cpp's ``common_sampler_get_candidates`` after sampling; at temperature 0 the
+        #: chosen token has probability 1 and the other candidates 0
+        self.last_candidates: tuple[np.ndarray, np.ndarray] | None = None
 
     def accept(self, token: int) -> None:
         """Record a token of the sequence (for penalties)."""
@@ -261,7 +270,7 @@ class Sampler:
                          np.float32(-np.inf))
         else:  # nothing modifies the logits: read them in place (x is never written below)
             x = np.asarray(logits[: self.n_vocab], dtype=np.float32)
-        if p.temperature <= 0:
+        if p.temperature <= 0 and not p.post_sampling_probs:
             return int(np.argmax(x))
         n = x.size
         if 0 < p.top_k < n:
@@ -284,9 +293,30 @@ class Sampler:
         if p.min_p > 0.0:
             keep = max(1, int(np.count_nonzero(vals >= vals[0] + math.log(p.min_p))))
             idx, vals = idx[:keep], vals[:keep]
+        if p.temperature <= 0:  # greedy (only here with post_sampling_probs): the first candidate, p = 1
+            probs = np.zeros(idx.size)
+            probs[0] = 1.0
+            self.last_candidates = (idx, probs)
+            return int(idx[0])
         vals = vals / p.temperature
         e = np.exp(vals - vals[0])
         cum = np.cumsum(e)
+        if p.post_sampling_probs:
+            self.last_candidates = (idx, e / cum[-1])
         r = self.rng.random() * cum[-1]
         i = min(int(np.searchsorted(cum, r, side="right")), idx.size - 1)
         return int(idx[i])
+
+    def post_sampling(self, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+        """``token``'s log-probability and the top ``n`` ``(id, logprob)`` of the last sample's
+        candidates after the chain (``last_candidates``; a token outside them: -inf), as
+        :func:`raw_logprobs` gives them before the chain."""
+        assert self.last_candidates is not None, "sample() with post_sampling_probs first"
+        idx, probs = self.last_candidates
+
+        def log(q: float) -> float:
+            return math.log(q) if q > 0 else -math.inf
+
+        at = np.flatnonzero(idx == token)
+        lp = log(float(probs[at[0]])) if at.size else -math.inf
+        return lp, [(int(i), log(float(q))) for i, q in zip(idx[:n], probs[:n])]
