@@ -184,11 +184,13 @@ def with_system_prompt(msg: Generate, system_prompt: str | None) -> Generate:
 
 
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[.*?\])")
+#: llguidance's other loosening: ``oneOf not fully supported; falling back to anyOf...``
+_PARTIAL = re.compile(r"^\s*([A-Za-z$][\w$]*) not fully supported")
 
 
 def _set_aside_items(warning: str) -> list[str]:
-    """The schema keywords an llguidance warning names (``Unimplemented keys: ["a", "b"]``),
-    else the warning itself (short)."""
+    """The schema keywords an llguidance warning names (``Unimplemented keys: ["a", "b"]``,
+    ``oneOf not fully supported; ...``), else the warning's first words (short)."""
     m = _UNIMPLEMENTED.search(warning)
     if m:
         try:
@@ -197,7 +199,10 @@ def _set_aside_items(warning: str) -> list[str]:
                 return keys
         except ValueError:
             pass
-    return [warning[:120]]
+    m = _PARTIAL.match(warning)
+    if m:
+        return [m.group(1)]
+    return [warning.split(";")[0][:80]]
 
 
 def cap_answer(msg: Generate, n_predict: int) -> Generate:

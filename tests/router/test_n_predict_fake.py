@@ -102,3 +102,12 @@ def test_head_and_get_root_answer(router: LiveRouter) -> None:
     assert httpx.head(router.url + "/api/hello", timeout=10).status_code == 200
     r = httpx.get(router.url + "/", timeout=10)
     assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
+def test_set_aside_items_name_the_keyword() -> None:
+    from router.generation import _set_aside_items
+
+    assert _set_aside_items('Unimplemented keys: ["propertyNames", "not"]') == ["propertyNames", "not"]
+    assert _set_aside_items("oneOf not fully supported; falling back to anyOf. This may cause validation errors "
+                            "in some cases.") == ["oneOf"]
+    assert _set_aside_items("something else; with details") == ["something else"]

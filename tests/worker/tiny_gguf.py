@@ -247,6 +247,35 @@ def random_kquant(rng: np.random.Generator, n_rows: int, n_cols: int, qtype: str
     return raw.reshape(n_rows, -1)
 
 
+#: standard deviation of a random Q4_0 / Q8_0 level per unit of its f16 scale d: uniform 0..15
+#: minus 8 (sqrt((16^2 - 1) / 12) with mean -0.5) and uniform -127..127 (see :func:`random_blocks`)
+_BLOCK_STD = {"Q4_0": 4.63, "Q8_0": 73.6}
+
+
+def random_blocks(rng: np.random.Generator, n_rows: int, n_cols: int, qtype: str, scale: float) -> np.ndarray:
+    """Random but valid blocks ``uint8 [n_rows, bytes per row]`` of ``Q4_0``, ``Q8_0``, ``Q4_K`` or
+    ``Q6_K`` whose values have mean ~0 and standard deviation ~``scale``, written straight as
+    bytes (quantizing random floats of a 1B-parameter model with gguf-py takes minutes).
+
+    Q4_0 / Q8_0: random levels (4-bit 0..15; int8 -127..127) with one f16 ``d`` for every block;
+    the K-quants: :func:`random_kquant`. ``n_cols`` a multiple of the type's block size.
+    """
+    if qtype in _KQUANT_STD:
+        return random_kquant(rng, n_rows, n_cols, qtype, scale)
+    from gguf import GGML_QUANT_SIZES
+    qt = _qtype(qtype)
+    block, size = GGML_QUANT_SIZES[qt]
+    if qtype not in _BLOCK_STD or n_cols % block:
+        raise ValueError(f"random_blocks makes Q4_0 / Q8_0 / Q4_K / Q6_K rows of whole blocks, got {qtype} {n_cols}")
+    nb = n_rows * n_cols // block
+    raw = rng.integers(0, 256, (nb, size), dtype=np.uint8)
+    if qtype == "Q8_0":
+        q = raw[:, 2:].view(np.int8)
+        q[q == -128] = -127                       # llama.cpp's quantizer never writes -128
+    raw[:, 0:2] = np.full(nb, np.float16(scale / _BLOCK_STD[qtype]), np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(n_rows, -1)
+
+
 def tiny_llama_tensors(*, n_vocab: int, n_embd: int, n_head: int, n_head_kv: int, n_layer: int, n_ff: int,
                        qtype: str, tied: bool, seed: int, omit: Iterable[str] = ()) -> dict[str, tuple[np.ndarray, str]]:
     """Random llama tensors, numpy-shaped ``[out, in]`` (GGUF ne = [in, out])."""
@@ -439,5 +468,5 @@ __all__ = [
     "BOS_ID", "BPE_CORPUS", "CHATML_TEMPLATE", "EOS_ID", "IM_END_ID", "N_MERGES", "SPECIAL_TOKENS",
     "TINY_VOCAB_SIZE", "USER_DEFINED_ID", "GGUFValueType", "add_tiny_tokenizer", "bytes_to_unicode",
     "tiny_bpe_vocab", "tiny_llama_tensors", "write_gguf", "write_tiny_gemma3", "write_tiny_llama",
-    "write_tiny_qwen", "random_kquant",
+    "write_tiny_qwen", "random_blocks", "random_kquant",
 ]

@@ -59,8 +59,22 @@ import numpy as np
 
 from .kv_cache import KVEntry
 
+_KERNELS: Any = None
+
+
+def kernels() -> Any:
+    """The :mod:`.attn_kernels` module, imported on first use (the float32 path never imports
+    numba); a cached reference, since an import statement costs a microsecond per call and the
+    decode step makes hundreds of these calls."""
+    global _KERNELS
+    if _KERNELS is None:
+        from . import attn_kernels
+        _KERNELS = attn_kernels
+    return _KERNELS
+
+
 __all__ = ["AttnBatch", "Segment", "StepInterrupted", "attend", "attention", "attention_mask", "ggml_attention",
-           "ggml_fa_mode"]
+           "ggml_fa_mode", "kernels"]
 
 
 class StepInterrupted(Exception):
@@ -205,7 +219,7 @@ def ggml_fa_mode(n_rows: int, end: int) -> tuple[int, int]:
     length (``max(KV_PAD, end rounded up to KV_PAD)``); mode is one of ``attn_kernels.MODE_*``
     (ops.cpp ``ggml_compute_forward_flash_attn_ext_f16``: split-KV for one row over at least
     ``SPLIT_KV_MIN_CELLS`` cells, tiled from ``TILE_Q`` rows, else the one-row kernel)."""
-    from . import attn_kernels as ak
+    ak = kernels()
 
     n_cells = max(KV_PAD, -(-end // KV_PAD) * KV_PAD)
     if n_rows == 1 and n_cells >= SPLIT_KV_MIN_CELLS:
@@ -235,7 +249,7 @@ def ggml_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, qpos0: i
     Returns:
         float32 ``[T, n_head * hd_v]``.
     """
-    from . import attn_kernels as ak
+    ak = kernels()
 
     t, n_head, _ = q.shape
     hd_v = values.shape[2]

@@ -33,9 +33,11 @@ import numpy as np
 
 from .errors import EngineError
 from .gguf_loader import GGUFFile, atomic_write_bytes, cache_root
-from .attention import AttnBatch, Segment, attention, attention_mask  # noqa: F401 (re-exported)
+from .attention import AttnBatch, Segment, attention, attention_mask, kernels  # noqa: F401 (re-exported)
 from .kv_cache import KVEntry, KVShape
-from .quant import _SEQ_ROWS, QConcat, QWeight, cos_sin_libm, format_tag as quant_format, fuse, row_groups, supports as quant_supports
+from .quant import (_SEQ_ROWS, QConcat, QWeight, cos_sin_libm, format_tag as quant_format, fuse, row_groups,
+                    supports as quant_supports, thread_ceiling, use_threads)
+from .threadctl import ThreadGovernor
 
 #: How weight matrices are held: ``"quantized"`` (the GGUF's own blocks, multiplied by the kernels
 #: of :mod:`.quant` exactly as llama.cpp's CPU backend computes) or ``"f32"`` (dequantized once,
@@ -183,7 +185,7 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, kernel: bool = False) -> 
     included, so the same bits (tested ``==``), in one pass instead of six NumPy ones.
     """
     if kernel and x.dtype == np.float32 and x.shape[-1] <= _PAIRWISE_MAX:
-        from . import attn_kernels
+        attn_kernels = kernels()
 
         n = x.shape[-1]
         xc = np.ascontiguousarray(x).reshape(-1, n)                   # [R, n]
@@ -235,7 +237,7 @@ def glu_ggml(gu: np.ndarray, n_ff: int, act: Any) -> np.ndarray:
     """``act(gu[:, :n_ff]) * gu[:, n_ff:]`` for ``act`` :func:`silu_ggml` or :func:`gelu_tanh_ggml`,
     by one numba kernel (the same float32 operations as those functions, then the product).
     float32 ``[T, 2*n_ff]`` -> float32 ``[T, n_ff]``."""
-    from . import attn_kernels
+    attn_kernels = kernels()
 
     gu = np.ascontiguousarray(gu, dtype=np.float32)
     out = np.empty((gu.shape[0], n_ff), np.float32)
@@ -263,7 +265,7 @@ def silu_ggml(x: np.ndarray) -> np.ndarray:
     """SiLU as ggml's CPU kernels compute it on this machine kind (``ggml_vec_swiglu_f32``,
     AVX-512: ``x / (1 + ggml_v_expf(-x))`` in blocks of 16 per row, libm ``expf`` for the rest;
     :func:`.attn_kernels.silu_rows`). float32 ``[T, n]`` -> float32 ``[T, n]``."""
-    from . import attn_kernels
+    attn_kernels = kernels()
 
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty_like(x)
@@ -313,7 +315,7 @@ _GELU_TABLE: list[np.ndarray] = []
 def _gelu_table() -> np.ndarray:
     """float32 ``[65536]``: ggml_table_gelu_f16 indexed by fp16 bit pattern (built once)."""
     if not _GELU_TABLE:
-        from . import attn_kernels
+        attn_kernels = kernels()
         xs = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
         table = np.empty(65536, np.float32)
         attn_kernels.gelu_table_f16(xs, table)
@@ -390,7 +392,7 @@ class RopeTable:
     def _rotate_kernel(self, x: np.ndarray, positions: np.ndarray, neox: bool) -> np.ndarray:
         """:meth:`_rotate` of every pair of float32 ``x [T, n_heads, hd]`` in place by one numba pass
         (:func:`.attn_kernels.rope_rows`: the same operations, the same bits)."""
-        from . import attn_kernels
+        attn_kernels = kernels()
 
         attn_kernels.rope_rows(x, np.ascontiguousarray(positions, dtype=np.int64), self.cos, self.sin,
                                self.n_rot, neox)
@@ -615,6 +617,8 @@ class Model:
         self._cache_write = cache_write
         self._cache_thread: threading.Thread | None = None
         self._read_hparams(md)
+        #: the thread count of each forward pass on the quantized path (:mod:`.threadctl`)
+        self.threads = ThreadGovernor()
         t0 = time.perf_counter()
         self.w = self._load_weights(weight_cache)
         self.load_timings["weights"] = time.perf_counter() - t0
@@ -859,11 +863,20 @@ class Model:
         out_rows = np.asarray(rows, dtype=np.int64)
         segs = batch.segments                                   # the sequences' micro-batches, as llama.cpp sees them
         token = row_groups([s.n for s in segs], [s.ub_rows for s in segs], [s.ubatch_row for s in segs])
+        n_rows = int(tokens.shape[0])
+        ceiling = thread_ceiling() if self.weights == "quantized" else 1
+        n_threads = self.threads.choose(ceiling, n_rows)       # the numba kernels' threads for this pass
+        if ceiling > 1:
+            use_threads(n_threads)
+        t0 = time.perf_counter()
         try:
             h = self._forward_hidden(tokens, batch, out_rows)   # [R, n_embd]
-            return self._output(h)                              # [R, n_vocab]
+            logits = self._output(h)                            # [R, n_vocab]
         finally:
             _SEQ_ROWS.reset(token)
+        if ceiling > 1:
+            self.threads.record(ceiling, n_rows, n_threads, time.perf_counter() - t0)
+        return logits
 
     def _keep_output_rows(self, batch: AttnBatch, rows: np.ndarray, *xs: np.ndarray) -> tuple[np.ndarray, ...]:
         """The last block's rows after attention, as llama.cpp keeps them (``ggml_get_rows(cur,

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -164,7 +165,31 @@ def set_num_threads(n: int) -> None:
     if not _kernels:
         return
     import numba
-    numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
+    _applied.n = max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(_applied.n)
+
+
+def thread_ceiling() -> int:
+    """The most threads a forward pass may use: the share given by :func:`set_num_threads`, at
+    most numba's thread count (``NUMBA_NUM_THREADS``; 1 before the kernels are loaded)."""
+    if not _kernels:
+        return 1
+    import numba
+    top = numba.config.NUMBA_NUM_THREADS
+    return max(1, min(top, _threads)) if _threads is not None else top
+
+
+def use_threads(n: int) -> None:
+    """Run the kernels called from this thread on ``n`` threads (a pass's choice, at most
+    :func:`thread_ceiling`; numba's setting is per calling thread). No-op before the kernels
+    are loaded."""
+    if _kernels and getattr(_applied, "n", None) != n:
+        import numba
+        numba.set_num_threads(n)
+        _applied.n = n
+
+
+_applied = threading.local()   # the count use_threads last set on each thread
 
 
 _NO_M3 = np.zeros((0, 0, 0), np.float32)
@@ -290,17 +315,34 @@ def _seq_rows(T: int) -> np.ndarray:
     return rows
 
 
+#: (the declared rows object, T, gemm_rows, tiled_rows) of the last call: every matmul of a pass
+#: asks the same, so they are computed once per pass (a tuple: replaced whole, read whole)
+_ROW_FLAGS: tuple[Any, int, np.ndarray, np.ndarray] = (None, -1, np.zeros(0, np.uint8), np.zeros(0, np.uint8))
+
+
+def _row_flags(T: int) -> tuple[np.ndarray, np.ndarray]:
+    global _ROW_FLAGS
+    declared = _SEQ_ROWS.get()
+    c = _ROW_FLAGS
+    if c[0] is declared and c[1] == T:
+        return c[2], c[3]
+    n, idx = _seq_rows(T)
+    gemm = (idx < n - n % 4).astype(np.uint8)
+    tiled = (n >= TILED_MIN_ROWS).astype(np.uint8)
+    _ROW_FLAGS = (declared, T, gemm, tiled)
+    return gemm, tiled
+
+
 def gemm_rows(T: int) -> np.ndarray:
     """uint8 ``[T]``: 1 where llama.cpp's repacked Q4_K gemm takes the row (the first ``n - n % 4``
-    rows of a sequence's batch of ``n``), 0 where its gemv does."""
-    n, idx = _seq_rows(T)
-    return (idx < n - n % 4).astype(np.uint8)
+    rows of a sequence's batch of ``n``), 0 where its gemv does (shared by the pass's matmuls: not to be written)."""
+    return _row_flags(T)[0]
 
 
 def tiled_rows(T: int) -> np.ndarray:
     """uint8 ``[T]``: 1 where llama.cpp's tiled K-quant matmul takes the row (its sequence's batch
-    has at least :data:`TILED_MIN_ROWS` rows), 0 where ``vec_dot`` does."""
-    return (_seq_rows(T)[0] >= TILED_MIN_ROWS).astype(np.uint8)
+    has at least :data:`TILED_MIN_ROWS` rows), 0 where ``vec_dot`` does (shared: not to be written)."""
+    return _row_flags(T)[1]
 
 
 def kquant_parts(type_name: str, raw: np.ndarray, n_rows: int, n_cols: int) -> dict[str, np.ndarray]:
@@ -776,4 +818,5 @@ def fuse(parts: Sequence[QWeight | np.ndarray]) -> QWeight | QConcat | np.ndarra
 
 
 __all__ = ["ACT_TYPE", "FORMAT_VERSION", "LANE_ROWS", "LANE_TYPES", "PACKED_TYPES", "VNNI_ENV", "QConcat", "QWeight", "cos_sin_libm",
-           "format_tag", "fuse", "gemm_rows", "host_has_vnni", "kquant_parts", "row_groups", "tiled_rows", "quantize_activations", "quantize_q8_K_int", "set_num_threads", "supports", "unpack"]
+           "format_tag", "fuse", "gemm_rows", "host_has_vnni", "kquant_parts", "row_groups", "tiled_rows", "quantize_activations", "quantize_q8_K_int", "set_num_threads", "supports",
+           "thread_ceiling", "unpack", "use_threads"]
