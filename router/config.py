@@ -596,3 +596,13 @@ def _range(v: float, path: str, lo: float | None, hi: float | None) -> None:
         raise ConfigError(path, f"must be >= {lo}, got {v}")
     if hi is not None and v > hi:
         raise ConfigError(path, f"must be <= {hi}, got {v}")
+
+
+# The validators other config tables' readers share (router.presets reads [presets.*] with them):
+# each raises ConfigError naming the key path, as for [models.*].
+check_id = _check_id
+read_float = _float
+read_int = _int
+read_n_predict = _n_predict
+no_unknown = _no_unknown
+read_opt_str = _opt_str

@@ -26,8 +26,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from router.config import (REASONING_MODES, SAMPLING_KEYS, ConfigError, ModelConfig, _check_id, _float, _int, _n_predict,
-                           _no_unknown, _opt_str)
+from router.config import (REASONING_MODES, SAMPLING_KEYS, ConfigError, ModelConfig, check_id, no_unknown, read_float,
+                           read_int, read_n_predict, read_opt_str)
 from protocol.limits import GENERATE_LIMITS
 
 PRESET_KEYS = {"model", "aliases", "n_predict", "system_prompt", "chat_template", "chat_template_kwargs",
@@ -52,8 +52,8 @@ def parse_presets(raw: dict[str, Any], models: dict[str, ModelConfig],
         for key, why in UNSUPPORTED.items():
             if key in table:
                 raise ConfigError(f"{where}.{key}", f"not supported in a preset: {why}")
-        _no_unknown(table, PRESET_KEYS, where)
-        _check_id(name, where)
+        no_unknown(table, PRESET_KEYS, where)
+        check_id(name, where)
         target = table.get("model")
         if not isinstance(target, str):
             raise ConfigError(f"{where}.model", "required: the name of a configured model")
@@ -65,7 +65,7 @@ def parse_presets(raw: dict[str, Any], models: dict[str, ModelConfig],
         if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
             raise ConfigError(f"{where}.aliases", "expected a list of strings")
         for ident in [name, *aliases]:
-            _check_id(ident, f"{where}.aliases")
+            check_id(ident, f"{where}.aliases")
             if ident in seen_ids:
                 raise ConfigError(f"{where}.aliases" if ident != name else where,
                                   f"name {ident!r} is already used by {seen_ids[ident]!r}")
@@ -73,15 +73,15 @@ def parse_presets(raw: dict[str, Any], models: dict[str, ModelConfig],
         sampling = dict(base.sampling)
         for key, (tp, lo, hi) in SAMPLING_KEYS.items():
             if key in table:
-                sampling[key] = _int(table, key, where, 0, lo, hi) if tp is int else _float(table, key, where, 0.0, lo, hi)
+                sampling[key] = read_int(table, key, where, 0, lo, hi) if tp is int else read_float(table, key, where, 0.0, lo, hi)
                 bound = GENERATE_LIMITS.get(key)
                 if bound is not None and not bound.contains(sampling[key]):
                     raise ConfigError(f"{where}.{key}", f"must be {bound.describe()}, got {sampling[key]}")
         out[name] = dataclasses.replace(
             base, sampling=sampling, preset=name, aliases=tuple(aliases),
-            n_predict=_n_predict(table, where) if "n_predict" in table else base.n_predict,
-            system_prompt=_opt_str(table, "system_prompt", where) if "system_prompt" in table else base.system_prompt,
-            chat_template=_opt_str(table, "chat_template", where) if "chat_template" in table else base.chat_template,
+            n_predict=read_n_predict(table, where) if "n_predict" in table else base.n_predict,
+            system_prompt=read_opt_str(table, "system_prompt", where) if "system_prompt" in table else base.system_prompt,
+            chat_template=read_opt_str(table, "chat_template", where) if "chat_template" in table else base.chat_template,
             reasoning=_reasoning(table, where, base.reasoning),
             template_kwargs=_template_kwargs(table, where))
     return out
