@@ -354,7 +354,10 @@ def test_props_slots_and_metrics_after_real_requests(router: LiveRouter) -> None
     with httpx.stream("POST", router.url + "/v1/chat/completions", timeout=300, json={
             "model": "smollm2", "messages": MSG, "max_tokens": 200, "stream": True}) as r:
         lines = r.iter_lines()
-        first = json.loads(next(ln for ln in lines if ln.startswith("data: "))[len("data: "):])
+        # The opening chunk (role only) is sent as soon as the worker accepts the request, which
+        # can be before the scheduler has given it a slot; a token chunk proves the slot is busy.
+        chunks = (json.loads(ln[len("data: "):]) for ln in lines if ln.startswith("data: "))
+        first = next(c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content"))
         busy = httpx.get(router.url + "/slots", params={"model": "smollm2"}, timeout=60).json()
         assert [s["id_task"] for s in busy if s["is_processing"]] == [first["id"]]
     router.wait_for(lambda: not any(s["is_processing"] for s in httpx.get(
