@@ -313,7 +313,7 @@ class Engine:
                 f"This model's maximum context length is {n_ctx} tokens. However, the prompt has {n_chars} "
                 f"characters, more than {n_ctx} tokens of at most {self._max_piece_chars} characters can hold."))
             # no n_prompt_tokens: not tokenized, the count is unknown (a count_tokens answer takes
-            # the figure as exact: router.counting)
+            # the figure as exact: router.dialects.counting)
 
     # ------------------------------------------------------------------ generate
 
