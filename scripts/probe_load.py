@@ -29,8 +29,9 @@ What it does, in order:
 4. **Summary** (stdout, and ``--json``): requests and statuses by route, violations, texts
    checked / identical / different, deaths, 503s and their ``Retry-After``, the load average.
 
-Violations (exit status 1 when there is any): a 5xx (a 501 is llama.cpp's "not supported" and
-is not one); a 503 without ``Retry-After``; a 2xx to a bad input; a request with no answer within
+Violations (exit status 1 when there is any): a 5xx (but a 501, llama.cpp's "not supported", and
+a 503 with ``Retry-After``, a request refused at once because the model's queue is full — the
+router's promise under overload); a 503 without ``Retry-After``; a 2xx to a bad input; a request with no answer within
 ``--timeout`` s; a worker death (its pid changed or vanished while the probe ran, or
 ``modelyard_worker_crashes_total`` grew); a temperature-0 text that differs from its reference.
 One difference is documented and counted apart, not as a violation: an answer that reused a
@@ -39,8 +40,9 @@ model: README "Sliding-window models (Gemma 3) reuse as llama-server does" — i
 evaluated in other micro-batches than a fresh prompt, which may change a greedy token).
 
 ``--loadgen PATH``: afterwards, the team's throughput tool (``loadgen.py BASE_URL MODEL
-CONCURRENCY``) is run once per model at ``--clients`` concurrency and its line is reported (it
-needs a keyless router). The probe loads the machine on purpose; its figures are meaningful
+CONCURRENCY``) is run once per model at the concurrency the model admits (its slots +
+``max_queue``, at most ``--clients``: loadgen counts a refused stream as one of 0 tokens) and its
+line is reported (it needs a keyless router). The probe loads the machine on purpose; its figures are meaningful
 together with the load average it prints.
 """
 
@@ -233,7 +235,7 @@ class Tally:
         """Count ``resp``'s status (its body read already, or not at all: a stream)."""
         code = resp.status_code
         self.statuses[label][code] += 1
-        if code >= 500 and code != 501:
+        if code >= 500 and code not in (501, 503):  # 503: refused at once (queue full), Retry-After below
             self.violate(f"{label}: {code} {resp.text[:300] if resp.is_stream_consumed else ''}")
         if code == 503:
             ra = resp.headers.get("retry-after")
@@ -407,6 +409,12 @@ class Probe:
         r.raise_for_status()
         return {row["id"]: row.get("pid") for row in r.json()["data"] if row["id"] in self.models}
 
+    async def capacity(self) -> dict[str, int]:
+        """Requests each model admits at once: its KV slots + ``max_queue``."""
+        r = await self.http.get("/admin/models", headers=self.admin_headers)
+        r.raise_for_status()
+        return {row["id"]: int(row["slots_total"]) + int(row["max_queue"]) for row in r.json()["data"]}
+
     async def watch_pids(self) -> None:
         while not self.stop:
             try:
@@ -449,11 +457,9 @@ async def _events(r: httpx.Response) -> Any:
 
 def fuzz(base: str, n: int, headers: dict[str, str], seed: int) -> tuple[Counter[int], list[str]]:
     """About ``n`` schemathesis-generated requests over every operation of ``/openapi.json``;
-    (statuses, violations: 5xx other than 501)."""
+    (statuses, violations: a 5xx other than 501 and 503 with Retry-After, a transport failure)."""
     import schemathesis
     from schemathesis.core.result import Ok
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import seed as hseed
 
     api = schemathesis.openapi.from_url(base + "/openapi.json", headers=headers)
     seen: Counter[int] = Counter()
@@ -464,24 +470,41 @@ def fuzz(base: str, n: int, headers: dict[str, str], seed: int) -> tuple[Counter
             ops.append(r.ok())
         else:  # the document has an operation schemathesis cannot read
             bad.append(f"/openapi.json: {r.err()}"[:300])
-    per_op = max(1, math.ceil(n / max(1, len(ops))))
-    for op in ops:
-        @hseed(seed)
-        @given(case=op.as_strategy())
-        @settings(max_examples=per_op, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-        def run(case: Any) -> None:
-            case.headers = {**(case.headers or {}), **headers, "Connection": "close"}
-            try:
-                resp = case.call(timeout=120)
-            except Exception as e:  # noqa: BLE001 - a transport failure is a finding, not a crash of the probe
-                bad.append(f"{op.method.upper()} {op.path}: {type(e).__name__}: {e}"[:300])
-                return
-            seen[resp.status_code] += 1
-            if resp.status_code >= 500 and resp.status_code != 501:
-                bad.append(f"{op.method.upper()} {op.path}: {resp.status_code} {resp.text[:200]}")
-
-        run()
+    # hypothesis stops early on an operation with few distinct requests (a GET without parameters):
+    # further rounds, other seeds, until about n were sent (at most 8 rounds)
+    for round_ in range(8):
+        left = n - sum(seen.values()) - len(bad)
+        if left <= 0:
+            break
+        per_op = max(1, math.ceil(left / max(1, len(ops))))
+        for op in ops:
+            _fuzz_op(op, per_op, headers, seed + round_, seen, bad)
     return seen, bad
+
+
+def _fuzz_op(op: Any, examples: int, headers: dict[str, str], seed: int, seen: Counter[int], bad: list[str]) -> None:
+    """Up to ``examples`` schemathesis requests of one operation, counted into ``seen`` / ``bad``."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import seed as hseed
+
+    @hseed(seed)
+    @given(case=op.as_strategy())
+    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    def run(case: Any) -> None:
+        case.headers = {**(case.headers or {}), **headers, "Connection": "close"}
+        try:
+            resp = case.call(timeout=120)
+        except Exception as e:  # noqa: BLE001 - a transport failure is a finding, not a crash of the probe
+            bad.append(f"{op.method.upper()} {op.path}: {type(e).__name__}: {e}"[:300])
+            return
+        seen[resp.status_code] += 1
+        if resp.status_code >= 500 and resp.status_code != 501 and not (
+                resp.status_code == 503 and resp.headers.get("retry-after")):
+            bad.append(f"{op.method.upper()} {op.path}: {resp.status_code} {resp.text[:200]}")
+
+    run()
+
+
 
 
 # ---------------------------------------------------------------------------- router
@@ -598,9 +621,13 @@ async def run(args: argparse.Namespace) -> int:
             probe.t.violate(f"modelyard_worker_crashes_total grew by {crashes:g}")
         if args.loadgen:
             summary["loadgen"] = {}
+            capacity = await probe.capacity()
             for m in models:
+                # at most what the model admits at once (slots + max_queue): loadgen counts a 503 as
+                # a stream of 0 tokens, which would make its medians meaningless
+                conc = min(args.clients, capacity.get(m) or args.clients)
                 out = await asyncio.to_thread(subprocess.run, [sys.executable, args.loadgen, base, m,
-                                                               str(args.clients), str(args.max_tokens)],
+                                                               str(conc), str(args.max_tokens)],
                                               capture_output=True, text=True, timeout=1800)
                 summary["loadgen"][m] = out.stdout.strip() or out.stderr.strip()[-300:]
     finally:
@@ -629,9 +656,10 @@ async def run(args: argparse.Namespace) -> int:
         "loadavg_end": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
         "violations": t.violations,
     })
-    n5xx = sum(v for k, v in every.items() if k >= 500 and k != 501)
+    n5xx = sum(v for k, v in every.items() if k >= 500 and k not in (501, 503))
     print(json.dumps(summary, indent=1))
-    print(f"[probe] {summary['requests']} requests: {n5xx} x 5xx, {deaths} deaths, "
+    print(f"[probe] {summary['requests']} requests: {n5xx} x 5xx (besides {every.get(503, 0)} x 503 queue full), "
+          f"{deaths} deaths, "
           f"{t.checked - t.same - sum(t.reuse_diff.values())} wrong texts of {t.checked} checked "
           f"({sum(t.reuse_diff.values())} allowed prefix-reuse differences), {t.retry_after.get('(none)', 0)} "
           f"503s without Retry-After, {t.timeouts} timeouts; load average 1 min: max "
