@@ -815,6 +815,7 @@ class ModelSlot:
         pong = await wp.ping(timeout_s)
         if pong is not None and wp is self.worker:
             self._pong = (wp, pong)
+            self.metrics.count_decodes(self.model.name, wp.pid, pong.n_decode_total, pong.n_busy_slots_total)
             self._sample_rss(wp)
         return pong
 

@@ -219,7 +219,7 @@ def test_llamacpp_metric_names_and_process_start_header(tmp_path: Path, monkeypa
             for name in ("prompt_tokens_total", "prompt_seconds_total", "tokens_predicted_total",
                          "tokens_predicted_seconds_total", "n_tokens_max", "prompt_tokens_seconds",
                          "predicted_tokens_seconds", "requests_processing", "requests_deferred",
-                         "kv_cache_usage_ratio", "kv_cache_tokens"):
+                         "kv_cache_usage_ratio", "kv_cache_tokens", "n_decode_total", "n_busy_slots_per_decode"):
                 assert f"# HELP llamacpp:{name} " in t, name
                 assert _sample(t, f"llamacpp:{name}", "a") == 0.0
             r1 = await c.post("/v1/chat/completions", json=chat("a", "one two three", max_tokens=5))
@@ -236,6 +236,43 @@ def test_llamacpp_metric_names_and_process_start_header(tmp_path: Path, monkeypa
             t = (await c.get("/metrics")).text  # nothing ran since: the window is empty again, totals stay
             assert _sample(t, "llamacpp:predicted_tokens_seconds", "a") == 0
             assert _sample(t, "llamacpp:tokens_predicted_total", "a") == u1["completion_tokens"] + 3
+
+    run(go())
+
+
+def test_decode_calls_and_busy_slots_per_decode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-server's ``llamacpp:n_decode_total`` (llama_decode calls) and
+    ``llamacpp:n_busy_slots_per_decode`` (busy slots summed over those calls / the calls), from
+    the workers' Pongs (the fake: a prefill is one call, each token one more). The counter
+    goes on across a worker's restart (the new worker's totals add to the old one's)."""
+    from tests.router.inproc import until
+    env = InProc(tmp_path, monkeypatch)
+    env.set_fake({"a": {"max_jobs": 2}})
+
+    async def go() -> None:
+        async with env.app(config("a", extra={"a": ["parallel = 2"]})) as (_, c):
+            r = await c.post("/completion", json={"model": "a", "prompt": "alone [len=3]", "n_predict": 3})
+            assert r.status_code == 200, r.text
+            t = (await c.get("/metrics")).text
+            assert _sample(t, "llamacpp:n_decode_total", "a") == 4  # the prefill and 3 tokens
+            assert _sample(t, "llamacpp:n_busy_slots_per_decode", "a") == 1.0
+            # two at once: both hold their slot while each waits after its first token
+            with env.hold():
+                reqs = [asyncio.ensure_future(c.post("/completion", json={
+                    "model": "a", "prompt": f"pair {i} [len=3] [hold@1]", "n_predict": 3})) for i in range(2)]
+                await until(lambda: len([ln for ln in env.fake_log.read_text().splitlines()
+                                         if '"first_token"' in ln]) >= 3, "both first tokens")
+            assert all(r.status_code == 200 for r in await asyncio.gather(*reqs))
+            t = (await c.get("/metrics")).text
+            assert _sample(t, "llamacpp:n_decode_total", "a") == 12
+            per = _sample(t, "llamacpp:n_busy_slots_per_decode", "a")
+            assert 1.0 < per < 2.0  # the pair's calls saw 2 busy slots, at least until one of them ended
+            r = await c.post("/admin/models/unload", json={"model": "a"})
+            assert r.status_code == 200, r.text
+            r = await c.post("/completion", json={"model": "a", "prompt": "again [len=2]", "n_predict": 2})
+            assert r.status_code == 200, r.text
+            t = (await c.get("/metrics")).text
+            assert _sample(t, "llamacpp:n_decode_total", "a") == 15  # 12 + the new worker's 3
 
     run(go())
 
