@@ -197,10 +197,11 @@ class Metrics:
         t.window_predicted_tokens += predicted_n
         t.window_predicted_seconds += predicted_ms / 1000
 
-    def count_decodes(self, model: str, worker: int, n_decode: int, n_busy_slots: int) -> None:
+    def count_decodes(self, model: str, worker: int | None, n_decode: int, n_busy_slots: int) -> None:
         """Take a worker's Pong figures for ``model``'s ``llamacpp:n_decode_total`` and
         ``llamacpp:n_busy_slots_per_decode``: ``n_decode`` forward passes and ``n_busy_slots``
-        busy slots summed over them, totals since that worker (``worker``: its pid) started.
+        busy slots summed over them, totals since that worker (``worker``: its pid, None when not
+        known) started.
         Another worker (or totals that went down: a new process with a reused pid) starts a new
         run on top of what the previous ones counted, so the counter never goes back."""
         t = self.llamacpp.setdefault(model, LlamacppTotals())

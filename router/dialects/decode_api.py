@@ -99,7 +99,7 @@ async def create(request: Request) -> Response:
     return JSONResponse(job.describe())
 
 
-async def retrieve(request: Request) -> Response:
+async def retrieve(request: Request) -> Response | SSEResponse:
     job_id = request.path_params["decode_id"]
     job = store_of(request).get(job_id)
     if job is None:

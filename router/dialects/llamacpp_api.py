@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar, cast
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -192,7 +192,7 @@ async def _tokenize(request: Request, slot: ModelSlot, text: str, add_special: b
     return list(ans.tokens.view())
 
 
-async def _mixed_ids(request: Request, slot: ModelSlot, parts: list[PromptPart]) -> list[int]:
+async def _mixed_ids(request: Request, slot: ModelSlot, parts: Sequence[PromptPart]) -> list[int]:
     """A mixed prompt's token ids, as llama-server's ``tokenize_mixed``: each string tokenized
     with special tokens parsed, the first element (only) with the model's BOS when it is a string;
     ids kept as they are."""
@@ -246,7 +246,7 @@ def _settings(msg: Generate, n_predict: int | None, streaming: bool) -> dict[str
     }
 
 
-async def completion(request: Request) -> Response:
+async def completion(request: Request) -> Response | SSEResponse:
     body = await read_json(request)
     name, slot = _slot(request, body)
     # llama.cpp's post_sampling_probs: served here (router.dialects.samplers refuses it on the other routes)
@@ -255,8 +255,10 @@ async def completion(request: Request) -> Response:
     refuse_ignored(body, "/completion")  # n, logprobs, response_format, tools, ...: not /completion fields
     prompts: list[str | list[int]] = []
     for parts in _prompts(body, slot.model.parallel + slot.model.max_queue):
-        prompts.append(await _mixed_ids(request, slot, parts)  # type: ignore[arg-type]
-                       if isinstance(parts, list) and any(isinstance(p, str) for p in parts) else parts)
+        if isinstance(parts, list) and any(isinstance(p, str) for p in parts):
+            prompts.append(await _mixed_ids(request, slot, parts))
+        else:
+            prompts.append(cast("str | list[int]", parts))  # a list with no string in it holds ids only
     body = await _text_logit_bias(request, slot, body)
     if get_bool(body, "return_progress", False):  # cannot be done: the worker reports no prefill progress
         set_aside(request.state, "return_progress", "prompt_progress",
@@ -393,7 +395,7 @@ async def completion(request: Request) -> Response:
                        lambda: _drop(starts))
 
 
-def _drop(starts: list[asyncio.Future[tuple[Run, Token | Done | Accepted]]]) -> None:
+def _drop(starts: Sequence[asyncio.Future[tuple[Run, Token | Done | Accepted]]]) -> None:
     """Cancel the ``begin`` calls still waiting; close the runs of those done."""
     for t in starts:
         if not t.done():

@@ -287,9 +287,10 @@ def parse_tools(body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
         tc = "auto"
     if tc in ("none", "auto", "required"):
         return tools, choose(tools, tc, None, parallel, "tool_choice")
-    kind = tc.get("type") if isinstance(tc, dict) else None
-    if kind in ("function", "custom") and isinstance(tc.get(kind), dict):
-        return tools, choose(tools, "named", tc[kind].get("name"), parallel, f"tool_choice.{kind}")
+    if isinstance(tc, dict):
+        kind = tc.get("type")
+        if kind in ("function", "custom") and isinstance(tc.get(kind), dict):
+            return tools, choose(tools, "named", tc[kind].get("name"), parallel, f"tool_choice.{kind}")
     raise BadRequest("'tool_choice' must be 'none', 'auto', 'required', {\"type\": \"function\", \"function\": "
                      "{\"name\": ...}} or {\"type\": \"custom\", \"custom\": {\"name\": ...}}", param="tool_choice")
 
@@ -334,7 +335,7 @@ def _chat_finish(finish: str, calls: list[ToolCall]) -> str:
     return "tool_calls" if calls and finish == "stop" else finish
 
 
-async def chat_completions(request: Request) -> Response:
+async def chat_completions(request: Request) -> Response | SSEResponse:
     body = await read_json(request)
     pool = _pool(request)
     model_name = model_of(body, pool.config.default_name(), pool.config.ids())
@@ -545,7 +546,7 @@ def _legacy_logprobs(probs: list[TokenProb], n_top: int, offsets: _TextOffsets) 
     }
 
 
-async def completions(request: Request) -> Response:
+async def completions(request: Request) -> Response | SSEResponse:
     body = await read_json(request)
     pool = _pool(request)
     model_name = model_of(body, pool.config.default_name(), pool.config.ids())
