@@ -605,9 +605,17 @@ async def run(args: argparse.Namespace) -> int:
         for change in probe.pid_changes:  # nothing unloads a model during the load: a change is a death
             probe.t.violate(f"worker pid changed during the load: {change}")
         summary["after_load_references_differ"] = await probe.check_references("after load")
+        # the load phase's figures, printed (and saved) before anything else can go wrong
+        summary["load_phase"] = figures(probe, len(probe.pid_changes) + int(await probe.crashes() - crashes0))
+        print(f"[probe] load phase: {headline(summary['load_phase'])}", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(summary, indent=1))
         if args.fuzz:
             t2 = time.monotonic()
-            seen, bad = await asyncio.to_thread(fuzz, base, args.fuzz, probe.admin_headers, args.seed)
+            try:
+                seen, bad = await asyncio.to_thread(fuzz, base, args.fuzz, probe.admin_headers, args.seed)
+            except Exception as e:  # noqa: BLE001 - reported as a violation with the figures so far
+                seen, bad = Counter(), [f"the fuzz stopped: {type(e).__name__}: {e}"]
             summary["fuzz"] = {"requests": sum(seen.values()), "statuses": dict(sorted(seen.items())),
                                "violations": len(bad), "s": round(time.monotonic() - t2, 1)}
             for b in bad:
@@ -639,35 +647,45 @@ async def run(args: argparse.Namespace) -> int:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+    summary.update(figures(probe, deaths))
+    print(json.dumps(summary, indent=1))
+    print(f"[probe] {headline(summary)}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    return 1 if probe.t.violations else 0
+
+
+def figures(probe: Probe, deaths: int) -> dict[str, Any]:
+    """The tally so far, as the summary gives it."""
     t = probe.t
     every: Counter[int] = Counter()
     for c in t.statuses.values():
         every.update(c)
     loads = probe.loads or [os.getloadavg()]
-    summary.update({
+    return {
         "requests": sum(every.values()), "statuses": dict(sorted(every.items())),
+        "x5xx": sum(v for k, v in every.items() if k >= 500 and k not in (501, 503)),
         "by_route": {k: dict(sorted(v.items())) for k, v in sorted(t.statuses.items())},
         "texts_checked": t.checked, "texts_same": t.same, "texts_reused_prefix": t.cache_hits,
+        "texts_wrong": t.checked - t.same - sum(t.reuse_diff.values()),
         "allowed_reuse_differences": dict(t.reuse_diff),
         "cancelled_streams": t.cancelled, "bad_inputs": t.bad, "timeouts": t.timeouts,
-        "retry_after_503": dict(t.retry_after), "deaths": deaths, "pid_changes": probe.pid_changes,
+        "retry_after_503": dict(t.retry_after), "deaths": deaths, "pid_changes": list(probe.pid_changes),
         "loadavg_1m_max": round(max(x[0] for x in loads), 2),
         "loadavg_1m_mean": round(sum(x[0] for x in loads) / len(loads), 2),
         "loadavg_end": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
-        "violations": t.violations,
-    })
-    n5xx = sum(v for k, v in every.items() if k >= 500 and k not in (501, 503))
-    print(json.dumps(summary, indent=1))
-    print(f"[probe] {summary['requests']} requests: {n5xx} x 5xx (besides {every.get(503, 0)} x 503 queue full), "
-          f"{deaths} deaths, "
-          f"{t.checked - t.same - sum(t.reuse_diff.values())} wrong texts of {t.checked} checked "
-          f"({sum(t.reuse_diff.values())} allowed prefix-reuse differences), {t.retry_after.get('(none)', 0)} "
-          f"503s without Retry-After, {t.timeouts} timeouts; load average 1 min: max "
-          f"{summary['loadavg_1m_max']}, mean {summary['loadavg_1m_mean']} on {os.cpu_count()} cpus; "
-          f"{len(t.violations)} violations", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1))
-    return 1 if t.violations else 0
+        "violations": list(t.violations),
+    }
+
+
+def headline(f: dict[str, Any]) -> str:
+    """One line of :func:`figures`."""
+    return (f"{f['requests']} requests: {f['x5xx']} x 5xx (besides {f['statuses'].get(503, 0)} x 503 queue full "
+            f"with Retry-After), {f['deaths']} deaths, {f['texts_wrong']} wrong texts of {f['texts_checked']} "
+            f"checked ({sum(f['allowed_reuse_differences'].values())} allowed prefix-reuse differences), "
+            f"{f['retry_after_503'].get('(none)', 0)} 503s without Retry-After, {f['timeouts']} timeouts; "
+            f"load average 1 min: max {f['loadavg_1m_max']}, mean {f['loadavg_1m_mean']} on {f['cpus']} cpus; "
+            f"{len(f['violations'])} violations")
 
 
 def main() -> int:
@@ -689,6 +707,11 @@ def main() -> int:
     p.add_argument("--json", help="write the summary here too")
     args = p.parse_args()
     args.allow_reuse_diff = {m for m in args.allow_reuse_diff.split(",") if m}
+    if args.fuzz:
+        try:
+            import schemathesis  # noqa: F401 - checked now, not after minutes of load
+        except ImportError:
+            raise SystemExit("--fuzz needs schemathesis (the dev extras: pip install -e '.[dev]')") from None
     return asyncio.run(run(args))
 
 
