@@ -462,7 +462,7 @@ async def _run(request: Request, job: _Job, t0: float, *, chat: bool) -> Respons
     was_loaded = job.slot.state in LOADED
     streaming = get_bool(await _body(request), "stream", True)
     run, first = await begin(request, job.slot, job.msg, grammar_param=job.constraint_param, early=streaming)
-    load_ns = 0 if was_loaded else max(0, int((run.ticket.started_at - run.started_at) * 1e9))
+    load_ns = 0 if was_loaded else max(0, int((run.record.started_at - run.record.admitted_at) * 1e9))
     head = {"model": job.model}
     parser = job.prep.parser() if job.prep is not None else None
 

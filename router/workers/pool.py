@@ -64,6 +64,7 @@ from typing import Any
 import zmq.asyncio
 
 from protocol import Ping, Pong, Ready
+from router.workers.admission import Admission, Ticket
 from router.workers.backoff import CrashHistory, CrashPolicy, Failure
 from router.config import Config, ModelConfig
 from router.workers.events import EventHub
@@ -95,18 +96,6 @@ log = logging.getLogger("modelyard.pool")
 LOAD_PROGRESS_INTERVAL_S = 5.0
 
 
-@dataclass(eq=False)
-class Ticket:
-    """One admitted request's place: waiting, then running on one worker."""
-
-    id: str
-    admitted_at: float = field(default_factory=time.monotonic)
-    granted: asyncio.Future[WorkerProcess] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future())
-    worker: WorkerProcess | None = None
-    started_at: float = 0.0  # when it was handed its worker (monotonic s)
-
-
 def _crash_policy(m: ModelConfig) -> CrashPolicy:
     return CrashPolicy(base_s=m.restart_backoff_s, max_s=m.restart_backoff_max_s, max_crashes=m.max_crashes,
                        window_s=m.crash_window_s)
@@ -127,8 +116,7 @@ class ModelSlot:
         self.last_used: float | None = None  # unix time a request last finished
         self.unload_reason: str | None = None  # why the worker was last unloaded (admin, idle)
         self.spawn_count = 0
-        self._waiting: deque[Ticket] = deque()
-        self._running: dict[str, Ticket] = {}
+        self.admission = Admission()  # the bounded queue and the running set (moved only by this slot)
         self._load_task: asyncio.Task[None] | None = None
         self._loading_worker: WorkerProcess | None = None
         self._unload_task: asyncio.Task[None] | None = None
@@ -185,20 +173,15 @@ class ModelSlot:
 
     @property
     def queue_depth(self) -> int:
-        return sum(1 for t in self._waiting if not t.granted.done())
+        return self.admission.queue_depth
 
     def admitted_split(self) -> tuple[int, int]:
-        """(running, waiting) as admission counts them: while the model loads, the
-        first waiting request(s) — those that get the free job slot(s) once it is
-        ready — count as running, exactly as they will once it is loaded."""
-        jobs = self.worker.max_jobs if self.worker is not None else 1
-        pending = self.queue_depth
-        starting = min(pending, max(0, jobs - len(self._running)))
-        return len(self._running) + starting, pending - starting
+        """(running, waiting) as admission counts them (``router.workers.admission``)."""
+        return self.admission.split(self.worker.max_jobs if self.worker is not None else 1)
 
     @property
     def running_ids(self) -> list[str]:
-        return list(self._running)
+        return self.admission.running_ids
 
     @property
     def total_slots(self) -> int:
@@ -222,7 +205,7 @@ class ModelSlot:
             return [{"id": int(s.get("id", i)), "id_task": s.get("id_task"),
                      "is_processing": bool(s.get("is_processing")), "n_past": int(s.get("n_past", 0))}
                     for i, s in enumerate(pong.slots)]
-        running = [rid for rid, t in self._running.items() if t.worker is self.worker]
+        running = self.admission.running_on(self.worker) if self.worker is not None else []
         held = pong.kv_tokens if pong is not None and n == 1 else 0
         return [{"id": i, "id_task": running[i] if i < len(running) else None,
                  "is_processing": i < len(running), "n_past": held} for i in range(n)]
@@ -231,7 +214,7 @@ class ModelSlot:
         """This model's figures for ``/metrics``."""
         pong = self.last_pong()
         slots = self.kv_slots()
-        running, waiting = len(self._running), self.queue_depth
+        running, waiting = self.admission.n_running, self.queue_depth
         return ModelGauges(
             model=self.model.name, state=self.state.value,
             loaded=self.state in LOADED or self.state is WorkerState.DRAINING,
@@ -288,7 +271,7 @@ class ModelSlot:
         """Unix time the idle unload is due (``idle_ttl_s`` after the last activity), while the
         model is ready and idle; None when it has no TTL, is busy or is not loaded."""
         ttl = self.idle_ttl()
-        if ttl is None or self.state is not WorkerState.READY or self._running or self.queue_depth > 0:
+        if ttl is None or self.state is not WorkerState.READY or self.busy or self.queue_depth > 0:
             return None
         return time.time() + max(0.0, self._last_active + ttl - time.monotonic())
 
@@ -333,7 +316,7 @@ class ModelSlot:
         if self.state not in (WorkerState.LOADING, *LOADED, WorkerState.DRAINING):
             return None
         return Seat(name=self.model.name, state=self.state.value,
-                    idle=(self.state is WorkerState.READY and not self._running and self.queue_depth == 0
+                    idle=(self.state is WorkerState.READY and not self.busy and self.queue_depth == 0
                           and self._users == 0),
                     pinned=self.model.pinned, last_active=self._last_active,
                     rss=self._sample_rss(self.worker or self._loading_worker) or 0,
@@ -375,8 +358,8 @@ class ModelSlot:
 
     # ------------------------------------------------------------------ admission
 
-    def admit(self, request_id: str) -> Ticket:
-        """Take a place in this model's queue, starting its worker if needed.
+    def admit(self, ticket: Ticket) -> None:
+        """``ticket`` takes a place in this model's queue, starting its worker if needed.
 
         Raises ModelUnloading (503) while draining, QueueFull (503) when
         ``1 + max_queue`` requests are already admitted (loading or not: see
@@ -392,13 +375,11 @@ class ModelSlot:
             raise QueueFull(
                 f"model '{self.model.name}' is busy: {running} running{loading} and {waiting} waiting "
                 f"(at most {jobs} running + max_queue={self.model.max_queue} waiting); retry shortly")
-        ticket = Ticket(id=request_id)
-        self._waiting.append(ticket)
+        self.admission.enqueue(ticket)
         self._last_active = time.monotonic()
         if self.state in (WorkerState.UNLOADED, WorkerState.FAILED):
             self._want_load()
         self._pump()
-        return ticket
 
     async def wait_turn(self, ticket: Ticket) -> WorkerProcess:
         """The worker this ticket runs on, once it is its turn. Raises ApiError
@@ -407,23 +388,17 @@ class ModelSlot:
 
     def withdraw(self, ticket: Ticket) -> None:
         """A waiting request leaves (its client went away). No-op once running."""
-        if not ticket.granted.done():
-            ticket.granted.cancel()
-        try:
-            self._waiting.remove(ticket)
-        except ValueError:
-            pass
+        self.admission.withdraw(ticket)
         self._changed.set()
         self._pool.place()  # a wanted load may have nobody left to wait for it
 
     def release(self, ticket: Ticket) -> None:
         """The worker is done with this ticket's request (Done/Error/gone)."""
-        if self._running.get(ticket.id) is ticket:
-            del self._running[ticket.id]
+        if self.admission.release(ticket):
             self.last_used = time.time()
             self._last_active = time.monotonic()
             self._idle_wake.set()
-            if not self._running:
+            if not self.busy:
                 self._pool.share_cores()
         self._changed.set()
         self._pump()
@@ -431,25 +406,16 @@ class ModelSlot:
 
     def _pump(self) -> None:
         """Hand free job slots of a ready worker to waiting tickets, FIFO."""
-        while self._waiting and self._waiting[0].granted.done():
-            self._waiting.popleft()
-        was_busy = bool(self._running)
-        while (self.state is WorkerState.READY and self.worker is not None and self._waiting
-               and len(self._running) < self.worker.max_jobs):
-            t = self._waiting.popleft()
-            if t.granted.done():
-                continue
-            t.worker = self.worker
-            t.started_at = time.monotonic()
-            self._running[t.id] = t
-            t.granted.set_result(self.worker)
-        if bool(self._running) != was_busy:
+        was_busy = self.busy
+        if self.state is WorkerState.READY and self.worker is not None:
+            self.admission.grant_free(self.worker, self.worker.max_jobs)
+        if self.busy != was_busy:
             self._pool.share_cores()
 
     @property
     def busy(self) -> bool:
         """A worker of this model is generating (it holds a running request)."""
-        return bool(self._running)
+        return self.admission.busy
 
     def set_threads(self, n: int) -> None:
         """The pool's decision: the ready worker uses ``n`` BLAS threads (sent once per change;
@@ -537,18 +503,14 @@ class ModelSlot:
         """End every running generation now: each fails with ServerShuttingDown(``reason``)
         and its worker gets Cancel (by the run's own close). Returns how many."""
         n = 0
-        for ticket in list(self._running.values()):
+        for ticket in self.admission.running():
             if ticket.worker is not None:
                 ticket.worker.abort_stream(ticket.id, reason)
                 n += 1
         return n
 
     def _fail_waiting(self, err: ApiError) -> None:
-        while self._waiting:
-            t = self._waiting.popleft()
-            if not t.granted.done():
-                t.granted.set_exception(err)
-                t.granted.exception()  # mark retrieved: a withdrawn waiter may never look
+        self.admission.refuse_waiting(err)
 
     # ------------------------------------------------------------------ placement
 
@@ -758,7 +720,7 @@ class ModelSlot:
             since = time.monotonic()
             while self._watching(wp):  # the interval; a running job owes Tokens meanwhile
                 interval = self.model.ping_interval_s
-                if self._running:
+                if self.busy:
                     interval = min(interval, window / 2)
                 if time.monotonic() - since >= interval:
                     break
@@ -787,8 +749,8 @@ class ModelSlot:
         job (since its last frame or the latest job's start) or while a Ping sent at
         ``ping_sent`` (monotonic s) is unanswered (since then or its last frame)."""
         now = time.monotonic()
-        if self._running:
-            started = max(t.started_at for t in self._running.values())
+        if self.busy:
+            started = self.admission.latest_start()
             silent = now - max(wp.last_frame_at, started)
         elif ping_sent is not None:
             silent = now - max(wp.last_frame_at, ping_sent)
@@ -838,7 +800,7 @@ class ModelSlot:
             ttl = self.idle_ttl()  # a request's keep_alive may change it
             if ttl is None:
                 break
-            busy = bool(self._running) or self.queue_depth > 0 or self.state is not WorkerState.READY
+            busy = self.busy or self.queue_depth > 0 or self.state is not WorkerState.READY
             left = self._last_active + ttl - time.monotonic()
             if busy or left > 0:
                 self._idle_wake.clear()  # set by a release or a new keep_alive
@@ -871,8 +833,7 @@ class ModelSlot:
         self.last_exit_code = wp.exit_code
         # Its requests got WorkerGone in their queues; free their job slots now so a
         # new worker is never blocked by a dead one's bookkeeping.
-        for tid in [tid for tid, t in self._running.items() if t.worker is wp]:
-            del self._running[tid]
+        self.admission.forget_worker(wp)
         self._cancel_watchers()
         if self.state in LOADED:
             self.worker = None
@@ -1064,7 +1025,7 @@ class ModelSlot:
 
     async def _drain_and_stop(self, wp: WorkerProcess, drain: bool) -> None:
         deadline = time.monotonic() + (self.model.drain_timeout_s if drain else 0.0)
-        while self._running and wp.alive:
+        while self.busy and wp.alive:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -1073,18 +1034,18 @@ class ModelSlot:
                 await asyncio.wait_for(self._changed.wait(), left)
             except TimeoutError:
                 break
-        for tid in list(self._running):
+        for tid in self.admission.running_ids:
             wp.cancel(tid)
-        if drain and self._running and wp.alive:  # drain_timeout_s: their Done(cancelled) reaches the clients
+        if drain and self.busy and wp.alive:  # drain_timeout_s: their Done(cancelled) reaches the clients
             deadline = time.monotonic() + self.model.cancel_timeout_s
-            while self._running and wp.alive and (left := deadline - time.monotonic()) > 0:
+            while self.busy and wp.alive and (left := deadline - time.monotonic()) > 0:
                 self._changed.clear()
                 try:
                     await asyncio.wait_for(self._changed.wait(), left)
                 except TimeoutError:
                     break
         await wp.stop(self.model.shutdown_grace_s)
-        self._running.clear()
+        self.admission.forget_running()
         self._cancel_watchers()
         self.worker = None
         self.last_exit_code = wp.exit_code
@@ -1092,7 +1053,7 @@ class ModelSlot:
         reload = self._idle_unloading and not self._pool.closing and not self.retiring
         self._idle_unloading = False
         self._apply_pending()
-        if reload and self._waiting:  # requests that arrived during an idle unload / eviction start it again
+        if reload and self.queue_depth > 0:  # requests that arrived during an idle unload / eviction start it again
             self._want_load()
         self._pool.place()  # its place is free
 

@@ -484,9 +484,10 @@ class WorkerProcess:
         except psutil.Error:
             return False
 
-    def open_stream(self, request_id: str) -> asyncio.Queue[StreamItem]:
-        """Start collecting frames for ``request_id``. A gone worker yields WorkerGone at once."""
-        q: asyncio.Queue[StreamItem] = asyncio.Queue()
+    def open_stream(self, request_id: str, into: asyncio.Queue[StreamItem] | None = None) -> asyncio.Queue[StreamItem]:
+        """Route the frames of ``request_id`` into ``into`` (a request record's inbox; else a new
+        queue) from now on; returns it. A gone worker yields WorkerGone at once."""
+        q: asyncio.Queue[StreamItem] = into if into is not None else asyncio.Queue()
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         self._streams[request_id] = q

@@ -154,7 +154,7 @@ UNENCODABLE = [
 @pytest.mark.parametrize("path,template", UNENCODABLE, ids=[f"{p}-{i}" for i, (p, _) in enumerate(UNENCODABLE)])
 def test_a_request_the_protocol_cannot_carry_is_400_never_sent(router: LiveRouter, m_pid: int, path: str,
                                                                template: str) -> None:
-    # Passes validation, fails encoding: Run.start / _call must encode before recording the
+    # Passes validation, fails encoding: ModelServer.start / _call must encode before recording the
     # request as sent, so no Cancel goes to a worker that never got it (it would be killed as hung).
     cancels = len(router.fake_events("cancel"))
     r = httpx.post(router.url + path, content=(template % SURROGATE).encode(),

@@ -174,4 +174,4 @@ def test_the_reader_sees_lazy_and_package_imports(tmp_path: Path) -> None:
     deps = imports_of(f)
     assert "router.workers.placement" in deps  # ``from router.workers import placement``
     assert "router.serving.presets" in deps  # imported inside Pool.get
-    assert _layer("router.dialects.openai_api") > _layer("router.serving.run") > _layer("router.workers.pool")
+    assert _layer("router.dialects.openai_api") > _layer("router.serving.server") > _layer("router.workers.pool")
