@@ -45,10 +45,10 @@ from router.http.params import (
     get_stop,
 )
 from router.workers.pool import ModelSlot
-from router.dialects import keep_alive
+from router.serving import keep_alive
 from router.serving.presets import preset_template
 from router.serving.server import Generation, submit
-from router.dialects.samplers import refuse_unimplemented
+from router.serving.samplers import refuse_unimplemented
 from router.http.set_aside import set_aside
 from router.http.sse import sse_event, until_disconnect
 

@@ -32,7 +32,7 @@ import weakref
 from collections import deque
 from typing import Any
 
-from protocol import Accepted, Done, Error, Generate, KVChunk, ProtocolError, Token, encode
+from protocol import Accepted, Done, Error, Generate, KVChunk, ProtocolError, Ready, Token, encode
 from router.http.errors import ApiError, BadGateway, ServerShuttingDown, from_worker_error, unsendable
 from router.metrics import Metrics
 from router.serving.record import RecordState, RequestRecord
@@ -256,6 +256,11 @@ class Generation:
     def worker(self) -> WorkerProcess | None:
         """The worker it was granted (None while it waits)."""
         return self.record.worker
+
+    @property
+    def ready(self) -> Ready | None:
+        """The granted worker's Ready (its model identity: fingerprint, n_ctx, ...); None while it waits."""
+        return self.record.worker.ready if self.record.worker is not None else None
 
     @property
     def accepted(self) -> Accepted | None:

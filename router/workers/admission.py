@@ -13,7 +13,7 @@ requests — those that get the job slots once it is ready — count as running,
 (:meth:`Admission.split`).
 
 :class:`Admission` holds these facts and applies what it is told, synchronously; the model's
-one owner (``router.workers.pool.ModelSlot``) decides when (its state, its worker).
+one owner (``router.workers.slot.ModelSlot``) decides when (its state, its worker).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A ready worker with nothing running or waiting for its idle time-to-live is unloaded
 (drained, then stopped; never a ``pinned`` model), as Ollama's keep_alive and
 llama-server's ``--sleep-idle-seconds`` do. The idle check and the switch to
-``draining`` happen in one step (the slot's :meth:`~router.workers.pool.ModelSlot.idle_unload`,
+``draining`` happen in one step (the slot's :meth:`~router.workers.slot.ModelSlot.idle_unload`,
 called with no ``await`` in between), so a request cannot slip in between.
 """
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from router.workers.lifecycle import LOADED, WorkerState
 
 if TYPE_CHECKING:
-    from router.workers.pool import ModelSlot
+    from router.workers.slot import ModelSlot
     from router.workers.process import WorkerProcess
 
 

@@ -3,7 +3,7 @@
 Every ``ping_interval_s`` — every ``unresponsive_after_s / 2`` while it runs a request —
 the worker is pinged. A worker that owes a frame (a Pong, or a Token of a running job)
 and has sent none for ``unresponsive_after_s`` is judged unresponsive: the model's state
-machine (``router.workers.pool.ModelSlot``, which applies the verdict) hands it no new
+machine (``router.workers.slot.ModelSlot``, which applies the verdict) hands it no new
 job; any frame makes it ready again. With no Pong within ``ping_timeout_s`` it is killed
 as hung. A draining worker is not pinged (its stop is bounded by ``drain_timeout_s`` and
 ``shutdown_grace_s``).
@@ -19,7 +19,7 @@ from protocol import Pong
 from router.workers.lifecycle import LOADED, WorkerState
 
 if TYPE_CHECKING:
-    from router.workers.pool import ModelSlot
+    from router.workers.slot import ModelSlot
     from router.workers.process import WorkerProcess
 
 

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 from router.workers import placement
 
 if TYPE_CHECKING:
-    from router.workers.pool import ModelSlot, Pool
+    from router.workers.pool import Pool
+    from router.workers.slot import ModelSlot
 
 
 class Placer:

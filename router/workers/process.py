@@ -447,7 +447,7 @@ class WorkerProcess:
         if ident != self._identity:
             log.warning("ignoring %s from an unknown peer on %s's socket", msg.TYPE, self.model.name)
             return
-        self.last_frame_at = time.monotonic()  # liveness: any frame of the worker (router.workers.pool judges)
+        self.last_frame_at = time.monotonic()  # liveness: any frame of the worker (router.workers.liveness judges)
         q = self._streams.get(msg.id)
         if q is not None:
             q.put_nowait(msg)

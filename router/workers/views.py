@@ -1,6 +1,6 @@
 """What one model's slot looks like from outside: /admin/models, /metrics' gauges, /slots.
 
-Read-only views of a :class:`~router.workers.pool.ModelSlot`, made when asked (no state of
+Read-only views of a :class:`~router.workers.slot.ModelSlot`, made when asked (no state of
 their own); the slot's methods of the same names return them.
 """
 
@@ -12,7 +12,7 @@ from router.metrics import ModelGauges
 from router.workers.lifecycle import LOADED, WorkerState
 
 if TYPE_CHECKING:
-    from router.workers.pool import ModelSlot
+    from router.workers.slot import ModelSlot
 
 
 def kv_slots(slot: ModelSlot) -> list[dict[str, Any]]:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,7 +20,7 @@ import pytest
 
 from protocol import Detokenize, Generate, ProtocolError, Tokenize, encode
 from router.http.errors import unsendable
-from tests.router.conftest import LiveRouter, dummy_gguf
+from tests.router.conftest import LiveRouter, router_fixture
 
 CONFIG = """
 [server]
@@ -40,13 +38,7 @@ max_queue = 8
 BIG = 2**64  # one more than msgpack's largest unsigned integer
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    dummy_gguf(module_tmp, "m.gguf")
-    r = LiveRouter(module_tmp, CONFIG)
-    r.set_fake({"cold": {"hold_load": True}})
-    yield r
-    r.stop()
+router = router_fixture(CONFIG, ggufs=("m.gguf",), fake={"cold": {"hold_load": True}})
 
 
 def chat(content: str = "hi", **kw: Any) -> dict[str, Any]:
