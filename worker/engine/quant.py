@@ -253,15 +253,17 @@ def cos_sin_libm(ang: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 FORMAT_VERSION = 9
 
 #: Environment switch: ``MODELYARD_QUANT_VNNI=0`` keeps the reference forms and kernels on a CPU
-#: with AVX512-VNNI (same bits, slower); on any other CPU they are the only ones.
+#: with AVX512-VNNI or AVX2 (same bits, slower); on any other CPU they are the only ones.
 VNNI_ENV = "MODELYARD_QUANT_VNNI"
 _vnni: bool | None = None
 
 
 def host_has_vnni() -> bool:
-    """Whether the VNNI forms and kernels are used: AVX512-VNNI (with F and BW) on the CPU numba
-    compiles for (the host, unless ``NUMBA_CPU_NAME`` names another), and not switched off by
-    :data:`VNNI_ENV`. Decided once per process (imports llvmlite, not numba)."""
+    """Whether the VNNI forms and their vector kernels are used: the CPU numba compiles for (the
+    host, unless ``NUMBA_CPU_NAME`` names another) has AVX512-VNNI (with F and BW), or AVX2 with
+    FMA and F16C (the kernels' integer dot products then lowered to ``vpmaddubsw`` +
+    ``vpmaddwd``, as ggml's AVX2 kernels take them: :data:`.simd.ISA`), and they are not switched
+    off by :data:`VNNI_ENV`. Decided once per process (imports llvmlite, not numba)."""
     global _vnni
     if _vnni is None:
         if os.environ.get(VNNI_ENV, "1").strip().lower() in ("0", "false", "no", "off") \
@@ -270,7 +272,8 @@ def host_has_vnni() -> bool:
         else:
             from llvmlite import binding
             f = binding.get_host_cpu_features()
-            _vnni = bool(f.get("avx512vnni") and f.get("avx512bw") and f.get("avx512f"))
+            _vnni = bool((f.get("avx512vnni") and f.get("avx512bw") and f.get("avx512f"))
+                         or (f.get("avx2") and f.get("fma") and f.get("f16c")))
     return _vnni
 
 
