@@ -56,7 +56,8 @@ QUANTIZED_FORMS: dict[str, tuple[str, int, int]] = {
 #: The same on a CPU with AVX512-VNNI or AVX2 (the VNNI kernels' forms, ``quant.QWeight``): every form
 #: has its rows interleaved by :data:`LANE_ROWS` (padded); ``vlanes4`` holds Q4_0 / Q4_1 as
 #: packed nibbles (16 bytes per 32 weights), ``vlanes`` the other 32-block types as a byte per
-#: weight, ``vq4k`` / ``vq6k`` the K-quant forms' bytes; every scale (``d``, ``m``, ``dmin``) as the
+#: weight, ``vq4k`` the K-quant form's bytes, ``vq6k`` the 6-bit levels packed as the GGUF packs them
+#: (4 + 2 bits: ``quant.pack_q6``); every scale (``d``, ``m``, ``dmin``) as the
 #: GGUF's own fp16 (2 bytes). A fused matrix whose parts are not all
 #: Q4_0 / Q4_1 is held as ``vlanes`` (a byte per weight) whole.
 VNNI_FORMS: dict[str, tuple[str, int, int]] = {
@@ -66,7 +67,7 @@ VNNI_FORMS: dict[str, tuple[str, int, int]] = {
     "Q8_0": ("vlanes", 32, 32 + 2),
     "Q5_1": ("vlanes", 32, 32 + 2 + 2),
     "Q4_K": ("vq4k", 256, 128 + 8 + 8 + 2 + 2),
-    "Q6_K": ("vq6k", 256, 256 + 16 + 2),
+    "Q6_K": ("vq6k", 256, 192 + 16 + 2),
 }
 
 #: Environment switch of the worker's VNNI kernels (``worker.engine.quant.VNNI_ENV``).

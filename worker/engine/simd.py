@@ -353,15 +353,37 @@ def maddw1(typingctx, a):
 
 
 @intrinsic
-def maddw_u8(typingctx, a, s):
-    """A bag of 32 int16 ``a`` and 16 bytes ``s`` (uint8, one per int32 lane, as
-    :func:`iload16_u8` gives them) -> 16 int32: lane l = s_l * (a[2l] + a[2l+1]) (``vpmaddwd``
-    against ``s`` in both int16 halves of each lane: exact)."""
+def maddw_s(typingctx, a, s):
+    """A bag of 32 int16 ``a`` and 16 int32 lanes ``s`` holding int16 values (scales loaded by
+    :func:`iload16_u8` / :func:`iload16_s8`) -> 16 int32: lane l = s_l * (a[2l] + a[2l+1])
+    (``vpmaddwd`` against ``s`` in both int16 halves of each lane: exact)."""
     def cg(context, builder, sig, args):
         sv = args[1]
-        pair = builder.or_(sv, builder.shl(sv, ir.Constant(_VI16, [16] * 16)))
+        pair = builder.or_(builder.and_(sv, ir.Constant(_VI16, [0xFFFF] * 16)),
+                           builder.shl(sv, ir.Constant(_VI16, [16] * 16)))
         return _maddwd(builder, builder.bitcast(args[0], _V32W), builder.bitcast(pair, _V32W))
     return i32x16(a, s), cg
+
+
+@intrinsic
+def q6_level(typingctx, lo4, hi2, sel):
+    """The 6-bit levels (0..63) of 64 bytes from their packed parts (``quant.pack_q6``): per byte
+    ``((lo4 >> 4*n) & 15) | (((hi2 >> 2*p) & 3) << 4)`` with ``n = sel & 1`` (the high nibble of
+    ``lo4``) and ``p = sel >> 1`` (the bit pair of ``hi2``, 0..3). Byte arithmetic on int32 lanes:
+    the masks keep each byte's own bits, and no needed bit leaves its lane (pairs 0-1 shift left
+    by 4 - 2p, pairs 2-3 right by 2p - 4)."""
+    def cg(context, builder, sig, args):
+        lo4, hi2, sel = args
+        sel = builder.trunc(sel, _I32) if sig.args[2].bitwidth > 32 else sel
+        n4 = builder.shl(builder.and_(sel, ir.Constant(_I32, 1)), ir.Constant(_I32, 2))
+        p2 = builder.shl(builder.lshr(sel, ir.Constant(_I32, 1)), ir.Constant(_I32, 1))
+        lo = builder.and_(builder.lshr(lo4, _splat(builder, n4, _VI16)), ir.Constant(_VI16, [0x0F0F0F0F] * 16))
+        left = builder.icmp_signed("<=", p2, ir.Constant(_I32, 4))
+        amt_l = builder.select(left, builder.sub(ir.Constant(_I32, 4), p2), ir.Constant(_I32, 0))
+        amt_r = builder.select(left, ir.Constant(_I32, 0), builder.sub(p2, ir.Constant(_I32, 4)))
+        h = builder.lshr(builder.shl(hi2, _splat(builder, amt_l, _VI16)), _splat(builder, amt_r, _VI16))
+        return builder.or_(lo, builder.and_(h, ir.Constant(_VI16, [0x30303030] * 16)))
+    return i32x16(lo4, hi2, types.intp), cg
 
 
 @intrinsic
