@@ -205,7 +205,7 @@ class Accepted(Message):
 
     ``set_aside``: what the constraint could not enforce and was loosened to the nearest
     enforceable grammar (e.g. ``Unimplemented keys: ["propertyNames"]``), for the client
-    to be told (``router.set_aside``)."""
+    to be told (``router.http.set_aside``)."""
 
     TYPE: ClassVar[str] = "accepted"
     prompt_tokens: int  # the prompt's tokens
@@ -406,10 +406,10 @@ class Generate(Message):
     # a plain file name (slot_filename_error): as the generation ends, the worker saves its KV entry
     # to that file in its --slot-save-path, in the same step (nothing can take the entry over
     # first), and sends the Done once the file is written (an Error if it cannot be); "" = no save.
-    # The disaggregated hand-over (router.disaggregate) uses it; n must be 1.
+    # The disaggregated hand-over (router.serving.disaggregate) uses it; n must be 1.
     save_slot_to: str = ""
     # True: as the generation ends (same step), the worker streams its KV entry's state
-    # (worker.engine.kv_state format) as KVChunk frames with this id, at most KV_WINDOW beyond
+    # (worker.engine.kv.state format) as KVChunk frames with this id, at most KV_WINDOW beyond
     # the last KVAck it got, then sends the Done. n must be 1; not with save_slot_to.
     stream_state: bool = False
 
@@ -493,7 +493,7 @@ class SlotAction(Message):
     ``filename`` (save / restore): a plain file name inside the worker's
     ``--slot-save-path`` directory (no path separator, no ``..``; checked on both
     sides). A slot action's state never crosses the wire: the worker reads / writes the file
-    (``worker.engine.kv_state`` format). A busy slot's action waits until the slot
+    (``worker.engine.kv.state`` format). A busy slot's action waits until the slot
     is idle (llama.cpp defers it too). Answered by a SlotActionResult or an Error
     ("kv_state_mismatch" naming the field, "kv_state_invalid", "invalid_params",
     "kv_budget_exceeded", "invalid_request" when the worker has no save path).
@@ -521,7 +521,7 @@ class SlotActionResult(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class KVChunk(Message):
-    """One piece of a KV state stream (``worker.engine.kv_state`` format, opaque here).
+    """One piece of a KV state stream (``worker.engine.kv.state`` format, opaque here).
 
     ``seq``: 0, 1, 2, ... within the stream ``id``; ``data``: 1..KV_CHUNK_MAX_BYTES bytes;
     ``last``: the stream's final chunk. A prefill worker sends them for a Generate with

@@ -1,4 +1,4 @@
-"""One structured access-log line per request and X-Request-Id (router.access_log),
+"""One structured access-log line per request and X-Request-Id (router.http.access_log),
 against fake workers: the id is taken from the request (or made), returned, written in
 the line, and carried to the worker in Generate.trace_id."""
 

@@ -277,7 +277,7 @@ def test_native_completion_stream(router: LiveRouter) -> None:
 
 
 def test_token_text_drops_a_cut_off_character_as_llama_cpp() -> None:
-    from router.llamacpp_api import _token_text
+    from router.dialects.llamacpp_api import _token_text
 
     assert _token_text(b"\xf0\x9f") == "" and _token_text(b"a\xe2\x82") == "a" and _token_text(b"\xc3\xa9") == "\u00e9"
     assert _token_text(b"x\xa9") == "x\ufffd"  # a stray continuation byte is not a cut-off character
@@ -384,7 +384,7 @@ def test_a_lone_surrogate_in_the_model_name_is_a_400_not_a_500(router: LiveRoute
 
 
 def test_a_body_over_the_limit_is_413(router: LiveRouter) -> None:
-    from router.params import MAX_BODY_BYTES
+    from router.http.params import MAX_BODY_BYTES
 
     r = httpx.post(router.url + "/v1/completions", content=b"{" + b" " * MAX_BODY_BYTES + b"}", headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"

@@ -1,4 +1,4 @@
-"""Decode by id (router.background, router.decode_api) and background Responses against fake
+"""Decode by id (router.dialects.background, router.dialects.decode_api) and background Responses against fake
 workers: two ids at once never mix, late readers get every event from the first, DELETE
 really cancels (the worker's slot is free again), a deleted or expired id is a 404 for
 good, and the store keeps its bounds under 1,000 ids."""
@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from router.background import BackgroundStore
+from router.dialects.background import BackgroundStore
 from tests.router.conftest import LiveRouter, dummy_gguf
 from tests.router.inproc import FakeClock, InProc, until
 

@@ -1,4 +1,4 @@
-"""The router's relay of a KV-state stream (router.disaggregate, kv_transfer = "wire"), with
+"""The router's relay of a KV-state stream (router.serving.disaggregate, kv_transfer = "wire"), with
 in-process stand-ins for the two workers: every byte relayed in order under the decode
 worker's transfer id, never more than KV_WINDOW chunks in flight, acks relayed as the prefill
 worker's credit; a refusal by the decode worker or a cancel mid-transfer closes the prefill
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-import router.disaggregate as dis
+import router.serving.disaggregate as dis
 from protocol import KV_WINDOW, Cancel, Done, Error, Generate, KVAck, KVChunk, SlotActionResult, Token
-from router.errors import ApiError
+from router.http.errors import ApiError
 
 
 def done(rid: str) -> Done:

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from protocol import Detokenize, Generate, ProtocolError, Tokenize, encode
-from router.errors import unsendable
+from router.http.errors import unsendable
 from tests.router.conftest import LiveRouter, dummy_gguf
 
 CONFIG = """

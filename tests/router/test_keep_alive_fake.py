@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from router.errors import BadRequest
-from router.keep_alive import parse_duration, requested
+from router.http.errors import BadRequest
+from router.dialects.keep_alive import parse_duration, requested
 from tests.router.conftest import LiveRouter, dummy_gguf
 from tests.router.test_cli_client_fake import cli
 

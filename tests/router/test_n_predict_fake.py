@@ -1,6 +1,6 @@
 """``n_predict`` per model, with llama.cpp's ``-n`` semantics: the length of an answer
 whose request names none, and the cap of one that names more (finish_reason "length"),
-on every generation route (they all pass through ``router.generation.begin``)."""
+on every generation route (they all pass through ``router.serving.generation.begin``)."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def test_models_state_their_context_size(router: LiveRouter) -> None:
 
 def test_default_max_ctx_is_the_engines() -> None:
     from protocol.limits import DEFAULT_MAX_CTX
-    from worker.engine.model import DEFAULT_MAX_CTX as ENGINE_MAX_CTX
+    from worker.engine.arch.model import DEFAULT_MAX_CTX as ENGINE_MAX_CTX
 
     assert DEFAULT_MAX_CTX == ENGINE_MAX_CTX
 
@@ -105,7 +105,7 @@ def test_head_and_get_root_answer(router: LiveRouter) -> None:
 
 
 def test_set_aside_items_name_the_keyword() -> None:
-    from router.generation import _set_aside_items
+    from router.serving.generation import _set_aside_items
 
     assert _set_aside_items('Unimplemented keys: ["propertyNames", "not"]') == ["propertyNames", "not"]
     assert _set_aside_items("oneOf not fully supported; falling back to anyOf. This may cause validation errors "

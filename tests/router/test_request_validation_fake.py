@@ -1,7 +1,7 @@
 """Requests a new user sends that were answered wrongly, against a fake worker.
 
 - Fields that change the answer are honoured or refused, never silently dropped
-  (router/field_policy.py), on every generation route: ``stop`` on /v1/messages, ``seed``
+  (router/dialects/field_policy.py), on every generation route: ``stop`` on /v1/messages, ``seed``
   or ``response_format`` on /v1/responses, ``n`` on /completion, ``image_data``, ``lora``
   or ``t_max_predict_ms`` anywhere were answered 200 as if they had not been sent.
 - A worker's 400 names the request field it is about; a request whose messages all fall
@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from router.field_policy import FIELDS, HONOURED
+from router.dialects.field_policy import FIELDS, HONOURED
 from tests.router.conftest import LiveRouter, dummy_gguf
 
 CONFIG = """

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from router.set_aside import HEADER, header_value
-from router.tools import namespaced_name
+from router.http.set_aside import HEADER, header_value
+from router.dialects.tools import namespaced_name
 from tests.router.conftest import LiveRouter, dummy_gguf
 
 CONFIG = """

@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from router.response_store import ResponseStore
-from router.tools import ChatTurn
+from router.dialects.response_store import ResponseStore
+from router.dialects.tools import ChatTurn
 from tests.router.conftest import LiveRouter, dummy_gguf
 
 CONFIG = """

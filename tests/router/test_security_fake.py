@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from router.config import ConfigError, load_config
-from router.security import host_name, is_json_media_type, loopback_name
+from router.http.security import host_name, is_json_media_type, loopback_name
 from tests.router.conftest import LiveRouter, dummy_gguf
 
 pytestmark = pytest.mark.reliability  # issue 11's probes (README: -m reliability)
@@ -212,7 +212,7 @@ def test_security_keys_errors_name_the_key(tmp_path: Path, line: str, key: str) 
 
 
 def test_redact_paths_keeps_file_names_and_urls() -> None:
-    from router.errors import redact_paths
+    from router.http.errors import redact_paths
 
     msg = "cannot open '/home/u/models/x.gguf': [Errno 2] No such file: /tmp/y.gguf; see http://a/b/c"
     assert redact_paths(msg) == "cannot open '.../x.gguf': [Errno 2] No such file: .../y.gguf; see http://a/b/c"

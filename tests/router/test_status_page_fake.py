@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from router.metrics import Metrics
-from router.status_page import MetricsHistory
+from router.operator.status_page import MetricsHistory
 from tests.router.conftest import LiveRouter, dummy_gguf
 
 CONFIG = """

@@ -1,0 +1,886 @@
+"""numba kernels of llama.cpp's CPU flash attention, used by :mod:`worker.engine.attention` on the ggml path.
+
+They reproduce, operation by operation, ``ggml_compute_forward_flash_attn_ext_f16`` of
+ggml-cpu ``ops.cpp`` (llama.cpp b11434, x86-64 with AVX-512F and no AVX512-FP16, as built
+with ``GGML_NATIVE`` on this machine kind) over an f16 K/V cache. Of its three code paths
+the caller picks the one llama.cpp would run for the sequence alone (:func:`worker.engine.attention.ggml_fa_mode`):
+
+* ``MODE_VEC`` — ``..._f16_one_chunk``: per query row and head, Q rounded to f16, each
+  visible key in cell order: ``s = ggml_vec_dot_f16(K, Q) * scale`` (f32 FMA lanes of
+  16 in 4 accumulators per 64 elements, ``_mm512_reduce_add_ps``, leftovers summed in
+  double), an online softmax with libm ``expf`` (``S = S*ms + vs`` fused), and the
+  softmax·V sum kept in **f16** (``VKQ16``): ``ggml_vec_scale_f16`` on a new maximum,
+  ``ggml_vec_mad_f16`` (``f16(fma(v, vs, acc))``) for every key; then ``VKQ * (1/S)``.
+* ``MODE_SPLIT`` — the split-KV decode path (one query row, ``n_kv >= 512`` cells): the
+  cells ``0 .. n_kv-1`` are cut into ``n_chunks`` (llama.cpp's thread count) equal
+  chunks, each run as above without the division, and the partial ``(M, S, VKQ)`` are
+  merged in f32 (``ggml_flash_attn_ext_reduce_partials``).
+* ``MODE_TILED`` — ``..._tiled`` (``>= 64`` query rows in the batch): Q kept in f32, tiles
+  of 64 cells; per tile ``KQ = Q·K`` (one FMA chain per score, ``simd_gemm``), scale, a
+  tile maximum, ``expf`` rescaling of the f32 accumulator on a new maximum, the tile's
+  softmax by ggml's AVX-512 ``ggml_v_expf`` polynomial summed per 16 lanes into a double,
+  ``VKQ += KQ·V`` (one FMA chain per output), and ``VKQ * (1/S)`` at the end.
+
+Cells are positions here (llama.cpp's cells of one sequence in a fresh cache are its
+positions in order; see :mod:`worker.engine.attention`). Masked cells (causal, sliding window) are
+skipped exactly as ggml's ``-INFINITY`` mask entries are. Every (query row, head) is
+computed by one thread from its own inputs only, so the result does not depend on the
+other rows or sequences of the batch, nor on the thread count.
+
+Arrays: ``q`` float32 ``[T, n_head, DK]`` (after RoPE and any q scaling); ``keys`` float32
+``[n_kv_head, S, DK]`` and ``values`` ``[n_kv_head, S, DV]`` holding f16 values (the KV
+cache), key ``i`` at position ``kpos0 + i``; query row ``t`` at position ``qpos0 + t``;
+``out`` float32 ``[T, n_head * DV]``. Query head ``h`` reads KV head ``h // (n_head / n_kv_head)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from .simd import vfma_s, vload, vstore, vzero
+
+#: the row-wise kernels (here and in quant_kernels) run their rows in parallel, in blocks of PAR_ROWS,
+#: from PAR_MIN input elements on, below it on the calling thread (a decode step's few rows are
+#: not worth a parallel launch); each row is computed alone, so the split does not change a bit
+PAR_MIN = 32768
+PAR_ROWS = 8
+
+f32 = numba.float32
+
+MODE_VEC = 0
+MODE_SPLIT = 1
+MODE_TILED = 2
+
+#: ggml_fa_tile_config (ggml-cpu common.h): query rows and KV cells per tile of the tiled path
+TILE_Q = 64
+TILE_KV = 64
+
+
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """``a * b + c`` rounded once (float32 FMA, as ``_mm512_fmadd_ps``)."""
+    if not (a == types.float32 and b == types.float32 and c == types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fma(*args)
+
+    return types.float32(types.float32, types.float32, types.float32), codegen
+
+
+@intrinsic
+def _pow2_f64(typingctx, n):
+    """``2.0 ** n`` as a float64 for an int64 ``n`` in [-1022, 1023] (its exponent bits)."""
+    if n != types.int64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        bits = builder.shl(builder.add(args[0], ir.Constant(ir.IntType(64), 1023)), ir.Constant(ir.IntType(64), 52))
+        return builder.bitcast(bits, ir.DoubleType())
+
+    return types.float64(types.int64), codegen
+
+
+@intrinsic
+def f16r(typingctx, x):
+    """float32 ``x`` rounded to the nearest binary16 (ties to even, subnormals, overflow to inf:
+    the ``_mm512_cvtps_ph(x, 0)`` / ``GGML_CPU_FP32_TO_FP16`` rounding), returned as float32
+    (LLVM ``fptrunc`` to half and back: F16C's vcvtps2ph where the CPU has it)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.float32), codegen
+
+
+@intrinsic
+def f16bits(typingctx, x):
+    """float32 ``x`` rounded to the nearest binary16 as :func:`f16r` rounds it, returned as its bit
+    pattern (an int64 in ``0 .. 65535``: numpy's ``x.astype(float16).view(uint16)``)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        h = builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+        return builder.zext(h, ir.IntType(64))
+
+    return types.int64(types.float32), codegen
+
+
+@njit(cache=True, inline="always")
+def _expf(x):
+    return f32(math.exp(x))   # float32 exp: llvm.exp.f32 -> libm expf, as ggml's scalar expf
+
+
+_VE_R = f32(float.fromhex("0x1.8p23"))
+_VE_L2E = f32(float.fromhex("0x1.715476p+0"))
+_VE_LN2HI = f32(float.fromhex("0x1.62e4p-1"))
+_VE_LN2LO = f32(float.fromhex("0x1.7f7d1cp-20"))
+_VE_C5 = f32(float.fromhex("0x1.0e4020p-7"))
+_VE_C4 = f32(float.fromhex("0x1.573e2ep-5"))
+_VE_C3 = f32(float.fromhex("0x1.555e66p-3"))
+_VE_C2 = f32(float.fromhex("0x1.fffdb6p-2"))
+_VE_C1 = f32(float.fromhex("0x1.ffffecp-1"))
+
+
+@njit(cache=True, inline="always")
+def v_expf(x):
+    """One lane of ggml's AVX-512 ``ggml_v_expf`` (vec.h): exp by a degree-5 polynomial and
+    ``_mm512_scalef_ps``; 0 below and inf above its range."""
+    z = fma32(x, _VE_L2E, _VE_R)
+    n = z - _VE_R
+    b = fma32(-n, _VE_LN2LO, fma32(-n, _VE_LN2HI, x))
+    u = b * b
+    j = fma32(fma32(fma32(_VE_C5, b, _VE_C4), u, fma32(_VE_C3, b, _VE_C2)), u, fma32(_VE_C1, b, f32(1.0)))
+    if abs(n) > f32(192.0):
+        return f32(0.0) if n <= f32(0.0) else f32(np.inf)
+    return f32(np.float64(j) * _pow2_f64(np.int64(n)))   # scalef: j * 2^n (exact in double), rounded once
+
+
+@njit(cache=True, inline="always")
+def _sum16(v, o):
+    # _mm512_reduce_add_ps of v[o .. o+15] (GCC: halves, quarters, {2,3,0,1} shuffle, last pair)
+    t0 = v[o + 8] + v[o + 0]
+    t1 = v[o + 9] + v[o + 1]
+    t2 = v[o + 10] + v[o + 2]
+    t3 = v[o + 11] + v[o + 3]
+    t4 = v[o + 12] + v[o + 4]
+    t5 = v[o + 13] + v[o + 5]
+    t6 = v[o + 14] + v[o + 6]
+    t7 = v[o + 15] + v[o + 7]
+    u0 = t4 + t0
+    u1 = t5 + t1
+    u2 = t6 + t2
+    u3 = t7 + t3
+    return (u0 + u2) + (u1 + u3)
+
+
+@njit(cache=True, inline="always")
+def dot_f16(keys, g, i, y, acc):
+    """``ggml_vec_dot_f16`` (AVX-512F, no FP16) of key ``keys[g, i]`` and the f16-valued ``y``:
+    per 64 elements 4 x 16 FMA lanes, ``GGML_F32x16_REDUCE``, the leftovers summed in double;
+    ``acc`` a float32 scratch of 64."""
+    n = y.shape[0]
+    np_ = n & ~63
+    sumf = 0.0
+    if np_ > 0:
+        for t in range(64):
+            acc[t] = keys[g, i, t] * y[t]             # fma(x, y, 0): the product, exact for f16 inputs
+        for st in range(1, np_ // 64):            # (a stepped range does not vectorize in numba)
+            j = st * 64
+            for t in range(64):
+                acc[t] = fma32(keys[g, i, j + t], y[j + t], acc[t])
+        for t in range(16):                       # x0+x2, x1+x3, then x0+x1
+            acc[t] = (acc[t] + acc[32 + t]) + (acc[16 + t] + acc[48 + t])
+        sumf = np.float64(_sum16(acc, 0))
+    for j in range(np_, n):
+        sumf += np.float64(keys[g, i, j] * y[j])
+    return f32(sumf)
+
+
+@njit(cache=True)
+def _vec_chunk(q16, keys, values, g, i0, i1, scale, softcap, vkq, dacc, sbuf):
+    # one_chunk over key indices i0 .. i1-1 (all visible): vkq f16-valued [DV] (reset here); -> (M, S).
+    # The scores do not depend on the softmax state: all computed first (sbuf), then the online softmax.
+    dv = vkq.shape[0]
+    for i in range(i0, i1):
+        s = dot_f16(keys, g, i, q16, dacc) * scale
+        if softcap != f32(0.0):
+            s = softcap * f32(math.tanh(s))
+        sbuf[i - i0] = s
+    for d in range(dv):
+        vkq[d] = f32(0.0)
+    S = f32(0.0)
+    M = f32(-np.inf)
+    for i in range(i0, i1):
+        s = sbuf[i - i0]
+        ms = f32(1.0)
+        vs = f32(1.0)
+        if s > M:
+            mold = M
+            M = s
+            ms = _expf(mold - M)
+            for d in range(dv):
+                vkq[d] = f16r(vkq[d] * ms)
+        else:
+            vs = _expf(s - M)
+        for d in range(dv):
+            vkq[d] = f16r(fma32(values[g, i, d], vs, vkq[d]))
+        S = fma32(S, ms, vs)
+    return M, S
+
+
+@njit(cache=True)
+def _vec_rowhead(q, keys, values, t, h, g, qpos0, kpos0, window, scale, softcap, mode, n_cells, n_chunks, out):
+    dk = q.shape[2]
+    dv = values.shape[2]
+    q16 = np.empty(dk, np.float32)
+    for d in range(dk):
+        q16[d] = f16r(q[t, h, d])
+    vkq = np.empty(dv, np.float32)
+    dacc = np.empty(64, np.float32)
+    qp = qpos0 + t
+    sbuf = np.empty(qp + 1, np.float32)
+    lo = 0 if window == 0 else max(0, qp - window + 1)   # visible positions lo .. qp
+    o0 = h * dv
+    if mode == MODE_SPLIT:
+        cs = (n_cells + n_chunks - 1) // n_chunks
+        mf = f32(-np.inf)
+        sf = f32(0.0)
+        acc = np.zeros(dv, np.float32)
+        for c in range(n_chunks):
+            a = max(c * cs, lo)
+            b = min((c + 1) * cs, n_cells, qp + 1)
+            if a >= b:
+                continue
+            mc, sc = _vec_chunk(q16, keys, values, g, a - kpos0, b - kpos0, scale, softcap, vkq, dacc, sbuf)
+            if sc == f32(0.0):
+                continue
+            mn = max(mf, mc)
+            so = _expf(mf - mn)
+            sn = _expf(mc - mn)
+            for d in range(dv):
+                acc[d] = fma32(acc[d], so, vkq[d] * sn)
+            sf = fma32(sf, so, sc * sn)
+            mf = mn
+        inv = f32(1.0) / sf if sf != f32(0.0) else f32(0.0)
+        for d in range(dv):
+            out[t, o0 + d] = acc[d] * inv
+    else:
+        mc, sc = _vec_chunk(q16, keys, values, g, lo - kpos0, qp + 1 - kpos0, scale, softcap, vkq, dacc, sbuf)
+        inv = f32(1.0) / sc if sc != f32(0.0) else f32(0.0)
+        for d in range(dv):
+            out[t, o0 + d] = vkq[d] * inv
+
+
+@njit(cache=True, parallel=True)
+def fa_vec(q, keys, values, qpos0, kpos0, window, scale, softcap, mode, n_cells, n_chunks, out):
+    """MODE_VEC / MODE_SPLIT over every (row, head) of ``q``; see the module docstring.
+    window 0: none; n_cells / n_chunks: llama.cpp's KV view length and thread count (split)."""
+    T, n_head, dk = q.shape
+    grp = n_head // values.shape[0]
+    for item in prange(T * n_head):
+        t = item // n_head
+        h = item % n_head
+        _vec_rowhead(q, keys, values, t, h, h // grp, qpos0, kpos0, window, scale, softcap, mode, n_cells,
+                     n_chunks, out)
+
+
+@njit(cache=True, parallel=True)
+def fa_tiled_ref(q, keys, values, qpos0, kpos0, window, scale, softcap, out):
+    """The reference of :func:`fa_tiled` (one query row at a time; the same bits, tested ``==``):
+    MODE_TILED over every (row, head) of ``q``. Work items are (head, block of TILE_Q rows):
+    the K tile is packed transposed once per block."""
+    T, n_head, dk = q.shape
+    n_kv, S_len, dv = values.shape
+    grp = n_head // n_kv
+    nqb = (T + TILE_Q - 1) // TILE_Q
+    for item in prange(n_head * nqb):
+        h = item // nqb
+        t0 = (item % nqb) * TILE_Q
+        t1 = min(T, t0 + TILE_Q)
+        g = h // grp
+        kt = np.empty((dk, TILE_KV), np.float32)      # K tile transposed
+        kq = np.empty(TILE_KV, np.float32)
+        vkq = np.zeros((t1 - t0, dv), np.float32)
+        M = np.full(t1 - t0, -np.inf, np.float32)
+        S = np.zeros(t1 - t0, np.float32)
+        qlo = qpos0 + t0
+        qhi = qpos0 + t1 - 1
+        first = 0 if window == 0 else max(0, qlo - window + 1)
+        c_start = (first // TILE_KV) * TILE_KV
+        for c0 in range(c_start, qhi + 1, TILE_KV):
+            for tk in range(TILE_KV):
+                p = c0 + tk
+                if p >= kpos0 and p <= qhi:
+                    for d in range(dk):
+                        kt[d, tk] = keys[g, p - kpos0, d]
+                else:
+                    for d in range(dk):
+                        kt[d, tk] = f32(0.0)
+            for r in range(t1 - t0):
+                qp = qlo + r
+                lo = 0 if window == 0 else max(0, qp - window + 1)
+                a = max(c0, lo)
+                b = min(c0 + TILE_KV, qp + 1)
+                if a >= b:
+                    continue
+                for tk in range(TILE_KV):
+                    kq[tk] = f32(0.0)
+                for d in range(dk):
+                    qd = q[t0 + r, h, d]
+                    for tk in range(TILE_KV):
+                        kq[tk] = fma32(kt[d, tk], qd, kq[tk])
+                for tk in range(TILE_KV):
+                    p = c0 + tk
+                    if p < a or p >= b:
+                        kq[tk] = f32(-np.inf)
+                    else:
+                        s = kq[tk] * scale
+                        if softcap != f32(0.0):
+                            s = softcap * f32(math.tanh(s))
+                        kq[tk] = s
+                tmax = f32(-np.inf)
+                for tk in range(TILE_KV):
+                    if kq[tk] > tmax:
+                        tmax = kq[tk]
+                mold = M[r]
+                mnew = max(mold, tmax)
+                if mnew > mold:
+                    ms = _expf(mold - mnew)
+                    for d in range(dv):
+                        vkq[r, d] = vkq[r, d] * ms
+                    S[r] = S[r] * ms
+                M[r] = mnew
+                tsum = 0.0
+                for bi in range(TILE_KV // 16):
+                    blk = bi * 16
+                    for tk in range(blk, blk + 16):
+                        kq[tk] = v_expf(kq[tk] - mnew)
+                    tsum += np.float64(_sum16(kq, blk))
+                S[r] = f32(np.float64(S[r]) + tsum)
+                for tk in range(a - c0, b - c0):
+                    w = kq[tk]
+                    i = c0 + tk - kpos0
+                    for d in range(dv):
+                        vkq[r, d] = fma32(w, values[g, i, d], vkq[r, d])
+        for r in range(t1 - t0):
+            inv = f32(1.0) / S[r] if S[r] != f32(0.0) else f32(0.0)
+            for d in range(dv):
+                out[t0 + r, h * dv + d] = vkq[r, d] * inv
+
+
+@njit(cache=True)
+def _tile_softmax(kq, c0, a, b, scale, softcap, r, M, S, vkq):
+    # one row's step of the tiled path over the tile at c0 whose visible cells are a .. b-1 (kq
+    # [TILE_KV]: the raw scores, replaced by the softmax weights): mask, scale (softcap), the tile
+    # maximum, the f32 accumulator's expf rescaling, ggml_v_expf and the tile sum (as fa_tiled_ref)
+    dv = vkq.shape[1]
+    for tk in range(TILE_KV):
+        p = c0 + tk
+        if p < a or p >= b:
+            kq[tk] = f32(-np.inf)
+        else:
+            s = kq[tk] * scale
+            if softcap != f32(0.0):
+                s = softcap * f32(math.tanh(s))
+            kq[tk] = s
+    tmax = f32(-np.inf)
+    for tk in range(TILE_KV):
+        if kq[tk] > tmax:
+            tmax = kq[tk]
+    mold = M[r]
+    mnew = max(mold, tmax)
+    if mnew > mold:
+        ms = _expf(mold - mnew)
+        for d in range(dv):
+            vkq[r, d] = vkq[r, d] * ms
+        S[r] = S[r] * ms
+    M[r] = mnew
+    tsum = 0.0
+    for bi in range(TILE_KV // 16):
+        blk = bi * 16
+        for tk in range(blk, blk + 16):
+            kq[tk] = v_expf(kq[tk] - mnew)
+        tsum += np.float64(_sum16(kq, blk))
+    S[r] = f32(np.float64(S[r]) + tsum)
+
+
+@njit(cache=True)
+def _tile_vkq_row(kq, values, g, i0, tk0, tk1, r, vkq):
+    # vkq[r] += kq[tk] * V[i0 + tk] for tk = tk0 .. tk1-1 in order (one FMA chain per output)
+    dv = vkq.shape[1]
+    for tk in range(tk0, tk1):
+        w = kq[tk]
+        i = i0 + tk
+        for d in range(dv):
+            vkq[r, d] = fma32(w, values[g, i, d], vkq[r, d])
+
+
+@njit(cache=True)
+def _tile_vkq4(kq4, values, g, i0, tk0, tk1, r, vkq):
+    # _tile_vkq_row for the 4 rows r .. r+3 over the same cells, the accumulators in registers
+    # for a whole run of cells (4 rows x 64 outputs), each V load shared by the 4 rows: the same
+    # FMAs in the same order per output. dv a multiple of 16.
+    n_kv, S_len, dv = values.shape
+    step = 64 if dv % 64 == 0 else 16
+    for d0 in range(0, dv, step):
+        if step == 64:
+            a0 = vload(vkq, r * dv + d0)
+            a1 = vload(vkq, r * dv + d0 + 16)
+            a2 = vload(vkq, r * dv + d0 + 32)
+            a3 = vload(vkq, r * dv + d0 + 48)
+            b0 = vload(vkq, (r + 1) * dv + d0)
+            b1 = vload(vkq, (r + 1) * dv + d0 + 16)
+            b2 = vload(vkq, (r + 1) * dv + d0 + 32)
+            b3 = vload(vkq, (r + 1) * dv + d0 + 48)
+            c0 = vload(vkq, (r + 2) * dv + d0)
+            c1 = vload(vkq, (r + 2) * dv + d0 + 16)
+            c2 = vload(vkq, (r + 2) * dv + d0 + 32)
+            c3 = vload(vkq, (r + 2) * dv + d0 + 48)
+            e0 = vload(vkq, (r + 3) * dv + d0)
+            e1 = vload(vkq, (r + 3) * dv + d0 + 16)
+            e2 = vload(vkq, (r + 3) * dv + d0 + 32)
+            e3 = vload(vkq, (r + 3) * dv + d0 + 48)
+            for tk in range(tk0, tk1):
+                vo = (g * S_len + i0 + tk) * dv + d0
+                v0 = vload(values, vo)
+                v1 = vload(values, vo + 16)
+                v2 = vload(values, vo + 32)
+                v3 = vload(values, vo + 48)
+                w = kq4[0, tk]
+                a0 = vfma_s(v0, w, a0)
+                a1 = vfma_s(v1, w, a1)
+                a2 = vfma_s(v2, w, a2)
+                a3 = vfma_s(v3, w, a3)
+                w = kq4[1, tk]
+                b0 = vfma_s(v0, w, b0)
+                b1 = vfma_s(v1, w, b1)
+                b2 = vfma_s(v2, w, b2)
+                b3 = vfma_s(v3, w, b3)
+                w = kq4[2, tk]
+                c0 = vfma_s(v0, w, c0)
+                c1 = vfma_s(v1, w, c1)
+                c2 = vfma_s(v2, w, c2)
+                c3 = vfma_s(v3, w, c3)
+                w = kq4[3, tk]
+                e0 = vfma_s(v0, w, e0)
+                e1 = vfma_s(v1, w, e1)
+                e2 = vfma_s(v2, w, e2)
+                e3 = vfma_s(v3, w, e3)
+            vstore(vkq, r * dv + d0, a0)
+            vstore(vkq, r * dv + d0 + 16, a1)
+            vstore(vkq, r * dv + d0 + 32, a2)
+            vstore(vkq, r * dv + d0 + 48, a3)
+            vstore(vkq, (r + 1) * dv + d0, b0)
+            vstore(vkq, (r + 1) * dv + d0 + 16, b1)
+            vstore(vkq, (r + 1) * dv + d0 + 32, b2)
+            vstore(vkq, (r + 1) * dv + d0 + 48, b3)
+            vstore(vkq, (r + 2) * dv + d0, c0)
+            vstore(vkq, (r + 2) * dv + d0 + 16, c1)
+            vstore(vkq, (r + 2) * dv + d0 + 32, c2)
+            vstore(vkq, (r + 2) * dv + d0 + 48, c3)
+            vstore(vkq, (r + 3) * dv + d0, e0)
+            vstore(vkq, (r + 3) * dv + d0 + 16, e1)
+            vstore(vkq, (r + 3) * dv + d0 + 32, e2)
+            vstore(vkq, (r + 3) * dv + d0 + 48, e3)
+        else:
+            a0 = vload(vkq, r * dv + d0)
+            b0 = vload(vkq, (r + 1) * dv + d0)
+            c0 = vload(vkq, (r + 2) * dv + d0)
+            e0 = vload(vkq, (r + 3) * dv + d0)
+            for tk in range(tk0, tk1):
+                v0 = vload(values, (g * S_len + i0 + tk) * dv + d0)
+                a0 = vfma_s(v0, kq4[0, tk], a0)
+                b0 = vfma_s(v0, kq4[1, tk], b0)
+                c0 = vfma_s(v0, kq4[2, tk], c0)
+                e0 = vfma_s(v0, kq4[3, tk], e0)
+            vstore(vkq, r * dv + d0, a0)
+            vstore(vkq, (r + 1) * dv + d0, b0)
+            vstore(vkq, (r + 2) * dv + d0, c0)
+            vstore(vkq, (r + 3) * dv + d0, e0)
+
+
+@njit(cache=True)
+def _tile_kq4(kt, q, t, h, dk, kq4):
+    # raw scores of the 4 query rows t .. t+3 against the packed tile kt [dk, TILE_KV]: kq4[j, tk] =
+    # the FMA chain over d in order of kt[d, tk] * q[t+j, h, d] (as fa_tiled_ref), each K load
+    # shared by the 4 rows
+    a0 = vzero()
+    a1 = vzero()
+    a2 = vzero()
+    a3 = vzero()
+    b0 = vzero()
+    b1 = vzero()
+    b2 = vzero()
+    b3 = vzero()
+    c0 = vzero()
+    c1 = vzero()
+    c2 = vzero()
+    c3 = vzero()
+    e0 = vzero()
+    e1 = vzero()
+    e2 = vzero()
+    e3 = vzero()
+    for d in range(dk):
+        k0 = vload(kt, d * TILE_KV)
+        k1 = vload(kt, d * TILE_KV + 16)
+        k2 = vload(kt, d * TILE_KV + 32)
+        k3 = vload(kt, d * TILE_KV + 48)
+        qd = q[t, h, d]
+        a0 = vfma_s(k0, qd, a0)
+        a1 = vfma_s(k1, qd, a1)
+        a2 = vfma_s(k2, qd, a2)
+        a3 = vfma_s(k3, qd, a3)
+        qd = q[t + 1, h, d]
+        b0 = vfma_s(k0, qd, b0)
+        b1 = vfma_s(k1, qd, b1)
+        b2 = vfma_s(k2, qd, b2)
+        b3 = vfma_s(k3, qd, b3)
+        qd = q[t + 2, h, d]
+        c0 = vfma_s(k0, qd, c0)
+        c1 = vfma_s(k1, qd, c1)
+        c2 = vfma_s(k2, qd, c2)
+        c3 = vfma_s(k3, qd, c3)
+        qd = q[t + 3, h, d]
+        e0 = vfma_s(k0, qd, e0)
+        e1 = vfma_s(k1, qd, e1)
+        e2 = vfma_s(k2, qd, e2)
+        e3 = vfma_s(k3, qd, e3)
+    vstore(kq4, 0, a0)
+    vstore(kq4, 16, a1)
+    vstore(kq4, 32, a2)
+    vstore(kq4, 48, a3)
+    vstore(kq4, 64, b0)
+    vstore(kq4, 80, b1)
+    vstore(kq4, 96, b2)
+    vstore(kq4, 112, b3)
+    vstore(kq4, 128, c0)
+    vstore(kq4, 144, c1)
+    vstore(kq4, 160, c2)
+    vstore(kq4, 176, c3)
+    vstore(kq4, 192, e0)
+    vstore(kq4, 208, e1)
+    vstore(kq4, 224, e2)
+    vstore(kq4, 240, e3)
+
+
+@njit(cache=True, parallel=True)
+def fa_tiled(q, keys, values, qpos0, kpos0, window, scale, softcap, out):
+    """MODE_TILED over every (row, head) of ``q``; see the module docstring. Work items are
+    (head, block of TILE_Q rows): the K tile is packed transposed once per block. The same
+    operations in the same order per (row, head) as :func:`fa_tiled_ref` (tested ``==``), four
+    query rows at a time where all four see some cell of the tile: their scores share each K
+    load, and over the cells all four see, each V load (explicit 16-lane vectors, :mod:`.simd`).
+    ``q`` C-contiguous; ``keys`` / ``values`` C-contiguous (every array float32)."""
+    T, n_head, dk = q.shape
+    n_kv, S_len, dv = values.shape
+    grp = n_head // n_kv
+    nqb = (T + TILE_Q - 1) // TILE_Q
+    v4 = dv % 16 == 0
+    # every K tile transposed once per call (kp[g, c0 // TILE_KV - tile0] = the tile at c0), not once per
+    # (head, row block): cells outside the given keys are zeros, as fa_tiled_ref packs them; cells
+    # after a row block's last query hold their keys here (zeros there), and are masked either way
+    tile0 = (0 if window == 0 else max(0, qpos0 - window + 1)) // TILE_KV   # the first any query sees
+    n_tiles = (qpos0 + T - 1) // TILE_KV + 1 - tile0
+    kp = np.empty((n_kv, n_tiles, dk, TILE_KV), np.float32)
+    for gi in prange(n_kv * n_tiles):
+        gk = gi // n_tiles
+        ti = gi % n_tiles
+        for tk in range(TILE_KV):
+            p = (tile0 + ti) * TILE_KV + tk
+            if p >= kpos0 and p - kpos0 < S_len:
+                for d in range(dk):
+                    kp[gk, ti, d, tk] = keys[gk, p - kpos0, d]
+            else:
+                for d in range(dk):
+                    kp[gk, ti, d, tk] = f32(0.0)
+    for item in prange(n_head * nqb):
+        h = item // nqb
+        t0 = (item % nqb) * TILE_Q
+        t1 = min(T, t0 + TILE_Q)
+        g = h // grp
+        kq4 = np.empty((4, TILE_KV), np.float32)
+        va = np.empty(4, np.int64)
+        vb = np.empty(4, np.int64)
+        vkq = np.zeros((t1 - t0, dv), np.float32)
+        M = np.full(t1 - t0, -np.inf, np.float32)
+        S = np.zeros(t1 - t0, np.float32)
+        qlo = qpos0 + t0
+        qhi = qpos0 + t1 - 1
+        first = 0 if window == 0 else max(0, qlo - window + 1)
+        c_start = (first // TILE_KV) * TILE_KV
+        for c0 in range(c_start, qhi + 1, TILE_KV):
+            kt = kp[g, c0 // TILE_KV - tile0]         # [dk, TILE_KV] the K tile transposed
+            r = 0
+            while r < t1 - t0:
+                n4 = 4 if r + 4 <= t1 - t0 else 1
+                for j in range(n4):
+                    qp = qlo + r + j
+                    lo = 0 if window == 0 else max(0, qp - window + 1)
+                    va[j] = max(c0, lo)
+                    vb[j] = min(c0 + TILE_KV, qp + 1)
+                    if va[j] >= vb[j]:
+                        n4 = 1
+                if n4 == 4:
+                    _tile_kq4(kt, q, t0 + r, h, dk, kq4)
+                    ja = max(max(va[0], va[1]), max(va[2], va[3]))   # cells all four rows see
+                    jb = min(min(vb[0], vb[1]), min(vb[2], vb[3]))
+                    for j in range(4):
+                        _tile_softmax(kq4[j], c0, va[j], vb[j], scale, softcap, r + j, M, S, vkq)
+                    if v4 and ja < jb:
+                        for j in range(4):
+                            _tile_vkq_row(kq4[j], values, g, c0 - kpos0, va[j] - c0, ja - c0, r + j, vkq)
+                        _tile_vkq4(kq4, values, g, c0 - kpos0, ja - c0, jb - c0, r, vkq)
+                        for j in range(4):
+                            _tile_vkq_row(kq4[j], values, g, c0 - kpos0, jb - c0, vb[j] - c0, r + j, vkq)
+                    else:
+                        for j in range(4):
+                            _tile_vkq_row(kq4[j], values, g, c0 - kpos0, va[j] - c0, vb[j] - c0, r + j, vkq)
+                    r += 4
+                    continue
+                qp = qlo + r
+                lo = 0 if window == 0 else max(0, qp - window + 1)
+                a = max(c0, lo)
+                b = min(c0 + TILE_KV, qp + 1)
+                if a < b:
+                    kq = kq4[0]
+                    for tk in range(TILE_KV):
+                        kq[tk] = f32(0.0)
+                    for d in range(dk):
+                        qd = q[t0 + r, h, d]
+                        for tk in range(TILE_KV):
+                            kq[tk] = fma32(kt[d, tk], qd, kq[tk])
+                    _tile_softmax(kq, c0, a, b, scale, softcap, r, M, S, vkq)
+                    _tile_vkq_row(kq, values, g, c0 - kpos0, a - c0, b - c0, r, vkq)
+                r += 1
+        for r in range(t1 - t0):
+            inv = f32(1.0) / S[r] if S[r] != f32(0.0) else f32(0.0)
+            for d in range(dv):
+                out[t0 + r, h * dv + d] = vkq[r, d] * inv
+
+
+@njit(cache=True)
+def silu_rows(x, out):
+    # ggml_vec_swiglu_f32 / ggml_vec_silu_f32 (ggml-cpu vec.cpp, AVX512F+DQ) per row of x f32
+    # [T, n]: blocks of 16 by ggml_v_silu (x / (1 + ggml_v_expf(0 - x)), vec.h), the leftover
+    # elements by ggml_silu_f32 (x / (1 + expf(-x)), libm expf)
+    T, n = x.shape
+    one = f32(1.0)
+    for t in range(T):
+        i = 0
+        while i + 15 < n:
+            for k in range(i, i + 16):
+                v = x[t, k]
+                out[t, k] = v / (one + v_expf(f32(0.0) - v))
+            i += 16
+        for k in range(i, n):
+            v = x[t, k]
+            out[t, k] = v / (one + _expf(-v))
+
+
+@njit(cache=True)
+def gelu_table_f16(xs, table):
+    # ggml_table_gelu_f16 (ggml-cpu.c ggml_cpu_init): for every fp16 value x (xs f32 [65536],
+    # the fp16 bit patterns 0..65535 as float32), f16(ggml_gelu_f32(x)) with ggml_gelu_f32 =
+    # 0.5f*x*(1.0f + tanhf(SQRT_2_OVER_PI*x*(1.0f + GELU_COEF_A*x*x))) as GCC builds it
+    # (-ffp-contract=fast: 1.0f + (A*x)*x is one fma) and libm's tanhf; table f32 [65536]
+    a = f32(0.044715)
+    c = f32(0.79788456080286535587989211986876)
+    for i in range(xs.shape[0]):
+        x = xs[i]
+        inner = fma32(a * x, x, f32(1.0))
+        g = (f32(0.5) * x) * (f32(1.0) + f32(math.tanh(c * x * inner)))
+        table[i] = f16r(g)
+
+
+@njit(cache=True)
+def _pw_leaf(a, o, n):
+    # numpy's pairwise summation of float64 a[o .. o+n-1], n <= 128 (``DOUBLE_pairwise_sum``,
+    # numpy/_core/src/umath/loops_utils.h.src: below 8 in order, else 8 accumulators)
+    if n < 8:
+        res = 0.0
+        for i in range(n):
+            res += a[o + i]
+        return res
+    r0 = a[o]
+    r1 = a[o + 1]
+    r2 = a[o + 2]
+    r3 = a[o + 3]
+    r4 = a[o + 4]
+    r5 = a[o + 5]
+    r6 = a[o + 6]
+    r7 = a[o + 7]
+    i = 8
+    while i < n - n % 8:
+        r0 += a[o + i]
+        r1 += a[o + i + 1]
+        r2 += a[o + i + 2]
+        r3 += a[o + i + 3]
+        r4 += a[o + i + 4]
+        r5 += a[o + i + 5]
+        r6 += a[o + i + 6]
+        r7 += a[o + i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += a[o + i]
+        i += 1
+    return res
+
+
+# above 128, numpy sums the two halves (the first rounded down to a multiple of 8) and adds them;
+# numba's cache cannot hold a recursive function, so the levels are spelled out (each halves)
+@njit(cache=True)
+def _pw1(a, o, n):
+    if n <= 128:
+        return _pw_leaf(a, o, n)
+    n2 = n // 2 - (n // 2) % 8
+    return _pw_leaf(a, o, n2) + _pw_leaf(a, o + n2, n - n2)
+
+
+@njit(cache=True)
+def _pw2(a, o, n):
+    if n <= 128:
+        return _pw_leaf(a, o, n)
+    n2 = n // 2 - (n // 2) % 8
+    return _pw1(a, o, n2) + _pw1(a, o + n2, n - n2)
+
+
+@njit(cache=True)
+def _pw3(a, o, n):
+    if n <= 128:
+        return _pw_leaf(a, o, n)
+    n2 = n // 2 - (n // 2) % 8
+    return _pw2(a, o, n2) + _pw2(a, o + n2, n - n2)
+
+
+@njit(cache=True)
+def _pw4(a, o, n):
+    if n <= 128:
+        return _pw_leaf(a, o, n)
+    n2 = n // 2 - (n // 2) % 8
+    return _pw3(a, o, n2) + _pw3(a, o + n2, n - n2)
+
+
+@njit(cache=True)
+def _pw5(a, o, n):
+    if n <= 128:
+        return _pw_leaf(a, o, n)
+    n2 = n // 2 - (n // 2) % 8
+    return _pw4(a, o, n2) + _pw4(a, o + n2, n - n2)
+
+
+@njit(cache=True)
+def _pairwise_sum(a, o, n):
+    # numpy's pairwise sum of a[o .. o+n-1] for n <= PAIRWISE_MAX (what ``a.sum()`` of a
+    # contiguous float64 row adds)
+    if n <= 128:
+        return _pw_leaf(a, o, n)
+    n2 = n // 2 - (n // 2) % 8
+    return _pw5(a, o, n2) + _pw5(a, o + n2, n - n2)
+
+
+#: the longest row :func:`_pairwise_sum` sums as numpy does (six levels of halving)
+PAIRWISE_MAX = 6144
+
+
+@njit(cache=True)
+def _rms_norm_part(x, w, eps, out, t0, t1):
+    # model.rms_norm of float32 rows, the same operations: x f32 [R, n] C; w f32 [n]; eps f32;
+    # out f32 [R, n]. Per row: the float32 squares as float64, summed as numpy sums a row
+    # (0.0 + the pairwise sum), / n in float64, rounded to float32; scale = 1 / sqrt(mean + eps)
+    # in float32; out = (x * scale) * w
+    R, n = x.shape
+    sq = np.empty(n, np.float64)
+    one = f32(1.0)
+    for r in range(t0, t1):
+        for i in range(n):
+            v = x[r, i]
+            sq[i] = np.float64(v * v)
+        mean = f32((0.0 + _pairwise_sum(sq, 0, n)) / np.float64(n))
+        scale = one / np.sqrt(mean + eps)
+        for i in range(n):
+            out[r, i] = (x[r, i] * scale) * w[i]
+
+
+@njit(cache=True, parallel=True)
+def rms_norm_rows(x, w, eps, out):
+    # rms_norm_rows: its rows by _rms_norm_part, in parallel over blocks of PAR_ROWS rows from
+    # PAR_MIN elements on (each row computed alone: the same bits whatever the split)
+    T = x.shape[0]
+    if x.size < PAR_MIN:
+        _rms_norm_part(x, w, eps, out, 0, T)
+        return
+    for c in prange((T + PAR_ROWS - 1) // PAR_ROWS):
+        _rms_norm_part(x, w, eps, out, c * PAR_ROWS, min(T, c * PAR_ROWS + PAR_ROWS))
+
+
+@njit(cache=True)
+def _geglu_part(gu, n, table, out, t0, t1):
+    # model.gelu_tanh_ggml(gu[:, :n]) * gu[:, n:] (ggml_vec_geglu_f32 with GGML_GELU_FP16): the gate
+    # rounded to float16 and looked up in ggml's table (0 at <= -10, the gate itself at >= 10),
+    # times the up half in float32. gu f32 [T, 2n] C; table f32 [65536]; out f32 [T, n]
+    T = gu.shape[0]
+    for t in range(t0, t1):
+        for j in range(n):
+            x = gu[t, j]
+            if x <= f32(-10.0):
+                y = f32(0.0)
+            elif x >= f32(10.0):
+                y = x
+            else:
+                y = table[f16bits(x)]
+            out[t, j] = y * gu[t, n + j]
+
+
+@njit(cache=True, parallel=True)
+def geglu_rows(gu, n, table, out):
+    # geglu_rows: its rows by _geglu_part, in parallel over blocks of PAR_ROWS rows from
+    # PAR_MIN elements on (each row computed alone: the same bits whatever the split)
+    T = gu.shape[0]
+    if gu.size < PAR_MIN:
+        _geglu_part(gu, n, table, out, 0, T)
+        return
+    for c in prange((T + PAR_ROWS - 1) // PAR_ROWS):
+        _geglu_part(gu, n, table, out, c * PAR_ROWS, min(T, c * PAR_ROWS + PAR_ROWS))
+
+
+@njit(cache=True)
+def _swiglu_part(gu, n, out, t0, t1):
+    # silu_rows(gu[:, :n]) * gu[:, n:] (ggml_vec_swiglu_f32): each gate by silu_rows' operations
+    # (blocks of 16 by ggml_v_silu, the leftovers by libm expf), times the up half in float32.
+    # gu f32 [T, 2n] C; out f32 [T, n]
+    T = gu.shape[0]
+    one = f32(1.0)
+    for t in range(t0, t1):
+        i = 0
+        while i + 15 < n:
+            for k in range(i, i + 16):
+                v = gu[t, k]
+                out[t, k] = (v / (one + v_expf(f32(0.0) - v))) * gu[t, n + k]
+            i += 16
+        for k in range(i, n):
+            v = gu[t, k]
+            out[t, k] = (v / (one + _expf(-v))) * gu[t, n + k]
+
+
+@njit(cache=True, parallel=True)
+def swiglu_rows(gu, n, out):
+    # swiglu_rows: its rows by _swiglu_part, in parallel over blocks of PAR_ROWS rows from
+    # PAR_MIN elements on (each row computed alone: the same bits whatever the split)
+    T = gu.shape[0]
+    if gu.size < PAR_MIN:
+        _swiglu_part(gu, n, out, 0, T)
+        return
+    for c in prange((T + PAR_ROWS - 1) // PAR_ROWS):
+        _swiglu_part(gu, n, out, c * PAR_ROWS, min(T, c * PAR_ROWS + PAR_ROWS))
+
+
+@njit(cache=True)
+def rope_rows(x, pos, cos, sin, n_rot, neox):
+    # model.RopeTable._rotate of float32 x [T, H, D] in place (the same operations): pair i of
+    # every head is (i, i + n_rot/2) (neox) or (2i, 2i+1); with c, s = cos / sin [pos[t], i]:
+    # x0' = f32(f64(x0) * c - f32(x1 * s)), x1' = f32(f64(x0) * s + f32(x1 * c))
+    T, H, D = x.shape
+    half = n_rot // 2
+    for t in range(T):
+        p = pos[t]
+        for h in range(H):
+            for i in range(half):
+                i0 = i if neox else 2 * i
+                i1 = i + half if neox else 2 * i + 1
+                x0 = x[t, h, i0]
+                x1 = x[t, h, i1]
+                c = cos[p, i]
+                s = sin[p, i]
+                x[t, h, i0] = f32(np.float64(x0) * np.float64(c) - np.float64(x1 * s))
+                x[t, h, i1] = f32(np.float64(x0) * np.float64(s) + np.float64(x1 * c))
