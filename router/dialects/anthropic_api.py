@@ -55,7 +55,7 @@ from router.metrics import label_request
 from router.http.params import INT32_MAX, get_bool, get_float, get_int, get_str, model_of, read_json
 from router.workers.pool import ModelSlot, Pool
 from router.http.responses import JSONResponse
-from router.serving.run import Run
+from router.serving.server import Generation
 from router.http.set_aside import set_aside
 from router.http.sse import SSEResponse, sse_named
 from router.dialects.tools import ChatTurn, Tool, ToolCall, ToolChoice
@@ -309,7 +309,7 @@ def _tool_block(c: ToolCall) -> dict[str, Any]:
 
 
 async def _begin(request: Request, req: _Request, msg: Generate,
-                 early: bool = False) -> tuple[Run, Token | Done | Accepted]:
+                 early: bool = False) -> tuple[Generation, Token | Done | Accepted]:
     """``begin``, with a context overflow worded as Anthropic words it — the text Claude
     Code parses to compact the conversation (``prompt is too long: N tokens > M maximum``)
     or to lower ``max_tokens`` (``input length and `max_tokens` exceed context limit: N + M > C``)."""

@@ -36,7 +36,7 @@ all inside :func:`router.serving.generation.begin` so every dialect gets them:
 Correctness never rests on the hand-over: the decode worker reuses only a verified
 common prefix, so a missing or shorter state costs prefill time, never a wrong token.
 
-Cancel: a client leaving in phase 1 cancels P's generation (``Run.close``; the
+Cancel: a client leaving in phase 1 cancels P's generation (``Generation.close``; the
 engine abandons the forward pass running now); during a wire transfer it cancels P's
 stream and sends Cancel with the transfer id to the decode worker, which drops the
 partial state (nothing was installed); during a file transfer the slot actions in
@@ -74,7 +74,7 @@ from protocol.errors import ErrorCode
 from router.http.errors import ApiError, BadGateway, Unavailable, from_worker_error
 from router.workers.pool import ModelSlot, Pool
 from router.workers.process import WorkerGone, WorkerProcess, WorkerUnreachable
-from router.serving.run import Run
+from router.serving.server import submit
 
 log = logging.getLogger("modelyard.disaggregate")
 
@@ -124,7 +124,7 @@ async def _by_wire(pre: ModelSlot, slot: ModelSlot, pmsg: Generate) -> dict[str,
     t0 = time.monotonic()
     t1 = t0
     pmsg = dataclasses.replace(pmsg, stream_state=True)
-    run = Run(pre, pmsg.id)
+    run = submit(pre, pmsg.id)
     dworker: WorkerProcess | None = None
     xid = ""
     qd: asyncio.Queue[Any] | None = None
@@ -209,7 +209,7 @@ async def _by_file(pre: ModelSlot, slot: ModelSlot, pmsg: Generate) -> dict[str,
     path = pre.model.slot_save_path / filename
     pmsg = dataclasses.replace(pmsg, save_slot_to=filename)
     try:
-        run = Run(pre, pmsg.id)
+        run = submit(pre, pmsg.id)
         try:
             await run.start(pmsg)
             item: Token | Done | KVChunk | Accepted = await run.next()

@@ -448,7 +448,7 @@ class WorkerProcess:
         if ident != self._identity:
             log.warning("ignoring %s from an unknown peer on %s's socket", msg.TYPE, self.model.name)
             return
-        self.last_frame_at = time.monotonic()  # liveness: any frame of the worker (router.workers.pool judges)
+        self.last_frame_at = time.monotonic()  # liveness: any frame of the worker (router.workers.liveness judges)
         q = self._streams.get(msg.id)
         if q is not None:
             q.put_nowait(msg)
@@ -485,9 +485,10 @@ class WorkerProcess:
         except psutil.Error:
             return False
 
-    def open_stream(self, request_id: str) -> asyncio.Queue[StreamItem]:
-        """Start collecting frames for ``request_id``. A gone worker yields WorkerGone at once."""
-        q: asyncio.Queue[StreamItem] = asyncio.Queue()
+    def open_stream(self, request_id: str, into: asyncio.Queue[StreamItem] | None = None) -> asyncio.Queue[StreamItem]:
+        """Route the frames of ``request_id`` into ``into`` (a request record's inbox; else a new
+        queue) from now on; returns it. A gone worker yields WorkerGone at once."""
+        q: asyncio.Queue[StreamItem] = into if into is not None else asyncio.Queue()
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         self._streams[request_id] = q
