@@ -73,6 +73,7 @@ from router.serving.server import Generation
 from router.workers.pool import ModelSlot, Pool
 from router.serving.presets import preset_template
 from router.http.responses import JSONResponse, dumps
+from router.http.access_log import access_record
 from router.http.set_aside import set_aside
 from router.http.sse import SSEResponse, sse_event, until_disconnect
 
@@ -268,6 +269,17 @@ async def completion(request: Request) -> Response | SSEResponse:
                      post_sampling_probs=post_sampling, cache_prompt=cache_prompt, ignore_eos=ignore_eos,
                      json_schema=json_schema, grammar=grammar, **sampling) for prompt in prompts]
     settings = _settings(msgs[0], max_tokens, streaming)
+    access = access_record(request.state)
+    totals = {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}
+
+    def account(done: Done) -> None:
+        """Several prompts: the access log's figures are the request's, every prompt's summed (each
+        generation's record writes its own, last one wins, as it finishes before this runs)."""
+        if len(msgs) > 1:
+            totals["prompt_tokens"] += done.prompt_tokens
+            totals["cached_tokens"] += done.cache_n
+            totals["completion_tokens"] += done.completion_tokens
+            access.update(totals)
 
     def summary(index: int, run: Generation, done: Done, tokens: list[int], content: str) -> dict[str, Any]:
         ready = run.ready
@@ -302,6 +314,7 @@ async def completion(request: Request) -> Response | SSEResponse:
         async def answer(index: int) -> dict[str, Any]:
             run, first = await begin(request, slot, msgs[index], grammar_param=param)
             tokens, done = await collect(request, run, first)
+            account(done)
             text = "".join(t.text for t in tokens) + done.text
             tokens += eog_token(done)
             out = summary(index, run, done, [t.token_id for t in tokens], text)
@@ -327,6 +340,7 @@ async def completion(request: Request) -> Response | SSEResponse:
                 if n_probs > 0:
                     chunk["completion_probabilities"] = probs([item])
                 return [sse_event(chunk)]
+            account(item)
             events = []
             for eog in eog_token(item):  # llama.cpp streams the end-of-generation token as a chunk too
                 count += 1
