@@ -362,7 +362,7 @@ class Assign(Message):
     and waits. On Assign it loads the model exactly as a worker started for it would
     (the fields are the ``python -m worker`` options of the same names), then sends
     LoadProgress and Ready, or Error "load_failed" and exits 1. Sent at most once; a
-    worker that has a model answers another Assign with Error "invalid_request".
+    worker that has a model answers another Assign with Error "protocol_error".
 
     ``threads`` > 0: the worker's BLAS threads (its NumPy is already loaded, so they are
     set as a Ping's ``threads`` are, not through the environment); 0: as the spare started.

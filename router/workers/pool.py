@@ -53,12 +53,10 @@ import contextlib
 import dataclasses
 import logging
 import math
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import zmq.asyncio
@@ -68,7 +66,6 @@ from router.workers.backoff import CrashHistory, CrashPolicy, Failure
 from router.config import Config, ModelConfig
 from router.workers.events import EventHub
 from router.metrics import Metrics, ModelGauges
-from router.workers.sockdir import make_socket_dir, remove_socket_dir
 from router.http.errors import (
     ApiError,
     Conflict,
@@ -86,7 +83,9 @@ from router.http.errors import (
 )
 from router.workers.lifecycle import LOADED, Lifecycle, WorkerState
 from router.workers import placement
-from router.workers.placement import Decision, Estimate, MemoryProbe, Seat, SystemMemory
+from router.workers.launchers import Launcher
+from router.workers.launchers.local import SPARE_NAME, LocalLauncher
+from router.workers.placement import Decision, Estimate, MemoryProbe, Seat
 from router.workers.process import CurveKeypair, LoadFailed, WorkerProcess, new_curve_keypair
 
 log = logging.getLogger("modelyard.pool")
@@ -272,6 +271,8 @@ class ModelSlot:
             "failures": self.failures.describe(self._pool.clock()),
             "spawn_count": self.spawn_count,
             "refused_peers": w.refused_peers if w is not None else 0,
+            "host": w.host if w is not None else None,  # where its worker runs (its launcher's host)
+            "from_spare": w.from_spare if w is not None else None,  # the worker was the warm spare
             "rss_bytes": self._sample_rss(w) if w is not None and w.alive else None,
             "placement": {"pinned": self.model.pinned, "waiting_for": self.waiting_for,
                           "estimate": self.estimate().describe(), "rss_after_load_bytes": self.rss_after_load,
@@ -660,13 +661,14 @@ class ModelSlot:
             self.metrics.restarts.labels(self.model.name).inc()
         self.metrics.loads.labels(self.model.name).inc()
         self._set_state(WorkerState.LOADING)
-        self._load_task = asyncio.create_task(self._load(), name=f"load-{self.model.name}")
-
-    async def _load(self) -> None:
+        # in the same step as the placement decision: a warm spare it counted on is taken now
         wp = self._pool.new_worker(self.model)
         self._loading_worker = wp
         self.spawn_count += 1
         wp.on_exit(self._on_worker_exit)
+        self._load_task = asyncio.create_task(self._load(wp), name=f"load-{self.model.name}")
+
+    async def _load(self, wp: WorkerProcess) -> None:
         t0 = time.monotonic()
         stage = ["spawning"]
 
@@ -1097,24 +1099,15 @@ class ModelSlot:
         self._pool.place()  # its place is free
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
-
-
 class Pool:
     """Every configured model's slot, name/alias resolution, and the shared zmq context."""
 
     def __init__(self, config: Config, *, worker_module: str | None = None,
                  metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic,
-                 memory: MemoryProbe | None = None) -> None:
+                 memory: MemoryProbe | None = None, launcher: Launcher | None = None) -> None:
         self.config = config
         self.clock = clock  # monotonic seconds for backoff decisions (tests inject one)
-        self.memory: MemoryProbe = memory if memory is not None else SystemMemory()  # placement's figures
         self.events = EventHub()  # model events (GET /admin/events)
-        self.cores = _cores()  # what CPU sharing divides
         self._retired: set[ModelSlot] = set()  # removed by a reload, still draining
         self._wanting: list[ModelSlot] = []  # models waiting for room to load, first come first placed
         self._placing = False
@@ -1123,9 +1116,6 @@ class Pool:
         self.metrics = metrics if metrics is not None else Metrics(config.models)
         self.closing = False
         self._ctx = zmq.asyncio.Context()
-        # ipc sockets: a private directory named after this router (stale ones of dead routers are swept)
-        self.socket_dir: Path | None = make_socket_dir() if config.server.transport == "ipc" else None
-        self._endpoints = 0
         # tcp: one CURVE keypair for this service; each worker gets the public half privately
         self.curve: CurveKeypair | None = None
         if config.server.transport == "tcp":
@@ -1134,8 +1124,15 @@ class Pool:
             except RuntimeError as e:
                 log.warning("transport = \"tcp\" without CURVE (%s): worker traffic is not encrypted; "
                             "workers still prove their per-spawn secret", e)
+        # where workers run and what they may use (router.workers.launchers): their endpoints,
+        # the host's memory and cores, the warm spare
+        self.launcher: Launcher = launcher if launcher is not None else LocalLauncher(
+            config.server, ctx=self._ctx, curve=self.curve, module=worker_module)
+        self.memory: MemoryProbe = memory if memory is not None else self.launcher  # placement's figures
+        self.cores = self.launcher.cores()  # what CPU sharing divides
         self.slots: dict[str, ModelSlot] = {name: ModelSlot(m, self) for name, m in config.models.items()}
         self.metrics.watch(self.gauges)
+        self.launcher.begin()  # the warm spare starts now
 
     def gauges(self) -> list[ModelGauges]:
         """Every model's figures, read at scrape time (``Metrics.watch``)."""
@@ -1246,8 +1243,8 @@ class Pool:
                 slot.cancel_placement()  # nobody waits for it any more
                 continue
             seats = [seat for s in self.slots.values() if s is not slot and (seat := s.seat()) is not None]
-            d = placement.decide(slot.model.name, slot.estimate(), seats,
-                                 max_loaded=self.config.server.max_loaded, available=self.memory.available())
+            d = placement.decide(slot.model.name, slot.estimate(), seats, max_loaded=self.config.server.max_loaded,
+                                 available=self.memory.available() + self.spare_bytes())
             for name in d.evict:
                 self.slots[name].evict(slot.model.name)
             if d.action == "load":
@@ -1259,14 +1256,19 @@ class Pool:
                 slot.place_later(d.why)
                 return  # first come, first placed: the others wait behind it
 
+    def spare_bytes(self) -> int:
+        """The warm spare's RSS, bytes (0: none to take): free for the next load, which takes it
+        (that model's seat then counts it as its worker's)."""
+        pid = self.launcher.spare_pid()
+        return (self.memory.rss(pid, SPARE_NAME) or 0) if pid is not None else 0
+
     def new_worker(self, model: ModelConfig) -> WorkerProcess:
-        self._endpoints += 1
-        if self.config.server.transport == "tcp":
-            endpoint = "tcp://127.0.0.1:0"
-        else:
-            assert self.socket_dir is not None
-            endpoint = f"ipc://{self.socket_dir}/w{self._endpoints}.sock"
-        return WorkerProcess(model, endpoint, self._ctx, self.worker_module, curve_server=self.curve)
+        """``model``'s next worker: the launcher's warm spare when it has one, else a new one
+        (started by its ``start()``)."""
+        spare = self.launcher.take_spare(model)
+        if spare is not None:
+            return spare
+        return WorkerProcess(model, self._ctx, self.launcher, curve_server=self.curve)
 
     def begin_shutdown(self) -> None:
         """The router is stopping (SIGTERM/SIGINT): new requests and waiting ones get 503
@@ -1288,9 +1290,8 @@ class Pool:
         slots = {*self.slots.values(), *self._retired}
         await asyncio.gather(*(s.unload(drain=False, reason="router shutting down") for s in slots),
                              return_exceptions=True)
+        await self.launcher.close()  # the warm spare; its socket directory
         self._ctx.destroy(linger=0)
-        if self.socket_dir is not None:
-            remove_socket_dir(self.socket_dir)
 
 
 __all__ = ["ModelSlot", "Pool", "Ticket", "WorkerState"]
