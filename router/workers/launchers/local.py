@@ -180,7 +180,7 @@ class LocalLauncher(Launcher):
         self._curve = curve
         self.warm_spare = server.warm_spare
         self._spare: WorkerProcess | None = None  # started, not taken (warming or warm)
-        self._spare_task: asyncio.Task[None] | None = None  # starting one (after its backoff)
+        self._spare_task: asyncio.Task[None] | None = None  # a spare's start waiting for its delay (backoff)
         self._spare_since = 0.0  # monotonic s the current spare said Hello
         self._spare_failures = 0  # consecutive spares that died or never said Hello
         self._retry_at: float | None = None  # monotonic s the next spare starts (backoff)
@@ -292,6 +292,7 @@ class LocalLauncher(Launcher):
         if self._closing or self._spare is not None:
             return
         self._retry_at = None
+        self._spare_task = None  # from here the spare itself says it is on its way
         wp = WorkerProcess(None, self._ctx, self, curve_server=self._curve)
         self._spare = wp
         self.spares_started += 1
