@@ -27,11 +27,12 @@ from __future__ import annotations
 from protocol.limits import DEFAULT_KV_BUDGET_MIB, WEIGHT_MODES
 from protocol.weight_bytes import held_bytes
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from router.workers.gguf_meta import tensor_infos
+from router.workers.gguf_meta import TensorInfo, tensor_infos
 
 MiB = 1024 * 1024
 
@@ -72,10 +73,16 @@ class Estimate:
 def held_weight_bytes(path: Path, weights: str) -> int | None:
     """The bytes a worker in mode ``weights`` holds for the GGUF at ``path``'s tensors (the
     sum of ``protocol.weight_bytes.held_bytes``), or None without readable tensor infos.
-    Raises: ValueError for an unknown mode."""
-    infos = tensor_infos(path)
+    Raises: ValueError for an unknown mode. Computed once per file version (size, mtime) and
+    mode: placement asks on every decision, in the event loop."""
+    infos = tensor_infos(path)  # cached by the file's version (router.workers.gguf_meta)
     if not infos:
         return None
+    return _held_sum(infos, weights)
+
+
+@functools.lru_cache(maxsize=64)
+def _held_sum(infos: tuple[TensorInfo, ...], weights: str) -> int:
     return sum(held_bytes(t.type_code, t.dims, weights) for t in infos)
 
 

@@ -82,7 +82,7 @@ from router.http.errors import (
     redact_paths,
 )
 from router.workers.lifecycle import LOADED, Lifecycle, WorkerState
-from router.workers import placement
+from router.workers import gguf_meta, placement
 from router.workers.launchers import Launcher
 from router.workers.launchers.local import SPARE_NAME, LocalLauncher
 from router.workers.placement import Decision, Estimate, MemoryProbe, Seat
@@ -1133,6 +1133,17 @@ class Pool:
         self.slots: dict[str, ModelSlot] = {name: ModelSlot(m, self) for name, m in config.models.items()}
         self.metrics.watch(self.gauges)
         self.launcher.begin()  # the warm spare starts now
+        # the GGUF headers placement reads (tensor infos: up to ~0.5 s for a large vocabulary on a
+        # busy machine), parsed now off the event loop: a model's first request does not wait for them
+        asyncio.get_running_loop().run_in_executor(None, self._read_headers)
+
+    def _read_headers(self) -> None:
+        for m in list(self.config.models.values()):
+            try:
+                gguf_meta.model_info(m.path)
+                placement.estimate(m.path, m.kv_budget_mib, None, weights=m.weights_mode)
+            except Exception:  # noqa: BLE001 - a defect shows when the model is used
+                log.debug("reading %s's header in advance failed", m.name, exc_info=True)
 
     def gauges(self) -> list[ModelGauges]:
         """Every model's figures, read at scrape time (``Metrics.watch``)."""
