@@ -465,7 +465,7 @@ class Generate(Message):
     # The disaggregated hand-over (router.serving.disaggregate) uses it; n must be 1.
     save_slot_to: str = ""
     # True: as the generation ends (same step), the worker streams its KV entry's state
-    # (worker.engine.kv_state format) as KVChunk frames with this id, at most KV_WINDOW beyond
+    # (worker.engine.kv.state format) as KVChunk frames with this id, at most KV_WINDOW beyond
     # the last KVAck it got, then sends the Done. n must be 1; not with save_slot_to.
     stream_state: bool = False
 
@@ -549,7 +549,7 @@ class SlotAction(Message):
     ``filename`` (save / restore): a plain file name inside the worker's
     ``--slot-save-path`` directory (no path separator, no ``..``; checked on both
     sides). A slot action's state never crosses the wire: the worker reads / writes the file
-    (``worker.engine.kv_state`` format). A busy slot's action waits until the slot
+    (``worker.engine.kv.state`` format). A busy slot's action waits until the slot
     is idle (llama.cpp defers it too). Answered by a SlotActionResult or an Error
     ("kv_state_mismatch" naming the field, "kv_state_invalid", "invalid_params",
     "kv_budget_exceeded", "invalid_request" when the worker has no save path).
@@ -577,7 +577,7 @@ class SlotActionResult(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class KVChunk(Message):
-    """One piece of a KV state stream (``worker.engine.kv_state`` format, opaque here).
+    """One piece of a KV state stream (``worker.engine.kv.state`` format, opaque here).
 
     ``seq``: 0, 1, 2, ... within the stream ``id``; ``data``: 1..KV_CHUNK_MAX_BYTES bytes;
     ``last``: the stream's final chunk. A prefill worker sends them for a Generate with

@@ -5,7 +5,7 @@ A worker holds a model's weights in one of the modes of :data:`~protocol.limits.
 
 * ``"f32"``: every tensor dequantized to float32 (4 bytes per weight);
 * ``"quantized"``: each 2-D tensor of a type in :data:`QUANTIZED_FORMS` in the compact form the
-  engine's kernels read (``worker/engine/quant.py``, ``QWeight``), every other tensor (1-D
+  engine's kernels read (``worker/engine/kernels/quant.py``, ``QWeight``), every other tensor (1-D
   norms, F32/F16/BF16 and the types without a kernel: Q2_K, Q3_K, Q5_K, IQ*) as float32.
 
 The router's placement turns a GGUF's tensor infos (``router.workers.gguf_meta.tensor_infos``) into the
@@ -69,14 +69,14 @@ VNNI_FORMS: dict[str, tuple[str, int, int]] = {
     "Q6_K": ("vq6k", 256, 256 + 16 + 2),
 }
 
-#: Environment switch of the worker's VNNI kernels (``worker.engine.quant.VNNI_ENV``).
+#: Environment switch of the worker's VNNI kernels (``worker.engine.kernels.quant.VNNI_ENV``).
 VNNI_ENV = "MODELYARD_QUANT_VNNI"
 
 
 def host_has_vnni() -> bool:
     """Whether a worker on this host holds the VNNI forms: the CPU flags ``avx512f``,
     ``avx512bw`` and ``avx512_vnni`` in ``/proc/cpuinfo`` (Linux), :data:`VNNI_ENV` not off,
-    ``NUMBA_CPU_NAME`` unset or ``host`` — the rule of ``worker.engine.quant.host_has_vnni``
+    ``NUMBA_CPU_NAME`` unset or ``host`` — the rule of ``worker.engine.kernels.quant.host_has_vnni``
     (which asks llvmlite; a test holds the two equal). False where ``/proc/cpuinfo`` is missing."""
     if os.environ.get(VNNI_ENV, "1").strip().lower() in ("0", "false", "no", "off") \
             or os.environ.get("NUMBA_CPU_NAME", "host") not in ("", "host"):

@@ -107,7 +107,7 @@ class ModelConfig:
     max_crashes: int = 5
     crash_window_s: float = 300.0
     pinned: bool = False  # never evicted for another model (router.workers.placement) nor unloaded for idleness
-    # KV states (worker.engine.kv_state): POST /slots/{id}?action=save|restore|erase files live in
+    # KV states (worker.engine.kv.state): POST /slots/{id}?action=save|restore|erase files live in
     # slot_save_path (None: slot actions are a 501); kv_cache_dir/<model name> keeps the idle KV
     # caches across unload / eviction / stop, restored lazily on a prefix match (None: off),
     # within kv_cache_mib of disk per model

@@ -46,7 +46,7 @@ fi
 # ~2 s to load). MODELYARD_COMPILE_KERNELS=0 skips it. A failure is reported, not fatal.
 KSTAMP=.venv/.modelyard-kernels
 if [ "${MODELYARD_COMPILE_KERNELS:-1}" != "0" ]; then
-    KWANT="numba cache: ${NUMBA_CACHE_DIR:-worker/engine/__pycache__}"
+    KWANT="numba cache: ${NUMBA_CACHE_DIR:-worker/engine/kernels/__pycache__}"
     if [ ! -f "$KSTAMP" ] || [ "$(cat "$KSTAMP")" != "$KWANT" ] || [ "$STAMP" -nt "$KSTAMP" ] \
             || [ -n "$(find worker/engine -name '*.py' -newer "$KSTAMP")" ]; then
         echo "[setup] quantized path's kernels: compiling what numba's disk cache lacks (the first time in a checkout: ~1 min of one core on an idle machine, 2-3 min on a busy one; progress every 15 s)"

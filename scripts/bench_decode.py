@@ -8,7 +8,7 @@ of weights per second the matmuls move.
 Loads the model (``weights = "quantized"``, no weight cache unless ``--weight-cache``), feeds a
 ``--ctx``-token prompt, then decodes ``--tokens`` greedy tokens with ``Model.forward`` one at a
 time, for each thread count in ``--threads`` in turn, alternating, ``--repeat`` rounds (best
-round kept). A count N is the ceiling of the run-time choice (worker/engine/threadctl.py, as a
+round kept). A count N is the ceiling of the run-time choice (worker/engine/kernels/threadctl.py, as a
 worker runs by default); ``Nf`` runs every pass on N threads (the choice off). Per thread count it prints one JSON line: wall ms per token, the matmuls' share
 (every ``QWeight.matmul`` timed, grouped by matrix: qkv, wo, wgu, wdown, output) with each
 group's GB/s of weight bytes, the rest (norms, RoPE, attention, Python) as ``other_ms``, CPU
@@ -51,9 +51,9 @@ def main() -> int:
     if a.gguf is None:
         from make_bench_models import ensure
         a.gguf = ensure(a.shape, a.qtype)
-    from worker.engine import quant
-    from worker.engine.gguf_loader import read_gguf
-    from worker.engine.model import load_model
+    from worker.engine.kernels import quant
+    from worker.engine.loading.gguf_loader import read_gguf
+    from worker.engine.arch.model import load_model
 
     t0 = time.monotonic()
     m = load_model(read_gguf(str(a.gguf)), n_ctx=a.ctx + a.tokens * 2 + 8, weights="quantized",

@@ -100,7 +100,7 @@ def main() -> int:
     if a.weights == "quantized":
         import numba  # noqa: F401
         mark("numba")
-        from worker.engine import attn_kernels, quant_kernels  # noqa: F401
+        from worker.engine.kernels import attn_kernels, quant_kernels  # noqa: F401
         mark("kernel modules")
     from worker.engine import Engine, SamplingParams
 

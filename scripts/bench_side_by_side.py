@@ -14,7 +14,7 @@ server's figures alike and the ratios stay meaningful on a shared machine. Serve
 
 * ``llama-tN``: llama-server ``-t N -c 2048 -np 1``;
 * ``ours``: modelyard (``weights = "quantized"``, ``parallel = 1``, n_ctx 2048) with its default
-  threads (the router's share and the engine's run-time choice, worker/engine/threadctl.py);
+  threads (the router's share and the engine's run-time choice, worker/engine/kernels/threadctl.py);
 * ``ours-tN``: the same with ``n_threads = N`` in the model's config;
 * ``ours-fixed``: the default share with the run-time choice off (``MODELYARD_ADAPTIVE_THREADS=0``:
   every pass on all the share's threads, the behaviour before it).
@@ -53,7 +53,7 @@ from bench_batching import MODELS, N_CTX, ROOT, post, stop, wait_http  # noqa: E
 def gguf_tensor_bytes(path: Path) -> int:
     """Bytes of all tensor data in the GGUF (what a decode step reads, tied embeddings included)."""
     sys.path.insert(0, str(ROOT))
-    from worker.engine.gguf_loader import read_gguf
+    from worker.engine.loading.gguf_loader import read_gguf
     g = read_gguf(str(path))
     return int(sum(t.n_bytes for t in g.tensors.values()))
 

@@ -24,14 +24,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from worker.engine.tokenizer import Tokenizer  # noqa: E402
+from worker.engine.text.tokenizer import Tokenizer  # noqa: E402
 
 DEFAULT_MODELS = [ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf", ROOT / "models" / "gemma-3-270m-q4_k_m.gguf"]
 
 
 def metadata(path: Path) -> dict[str, Any]:
     try:
-        from worker.engine.gguf_loader import read_gguf
+        from worker.engine.loading.gguf_loader import read_gguf
     except ImportError:  # fall back to the gguf package's (slow) reader
         import gguf
 

@@ -73,9 +73,9 @@ def main() -> None:
     a = ap.parse_args()
     path = Path(a.model) if a.model not in MODELS else ROOT / "models" / MODELS[a.model]
 
-    from worker.engine import resident
-    from worker.engine.gguf_loader import read_gguf
-    from worker.engine.tokenizer import Tokenizer
+    from worker.engine.loading import resident
+    from worker.engine.loading.gguf_loader import read_gguf
+    from worker.engine.text.tokenizer import Tokenizer
     import tokenizers  # noqa: F401  (imported before the first mark: its code is not the vocabulary)
 
     gc.collect()

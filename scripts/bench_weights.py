@@ -172,9 +172,9 @@ def bench_kernels(gguf: Path, threads: int) -> None:
     from threadpoolctl import threadpool_limits
 
     sys.path.insert(0, str(ROOT))
-    from worker.engine.gguf_loader import read_gguf
-    from worker.engine.model import load_model
-    from worker.engine.quant import set_num_threads
+    from worker.engine.loading.gguf_loader import read_gguf
+    from worker.engine.arch.model import load_model
+    from worker.engine.kernels.quant import set_num_threads
 
     threadpool_limits(limits=threads, user_api="blas")
     set_num_threads(threads)
@@ -211,7 +211,8 @@ def bench_engine_cpu(gguf: Path, threads: int, prompt_tokens: int, decode_tokens
     from threadpoolctl import threadpool_limits
 
     sys.path.insert(0, str(ROOT))
-    from worker.engine import Engine, SamplingParams, quant
+    from worker.engine import Engine, SamplingParams
+    from worker.engine.kernels import quant
 
     threadpool_limits(limits=threads, user_api="blas")
     quant.set_num_threads(threads)

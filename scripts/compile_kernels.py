@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Compile the quantized path's numba kernels into numba's disk cache, so that no load compiles.
 
-numba keeps compiled kernels in ``__pycache__`` beside ``worker/engine/*_kernels.py`` (or in
+numba keeps compiled kernels in ``__pycache__`` beside ``worker/engine/kernels/*_kernels.py`` (or in
 ``NUMBA_CACHE_DIR``), keyed by each source file's size and mtime: a fresh checkout (or a changed
 kernel file) starts with nothing there, and the first ``weights = "quantized"`` load then compiles
 every kernel signature it runs (~30 s of one core here) — on a model's first request, since
@@ -47,8 +47,8 @@ def _counts(mods: tuple[object, ...]) -> tuple[int, int]:
 def _ticker(t0: float, done: threading.Event) -> None:
     """A line every PROGRESS_S while compiling: a silent minute looks like a hang."""
     while not done.wait(PROGRESS_S):
-        mods = tuple(m for m in (sys.modules.get("worker.engine.quant_kernels"),
-                                 sys.modules.get("worker.engine.attn_kernels")) if m is not None)
+        mods = tuple(m for m in (sys.modules.get("worker.engine.kernels.quant_kernels"),
+                                 sys.modules.get("worker.engine.kernels.attn_kernels")) if m is not None)
         misses, hits = _counts(mods)
         print(f"[setup]   still compiling kernels: {time.perf_counter() - t0:.0f} s, {misses} signatures "
               f"compiled and {hits} loaded so far", flush=True)
@@ -60,7 +60,8 @@ def main() -> int:
     done = threading.Event()
     threading.Thread(target=_ticker, args=(t0, done), daemon=True).start()
     try:
-        from worker.engine import attn_kernels, compile_kernels, quant_kernels
+        from worker.engine.kernels import attn_kernels, quant_kernels
+        from worker.engine import compile_kernels
 
         compile_kernels()
     except Exception:  # noqa: BLE001 - reported, exit status 1

@@ -129,7 +129,7 @@ def tensors(sh: Shape, ftype: str, n_vocab: int) -> Iterator[tuple[str, tuple[in
 def tokenizer_keys(path: Path, n_vocab: int) -> list[tuple[str, Any, str]]:
     """``(key, value, kind)`` of the ``tokenizer.*`` keys of the GGUF at ``path``, the token list
     padded to ``n_vocab`` with unused tokens (type 5) when larger."""
-    from worker.engine.gguf_loader import read_gguf
+    from worker.engine.loading.gguf_loader import read_gguf
     md = read_gguf(str(path)).metadata
     out: list[tuple[str, Any, str]] = []
     for k, v in md.items():
@@ -165,7 +165,7 @@ def model_name(shape: str, ftype: str, n_vocab: int) -> str:
 def cached_name(path: Path) -> str | None:
     """``general.name`` of an existing GGUF (None when unreadable)."""
     try:
-        from worker.engine.gguf_loader import read_gguf
+        from worker.engine.loading.gguf_loader import read_gguf
         return str(read_gguf(str(path)).metadata.get("general.name"))
     except Exception:
         return None

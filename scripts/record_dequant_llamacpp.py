@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Record llama.cpp's own dequantization of random tensors of every type the engine reads.
 
-For each tensor type of ``worker.engine.gguf_loader.SUPPORTED_TENSOR_TYPES`` (F32
+For each tensor type of ``worker.engine.loading.gguf_loader.SUPPORTED_TENSOR_TYPES`` (F32
 aside) this makes 2 rows x 512 values of random but valid blocks (finite f16 / bf16
 scales; every other byte random), dequantizes them with ggml itself —
 ``dequantize_row_<type>`` / ``ggml_fp16_to_fp32_row`` / ``ggml_bf16_to_fp32_row`` of
@@ -32,7 +32,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from worker.engine.gguf_loader import SUPPORTED_TENSOR_TYPES  # noqa: E402
+from worker.engine.loading.gguf_loader import SUPPORTED_TENSOR_TYPES  # noqa: E402
 
 OUT = ROOT / "tests" / "fixtures" / "dequant.llamacpp.json"
 DEFAULT_LIB = Path.home() / ".cache" / "modelyard-anchor" / "build" / "bin" / "libggml-base.so"

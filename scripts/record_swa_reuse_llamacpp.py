@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
 
-    from worker.engine.gguf_loader import read_gguf
-    from worker.engine.tokenizer import Tokenizer
+    from worker.engine.loading.gguf_loader import read_gguf
+    from worker.engine.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_metadata(read_gguf(str(GGUF)).metadata)
     reqs = scenario(lambda t, add_special=True: tok.tokenize(t, add_special=add_special))

@@ -1,12 +1,12 @@
 """KV-state streams over the wire: the sending side (a prefill worker's finished entry) and
 the receiving side (a decode worker's incoming state), without the socket.
 
-A stream is ``worker.engine.kv_state``'s format cut into KVChunk frames of
+A stream is ``worker.engine.kv.state``'s format cut into KVChunk frames of
 ``protocol.KV_CHUNK_BYTES`` (the last one shorter), numbered from 0. The sender
 keeps at most ``protocol.KV_WINDOW`` chunks beyond the last KVAck (the router
 relays the decode worker's acks), so neither the router nor the sockets ever
 hold more than a window of one stream. The receiver feeds every chunk, in order,
-to :class:`~worker.engine.kv_state.StateDecoder`, which checks the header and the
+to :class:`~worker.engine.kv.state.StateDecoder`, which checks the header and the
 identity before it accepts a payload byte and both checksums at the end; the
 state is handed to the engine only once all of that passed. A dropped receiver
 (Cancel, error, idle) leaves nothing behind.
@@ -53,7 +53,7 @@ class StateSender:
     """
 
     def __init__(self, job_id: str, state: Any, final: Any, chunk_bytes: int = KV_CHUNK_BYTES) -> None:
-        from worker.engine.kv_state import encode_state
+        from worker.engine.kv.state import encode_state
 
         self.job_id = job_id
         self.final = final
@@ -91,7 +91,7 @@ class StateReceiver:
     """One incoming stream for an engine of identity ``expected`` (KVIdentity)."""
 
     def __init__(self, stream_id: str, expected: Any) -> None:
-        from worker.engine.kv_state import StateDecoder
+        from worker.engine.kv.state import StateDecoder
 
         self.stream_id = stream_id
         self._dec = StateDecoder(expected)

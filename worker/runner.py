@@ -368,7 +368,7 @@ class BatchRunner:
         self.slot_save_path = Path(slot_save_path) if slot_save_path else None
         self._kv_cache_dir = kv_cache_dir
         self._kv_cache_bytes = int(max(0.0, kv_cache_mib) * 2**20)
-        self.disk: Any = None  # worker.engine.kv_disk.DiskCache once loaded (kv_cache_dir set)
+        self.disk: Any = None  # worker.engine.kv.disk.DiskCache once loaded (kv_cache_dir set)
         self._io_inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # file work of slot actions
         self._io = threading.Thread(target=self._io_main, name="kvio", daemon=True)
         self._slot_ops: queue.SimpleQueue[_SlotOp] = queue.SimpleQueue()  # for the engine thread
@@ -547,7 +547,7 @@ class BatchRunner:
         path = disk.lookup(ids, self.engine.best_prefix(ids))
         if path is None:
             return None
-        from worker.engine.kv_state import KVStateError
+        from worker.engine.kv.state import KVStateError
 
         try:
             state, n = disk.load(path)
@@ -560,7 +560,7 @@ class BatchRunner:
     # -- kvio thread (slot files)
 
     def _io_main(self) -> None:
-        from worker.engine.kv_state import encode_state, read_state_file, write_state_file
+        from worker.engine.kv.state import encode_state, read_state_file, write_state_file
 
         while True:
             op = self._io_inbox.get()
@@ -754,7 +754,7 @@ class BatchRunner:
     # -- KV states (engine thread)
 
     def _open_disk(self, engine: Any) -> None:
-        from worker.engine.kv_disk import DiskCache
+        from worker.engine.kv.disk import DiskCache
 
         try:
             disk = DiskCache(self._kv_cache_dir, self._kv_cache_bytes, engine.kv_identity)

@@ -580,7 +580,7 @@ class WorkerServer:
         self._start_next()
 
     def _on_kv_chunk(self, msg: KVChunk) -> None:
-        from worker.engine.kv_state import KVStateError
+        from worker.engine.kv.state import KVStateError
         from worker.kvstream import StateReceiver, StreamOrderError
 
         rcv = self._receivers.get(msg.id)

@@ -23,7 +23,7 @@ def apply_blas_threads(n: int) -> None:
         log.warning("threadpoolctl is not installed: cannot use %d BLAS threads", n)
         return
     threadpool_limits(limits=n, user_api="blas")
-    from worker.engine.quant import set_num_threads  # the quantized kernels' threads (numba)
+    from worker.engine.kernels.quant import set_num_threads  # the quantized kernels' threads (numba)
     set_num_threads(n)
     _current = n
     log.info("BLAS threads: %d (the router's share of the cores)", n)

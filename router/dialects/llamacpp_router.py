@@ -25,7 +25,7 @@ unknown model is a 404.
   a 501, unless the model's ``slot_save_path`` is set). ``{"filename": NAME}`` (save /
   restore; the model in the query or the body): a plain name inside ``slot_save_path``
   (a path separator or ``..`` is a 400). The worker writes / reads the file itself
-  (``worker.engine.kv_state``: identity, checksums); a restore of another model,
+  (``worker.engine.kv.state``: identity, checksums); a restore of another model,
   quantization or n_ctx is a 400 ``kv_state_mismatch`` naming the field, a truncated or
   corrupt file a 400 ``kv_state_invalid``, and neither touches the slot. Answers, as
   llama.cpp: save ``{id_slot, filename, n_saved, n_written, timings: {save_ms}}``,

@@ -7,7 +7,7 @@ all inside :func:`router.serving.generation.begin` so every dialect gets them:
    worker renders and tokenizes it as the decode worker will) as a Generate of one
    greedy token, admitted on P's own queue. As it ends, in the same engine step (no
    other sequence can take its entry over first), P's worker takes a copy of its KV
-   entry (``worker.engine.kv_state`` format: identity, checksums).
+   entry (``worker.engine.kv.state`` format: identity, checksums).
 2. **transfer** of that state to this model's (the decode) worker, which checks the
    identity in full before a byte reaches its KV and installs it in its prefix
    cache only once the whole state is validated. Two ways (``kv_transfer``):

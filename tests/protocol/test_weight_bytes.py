@@ -1,6 +1,6 @@
 """protocol.weight_bytes — the one table of what a worker holds per weights mode and GGUF
 tensor type — against both sides: the router's reading of a GGUF's tensor infos
-(router.workers.gguf_meta) and the in-memory forms the engine builds (worker.engine.quant), type by
+(router.workers.gguf_meta) and the in-memory forms the engine builds (worker.engine.kernels.quant), type by
 type and summed over both shipped models as loaded, in both modes."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from protocol.weight_bytes import (FLOAT32_BYTES, GGML_TYPE_NAMES, LANE_ROWS, QU
 from router.workers.gguf_meta import tensor_infos
 from router.workers.placement import held_weight_bytes
 from tests.paths import GEMMA3_PATH, SMOLLM2_PATH
-from worker.engine import quant
-from worker.engine.model import DEFAULT_WEIGHTS as ENGINE_DEFAULT
+from worker.engine.kernels import quant
+from worker.engine.arch.model import DEFAULT_WEIGHTS as ENGINE_DEFAULT
 
 #: The estimate may exceed the loaded arrays by the row padding of fused lanes matrices (each
 #: part padded to 16 rows in the estimate, the fused matrix once in the worker); never below.
@@ -70,7 +70,7 @@ def test_float32_tensors_and_types_without_a_kernel() -> None:
 
 @pytest.mark.parametrize("path", [SMOLLM2_PATH, GEMMA3_PATH], ids=["smollm2", "gemma3"])
 def test_the_routers_tensor_infos_are_the_files(path) -> None:
-    from worker.engine.gguf_loader import read_gguf
+    from worker.engine.loading.gguf_loader import read_gguf
 
     infos = tensor_infos(path)
     gguf = read_gguf(str(path))  # the worker's reader (the gguf package's): numpy shapes, ne reversed
@@ -95,8 +95,8 @@ def _held(w) -> int:
 @pytest.mark.parametrize("weights", WEIGHT_MODES)
 @pytest.mark.parametrize("path", [SMOLLM2_PATH, GEMMA3_PATH], ids=["smollm2", "gemma3"])
 def test_the_estimate_is_what_the_loaded_model_holds(path, weights: str) -> None:
-    from worker.engine.gguf_loader import read_gguf
-    from worker.engine.model import load_model
+    from worker.engine.loading.gguf_loader import read_gguf
+    from worker.engine.arch.model import load_model
 
     gguf = read_gguf(str(path))
     try:

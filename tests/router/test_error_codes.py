@@ -40,7 +40,7 @@ def test_a_member_is_its_string_on_the_wire() -> None:
 
 def test_every_code_the_worker_and_engine_send_is_enumerated() -> None:
     sent: set[str] = set()
-    for path in [*(ROOT / "worker").glob("*.py"), *(ROOT / "worker" / "engine").glob("*.py")]:
+    for path in (ROOT / "worker").rglob("*.py"):
         text = path.read_text()
         sent |= set(re.findall(r'EngineError\(\s*"([a-z_]+)"', text))
         sent |= set(re.findall(r'\bError\("([a-z_]+)"', text))

@@ -49,7 +49,7 @@ def load_fixture_file(path: Path) -> dict[str, Any]:
 @pytest.fixture(scope="session")
 def smollm2_gguf(smollm2_path: Path):
     """``read_gguf`` of the SmolLM2 file, shared by the session."""
-    from worker.engine.gguf_loader import read_gguf
+    from worker.engine.loading.gguf_loader import read_gguf
 
     return read_gguf(smollm2_path)
 
@@ -57,6 +57,6 @@ def smollm2_gguf(smollm2_path: Path):
 @pytest.fixture(scope="session")
 def gemma3_gguf(gemma3_path: Path):
     """``read_gguf`` of the Gemma 3 file, shared by the session."""
-    from worker.engine.gguf_loader import read_gguf
+    from worker.engine.loading.gguf_loader import read_gguf
 
     return read_gguf(gemma3_path)

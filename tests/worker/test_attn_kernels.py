@@ -21,7 +21,7 @@ import pytest
 
 from tests.worker.flash_attn_cases import CASES, Case, inputs_sha256, make_inputs
 from worker.engine import attention as A
-from worker.engine.kv_cache import KVEntry, KVShape
+from worker.engine.kv.cache import KVEntry, KVShape
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "flash-attn.llamacpp.json"
 DATA = json.loads(FIXTURE.read_text())
@@ -38,7 +38,7 @@ def run_case(c: Case) -> np.ndarray:
 
 
 def test_fixture_covers_every_path() -> None:
-    from worker.engine import attn_kernels as ak
+    from worker.engine.kernels import attn_kernels as ak
 
     assert [c.as_dict() for c in CASES] == [r["case"] for r in DATA["cases"]]
     modes = {A.ggml_fa_mode(c.n_q, c.qpos0 + c.n_q)[0] for c in CASES}
@@ -61,7 +61,7 @@ def test_bit_identical_to_llamacpp(case: Case) -> None:
 
 
 def test_mode_follows_llamacpp() -> None:
-    from worker.engine import attn_kernels as ak
+    from worker.engine.kernels import attn_kernels as ak
 
     assert A.ggml_fa_mode(1, 1) == (ak.MODE_VEC, 256)
     assert A.ggml_fa_mode(1, 256) == (ak.MODE_VEC, 256)
@@ -75,7 +75,7 @@ def test_f16_round_matches_numpy() -> None:
     """The kernels' binary16 rounding (ties to even, subnormals, overflow) is numpy's."""
     import numba
 
-    from worker.engine.attn_kernels import f16r
+    from worker.engine.kernels.attn_kernels import f16r
 
     @numba.njit
     def rnd(x, out):
@@ -104,7 +104,7 @@ def test_tiled_kernel_gives_the_reference_bits(dims: tuple[int, int, int, int]) 
     a time, the form the llama.cpp fixture was first matched with) on the raw bits: every row count
     around the 4-row and 64-row blocks, positions inside a tile, sliding windows narrower than a
     tile and a KV slice that starts past position 0 (at the first visible key), softcap."""
-    from worker.engine import attn_kernels as ak
+    from worker.engine.kernels import attn_kernels as ak
 
     nh, nkv, dk, dv = dims
     rng = np.random.default_rng(sum(dims))
@@ -130,8 +130,9 @@ def test_rms_norm_and_glu_kernels_give_numpys_bits() -> None:
     the models' row widths (SmolLM2 576 / 1536, Gemma 640 / 2048 / per-head 256, a tail below 8
     and below 16), magnitudes e^±8 and zero rows, 3-D per-head views of a wider matrix, GELU's
     +-10 cut-offs."""
-    from worker.engine import attn_kernels as ak, model
-    from worker.engine.model import gelu_tanh_ggml, glu_ggml, rms_norm, silu_ggml
+    from worker.engine.kernels import attn_kernels as ak
+    from worker.engine.arch import model
+    from worker.engine.arch.model import gelu_tanh_ggml, glu_ggml, rms_norm, silu_ggml
 
     assert model._PAIRWISE_MAX == ak.PAIRWISE_MAX
     rng = np.random.default_rng(3)
@@ -160,7 +161,7 @@ def test_rope_kernel_gives_numpys_bits() -> None:
     """``RopeTable`` on the libm tables rotates float32 heads by ``attn_kernels.rope_rows``: the
     same bits as its NumPy rotation (``_rotate``), NEOX and adjacent pairs, a partial rotary
     dimension, heads as strided views of a fused QKV matrix and as contiguous arrays."""
-    from worker.engine.model import RopeTable
+    from worker.engine.arch.model import RopeTable
 
     rng = np.random.default_rng(5)
     for n_rot, hd in ((64, 64), (256, 256), (32, 64)):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.worker.test_tokenizer import bpe_metadata, load_fixture, real_metadata, real_tokenizer
-from worker.engine.chat_template import (  # noqa: I001
+from worker.engine.text.chat_template import (  # noqa: I001
     RoleCaps,
     fit_roles,
     CHATML_TEMPLATE,
@@ -15,7 +15,7 @@ from worker.engine.chat_template import (  # noqa: I001
     resolve_template,
 )
 from worker.engine.errors import EngineError
-from worker.engine.tokenizer import Tokenizer
+from worker.engine.text.tokenizer import Tokenizer
 
 # ------------------------------------------------------------------ SmolLM2 vs llama.cpp
 

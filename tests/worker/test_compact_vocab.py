@@ -12,8 +12,8 @@ import pytest
 
 from tests.paths import GEMMA3_PATH, SMOLLM2_PATH
 from worker.engine.errors import EngineError
-from worker.engine.gguf_loader import COMPACT_MIN_ITEMS, NumericArray, StringArray, read_gguf
-from worker.engine.tokenizer import Tokenizer, _VocabIndex
+from worker.engine.loading.gguf_loader import COMPACT_MIN_ITEMS, NumericArray, StringArray, read_gguf
+from worker.engine.text.tokenizer import Tokenizer, _VocabIndex
 
 TEXTS = ["a", "", "héllo", "▁the", "日本語", "😀x", "e'", "\u2765", "<0x0A>", "\ud800", "", "z" * 300]
 
@@ -147,7 +147,7 @@ def test_vocab_index_is_exact_like_a_dict() -> None:
 def test_vocab_index_with_every_hash_equal_still_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every text hashing alike: a lookup walks one long probe run and tells texts of one length
     apart by their bytes alone."""
-    import worker.engine.tokenizer as tokenizer_module
+    import worker.engine.text.tokenizer as tokenizer_module
 
     texts = [f"w{i:03d}" for i in range(200)] + ["é", "日", "ab", "ba", "\u6261"]
     packed = StringArray.from_strs(texts)

@@ -15,7 +15,7 @@ import pytest
 from worker.engine import Engine, EngineError, SamplingParams
 from worker.engine.constraints import Constraint, ll_tokenizer, vocab_bytes
 from worker.engine.sampling import Sampler
-from worker.engine.tokenizer import ATTR_CONTROL
+from worker.engine.text.tokenizer import ATTR_CONTROL
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 
-from worker.engine.gguf_loader import SUPPORTED_TENSOR_TYPES, read_gguf
+from worker.engine.loading.gguf_loader import SUPPORTED_TENSOR_TYPES, read_gguf
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "dequant.llamacpp.json"
 RECORD: dict[str, Any] = json.loads(FIXTURE.read_text())

@@ -14,8 +14,8 @@ import pytest
 
 from tests.worker.test_tokenizer import MODELS, bpe_metadata, load_fixture
 from worker.engine import Engine, EngineError, GenerationResult, SamplingParams, TokenEvent
-from worker.engine.chat_template import CHATML_TEMPLATE
-from worker.engine.gguf_loader import read_gguf
+from worker.engine.text.chat_template import CHATML_TEMPLATE
+from worker.engine.loading.gguf_loader import read_gguf
 
 
 def write_tiny_llama(path: Path, chat_template: str | None = None, n_ctx_train: int = 128, seed: int = 0,
@@ -351,7 +351,7 @@ def test_first_token_does_not_wait_for_the_fingerprint(tmp_path: Path, monkeypat
     import hashlib
 
     from tests.worker.test_gguf_loader import GatedHashlib
-    from worker.engine import gguf_loader
+    from worker.engine.loading import gguf_loader
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(gguf_loader, "SHA256_MEMO_MIN_BYTES", 0)
@@ -379,8 +379,10 @@ def test_first_token_does_not_wait_for_the_fingerprint(tmp_path: Path, monkeypat
 
 _WARM_PROBE = r"""
 import json, sys
-from worker.engine import Engine, SamplingParams, preload_kernels, resident
-from worker.engine import attn_kernels, engine as engine_module, quant_kernels
+from worker.engine import Engine, SamplingParams, preload_kernels
+from worker.engine.loading import resident
+from worker.engine.kernels import attn_kernels, quant_kernels
+from worker.engine import engine as engine_module
 
 def llvm_kib():
     with open("/proc/self/smaps") as f:
@@ -427,7 +429,7 @@ def test_quantized_load_warms_every_kernel_the_first_request_runs(model: str, pr
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    from worker.engine import quant
+    from worker.engine.kernels import quant
 
     v = "_vnni" if quant.host_has_vnni() else ""                   # the VNNI kernels where the CPU has them
     assert got["before"][f"matmul_lanes{v}"]
@@ -447,7 +449,8 @@ def test_quantized_load_warms_every_kernel_the_first_request_runs(model: str, pr
 
 _COMPILE_PROBE = r"""
 import json, runpy, sys
-from worker.engine import Engine, SamplingParams, attn_kernels, quant_kernels
+from worker.engine import Engine, SamplingParams
+from worker.engine.kernels import attn_kernels, quant_kernels
 
 def loaded():
     ks = [v for m in (quant_kernels, attn_kernels) for v in vars(m).values() if hasattr(v, "overloads")]
@@ -489,7 +492,7 @@ def test_compile_kernels_covers_every_kernel_a_quantized_load_and_request_run(tm
     assert out.returncode == 0, out.stderr
     assert "[setup] quantized kernels ready in" in out.stdout
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    from worker.engine import quant
+    from worker.engine.kernels import quant
 
     v = "_vnni" if quant.host_has_vnni() else ""                   # the VNNI kernels where the CPU has them
     for name in (f"matmul_lanes{v}", f"matmul_q4k{v}", f"matmul_q6k{v}", "fa_vec", "fa_tiled",

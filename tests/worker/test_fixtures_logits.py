@@ -16,7 +16,7 @@ Both weight paths are checked: the float32 reference (``weights="f32"``) and the
 quantized one (``weights="quantized"``: ggml's kernels reproduced operation by operation),
 and the quantized one must be the closer to llama.cpp (the issue's acceptance). On both
 files it reproduces every recorded logprob: every op of both models is reproduced bit for
-bit, with the kernel llama.cpp picks for the row count (see :mod:`worker.engine.quant`).
+bit, with the kernel llama.cpp picks for the row count (see :mod:`worker.engine.kernels.quant`).
 The top-2 rule for near-ties applies to the float32 path only: quantized inference is
 chaotic in its roundings (a 1e-7 difference flips an 8-bit level and grows through the
 layers), so among near-tied tokens either path may pick a third, and its largest single
@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 from tests.worker.conftest import GEMMA3_FIXTURES, SMOLLM2_FIXTURES, load_fixture_file
-from worker.engine.model import load_model
+from worker.engine.arch.model import load_model
 
 MEAN_BOUND = 0.06
 N_UBATCH = 512

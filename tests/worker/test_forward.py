@@ -23,11 +23,12 @@ import pytest
 from tests.paths import GEMMA3_FIXTURES
 from tests.worker.tiny_gguf import TINY_VOCAB_SIZE, write_tiny_gemma3, write_tiny_llama, write_tiny_qwen
 from worker.engine.errors import EngineError
-from worker.engine.gguf_loader import read_gguf
-from worker.engine import model as model_mod, quant
-from worker.engine.quant import QWeight
-from worker.engine.llama import LlamaModel
-from worker.engine.model import ARCHITECTURES, Model, load_model
+from worker.engine.loading.gguf_loader import read_gguf
+from worker.engine.arch import model as model_mod
+from worker.engine.kernels import quant
+from worker.engine.kernels.quant import QWeight
+from worker.engine.arch.llama import LlamaModel
+from worker.engine.arch.model import ARCHITECTURES, Model, load_model
 
 
 @pytest.fixture(autouse=True)
@@ -342,7 +343,7 @@ def test_batched_segments_equal_alone(tmp_path: Path, arch: str, weights: str) -
     """One forward_batch over three sequences (a prefill chunk next to two decodes at other
     positions, each in its own KV entry) gives each the logits it gets alone."""
     from worker.engine.attention import AttnBatch, Segment
-    from worker.engine.kv_cache import KVEntry
+    from worker.engine.kv.cache import KVEntry
 
     m = load_model(read_gguf(tiny(tmp_path, arch, qtype="Q8_0")), n_ctx=64, weights=weights)
     prompts = [PROMPT[:5], PROMPT[3:14], PROMPT[10:12]]
@@ -650,7 +651,7 @@ def test_weight_cache_unwritable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 
 def test_kv_cache_unit() -> None:
-    from worker.engine.kv_cache import KVEntry, KVPool, KVShape
+    from worker.engine.kv.cache import KVEntry, KVPool, KVShape
 
     shape = KVShape(2, 3, 4, 5)
     assert shape.token_bytes == 2 * 3 * (4 + 5) * 4
@@ -698,7 +699,7 @@ def test_kv_cache_memory_is_lazy() -> None:
     """A 1 GiB reservation costs (almost) nothing until positions are written."""
     import psutil
 
-    from worker.engine.kv_cache import KVEntry, KVShape
+    from worker.engine.kv.cache import KVEntry, KVShape
 
     proc = psutil.Process()
     before = proc.memory_info().rss

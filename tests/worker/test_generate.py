@@ -18,17 +18,17 @@ from tests.worker.test_tokenizer import bpe_metadata
 from worker.engine.attention import AttnBatch
 from worker.engine.errors import EngineError
 from worker.engine.generate import GenerationResult, TokenEvent, check_context
-from worker.engine.kv_cache import KVShape
+from worker.engine.kv.cache import KVShape
 from worker.engine.sampling import SamplingParams
 from worker.engine.scheduler import Scheduler, SeqRequest, run_one
-from worker.engine.tokenizer import _BYTE_TO_UNICODE, Tokenizer
+from worker.engine.text.tokenizer import _BYTE_TO_UNICODE, Tokenizer
 
 TOK = Tokenizer.from_metadata(bpe_metadata())
 EOS = TOK.token_id("<|im_end|>")
 
 
 class ScriptModel:
-    """Deterministic stand-in for ``worker.engine.model.Model`` (the batch interface)."""
+    """Deterministic stand-in for ``worker.engine.arch.model.Model`` (the batch interface)."""
 
     dtype = np.dtype(np.float32)
     kv_shape = KVShape(1, 1, 1, 1)

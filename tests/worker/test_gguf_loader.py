@@ -13,9 +13,9 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from tests.worker.tiny_gguf import TINY_VOCAB_SIZE, tiny_bpe_vocab, write_gguf, write_tiny_llama
-from worker.engine import gguf_loader
+from worker.engine.loading import gguf_loader
 from worker.engine.errors import EngineError
-from worker.engine.gguf_loader import SUPPORTED_TENSOR_TYPES, atomic_write_bytes, cache_root, read_gguf
+from worker.engine.loading.gguf_loader import SUPPORTED_TENSOR_TYPES, atomic_write_bytes, cache_root, read_gguf
 
 
 def _reader_value(field: gguf.ReaderField):

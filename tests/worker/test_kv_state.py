@@ -11,7 +11,7 @@ import pytest
 
 from tests.worker.tiny_gguf import write_tiny_gemma3, write_tiny_llama
 from worker.engine import Engine, SamplingParams
-from worker.engine.kv_state import (
+from worker.engine.kv.state import (
     KVStateError,
     StateDecoder,
     encode_state,
@@ -171,8 +171,8 @@ def test_erase_and_busy_and_bad_slot(tiny: dict[str, Path], saved) -> None:
 
 
 def test_tokenizer_fingerprint_covers_vocabulary_and_special_ids(tiny: dict[str, Path]) -> None:
-    from worker.engine.gguf_loader import read_gguf
-    from worker.engine.tokenizer import Tokenizer
+    from worker.engine.loading.gguf_loader import read_gguf
+    from worker.engine.text.tokenizer import Tokenizer
 
     md = dict(read_gguf(str(tiny["f32"])).metadata)
     base = Tokenizer.from_metadata(md).fingerprint
@@ -186,7 +186,7 @@ def test_tokenizer_fingerprint_covers_vocabulary_and_special_ids(tiny: dict[str,
 
 
 def test_disk_cache_budget_prefixes_and_corrupt_files(tiny: dict[str, Path], tmp_path: Path) -> None:
-    from worker.engine.kv_disk import DiskCache
+    from worker.engine.kv.disk import DiskCache
 
     e = Engine.load(str(tiny["f32"]), n_ctx=128, parallel=4)
     base = e.tokenize(text_of(80, seed=2))[:30]
@@ -222,7 +222,7 @@ def test_disk_cache_budget_prefixes_and_corrupt_files(tiny: dict[str, Path], tmp
     assert d3.files == 1
     longer = states[0]
     n = longer.n_tokens - 5
-    from worker.engine.kv_state import KVState
+    from worker.engine.kv.state import KVState
 
     prefix = KVState(longer.identity, longer.tokens[:n], longer.k[:, :, :n], longer.v[:, :, :n])
     d4 = DiskCache(tmp_path / "dedupe", budget_bytes=10 * one, identity=e.kv_identity)

@@ -110,7 +110,7 @@ def test_generate_save_slot_to_writes_the_entry_before_its_done(worker, tmp_path
     assert isinstance(done, Done)
     f = tmp_path / "slots" / "h.kvstate"
     assert f.is_file()  # written before the Done was sent
-    from worker.engine.kv_state import read_state_tokens
+    from worker.engine.kv.state import read_state_tokens
 
     _, tokens, _ = read_state_tokens(f)
     assert tokens == PROMPT

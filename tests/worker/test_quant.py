@@ -1,4 +1,4 @@
-"""Quantized weights (worker/engine/quant.py) against the gguf package and ggml's own formulas.
+"""Quantized weights (worker/engine/kernels/quant.py) against the gguf package and ggml's own formulas.
 
 * unpacking a tensor's blocks to (q, d, m) reproduces ``gguf.quants.dequantize`` exactly, for
   every type held quantized (random blocks, so every bit pattern of scales/levels occurs);
@@ -15,7 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from worker.engine import quant
+from worker.engine.kernels import quant
 
 TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"]
 
@@ -332,8 +332,8 @@ def test_a_chunk_without_output_rows_on_the_quantized_path(tmp_path) -> None:
     from tests.paths import FIXTURES_DIR
     from tests.worker.tiny_gguf import write_tiny_qwen
     from worker.engine.attention import AttnBatch, Segment
-    from worker.engine.gguf_loader import read_gguf
-    from worker.engine.model import load_model
+    from worker.engine.loading.gguf_loader import read_gguf
+    from worker.engine.arch.model import load_model
     kw = json.loads((FIXTURES_DIR / "tiny-arch.llamacpp.json").read_text())["files"]["qwen3-q4_k_m"]["kwargs"]
     g = read_gguf(write_tiny_qwen(tmp_path / "q.gguf", **kw))
     m = load_model(g, n_ctx=64, weights="quantized")
@@ -358,9 +358,9 @@ def test_a_micro_batch_run_in_slices_is_the_same_bits(tmp_path, kind: str) -> No
     from tests.paths import FIXTURES_DIR
     from tests.worker.tiny_gguf import write_tiny_gemma3, write_tiny_qwen
     from worker.engine.attention import AttnBatch, Segment
-    from worker.engine.gguf_loader import read_gguf
-    from worker.engine.kv_cache import KVEntry
-    from worker.engine.model import load_model
+    from worker.engine.loading.gguf_loader import read_gguf
+    from worker.engine.kv.cache import KVEntry
+    from worker.engine.arch.model import load_model
     if kind == "qwen3-q4_k_m":
         kw = json.loads((FIXTURES_DIR / "tiny-arch.llamacpp.json").read_text())["files"][kind]["kwargs"]
         path = write_tiny_qwen(tmp_path / "q.gguf", **{**kw, "n_ctx_train": 512})
@@ -478,7 +478,7 @@ def test_unsupported_type_is_refused() -> None:
 
 def test_weight_modes_are_the_protocols() -> None:
     from protocol.limits import WEIGHT_MODES
-    from worker.engine.model import DEFAULT_WEIGHTS, WEIGHT_MODES as ENGINE_MODES
+    from worker.engine.arch.model import DEFAULT_WEIGHTS, WEIGHT_MODES as ENGINE_MODES
     assert ENGINE_MODES == WEIGHT_MODES and DEFAULT_WEIGHTS in WEIGHT_MODES
 
 

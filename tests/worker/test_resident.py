@@ -1,4 +1,4 @@
-"""worker.engine.resident: clean file pages dropped from the resident set, never a written one."""
+"""worker.engine.loading.resident: clean file pages dropped from the resident set, never a written one."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.engine import resident
+from worker.engine.loading import resident
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps and madvise")
 

@@ -1,4 +1,4 @@
-"""The thread governor (worker/engine/threadctl.py) on synthetic pass times: a fake clock and
+"""The thread governor (worker/engine/kernels/threadctl.py) on synthetic pass times: a fake clock and
 made-up durations, so nothing here depends on this machine's speed or load."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from worker.engine import threadctl
-from worker.engine.threadctl import ThreadGovernor, candidates
+from worker.engine.kernels import threadctl
+from worker.engine.kernels.threadctl import ThreadGovernor, candidates
 
 
 @pytest.fixture(autouse=True)

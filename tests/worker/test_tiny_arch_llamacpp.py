@@ -14,7 +14,7 @@ gguf-py's quantizer are deterministic) and run by the engine:
   as ``exact`` has an f32 KV cache). Measured: max 2e-6 .. 6e-6 (Q4_K_M: 2e-5);
 * the quantized path against ``ggml`` (f16 KV cache, flash attention), which it follows:
   its attention is ggml-cpu's flash attention reproduced bit for bit
-  (``worker/engine/attn_kernels.py``, tests/worker/test_attn_kernels.py). On the quantized
+  (``worker/engine/kernels/attn_kernels.py``, tests/worker/test_attn_kernels.py). On the quantized
   files, token by token (every matmul on the int8 vec_dot kernel): max 1.6e-6 .. 1.1e-5,
   asserted <= 1e-4 — the issue's 1e-3 under llama.cpp's default numerics. In one pass the
   matmuls of 8 or more rows take the dequantize-and-sgemm kernel instead (quant.py, equal
@@ -44,8 +44,8 @@ import numpy as np
 import pytest
 
 from tests.worker.tiny_gguf import write_tiny_qwen
-from worker.engine.gguf_loader import read_gguf
-from worker.engine.model import load_model
+from worker.engine.loading.gguf_loader import read_gguf
+from worker.engine.arch.model import load_model
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-arch.llamacpp.json"
 DATA = json.loads(FIXTURE.read_text())
@@ -152,7 +152,7 @@ def test_quantized_files_agree_with_llamacpp(files: dict[str, Path], name: str, 
 @pytest.mark.parametrize("arch, detail", [("qwen2", "no_bias"), ("qwen3", "no_qk_norm"), ("qwen3", "norm_rope")])
 def test_wrong_detail_is_visible(files: dict[str, Path], arch: str, detail: str, monkeypatch) -> None:
     """The bounds above separate a faithful engine from one with a detail wrong."""
-    from worker.engine import model as model_mod
+    from worker.engine.arch import model as model_mod
 
     name = f"{arch}-f32"
     model = load_model(read_gguf(files[name]), n_ctx=len(PROMPT), weight_cache=False)

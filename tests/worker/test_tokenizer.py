@@ -20,10 +20,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.paths import GEMMA3_PATH, SMOLLM2_PATH
-import worker.engine.tokenizer as tokenizer_module
+import worker.engine.text.tokenizer as tokenizer_module
 from worker.engine.errors import EngineError
-from worker.engine.gguf_loader import NumericArray, StringArray
-from worker.engine.tokenizer import (
+from worker.engine.loading.gguf_loader import NumericArray, StringArray
+from worker.engine.text.tokenizer import (
     _BYTE_TO_UNICODE,
     ATTR_CONTROL,
     ATTR_USER_DEFINED,
@@ -66,7 +66,7 @@ def real_metadata(model: str) -> dict[str, Any]:
         path = MODELS[model]
         if not path.is_file():
             pytest.fail(f"model file {path} not fetched (scripts/fetch_models.py)")
-        from worker.engine.gguf_loader import read_gguf
+        from worker.engine.loading.gguf_loader import read_gguf
 
         _META_CACHE[model] = read_gguf(str(path)).metadata
     return _META_CACHE[model]

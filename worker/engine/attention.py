@@ -3,7 +3,7 @@
 A forward pass runs over one flat batch of ``N`` tokens that belong to several
 sequences. :class:`AttnBatch` is the per-step metadata (vLLM's "attention
 metadata"): the segments (which rows belong to which sequence's
-:class:`~worker.engine.kv_cache.KVEntry`, at which positions), the flat
+:class:`~worker.engine.kv.cache.KVEntry`, at which positions), the flat
 ``positions [N]`` for RoPE, and the masks, built once per step and shared by
 every layer. The architectures run their QKV / O / FFN matmuls once over all
 ``N`` rows and call :func:`attend` per layer; only attention itself loops over
@@ -30,7 +30,7 @@ Two numerics, chosen by the caller (``attend(..., f16=)``):
 * ``f16=True`` (the quantized path, which follows ggml): llama.cpp's default CPU setting,
   an f16 KV cache and flash attention. K and V are stored rounded to f16, and attention is
   ggml-cpu's ``flash_attn_ext`` reproduced operation by operation by the numba kernels of
-  :mod:`.attn_kernels`, on the code path llama.cpp would take for this sequence alone
+  :mod:`.kernels.attn_kernels`, on the code path llama.cpp would take for this sequence alone
   (:func:`ggml_fa_mode`): a segment of one row (decode) over at least
   ``SPLIT_KV_MIN_CELLS`` cells takes the split-KV path (``GGML_DECODE_THREADS`` chunks), a
   segment of at least ``attn_kernels.TILE_Q`` rows (prefill) the tiled f32 path, any other
@@ -57,18 +57,18 @@ from typing import Any
 
 import numpy as np
 
-from .kv_cache import KVEntry
+from .kv.cache import KVEntry
 
 _KERNELS: Any = None
 
 
 def kernels() -> Any:
-    """The :mod:`.attn_kernels` module, imported on first use (the float32 path never imports
+    """The :mod:`.kernels.attn_kernels` module, imported on first use (the float32 path never imports
     numba); a cached reference, since an import statement costs a microsecond per call and the
     decode step makes hundreds of these calls."""
     global _KERNELS
     if _KERNELS is None:
-        from . import attn_kernels
+        from .kernels import attn_kernels
         _KERNELS = attn_kernels
     return _KERNELS
 
@@ -233,7 +233,7 @@ def ggml_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, qpos0: i
                    window: int | None, scale: float, softcap: float = 0.0,
                    ubatch: tuple[int, int] | None = None) -> np.ndarray:
     """One sequence's attention for one layer as llama.cpp's CPU flash attention computes it
-    over an f16 KV cache (:mod:`.attn_kernels`, path from :func:`ggml_fa_mode`).
+    over an f16 KV cache (:mod:`.kernels.attn_kernels`, path from :func:`ggml_fa_mode`).
 
     Args:
         q: ``[T, n_head, hd_k]`` queries at positions ``qpos0 .. qpos0+T-1`` (after RoPE and

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from .errors import EngineError
-from .tokenizer import ATTR_CONTROL, ATTR_USER_DEFINED, Tokenizer
+from .text.tokenizer import ATTR_CONTROL, ATTR_USER_DEFINED, Tokenizer
 
 __all__ = ["Constraint", "JSON_OPTIONS", "check", "grammar_text", "ll_tokenizer", "vocab_bytes"]
 

@@ -19,14 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from . import constraints, resident
-from .chat_template import ChatTemplate, resolve_template
+from . import constraints
+from .loading import resident
+from .text.chat_template import ChatTemplate, resolve_template
 from .errors import EngineError
 from .generate import GenerationResult, TokenEvent
-from .kv_state import KV_LAYOUT_VERSION, KVIdentity, KVState
+from .kv.state import KV_LAYOUT_VERSION, KVIdentity, KVState
 from .sampling import SamplingParams
 from .scheduler import Finished, Scheduler, SeqRequest, SlotInfo, run_one
-from .tokenizer import Tokenizer
+from .text.tokenizer import Tokenizer
 
 __all__ = ["Engine", "EngineInfo", "preload_kernels"]
 
@@ -116,9 +117,9 @@ class Engine:
                 (n_ctx not a positive integer, parallel, n_batch or n_ubatch < 1, budget <= 0,
                 unknown weights mode).
         """
-        from .gguf_loader import read_gguf
+        from .loading.gguf_loader import read_gguf
         from .scheduler import DEFAULT_N_BATCH, DEFAULT_N_UBATCH
-        from .model import DEFAULT_WEIGHTS, WEIGHT_MODES, load_model  # n_ctx None -> min(n_ctx_train, 8192) there
+        from .arch.model import DEFAULT_WEIGHTS, WEIGHT_MODES, load_model  # n_ctx None -> min(n_ctx_train, 8192) there
 
         path = Path(gguf_path)
         if not path.is_file():
@@ -143,7 +144,7 @@ class Engine:
         warm = None
         if weights == "quantized":  # numba's import and cached kernels load while the model is built
             types = {t.type.name for t in gguf.tensors.values()}
-            from .model import ARCHITECTURES, _register_builtin
+            from .arch.model import ARCHITECTURES, _register_builtin
 
             _register_builtin()
             arch_cls = ARCHITECTURES.get(gguf.architecture)
@@ -456,7 +457,7 @@ class Engine:
 
     @property
     def kv_identity(self) -> KVIdentity:
-        """What a KV state of this engine depends on (``worker.engine.kv_state``), with the full
+        """What a KV state of this engine depends on (``worker.engine.kv.state``), with the full
         content fingerprint (waited for if still being computed: a state from another file is
         always refused, naming ``model_fingerprint``); the tokenizer fingerprint is computed
         on first use."""
@@ -584,16 +585,16 @@ def _take_preload() -> threading.Thread | None:
 
 def compile_kernels(type_names: Iterable[str] | None = None) -> None:
     """Compile every kernel signature the quantized path runs, or load it from numba's on-disk
-    cache where that is current (``__pycache__`` beside ``worker/engine/*_kernels.py``, or
+    cache where that is current (``__pycache__`` beside ``worker/engine/kernels/*_kernels.py``, or
     ``NUMBA_CACHE_DIR``): the file-independent ones (activation quantization, both flash-attention
     kernels, SiLU, GELU's table, RoPE's cos/sin) and the matmuls of each GGUF type name in
     ``type_names`` (None: every type with a kernel, ``quant.ACT_TYPE``). The same set as
     ``Engine.load(weights="quantized")``'s warm-up; for a set-up step (``scripts/compile_kernels.py``)
     that fills the cache once per checkout, so that no load compiles (a fresh cache costs tens of
     seconds of compiling, a current one ~0.5 s of loading). Raises whatever numba raises."""
-    from . import quant
+    from .kernels import quant
 
-    from .model import FFN_ACTS
+    from .arch.model import FFN_ACTS
 
     _load_common_kernels()
     for act in FFN_ACTS:
@@ -607,7 +608,8 @@ def _load_common_kernels() -> None:
     activation quantization loads with their matmuls (:func:`_load_matmul_kernels`), the FFN's
     activation with :func:`_load_ffn_kernels`: a model loads only what it runs (each signature
     costs ~0.5-2 MiB of LLVM's resident code and tables, and load time)."""
-    from . import attention, quant
+    from . import attention
+    from .kernels import quant
 
     x = np.zeros((2, 256), np.float32)
     for act in ("q8_0", "q8_1"):
@@ -616,7 +618,7 @@ def _load_common_kernels() -> None:
     for rows, end in ((1, 1), (64, 64)):
         kv = np.zeros((1, end, 8), np.float32)
         attention.ggml_attention(np.zeros((rows, 1, 8), np.float32), kv, kv, end - rows, 0, None, 1.0)
-    from .model import RopeTable, rms_norm
+    from .arch.model import RopeTable, rms_norm
 
     rms_norm(np.zeros((1, 16), np.float32), np.ones(16, np.float32), 1e-6, kernel=True)  # RMSNorm's kernel
     rope = RopeTable(2, 4, 10000.0, libm=True)                # RoPE's kernel: heads contiguous or strided
@@ -630,7 +632,7 @@ def _load_ffn_kernels(act: str) -> None:
     """The fused ``act(gate) * up`` kernel of a gated FFN activation (a key of
     ``model.FFN_ACTS``; GELU also builds ggml's table); raises KeyError for another name, or what
     numba raises."""
-    from .model import FFN_ACTS, glu_ggml
+    from .arch.model import FFN_ACTS, glu_ggml
 
     glu_ggml(np.zeros((1, 32), np.float32), 16, FFN_ACTS[act])
 
@@ -641,7 +643,7 @@ def _load_matmul_kernels(type_names: set[str], whole: bool = True, column_slice:
     prompt's rows, another numba signature for the VNNI kernels; when ``column_slice``); raises on failure."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    from . import quant
+    from .kernels import quant
 
     for name in sorted(type_names):
         if not quant.supports(name):
@@ -684,7 +686,7 @@ def _warm_up_kernels(type_names: set[str], preload: threading.Thread | None = No
         preload.join()  # one numba parallel launch at a time
     else:
         _warm_up_common()
-    from .model import FFN_ACTS
+    from .arch.model import FFN_ACTS
 
     try:
         for act in FFN_ACTS if ffn_act is None else (ffn_act,):
@@ -697,7 +699,7 @@ def _warm_up_kernels(type_names: set[str], preload: threading.Thread | None = No
 def _column_slice_types(weights: Iterable[Any]) -> set[str]:
     """The GGUF type names of the quantized parts of the :class:`~.quant.QConcat` matrices among
     ``weights`` (the model's): the only weights multiplied into a column slice of an output."""
-    from .quant import QConcat, QWeight
+    from .kernels.quant import QConcat, QWeight
 
     return {t for w in weights if isinstance(w, QConcat) for p in w.parts if isinstance(p, QWeight) for t in p.types}
 

@@ -18,7 +18,7 @@ import numpy as np
 from .constraints import Constraint
 from .errors import EngineError
 from .sampling import Sampler, SamplingParams, raw_logprobs
-from .tokenizer import IncrementalUTF8Decoder, Tokenizer
+from .text.tokenizer import IncrementalUTF8Decoder, Tokenizer
 
 __all__ = ["GenerationResult", "Sequence", "TokenEvent", "check_context"]
 

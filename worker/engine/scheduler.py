@@ -2,7 +2,7 @@
 
 It decides; the model executes. One :class:`Scheduler` owns, for one loaded
 model, the slot table (``n_parallel`` slots: which sequence runs in which),
-the :class:`~worker.engine.kv_cache.KVPool` (every sequence's KV entry, and
+the :class:`~worker.engine.kv.cache.KVPool` (every sequence's KV entry, and
 the idle entries kept as a prefix cache) and the waiting line. Each
 :meth:`Scheduler.step` builds one flat batch and runs one
 ``model.forward_batch`` over it:
@@ -35,7 +35,7 @@ rule (``tools/server/server-context.cpp``, ``update_slots``; llama.cpp PR 20288)
 prefix gives llama-server's bits: a prompt evaluated from ``n_keep`` ends a batch at ``n_prompt -
 4 - n_ubatch`` and at ``n_prompt - 4`` when past ``n_keep`` (:func:`prompt_cuts`; micro-batches count
 from each cut), and llama-server's checkpoint before each of the last two batches (when the KV holds
-something) is recorded on the entry (:class:`~worker.engine.kv_cache.Checkpoint`). A later prompt
+something) is recorded on the entry (:class:`~worker.engine.kv.cache.Checkpoint`). A later prompt
 keeps what llama-server would keep (:meth:`Scheduler._swa_reuse`): from the newest checkpoint inside
 the shared prefix, one token before it (a repeated short prompt re-evaluates its last 5 tokens as
 1 + 4 rows); nothing when no checkpoint lies there; the whole shared prefix (minus the last token)
@@ -66,9 +66,9 @@ import numpy as np
 from .attention import AttnBatch, Segment, StepInterrupted
 from .errors import EngineError
 from .generate import GenerationResult, Sequence, TokenEvent, check_context
-from .kv_cache import Checkpoint, KVEntry, KVPool, KVShape
+from .kv.cache import Checkpoint, KVEntry, KVPool, KVShape
 from .sampling import SamplingParams
-from .tokenizer import Tokenizer
+from .text.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_N_BATCH", "DEFAULT_N_UBATCH", "SWA_TAIL", "BatchModel", "Finished", "Scheduler", "SeqRequest",
            "SlotInfo", "prompt_cuts", "ubatch_bounds"]
@@ -142,7 +142,7 @@ def ubatch_bounds(n_keep: int, n_prompt: int, at: int, n_ubatch: int,
 
 
 class BatchModel(Protocol):
-    """What the scheduler needs from ``worker.engine.model.Model``."""
+    """What the scheduler needs from ``worker.engine.arch.model.Model``."""
 
     n_ctx: int
     n_vocab: int

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .attention import AttnBatch, attend
+from ..attention import AttnBatch, attend
 from .model import FFN_ACTS, Model, RopeTable, embed, fuse_rows, gated_ffn, linear, register, rms_norm, silu
 
 

@@ -33,7 +33,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .errors import EngineError
+from ..errors import EngineError
 
 __all__ = ["KNOWN_TEMPLATES", "ChatTemplate", "RoleCaps", "fit_roles", "normalize_messages", "resolve_template",
            "template_context"]

@@ -58,8 +58,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import EngineError
-from .gguf_loader import NumericArray, StringArray
+from ..errors import EngineError
+from ..loading.gguf_loader import NumericArray, StringArray
 
 # tokenizers' rayon pool off (one text at a time; no oversubscription, no fork warnings);
 # encode_batch is used for its GIL release alone (Tokenizer._hf_ids)

@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import EngineError
+from ..errors import EngineError
 
 QK = 32     # block of Q8_0 / Q4_* / Q5_*
 QK_K = 256  # super-block of the K-quants

@@ -31,16 +31,16 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .errors import EngineError
-from .gguf_loader import GGUFFile, atomic_write_bytes, cache_root
-from .attention import AttnBatch, Segment, attention, attention_mask, kernels  # noqa: F401 (re-exported)
-from .kv_cache import KVEntry, KVShape
-from .quant import (_SEQ_ROWS, QConcat, QWeight, cos_sin_libm, format_tag as quant_format, fuse, row_groups,
+from ..errors import EngineError
+from ..loading.gguf_loader import GGUFFile, atomic_write_bytes, cache_root
+from ..attention import AttnBatch, Segment, attention, attention_mask, kernels  # noqa: F401 (re-exported)
+from ..kv.cache import KVEntry, KVShape
+from ..kernels.quant import (_SEQ_ROWS, QConcat, QWeight, cos_sin_libm, format_tag as quant_format, fuse, row_groups,
                     supports as quant_supports, thread_ceiling, use_threads)
-from .threadctl import ThreadGovernor
+from ..kernels.threadctl import ThreadGovernor
 
 #: How weight matrices are held: ``"quantized"`` (the GGUF's own blocks, multiplied by the kernels
-#: of :mod:`.quant` exactly as llama.cpp's CPU backend computes) or ``"f32"`` (dequantized once,
+#: of :mod:`worker.engine.kernels.quant` exactly as llama.cpp's CPU backend computes) or ``"f32"`` (dequantized once,
 #: sgemm; the reference). The default is "quantized": it is the faithful path (llama.cpp's
 #: recorded logprobs to the bit), it holds a third to a quarter of f32's memory, and with the VNNI
 #: kernels it costs less CPU per token than sgemm on float32 weights at every batch size
@@ -73,7 +73,7 @@ def load_model(gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.floa
     """Build the model for a parsed GGUF file.
 
     Args:
-        gguf: from :func:`worker.engine.gguf_loader.read_gguf`.
+        gguf: from :func:`worker.engine.loading.gguf_loader.read_gguf`.
         n_ctx: KV cache size in tokens; None -> ``min({arch}.context_length, 8192)``.
             May exceed the training context (llama.cpp allows it too).
         dtype: compute dtype, ``np.float32`` (serving) or ``np.float64``
@@ -180,7 +180,7 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, kernel: bool = False) -> 
     flips 8-bit activation levels downstream on the quantized path). A float64 ``x``
     is computed in float64 throughout.
 
-    ``kernel``: a float32 ``x`` through the numba kernel :func:`.attn_kernels.rms_norm_rows` (the
+    ``kernel``: a float32 ``x`` through the numba kernel :func:`worker.engine.kernels.attn_kernels.rms_norm_rows` (the
     quantized path, which has numba loaded): the same operations, numpy's pairwise float64 sum
     included, so the same bits (tested ``==``), in one pass instead of six NumPy ones.
     """
@@ -206,7 +206,7 @@ def linear(x: np.ndarray, w: Matrix) -> np.ndarray:
     transposed, Fortran-ordered view; ``np.ascontiguousarray`` it where rows must be contiguous).
 
     A quantized ``w`` (:class:`~.quant.QWeight`) multiplies as ggml's vec_dot does
-    (activations quantized per block first; see :mod:`.quant`).
+    (activations quantized per block first; see :mod:`worker.engine.kernels.quant`).
 
     Computed as ``(w @ x.T).T``: OpenBLAS then takes a faster kernel for the
     small row counts of batched decode (measured on this machine kind, 2 threads,
@@ -224,7 +224,7 @@ def gated_ffn(h: np.ndarray, wgu: Matrix, wdown: Matrix, n_ff: int, act: Any) ->
     Args: h ``[T, n_embd]``; wgu ``[2*n_ff, n_embd]`` (gate rows, then up rows, see
     ``Model._gated_ffn_weights``); wdown ``[n_embd, n_ff]``; act elementwise (silu, gelu).
     ``act`` :func:`silu_ggml` / :func:`gelu_tanh_ggml` (the quantized path): ``act(gate) * up``
-    in one numba pass (:func:`.attn_kernels.swiglu_rows` / ``geglu_rows``, the same operations:
+    in one numba pass (:func:`worker.engine.kernels.attn_kernels.swiglu_rows` / ``geglu_rows``, the same operations:
     the same bits). Returns ``[T, n_embd]``. Source: llama-graph.cpp ``build_ffn`` with LLM_FFN_PAR.
     """
     gu = linear(h, wgu)                               # [T, 2*n_ff]
@@ -264,7 +264,7 @@ def silu(x: np.ndarray) -> np.ndarray:
 def silu_ggml(x: np.ndarray) -> np.ndarray:
     """SiLU as ggml's CPU kernels compute it on this machine kind (``ggml_vec_swiglu_f32``,
     AVX-512: ``x / (1 + ggml_v_expf(-x))`` in blocks of 16 per row, libm ``expf`` for the rest;
-    :func:`.attn_kernels.silu_rows`). float32 ``[T, n]`` -> float32 ``[T, n]``."""
+    :func:`worker.engine.kernels.attn_kernels.silu_rows`). float32 ``[T, n]`` -> float32 ``[T, n]``."""
     attn_kernels = kernels()
 
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -295,7 +295,7 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
 def gelu_tanh_ggml(x: np.ndarray) -> np.ndarray:
     """GELU as ggml's CPU kernel computes it (``ggml_vec_gelu_f32`` / ``ggml_vec_geglu_f32`` with
     ``GGML_GELU_FP16``): the input rounded to float16 and looked up in ggml's float16 table
-    (:func:`.attn_kernels.gelu_table_f16`: ggml_gelu_f32 with GCC's fma and libm's tanhf), 0 at
+    (:func:`worker.engine.kernels.attn_kernels.gelu_table_f16`: ggml_gelu_f32 with GCC's fma and libm's tanhf), 0 at
     ``x <= -10`` and ``x`` at ``x >= 10``. float32 ``[...]`` -> same shape."""
     table = _gelu_table()
     y = table[x.astype(np.float16).view(np.uint16)]
@@ -345,7 +345,7 @@ class RopeTable:
             raise EngineError("invalid_gguf", f"RoPE dimension count must be positive and even, got {n_rot}")
         self.n_rot = n_rot
         self.dtype = np.dtype(dtype)
-        #: the rotation by the numba kernel :func:`.attn_kernels.rope_rows` (the libm tables' path)
+        #: the rotation by the numba kernel :func:`worker.engine.kernels.attn_kernels.rope_rows` (the libm tables' path)
         self.kernel = bool(libm) and self.dtype == np.float32
         half = n_rot // 2
         pos = np.arange(n_ctx, dtype=np.float64)
@@ -391,7 +391,7 @@ class RopeTable:
 
     def _rotate_kernel(self, x: np.ndarray, positions: np.ndarray, neox: bool) -> np.ndarray:
         """:meth:`_rotate` of every pair of float32 ``x [T, n_heads, hd]`` in place by one numba pass
-        (:func:`.attn_kernels.rope_rows`: the same operations, the same bits)."""
+        (:func:`worker.engine.kernels.attn_kernels.rope_rows`: the same operations, the same bits)."""
         attn_kernels = kernels()
 
         attn_kernels.rope_rows(x, np.ascontiguousarray(positions, dtype=np.int64), self.cos, self.sin,
@@ -617,7 +617,7 @@ class Model:
         self._cache_write = cache_write
         self._cache_thread: threading.Thread | None = None
         self._read_hparams(md)
-        #: the thread count of each forward pass on the quantized path (:mod:`.threadctl`)
+        #: the thread count of each forward pass on the quantized path (:mod:`worker.engine.kernels.threadctl`)
         self.threads = ThreadGovernor()
         t0 = time.perf_counter()
         self.w = self._load_weights(weight_cache)
@@ -962,7 +962,7 @@ class Model:
 
 def fuse_rows(parts: Sequence[Matrix]) -> Matrix:
     """Stack ``[out_i, in]`` matrices into one ``[sum(out_i), in]`` (C-contiguous float32, one
-    QWeight when the quantized parts are compatible, else a QConcat; :func:`.quant.fuse`)."""
+    QWeight when the quantized parts are compatible, else a QConcat; :func:`worker.engine.kernels.quant.fuse`)."""
     return fuse(parts)
 
 

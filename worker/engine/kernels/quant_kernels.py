@@ -1,4 +1,4 @@
-"""numba kernels of :mod:`worker.engine.quant` (imported on first use: numba takes ~0.4 s to import).
+"""numba kernels of :mod:`worker.engine.kernels.quant` (imported on first use: numba takes ~0.4 s to import).
 
 Module-level functions so that numba's on-disk cache (``cache=True``) finds them again in
 the next process; see :mod:`.quant` for what they compute and the ggml sources they follow.

@@ -2,7 +2,7 @@
 
 When a worker stops (unload, eviction, service stop) its most valuable idle KV
 entries — most recently used first, skipping any that another saved one
-extends — are written here (``worker.engine.kv_state`` format, atomically, one
+extends — are written here (``worker.engine.kv.state`` format, atomically, one
 file each, named by a digest of identity and tokens), and the oldest files are
 pruned until the directory fits ``budget_bytes``. When the model loads again,
 :meth:`DiskCache.scan` reads only each file's header and token ids (files of
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .kv_state import KVIdentity, KVState, KVStateError, encode_state, read_state_file, read_state_tokens, \
+from .state import KVIdentity, KVState, KVStateError, encode_state, read_state_file, read_state_tokens, \
     write_state_file
 
 log = logging.getLogger("modelyard.worker")

@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from .attention import AttnBatch, attend
-from .errors import EngineError
+from ..attention import AttnBatch, attend
+from ..errors import EngineError
 from .model import FFN_ACTS, Matrix, Model, RopeTable, embed, fuse_rows, gated_ffn, linear, register, rms_norm, silu
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import EngineError
+from ..errors import EngineError
 
 __all__ = ["Checkpoint", "KVEntry", "KVPool", "KVShape"]
 

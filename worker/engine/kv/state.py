@@ -1,6 +1,6 @@
 """KV state as a verified object: identity, the state file format, its incremental reader.
 
-A *KV state* is what one KV entry holds (``worker.engine.kv_cache.KVEntry``):
+A *KV state* is what one KV entry holds (``worker.engine.kv.cache.KVEntry``):
 the token ids and their keys and values, plus the identity of what produced
 them. It can leave the engine (a slot save, caches kept across an unload or a
 restart) and come back; it is never loaded into anything it does not match.
@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import EngineError
+from ..errors import EngineError
 
 __all__ = [
     "KV_LAYOUT_VERSION", "STATE_FORMAT_VERSION", "KVIdentity", "KVState", "KVStateError", "StateDecoder",

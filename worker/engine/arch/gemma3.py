@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import EngineError
-from .attention import AttnBatch, attend
+from ..errors import EngineError
+from ..attention import AttnBatch, attend
 from .model import FFN_ACTS, Model, RopeTable, embed, fuse_rows, gated_ffn, gelu_tanh, hp_float, hp_int, linear, register, rms_norm
 
 

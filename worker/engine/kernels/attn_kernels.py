@@ -1,9 +1,9 @@
-"""numba kernels of llama.cpp's CPU flash attention, used by :mod:`.attention` on the ggml path.
+"""numba kernels of llama.cpp's CPU flash attention, used by :mod:`worker.engine.attention` on the ggml path.
 
 They reproduce, operation by operation, ``ggml_compute_forward_flash_attn_ext_f16`` of
 ggml-cpu ``ops.cpp`` (llama.cpp b11434, x86-64 with AVX-512F and no AVX512-FP16, as built
 with ``GGML_NATIVE`` on this machine kind) over an f16 K/V cache. Of its three code paths
-the caller picks the one llama.cpp would run for the sequence alone (:func:`.attention.ggml_fa_mode`):
+the caller picks the one llama.cpp would run for the sequence alone (:func:`worker.engine.attention.ggml_fa_mode`):
 
 * ``MODE_VEC`` — ``..._f16_one_chunk``: per query row and head, Q rounded to f16, each
   visible key in cell order: ``s = ggml_vec_dot_f16(K, Q) * scale`` (f32 FMA lanes of
@@ -22,7 +22,7 @@ the caller picks the one llama.cpp would run for the sequence alone (:func:`.att
   ``VKQ += KQ·V`` (one FMA chain per output), and ``VKQ * (1/S)`` at the end.
 
 Cells are positions here (llama.cpp's cells of one sequence in a fresh cache are its
-positions in order; see :mod:`.attention`). Masked cells (causal, sliding window) are
+positions in order; see :mod:`worker.engine.attention`). Masked cells (causal, sliding window) are
 skipped exactly as ggml's ``-INFINITY`` mask entries are. Every (query row, head) is
 computed by one thread from its own inputs only, so the result does not depend on the
 other rows or sequences of the batch, nor on the thread count.
