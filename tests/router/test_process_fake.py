@@ -85,6 +85,7 @@ def test_kv_state_keys_reach_the_worker_command(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("extra,key", [
     ("[server]\nport = 'x'\n", "server.port"),
+    ("[server]\nwarm_spare = 'yes'\n", "server.warm_spare"),
     ("[models.one]\nmax_queue = -1\n", "models.one.max_queue"),
     ("[models.one]\nmax_qeue = 1\n", "models.one.max_qeue"),
     ("[defaults]\ntemperature = 'hot'\n", "defaults.temperature"),
