@@ -21,7 +21,9 @@ A spare that exits or does not say Hello within :data:`SPARE_START_TIMEOUT_S` is
 a backoff: 1 s doubling per consecutive failure up to :data:`SPARE_BACKOFF_MAX_S` (reset once a
 spare is taken or has stayed up for :data:`SPARE_BACKOFF_MAX_S`). The router's shutdown stops it
 (Shutdown, then SIGKILL); a SIGKILLed router's spare exits by its parent watch like any worker.
-States (``describe_spare``): ``off``, ``starting``, ``warm``, ``backoff``, ``stopped``.
+States (``describe_spare``): ``off``, ``starting`` (a spare process is warming up), ``warm``,
+``pending`` (the last one was taken; the next starts once that load has ended), ``backoff``
+(the last one failed; the next starts at ``retry_in_s``), ``stopped`` (the router is stopping).
 """
 
 from __future__ import annotations
@@ -262,17 +264,17 @@ class LocalLauncher(Launcher):
             state = "stopped"
         elif wp is not None:
             state = "warm" if wp.warm else "starting"
-        elif self._retry_at is not None and self._retry_at > now:
-            state = "backoff"
+        elif self._spare_failures > 0:
+            state = "backoff"  # the last one failed: the next starts at retry_in_s
         else:
-            state = "starting"
+            state = "pending"  # the last one was taken: the next starts once that load has ended
         live = wp is not None and wp.alive
         return {"enabled": self.warm_spare, "state": state, "pid": wp.pid if live and wp is not None else None,
                 "rss_bytes": (self.rss(wp.pid, SPARE_NAME) if live and wp is not None else None),
                 "started": self.spares_started, "taken": self.spares_taken,
                 "consecutive_failures": self._spare_failures,
-                "retry_in_s": (round(self._retry_at - now, 3) if state == "backoff" and self._retry_at is not None
-                               else None),
+                "retry_in_s": (round(max(0.0, self._retry_at - now), 3)
+                               if wp is None and self._retry_at is not None else None),
                 "last_error": self.spare_last_error}
 
     def _want_spare(self, delay_s: float) -> None:
