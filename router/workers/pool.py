@@ -320,7 +320,7 @@ class ModelSlot:
                                   weights=self.model.weights_mode)
 
     def _sample_rss(self, wp: WorkerProcess | None) -> int | None:
-        """``wp``'s RSS now (psutil on its pid, or the injected probe); a ready worker's
+        """``wp``'s RSS now (its launcher's figure for its pid, or the injected probe); a ready worker's
         raises :attr:`rss_peak`."""
         if wp is None:
             return None
