@@ -104,9 +104,14 @@ def wait_up(port: int, proc: subprocess.Popen, spare: bool, timeout: float = 600
         time.sleep(0.05)
 
 
-def first_token_s(port: int, model: str, t_start: float, timeout: float = 600) -> float:
-    """Seconds from ``t_start`` to the first streamed token of a short /completion."""
+def first_token_s(port: int, model: str, t_start: float, timeout: float = 600,
+                  proc: subprocess.Popen | None = None) -> float:
+    """Seconds from ``t_start`` to the first streamed token of a short /completion. Raises
+    RuntimeError if ``proc`` (the server) exits meanwhile (e.g. its port was taken: another
+    server would answer instead)."""
     while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before its first token (port {port} taken?)")
         try:
             c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
             c.request("POST", "/completion", json.dumps({"model": model, "prompt": "Once upon a time",
@@ -336,9 +341,9 @@ def main() -> int:
         proc, t0 = start(label, weights, spare)
         try:
             if weights is None:  # llama-server: the request goes out as the process starts
-                return proc, {"cold_first_token_s": round(first_token_s(port, "m", t0), 3)}
+                return proc, {"cold_first_token_s": round(first_token_s(port, "m", t0, proc=proc), 3)}
             spare_rss, t_up = wait_up(port, proc, spare)
-            cold = first_token_s(port, "m", t_up)
+            cold = first_token_s(port, "m", t_up, proc=proc)
             figs = {"cold_first_token_s": round(cold, 3), "start_to_first_token_s": round(time.monotonic() - t0, 3)}
             if spare:
                 figs["spare_rss_mib"] = spare_rss
