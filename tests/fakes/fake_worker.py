@@ -28,6 +28,12 @@ every spawn, so a test can change behaviour between spawns), a map of model name
     report_slots      bool   Pong carries its slot list (else slots=[], as today's real worker)
     cache_n           int    prompt tokens reported as reused from the cache (Done.cache_n, capped)
 
+Warm spare (``--spare``, no --model / --gguf): the switches of the key ``"(spare)"`` apply
+until Assign names the model (then the model's, as above): ``spare_delay_s`` (float: the
+warm-up before Hello), ``spare_crash`` (exit 4 before Hello), ``spare_hold`` (wait before Hello
+while the hold file exists). While waiting it answers Ping, exits 0 on Shutdown and refuses
+other requests with Error "busy"; it logs ``spare_hello`` and ``assigned`` (model).
+
 Per-request directives inside the prompt (or any message content):
 ``[crash]`` exit 9 after the first token; ``[hang]`` freeze the whole process
 (no Pong, no Cancel); ``[slow=S]`` S seconds per token; ``[len=N]`` N tokens
@@ -70,6 +76,7 @@ from protocol import (
     Accepted,
     ApplyTemplate,
     ApplyTemplateResult,
+    Assign,
     Cancel,
     Detokenize,
     DetokenizeResult,
@@ -135,7 +142,7 @@ class FakeWorker:
     def __init__(self, args: argparse.Namespace, creds: WorkerCredentials | None) -> None:
         self.args = args
         self.creds = creds
-        self.sw = _switches(args.model)
+        self.sw = _switches(args.model or "(spare)")
         self.n_ctx = int(self.sw.get("n_ctx", args.n_ctx or 256))
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -155,14 +162,51 @@ class FakeWorker:
     async def send(self, msg: Message) -> None:
         await self.sock.send(encode(msg))
 
-    async def main(self) -> int:
-        asyncio.get_running_loop().create_task(self.watch_parent())
-        while self.sw.get("hold_hello") and _held():
+    async def wait_for_model(self) -> int | None:
+        """``--spare``: Hello without a model, then wait for Assign (None) or Shutdown (0)."""
+        sw = _switches("(spare)")
+        await asyncio.sleep(float(sw.get("spare_delay_s", 0.0)))
+        if sw.get("spare_crash"):
+            _log("spare_crash")
+            os._exit(4)
+        while sw.get("spare_hold") and _held():
             await asyncio.sleep(0.01)
         self.sock.connect(self.args.endpoint)
-        await self.send(Hello(id="hello", model=self.args.model, pid=os.getpid(),
+        await self.send(Hello(id="hello", model="", pid=os.getpid(),
                               auth=self.creds.secret if self.creds is not None else ""))
-        _log("hello", model=self.args.model)
+        _log("spare_hello")
+        while True:
+            msg = decode(await self.sock.recv())
+            if isinstance(msg, Assign):
+                a = self.args
+                a.model, a.gguf, a.n_ctx, a.max_queue = msg.model, msg.gguf, msg.n_ctx, msg.max_queue
+                self.sw = _switches(msg.model)
+                self.n_ctx = int(self.sw.get("n_ctx", a.n_ctx or 256))
+                self.max_jobs = int(self.sw.get("max_jobs", 1))
+                self.held = [0] * self.max_jobs
+                _log("assigned", model=msg.model, threads=msg.threads, weights=msg.weights)
+                return None
+            if isinstance(msg, Shutdown):
+                _log("shutdown")
+                return 0
+            if isinstance(msg, Ping):
+                await self.send(Pong(id=msg.id, busy=False, queue_len=0, pid=os.getpid()))
+            elif not isinstance(msg, Cancel):
+                await self.send(Error(id=msg.id, code="busy", message="this worker has no model yet"))
+
+    async def main(self) -> int:
+        asyncio.get_running_loop().create_task(self.watch_parent())
+        if self.args.spare:
+            code = await self.wait_for_model()
+            if code is not None:
+                return code
+        else:
+            while self.sw.get("hold_hello") and _held():
+                await asyncio.sleep(0.01)
+            self.sock.connect(self.args.endpoint)
+            await self.send(Hello(id="hello", model=self.args.model, pid=os.getpid(),
+                                  auth=self.creds.secret if self.creds is not None else ""))
+            _log("hello", model=self.args.model)
         t0 = time.monotonic()
         await asyncio.sleep(float(self.sw.get("load_delay_s", 0.0)))
         if self.sw.get("crash_at_load"):
@@ -424,8 +468,9 @@ class FakeWorker:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", required=True)
-    p.add_argument("--gguf", required=True)
+    p.add_argument("--model", default=None)
+    p.add_argument("--gguf", default=None)
+    p.add_argument("--spare", action="store_true")
     p.add_argument("--endpoint", required=True)
     p.add_argument("--n-ctx", type=int, default=None)
     p.add_argument("--chat-template", default=None)
