@@ -381,9 +381,12 @@ def lane_levels(xq, bias, x8, nxc):
 
 
 @njit(cache=True)
-def _vl(acc, dd, wv, x8, xo, c):
+def _vl(packed, acc, dd, wv, x8, xo, c):
     # one lane update of matmul_lanes for 16 rows: acc = fma(d_w*d_x, isum_l, acc), isum_l =
     # sum_k (w+bias)*x - bias*sum_k x (c = -bias*sum_k x: the dpbusd's start), exact in int32
+    # (packed nibbles: their pair products fit int16, the short form on AVX2)
+    if packed:
+        return vfma(dd, i2f(dpbusd_s(isplat(c), wv, ibcast4(x8, xo))), acc)
     return vfma(dd, i2f(dpbusd(isplat(c), wv, ibcast4(x8, xo))), acc)
 
 
@@ -398,7 +401,7 @@ def _vl_half(w, o, packed, h):
     return iload64(w, o), iload64(w, o + 64), iload64(w, o + 128), iload64(w, o + 192)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, dst, col, scr):
     # dst[t, col:col+16] = matmul_lanes' outputs of row group g for every row t (the same float32
     # operations in the same order). Weights w uint8: unpacked [ng, nb, 8, 16, 4] (byte (l, i, k)
@@ -438,28 +441,28 @@ def _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, dst, col, scr):
                 l0 = 4 * h
                 xo = t * K + b * 32 + 16 * h
                 dd = vmul_s(dw, dx[t, b])
-                a0 = _vl(a0, dd, w0, x8, xo, nxc[t, b, l0])
-                a1 = _vl(a1, dd, w1, x8, xo + 4, nxc[t, b, l0 + 1])
-                a2 = _vl(a2, dd, w2, x8, xo + 8, nxc[t, b, l0 + 2])
-                a3 = _vl(a3, dd, w3, x8, xo + 12, nxc[t, b, l0 + 3])
+                a0 = _vl(packed, a0, dd, w0, x8, xo, nxc[t, b, l0])
+                a1 = _vl(packed, a1, dd, w1, x8, xo + 4, nxc[t, b, l0 + 1])
+                a2 = _vl(packed, a2, dd, w2, x8, xo + 8, nxc[t, b, l0 + 2])
+                a3 = _vl(packed, a3, dd, w3, x8, xo + 12, nxc[t, b, l0 + 3])
                 xo += K
                 dd = vmul_s(dw, dx[t + 1, b])
-                b0 = _vl(b0, dd, w0, x8, xo, nxc[t + 1, b, l0])
-                b1 = _vl(b1, dd, w1, x8, xo + 4, nxc[t + 1, b, l0 + 1])
-                b2 = _vl(b2, dd, w2, x8, xo + 8, nxc[t + 1, b, l0 + 2])
-                b3 = _vl(b3, dd, w3, x8, xo + 12, nxc[t + 1, b, l0 + 3])
+                b0 = _vl(packed, b0, dd, w0, x8, xo, nxc[t + 1, b, l0])
+                b1 = _vl(packed, b1, dd, w1, x8, xo + 4, nxc[t + 1, b, l0 + 1])
+                b2 = _vl(packed, b2, dd, w2, x8, xo + 8, nxc[t + 1, b, l0 + 2])
+                b3 = _vl(packed, b3, dd, w3, x8, xo + 12, nxc[t + 1, b, l0 + 3])
                 xo += K
                 dd = vmul_s(dw, dx[t + 2, b])
-                c0 = _vl(c0, dd, w0, x8, xo, nxc[t + 2, b, l0])
-                c1 = _vl(c1, dd, w1, x8, xo + 4, nxc[t + 2, b, l0 + 1])
-                c2 = _vl(c2, dd, w2, x8, xo + 8, nxc[t + 2, b, l0 + 2])
-                c3 = _vl(c3, dd, w3, x8, xo + 12, nxc[t + 2, b, l0 + 3])
+                c0 = _vl(packed, c0, dd, w0, x8, xo, nxc[t + 2, b, l0])
+                c1 = _vl(packed, c1, dd, w1, x8, xo + 4, nxc[t + 2, b, l0 + 1])
+                c2 = _vl(packed, c2, dd, w2, x8, xo + 8, nxc[t + 2, b, l0 + 2])
+                c3 = _vl(packed, c3, dd, w3, x8, xo + 12, nxc[t + 2, b, l0 + 3])
                 xo += K
                 dd = vmul_s(dw, dx[t + 3, b])
-                e0 = _vl(e0, dd, w0, x8, xo, nxc[t + 3, b, l0])
-                e1 = _vl(e1, dd, w1, x8, xo + 4, nxc[t + 3, b, l0 + 1])
-                e2 = _vl(e2, dd, w2, x8, xo + 8, nxc[t + 3, b, l0 + 2])
-                e3 = _vl(e3, dd, w3, x8, xo + 12, nxc[t + 3, b, l0 + 3])
+                e0 = _vl(packed, e0, dd, w0, x8, xo, nxc[t + 3, b, l0])
+                e1 = _vl(packed, e1, dd, w1, x8, xo + 4, nxc[t + 3, b, l0 + 1])
+                e2 = _vl(packed, e2, dd, w2, x8, xo + 8, nxc[t + 3, b, l0 + 2])
+                e3 = _vl(packed, e3, dd, w3, x8, xo + 12, nxc[t + 3, b, l0 + 3])
             if h == 0:                      # lanes 0-3 of the 4 rows wait in the scratch
                 vstore(scr, 0, a0)
                 vstore(scr, 16, a1)
@@ -499,32 +502,34 @@ def _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, dst, col, scr):
                                               vadd(vadd(vload(scr, 208), e1), vadd(vload(scr, 240), e3))), se))
         t += 4
     while t < T:
-        a0 = vzero()
-        a1 = vzero()
-        a2 = vzero()
-        a3 = vzero()
-        a4 = vzero()
-        a5 = vzero()
-        a6 = vzero()
-        a7 = vzero()
+        # lanes 0-3 of every block first, then lanes 4-7 (each lane's own block order kept; 4
+        # accumulators, not 8: AVX2's 16 registers hold them without spilling), then the offsets
+        for h in range(2):
+            a0 = vzero()
+            a1 = vzero()
+            a2 = vzero()
+            a3 = vzero()
+            l0 = 4 * h
+            for b in range(nb):
+                w0, w1, w2, w3 = _vl_half(w, (g * nb + b) * wb, packed, h)
+                da = vmul_s(vload_h(d, (g * nb + b) * 16), dx[t, b])
+                xa = t * K + b * 32 + 16 * h
+                a0 = _vl(packed, a0, da, w0, x8, xa, nxc[t, b, l0])
+                a1 = _vl(packed, a1, da, w1, x8, xa + 4, nxc[t, b, l0 + 1])
+                a2 = _vl(packed, a2, da, w2, x8, xa + 8, nxc[t, b, l0 + 2])
+                a3 = _vl(packed, a3, da, w3, x8, xa + 12, nxc[t, b, l0 + 3])
+            if h == 0:
+                vstore(scr, 0, a0)
+                vstore(scr, 16, a1)
+                vstore(scr, 32, a2)
+                vstore(scr, 48, a3)
         sa = vzero()
-        for b in range(nb):
-            o = (g * nb + b) * wb
-            w0, w1, w2, w3 = _vl_half(w, o, packed, 0)
-            w4, w5, w6, w7 = _vl_half(w, o, packed, 1)
-            da = vmul_s(vload_h(d, (g * nb + b) * 16), dx[t, b])
-            xa = t * K + b * 32
-            a0 = _vl(a0, da, w0, x8, xa, nxc[t, b, 0])
-            a1 = _vl(a1, da, w1, x8, xa + 4, nxc[t, b, 1])
-            a2 = _vl(a2, da, w2, x8, xa + 8, nxc[t, b, 2])
-            a3 = _vl(a3, da, w3, x8, xa + 12, nxc[t, b, 3])
-            a4 = _vl(a4, da, w4, x8, xa + 16, nxc[t, b, 4])
-            a5 = _vl(a5, da, w5, x8, xa + 20, nxc[t, b, 5])
-            a6 = _vl(a6, da, w6, x8, xa + 24, nxc[t, b, 6])
-            a7 = _vl(a7, da, w7, x8, xa + 28, nxc[t, b, 7])
-            if has_m:
+        if has_m:
+            for b in range(nb):
                 sa = vfma_s(vload_h(m, (g * nb + b) * 16), xs[t, b], sa)
-        vstore_row(dst, t, col, vadd(vadd(vadd(vadd(a0, a4), vadd(a2, a6)), vadd(vadd(a1, a5), vadd(a3, a7))), sa))
+        # hsum_float_8: (l, l+4) pairs, then (0,2) + (1,3); then + summs
+        vstore_row(dst, t, col, vadd(vadd(vadd(vadd(vload(scr, 0), a0), vadd(vload(scr, 32), a2)),
+                                          vadd(vadd(vload(scr, 16), a1), vadd(vload(scr, 48), a3))), sa))
         t += 1
 
 
@@ -538,7 +543,10 @@ def matmul_lanes_vnni(w, packed, d, m, x8, nxc, dx, xs, n_out, out):
         scr = np.empty(256, np.float32)
         for g in range(c * _LANE_CHUNK, min(ng, c * _LANE_CHUNK + _LANE_CHUNK)):
             if (g + 1) * LANE_ROWS <= n_out:
-                _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, out, g * LANE_ROWS, scr)
+                if packed:                  # constant arguments: each inlined copy specialised
+                    _vl_group(w, g, True, d, m, x8, nxc, dx, xs, out, g * LANE_ROWS, scr)
+                else:
+                    _vl_group(w, g, False, d, m, x8, nxc, dx, xs, out, g * LANE_ROWS, scr)
             else:
                 tmp = np.empty((T, LANE_ROWS), np.float32)
                 _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, tmp, 0, scr)
@@ -952,3 +960,20 @@ def matmul_kq_x(x, is_q4, q, sc, mn, d, m, gemm, tiled, n_out, out):
         matmul_q4k_vnni(q, sc, mn, d, m, xi, dy, bs32, gemm, n_out, out)
     else:
         matmul_q6k_vnni(q, sc, d, xi, dy, bs16, tiled, n_out, out)
+
+
+@njit(cache=True)
+def matmul_lanes_x(x, with_s, fp16_s, w, packed, d, m, bias, n_out, out):
+    # out[:, :n_out] = x @ W.T for a VNNI 32-block form W ("vlanes" / "vlanes4"; m [0, 0, 0]: no
+    # offset) from float32 activations x [T, K]: quant_q8_0's levels, scales and sums (q8_1's when
+    # fp16_s), lane_levels with ``bias``, then matmul_lanes_vnni — one call from Python instead of three
+    T, K = x.shape
+    nb = K // 32
+    xq = np.empty((T, K), np.float32)
+    dx = np.empty((T, nb), np.float32)
+    xs = np.zeros((T, nb), np.float32)
+    quant_q8_0(x, xq, dx, xs, with_s, fp16_s)
+    x8 = np.empty((T, K), np.int8)
+    nxc = np.empty((T, nb, 8), np.int32)
+    lane_levels(xq, bias, x8, nxc.reshape(T, nb * 8))
+    matmul_lanes_vnni(w, packed, d, m, x8, nxc, dx, xs, n_out, out)
