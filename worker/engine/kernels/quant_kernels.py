@@ -743,64 +743,42 @@ def _q6k_vec_row(q, sc, d, g, xi, t, bs16, dy, dst, col):
 
 
 @njit(cache=True)
-def _q6k_vec_row_avx2(q, sc, d, g, xi, t, bs16, dy, dst, col):
-    # _q6k_vec_row (the same form, operations and bits) for AVX2: each lane's 4-element products
-    # by vpmaddubsw (levels 0..63: at most 2*63*127 per int16, exact) and scaled by vpmaddwd
-    # against the sub-block scale (exact int32)
+def _q6k_vec_row_avx2(q, sc, d, g, xi, t, bs16, dy, dst, col, scr):
+    # _q6k_vec_row (the same form, operations and bits) for AVX2, two lanes at a time (lanes
+    # 2p, 2p+1 over every super-block, then the next pair: each lane's own fma chain over the
+    # super-blocks is kept, and 2 int + 2 float accumulators fit AVX2's 16 registers); each lane's
+    # 4-element products by vpmaddubsw (levels 0..63: at most 2*63*127 per int16, exact) scaled by
+    # vpmaddwd against the sub-block scale (exact int32). scr f32 [>= 128] holds the lanes' sums.
     nsb = d.shape[1]
     K = xi.shape[1]
-    a0 = vzero()
-    a1 = vzero()
-    a2 = vzero()
-    a3 = vzero()
-    a4 = vzero()
-    a5 = vzero()
-    a6 = vzero()
-    a7 = vzero()
-    for b in range(nsb):
-        base = g * nsb + b
-        qo = base * _Q6_GB
-        so = base * 256
-        xo = t * K + b * 256
-        l0 = izero()
-        l1 = izero()
-        l2 = izero()
-        l3 = izero()
-        l4 = izero()
-        l5 = izero()
-        l6 = izero()
-        l7 = izero()
-        for v in range(8):
-            s0 = iload16_s8(sc, so + 32 * v)
-            s1 = iload16_s8(sc, so + 32 * v + 16)
-            x = xo + v * 32
-            l0 = iadd(l0, maddw_s(maddubs(_q6_chunk(q, qo, v, 0), ibcast4(xi, x)), s0))
-            l1 = iadd(l1, maddw_s(maddubs(_q6_chunk(q, qo, v, 1), ibcast4(xi, x + 4)), s0))
-            l2 = iadd(l2, maddw_s(maddubs(_q6_chunk(q, qo, v, 2), ibcast4(xi, x + 8)), s0))
-            l3 = iadd(l3, maddw_s(maddubs(_q6_chunk(q, qo, v, 3), ibcast4(xi, x + 12)), s0))
-            l4 = iadd(l4, maddw_s(maddubs(_q6_chunk(q, qo, v, 4), ibcast4(xi, x + 16)), s1))
-            l5 = iadd(l5, maddw_s(maddubs(_q6_chunk(q, qo, v, 5), ibcast4(xi, x + 20)), s1))
-            l6 = iadd(l6, maddw_s(maddubs(_q6_chunk(q, qo, v, 6), ibcast4(xi, x + 24)), s1))
-            l7 = iadd(l7, maddw_s(maddubs(_q6_chunk(q, qo, v, 7), ibcast4(xi, x + 28)), s1))
-        bo = b * 16
-        l0 = isub(l0, _q6_corr(sc, so, bs16, t, bo, 0))
-        l1 = isub(l1, _q6_corr(sc, so, bs16, t, bo, 1))
-        l2 = isub(l2, _q6_corr(sc, so, bs16, t, bo, 2))
-        l3 = isub(l3, _q6_corr(sc, so, bs16, t, bo, 3))
-        l4 = isub(l4, _q6_corr(sc, so, bs16, t, bo, 4))
-        l5 = isub(l5, _q6_corr(sc, so, bs16, t, bo, 5))
-        l6 = isub(l6, _q6_corr(sc, so, bs16, t, bo, 6))
-        l7 = isub(l7, _q6_corr(sc, so, bs16, t, bo, 7))
-        dd = vmul_s(vload_h(d, base * 16), dy[t, b])
-        a0 = vfma(dd, i2f(l0), a0)
-        a1 = vfma(dd, i2f(l1), a1)
-        a2 = vfma(dd, i2f(l2), a2)
-        a3 = vfma(dd, i2f(l3), a3)
-        a4 = vfma(dd, i2f(l4), a4)
-        a5 = vfma(dd, i2f(l5), a5)
-        a6 = vfma(dd, i2f(l6), a6)
-        a7 = vfma(dd, i2f(l7), a7)
-    vstore_row(dst, t, col, vadd(vadd(vadd(a0, a4), vadd(a2, a6)), vadd(vadd(a1, a5), vadd(a3, a7))))
+    for p in range(4):
+        la = 2 * p
+        sh = la >> 2                            # both lanes of the pair take sub-block 2v + sh
+        a0 = vzero()
+        a1 = vzero()
+        for b in range(nsb):
+            base = g * nsb + b
+            qo = base * _Q6_GB
+            so = base * 256
+            xo = t * K + b * 256
+            l0 = izero()
+            l1 = izero()
+            for v in range(8):
+                s = iload16_s8(sc, so + 32 * v + 16 * sh)
+                x = xo + v * 32 + 4 * la
+                l0 = iadd(l0, maddw_s(maddubs(_q6_chunk(q, qo, v, la), ibcast4(xi, x)), s))
+                l1 = iadd(l1, maddw_s(maddubs(_q6_chunk(q, qo, v, la + 1), ibcast4(xi, x + 4)), s))
+            bo = b * 16
+            l0 = isub(l0, _q6_corr(sc, so, bs16, t, bo, la))
+            l1 = isub(l1, _q6_corr(sc, so, bs16, t, bo, la + 1))
+            dd = vmul_s(vload_h(d, base * 16), dy[t, b])
+            a0 = vfma(dd, i2f(l0), a0)
+            a1 = vfma(dd, i2f(l1), a1)
+        vstore(scr, 32 * p, a0)
+        vstore(scr, 32 * p + 16, a1)
+    # hsum_float_8 of the lanes: ((0+4) + (2+6)) + ((1+5) + (3+7))
+    vstore_row(dst, t, col, vadd(vadd(vadd(vload(scr, 0), vload(scr, 64)), vadd(vload(scr, 32), vload(scr, 96))),
+                                 vadd(vadd(vload(scr, 16), vload(scr, 80)), vadd(vload(scr, 48), vload(scr, 112)))))
 
 
 @njit(cache=True)
@@ -890,6 +868,7 @@ def matmul_q6k_vnni(q, sc, d, xi, dy, bs16, tiled, n_out, out):
     ng = d.shape[0]
     T = xi.shape[0]
     for c in prange((ng + _LANE_CHUNK - 1) // _LANE_CHUNK):
+        scr = np.empty(128, np.float32)
         for g in range(c * _LANE_CHUNK, min(ng, c * _LANE_CHUNK + _LANE_CHUNK)):
             full = (g + 1) * LANE_ROWS <= n_out
             tmp = out if full else np.empty((T, LANE_ROWS), np.float32)
@@ -905,7 +884,7 @@ def matmul_q6k_vnni(q, sc, d, xi, dy, bs16, tiled, n_out, out):
                         t += 1
                 else:
                     if _AVX2:
-                        _q6k_vec_row_avx2(q, sc, d, g, xi, t, bs16, dy, tmp, col)
+                        _q6k_vec_row_avx2(q, sc, d, g, xi, t, bs16, dy, tmp, col, scr)
                     else:
                         _q6k_vec_row(q, sc, d, g, xi, t, bs16, dy, tmp, col)
                     t += 1
