@@ -91,7 +91,7 @@ class ModelConfig:
     ping_interval_s: float = 5.0  # liveness ping of a ready worker; 0 turns it off
     ping_timeout_s: float = 30.0  # no Pong within this: the worker is declared hung and killed
     # no frame (Token, Pong) from a worker that owes one for this long: state unresponsive (no new
-    # jobs handed to it) until a frame comes, or it is killed at ping_timeout_s (router.workers.pool)
+    # jobs handed to it) until a frame comes, or it is killed at ping_timeout_s (router.workers.liveness)
     unresponsive_after_s: float = 3.0
     idle_ttl_s: float = 0.0  # nothing running or waiting this long: unload the worker; 0 = never
     n_threads: int | None = None  # the worker's BLAS threads (python -m worker --threads); None: environment's

@@ -55,7 +55,7 @@ from router.metrics import label_request
 from router.http.params import INT32_MAX, get_bool, get_float, get_int, get_str, model_of, read_json
 from router.workers.pool import ModelSlot, Pool
 from router.http.responses import JSONResponse
-from router.serving.run import Run
+from router.serving.server import Generation
 from router.http.set_aside import set_aside
 from router.http.sse import SSEResponse, sse_named
 from router.dialects.tools import ChatTurn, Tool, ToolCall, ToolChoice
@@ -261,7 +261,7 @@ async def _parse(request: Request, body: dict[str, Any]) -> _Request:
 
 
 def _generate(req: _Request, body: dict[str, Any], max_tokens: int, prefix: str) -> Generate:
-    sampling_body = {k: body[k] for k in ("temperature", "top_p", "top_k") if k in body}
+    sampling_body: dict[str, Any] = {k: body[k] for k in ("temperature", "top_p", "top_k") if k in body}
     get_float(body, "temperature", None, 0.0, 1.0)  # Anthropic's range
     sampling = read_sampling(sampling_body, OPENAI_DEFAULTS, req.slot, openai=False)
     stops = body.get("stop_sequences")
@@ -309,7 +309,7 @@ def _tool_block(c: ToolCall) -> dict[str, Any]:
 
 
 async def _begin(request: Request, req: _Request, msg: Generate,
-                 early: bool = False) -> tuple[Run, Token | Done | Accepted]:
+                 early: bool = False) -> tuple[Generation, Token | Done | Accepted]:
     """``begin``, with a context overflow worded as Anthropic words it — the text Claude
     Code parses to compact the conversation (``prompt is too long: N tokens > M maximum``)
     or to lower ``max_tokens`` (``input length and `max_tokens` exceed context limit: N + M > C``)."""
@@ -355,7 +355,7 @@ def _error_event(err: ApiError) -> bytes:
     return sse_named("error", anthropic_error_payload(err))
 
 
-async def messages(request: Request) -> Response:
+async def messages(request: Request) -> Response | SSEResponse:
     body = await read_json(request)
     req = await _parse(request, body)
     refuse_ignored(body, "/v1/messages")  # stop, seed, response_format, ...: not Messages fields

@@ -59,7 +59,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from router.http.errors import ApiError, BadRequest, InternalError, Unavailable, error_payload
-from router.serving.run import Run
+from router.serving.server import Generation
 from router.http.sse import SSEResponse
 
 log = logging.getLogger("modelyard.background")
@@ -68,7 +68,7 @@ log = logging.getLogger("modelyard.background")
 RUNNING = ("queued", "in_progress")
 FINISHED = ("completed", "incomplete", "failed", "cancelled")
 
-Handler = Callable[[Request], Awaitable[Response]]
+Handler = Callable[[Request], Awaitable[Response | SSEResponse]]
 
 
 def new_job_id(prefix: str) -> str:
@@ -107,7 +107,7 @@ class Job:
         self._gate: Callable[[], None] | None = None  # the store's bounds, checked at admission
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._run: Run | None = None
+        self._run: Generation | None = None
         self._admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     @property
@@ -116,8 +116,8 @@ class Job:
 
     # -- set by router.serving.generation.begin through request.state.run_hook
 
-    def on_run(self, run: Run, stage: str) -> None:
-        """``stage`` ``admitted`` (the run has its place in the queue; ``run.ticket.worker`` is
+    def on_run(self, run: Generation, stage: str) -> None:
+        """``stage`` ``admitted`` (the run has its place in the queue; ``run.worker`` is
         set when it got its worker at once) or ``started`` (its Generate was sent)."""
         if stage == "admitted" and self._gate is not None:
             self.model_name = run.slot.model.name
@@ -125,7 +125,7 @@ class Job:
             gate()  # the bounds of running background work: raises before the job is admitted
         self._run = run
         self.model = run.slot.model.name
-        w = run.worker or run.ticket.worker
+        w = run.worker
         if w is not None and w.ready is not None:
             self.worker = {"pid": w.pid, "fingerprint": w.ready.fingerprint}
             if self.status == "queued":
@@ -178,7 +178,7 @@ class Job:
             return None
         data = self._data()
         if self.kind == "response":
-            final = [d["response"] for d in data if isinstance(d.get("response"), dict)
+            final: list[dict[str, Any]] = [d["response"] for d in data if isinstance(d.get("response"), dict)
                      and d.get("type") in ("response.completed", "response.incomplete", "response.failed")]
             if final:
                 return final[-1]

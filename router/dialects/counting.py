@@ -18,7 +18,7 @@ from starlette.requests import Request
 
 from protocol import ApplyTemplate, ApplyTemplateResult, Generate, Tokenize, TokenizeResult
 from router.http.errors import ApiError, BadGateway, ContextLengthExceeded
-from router.dialects.llamacpp_api import call_worker
+from router.serving.calls import call_worker
 from router.workers.pool import ModelSlot
 
 

@@ -23,54 +23,32 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from router.dialects import openai_api
 from router.dialects.background import Handler, Job, new_job_id, store_of
+from router.dialects.background_reads import job_events, stream_query
 from router.http.errors import BadRequest, NotFound
 from router.http.params import get_bool, read_json
 from router.http.responses import JSONResponse
-from router.http.sse import SSEResponse, sse_event
+from router.http.sse import SSEResponse
 
-#: The two bodies /v1/decode takes: (the field that tells them apart, route, kind, handler).
-_DIALECTS: tuple[tuple[str, str, str, Handler], ...] = (
-    ("messages", "/v1/chat/completions", "chat.completion", openai_api.chat_completions),
-    ("prompt", "/v1/completions", "text_completion", openai_api.completions),
+#: The two bodies /v1/decode takes: (the field that tells them apart, route, kind). The handler is
+#: the one the app serves that route with (no dialect imports another).
+_DIALECTS: tuple[tuple[str, str, str], ...] = (
+    ("messages", "/v1/chat/completions", "chat.completion"),
+    ("prompt", "/v1/completions", "text_completion"),
 )
 
 
-def stream_query(request: Request) -> bool | None:
-    """``?stream=true|false`` (None when absent). Raises BadRequest for another value."""
-    v = request.query_params.get("stream")
-    if v is None:
-        return None
-    if v.lower() in ("true", "1"):
-        return True
-    if v.lower() in ("false", "0"):
-        return False
-    raise BadRequest(f"'stream' must be true or false, got {v!r}", param="stream")
-
-
-def job_events(job: Job, skip: int = 0) -> SSEResponse:
-    """The job's events from event ``skip`` on, as SSE; a job that ends without a final event
-    of its own (cancelled, or failed before its stream began) ends with an error event."""
-
-    async def events() -> Any:
-        n = 0
-        async for ev in job.follow():
-            if n >= skip:
-                yield ev
-            n += 1
-        if job.status in ("cancelled", "failed") and not job.error_in_events:
-            err = job.error or {"message": "the generation was cancelled", "type": "invalid_request_error",
-                                "param": None, "code": "cancelled"}
-            yield sse_event({"error": err})
-
-    return SSEResponse(events(), lambda: None)  # a reader leaving never cancels the job
+def _handler(request: Request, path: str) -> Handler:
+    """The endpoint the app serves ``POST path`` with."""
+    for route in request.app.routes:
+        if isinstance(route, Route) and route.path == path and route.methods and "POST" in route.methods:
+            endpoint: Handler = route.endpoint
+            return endpoint
+    raise LookupError(f"no POST {path} route")  # pragma: no cover - the app always has both
 
 
 def _not_found(job_id: str) -> NotFound:
@@ -84,7 +62,8 @@ async def create(request: Request) -> Response:
     if len(given) != 1:
         raise BadRequest("a /v1/decode body has either 'messages' (a chat completion) or 'prompt' "
                          "(a text completion)", param="messages")
-    _, path, kind, handler = given[0]
+    _, path, kind = given[0]
+    handler = _handler(request, path)
     for key in ("stream", "stream_options"):
         if key in body:
             raise BadRequest(f"'{key}' is not used by /v1/decode: read the result (SSE while it runs) "
@@ -99,7 +78,7 @@ async def create(request: Request) -> Response:
     return JSONResponse(job.describe())
 
 
-async def retrieve(request: Request) -> Response:
+async def retrieve(request: Request) -> Response | SSEResponse:
     job_id = request.path_params["decode_id"]
     job = store_of(request).get(job_id)
     if job is None:

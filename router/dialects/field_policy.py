@@ -17,7 +17,7 @@ Anthropic's Messages request body, and llama.cpp's ``tools/server/server-schema.
 (the fields its server reads, with their defaults).
 
 llama.cpp's sampler fields (``mirostat``, ``typical_p``, DRY, XTC, ...) are
-``router.dialects.samplers``' table (the same on every route: every route runs the same
+``router.serving.samplers``' table (the same on every route: every route runs the same
 sampler); :func:`refuse_ignored` applies it too, so a route that reads only some
 sampling fields (Responses, Messages) still refuses them.
 """
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.http.errors import BadRequest
-from router.dialects.samplers import refuse_unimplemented
+from router.serving.samplers import refuse_unimplemented
 
 
 def _never(v: Any) -> bool:
@@ -217,7 +217,7 @@ def refuse_ignored(body: dict[str, Any], route: str) -> None:
     :data:`HONOURED`) does not implement and that is not at its neutral value.
 
     llama.cpp's sampler fields are checked first, on every route alike
-    (``router.dialects.samplers.refuse_unimplemented``).
+    (``router.serving.samplers.refuse_unimplemented``).
 
     Raises BadRequest (``param`` = the field); KeyError for an unknown ``route`` (a bug)."""
     honoured = HONOURED[route]

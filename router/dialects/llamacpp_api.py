@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -25,21 +26,18 @@ from protocol import (
     Detokenize,
     DetokenizeResult,
     Done,
-    Error,
     Generate,
-    Message,
-    ProtocolError,
     Token,
     Tokenize,
     TokenIds,
     TokenizeResult,
     encode,
 )
-from protocol.errors import ErrorCode
 from protocol.limits import GENERATE_LIMITS
 from router.dialects.constraints import llamacpp_constraint
-from router.dialects.shared import read_template_kwargs, template_kwargs
-from router.http.errors import BadGateway, BadRequest, from_worker_error, unsendable
+from router.dialects.shared import RANDOM_SEED, read_template_kwargs, template_kwargs
+from router.serving.calls import call_worker
+from router.http.errors import BadGateway, BadRequest
 from router.dialects.field_policy import refuse_ignored
 from router.serving.generation import (
     LLAMACPP_DEFAULTS,
@@ -52,8 +50,7 @@ from router.serving.generation import (
     timings_of,
     token_probs,
 )
-from router.dialects import openai_api, openai_responses
-from router.dialects.openai_api import parse_messages
+from router.dialects.chat_request import parse_messages
 from router.metrics import label_request
 from router.http.params import (
     INT32_MAX,
@@ -70,20 +67,9 @@ from router.http.params import (
 )
 from router.workers.pool import ModelSlot, Pool
 from router.serving.presets import preset_template
-from router.workers.process import WorkerUnreachable
 from router.http.responses import JSONResponse, dumps
 from router.http.set_aside import set_aside
-from router.http.sse import SSEResponse, sse_event, until_disconnect
-
-#: llama.cpp's LLAMA_DEFAULT_SEED: "random" (its generation settings show it for an unseeded request).
-RANDOM_SEED = 0xFFFFFFFF
-
-#: How long a tokenize / detokenize / apply-template call may take, s. Liveness is the ping
-#: loop's (router.workers.pool: a silent worker is unresponsive, then killed, and the call ends with
-#: it); this bounds only a live worker that never answers the call. Three 7 MB /tokenize
-#: calls queue on the worker's text thread: the last waits for the two before it.
-CALL_TIMEOUT_S = 600.0
-
+from router.http.sse import SSEResponse, sse_event
 
 def _slot(request: Request, body: dict[str, Any]) -> tuple[str, ModelSlot]:
     pool: Pool = request.app.state.pool
@@ -164,14 +150,14 @@ def _prompt(body: dict[str, Any]) -> str | list[int] | list[PromptPart]:
 
 async def _tokenize(request: Request, slot: ModelSlot, text: str, add_special: bool, parse_special: bool,
                     param: str) -> list[int]:
-    ans = await _call(request, slot, lambda i: Tokenize(id=i, content=text, add_special=add_special,
+    ans = await call_worker(request, slot, lambda i: Tokenize(id=i, content=text, add_special=add_special,
                                                          parse_special=parse_special), param=param)
     if not isinstance(ans, TokenizeResult):
         raise BadGateway(f"unexpected {ans.TYPE} answer to tokenize")
     return list(ans.tokens.view())
 
 
-async def _mixed_ids(request: Request, slot: ModelSlot, parts: list[PromptPart]) -> list[int]:
+async def _mixed_ids(request: Request, slot: ModelSlot, parts: Sequence[PromptPart]) -> list[int]:
     """A mixed prompt's token ids, as llama-server's ``tokenize_mixed``: each string tokenized
     with special tokens parsed, the first element (only) with the model's BOS when it is a string;
     ids kept as they are."""
@@ -225,16 +211,19 @@ def _settings(msg: Generate, n_predict: int | None, streaming: bool) -> dict[str
     }
 
 
-async def completion(request: Request) -> Response:
+async def completion(request: Request) -> Response | SSEResponse:
     body = await read_json(request)
     name, slot = _slot(request, body)
-    # llama.cpp's post_sampling_probs: served here (router.dialects.samplers refuses it on the other routes)
+    # llama.cpp's post_sampling_probs: served here (router.serving.samplers refuses it on the other routes)
     post_sampling = get_bool(body, "post_sampling_probs", False)
     body = {k: v for k, v in body.items() if k != "post_sampling_probs"}
     refuse_ignored(body, "/completion")  # n, logprobs, response_format, tools, ...: not /completion fields
     parts = _prompt(body)
-    prompt: str | list[int] = (await _mixed_ids(request, slot, parts)  # type: ignore[arg-type]
-                               if isinstance(parts, list) and any(isinstance(p, str) for p in parts) else parts)
+    prompt: str | list[int]
+    if isinstance(parts, list) and any(isinstance(p, str) for p in parts):
+        prompt = await _mixed_ids(request, slot, parts)
+    else:
+        prompt = cast("str | list[int]", parts)  # a list with no string in it holds ids only
     body = await _text_logit_bias(request, slot, body)
     if get_bool(body, "return_progress", False):  # cannot be done: the worker reports no prefill progress
         set_aside(request.state, "return_progress", "prompt_progress",
@@ -262,7 +251,7 @@ async def completion(request: Request) -> Response:
     prompt_text = prompt if isinstance(prompt, str) else None
 
     def summary(done: Done, tokens: list[int], content: str) -> dict[str, Any]:
-        ready = run.worker.ready if run.worker is not None else None
+        ready = run.ready
         # as llama.cpp: truncated when generation stopped because the context was full
         truncated = (done.stop_type == "limit" and ready is not None
                      and done.prompt_tokens + done.completion_tokens >= ready.n_ctx)
@@ -322,42 +311,6 @@ async def completion(request: Request) -> Response:
     return SSEResponse(stream(run, first, on_frame), run.close)
 
 
-async def _call(request: Request, slot: ModelSlot, make: Any, timeout_s: float = CALL_TIMEOUT_S,
-                param: str | None = None) -> Message:
-    """Send a one-shot request to the model's (loaded) worker; its answer, or the mapped ApiError.
-    A request the protocol cannot carry is a 400 (checked before the model is loaded). ``param``:
-    the request field a worker's 400 that names none is about (``tokens`` for an id outside the
-    vocabulary), as the generation routes name ``prompt`` / ``messages``."""
-    try:
-        encode(make("check"))
-    except ProtocolError as e:
-        raise unsendable(e.reason) from None
-    with slot.holding():  # not evicted for another model while this call waits or runs
-        worker = await until_disconnect(request.receive, slot.ready_worker())
-        msg = make(worker.new_call_id("call"))
-        try:
-            ans = await until_disconnect(request.receive, worker.call(msg, timeout_s))
-        except ProtocolError as e:
-            raise unsendable(e.reason) from None
-        except WorkerUnreachable as e:
-            raise BadGateway(f"model '{slot.model.name}' worker is unreachable: {e}", code="worker_crashed") from None
-        except TimeoutError:
-            raise BadGateway(f"model '{slot.model.name}' worker did not answer within {timeout_s:g} s",
-                             code="worker_timeout") from None
-    if isinstance(ans, Error):
-        if ans.code == ErrorCode.WORKER_GONE:
-            raise BadGateway(f"model '{slot.model.name}' worker failed: {ans.message}", code="worker_crashed")
-        err = from_worker_error(ans.code, ans.message, n_prompt_tokens=ans.n_prompt_tokens, n_ctx=ans.n_ctx)
-        if isinstance(err, BadRequest) and err.param is None:
-            err.param = param
-        raise err
-    return ans
-
-
-#: One-shot call to a model's worker (other route modules use it: the slot actions).
-call_worker = _call
-
-
 def _piece(p: bytes) -> str | list[int]:
     try:
         return p.decode("utf-8")
@@ -372,7 +325,7 @@ async def tokenize(request: Request) -> Response:
     with_pieces = get_bool(body, "with_pieces", False)
     add_special = get_bool(body, "add_special", False)
     parse_special = get_bool(body, "parse_special", True)
-    ans = await _call(request, slot, lambda i: Tokenize(id=i, content=content, add_special=add_special,
+    ans = await call_worker(request, slot, lambda i: Tokenize(id=i, content=content, add_special=add_special,
                                                          parse_special=parse_special, with_pieces=with_pieces))
     if not isinstance(ans, TokenizeResult):
         raise BadGateway(f"unexpected {ans.TYPE} answer to tokenize")
@@ -429,7 +382,7 @@ async def detokenize(request: Request) -> Response:
     if tokens is None:
         raise BadRequest("'tokens' must be a list of token ids", param="tokens")
     packed = TokenIds.of(tokens)  # ids in [0, MAX_TOKEN_ID]: int32 (get_token_list)
-    ans = await _call(request, slot, lambda i: Detokenize(id=i, tokens=packed), param="tokens")
+    ans = await call_worker(request, slot, lambda i: Detokenize(id=i, tokens=packed), param="tokens")
     if not isinstance(ans, DetokenizeResult):
         raise BadGateway(f"unexpected {ans.TYPE} answer to detokenize")
     return JSONResponse({"content": ans.content})
@@ -442,7 +395,7 @@ async def apply_template(request: Request) -> Response:
     add_gen = get_bool(body, "add_generation_prompt", True)
     kwargs = template_kwargs(slot, read_template_kwargs(body))
     template = preset_template(slot)
-    ans = await _call(request, slot, lambda i: ApplyTemplate(id=i, messages=messages, add_generation_prompt=add_gen,
+    ans = await call_worker(request, slot, lambda i: ApplyTemplate(id=i, messages=messages, add_generation_prompt=add_gen,
                                                              template_kwargs=kwargs, chat_template=template),
                       param="messages")
     if not isinstance(ans, ApplyTemplateResult):
@@ -451,13 +404,6 @@ async def apply_template(request: Request) -> Response:
 
 
 routes = [
-    # llama-server serves its OpenAI routes without the /v1 prefix too (an SDK whose base URL has no
-    # /v1 reaches them), and counts a chat request's prompt tokens: the same handlers as under /v1
-    Route("/chat/completions", openai_api.chat_completions, methods=["POST"]),
-    Route("/chat/completions/input_tokens", openai_api.chat_input_tokens, methods=["POST"]),
-    Route("/v1/chat/completions/input_tokens", openai_api.chat_input_tokens, methods=["POST"]),
-    Route("/responses", openai_responses.create, methods=["POST"]),
-    Route("/responses/input_tokens", openai_responses.input_tokens, methods=["POST"]),
     Route("/completion", completion, methods=["POST"]),
     Route("/completions", completion, methods=["POST"]),
     Route("/tokenize", tokenize, methods=["POST"]),

@@ -45,7 +45,6 @@ unknown model is a 404.
 from __future__ import annotations
 
 import time
-from importlib import metadata
 from typing import Any
 
 from starlette.requests import Request
@@ -54,7 +53,8 @@ from starlette.routing import Route
 
 from protocol import SLOT_ACTIONS, SlotAction, SlotActionResult, slot_filename_error
 from router.http.errors import ApiError, BadGateway, BadRequest, NotSupported, Unavailable, error_response, redact_paths
-from router.dialects.llamacpp_api import RANDOM_SEED, call_worker
+from router.dialects.shared import RANDOM_SEED, build_info
+from router.serving.calls import call_worker
 from router.serving.generation import LLAMACPP_DEFAULTS
 from router.http.http_server import STALLED_READERS
 from router.workers import gguf_meta
@@ -70,14 +70,6 @@ from router.http.sse import until_disconnect
 PROBE_TIMEOUT_S = 2.0
 #: How long a slot action may take (a busy slot's action waits for the slot), s.
 SLOT_ACTION_TIMEOUT_S = 120.0
-
-
-def build_info() -> str:
-    """``modelyard <version>`` (llama.cpp puts its build number and commit here)."""
-    try:
-        return f"modelyard {metadata.version('modelyard')}"
-    except metadata.PackageNotFoundError:  # pragma: no cover - run from a bare checkout
-        return "modelyard"
 
 
 class ModelNotLoaded(BadRequest):

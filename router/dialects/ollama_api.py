@@ -23,7 +23,7 @@ Requests in:
   options that cannot change the answer here (threads, GPU layers, mmap, ...) are set
   aside; mirostat / typical_p / tfs_z only at their neutral values; any other option is
   a 400 naming it.
-* ``keep_alive``: honoured as on every generation route (``router.dialects.keep_alive``: the last
+* ``keep_alive``: honoured as on every generation route (``router.serving.keep_alive``: the last
   request decides how long the model stays loaded once idle, capped by
   ``server.max_keep_alive_s``, a cap set aside visibly). With an empty ``prompt`` /
   ``messages`` the request loads the model (``done_reason: "load"``, its keep_alive applied),
@@ -79,7 +79,7 @@ from starlette.routing import Route
 
 from protocol import Done, Generate, Token
 from protocol.limits import MAX_N_PROBS
-from router.dialects import keep_alive as keepalive  # the module (handlers have a keep_alive value)
+from router.serving import keep_alive as keepalive  # the module (handlers have a keep_alive value)
 from router.dialects.constraints import schema_text
 from router.dialects.shared import Prepared, choose, function_tool, objects, prepare, tool_list
 from router.http.errors import ApiError, BadRequest, Forbidden, NotFound, ollama_error_payload
@@ -88,7 +88,7 @@ from router.serving.generation import begin, collect, new_id, openai_logprob, re
 from router.workers.gguf_meta import chat_template, metadata, tensor_infos
 from router.workers.lifecycle import LOADED
 from router.metrics import label_request
-from router.dialects.openai_api import context_size
+from router.serving.budget import context_size
 from router.http.params import INT32_MAX, get_bool, get_int, get_str, json_type, read_json
 from router.workers.pool import ModelSlot, Pool
 from router.http.responses import JSONResponse, dumps
@@ -111,7 +111,7 @@ OLLAMA_DEFAULTS: dict[str, Any] = {
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "repeat_penalty", "repeat_last_n",
              "presence_penalty", "frequency_penalty", "stop")
 #: ``options`` that the engine's sampler lacks: accepted at their neutral value only
-#: (mirostat and typical_p by ``router.dialects.samplers``, with llama.cpp's other samplers).
+#: (mirostat and typical_p by ``router.serving.samplers``, with llama.cpp's other samplers).
 _NEUTRAL_ONLY = ("mirostat", "typical_p", "tfs_z")
 #: ``options`` that cannot change an answer here: load-time and hardware settings of Ollama's
 #: runner (threads, GPU layers, batch, mmap/mlock, NUMA), ``num_keep`` (tokens kept by a context
@@ -172,7 +172,7 @@ def resolve(pool: Pool, name: Any) -> ModelSlot:
 
 
 def keep_alive_s(v: Any) -> float | None:
-    """``keep_alive`` in seconds (negative: forever), None when absent (``router.dialects.keep_alive``
+    """``keep_alive`` in seconds (negative: forever), None when absent (``router.serving.keep_alive``
     reads it: a number of seconds or a Go duration string). Raises BadRequest naming the field."""
     got = keepalive.requested({"keep_alive": v})
     if got is None:
@@ -182,7 +182,7 @@ def keep_alive_s(v: Any) -> float | None:
 
 def _keep_alive(request: Request, body: dict[str, Any], slot: ModelSlot, *, empty: bool) -> float | None:
     """``keep_alive`` read (seconds; None: absent) — a 400 before anything else when invalid.
-    A generation's is applied by ``generation.begin`` (router.dialects.keep_alive); ``empty``: the
+    A generation's is applied by ``generation.begin`` (router.serving.keep_alive); ``empty``: the
     request is Ollama's load / unload form, where 0 unloads and any other value is applied
     by :func:`_load_or_unload`."""
     return keep_alive_s(body.get("keep_alive"))
@@ -458,11 +458,11 @@ class _Job:
     top_lp: int | None
 
 
-async def _run(request: Request, job: _Job, t0: float, *, chat: bool) -> Response:
+async def _run(request: Request, job: _Job, t0: float, *, chat: bool) -> Response | SSEResponse:
     was_loaded = job.slot.state in LOADED
     streaming = get_bool(await _body(request), "stream", True)
     run, first = await begin(request, job.slot, job.msg, grammar_param=job.constraint_param, early=streaming)
-    load_ns = 0 if was_loaded else max(0, int((run.ticket.started_at - run.started_at) * 1e9))
+    load_ns = 0 if was_loaded else max(0, int((run.record.started_at - run.record.admitted_at) * 1e9))
     head = {"model": job.model}
     parser = job.prep.parser() if job.prep is not None else None
 
@@ -546,11 +546,11 @@ async def _run(request: Request, job: _Job, t0: float, *, chat: bool) -> Respons
 
 async def _body(request: Request) -> dict[str, Any]:
     """The request's JSON body (read once; kept on the request's state)."""
-    body = getattr(request.state, "ollama_body", None)
+    body: dict[str, Any] | None = getattr(request.state, "ollama_body", None)
     if body is None:
         body = await read_json(request)
         request.state.ollama_body = body
-    return body  # type: ignore[no-any-return]
+    return body
 
 
 def _is_operator(request: Request) -> bool:
@@ -590,7 +590,7 @@ async def _load_or_unload(request: Request, slot: ModelSlot, model: str, keep_al
 # ----------------------------------------------------------------------------- routes: generation
 
 
-async def chat(request: Request) -> Response:
+async def chat(request: Request) -> Response | SSEResponse:
     t0 = time.monotonic()
     body = await _body(request)
     pool: Pool = request.app.state.pool
@@ -614,7 +614,7 @@ async def chat(request: Request) -> Response:
     return await _run(request, _Job(model, slot, msg, prep, prep.constraint_param, top), t0, chat=True)
 
 
-async def generate(request: Request) -> Response:
+async def generate(request: Request) -> Response | SSEResponse:
     t0 = time.monotonic()
     body = await _body(request)
     pool: Pool = request.app.state.pool

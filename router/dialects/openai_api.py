@@ -12,22 +12,21 @@ syntax, else the generic tool format); a last assistant message is a prefill.
 from __future__ import annotations
 
 import codecs
-import json
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from protocol import Accepted, Done, Generate, Token
-from protocol.limits import DEFAULT_MAX_CTX, MAX_N, MAX_N_PROBS
+from protocol import Accepted, Done, Generate, Ready, Token
+from protocol.limits import MAX_N, MAX_N_PROBS
 from router.workers import gguf_meta
-from router.dialects.constraints import json_format_constraint, llamacpp_constraint
-from router.dialects.shared import (choose, content_text, custom_tool, function_tool, objects, prepare, read_template_kwargs,
-                             tool_list)
+from router.dialects.constraints import llamacpp_constraint
+from router.dialects.shared import prepare, read_template_kwargs
 from router.http.errors import BadRequest, NotFound
+from router.dialects.chat_request import parse_tools, parse_turns, refuse_unsupported_chat, response_format
 from router.dialects.field_policy import refuse_ignored
-from router.workers.gguf_meta import n_ctx_train
+from router.serving.budget import context_size
 from router.serving.generation import (
     OPENAI_DEFAULTS,
     TokenProb,
@@ -45,13 +44,10 @@ from router.serving.generation import (
 from router.metrics import label_request
 from router.http.params import INT32_MAX, N_PREDICT_MIN, get_bool, get_int, model_of, get_prompt, get_str, read_json
 from router.workers.pool import ModelSlot, Pool
-from router.workers.process import WorkerProcess
 from router.http.responses import JSONResponse
 from router.http.sse import SSEResponse, sse_event
-from router.dialects.tools import ChatTurn, Tool, ToolCall, ToolChoice, TrailingAssistants, render_messages
+from router.dialects.tools import ToolCall
 
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
-              "tool": "tool"}
 MAX_TOP_LOGPROBS = MAX_N_PROBS  # they become Generate.n_probs
 
 
@@ -61,20 +57,6 @@ def _pool(request: Request) -> Pool:
 
 
 # ----------------------------------------------------------------------------- models
-
-
-def context_size(slot: ModelSlot) -> tuple[int | None, int | None]:
-    """``(n_ctx, n_ctx_train)`` of a model, without loading it: its worker's when ready, else
-    the configured ``n_ctx`` or the worker's default (``min(n_ctx_train, DEFAULT_MAX_CTX)``),
-    with ``n_ctx_train`` from the GGUF header (None when unreadable)."""
-    m = slot.model
-    ready = slot.worker.ready if slot.worker is not None else None
-    train = ready.n_ctx_train if ready is not None else n_ctx_train(m.path)
-    if ready is not None:
-        return ready.n_ctx, train
-    if m.n_ctx is not None:
-        return m.n_ctx, train
-    return (min(train, DEFAULT_MAX_CTX) if train else None), train
 
 
 def _model_object(pool: Pool, ident: str) -> dict[str, Any]:
@@ -157,10 +139,11 @@ def _usage_null(include_usage: bool) -> dict[str, Any]:
     return {"usage": None} if include_usage else {}
 
 
-def _fingerprint(worker: WorkerProcess | None) -> str | None:
-    if worker is None or worker.ready is None:
+def _fingerprint(ready: Ready | None) -> str | None:
+    """The ``system_fingerprint`` of the worker's model (its GGUF content hash)."""
+    if ready is None:
         return None
-    fp = worker.ready.fingerprint  # "" while the worker is still hashing a file it never saw
+    fp = ready.fingerprint  # "" while the worker is still hashing a file it never saw
     return f"fp_{fp[:12]}" if fp else None
 
 
@@ -189,131 +172,6 @@ def _final_events(final: dict[str, Any], done: Done, head: dict[str, Any], inclu
     return out
 
 
-def _tool_calls(m: dict[str, Any], where: str) -> list[ToolCall]:
-    raw = m.get("tool_calls")
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise BadRequest(f"'{where}.tool_calls' must be an array", param=f"{where}.tool_calls")
-    calls: list[ToolCall] = []
-    for k, c in enumerate(raw):
-        cw = f"{where}.tool_calls[{k}]"
-        ident = c.get("id") if isinstance(c, dict) else None
-        ident = ident if isinstance(ident, str) else f"call_{k}"
-        if isinstance(c, dict) and c.get("type") == "custom":
-            cu = c.get("custom")
-            if not isinstance(cu, dict) or not isinstance(cu.get("name"), str) or not isinstance(cu.get("input"), str):
-                raise BadRequest(f"'{cw}' must be {{\"id\", \"type\": \"custom\", \"custom\": {{\"name\", "
-                                 "\"input\"}}", param=cw)
-            calls.append(ToolCall(ident, cu["name"], cu["input"], custom=True))
-            continue
-        fn = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise BadRequest(f"'{cw}' must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
-                             "\"arguments\"}}", param=cw)
-        args = fn.get("arguments", "")
-        if not isinstance(args, str):
-            args = json.dumps(args, ensure_ascii=False)  # some clients send the object itself
-        calls.append(ToolCall(ident, fn["name"], args))
-    return calls
-
-
-def parse_turns(body: dict[str, Any]) -> list[ChatTurn]:
-    """``messages`` as dialect-neutral turns: content parts joined, ``developer`` as
-    ``system``, assistant ``tool_calls`` (content null, "" or missing) and ``tool``
-    messages (``tool_call_id``) kept. Raises BadRequest naming the field."""
-    out: list[ChatTurn] = []
-    for where, m in objects(body.get("messages"), "messages"):
-        role = m.get("role")
-        if not isinstance(role, str) or role not in CHAT_ROLES:
-            raise BadRequest(f"'{where}.role' must be one of {sorted(CHAT_ROLES)}, got {role!r}",
-                             param=f"{where}.role")
-        content = m.get("content")
-        if content is None:
-            if role not in ("assistant", "tool"):
-                raise BadRequest(f"'{where}.content' is required", param=f"{where}.content")
-            text = ""
-        else:
-            text = content_text(content, f"{where}.content", ("text", "input_text"))
-        calls = _tool_calls(m, where) if role == "assistant" else []
-        call_id = m.get("tool_call_id") if role == "tool" else None
-        if role == "tool" and (not isinstance(call_id, str) or not call_id):
-            raise BadRequest(f"'{where}.tool_call_id' is required in a tool message (the id of the call it "
-                             "answers)", param=f"{where}.tool_call_id")
-        name = m.get("name") if role == "tool" and isinstance(m.get("name"), str) else None
-        reasoning = m.get("reasoning_content") if role == "assistant" else None  # llama.cpp's, kept for the template
-        if reasoning is not None and not isinstance(reasoning, str):
-            raise BadRequest(f"'{where}.reasoning_content' must be a string", param=f"{where}.reasoning_content")
-        out.append(ChatTurn(CHAT_ROLES[role], text, calls, call_id if isinstance(call_id, str) else None, name,
-                            reasoning or None))
-    return out
-
-
-def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """``messages`` as [{"role", "content": str}] for the worker's template (tool calls and
-    results in the generic tool format; ``/apply-template``)."""
-    try:
-        return render_messages(parse_turns(body))
-    except TrailingAssistants as e:
-        raise BadRequest(str(e), param="messages") from None
-
-
-def _tool(t: dict[str, Any], where: str) -> Tool:
-    kind = t.get("type", "function")
-    if kind == "custom":
-        c = t.get("custom")
-        if not isinstance(c, dict):
-            raise BadRequest(f"'{where}.custom' must be an object", param=f"{where}.custom")
-        return custom_tool(c.get("name"), c.get("description"), c.get("format"), f"{where}.custom")
-    if kind != "function":
-        raise BadRequest(f"'{where}': tools of type {kind!r} are not supported (function and custom tools)",
-                         param=f"{where}.type")
-    fn = t.get("function")
-    if not isinstance(fn, dict):
-        raise BadRequest(f"'{where}.function' must be an object", param=f"{where}.function")
-    return function_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), f"{where}.function",
-                         "parameters")
-
-
-def parse_tools(body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
-    """``tools`` (function tools, and custom tools whose free-text input may follow a
-    ``grammar`` format, Lark or regex), ``tool_choice`` (``none`` / ``auto`` /
-    ``required`` / ``{"type": "function", "function": {"name"}}`` / ``{"type":
-    "custom", "custom": {"name"}}``) and ``parallel_tool_calls``."""
-    tools = tool_list(body, _tool)
-    parallel = get_bool(body, "parallel_tool_calls", True)
-    tc = body.get("tool_choice")
-    if tc is None:
-        tc = "auto"
-    if tc in ("none", "auto", "required"):
-        return tools, choose(tools, tc, None, parallel, "tool_choice")
-    kind = tc.get("type") if isinstance(tc, dict) else None
-    if kind in ("function", "custom") and isinstance(tc.get(kind), dict):
-        return tools, choose(tools, "named", tc[kind].get("name"), parallel, f"tool_choice.{kind}")
-    raise BadRequest("'tool_choice' must be 'none', 'auto', 'required', {\"type\": \"function\", \"function\": "
-                     "{\"name\": ...}} or {\"type\": \"custom\", \"custom\": {\"name\": ...}}", param="tool_choice")
-
-
-def refuse_unsupported_chat(body: dict[str, Any]) -> None:
-    """Chat fields that would change the answer and are not implemented: a 400 naming them
-    (``router.dialects.field_policy``'s table, e.g. the legacy ``functions`` / ``function_call``: use
-    ``tools`` / ``tool_choice``; and non-text ``modalities``)."""
-    refuse_ignored(body, "/v1/chat/completions")  # functions, audio, web_search_options, stop_sequences, ...
-    mods = body.get("modalities")
-    if mods is not None and (not isinstance(mods, list) or any(m != "text" for m in mods)):
-        raise BadRequest("'modalities' other than [\"text\"] are not supported", param="modalities")
-
-
-def _response_format(body: dict[str, Any]) -> str | None:
-    """``response_format`` as the JSON Schema text the answer must match (None: text)."""
-    rf = body.get("response_format")
-    if rf is None:
-        return None
-    if not isinstance(rf, dict):
-        raise BadRequest("'response_format' must be an object", param="response_format")
-    return json_format_constraint(rf, "response_format")
-
-
 # ----------------------------------------------------------------------------- chat
 
 
@@ -334,7 +192,7 @@ def _chat_finish(finish: str, calls: list[ToolCall]) -> str:
     return "tool_calls" if calls and finish == "stop" else finish
 
 
-async def chat_completions(request: Request) -> Response:
+async def chat_completions(request: Request) -> Response | SSEResponse:
     body = await read_json(request)
     pool = _pool(request)
     model_name = model_of(body, pool.config.default_name(), pool.config.ids())
@@ -345,7 +203,7 @@ async def chat_completions(request: Request) -> Response:
     schema, grammar, cparam = llamacpp_constraint(body)  # llama.cpp's extensions on its OpenAI route
     if cparam is not None and body.get("response_format") is not None:
         raise BadRequest(f"give at most one of 'response_format' and '{cparam}'", param=cparam)
-    text_schema, fmt_param = (schema, "json_schema") if schema is not None else (_response_format(body),
+    text_schema, fmt_param = (schema, "json_schema") if schema is not None else (response_format(body),
                                                                                "response_format")
     prep = prepare(slot, parse_turns(body), tools, choice, text_schema, fmt_param,
                    chat_template_kwargs=read_template_kwargs(body))
@@ -367,9 +225,8 @@ async def chat_completions(request: Request) -> Response:
     msg = Generate(n_probs=max(top_n, 1) if want_logprobs else 0, **fields, **common)
 
     run, first = await begin(request, slot, msg, grammar_param=constraint_param, early=streaming)
-    worker = run.worker
-    assert worker is not None
-    rid, created, fp = msg.id, now_s(), _fingerprint(worker)
+    assert run.worker is not None
+    rid, created, fp = msg.id, now_s(), _fingerprint(run.ready)
     n = msg.n
     parsers = [prep.parser() for _ in range(n)]  # one per choice
 
@@ -478,7 +335,7 @@ async def chat_input_tokens(request: Request) -> Response:
     refuse_unsupported_chat(body)
     tools, choice = parse_tools(body)
     schema, grammar, cparam = llamacpp_constraint(body)
-    text_schema, fmt_param = (schema, "json_schema") if schema is not None else (_response_format(body),
+    text_schema, fmt_param = (schema, "json_schema") if schema is not None else (response_format(body),
                                                                                "response_format")
     prep = prepare(slot, parse_turns(body), tools, choice, text_schema, fmt_param,
                    chat_template_kwargs=read_template_kwargs(body))
@@ -545,7 +402,7 @@ def _legacy_logprobs(probs: list[TokenProb], n_top: int, offsets: _TextOffsets) 
     }
 
 
-async def completions(request: Request) -> Response:
+async def completions(request: Request) -> Response | SSEResponse:
     body = await read_json(request)
     pool = _pool(request)
     model_name = model_of(body, pool.config.default_name(), pool.config.ids())
@@ -568,9 +425,8 @@ async def completions(request: Request) -> Response:
                    grammar=grammar, **common)
 
     run, first = await begin(request, slot, msg, grammar_param=cparam, early=streaming)
-    worker = run.worker
-    assert worker is not None
-    rid, created, fp = msg.id, now_s(), _fingerprint(worker)
+    assert run.worker is not None
+    rid, created, fp = msg.id, now_s(), _fingerprint(run.ready)
     top_n = n_lp or 0
 
     n = msg.n
@@ -629,4 +485,9 @@ routes = [
     Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
+    # llama-server serves its OpenAI routes without the /v1 prefix too (an SDK whose base URL has no
+    # /v1 reaches them), and counts a chat request's prompt tokens: the same handlers as under /v1
+    Route("/chat/completions", chat_completions, methods=["POST"]),
+    Route("/chat/completions/input_tokens", chat_input_tokens, methods=["POST"]),
+    Route("/v1/chat/completions/input_tokens", chat_input_tokens, methods=["POST"]),
 ]

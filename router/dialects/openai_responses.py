@@ -81,8 +81,8 @@ from router.metrics import label_request
 from router.http.params import INT32_MAX, get_bool, get_int, get_str, model_of, read_json
 from router.workers.pool import ModelSlot, Pool
 from router.dialects.background import Job, new_job_id
+from router.dialects.background_reads import job_events, stream_query
 from router.dialects.background import store_of as background_of
-from router.dialects.decode_api import job_events, stream_query
 from router.dialects.response_store import ResponseStore
 from router.http.responses import JSONResponse
 from router.http.sse import SSEResponse, sse_named
@@ -402,7 +402,7 @@ class _Answer:
         return resp
 
 
-async def create(request: Request) -> Response:
+async def create(request: Request) -> Response | SSEResponse:
     body = await read_json(request)
     refuse_ignored(body, "/v1/responses")  # seed, stop, max_tokens, response_format, ...: not Responses fields
     job = getattr(request.state, "background_job", None)  # set when this runs a background response
@@ -566,7 +566,7 @@ def _job_object(job: Job) -> dict[str, Any]:
     return obj
 
 
-async def retrieve(request: Request) -> Response:
+async def retrieve(request: Request) -> Response | SSEResponse:
     rid = request.path_params["response_id"]
     job = background_of(request).get(rid)
     if job is not None:
@@ -609,4 +609,7 @@ routes = [
     Route("/v1/responses/{response_id}", retrieve, methods=["GET"]),
     Route("/v1/responses/{response_id}", delete, methods=["DELETE"]),
     Route("/v1/responses/{response_id}/cancel", cancel, methods=["POST"]),
+    # llama-server's un-versioned aliases (see router.dialects.openai_api.routes)
+    Route("/responses", create, methods=["POST"]),
+    Route("/responses/input_tokens", input_tokens, methods=["POST"]),
 ]

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from router.dialects.llamacpp_router import build_info
+from router.dialects.shared import build_info
 from router.http.responses import JSONResponse
 
 #: Path prefixes of routes that are not part of the client API.

@@ -9,6 +9,7 @@ the answer back, in the tool syntax of the model's template (``router.dialects.t
 from __future__ import annotations
 
 import functools
+from importlib import metadata
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,18 @@ from router.dialects.tools import (
     syntax_for,
     template_tools,
 )
+
+
+#: llama.cpp's LLAMA_DEFAULT_SEED: "random" (its generation settings show it for an unseeded request).
+RANDOM_SEED = 0xFFFFFFFF
+
+
+def build_info() -> str:
+    """``modelyard <version>`` (llama.cpp puts its build number and commit here)."""
+    try:
+        return f"modelyard {metadata.version('modelyard')}"
+    except metadata.PackageNotFoundError:  # pragma: no cover - run from a bare checkout
+        return "modelyard"
 
 
 @functools.lru_cache(maxsize=32)

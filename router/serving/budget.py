@@ -31,7 +31,9 @@ from __future__ import annotations
 import dataclasses
 
 from protocol import Generate
+from protocol.limits import DEFAULT_MAX_CTX
 from router.http.errors import BadRequest
+from router.workers.gguf_meta import n_ctx_train
 from router.workers.pool import ModelSlot
 
 
@@ -83,3 +85,17 @@ def check_request_budget(slot: ModelSlot, msg: Generate) -> Generate:
             f"model '{slot.model.name}': {ceiling} tokens ({why}; set max_request_tokens to allow more). "
             f"Ask for fewer choices or fewer tokens", param="n")
     return msg
+
+
+def context_size(slot: ModelSlot) -> tuple[int | None, int | None]:
+    """``(n_ctx, n_ctx_train)`` of a model, without loading it: its worker's when ready, else
+    the configured ``n_ctx`` or the worker's default (``min(n_ctx_train, DEFAULT_MAX_CTX)``),
+    with ``n_ctx_train`` from the GGUF header (None when unreadable)."""
+    m = slot.model
+    ready = slot.worker.ready if slot.worker is not None else None
+    train = ready.n_ctx_train if ready is not None else n_ctx_train(m.path)
+    if ready is not None:
+        return ready.n_ctx, train
+    if m.n_ctx is not None:
+        return m.n_ctx, train
+    return (min(train, DEFAULT_MAX_CTX) if train else None), train

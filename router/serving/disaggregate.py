@@ -36,7 +36,7 @@ all inside :func:`router.serving.generation.begin` so every dialect gets them:
 Correctness never rests on the hand-over: the decode worker reuses only a verified
 common prefix, so a missing or shorter state costs prefill time, never a wrong token.
 
-Cancel: a client leaving in phase 1 cancels P's generation (``Run.close``; the
+Cancel: a client leaving in phase 1 cancels P's generation (``Generation.close``; the
 engine abandons the forward pass running now); during a wire transfer it cancels P's
 stream and sends Cancel with the transfer id to the decode worker, which drops the
 partial state (nothing was installed); during a file transfer the slot actions in
@@ -59,6 +59,7 @@ from starlette.requests import Request
 from protocol import (
     KV_STREAM_IDLE_S,
     KV_WINDOW,
+    Accepted,
     Done,
     Error,
     Generate,
@@ -71,9 +72,9 @@ from protocol import (
 )
 from protocol.errors import ErrorCode
 from router.http.errors import ApiError, BadGateway, Unavailable, from_worker_error
-from router.workers.pool import ModelSlot
+from router.workers.pool import ModelSlot, Pool
 from router.workers.process import WorkerGone, WorkerProcess, WorkerUnreachable
-from router.serving.run import Run
+from router.serving.server import submit
 
 log = logging.getLogger("modelyard.disaggregate")
 
@@ -86,7 +87,8 @@ def prefill_slot(request: Request, slot: ModelSlot) -> ModelSlot | None:
     name = slot.model.prefill_model
     if name is None:
         return None
-    return request.app.state.pool.get(name)
+    pool: Pool = request.app.state.pool
+    return pool.get(name)
 
 
 async def prefill_and_hand_over(pre: ModelSlot, slot: ModelSlot, msg: Generate,
@@ -122,7 +124,7 @@ async def _by_wire(pre: ModelSlot, slot: ModelSlot, pmsg: Generate) -> dict[str,
     t0 = time.monotonic()
     t1 = t0
     pmsg = dataclasses.replace(pmsg, stream_state=True)
-    run = Run(pre, pmsg.id)
+    run = submit(pre, pmsg.id)
     dworker: WorkerProcess | None = None
     xid = ""
     qd: asyncio.Queue[Any] | None = None
@@ -207,10 +209,10 @@ async def _by_file(pre: ModelSlot, slot: ModelSlot, pmsg: Generate) -> dict[str,
     path = pre.model.slot_save_path / filename
     pmsg = dataclasses.replace(pmsg, save_slot_to=filename)
     try:
-        run = Run(pre, pmsg.id)
+        run = submit(pre, pmsg.id)
         try:
             await run.start(pmsg)
-            item: Token | Done | KVChunk = await run.next()
+            item: Token | Done | KVChunk | Accepted = await run.next()
             while not isinstance(item, Done):
                 item = await run.next()
             done = item  # sent once the state file is written (Generate.save_slot_to)

@@ -45,10 +45,10 @@ from router.http.params import (
     get_stop,
 )
 from router.workers.pool import ModelSlot
-from router.dialects import keep_alive
+from router.serving import keep_alive
 from router.serving.presets import preset_template
-from router.serving.run import Run
-from router.dialects.samplers import refuse_unimplemented
+from router.serving.server import Generation, submit
+from router.serving.samplers import refuse_unimplemented
 from router.http.set_aside import set_aside
 from router.http.sse import sse_event, until_disconnect
 
@@ -103,7 +103,7 @@ def read_sampling(body: dict[str, Any], api_defaults: dict[str, Any], slot: Mode
 
 
 async def begin(request: Request, slot: ModelSlot, msg: Generate, grammar_param: str | None = None, *,
-                early: bool = False) -> tuple[Run, Token | Done | Accepted]:
+                early: bool = False) -> tuple[Generation, Token | Done | Accepted]:
     """Admit ``msg``'s request (503 if full), wait its turn, send it, and return the
     run with its first frame: with ``early`` (a stream), the worker's Accepted — the prompt
     fits and is queued, so the stream can open before the prefill (:func:`stream`) — else
@@ -138,9 +138,8 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate, grammar_param:
         msg = dataclasses.replace(msg, cache_prompt=True)
     keep = keep_alive.apply(request.state, getattr(request.state, "json_body", None),
                             request.app.state.pool.config.server.max_keep_alive_s)  # 400 before admission
-    run = Run(slot, msg.id, access=access_record(request.state))
+    run = submit(slot, msg.id, access_record(request.state), early=early)  # its record: queued (or 503 now)
     slot.set_keep_alive(keep)
-    run.early = early
     hook = getattr(request.state, "run_hook", None)
     try:
         if hook is not None:
@@ -152,6 +151,7 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate, grammar_param:
         if hook is not None:
             hook(run, "started")
         first = await until_disconnect(request.receive, run.next())
+        assert not isinstance(first, KVChunk)  # only router.serving.disaggregate asks for stream_state
     except ContextLengthExceeded as e:  # the field at fault, as OpenAI names it
         run.close()
         if e.param is None:
@@ -229,7 +229,7 @@ def _worker_error_param(e: BadRequest, msg: Generate, grammar_param: str | None)
     return None
 
 
-async def collect(request: Request, run: Run, first: Token | Done | Accepted) -> tuple[list[Token], Done]:
+async def collect(request: Request, run: Generation, first: Token | Done | Accepted) -> tuple[list[Token], Done]:
     """Every Token and the Done of a run (non-streaming). The client leaving cancels it."""
 
     async def go() -> tuple[list[Token], Done]:
@@ -238,7 +238,9 @@ async def collect(request: Request, run: Run, first: Token | Done | Accepted) ->
         while not isinstance(item, Done):
             if isinstance(item, Token):
                 tokens.append(item)
-            item = await run.next()  # type: ignore[assignment]
+            nxt = await run.next()
+            assert not isinstance(nxt, KVChunk)  # only router.serving.disaggregate asks for stream_state
+            item = nxt
         return tokens, item
 
     try:
@@ -265,7 +267,7 @@ Formatter = Callable[[Token | Done], Awaitable[list[bytes]]]
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
 
 
-async def stream(run: Run, first: Token | Done | Accepted, on_frame: Formatter,
+async def stream(run: Generation, first: Token | Done | Accepted, on_frame: Formatter,
                  on_error: Callable[[ApiError], bytes] | None = None, *,
                  on_open: Callable[[Accepted], list[bytes]] | None = None,
                  keepalive: bytes = KEEPALIVE_COMMENT) -> AsyncIterator[bytes]:

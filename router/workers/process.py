@@ -272,7 +272,8 @@ class WorkerProcess:
                          name=f"worker-wait-{self._proc.pid}").start()
         exited = asyncio.ensure_future(self.exited.wait())
         try:
-            done, _ = await asyncio.wait({self._ready, exited}, timeout=timeout_s,
+            waiters: set[asyncio.Future[Any]] = {self._ready, exited}
+            done, _ = await asyncio.wait(waiters, timeout=timeout_s,
                                          return_when=asyncio.FIRST_COMPLETED)
         finally:
             exited.cancel()
@@ -308,7 +309,7 @@ class WorkerProcess:
         if self._reader is not None:
             self._reader.cancel()
         if self._sock is not None:
-            raw = zmq.Socket.shadow(self._sock.underlying)
+            raw: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
             while True:
                 try:
                     parts = raw.recv_multipart(zmq.NOBLOCK)
@@ -447,7 +448,7 @@ class WorkerProcess:
         if ident != self._identity:
             log.warning("ignoring %s from an unknown peer on %s's socket", msg.TYPE, self.model.name)
             return
-        self.last_frame_at = time.monotonic()  # liveness: any frame of the worker (router.workers.pool judges)
+        self.last_frame_at = time.monotonic()  # liveness: any frame of the worker (router.workers.liveness judges)
         q = self._streams.get(msg.id)
         if q is not None:
             q.put_nowait(msg)
@@ -484,9 +485,10 @@ class WorkerProcess:
         except psutil.Error:
             return False
 
-    def open_stream(self, request_id: str) -> asyncio.Queue[StreamItem]:
-        """Start collecting frames for ``request_id``. A gone worker yields WorkerGone at once."""
-        q: asyncio.Queue[StreamItem] = asyncio.Queue()
+    def open_stream(self, request_id: str, into: asyncio.Queue[StreamItem] | None = None) -> asyncio.Queue[StreamItem]:
+        """Route the frames of ``request_id`` into ``into`` (a request record's inbox; else a new
+        queue) from now on; returns it. A gone worker yields WorkerGone at once."""
+        q: asyncio.Queue[StreamItem] = into if into is not None else asyncio.Queue()
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         self._streams[request_id] = q
@@ -542,6 +544,8 @@ class WorkerProcess:
             self.close_stream(msg.id)
         if isinstance(answer, WorkerGone):
             return Error(id=msg.id, code=ErrorCode.WORKER_GONE, message=answer.reason)
+        if isinstance(answer, Aborted):  # only a running generation's stream is aborted, never a call's id
+            raise WorkerUnreachable(f"ended by the router: {answer.reason}")
         return answer
 
     def new_call_id(self, kind: str) -> str:

@@ -7,15 +7,13 @@ speaks the real protocol (tests/fakes/fake_worker.py).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from tests.router.conftest import LiveRouter, dummy_gguf
+from tests.router.conftest import LiveRouter, router_fixture
 
 CONFIG = """
 [server]
@@ -34,13 +32,7 @@ top_k = 7
 """
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    dummy_gguf(module_tmp, "alpha.gguf", "beta.gguf", "gamma.gguf")
-    r = LiveRouter(module_tmp, CONFIG)
-    r.set_fake({"beta": {"no_template": True}})
-    yield r
-    r.stop()
+router = router_fixture(CONFIG, ggufs=("alpha.gguf", "beta.gguf", "gamma.gguf"), fake={"beta": {"no_template": True}})
 
 
 def sse_lines(router: LiveRouter, path: str, body: dict[str, Any]) -> list[str]:

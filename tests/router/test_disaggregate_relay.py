@@ -23,7 +23,7 @@ def done(rid: str) -> Done:
 
 
 class Prefill:
-    """The prefill worker behind the Run: sends chunks while its credit allows (as worker.kvstream)."""
+    """The prefill worker behind the generation: sends chunks while its credit allows (as worker.kvstream)."""
 
     def __init__(self, chunks: list[bytes]) -> None:
         self.chunks, self.q, self.sent, self.credit, self.closed = chunks, asyncio.Queue(), 0, KV_WINDOW - 1, False
@@ -107,7 +107,7 @@ def setup(monkeypatch: pytest.MonkeyPatch, chunks: list[bytes], **kw: Any) -> tu
         def close(self) -> None:
             pre_w.closed = True
 
-    monkeypatch.setattr(dis, "Run", FakeRun)
+    monkeypatch.setattr(dis, "submit", FakeRun)  # the serving door: submit(slot, request_id)
 
     async def ready_worker() -> Decode:
         return dec

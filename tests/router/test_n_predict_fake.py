@@ -4,14 +4,13 @@ on every generation route (they all pass through ``router.serving.generation.beg
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from router.config import ConfigError, parse_config
-from tests.router.conftest import LiveRouter, dummy_gguf
+from tests.router.conftest import LiveRouter, dummy_gguf, router_fixture
 
 CONFIG = """
 [server]
@@ -26,12 +25,7 @@ n_predict = -1
 """
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    dummy_gguf(module_tmp, "alpha.gguf")
-    r = LiveRouter(module_tmp, CONFIG)
-    yield r
-    r.stop()
+router = router_fixture(CONFIG, ggufs=("alpha.gguf",))
 
 
 MSG = [{"role": "user", "content": "hi"}]

@@ -199,7 +199,7 @@ def test_options_without_effect_are_set_aside_visibly(router: LiveRouter) -> Non
             "keep_alive": "10m"}
     r = post(router, "/api/chat", body)
     assert r.status_code == 200 and r.json()["message"]["content"] == TEXT12
-    # keep_alive is honoured (router.dialects.keep_alive, issue 27), not set aside
+    # keep_alive is honoured (router.serving.keep_alive, issue 27), not set aside
     assert r.headers["x-modelyard-set-aside"] == \
         "options:num_thread, options:num_gpu, options:use_mmap, options:num_ctx"
     log = router.log()

@@ -9,15 +9,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from router.dialects.field_policy import FIELDS, HONOURED
-from tests.router.conftest import LiveRouter, dummy_gguf
+from tests.router.conftest import LiveRouter, router_fixture
 
 CONFIG = """
 [server]
@@ -64,12 +62,7 @@ NEUTRAL: dict[str, Any] = {
 UNHONOURED = [(route, key) for route in BASE for key in FIELDS if key not in HONOURED[route]]
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    dummy_gguf(module_tmp, "alpha.gguf")
-    r = LiveRouter(module_tmp, CONFIG)
-    yield r
-    r.stop()
+router = router_fixture(CONFIG, ggufs=("alpha.gguf",))
 
 
 def test_every_field_has_a_changing_value() -> None:

@@ -8,7 +8,6 @@ OpenAI-shaped and leaves the models untouched.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import pytest
 
 from router.config import ConfigError, load_config
 from router.http.security import host_name, is_json_media_type, loopback_name
-from tests.router.conftest import LiveRouter, dummy_gguf
+from tests.router.conftest import LiveRouter, dummy_gguf, router_fixture
 
 pytestmark = pytest.mark.reliability  # issue 11's probes (README: -m reliability)
 
@@ -35,12 +34,7 @@ LISTED = "http://localhost:3000"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    dummy_gguf(module_tmp, "m.gguf")
-    r = LiveRouter(module_tmp, CONFIG)
-    yield r
-    r.stop()
+router = router_fixture(CONFIG, ggufs=("m.gguf",))
 
 
 def _error(r: httpx.Response, status: int, code: str) -> dict[str, Any]:
