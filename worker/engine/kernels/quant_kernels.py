@@ -401,7 +401,7 @@ def _vl_half(w, o, packed, h):
     return iload64(w, o), iload64(w, o + 64), iload64(w, o + 128), iload64(w, o + 192)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, dst, col, scr):
     # dst[t, col:col+16] = matmul_lanes' outputs of row group g for every row t (the same float32
     # operations in the same order). Weights w uint8: unpacked [ng, nb, 8, 16, 4] (byte (l, i, k)
@@ -543,10 +543,7 @@ def matmul_lanes_vnni(w, packed, d, m, x8, nxc, dx, xs, n_out, out):
         scr = np.empty(256, np.float32)
         for g in range(c * _LANE_CHUNK, min(ng, c * _LANE_CHUNK + _LANE_CHUNK)):
             if (g + 1) * LANE_ROWS <= n_out:
-                if packed:                  # constant arguments: each inlined copy specialised
-                    _vl_group(w, g, True, d, m, x8, nxc, dx, xs, out, g * LANE_ROWS, scr)
-                else:
-                    _vl_group(w, g, False, d, m, x8, nxc, dx, xs, out, g * LANE_ROWS, scr)
+                _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, out, g * LANE_ROWS, scr)
             else:
                 tmp = np.empty((T, LANE_ROWS), np.float32)
                 _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, tmp, 0, scr)
