@@ -104,7 +104,7 @@ def start_server(label: str, gguf: Path, port: int, srv: str | None, tmp: Path) 
         raise SystemExit(f"unknown server {label!r}")
     cfg = tmp / f"{label}.toml"
     cfg.write_text(f'[server]\nport = {port}\n[models.m]\npath = "{gguf}"\nn_ctx = {N_CTX}\nparallel = 1\n'
-                   f'weights = "quantized"\n{threads}')
+                   f'weights = "quantized"\nload_timeout_s = 900\n{threads}')
     p = subprocess.Popen([sys.executable, "-m", "router", "serve", "--config", str(cfg), "--log-level", "warning"],
                          cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          start_new_session=True)

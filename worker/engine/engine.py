@@ -657,6 +657,8 @@ def _load_matmul_kernels(type_names: set[str], whole: bool = True, column_slice:
             if w.act == "q8_K":                                          # the float-level q8_K of a fused part
                 for with_s in (False, True):
                     quant.quantize_activations(x, "q8_K", with_s)
+                if quant.host_has_vnni():                                # a K-quant QConcat's one quantization
+                    quant._compile()["kq_levels"](x)
         if column_slice:
             out = np.empty((2, 16), np.float32)
             w.matmul_quantized(*quant.quantize_activations(x, w.act, True), out[:, 4:12])

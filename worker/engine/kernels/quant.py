@@ -148,7 +148,8 @@ def _compile() -> dict[str, Any]:
                         matmul_q4k=k.matmul_q4k, matmul_q6k=k.matmul_q6k, cos_sin_f32=k.cos_sin_f32,
                         matmul_lanes_vnni=k.matmul_lanes_vnni, matmul_q4k_vnni=k.matmul_q4k_vnni,
                         matmul_q6k_vnni=k.matmul_q6k_vnni, lane_levels=k.lane_levels,
-                        quant_q8_K_int=k.quant_q8_K_int, matmul_kq_x=k.matmul_kq_x, kq_levels=k.kq_levels)
+                        quant_q8_K_int=k.quant_q8_K_int, matmul_kq_x=k.matmul_kq_x, kq_levels=k.kq_levels,
+                        matmul_lanes_x=k.matmul_lanes_x)
         if _threads is not None:
             set_num_threads(_threads)
     return _kernels
@@ -726,6 +727,18 @@ class QWeight:
                 m = self.m if self.m is not None else self.d
                 _compile()["matmul_kq_x"](np.ascontiguousarray(x, dtype=np.float32), kind == "vq4k", self.q, self.sc,
                                           mn, self.d, m, gemm, tiled, self.n_rows, out)
+            return out
+        if kind == "vlanes" or kind == "vlanes4":                        # quantize + multiply in one call
+            if x.ndim != 2 or x.shape[1] != self.q.shape[1] * QK:
+                raise EngineError("invalid_params", f"matmul of {tuple(x.shape)} with a {list(self.shape)} weight")
+            T = x.shape[0]
+            out = np.empty((T, self.n_rows), np.float32)
+            if T:
+                q81 = self.act == "q8_1"
+                _compile()["matmul_lanes_x"](np.ascontiguousarray(x, dtype=np.float32), self.m is not None or q81, q81,
+                                             self.q, kind == "vlanes4", self.d,
+                                             self.m if self.m is not None else _NO_M3_H,
+                                             128 if kind == "vlanes" else _nibble_bias(self.m), self.n_rows, out)
             return out
         O, K = self.shape
         if x.ndim != 2 or x.shape[1] != K:

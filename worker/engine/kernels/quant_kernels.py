@@ -381,9 +381,12 @@ def lane_levels(xq, bias, x8, nxc):
 
 
 @njit(cache=True)
-def _vl(acc, dd, wv, x8, xo, c):
+def _vl(packed, acc, dd, wv, x8, xo, c):
     # one lane update of matmul_lanes for 16 rows: acc = fma(d_w*d_x, isum_l, acc), isum_l =
     # sum_k (w+bias)*x - bias*sum_k x (c = -bias*sum_k x: the dpbusd's start), exact in int32
+    # (packed nibbles: their pair products fit int16, the short form on AVX2)
+    if packed:
+        return vfma(dd, i2f(dpbusd_s(isplat(c), wv, ibcast4(x8, xo))), acc)
     return vfma(dd, i2f(dpbusd(isplat(c), wv, ibcast4(x8, xo))), acc)
 
 
@@ -438,28 +441,28 @@ def _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, dst, col, scr):
                 l0 = 4 * h
                 xo = t * K + b * 32 + 16 * h
                 dd = vmul_s(dw, dx[t, b])
-                a0 = _vl(a0, dd, w0, x8, xo, nxc[t, b, l0])
-                a1 = _vl(a1, dd, w1, x8, xo + 4, nxc[t, b, l0 + 1])
-                a2 = _vl(a2, dd, w2, x8, xo + 8, nxc[t, b, l0 + 2])
-                a3 = _vl(a3, dd, w3, x8, xo + 12, nxc[t, b, l0 + 3])
+                a0 = _vl(packed, a0, dd, w0, x8, xo, nxc[t, b, l0])
+                a1 = _vl(packed, a1, dd, w1, x8, xo + 4, nxc[t, b, l0 + 1])
+                a2 = _vl(packed, a2, dd, w2, x8, xo + 8, nxc[t, b, l0 + 2])
+                a3 = _vl(packed, a3, dd, w3, x8, xo + 12, nxc[t, b, l0 + 3])
                 xo += K
                 dd = vmul_s(dw, dx[t + 1, b])
-                b0 = _vl(b0, dd, w0, x8, xo, nxc[t + 1, b, l0])
-                b1 = _vl(b1, dd, w1, x8, xo + 4, nxc[t + 1, b, l0 + 1])
-                b2 = _vl(b2, dd, w2, x8, xo + 8, nxc[t + 1, b, l0 + 2])
-                b3 = _vl(b3, dd, w3, x8, xo + 12, nxc[t + 1, b, l0 + 3])
+                b0 = _vl(packed, b0, dd, w0, x8, xo, nxc[t + 1, b, l0])
+                b1 = _vl(packed, b1, dd, w1, x8, xo + 4, nxc[t + 1, b, l0 + 1])
+                b2 = _vl(packed, b2, dd, w2, x8, xo + 8, nxc[t + 1, b, l0 + 2])
+                b3 = _vl(packed, b3, dd, w3, x8, xo + 12, nxc[t + 1, b, l0 + 3])
                 xo += K
                 dd = vmul_s(dw, dx[t + 2, b])
-                c0 = _vl(c0, dd, w0, x8, xo, nxc[t + 2, b, l0])
-                c1 = _vl(c1, dd, w1, x8, xo + 4, nxc[t + 2, b, l0 + 1])
-                c2 = _vl(c2, dd, w2, x8, xo + 8, nxc[t + 2, b, l0 + 2])
-                c3 = _vl(c3, dd, w3, x8, xo + 12, nxc[t + 2, b, l0 + 3])
+                c0 = _vl(packed, c0, dd, w0, x8, xo, nxc[t + 2, b, l0])
+                c1 = _vl(packed, c1, dd, w1, x8, xo + 4, nxc[t + 2, b, l0 + 1])
+                c2 = _vl(packed, c2, dd, w2, x8, xo + 8, nxc[t + 2, b, l0 + 2])
+                c3 = _vl(packed, c3, dd, w3, x8, xo + 12, nxc[t + 2, b, l0 + 3])
                 xo += K
                 dd = vmul_s(dw, dx[t + 3, b])
-                e0 = _vl(e0, dd, w0, x8, xo, nxc[t + 3, b, l0])
-                e1 = _vl(e1, dd, w1, x8, xo + 4, nxc[t + 3, b, l0 + 1])
-                e2 = _vl(e2, dd, w2, x8, xo + 8, nxc[t + 3, b, l0 + 2])
-                e3 = _vl(e3, dd, w3, x8, xo + 12, nxc[t + 3, b, l0 + 3])
+                e0 = _vl(packed, e0, dd, w0, x8, xo, nxc[t + 3, b, l0])
+                e1 = _vl(packed, e1, dd, w1, x8, xo + 4, nxc[t + 3, b, l0 + 1])
+                e2 = _vl(packed, e2, dd, w2, x8, xo + 8, nxc[t + 3, b, l0 + 2])
+                e3 = _vl(packed, e3, dd, w3, x8, xo + 12, nxc[t + 3, b, l0 + 3])
             if h == 0:                      # lanes 0-3 of the 4 rows wait in the scratch
                 vstore(scr, 0, a0)
                 vstore(scr, 16, a1)
@@ -499,32 +502,34 @@ def _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, dst, col, scr):
                                               vadd(vadd(vload(scr, 208), e1), vadd(vload(scr, 240), e3))), se))
         t += 4
     while t < T:
-        a0 = vzero()
-        a1 = vzero()
-        a2 = vzero()
-        a3 = vzero()
-        a4 = vzero()
-        a5 = vzero()
-        a6 = vzero()
-        a7 = vzero()
+        # lanes 0-3 of every block first, then lanes 4-7 (each lane's own block order kept; 4
+        # accumulators, not 8: AVX2's 16 registers hold them without spilling), then the offsets
+        for h in range(2):
+            a0 = vzero()
+            a1 = vzero()
+            a2 = vzero()
+            a3 = vzero()
+            l0 = 4 * h
+            for b in range(nb):
+                w0, w1, w2, w3 = _vl_half(w, (g * nb + b) * wb, packed, h)
+                da = vmul_s(vload_h(d, (g * nb + b) * 16), dx[t, b])
+                xa = t * K + b * 32 + 16 * h
+                a0 = _vl(packed, a0, da, w0, x8, xa, nxc[t, b, l0])
+                a1 = _vl(packed, a1, da, w1, x8, xa + 4, nxc[t, b, l0 + 1])
+                a2 = _vl(packed, a2, da, w2, x8, xa + 8, nxc[t, b, l0 + 2])
+                a3 = _vl(packed, a3, da, w3, x8, xa + 12, nxc[t, b, l0 + 3])
+            if h == 0:
+                vstore(scr, 0, a0)
+                vstore(scr, 16, a1)
+                vstore(scr, 32, a2)
+                vstore(scr, 48, a3)
         sa = vzero()
-        for b in range(nb):
-            o = (g * nb + b) * wb
-            w0, w1, w2, w3 = _vl_half(w, o, packed, 0)
-            w4, w5, w6, w7 = _vl_half(w, o, packed, 1)
-            da = vmul_s(vload_h(d, (g * nb + b) * 16), dx[t, b])
-            xa = t * K + b * 32
-            a0 = _vl(a0, da, w0, x8, xa, nxc[t, b, 0])
-            a1 = _vl(a1, da, w1, x8, xa + 4, nxc[t, b, 1])
-            a2 = _vl(a2, da, w2, x8, xa + 8, nxc[t, b, 2])
-            a3 = _vl(a3, da, w3, x8, xa + 12, nxc[t, b, 3])
-            a4 = _vl(a4, da, w4, x8, xa + 16, nxc[t, b, 4])
-            a5 = _vl(a5, da, w5, x8, xa + 20, nxc[t, b, 5])
-            a6 = _vl(a6, da, w6, x8, xa + 24, nxc[t, b, 6])
-            a7 = _vl(a7, da, w7, x8, xa + 28, nxc[t, b, 7])
-            if has_m:
+        if has_m:
+            for b in range(nb):
                 sa = vfma_s(vload_h(m, (g * nb + b) * 16), xs[t, b], sa)
-        vstore_row(dst, t, col, vadd(vadd(vadd(vadd(a0, a4), vadd(a2, a6)), vadd(vadd(a1, a5), vadd(a3, a7))), sa))
+        # hsum_float_8: (l, l+4) pairs, then (0,2) + (1,3); then + summs
+        vstore_row(dst, t, col, vadd(vadd(vadd(vadd(vload(scr, 0), a0), vadd(vload(scr, 32), a2)),
+                                          vadd(vadd(vload(scr, 16), a1), vadd(vload(scr, 48), a3))), sa))
         t += 1
 
 
@@ -735,64 +740,42 @@ def _q6k_vec_row(q, sc, d, g, xi, t, bs16, dy, dst, col):
 
 
 @njit(cache=True)
-def _q6k_vec_row_avx2(q, sc, d, g, xi, t, bs16, dy, dst, col):
-    # _q6k_vec_row (the same form, operations and bits) for AVX2: each lane's 4-element products
-    # by vpmaddubsw (levels 0..63: at most 2*63*127 per int16, exact) and scaled by vpmaddwd
-    # against the sub-block scale (exact int32)
+def _q6k_vec_row_avx2(q, sc, d, g, xi, t, bs16, dy, dst, col, scr):
+    # _q6k_vec_row (the same form, operations and bits) for AVX2, two lanes at a time (lanes
+    # 2p, 2p+1 over every super-block, then the next pair: each lane's own fma chain over the
+    # super-blocks is kept, and 2 int + 2 float accumulators fit AVX2's 16 registers); each lane's
+    # 4-element products by vpmaddubsw (levels 0..63: at most 2*63*127 per int16, exact) scaled by
+    # vpmaddwd against the sub-block scale (exact int32). scr f32 [>= 128] holds the lanes' sums.
     nsb = d.shape[1]
     K = xi.shape[1]
-    a0 = vzero()
-    a1 = vzero()
-    a2 = vzero()
-    a3 = vzero()
-    a4 = vzero()
-    a5 = vzero()
-    a6 = vzero()
-    a7 = vzero()
-    for b in range(nsb):
-        base = g * nsb + b
-        qo = base * _Q6_GB
-        so = base * 256
-        xo = t * K + b * 256
-        l0 = izero()
-        l1 = izero()
-        l2 = izero()
-        l3 = izero()
-        l4 = izero()
-        l5 = izero()
-        l6 = izero()
-        l7 = izero()
-        for v in range(8):
-            s0 = iload16_s8(sc, so + 32 * v)
-            s1 = iload16_s8(sc, so + 32 * v + 16)
-            x = xo + v * 32
-            l0 = iadd(l0, maddw_s(maddubs(_q6_chunk(q, qo, v, 0), ibcast4(xi, x)), s0))
-            l1 = iadd(l1, maddw_s(maddubs(_q6_chunk(q, qo, v, 1), ibcast4(xi, x + 4)), s0))
-            l2 = iadd(l2, maddw_s(maddubs(_q6_chunk(q, qo, v, 2), ibcast4(xi, x + 8)), s0))
-            l3 = iadd(l3, maddw_s(maddubs(_q6_chunk(q, qo, v, 3), ibcast4(xi, x + 12)), s0))
-            l4 = iadd(l4, maddw_s(maddubs(_q6_chunk(q, qo, v, 4), ibcast4(xi, x + 16)), s1))
-            l5 = iadd(l5, maddw_s(maddubs(_q6_chunk(q, qo, v, 5), ibcast4(xi, x + 20)), s1))
-            l6 = iadd(l6, maddw_s(maddubs(_q6_chunk(q, qo, v, 6), ibcast4(xi, x + 24)), s1))
-            l7 = iadd(l7, maddw_s(maddubs(_q6_chunk(q, qo, v, 7), ibcast4(xi, x + 28)), s1))
-        bo = b * 16
-        l0 = isub(l0, _q6_corr(sc, so, bs16, t, bo, 0))
-        l1 = isub(l1, _q6_corr(sc, so, bs16, t, bo, 1))
-        l2 = isub(l2, _q6_corr(sc, so, bs16, t, bo, 2))
-        l3 = isub(l3, _q6_corr(sc, so, bs16, t, bo, 3))
-        l4 = isub(l4, _q6_corr(sc, so, bs16, t, bo, 4))
-        l5 = isub(l5, _q6_corr(sc, so, bs16, t, bo, 5))
-        l6 = isub(l6, _q6_corr(sc, so, bs16, t, bo, 6))
-        l7 = isub(l7, _q6_corr(sc, so, bs16, t, bo, 7))
-        dd = vmul_s(vload_h(d, base * 16), dy[t, b])
-        a0 = vfma(dd, i2f(l0), a0)
-        a1 = vfma(dd, i2f(l1), a1)
-        a2 = vfma(dd, i2f(l2), a2)
-        a3 = vfma(dd, i2f(l3), a3)
-        a4 = vfma(dd, i2f(l4), a4)
-        a5 = vfma(dd, i2f(l5), a5)
-        a6 = vfma(dd, i2f(l6), a6)
-        a7 = vfma(dd, i2f(l7), a7)
-    vstore_row(dst, t, col, vadd(vadd(vadd(a0, a4), vadd(a2, a6)), vadd(vadd(a1, a5), vadd(a3, a7))))
+    for p in range(4):
+        la = 2 * p
+        sh = la >> 2                            # both lanes of the pair take sub-block 2v + sh
+        a0 = vzero()
+        a1 = vzero()
+        for b in range(nsb):
+            base = g * nsb + b
+            qo = base * _Q6_GB
+            so = base * 256
+            xo = t * K + b * 256
+            l0 = izero()
+            l1 = izero()
+            for v in range(8):
+                s = iload16_s8(sc, so + 32 * v + 16 * sh)
+                x = xo + v * 32 + 4 * la
+                l0 = iadd(l0, maddw_s(maddubs(_q6_chunk(q, qo, v, la), ibcast4(xi, x)), s))
+                l1 = iadd(l1, maddw_s(maddubs(_q6_chunk(q, qo, v, la + 1), ibcast4(xi, x + 4)), s))
+            bo = b * 16
+            l0 = isub(l0, _q6_corr(sc, so, bs16, t, bo, la))
+            l1 = isub(l1, _q6_corr(sc, so, bs16, t, bo, la + 1))
+            dd = vmul_s(vload_h(d, base * 16), dy[t, b])
+            a0 = vfma(dd, i2f(l0), a0)
+            a1 = vfma(dd, i2f(l1), a1)
+        vstore(scr, 32 * p, a0)
+        vstore(scr, 32 * p + 16, a1)
+    # hsum_float_8 of the lanes: ((0+4) + (2+6)) + ((1+5) + (3+7))
+    vstore_row(dst, t, col, vadd(vadd(vadd(vload(scr, 0), vload(scr, 64)), vadd(vload(scr, 32), vload(scr, 96))),
+                                 vadd(vadd(vload(scr, 16), vload(scr, 80)), vadd(vload(scr, 48), vload(scr, 112)))))
 
 
 @njit(cache=True)
@@ -882,6 +865,7 @@ def matmul_q6k_vnni(q, sc, d, xi, dy, bs16, tiled, n_out, out):
     ng = d.shape[0]
     T = xi.shape[0]
     for c in prange((ng + _LANE_CHUNK - 1) // _LANE_CHUNK):
+        scr = np.empty(128, np.float32)
         for g in range(c * _LANE_CHUNK, min(ng, c * _LANE_CHUNK + _LANE_CHUNK)):
             full = (g + 1) * LANE_ROWS <= n_out
             tmp = out if full else np.empty((T, LANE_ROWS), np.float32)
@@ -897,7 +881,7 @@ def matmul_q6k_vnni(q, sc, d, xi, dy, bs16, tiled, n_out, out):
                         t += 1
                 else:
                     if _AVX2:
-                        _q6k_vec_row_avx2(q, sc, d, g, xi, t, bs16, dy, tmp, col)
+                        _q6k_vec_row_avx2(q, sc, d, g, xi, t, bs16, dy, tmp, col, scr)
                     else:
                         _q6k_vec_row(q, sc, d, g, xi, t, bs16, dy, tmp, col)
                     t += 1
@@ -952,3 +936,20 @@ def matmul_kq_x(x, is_q4, q, sc, mn, d, m, gemm, tiled, n_out, out):
         matmul_q4k_vnni(q, sc, mn, d, m, xi, dy, bs32, gemm, n_out, out)
     else:
         matmul_q6k_vnni(q, sc, d, xi, dy, bs16, tiled, n_out, out)
+
+
+@njit(cache=True)
+def matmul_lanes_x(x, with_s, fp16_s, w, packed, d, m, bias, n_out, out):
+    # out[:, :n_out] = x @ W.T for a VNNI 32-block form W ("vlanes" / "vlanes4"; m [0, 0, 0]: no
+    # offset) from float32 activations x [T, K]: quant_q8_0's levels, scales and sums (q8_1's when
+    # fp16_s), lane_levels with ``bias``, then matmul_lanes_vnni — one call from Python instead of three
+    T, K = x.shape
+    nb = K // 32
+    xq = np.empty((T, K), np.float32)
+    dx = np.empty((T, nb), np.float32)
+    xs = np.zeros((T, nb), np.float32)
+    quant_q8_0(x, xq, dx, xs, with_s, fp16_s)
+    x8 = np.empty((T, K), np.int8)
+    nxc = np.empty((T, nb, 8), np.int32)
+    lane_levels(xq, bias, x8, nxc.reshape(T, nb * 8))
+    matmul_lanes_vnni(w, packed, d, m, x8, nxc, dx, xs, n_out, out)

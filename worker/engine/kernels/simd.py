@@ -223,12 +223,12 @@ def _host_features() -> dict[str, bool]:
     return {k: bool(v) for k, v in binding.get_host_cpu_features().items()}
 
 
-#: The instruction set the integer dot products are lowered to, decided once from the host CPU
-#: (numba compiles for the host; its on-disk cache is keyed by the CPU, so a cached kernel of
-#: another machine is never run here): ``"vnni"`` (AVX512-VNNI with F and BW: ``vpdpbusd``),
-#: ``"avx2"`` (AVX2 with FMA and F16C: ``vpmaddubsw`` + ``vpmaddwd``, the way ggml's own AVX2
-#: kernels take their integer dot products) or ``""`` (neither: the vector kernels are not used).
 def host_isa() -> str:
+    """The instruction set the integer dot products are lowered to, from the host CPU (numba
+    compiles for the host; its on-disk cache is keyed by the CPU, so a cached kernel of another
+    machine is never run here): ``"vnni"`` (AVX512-VNNI with F and BW: ``vpdpbusd``), ``"avx2"``
+    (AVX2 with FMA and F16C: ``vpmaddubsw`` + ``vpmaddwd``, the way ggml's own AVX2 kernels take
+    their integer dot products) or ``""`` (neither: the vector kernels are not used)."""
     f = _host_features()
     if f.get("avx512vnni") and f.get("avx512bw") and f.get("avx512f"):
         return "vnni"
@@ -237,6 +237,7 @@ def host_isa() -> str:
     return ""
 
 
+#: :func:`host_isa` of this process
 ISA = host_isa()
 _V32B = ir.VectorType(ir.IntType(8), 32)
 _V64B = ir.VectorType(ir.IntType(8), 64)
