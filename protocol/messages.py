@@ -39,8 +39,9 @@ from protocol.limits import WEIGHT_MODES
 #: 8: Accepted (a Generate's prompt fits and is queued; what its constraint set aside); ApplyTemplate.tools.
 #: 9: Error.n_prompt_tokens / n_ctx (a context overflow's figures); Generate / ApplyTemplate template_kwargs;
 #:    Generate.post_sampling_probs.
-#: 10: Assign (a warm spare, started without a model, is given one; Hello.model "" until then).
-PROTOCOL_VERSION = 10
+#: 10: Pong.n_decode_total / n_busy_slots_total (llama.cpp's decode-call metrics).
+#: 11: Assign (a warm spare, started without a model, is given one; Hello.model "" until then).
+PROTOCOL_VERSION = 11
 
 #: Largest frame either side accepts, in bytes (a 100 KB prompt as token ids is < 1 MiB).
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -287,6 +288,11 @@ class Pong(Message):
     ``/slots`` names: ``{"id": int, "id_task": str | None (the request id
     running in it), "is_processing": bool, "n_past": int (tokens its KV
     holds)}``.
+
+    ``n_decode_total`` / ``n_busy_slots_total``: since the worker started, its batched forward
+    passes (llama.cpp's ``llama_decode`` calls) and the sum over them of the slots busy at each
+    (``server_metrics::on_decoded`` in llama.cpp's tools/server: a slot running a request,
+    prefilling or decoding, counts whether or not that pass carried it).
     """
 
     TYPE: ClassVar[str] = "pong"
@@ -296,6 +302,8 @@ class Pong(Message):
     slots: list[dict[str, Any]] = field(default_factory=list)
     kv_tokens: int = 0  # KV positions held (running sequences and idle prefix-cache entries)
     kv_budget_tokens: int = 0  # KV positions the budget allows in all
+    n_decode_total: int = 0  # batched forward passes run since the worker started
+    n_busy_slots_total: int = 0  # over those passes, the slots busy at each
     pid: int
 
 

@@ -475,7 +475,8 @@ class WorkerServer:
             snap = self.runner.snapshot
             self._send(Pong(id=msg.id, busy=bool(self.running), queue_len=len(self.pending),
                             running_ids=list(self.running), slots=list(snap.slots), kv_tokens=snap.kv_tokens,
-                            kv_budget_tokens=snap.kv_budget_tokens, pid=self.pid))
+                            kv_budget_tokens=snap.kv_budget_tokens, n_decode_total=snap.n_decode_total,
+                            n_busy_slots_total=snap.n_busy_slots_total, pid=self.pid))
         elif isinstance(msg, Generate):
             self._on_generate(msg)
         elif isinstance(msg, Cancel):

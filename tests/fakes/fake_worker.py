@@ -48,6 +48,8 @@ The hold file is ``$MODELYARD_FAKE_FILE.hold``: tests create it to keep a load o
 generation in progress for exactly as long as they need, instead of racing a sleep.
 
 Generated token k has id 100+k and piece " w<id>"; Detokenize([i]) gives " w<i>".
+Decode calls (Pong.n_decode_total): a prompt's prefill is one and each generated token one more;
+each counts the generations running at that moment as its busy slots (Pong.n_busy_slots_total).
 Every event is appended as a JSON line to ``MODELYARD_FAKE_LOG`` if set.
 """
 
@@ -154,6 +156,8 @@ class FakeWorker:
         self.held = [0] * self.max_jobs  # tokens each slot's KV holds (kept after a request ends)
         self.cancelled: set[str] = set()
         self.task: asyncio.Task[None] | None = None
+        self.n_decode = 0  # "decode calls" (see the module docstring)
+        self.n_busy_slots = 0
 
     async def send(self, msg: Message) -> None:
         await self.sock.send(encode(msg))
@@ -264,6 +268,10 @@ class FakeWorker:
                 _log("parent_gone")
                 os._exit(0)
 
+    def _decoded(self) -> None:
+        self.n_decode += 1
+        self.n_busy_slots += len(self.running)
+
     async def handle(self, msg: Message) -> None:
         if isinstance(msg, Ping):
             if msg.threads:
@@ -273,7 +281,8 @@ class FakeWorker:
                      for i in range(self.max_jobs)] if self.sw.get("report_slots") else []
             await self.send(Pong(id=msg.id, busy=bool(self.running), queue_len=0,
                                  running_ids=list(self.running), slots=slots, kv_tokens=sum(self.held),
-                                 kv_budget_tokens=self.max_jobs * self.n_ctx, pid=os.getpid()))
+                                 kv_budget_tokens=self.max_jobs * self.n_ctx, n_decode_total=self.n_decode,
+                                 n_busy_slots_total=self.n_busy_slots, pid=os.getpid()))
         elif isinstance(msg, Cancel):
             _log("cancel", id=msg.id)
             if not self.sw.get("ignore_cancel"):
@@ -368,6 +377,7 @@ class FakeWorker:
         while time.monotonic() - t0 < prefill_s and g.id not in self.cancelled:  # "prefill"
             await asyncio.sleep(min(0.01, prefill_s))
         prompt_ms = (time.monotonic() - t0) * 1000
+        self._decoded()  # the prefill
         t1 = time.monotonic()
         limit = max_tokens if max_tokens is not None else self.n_ctx - len(prompt_ids)
         pieces: list[bytes] = []
@@ -432,6 +442,7 @@ class FakeWorker:
                    for j in range(g.n_probs)]
             if n == 1:
                 _log("first_token", id=g.id)
+            self._decoded()
             await self.send(Token(id=g.id, text=delta, token_id=tid, piece=pc,
                                   logprob=-0.5 if g.n_probs else None, top_logprobs=top))
             if crash:
