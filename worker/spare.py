@@ -53,8 +53,10 @@ def warm_up(kernels: bool = True) -> float:
     numba's on-disk cache; ``kernels`` False: the imports only). Returns the seconds it took.
     Never raises: a kernel that cannot be loaded now is loaded (or reported) by the model's
     load, as without a spare. Measured: ~1.2 s of imports and ~2.5 s of kernels on a busy
-    2-core machine; the spare then holds ~160 MiB (the matmuls of every type cost ~4 MiB more
-    than the file-independent kernels alone)."""
+    2-core machine with a current numba cache (a stale one, after a kernel source changed,
+    compiles every type: minutes); the spare then holds ~210 MiB (the matmuls of every type cost
+    ~4 MiB more than the file-independent kernels alone; tokenizers and the architectures ~45 MiB,
+    which the model's load would import anyway)."""
     t0 = time.monotonic()
     import numpy  # noqa: F401  - the imports are the point
 
