@@ -1,15 +1,17 @@
 """The token path: run Generate jobs on the engine's batch scheduler, off the socket thread.
 
 This module is the narrow seam between the socket loop (``worker.server``) and
-the engine. The server only ever:
+the engine, and the one owner of the jobs (its :class:`~worker.jobs.JobTable`). The server only ever:
 
-* ``submit(job)``s a :class:`Job` while fewer than ``capacity`` jobs run
-  (``capacity`` = the engine's KV slots, config ``parallel``),
-* ``cancel(job_id)``s a running job (sets its cancel flag, which the engine
-  polls before each step and between the layers of a forward pass: it leaves the
-  batch without waiting for the pass running now, and the others go on unchanged),
+* ``submit(g)``s a Generate as it arrives (checked, queued: at most ``max_queue`` wait beyond
+  the ``capacity`` that run; ``capacity`` = the engine's KV slots, config ``parallel``), or gets
+  the Error refusing it; waiting jobs start, in arrival order, as slots free,
+* ``cancel_waiting(job_id)``s a waiting job, or ``cancel(job_id)``s a running one (sets its
+  cancel flag, which the engine polls before each step and between the layers of a forward
+  pass: it leaves the batch without waiting for the pass running now, and the others go on unchanged),
+* ``release(job_id)``s a job once it sent its last frame (the next waiting one starts),
 * reads :attr:`BatchRunner.snapshot` (slots and KV use after the last step,
-  published by the engine thread; reading it never waits for a step),
+  published by the engine thread; reading it never waits for a step) and :attr:`BatchRunner.jobs`,
 * receives events (:class:`FrameOut` for Token frames, :class:`JobFinished`
   with the job's Done or Error, :class:`LoadStep`, :class:`Loaded`, :class:`LoadFailed`) through
   the ``post`` callable it handed in.
@@ -17,7 +19,7 @@ the engine. The server only ever:
 Threads: the *engine* thread loads the model, then loops: take prepared jobs,
 ``engine.add`` them, abort cancelled ones, ``engine.step()`` (one batched
 forward over every live sequence), post the finished. The *prep* thread turns
-each submitted Generate into prompt ids (chat template, tokenizer, checks),
+each started Generate into prompt ids (chat template, tokenizer, checks),
 so a large prompt being tokenized never stalls the running streams' steps.
 The *text* thread answers Tokenize / Detokenize / ApplyTemplate, so three 7 MB
 ``/tokenize`` calls never hold up a Generate's preparation (nor, the tokenizer
@@ -60,6 +62,7 @@ from protocol import (
 )
 from protocol.errors import ErrorCode
 from worker.engine import EngineError, SamplingParams
+from worker.jobs import Job, JobTable
 from worker.threads import apply_blas_threads
 
 log = logging.getLogger("modelyard.worker")
@@ -71,7 +74,7 @@ def error_frame(request_id: str, e: EngineError) -> Error:
     return Error(id=request_id, code=e.code, message=e.message, n_prompt_tokens=e.n_prompt_tokens, n_ctx=e.n_ctx)
 
 __all__ = [
-    "BatchRunner", "FrameOut", "Job", "JobFinished", "LoadFailed", "LoadStep", "Loaded", "Persisted", "RunnerEvent",
+    "BatchRunner", "FrameOut", "JobFinished", "LoadFailed", "LoadStep", "Loaded", "Persisted", "RunnerEvent",
     "RunnerSnapshot", "StateOut", "cancelled_done", "check_generate", "sampling_params",
 ]
 
@@ -80,27 +83,6 @@ INTERNAL_ERROR = ErrorCode.INTERNAL_ERROR
 
 
 # ----------------------------------------------------------------------------- jobs
-
-
-@dataclass
-class Job:
-    """One Generate request, queued or running.
-
-    ``cancel`` is set by the socket thread (Cancel, Shutdown, parent gone) and
-    read by the engine thread. ``tokens_sent`` counts Token frames posted
-    (engine thread writes, socket thread reads only after the job finished or
-    gave up on it). ``received`` is ``time.monotonic()`` at arrival (s).
-    """
-
-    msg: Generate
-    received: float = field(default_factory=time.monotonic)
-    cancel: threading.Event = field(default_factory=threading.Event)
-    tokens_sent: int = 0
-    cancel_at: float | None = None  # monotonic time the socket thread asked to cancel (s), for its log
-
-    @property
-    def id(self) -> str:
-        return self.msg.id
 
 
 # ----------------------------------------------------------------------------- events
@@ -331,6 +313,7 @@ class BatchRunner:
         n_ubatch too when it is not None.
         post: called (from the runner threads) with each :class:`RunnerEvent`;
             must be thread-safe and must not block.
+        max_queue: jobs that may wait beyond the ``capacity`` running ones.
 
     Per job it posts zero or more FrameOut(Token), then exactly one
     JobFinished carrying the job's Done or Error.
@@ -339,7 +322,8 @@ class BatchRunner:
     def __init__(self, loader: Callable[..., Any], gguf_path: str, n_ctx: int | None,
                  chat_template: str | None, post: Callable[[RunnerEvent], None], *, parallel: int = 1,
                  kv_budget_mib: float | None = None, weights: str | None = None, n_ubatch: int | None = None,
-                 slot_save_path: str | None = None, kv_cache_dir: str | None = None, kv_cache_mib: float = 0.0) -> None:
+                 slot_save_path: str | None = None, kv_cache_dir: str | None = None, kv_cache_mib: float = 0.0,
+                 max_queue: int) -> None:
         self._loader = loader
         self._weights = weights
         self._extra: dict[str, Any] = {} if n_ubatch is None else {"n_ubatch": n_ubatch}
@@ -349,14 +333,14 @@ class BatchRunner:
         self._parallel = parallel
         self._kv_budget_mib = kv_budget_mib
         self._post = post
-        self.capacity = parallel
+        #: the jobs, waiting and running: their one record (worker.jobs)
+        self.jobs = JobTable(max_queue, parallel)
+        self._serving = False  # jobs start once the server sent Ready (begin_serving)
         self._prep_inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._text_inbox: queue.SimpleQueue[Tokenize | Detokenize | ApplyTemplate | None] = queue.SimpleQueue()
         self._ready: queue.SimpleQueue[tuple[Job, list[int] | None, Any] | None] = queue.SimpleQueue()
-        self._running: dict[str, Job] = {}
         self._runs: dict[str, _Run] = {}  # job id -> its sequences in the engine (engine thread only)
         self._seq: dict[str, tuple[_Run, int]] = {}  # engine sequence id -> (run, choice index)
-        self._lock = threading.Lock()
         self._wake = threading.Event()
         self._threads_wanted = 0  # BLAS threads asked by the router (Ping.threads), applied between steps
         self._stop = False
@@ -382,14 +366,45 @@ class BatchRunner:
         """Start the threads; the engine thread loads the engine and posts Loaded or LoadFailed."""
         self._thread.start()
 
-    def submit(self, job: Job) -> None:
-        """Run ``job`` as soon as it is prepared. Only call while ``len(running) < capacity``
-        and after Loaded."""
-        with self._lock:
-            if len(self._running) >= self.capacity:
-                raise RuntimeError("runner is full")  # a server bug, never a request's fault
-            self._running[job.id] = job
-        self._prep_inbox.put(job)
+    @property
+    def capacity(self) -> int:
+        """Jobs that run at once (the engine's KV slots once loaded; ``parallel`` before)."""
+        return self.jobs.capacity
+
+    def submit(self, g: Generate) -> Error | None:
+        """Take Generate ``g``: the Error refusing it (its id in use, a bad value:
+        :func:`check_generate`, the line full), or None: it waits, and starts as soon as a slot
+        is free (in arrival order)."""
+        err = self.jobs.id_in_use(g) or check_generate(g, None if self.engine is None else int(self.engine.info.n_vocab))
+        if err is not None:
+            return err
+        err = self.jobs.admit(g, can_start=self._serving)
+        if err is None:
+            self._start_waiting()
+        return err
+
+    def begin_serving(self) -> None:
+        """The server sent Ready: waiting jobs may start."""
+        self._serving = True
+        self._start_waiting()
+
+    def cancel_waiting(self, job_id: str) -> bool:
+        """Drop waiting job ``job_id`` (the server answers it cancelled); False if not waiting."""
+        return self.jobs.drop_waiting(job_id)
+
+    def release(self, job_id: str) -> Job | None:
+        """Job ``job_id`` is over (its last frame is being sent): free its place, start the next
+        waiting one. Returns the job, or None if it was not running (given up on at exit)."""
+        job = self.jobs.release(job_id)
+        self._start_waiting()
+        return job
+
+    def _start_waiting(self) -> None:
+        while self._serving and not self._stop:
+            job = self.jobs.start_next()
+            if job is None:
+                return
+            self._prep_inbox.put(job)
 
     def submit_text_op(self, msg: Tokenize | Detokenize | ApplyTemplate) -> None:
         """Answer ``msg`` from the text thread (a FrameOut with its result or Error), in
@@ -447,8 +462,7 @@ class BatchRunner:
 
     def cancel(self, job_id: str) -> bool:
         """Ask running job ``job_id`` to stop; False if it is not running."""
-        with self._lock:
-            job = self._running.get(job_id)
+        job = self.jobs.running(job_id)
         if job is None:
             return False
         job.cancel.set()
@@ -457,9 +471,7 @@ class BatchRunner:
 
     def stop(self, timeout_s: float) -> bool:
         """Cancel everything, end the threads; True if the engine thread ended within ``timeout_s`` s."""
-        with self._lock:
-            jobs = list(self._running.values())
-        for job in jobs:
+        for job in self.jobs.running_jobs():
             job.cancel.set()
         self._stop = True
         self._prep_inbox.put(None)
@@ -623,7 +635,7 @@ class BatchRunner:
             self._post(LoadFailed(f"{type(e).__name__}: {e}"))
             return
         self.engine = engine
-        self.capacity = max(1, int(getattr(engine.info, "n_parallel", self._parallel) or 1))
+        self.jobs.capacity = max(1, int(getattr(engine.info, "n_parallel", self._parallel) or 1))
         if self._kv_cache_dir:
             self._open_disk(engine)
         self._publish()
@@ -900,9 +912,8 @@ class BatchRunner:
                     cache_n=int(res.cache_n), id_slot=int(f.id_slot), **eog)
 
     def _end(self, job_id: str, final: Done | Error, post: bool = True) -> None:
+        """The engine is done with ``job_id`` (the server releases it once its last frame is out)."""
         self._runs.pop(job_id, None)
-        with self._lock:
-            self._running.pop(job_id, None)
         if post:
             self._post(JobFinished(job_id, final))
 

@@ -12,8 +12,9 @@ computed, and notices within ~0.2 s that its parent process is gone.
 Sequence: connect, send Hello(id=worker id), load (in the runner thread),
 send LoadProgress frames while loading, then Ready (or Error(code="load_failed") and exit status 1), then serve.
 
-Job queue: ``runner.capacity`` generations run at once (1: the depth-one
-queue); further Generates wait in arrival order, at most ``max_queue`` of them;
+Jobs: the runner owns them (``worker.runner``, its ``jobs`` table); this loop hands each
+Generate to it and sends what it answers. ``runner.capacity`` generations run at once (1: the
+depth-one queue); further Generates wait in arrival order, at most ``max_queue`` of them;
 beyond that the worker answers Error(code="busy"). Cancel of a waiting request
 removes it and answers Done(finish_reason="cancelled") with zero tokens; of the
 running one, it sets the job's cancel flag, which the engine polls before each
@@ -44,7 +45,6 @@ import queue
 import threading
 import time
 import traceback
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -81,7 +81,6 @@ from protocol import (
 )
 from worker.runner import (
     FrameOut,
-    Job,
     JobFinished,
     LoadFailed,
     LoadStep,
@@ -91,8 +90,8 @@ from worker.runner import (
     BatchRunner,
     StateOut,
     cancelled_done,
-    check_generate,
 )
+from worker.jobs import Job
 
 log = logging.getLogger("modelyard.worker")
 
@@ -234,10 +233,8 @@ class WorkerServer:
         self.runner = runner_factory(loader or default_loader, cfg.gguf, cfg.n_ctx, cfg.chat_template, self._post,
                                      parallel=cfg.parallel, kv_budget_mib=cfg.kv_budget_mib, weights=cfg.weights,
                                      n_ubatch=cfg.n_ubatch, slot_save_path=cfg.slot_save_path, kv_cache_dir=cfg.kv_cache_dir,
-                                     kv_cache_mib=cfg.kv_cache_mib)
+                                     kv_cache_mib=cfg.kv_cache_mib, max_queue=cfg.max_queue)
         self.engine: Any = None
-        self.pending: deque[Job] = deque()
-        self.running: dict[str, Job] = {}
         self._sock: zmq.Socket[bytes] | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._exit_code: int | None = None
@@ -351,13 +348,12 @@ class WorkerServer:
             if isinstance(ev, FrameOut):
                 self._send(ev.msg)
             elif isinstance(ev, JobFinished):
-                job = self.running.pop(ev.job_id, None)
+                job = self.runner.release(ev.job_id)
                 if job is not None:  # None only after giving up on it at exit (answered already)
                     self._send(ev.final)
                 if job is not None and job.cancel_at is not None:
                     log.debug("request %s: Cancel -> Done in %.1f ms", job.id,
                               (time.monotonic() - job.cancel_at) * 1e3)
-                self._start_next()
             elif isinstance(ev, StateOut):
                 self._on_state_out(ev)
             elif isinstance(ev, LoadStep):
@@ -369,8 +365,8 @@ class WorkerServer:
             elif isinstance(ev, LoadFailed):
                 log.error("cannot load %s (%s): %s", self.cfg.model, self.cfg.gguf, ev.reason)
                 self._send(Error(id=self.worker_id, code=ErrorCode.LOAD_FAILED, message=ev.reason[:4000]))
-                while self.pending:  # requests that arrived while loading
-                    self._send(Error(id=self.pending.popleft().id, code=ErrorCode.LOAD_FAILED, message=ev.reason[:4000]))
+                for job in self.runner.jobs.take_waiting():  # requests that arrived while loading
+                    self._send(Error(id=job.id, code=ErrorCode.LOAD_FAILED, message=ev.reason[:4000]))
                 self._stop_reason = "load failed"
                 self._exit_code = 1
 
@@ -398,14 +394,7 @@ class WorkerServer:
         if self._stopping:  # Shutdown arrived while loading: nothing runs, leave now
             self._exit_code = 0
             return
-        self._start_next()
-
-    def _start_next(self) -> None:
-        while (self.engine is not None and not self._stopping and self.pending
-               and len(self.running) < self.runner.capacity):
-            job = self.pending.popleft()
-            self.running[job.id] = job
-            self.runner.submit(job)
+        self.runner.begin_serving()
 
     # ------------------------------------------------------------------ socket
 
@@ -466,8 +455,9 @@ class WorkerServer:
         if isinstance(msg, Ping):
             self.runner.request_threads(msg.threads)
             snap = self.runner.snapshot
-            self._send(Pong(id=msg.id, busy=bool(self.running), queue_len=len(self.pending),
-                            running_ids=list(self.running), slots=list(snap.slots), kv_tokens=snap.kv_tokens,
+            running, waiting = self.runner.jobs.counts()
+            self._send(Pong(id=msg.id, busy=bool(running), queue_len=waiting,
+                            running_ids=running, slots=list(snap.slots), kv_tokens=snap.kv_tokens,
                             kv_budget_tokens=snap.kv_budget_tokens, pid=self.pid))
         elif isinstance(msg, Generate):
             self._on_generate(msg)
@@ -502,33 +492,20 @@ class WorkerServer:
         if self._stopping:
             self._send(Error(id=g.id, code=ErrorCode.BUSY, message="the worker is shutting down"))
             return
-        if g.id in self.running or any(j.id == g.id for j in self.pending):
-            self._send(Error(id=g.id, code=ErrorCode.INVALID_REQUEST, message=f"request id {g.id!r} is already in use"))
-            return
-        err = check_generate(g, None if self.engine is None else int(self.engine.info.n_vocab))
+        err = self.runner.submit(g)
         if err is not None:
             self._send(err)
             return
-        can_start_now = self.engine is not None and not self.pending and len(self.running) < self.runner.capacity
-        if not can_start_now and len(self.pending) >= self.cfg.max_queue:
-            self._send(Error(id=g.id, code=ErrorCode.BUSY, message=(
-                f"the worker is busy: {len(self.running)} running, {len(self.pending)} waiting "
-                f"(max_queue={self.cfg.max_queue})")))
-            return
-        self.pending.append(Job(g))
         log.info("request %s accepted (X-Request-Id %s)", g.id, g.trace_id or "-")
-        self._start_next()
 
     def _on_cancel(self, job_id: str) -> None:
         if self._receivers.pop(job_id, None) is not None:
             log.info("KV stream %s cancelled: the partial state is dropped", job_id)
             return
-        for job in self.pending:
-            if job.id == job_id:
-                self.pending.remove(job)
-                self._send(cancelled_done(job_id))
-                return
-        job = self.running.get(job_id)
+        if self.runner.cancel_waiting(job_id):
+            self._send(cancelled_done(job_id))
+            return
+        job = self.runner.jobs.running(job_id)
         if job is not None:
             self._cancel_running(job)
         # unknown (or already finished): ignored
@@ -547,7 +524,7 @@ class WorkerServer:
     def _on_state_out(self, ev: StateOut) -> None:
         from worker.kvstream import StateSender
 
-        job = self.running.get(ev.job_id)
+        job = self.runner.jobs.running(ev.job_id)
         if job is None:  # given up on at exit (answered already)
             return
         if job.cancel.is_set():
@@ -568,9 +545,8 @@ class WorkerServer:
             self._end_streamed(sender.job_id, sender.final)
 
     def _end_streamed(self, job_id: str, final: Message) -> None:
-        if self.running.pop(job_id, None) is not None:
+        if self.runner.release(job_id) is not None:
             self._send(final)
-        self._start_next()
 
     def _on_kv_chunk(self, msg: KVChunk) -> None:
         from worker.engine.kv.state import KVStateError
@@ -639,9 +615,9 @@ class WorkerServer:
         self._stopping = True
         self._stop_reason = reason
         self._stop_deadline = time.monotonic() + grace_s
-        while self.pending:
-            self._send(cancelled_done(self.pending.popleft().id))
-        for job in list(self.running.values()):
+        for job in self.runner.jobs.take_waiting():
+            self._send(cancelled_done(job.id))
+        for job in self.runner.jobs.running_jobs():
             self._cancel_running(job)
         if linger_ms != 0 and self.engine is not None:  # not when the parent is gone: nobody to serve again
             self._persisting = self.runner.persist()
@@ -651,14 +627,13 @@ class WorkerServer:
         if self.engine is None and self._exit_code is None:
             self._exit_code = 0  # still loading: nothing runs, nothing to wait for
             return
-        if not self.running:
+        if not self.runner.jobs.running_jobs():
             if not self._persisting:  # the KV cache is saved (the router's grace bounds how long)
                 self._exit_code = 0
         elif now >= self._stop_deadline:
-            for job in self.running.values():
+            for job in self.runner.jobs.release_all():
                 log.warning("request %s did not stop within the grace period; exiting anyway", job.id)
                 self._send(cancelled_done(job.id, job.tokens_sent))
-            self.running.clear()
             self._exit_code = 0
 
     def _close(self) -> None:
