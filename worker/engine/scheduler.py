@@ -58,7 +58,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -221,6 +221,21 @@ class _Slot:
     id: int
     seq: _Seq | None = None
     last_entry: KVEntry | None = None
+
+
+@dataclass(eq=False)
+class _StepPlan:
+    """One forward pass as :meth:`Scheduler._plan` laid it out: the flat batch ``tokens [N]``, one
+    :class:`Segment` per part, ``parts`` (sequence, tokens fed, wants logits) in batch order, the
+    batch rows whose logits are wanted (each such part's last row), the batch's sequences once
+    each, and those with a ``should_stop`` to poll between layers."""
+
+    tokens: list[int] = field(default_factory=list)
+    segs: list[Segment] = field(default_factory=list)
+    parts: list[tuple[_Seq, list[int], bool]] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    members: list[_Seq] = field(default_factory=list)
+    watched: list[_Seq] = field(default_factory=list)
 
 
 class Scheduler:
@@ -444,6 +459,11 @@ class Scheduler:
     def step(self) -> list[Finished]:
         """Admit, build one batch, run one forward pass, sample; return the sequences that ended.
 
+        Three phases: :meth:`_plan` (which sequences' tokens this pass carries, and whose logits
+        it wants), :meth:`_execute` (the forward pass; nothing is changed if it fails or is
+        interrupted), :meth:`_commit` (append the fed tokens to the KV entries, sample, end the
+        finished).
+
         Never raises for a sequence's fault: a model error ends every sequence
         of that batch with ``Finished.error``; a callback error ends its own.
         A sequence whose ``should_stop()`` turns true while the pass runs ends it between two
@@ -457,13 +477,25 @@ class Scheduler:
                 s.seq.finish("cancelled", "cancelled")
             done.append(self._finish(s))
         self._admit()
+        plan = self._plan()
+        if plan is None:
+            return done
+        logits = self._execute(plan, done)
+        if logits is not None:
+            self._commit(plan, logits, done)
+        return done
+
+    def _plan(self) -> _StepPlan | None:
+        """The next pass's flat batch: every decoding sequence's next token, then prompt slices
+        of the prefilling ones (first come first served, within ``n_batch`` — at most
+        ``DECODE_PREFILL_CHUNK`` beside decodes — never crossing a micro-batch's end); None when
+        there is nothing to run. Records a sliding-window model's checkpoints due before a slice."""
         decode = [sl.seq for sl in self.slots if sl.seq is not None and not sl.seq.prefilling
                   and sl.seq.next_token is not None]
         prefill = sorted((sl.seq for sl in self.slots if sl.seq is not None and sl.seq.prefilling),
                          key=lambda s: s.t_admit)
-        tokens: list[int] = []
-        segs: list[Segment] = []
-        parts: list[tuple[_Seq, list[int], bool]] = []  # (seq, tokens fed, wants logits)
+        plan = _StepPlan()
+        tokens, segs, parts = plan.tokens, plan.segs, plan.parts
         for s in decode:
             assert s.entry is not None and s.next_token is not None
             segs.append(Segment(s.entry, len(tokens), 1, s.entry.n_past))
@@ -488,38 +520,46 @@ class Scheduler:
             if budget <= 0:
                 break
         if not tokens:
-            return done
-        rows: list[int] = []
-        for seg, (_, _, want) in zip(segs, parts):
-            if want:
-                rows.append(seg.start + seg.n - 1)
-        members = list(dict.fromkeys(s for s, _, _ in parts))  # the batch's sequences, once each
-        watched = [s for s in members if s.req.should_stop is not None]
-        batch = AttnBatch(segs, self.model.dtype,
+            return None
+        plan.rows = [seg.start + seg.n - 1 for seg, (_, _, want) in zip(segs, parts) if want]
+        plan.members = list(dict.fromkeys(s for s, _, _ in parts))  # the batch's sequences, once each
+        plan.watched = [s for s in plan.members if s.req.should_stop is not None]
+        return plan
+
+    def _execute(self, plan: _StepPlan, done: list[Finished]) -> np.ndarray | None:
+        """Run the planned pass: logits ``[len(plan.rows), n_vocab]``, or None when it was
+        interrupted (the stopped sequences end cancelled) or failed (its sequences end with the
+        error); either way nothing was appended: the K/V written past each entry's ``n_past`` are
+        never read before being written again (attention module docstring)."""
+        watched = plan.watched
+        batch = AttnBatch(plan.segs, self.model.dtype,
                           (lambda: any(self._stopped(s) for s in watched)) if watched else None)
         self.stats["passes"] += 1
         try:
-            logits = self.model.forward_batch(np.asarray(tokens, dtype=np.int64), batch, rows)  # [R, n_vocab]
+            return self.model.forward_batch(np.asarray(plan.tokens, dtype=np.int64), batch, plan.rows)
         except StepInterrupted:
-            # nothing was appended: the K/V written past each entry's n_past are never read
-            # before being written again (attention module docstring)
             self.stats["interrupted"] += 1
             for s in watched:
                 if self._stopped(s):
                     if not s.seq.done:
                         s.seq.finish("cancelled", "cancelled")
                     done.append(self._finish(s))
-            return done
+            return None
         except Exception as e:  # noqa: BLE001 - a model failure ends this batch's sequences, not the worker
-            for s in members:
+            for s in plan.members:
                 done.append(self._finish(s, e))
-            return done
+            return None
         finally:
             self.stats["layers"] += batch.layers_run
             self.stats["last_layers"] = batch.layers_run
+
+    def _commit(self, plan: _StepPlan, logits: np.ndarray, done: list[Finished]) -> None:
+        """The pass ran: append each part's fed tokens to its entry, advance the prefills, sample
+        the next token of every part that wanted logits (``logits`` rows in ``plan.rows`` order)
+        and end the sequences that finished (or whose ``on_token`` raised)."""
         now = time.perf_counter()
         r = 0
-        for s, fed, want in parts:
+        for s, fed, want in plan.parts:
             assert s.entry is not None
             s.entry.tokens.extend(fed)
             s.entry.last_use = self._clock
@@ -541,7 +581,6 @@ class Scheduler:
                 continue
             if s.next_token is None:
                 done.append(self._finish(s))
-        return done
 
     # ------------------------------------------------------------------ internals
 
