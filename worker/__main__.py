@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         from worker.engine import preload_kernels
 
         preload_kernels()
-    from worker.server import WorkerConfig, WorkerServer
+    from worker.config import WorkerConfig
+    from worker.server import WorkerServer
 
     logging.basicConfig(level=os.environ.get("MODELYARD_WORKER_LOG", "INFO").upper(),
                         format=f"%(asctime)s %(levelname)s worker[{os.getpid()}] %(message)s")
