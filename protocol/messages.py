@@ -30,6 +30,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from protocol.sampling import SamplingFields
+
 #: Bumped on any incompatible change; a frame with another version is rejected.
 #: 5: KV-state streams (KVChunk / KVAck, Generate.stream_state).
 #: 6: token ids of TokenizeResult / Detokenize travel as TokenIds (int32 bytes), pieces as one blob.
@@ -351,20 +353,12 @@ class ApplyTemplateResult(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Generate(Message):
+class Generate(Message, SamplingFields):
     """Run one generation. Exactly one of ``prompt`` (text or token ids) and
     ``messages`` (chat, rendered with the model's template by the worker) is set.
 
-    Sampling fields use llama.cpp's names and defaults; temperature <= 0 is greedy.
-    ``max_tokens`` None means until the context (n_ctx) is full.
-    ``logit_bias`` is a list of [token_id, bias] pairs.
-
-    Constraints (at most one; the worker masks every sampled token with it, and an
-    invalid one is an Error "invalid_grammar" before any token):
-    ``json_schema`` — the text of a JSON Schema the output must match;
-    ``grammar`` — a Lark grammar (llguidance's dialect: ``%json {...}``, regexes,
-    ``start``) the output must match. The generation ends ("stop") when the
-    constraint allows nothing more.
+    The sampling fields (llama.cpp's names and defaults, the constraints ``json_schema`` /
+    ``grammar``) are :class:`protocol.sampling.SamplingFields`'s, declared there once.
     """
 
     TYPE: ClassVar[str] = "generate"
@@ -376,29 +370,7 @@ class Generate(Message):
     # with messages: more variables for the template (llama.cpp's chat_template_kwargs, e.g.
     # enable_thinking); messages, tools, add_generation_prompt, bos_token, eos_token are not among them
     template_kwargs: dict[str, Any] = field(default_factory=dict)
-    add_special: bool = True
-    parse_special: bool = True
-    max_tokens: int | None = None
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    logit_bias: list[list[Any]] = field(default_factory=list)
-    stop: list[str] = field(default_factory=list)
-    n_probs: int = 0  # top-N logprobs per token, 0 = none
-    # llama.cpp's post_sampling_probs: the logprobs (the token's and the top n_probs) are of the
-    # sampler chain's distribution (after top-k, top-p, min-p, temperature), not the model's
-    post_sampling_probs: bool = False
-    ignore_eos: bool = False
-    cache_prompt: bool = True
     n: int = 1  # choices: n sequences from one prefilled prompt (seed + i each when seeded)
-    json_schema: str | None = None
-    grammar: str | None = None
     # with messages: render them with this chat template (Jinja text or a known name such as
     # "chatml") instead of the model's own — a preset's template over the same loaded weights
     chat_template: str | None = None

@@ -11,6 +11,7 @@ from typing import Any
 from protocol import Done, Error, Generate, slot_filename_error
 from protocol.errors import ErrorCode
 from protocol.limits import GENERATE_LIMITS
+from protocol.sampling import SAMPLING_FIELDS
 from worker.engine import EngineError, SamplingParams
 
 __all__ = ["INTERNAL_ERROR", "cancelled_done", "check_generate", "done_frame", "error_frame", "job_problem",
@@ -77,21 +78,17 @@ def _bias_pairs(pairs: list[Any]) -> dict[Any, float]:
 
 
 def sampling_params(g: Generate) -> SamplingParams:
-    """The engine's SamplingParams for ``g`` (field by field; ``logit_bias`` pairs to a map).
+    """The engine's SamplingParams for ``g``: every field of ``protocol.sampling.SAMPLING_FIELDS``
+    (``logit_bias`` pairs to a map).
 
     Raises:
         EngineError("invalid_params"): a malformed ``logit_bias`` entry. Ranges are
             checked later by ``Engine.generate``.
     """
-    return SamplingParams(
-        max_tokens=g.max_tokens, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
-        min_p=g.min_p, repeat_penalty=g.repeat_penalty, repeat_last_n=g.repeat_last_n,
-        presence_penalty=g.presence_penalty, frequency_penalty=g.frequency_penalty, seed=g.seed,
-        logit_bias=_bias_pairs(g.logit_bias), stop=list(g.stop), n_probs=g.n_probs,
-        post_sampling_probs=g.post_sampling_probs,
-        ignore_eos=g.ignore_eos, add_special=g.add_special, parse_special=g.parse_special,
-        cache_prompt=g.cache_prompt, json_schema=g.json_schema, grammar=g.grammar,
-    )
+    values = {f.name: getattr(g, f.name) for f in SAMPLING_FIELDS}
+    values["logit_bias"] = _bias_pairs(g.logit_bias)
+    values["stop"] = list(g.stop)
+    return SamplingParams(**values)
 
 
 def cancelled_done(job_id: str, completion_tokens: int = 0) -> Done:
