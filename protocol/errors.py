@@ -1,5 +1,5 @@
 """The codes an ``Error`` frame carries: one typed enumeration for the worker (which sends
-them) and the router (which maps each to an HTTP answer, ``router.errors``).
+them) and the router (which maps each to an HTTP answer, ``router.http.errors``).
 
 ``ErrorCode`` is a ``StrEnum``: a member *is* its string on the wire, so frames are
 unchanged. The router's mapping covers every member (a test holds it to that); a code

@@ -87,8 +87,9 @@ class TokenIds(bytes):
             a.byteswap()
         return cls(a.tobytes())
 
+    # deliberately replaces bytes.count (a substring count, meaningless over packed int32 ids)
     @property
-    def count(self) -> int:
+    def count(self) -> int:  # type: ignore[override]
         """Number of ids."""
         return len(self) // self.ITEM_BYTES
 
@@ -207,7 +208,7 @@ class Accepted(Message):
 
     ``set_aside``: what the constraint could not enforce and was loosened to the nearest
     enforceable grammar (e.g. ``Unimplemented keys: ["propertyNames"]``), for the client
-    to be told (``router.set_aside``)."""
+    to be told (``router.http.set_aside``)."""
 
     TYPE: ClassVar[str] = "accepted"
     prompt_tokens: int  # the prompt's tokens
@@ -378,7 +379,7 @@ class Generate(Message, SamplingFields):
     # a plain file name (slot_filename_error): as the generation ends, the worker saves its KV entry
     # to that file in its --slot-save-path, in the same step (nothing can take the entry over
     # first), and sends the Done once the file is written (an Error if it cannot be); "" = no save.
-    # The disaggregated hand-over (router.disaggregate) uses it; n must be 1.
+    # The disaggregated hand-over (router.serving.disaggregate) uses it; n must be 1.
     save_slot_to: str = ""
     # True: as the generation ends (same step), the worker streams its KV entry's state
     # (worker.engine.kv.state format) as KVChunk frames with this id, at most KV_WINDOW beyond

@@ -21,25 +21,26 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
-from router import status_page
-from router import admin, anthropic_api, stream_sessions, decode_api, llamacpp_api, llamacpp_router, openai_api, openai_responses, openapi
-from router import ollama_api
-from router.background import BackgroundStore
-from router.stream_sessions import StreamSessions
-from router.access_log import AccessLog
-from router.auth import BearerAuth
+from router.operator import status_page
+from router.operator import admin
+from router.dialects import anthropic_api, stream_sessions, decode_api, llamacpp_api, llamacpp_router, openai_api, openai_responses, openapi
+from router.dialects import ollama_api
+from router.dialects.background import BackgroundStore
+from router.dialects.stream_sessions import StreamSessions
+from router.http.access_log import AccessLog
+from router.http.auth import BearerAuth
 from router.cli_args import version
 from router.config import Config
-from router.errors import ApiError, InternalError, MethodNotAllowed, NotFound, error_response
+from router.http.errors import ApiError, InternalError, MethodNotAllowed, NotFound, error_response
 from router.metrics import CONTENT_TYPE, Metrics, RequestMetrics
-from router.http_server import FramingGuard, RequestAdmission
-from router.pool import Pool
-from router.response_store import ResponseStore
-from router.responses import JSONResponse
-from router.security import BrowserGuard
-from router.set_aside import SetAsideHeader
+from router.http.http_server import FramingGuard, RequestAdmission
+from router.workers.pool import Pool
+from router.dialects.response_store import ResponseStore
+from router.http.responses import JSONResponse
+from router.http.security import BrowserGuard
+from router.http.set_aside import SetAsideHeader
 
 log = logging.getLogger("modelyard.app")
 
@@ -69,7 +70,7 @@ async def root(request: Request) -> Response:
     Never loads a model; behind the api key when one is set. A browser's ``GET /`` (Accept:
     text/html) goes to the status page."""
     if request.method == "GET" and "text/html" in request.headers.get("accept", ""):
-        return RedirectResponse("/ui", status_code=307)  # a browser: the status page (router.status_page)
+        return RedirectResponse("/ui", status_code=307)  # a browser: the status page (router.operator.status_page)
     pool: Pool = request.app.state.pool
     return JSONResponse({"status": "ok", "service": "modelyard", "version": version(),
                          "models": list(pool.slots)})
@@ -136,7 +137,7 @@ def create_app(config: Config, *, worker_module: str | None = None,
             await app.state.background.close()  # its runs end (Cancel) before the workers stop
             await app.state.pool.close()
 
-    routes = [Route("/", root, methods=["GET", "HEAD"]), Route("/api/hello", root, methods=["GET", "HEAD"]),
+    routes: list[BaseRoute] = [Route("/", root, methods=["GET", "HEAD"]), Route("/api/hello", root, methods=["GET", "HEAD"]),
               Route("/health", health, methods=["GET"]), Route("/v1/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"]),
               *openai_api.routes, *openai_responses.routes, *decode_api.routes, *anthropic_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *ollama_api.routes, *stream_sessions.routes, *admin.routes,
@@ -144,7 +145,7 @@ def create_app(config: Config, *, worker_module: str | None = None,
     app = Starlette(
         routes=routes,
         # outermost first: the access log and X-Request-Id, admission (requests in progress), what was set
-        # aside (router.set_aside), request framing, metrics, then browser-origin rules (and CORS preflights), then keys
+        # aside (router.http.set_aside), request framing, metrics, then browser-origin rules (and CORS preflights), then keys
         middleware=[Middleware(AccessLog, routes=routes), Middleware(RequestAdmission, server=config.server),
                     Middleware(SetAsideHeader), Middleware(FramingGuard),
                     Middleware(RequestMetrics, metrics=registry, routes=routes),

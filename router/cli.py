@@ -36,10 +36,11 @@ import uvicorn
 from starlette.applications import Starlette
 
 from router.app import create_app
-from router import cli_client, discovery
+from router import cli_client
+from router.workers import discovery
 from router.cli_args import CLIENT_COMMANDS, parser, version
 from router.config import Config, ConfigError, check_public_bind, load_config
-from router.http_server import uvicorn_settings
+from router.http.http_server import uvicorn_settings
 
 
 #: Seconds between ending the running generations and uvicorn's own deadline, which

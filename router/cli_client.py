@@ -5,12 +5,12 @@ Where: ``--url``, else ``$MODELYARD_URL``, else the ``[server]`` host and port o
 (default ``config.toml``; a wildcard host such as ``0.0.0.0`` is reached on loopback), else
 ``http://127.0.0.1:8080``. Keys: ``$MODELYARD_API_KEY`` / ``$MODELYARD_ADMIN_KEY``, else the config
 file's ``api_key`` / ``admin_key``; the admin routes get the admin key (the api key when no admin
-key is known), as ``router.auth`` checks them.
+key is known), as ``router.http.auth`` checks them.
 
 * ``ps`` — ``GET /admin/models``, the models holding a worker (loading, ready, unresponsive,
   draining): state, pid, memory (RSS), slots busy/total, queue, load time, when it unloads.
 * ``models`` — ``GET /admin/models``, every model with its GGUF header facts
-  (``router.gguf_meta.ModelInfo``); an invalid file shows its reason.
+  (``router.workers.gguf_meta.ModelInfo``); an invalid file shows its reason.
 * ``load NAME`` / ``unload NAME`` — ``POST /admin/models/load`` / ``unload``; waits for the answer.
 * ``events`` — ``GET /admin/events?recent=N``: one line per event (``--follow``: until Ctrl-C).
 

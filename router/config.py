@@ -9,7 +9,7 @@ Layout::
                         discover_models, max_keep_alive_s
     [defaults]          any per-model key below except path/aliases; applies to every model
     [presets.NAME]      model (required), aliases, sampling keys, n_predict, system_prompt, chat_template,
-                        reasoning, chat_template_kwargs (router.presets)
+                        reasoning, chat_template_kwargs (router.serving.presets)
     [models.NAME]       path (required), aliases, n_ctx, chat_template, reasoning, max_queue,
                         load_timeout_s, cancel_timeout_s, drain_timeout_s,
                         shutdown_grace_s, ping_interval_s, ping_timeout_s, unresponsive_after_s,
@@ -91,7 +91,7 @@ class ModelConfig:
     ping_interval_s: float = 5.0  # liveness ping of a ready worker; 0 turns it off
     ping_timeout_s: float = 30.0  # no Pong within this: the worker is declared hung and killed
     # no frame (Token, Pong) from a worker that owes one for this long: state unresponsive (no new
-    # jobs handed to it) until a frame comes, or it is killed at ping_timeout_s (router.pool)
+    # jobs handed to it) until a frame comes, or it is killed at ping_timeout_s (router.workers.liveness)
     unresponsive_after_s: float = 3.0
     idle_ttl_s: float = 0.0  # nothing running or waiting this long: unload the worker; 0 = never
     n_threads: int | None = None  # the worker's BLAS threads (python -m worker --threads); None: environment's
@@ -99,14 +99,14 @@ class ModelConfig:
     kv_budget_mib: float | None = None  # KV memory of the worker's sequences + prefix cache; None: the worker's
     weights: str | None = None  # "quantized" | "f32" (python -m worker --weights); None: the worker's ("f32")
     n_ubatch: int | None = None  # tokens of a prompt's micro-batch (python -m worker --n-ubatch); None: the worker's (512)
-    # crash backoff (router.backoff): the n-th failure within crash_window_s waits
+    # crash backoff (router.workers.backoff): the n-th failure within crash_window_s waits
     # min(restart_backoff_s * 2**(n-1), restart_backoff_max_s) before the next start;
     # the max_crashes-th makes the model failed until an operator loads it
     restart_backoff_s: float = 1.0
     restart_backoff_max_s: float = 60.0
     max_crashes: int = 5
     crash_window_s: float = 300.0
-    pinned: bool = False  # never evicted for another model (router.placement) nor unloaded for idleness
+    pinned: bool = False  # never evicted for another model (router.workers.placement) nor unloaded for idleness
     # KV states (worker.engine.kv.state): POST /slots/{id}?action=save|restore|erase files live in
     # slot_save_path (None: slot actions are a 501); kv_cache_dir/<model name> keeps the idle KV
     # caches across unload / eviction / stop, restored lazily on a prefix match (None: off),
@@ -114,7 +114,7 @@ class ModelConfig:
     slot_save_path: Path | None = None
     kv_cache_dir: Path | None = None
     kv_cache_mib: float = 1024.0
-    # disaggregated prefill/decode (router.disaggregate): another configured model (same GGUF)
+    # disaggregated prefill/decode (router.serving.disaggregate): another configured model (same GGUF)
     # whose worker prefills this model's prompts; this model's worker decodes. None: this worker
     # does both. kv_transfer: how the KV state moves between them: "wire" (KVChunk frames
     # relayed by the router, the default) or "file" (through a slot_save_path both share)
@@ -123,14 +123,14 @@ class ModelConfig:
     # llama.cpp's -n / --n-predict: the length of an answer whose request names none, and the cap of
     # one that names more (it then ends with finish_reason "length"); -1: no limit but n_ctx
     n_predict: int = -1
-    # budgets (router.budget): n x max_tokens of one request at most this many tokens (0: n_ctx);
+    # budgets (router.serving.budget): n x max_tokens of one request at most this many tokens (0: n_ctx);
     # background generations' choices running at once on this model (0: max(1, parallel // 2))
     max_request_tokens: int = 0
     background_slots: int = 0
     sampling: dict[str, float | int] = field(default_factory=dict)
-    discovered: bool = False  # found in models_dir (router.discovery), not a [models.NAME] table
+    discovered: bool = False  # found in models_dir (router.workers.discovery), not a [models.NAME] table
     system_prompt: str | None = None  # the system message a chat request without one gets
-    preset: str | None = None  # set on the view a [presets.NAME] gives of this model (router.presets)
+    preset: str | None = None  # set on the view a [presets.NAME] gives of this model (router.serving.presets)
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # a preset's chat template variables
 
     @property
@@ -153,10 +153,10 @@ class ServerConfig:
     models_dir: Path = Path("models")
     transport: str = "ipc"
     shutdown_timeout_s: float = 10.0  # uvicorn's graceful-shutdown bound for open HTTP requests
-    # browser-origin protection (router.security)
+    # browser-origin protection (router.http.security)
     allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides loopback ones; "*": any
     cors_origins: tuple[str, ...] = ()  # Origins allowed cross-origin (with CORS headers); "*": any
-    # slow or absent clients (router.http_server)
+    # slow or absent clients (router.http.http_server)
     header_timeout_s: float = 10.0  # a connection's request head must arrive within this
     body_timeout_s: float = 30.0  # a request body must arrive in full within this (else 408)
     keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
@@ -164,15 +164,15 @@ class ServerConfig:
     max_header_bytes: int = 16 * 1024  # a request head larger than this is a 400 (h11)
     stream_stall_timeout_s: float = 30.0  # a client that reads nothing of its answer this long is cut off
     sse_keepalive_s: float = 5.0  # a stream silent this long (a prompt prefilling) sends a keep-alive
-    max_loaded: int = 0  # models holding a worker at once (0: no limit); router.placement evicts idle ones
-    # the Responses API's stored responses (router.response_store)
+    max_loaded: int = 0  # models holding a worker at once (0: no limit); router.workers.placement evicts idle ones
+    # the Responses API's stored responses (router.dialects.response_store)
     responses_store_max: int = 256  # responses kept for GET /v1/responses/{id} and previous_response_id
     responses_store_ttl_s: float = 3600.0  # a stored response is forgotten this long after it was made
-    # background generations: POST /v1/decode, background Responses (router.background)
+    # background generations: POST /v1/decode, background Responses (router.dialects.background)
     background_max: int = 256  # jobs kept, running or finished (the oldest finished is dropped first)
     background_ttl_s: float = 3600.0  # a finished job is forgotten this long after it ended (0: never)
     background_max_mib: float = 64.0  # the stored events of all jobs, MiB (oldest finished dropped first)
-    discover_models: bool = False  # serve every GGUF in models_dir under its file's name (router.discovery)
+    discover_models: bool = False  # serve every GGUF in models_dir under its file's name (router.workers.discovery)
     max_keep_alive_s: float | None = None  # the longest keep_alive / ttl a request may set (None: no cap)
     background_per_key: int = 8  # background jobs running at once per API key (keyless clients share one)
     background_unread_s: float = 600.0  # a running job nobody has read for this long is cancelled (0: never)
@@ -187,7 +187,7 @@ class Config:
     models: dict[str, ModelConfig]  # by canonical name, in file order
     source: Path | None = None
     defaults: dict[str, Any] = field(default_factory=dict)  # the [defaults] table (discovered models use it)
-    presets: dict[str, ModelConfig] = field(default_factory=dict)  # [presets.NAME]: a model's view (router.presets)
+    presets: dict[str, ModelConfig] = field(default_factory=dict)  # [presets.NAME]: a model's view (router.serving.presets)
 
     def resolve(self, name: str) -> ModelConfig | None:
         """The model called ``name`` (canonical name or alias), else None."""
@@ -233,7 +233,7 @@ _MODEL_KEYS = {
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases", "prefill_model", "kv_transfer"}
 #: ``reasoning`` values (llama.cpp's ``--reasoning``): the first is the default.
 REASONING_MODES = ("auto", "on", "off")
-#: ``kv_transfer`` values (router.disaggregate).
+#: ``kv_transfer`` values (router.serving.disaggregate).
 KV_TRANSFERS = ("wire", "file")
 _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport", "shutdown_timeout_s",
                 "allowed_hosts", "cors_origins", "header_timeout_s", "body_timeout_s",
@@ -400,7 +400,7 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
         )
     for name, m in models.items():
         _check_prefill_model(name, m, models)
-    from router.presets import parse_presets  # it builds on this module's readers
+    from router.serving.presets import parse_presets  # it builds on this module's readers
 
     presets = parse_presets(_table(data, "presets", "presets"), models, seen_ids)
     if server.default_model is not None and server.default_model not in seen_ids:
@@ -598,7 +598,7 @@ def _range(v: float, path: str, lo: float | None, hi: float | None) -> None:
         raise ConfigError(path, f"must be <= {hi}, got {v}")
 
 
-# The validators other config tables' readers share (router.presets reads [presets.*] with them):
+# The validators other config tables' readers share (router.serving.presets reads [presets.*] with them):
 # each raises ConfigError naming the key path, as for [models.*].
 check_id = _check_id
 read_float = _float

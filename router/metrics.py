@@ -32,8 +32,8 @@ from starlette.requests import Request
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.access_log import route_template
-from router.lifecycle import WorkerState
+from router.http.access_log import route_template
+from router.workers.lifecycle import WorkerState
 
 #: ``Content-Type`` of the text exposition.
 CONTENT_TYPE = CONTENT_TYPE_LATEST

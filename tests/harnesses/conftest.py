@@ -90,10 +90,8 @@ def live_router(artifacts_root: Path) -> Iterator[LiveRouter]:
     """One router for the session (its log, with the access lines, is kept with the exchanges)."""
     d = artifacts_root / "router"
     d.mkdir(exist_ok=True)
-    r = LiveRouter(d, CONFIG, real=True)
-    yield r
-    r.stop(timeout=60)
-    r.kill()
+    with LiveRouter(d, CONFIG, real=True) as r:
+        yield r
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

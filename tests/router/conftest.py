@@ -40,8 +40,12 @@ def free_port() -> int:
 
 
 class LiveRouter:
+    """A router subprocess on loopback. Use it as a context manager (stopped, and its workers
+    killed, at the end), or through :func:`router_fixture` for a module's one router."""
+
     def __init__(self, tmp: Path, config: str, *, real: bool = False, env: dict[str, str] | None = None) -> None:
         self.tmp = tmp
+        self.real = real
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config_path = tmp / "config.toml"
@@ -77,6 +81,13 @@ class LiveRouter:
                 self.kill()
                 raise RuntimeError(f"router did not come up:\n{self.log()}")
             time.sleep(0.05)
+
+    def __enter__(self) -> LiveRouter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(timeout=60 if self.real else 30)
+        self.kill()
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
@@ -176,6 +187,25 @@ def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
 def dummy_gguf(tmp: Path, *names: str) -> None:
     for n in names:
         (tmp / n).write_bytes(b"GGUF fake")
+
+
+def router_fixture(config: str, *, ggufs: tuple[str, ...] = (), fake: dict[str, Any] | None = None,
+                   real: bool = False) -> Any:
+    """A module's one live router as a module-scoped fixture named ``router``: ``ggufs`` are
+    dummy GGUF files made in the module's directory first, ``fake`` the fake workers' switches
+    set once it is up; ``real`` runs the real worker.
+
+    ``router = router_fixture(CONFIG, ggufs=("m.gguf",))`` in a test module."""
+
+    @pytest.fixture(scope="module", name="router")
+    def _router(module_tmp: Path) -> Iterator[LiveRouter]:
+        dummy_gguf(module_tmp, *ggufs)
+        with LiveRouter(module_tmp, config, real=real) as r:
+            if fake is not None:
+                r.set_fake(fake)
+            yield r
+
+    return _router
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import pytest
 
 from router.app import create_app
 from router.config import parse_config
-from router.pool import Pool
+from router.workers.pool import Pool
 from tests.router.conftest import ROOT, dummy_gguf
 
 

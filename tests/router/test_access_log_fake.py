@@ -1,17 +1,14 @@
-"""One structured access-log line per request and X-Request-Id (router.access_log),
+"""One structured access-log line per request and X-Request-Id (router.http.access_log),
 against fake workers: the id is taken from the request (or made), returned, written in
 the line, and carried to the worker in Generate.trace_id."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
-import pytest
 
-from tests.router.conftest import LiveRouter, dummy_gguf
+from tests.router.conftest import LiveRouter, router_fixture
 
 CONFIG = """
 [server]
@@ -22,13 +19,7 @@ aliases = ["alias-m"]
 """
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    dummy_gguf(module_tmp, "m.gguf")
-    r = LiveRouter(module_tmp, CONFIG)
-    r.set_fake({"m": {"length": 5, "token_delay_s": 0.01}})
-    yield r
-    r.stop()
+router = router_fixture(CONFIG, ggufs=("m.gguf",), fake={"m": {"length": 5, "token_delay_s": 0.01}})
 
 
 def lines_for(router: LiveRouter, rid: str) -> list[dict[str, str]]:

@@ -11,15 +11,13 @@ from __future__ import annotations
 import base64
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anthropic
 import httpx
 import pytest
 
-from tests.router.conftest import LiveRouter, dummy_gguf
+from tests.router.conftest import LiveRouter, router_fixture
 
 CONFIG = """
 [server]
@@ -32,12 +30,7 @@ path = "alpha.gguf"
 H = {"x-api-key": "sekrit", "anthropic-version": "2023-06-01"}
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    dummy_gguf(module_tmp, "alpha.gguf")
-    r = LiveRouter(module_tmp, CONFIG)
-    yield r
-    r.stop()
+router = router_fixture(CONFIG, ggufs=("alpha.gguf",))
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +200,7 @@ def test_a_tool_choice_of_a_server_tool_is_set_aside_with_it(router: LiveRouter)
 def test_consecutive_assistant_turns_are_combined_once() -> None:
     """A run of assistant turns becomes one, texts and tool calls in order (joined once: merging
     pairwise was quadratic on the event loop — 4,000 turns of 2 KB held every client 7.9 s)."""
-    from router.anthropic_api import _turns
+    from router.dialects.anthropic_api import _turns
 
     use = {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}}
     body = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
@@ -225,8 +218,8 @@ def test_a_prompt_too_long_to_tokenize_is_worded_as_anthropic_words_it() -> None
     tokenizing it (no token count): /v1/messages answered in OpenAI's wording, which Claude
     Code does not parse to compact; now 'prompt is too long: N tokens > M maximum' with the
     least count the characters imply."""
-    from router.anthropic_api import anthropic_context_error
-    from router.errors import ContextLengthExceeded
+    from router.dialects.anthropic_api import anthropic_context_error
+    from router.http.errors import ContextLengthExceeded
 
     e = ContextLengthExceeded("This model's maximum context length is 8192 tokens. However, the prompt has "
                               "7807946 characters, more than 8192 tokens of at most 162 characters can hold.")

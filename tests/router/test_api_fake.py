@@ -7,15 +7,13 @@ speaks the real protocol (tests/fakes/fake_worker.py).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from tests.router.conftest import LiveRouter, dummy_gguf
+from tests.router.conftest import LiveRouter, router_fixture
 
 CONFIG = """
 [server]
@@ -34,13 +32,7 @@ top_k = 7
 """
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    dummy_gguf(module_tmp, "alpha.gguf", "beta.gguf", "gamma.gguf")
-    r = LiveRouter(module_tmp, CONFIG)
-    r.set_fake({"beta": {"no_template": True}})
-    yield r
-    r.stop()
+router = router_fixture(CONFIG, ggufs=("alpha.gguf", "beta.gguf", "gamma.gguf"), fake={"beta": {"no_template": True}})
 
 
 def sse_lines(router: LiveRouter, path: str, body: dict[str, Any]) -> list[str]:
@@ -277,7 +269,7 @@ def test_native_completion_stream(router: LiveRouter) -> None:
 
 
 def test_token_text_drops_a_cut_off_character_as_llama_cpp() -> None:
-    from router.llamacpp_api import _token_text
+    from router.dialects.llamacpp_api import _token_text
 
     assert _token_text(b"\xf0\x9f") == "" and _token_text(b"a\xe2\x82") == "a" and _token_text(b"\xc3\xa9") == "\u00e9"
     assert _token_text(b"x\xa9") == "x\ufffd"  # a stray continuation byte is not a cut-off character
@@ -384,7 +376,7 @@ def test_a_lone_surrogate_in_the_model_name_is_a_400_not_a_500(router: LiveRoute
 
 
 def test_a_body_over_the_limit_is_413(router: LiveRouter) -> None:
-    from router.params import MAX_BODY_BYTES
+    from router.http.params import MAX_BODY_BYTES
 
     r = httpx.post(router.url + "/v1/completions", content=b"{" + b" " * MAX_BODY_BYTES + b"}", headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"

@@ -1,4 +1,4 @@
-"""Crash backoff (router.backoff) against fake workers, with an injected clock.
+"""Crash backoff (router.workers.backoff) against fake workers, with an injected clock.
 
 A crashed model restarts on the next request once its backoff has passed; before
 that requests get 503 ``restart_backoff`` with a Retry-After equal to the remaining
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from router.backoff import CrashHistory, CrashPolicy, Failure
-from router.pool import Pool
-from router.lifecycle import WorkerState
+from router.workers.backoff import CrashHistory, CrashPolicy, Failure
+from router.workers.pool import Pool
+from router.workers.lifecycle import WorkerState
 from tests.router.inproc import FakeClock, InProc, chat, until
 
 CONFIG = """

@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
-import pytest
 
-from tests.router.conftest import LiveRouter, dummy_gguf
+from tests.router.conftest import LiveRouter, router_fixture
 
 CONFIG = """
 [server]
@@ -32,12 +29,7 @@ n_threads = 1
 CORES = len(os.sched_getaffinity(0))
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    dummy_gguf(module_tmp, "m.gguf")
-    r = LiveRouter(module_tmp, CONFIG)
-    yield r
-    r.stop()
+router = router_fixture(CONFIG, ggufs=("m.gguf",))
 
 
 def last_threads(r: LiveRouter, model: str) -> int | None:

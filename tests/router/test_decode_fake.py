@@ -1,4 +1,4 @@
-"""Decode by id (router.background, router.decode_api) and background Responses against fake
+"""Decode by id (router.dialects.background, router.dialects.decode_api) and background Responses against fake
 workers: two ids at once never mix, late readers get every event from the first, DELETE
 really cancels (the worker's slot is free again), a deleted or expired id is a 404 for
 good, and the store keeps its bounds under 1,000 ids."""
@@ -9,7 +9,6 @@ import asyncio
 import base64
 import json
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from router.background import BackgroundStore
-from tests.router.conftest import LiveRouter, dummy_gguf
+from router.dialects.background import BackgroundStore
+from tests.router.conftest import LiveRouter, router_fixture
 from tests.router.inproc import FakeClock, InProc, until
 
 CONFIG = """
@@ -39,13 +38,7 @@ def sse_data(raw: str) -> list[Any]:
     return [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    dummy_gguf(module_tmp, "alpha.gguf")
-    r = LiveRouter(module_tmp, CONFIG)
-    r.set_fake({"alpha": {"max_jobs": 2, "report_slots": True}})
-    yield r
-    r.stop()
+router = router_fixture(CONFIG, ggufs=("alpha.gguf",), fake={"alpha": {"max_jobs": 2, "report_slots": True}})
 
 
 def _slots(router: LiveRouter) -> list[dict[str, Any]]:

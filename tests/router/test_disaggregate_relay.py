@@ -1,4 +1,4 @@
-"""The router's relay of a KV-state stream (router.disaggregate, kv_transfer = "wire"), with
+"""The router's relay of a KV-state stream (router.serving.disaggregate, kv_transfer = "wire"), with
 in-process stand-ins for the two workers: every byte relayed in order under the decode
 worker's transfer id, never more than KV_WINDOW chunks in flight, acks relayed as the prefill
 worker's credit; a refusal by the decode worker or a cancel mid-transfer closes the prefill
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-import router.disaggregate as dis
+import router.serving.disaggregate as dis
 from protocol import KV_WINDOW, Cancel, Done, Error, Generate, KVAck, KVChunk, SlotActionResult, Token
-from router.errors import ApiError
+from router.http.errors import ApiError
 
 
 def done(rid: str) -> Done:
@@ -23,7 +23,7 @@ def done(rid: str) -> Done:
 
 
 class Prefill:
-    """The prefill worker behind the Run: sends chunks while its credit allows (as worker.kvstream)."""
+    """The prefill worker behind the generation: sends chunks while its credit allows (as worker.kvstream)."""
 
     def __init__(self, chunks: list[bytes]) -> None:
         self.chunks, self.q, self.sent, self.credit, self.closed = chunks, asyncio.Queue(), 0, KV_WINDOW - 1, False
@@ -107,7 +107,7 @@ def setup(monkeypatch: pytest.MonkeyPatch, chunks: list[bytes], **kw: Any) -> tu
         def close(self) -> None:
             pre_w.closed = True
 
-    monkeypatch.setattr(dis, "Run", FakeRun)
+    monkeypatch.setattr(dis, "submit", FakeRun)  # the serving door: submit(slot, request_id)
 
     async def ready_worker() -> Decode:
         return dec

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router.discovery import model_name
+from router.workers.discovery import model_name
 from tests.router.conftest import LiveRouter
 from tests.router.test_cli_client_fake import cli
 from tests.worker.tiny_gguf import write_tiny_llama

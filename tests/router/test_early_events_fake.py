@@ -8,14 +8,12 @@ take S seconds; everything here is ordered by events, not by timing thresholds."
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.router.conftest import LiveRouter, dummy_gguf
+from tests.router.conftest import LiveRouter, router_fixture
 
 CONFIG = """
 [server]
@@ -26,12 +24,7 @@ path = "alpha.gguf"
 """
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    dummy_gguf(module_tmp, "alpha.gguf")
-    r = LiveRouter(module_tmp, CONFIG)
-    yield r
-    r.stop()
+router = router_fixture(CONFIG, ggufs=("alpha.gguf",))
 
 
 MSG = [{"role": "user", "content": "hi [prefill=1.5] [len=2]"}]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from protocol import Error, ErrorCode, decode, encode
-from router.errors import WORKER_CODES, BadGateway, BadRequest, ContextLengthExceeded, from_worker_error
+from router.http.errors import WORKER_CODES, BadGateway, BadRequest, ContextLengthExceeded, from_worker_error
 
 ROOT = Path(__file__).resolve().parents[2]
 

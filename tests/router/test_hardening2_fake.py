@@ -408,7 +408,7 @@ def test_the_request_ceiling_rules() -> None:
     from types import SimpleNamespace
 
     from protocol import Generate
-    from router.budget import RequestTooLarge, check_request_budget
+    from router.serving.budget import RequestTooLarge, check_request_budget
 
     def slot(n_ctx: int | None, cap: int = 0, budget: int = 0) -> Any:
         ready = SimpleNamespace(n_ctx=n_ctx, kv_budget_tokens=budget) if budget else None
@@ -429,7 +429,7 @@ def test_the_request_ceiling_rules() -> None:
 
 
 def test_redaction_covers_paths_and_worker_endpoints() -> None:
-    from router.errors import redact_paths
+    from router.http.errors import redact_paths
 
     text = ("load failed: /home/u/models/m.gguf (worker --endpoint ipc:///run/user/1/modelyard/9-x/w1.sock, "
             "tcp://127.0.0.1:40123)")

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from protocol import Detokenize, Generate, ProtocolError, Tokenize, encode
-from router.errors import unsendable
-from tests.router.conftest import LiveRouter, dummy_gguf
+from router.http.errors import unsendable
+from tests.router.conftest import LiveRouter, router_fixture
 
 CONFIG = """
 [server]
@@ -40,13 +38,7 @@ max_queue = 8
 BIG = 2**64  # one more than msgpack's largest unsigned integer
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    dummy_gguf(module_tmp, "m.gguf")
-    r = LiveRouter(module_tmp, CONFIG)
-    r.set_fake({"cold": {"hold_load": True}})
-    yield r
-    r.stop()
+router = router_fixture(CONFIG, ggufs=("m.gguf",), fake={"cold": {"hold_load": True}})
 
 
 def chat(content: str = "hi", **kw: Any) -> dict[str, Any]:
@@ -154,7 +146,7 @@ UNENCODABLE = [
 @pytest.mark.parametrize("path,template", UNENCODABLE, ids=[f"{p}-{i}" for i, (p, _) in enumerate(UNENCODABLE)])
 def test_a_request_the_protocol_cannot_carry_is_400_never_sent(router: LiveRouter, m_pid: int, path: str,
                                                                template: str) -> None:
-    # Passes validation, fails encoding: Run.start / _call must encode before recording the
+    # Passes validation, fails encoding: ModelServer.start / _call must encode before recording the
     # request as sent, so no Cancel goes to a worker that never got it (it would be killed as hung).
     cancels = len(router.fake_events("cancel"))
     r = httpx.post(router.url + path, content=(template % SURROGATE).encode(),

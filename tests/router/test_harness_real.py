@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -21,7 +19,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.router.conftest import MODELS, SMOLLM2, LiveRouter
+from tests.router.conftest import LiveRouter, MODELS, SMOLLM2, router_fixture
 
 pytestmark = [pytest.mark.slow]
 
@@ -40,12 +38,7 @@ aliases = ["smollm2"]
 MSG = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    r = LiveRouter(module_tmp, CONFIG, real=True)
-    yield r
-    r.stop(timeout=60)
-    r.kill()
+router = router_fixture(CONFIG, real=True)
 
 
 @pytest.fixture(scope="module")

@@ -19,13 +19,11 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.router.conftest import LiveRouter, dummy_gguf
+from tests.router.conftest import LiveRouter, router_fixture
 
 pytestmark = pytest.mark.reliability  # issue 11's probes (README: -m reliability)
 
@@ -50,13 +48,7 @@ FAKE = {"big": {"token_delay_s": 0.0, "length": 1_000_000, "n_ctx": 2_000_000}}
 WAIT_S = 30.0
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    dummy_gguf(module_tmp, "m.gguf")
-    r = LiveRouter(module_tmp, CONFIG)
-    r.set_fake(FAKE)
-    yield r
-    r.stop()
+router = router_fixture(CONFIG, ggufs=("m.gguf",), fake=FAKE)
 
 
 def _connect(r: LiveRouter) -> socket.socket:

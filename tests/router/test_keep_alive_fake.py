@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from router.errors import BadRequest
-from router.keep_alive import parse_duration, requested
-from tests.router.conftest import LiveRouter, dummy_gguf
+from router.http.errors import BadRequest
+from router.serving.keep_alive import parse_duration, requested
+from tests.router.conftest import LiveRouter, router_fixture
 from tests.router.test_cli_client_fake import cli
 
 CONFIG = """
@@ -49,12 +47,7 @@ def test_durations() -> None:
         assert e.value.param in ("keep_alive", "ttl")
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    dummy_gguf(module_tmp, "m.gguf")
-    r = LiveRouter(module_tmp, CONFIG)
-    yield r
-    r.stop()
+router = router_fixture(CONFIG, ggufs=("m.gguf",))
 
 
 def _chat(r: LiveRouter, model: str, **extra: Any) -> httpx.Response:

@@ -360,7 +360,7 @@ def test_waiters_for_a_load_are_served_before_a_later_request_evicts_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, route: str) -> None:
     """llama-server's router keeps FIFO: two requests wait for model b's load (max_loaded = 1); a
     later request for c waits until they are served, and never makes them a 503."""
-    from router.lifecycle import WorkerState
+    from router.workers.lifecycle import WorkerState
     from tests.router.inproc import until
     env = InProc(tmp_path, monkeypatch)
     env.set_fake({"b": {"hold_load": True}})
@@ -396,7 +396,7 @@ def test_a_client_leaving_while_its_model_loads_evicts_nothing_more(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """max_loaded = 2 with a and c loaded: a request for b evicts the least recently used (a) and b
     loads; its client leaving meanwhile evicts nothing else (c stays), b's load completes."""
-    from router.lifecycle import WorkerState
+    from router.workers.lifecycle import WorkerState
     from tests.router.inproc import until
     env = InProc(tmp_path, monkeypatch)
     env.set_fake({"b": {"hold_load": True}})
@@ -427,7 +427,7 @@ def test_a_client_leaving_while_its_model_loads_evicts_nothing_more(
 def test_a_model_unloaded_for_idleness_is_sleeping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """llama-server --sleep-idle-seconds (here idle_ttl_s): once asleep /health is 200 and /props is 200
     with ``is_sleeping: true`` without waking it; a generation wakes it, and /props says so."""
-    from router.lifecycle import WorkerState
+    from router.workers.lifecycle import WorkerState
     from tests.router.inproc import until
     env = InProc(tmp_path, monkeypatch)
 

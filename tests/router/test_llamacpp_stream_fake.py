@@ -5,13 +5,10 @@ workers: the generation outlives its connection and is replayed from any byte of
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
-import pytest
 
-from tests.router.conftest import LiveRouter, dummy_gguf
+from tests.router.conftest import LiveRouter, router_fixture
 
 CONFIG = """
 [server]
@@ -24,13 +21,7 @@ parallel = 2
 """
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    dummy_gguf(module_tmp, "m.gguf")
-    r = LiveRouter(module_tmp, CONFIG)
-    r.set_fake({"a": {"max_jobs": 2}})
-    yield r
-    r.stop()
+router = router_fixture(CONFIG, ggufs=("m.gguf",), fake={"a": {"max_jobs": 2}})
 
 
 def _lookup(router: LiveRouter, *ids: str) -> list[dict]:

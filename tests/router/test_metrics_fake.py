@@ -9,8 +9,6 @@ metrics themselves are polled until they show an event), never on a sleep.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,7 +16,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from router.metrics import Metrics
-from tests.router.conftest import LiveRouter, dummy_gguf
+from tests.router.conftest import LiveRouter, router_fixture
 from tests.router.metrics_util import Samples, delta, scrape, value
 
 KEY, ADMIN = "sk-test", "sk-admin"
@@ -52,13 +50,7 @@ SWITCHES: dict[str, Any] = {
 }
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    dummy_gguf(module_tmp, "m.gguf")
-    r = LiveRouter(module_tmp, CONFIG)
-    r.set_fake(SWITCHES)
-    yield r
-    r.stop()
+router = router_fixture(CONFIG, ggufs=("m.gguf",), fake=SWITCHES)
 
 
 def m(router: LiveRouter) -> Samples:

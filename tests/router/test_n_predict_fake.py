@@ -1,17 +1,16 @@
 """``n_predict`` per model, with llama.cpp's ``-n`` semantics: the length of an answer
 whose request names none, and the cap of one that names more (finish_reason "length"),
-on every generation route (they all pass through ``router.generation.begin``)."""
+on every generation route (they all pass through ``router.serving.generation.begin``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from router.config import ConfigError, parse_config
-from tests.router.conftest import LiveRouter, dummy_gguf
+from tests.router.conftest import LiveRouter, dummy_gguf, router_fixture
 
 CONFIG = """
 [server]
@@ -26,12 +25,7 @@ n_predict = -1
 """
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    dummy_gguf(module_tmp, "alpha.gguf")
-    r = LiveRouter(module_tmp, CONFIG)
-    yield r
-    r.stop()
+router = router_fixture(CONFIG, ggufs=("alpha.gguf",))
 
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -105,7 +99,7 @@ def test_head_and_get_root_answer(router: LiveRouter) -> None:
 
 
 def test_set_aside_items_name_the_keyword() -> None:
-    from router.generation import _set_aside_items
+    from router.serving.generation import _set_aside_items
 
     assert _set_aside_items('Unimplemented keys: ["propertyNames", "not"]') == ["propertyNames", "not"]
     assert _set_aside_items("oneOf not fully supported; falling back to anyOf. This may cause validation errors "

@@ -24,7 +24,7 @@ import httpx
 import ollama
 import pytest
 
-from router.gguf_meta import tensor_infos
+from router.workers.gguf_meta import tensor_infos
 from tests.router.conftest import LiveRouter, dummy_gguf
 from tests.worker.tiny_gguf import write_tiny_llama
 
@@ -199,7 +199,7 @@ def test_options_without_effect_are_set_aside_visibly(router: LiveRouter) -> Non
             "keep_alive": "10m"}
     r = post(router, "/api/chat", body)
     assert r.status_code == 200 and r.json()["message"]["content"] == TEXT12
-    # keep_alive is honoured (router.keep_alive, issue 27), not set aside
+    # keep_alive is honoured (router.serving.keep_alive, issue 27), not set aside
     assert r.headers["x-modelyard-set-aside"] == \
         "options:num_thread, options:num_gpu, options:use_mmap, options:num_ctx"
     log = router.log()
@@ -466,7 +466,7 @@ def test_tool_messages_find_their_calls_by_id_name_or_age() -> None:
     """A tool message answers the open call with its tool_call_id, else its tool_name, else
     (naming neither) the oldest open one — found without a scan per message (that was quadratic
     on the event loop: 20,000 calls answered in reverse held every client 50 s, 0.2 s now)."""
-    from router.ollama_api import chat_turns
+    from router.dialects.ollama_api import chat_turns
 
     def answered(msgs: list[dict[str, Any]]) -> list[tuple[str | None, str | None]]:
         return [(t.tool_call_id, t.name) for t in chat_turns({"messages": msgs}) if t.role == "tool"]

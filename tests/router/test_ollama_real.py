@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,7 +16,7 @@ import jsonschema
 import ollama
 import pytest
 
-from tests.router.conftest import MODELS, SMOLLM2, LiveRouter
+from tests.router.conftest import LiveRouter, MODELS, SMOLLM2, router_fixture
 
 pytestmark = [pytest.mark.slow]
 
@@ -37,12 +35,7 @@ GREEDY = {"temperature": 0, "num_predict": 16}
 MSG = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    r = LiveRouter(module_tmp, CONFIG, real=True)
-    yield r
-    r.stop(timeout=60)
-    r.kill()
+router = router_fixture(CONFIG, real=True)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from router.app import create_app
 from router.config import parse_config
-from router.openapi import PRIVATE_PREFIXES
+from router.dialects.openapi import PRIVATE_PREFIXES
 from tests.router.conftest import LiveRouter, dummy_gguf
 
 pytestmark = pytest.mark.reliability

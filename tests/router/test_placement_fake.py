@@ -1,4 +1,4 @@
-"""Placement (router.placement, Pool.place): max_loaded with LRU eviction of idle models,
+"""Placement (router.workers.placement, Pool.place): max_loaded with LRU eviction of idle models,
 drain-then-swap, pinning, and memory-aware loading — the decisions alone with made-up
 figures, then through the router with fake workers and injected memory figures.
 Waiting is on observed state only.
@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from protocol.weight_bytes import QUANTIZED_FORMS, VNNI_FORMS, host_has_vnni
-from router.lifecycle import WorkerState
-from router.placement import FILE_FACTOR, MiB, QUANTIZED_RUNTIME_BYTES, RUNTIME_BYTES, Estimate, Seat, decide, estimate
-from router.pool import Pool
+from router.workers.lifecycle import WorkerState
+from router.workers.placement import FILE_FACTOR, MiB, QUANTIZED_RUNTIME_BYTES, RUNTIME_BYTES, Estimate, Seat, decide, estimate
+from router.workers.pool import Pool
 from tests.router.conftest import GEMMA, SMOLLM2
 from tests.router.inproc import InProc, chat, until
 

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.router.conftest import GEMMA, MODELS, SMOLLM2, LiveRouter
+from tests.router.conftest import GEMMA, LiveRouter, MODELS, SMOLLM2, router_fixture
 
 pytestmark = [pytest.mark.slow]
 
@@ -40,12 +38,7 @@ max_queue = 16
 MSG = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    r = LiveRouter(module_tmp, CONFIG, real=True)
-    yield r
-    r.stop(timeout=60)
-    r.kill()
+router = router_fixture(CONFIG, real=True)
 
 
 def test_burst_to_a_third_model_evicts_the_idle_lru_one_and_loads_once(router: LiveRouter) -> None:

@@ -5,7 +5,6 @@ system prompt), a request's own value wins, and the config refuses what a preset
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ import httpx
 import pytest
 
 from router.config import ConfigError, parse_config
-from tests.router.conftest import LiveRouter, dummy_gguf
+from tests.router.conftest import LiveRouter, dummy_gguf, router_fixture
 from tests.router.test_cli_client_fake import cli
 
 CONFIG = """
@@ -46,12 +45,7 @@ reasoning = "on"
 """
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    dummy_gguf(module_tmp, "m.gguf")
-    r = LiveRouter(module_tmp, CONFIG)
-    yield r
-    r.stop()
+router = router_fixture(CONFIG, ggufs=("m.gguf",))
 
 
 def _chat(r: LiveRouter, model: str, **extra: Any) -> httpx.Response:

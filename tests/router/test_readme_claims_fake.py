@@ -9,13 +9,12 @@ import asyncio
 import json
 import signal
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.router.conftest import LiveRouter, dummy_gguf
+from tests.router.conftest import LiveRouter, dummy_gguf, router_fixture
 
 CONFIG = """
 [server]
@@ -33,12 +32,7 @@ path = "m.gguf"
 """
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    dummy_gguf(module_tmp, "m.gguf")
-    r = LiveRouter(module_tmp, CONFIG)
-    yield r
-    r.stop()
+router = router_fixture(CONFIG, ggufs=("m.gguf",))
 
 
 def _stream_lines(c: httpx.AsyncClient, body: dict[str, object], lines: list[str]) -> "asyncio.Task[None]":

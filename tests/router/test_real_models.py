@@ -15,7 +15,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import openai
 import psutil
 import pytest
 
-from tests.router.conftest import GEMMA, MODELS, ROOT, SMOLLM2, LiveRouter, alive
+from tests.router.conftest import GEMMA, LiveRouter, MODELS, ROOT, SMOLLM2, alive, router_fixture
 from tests.router.metrics_util import delta, scrape, value
 from tests.timing import report
 
@@ -69,12 +68,7 @@ restart_backoff_s = 0
 MSG = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    r = LiveRouter(module_tmp, CONFIG, real=True)
-    yield r
-    r.stop(timeout=60)
-    r.kill()
+router = router_fixture(CONFIG, real=True)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Requests a new user sends that were answered wrongly, against a fake worker.
 
 - Fields that change the answer are honoured or refused, never silently dropped
-  (router/field_policy.py), on every generation route: ``stop`` on /v1/messages, ``seed``
+  (router/dialects/field_policy.py), on every generation route: ``stop`` on /v1/messages, ``seed``
   or ``response_format`` on /v1/responses, ``n`` on /completion, ``image_data``, ``lora``
   or ``t_max_predict_ms`` anywhere were answered 200 as if they had not been sent.
 - A worker's 400 names the request field it is about; a request whose messages all fall
@@ -9,15 +9,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from router.field_policy import FIELDS, HONOURED
-from tests.router.conftest import LiveRouter, dummy_gguf
+from router.dialects.field_policy import FIELDS, HONOURED
+from tests.router.conftest import LiveRouter, router_fixture
 
 CONFIG = """
 [server]
@@ -64,12 +62,7 @@ NEUTRAL: dict[str, Any] = {
 UNHONOURED = [(route, key) for route in BASE for key in FIELDS if key not in HONOURED[route]]
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    dummy_gguf(module_tmp, "alpha.gguf")
-    r = LiveRouter(module_tmp, CONFIG)
-    yield r
-    r.stop()
+router = router_fixture(CONFIG, ggufs=("alpha.gguf",))
 
 
 def test_every_field_has_a_changing_value() -> None:

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
-from router.set_aside import HEADER, header_value
-from router.tools import namespaced_name
-from tests.router.conftest import LiveRouter, dummy_gguf
+from router.http.set_aside import HEADER, header_value
+from router.dialects.tools import namespaced_name
+from tests.router.conftest import LiveRouter, router_fixture
 
 CONFIG = """
 [server]
@@ -40,12 +37,7 @@ HOSTED = [{"type": "web_search", "external_web_access": False}, {"type": "file_s
           {"type": "mcp", "server_label": "x", "server_url": "http://127.0.0.1:1"}, {"type": "local_shell"}]
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    dummy_gguf(module_tmp, "alpha.gguf")
-    r = LiveRouter(module_tmp, CONFIG)
-    yield r
-    r.stop()
+router = router_fixture(CONFIG, ggufs=("alpha.gguf",))
 
 
 def reply(text: str) -> str:

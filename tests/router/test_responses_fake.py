@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from router.response_store import ResponseStore
-from router.tools import ChatTurn
-from tests.router.conftest import LiveRouter, dummy_gguf
+from router.dialects.response_store import ResponseStore
+from router.dialects.tools import ChatTurn
+from tests.router.conftest import LiveRouter, router_fixture
 
 CONFIG = """
 [server]
@@ -27,12 +25,7 @@ path = "alpha.gguf"
 """
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    dummy_gguf(module_tmp, "alpha.gguf")
-    r = LiveRouter(module_tmp, CONFIG)
-    yield r
-    r.stop()
+router = router_fixture(CONFIG, ggufs=("alpha.gguf",))
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ OpenAI-shaped and leaves the models untouched.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +15,8 @@ import httpx
 import pytest
 
 from router.config import ConfigError, load_config
-from router.security import host_name, is_json_media_type, loopback_name
-from tests.router.conftest import LiveRouter, dummy_gguf
+from router.http.security import host_name, is_json_media_type, loopback_name
+from tests.router.conftest import LiveRouter, dummy_gguf, router_fixture
 
 pytestmark = pytest.mark.reliability  # issue 11's probes (README: -m reliability)
 
@@ -35,12 +34,7 @@ LISTED = "http://localhost:3000"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    dummy_gguf(module_tmp, "m.gguf")
-    r = LiveRouter(module_tmp, CONFIG)
-    yield r
-    r.stop()
+router = router_fixture(CONFIG, ggufs=("m.gguf",))
 
 
 def _error(r: httpx.Response, status: int, code: str) -> dict[str, Any]:
@@ -212,7 +206,7 @@ def test_security_keys_errors_name_the_key(tmp_path: Path, line: str, key: str) 
 
 
 def test_redact_paths_keeps_file_names_and_urls() -> None:
-    from router.errors import redact_paths
+    from router.http.errors import redact_paths
 
     msg = "cannot open '/home/u/models/x.gguf': [Errno 2] No such file: /tmp/y.gguf; see http://a/b/c"
     assert redact_paths(msg) == "cannot open '.../x.gguf': [Errno 2] No such file: .../y.gguf; see http://a/b/c"

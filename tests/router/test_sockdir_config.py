@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from router.config import ConfigError, load_config
-from router.sockdir import make_socket_dir, owner_alive, socket_parent, sweep_stale
+from router.workers.sockdir import make_socket_dir, owner_alive, socket_parent, sweep_stale
 from tests.router.conftest import LiveRouter, dummy_gguf
 
 # ----------------------------------------------------------------------------- socket directories

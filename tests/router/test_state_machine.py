@@ -1,8 +1,8 @@
-"""The worker state machine's transition table (router/lifecycle.py) as documented."""
+"""The worker state machine's transition table (router/workers/lifecycle.py) as documented."""
 
 from __future__ import annotations
 
-from router.lifecycle import TRANSITIONS, WorkerState as S
+from router.workers.lifecycle import TRANSITIONS, WorkerState as S
 
 
 def test_every_state_has_its_documented_exits() -> None:

@@ -5,15 +5,13 @@ recent requests without the page's own polling, and the plots' sampling of the m
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from router.metrics import Metrics
-from router.status_page import MetricsHistory
-from tests.router.conftest import LiveRouter, dummy_gguf
+from router.operator.status_page import MetricsHistory
+from tests.router.conftest import LiveRouter, router_fixture
 
 CONFIG = """
 [server]
@@ -27,12 +25,7 @@ idle_ttl_s = 60
 API = {"Authorization": "Bearer k-api"}
 
 
-@pytest.fixture(scope="module")
-def router(module_tmp: Path) -> Iterator[LiveRouter]:
-    dummy_gguf(module_tmp, "m.gguf")
-    r = LiveRouter(module_tmp, CONFIG)
-    yield r
-    r.stop()
+router = router_fixture(CONFIG, ggufs=("m.gguf",))
 
 
 def test_files_need_no_key_and_hold_no_data(router: LiveRouter) -> None:

@@ -18,7 +18,7 @@ import jsonschema
 import openai
 import pytest
 
-from router.tools import (
+from router.dialects.tools import (
     GENERIC,
     HERMES,
     LLAMA3,

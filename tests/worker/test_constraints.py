@@ -175,8 +175,8 @@ def test_every_tool_constraint_the_router_builds_compiles(engine: Engine) -> Non
     """Each shape of tool grammar (function and custom tools: free text, regex, Lark;
     every choice mode; every tool syntax; with a response format) is accepted by
     llguidance, and a free-text custom tool's call can be generated and parsed back."""
-    from router.constraints import tool_constraint
-    from router.tools import HERMES, LLAMA3, MISTRAL, Tool, ToolChoice, parse_output
+    from router.dialects.constraints import tool_constraint
+    from router.dialects.tools import HERMES, LLAMA3, MISTRAL, Tool, ToolChoice, parse_output
 
     fn = Tool("get_weather", "weather", {"type": "object", "properties": {"city": {"type": "string"}},
                                          "required": ["city"]})

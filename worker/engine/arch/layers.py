@@ -20,6 +20,9 @@ from ..kernels.quant import QConcat, QWeight, cos_sin_libm, fuse
 
 #: A prepared weight matrix: float32 ``[out, in]`` or a quantized form with ``shape`` and ``matmul``.
 Matrix = np.ndarray | QWeight | QConcat
+#: A model's prepared weights by name: vectors (norms, ``rope_freqs``) float ndarrays, matrices a
+#: :data:`Matrix`. One dict holds both, so an entry is typed Any: its name says which it is.
+Weights = dict[str, Any]
 
 
 # ------------------------------------------------------------------ hparams helpers
@@ -154,7 +157,7 @@ def glu_ggml(gu: np.ndarray, n_ff: int, act: Any) -> np.ndarray:
     return out
 
 
-def embed(w: Matrix, tokens: np.ndarray) -> np.ndarray:
+def embed(w: QWeight | np.ndarray, tokens: np.ndarray) -> np.ndarray:
     """Rows ``tokens [T]`` of an embedding matrix ``[n_vocab, n_embd]`` as float32 ``[T, n_embd]``
     (dequantized rows for a quantized matrix, as ggml's ``get_rows``)."""
     if isinstance(w, QWeight):
@@ -326,13 +329,13 @@ class RopeTable:
         x1[...] = r1
 
 
-def fuse_rows(parts: Sequence[Matrix]) -> Matrix:
+def fuse_rows(parts: Sequence[QWeight | np.ndarray]) -> Matrix:
     """Stack ``[out_i, in]`` matrices into one ``[sum(out_i), in]`` (C-contiguous float32, one
     QWeight when the quantized parts are compatible, else a QConcat; :func:`worker.engine.kernels.quant.fuse`)."""
     return fuse(parts)
 
 
 __all__ = [
-    "FFN_ACTS", "Matrix", "RopeTable", "embed", "fuse_rows", "gated_ffn", "gelu_tanh", "gelu_tanh_ggml", "glu_ggml",
+    "FFN_ACTS", "Matrix", "RopeTable", "Weights", "embed", "fuse_rows", "gated_ffn", "gelu_tanh", "gelu_tanh_ggml", "glu_ggml",
     "hp_float", "hp_int", "linear", "rms_norm", "rope_freq_scale", "silu", "silu_ggml",
 ]

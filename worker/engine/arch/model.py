@@ -250,7 +250,7 @@ class Model(ModelWeights):
 
     def _output(self, h: np.ndarray) -> np.ndarray:
         """Output projection ``h @ W_out.T`` (tied to ``token_embd`` when no ``output.weight``)."""
-        w = self.w.get("output", self.w["tok_embd"])  # [n_vocab, n_embd]
+        w = self.w["output"] if "output" in self.w else self.w["tok_embd"]  # [n_vocab, n_embd]
         return np.ascontiguousarray(linear(h, w))  # [T, n_vocab], rows contiguous for the samplers
 
     def truncate(self, n: int) -> None:

@@ -19,14 +19,14 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 
 from ..errors import EngineError
 from ..kernels.quant import QConcat, QWeight, format_tag as quant_format, supports as quant_supports
 from ..loading.gguf_loader import GGUFFile, atomic_write_bytes, cache_root
-from .layers import Matrix, fuse_rows
+from .layers import Matrix, Weights, fuse_rows
 
 #: ``progress(stage, done, total)``: hears the load's steps (see :class:`~.model.Model`); must not raise.
 LoadProgressFn = Callable[[str, int, int], None]
@@ -95,9 +95,9 @@ class WeightCache:
                     parts.setdefault(owner, {})[part] = a
             for name, meta in manifest.get("quantized", {}).items():
                 out[name] = QWeight.from_arrays(parts.get(name, {}), meta)
-            for name, n_parts in manifest.get("concat", {}).items():
-                out[name] = QConcat([out.pop(f"{name}#{i}") if f"{name}#{i}" in out else flat[f"{name}#{i}"]
-                                     for i in range(n_parts)])
+            for name, n_parts in manifest.get("concat", {}).items():  # a part is never itself a QConcat
+                out[name] = QConcat([cast("QWeight | np.ndarray", out.pop(f"{name}#{i}")) if f"{name}#{i}" in out
+                                     else flat[f"{name}#{i}"] for i in range(n_parts)])
             return out
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -150,7 +150,7 @@ class WeightCache:
                             f.write(b"\0" * pad)
                             off += pad
                             entries[name] = [list(a.shape), str(a.dtype), off]
-                            f.write(memoryview(a.reshape(-1)).cast("B"))
+                            f.write(memoryview(a.reshape(-1)).cast("B"))  # type: ignore[arg-type]  # numpy types ndarray's buffer protocol for Python >= 3.12 only
                             off += a.nbytes
                     os.replace(tmp, path)
                 finally:
@@ -185,7 +185,7 @@ class ModelWeights:
     weights: str
     dtype: np.dtype[Any]
     load_timings: dict[str, float]
-    w: dict[str, Matrix]
+    w: Weights
     n_embd: int
     n_layer: int
     n_ff: int
@@ -199,14 +199,14 @@ class ModelWeights:
         self._cache_write = cache_write
         self._cache_thread: threading.Thread | None = None
 
-    def _build_weights(self) -> dict[str, Matrix]:
+    def _build_weights(self) -> Weights:
         """Prepared arrays by name (matrices from :meth:`matrix`, vectors from :meth:`tensor`;
         fused, validated)."""
         raise NotImplementedError
 
     # -- shared by the architectures' _build_weights ----------------------
 
-    def _embedding_weights(self) -> dict[str, np.ndarray]:
+    def _embedding_weights(self) -> Weights:
         """``tok_embd`` ``[n_vocab, n_embd]``, ``output_norm`` ``[n_embd]`` and, when the
         file has it, ``output`` ``[n_vocab, n_embd]``; n_vocab from ``token_embd.weight``."""
         E, t = self.n_embd, self.tensor
@@ -214,7 +214,7 @@ class ModelWeights:
         if tok is None:
             raise EngineError("invalid_gguf", f"{self.gguf.path}: missing tensor 'token_embd.weight'")
         n_vocab = tok.np_shape[0]
-        w: dict[str, np.ndarray] = {
+        w: Weights = {
             "tok_embd": self.matrix("token_embd.weight", (n_vocab, E)),  # [n_vocab, n_embd]
             "output_norm": t("output_norm.weight", (E,)),      # [n_embd]
         }
@@ -222,7 +222,7 @@ class ModelWeights:
             w["output"] = self.matrix("output.weight", (n_vocab, E))     # [n_vocab, n_embd]
         return w
 
-    def _qkv_weights(self, p: str) -> tuple[Matrix, Matrix, Matrix]:
+    def _qkv_weights(self, p: str) -> tuple[QWeight | np.ndarray, QWeight | np.ndarray, QWeight | np.ndarray]:
         """Block ``p``'s (e.g. ``"blk.3."``) Wq ``[n_head*hd, n_embd]``, Wk and Wv ``[n_kv*hd, n_embd]``."""
         E, hd, t = self.n_embd, self.head_dim, self.matrix
         return (t(p + "attn_q.weight", (self.n_head * hd, E)),      # [n_head*hd, n_embd]
@@ -238,13 +238,13 @@ class ModelWeights:
             p + "wdown": t(p + "ffn_down.weight", (E, nff)),           # [n_embd, n_ff]
         }
 
-    def _layer_weights(self, names: Sequence[str]) -> list[tuple[Matrix, ...]]:
+    def _layer_weights(self, names: Sequence[str]) -> list[tuple[Any, ...]]:
         """Per layer, the prepared arrays ``blk.{i}.{name}`` in the order of ``names``."""
         return [tuple(self.w[f"blk.{i}.{n}"] for n in names) for i in range(self.n_layer)]
 
     # -- weights ----------------------------------------------------------
 
-    def _load_weights(self, weight_cache: bool | None) -> dict[str, Matrix]:
+    def _load_weights(self, weight_cache: bool | None) -> Weights:
         if weight_cache is None:
             weight_cache = os.environ.get(CACHE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
         use_cache = weight_cache and self.dtype == np.float32 and self.gguf.file_size >= WEIGHT_CACHE_MIN_BYTES
@@ -260,11 +260,11 @@ class ModelWeights:
             self.load_timings["fingerprint"] = time.perf_counter() - t0
             if fp is not None:
                 t0 = time.perf_counter()
-                arrays = WeightCache(fp, layout).load()
+                cached = WeightCache(fp, layout).load()
                 self.load_timings["cache_read"] = time.perf_counter() - t0
-                if arrays is not None:
+                if cached is not None:
                     self.weights_from_cache = True
-                    return arrays
+                    return cached
         self.weights_from_cache = False
         t0 = time.perf_counter()
         arrays = self._build_weights()
@@ -289,7 +289,7 @@ class ModelWeights:
             arrays = {k: v.astype(self.dtype) for k, v in arrays.items()}
         return arrays
 
-    def matrix(self, name: str, shape: Sequence[int]) -> Matrix:
+    def matrix(self, name: str, shape: Sequence[int]) -> QWeight | np.ndarray:
         """A weight matrix ``[out, in]`` as the model multiplies with it: a :class:`~.quant.QWeight`
         on the quantized path when the tensor's type has an int8 form, else dequantized float32.
 

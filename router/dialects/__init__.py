@@ -1,0 +1,1 @@
+"""The API dialects: OpenAI, Anthropic, Responses, Ollama, llama.cpp, and what they share."""

@@ -1,0 +1,1 @@
+"""The operator's routes: /admin and the status page."""

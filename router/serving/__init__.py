@@ -1,0 +1,1 @@
+"""The serving layer: one generation request from admission to release."""

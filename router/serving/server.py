@@ -1,0 +1,300 @@
+"""The serving layer's per-model object: the one owner of every request record of a model.
+
+:class:`ModelServer` takes a generation request in (:meth:`ModelServer.submit`: admitted
+into the model's bounded queue, or 503 at once), sends its Generate to the worker it is
+granted, hands its frames out one by one, and releases it — moving its
+:class:`~router.serving.record.RequestRecord` queued -> running -> done and recording its
+metrics, each once. The worker connection only routes frames by request id into the
+record's inbox; the dialects hold a :class:`Generation` (the record's handle) and call
+nothing below this layer.
+
+A record holds the worker it was granted for its whole life and reads only that worker's
+frames for its own id, so nothing ever splices two workers into one answer.
+:meth:`ModelServer.cancel` (``Generation.close``) is synchronous and idempotent (safe in
+``finally`` blocks and under cancellation): a request that never reached the worker
+simply leaves the queue; one that did gets ``Cancel`` and its job slot is released only
+once the worker answers (Done/Error) or is gone — a worker that ignores Cancel for
+``cancel_timeout_s`` is killed.
+
+Metrics (``router.metrics``), each once: queue time when it gets its worker, time to
+first token and inter-token latency per Token, tokens and end-to-end latency per Done
+(also the Done a cancelled request's worker answers), and a cancellation with its stage
+(queue, prefill, decode) when the request is ended before its Done, or the worker
+answers Done(cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import weakref
+from collections import deque
+from typing import Any
+
+from protocol import Accepted, Done, Error, Generate, KVChunk, ProtocolError, Ready, Token, encode
+from router.http.errors import ApiError, BadGateway, ServerShuttingDown, from_worker_error, unsendable
+from router.metrics import Metrics
+from router.serving.record import RecordState, RequestRecord
+from router.workers.pool import ModelSlot
+from router.workers.process import Aborted, WorkerGone, WorkerProcess, WorkerUnreachable
+from router.workers.tasks import spawn
+
+log = logging.getLogger("modelyard.run")
+
+#: Released records a server keeps for inspection (operators, tests), newest last.
+RECENT = 64
+
+
+class ModelServer:
+    """One model's requests: their records, by id, from admission to release."""
+
+    def __init__(self, slot: ModelSlot) -> None:
+        self.slot = slot
+        self.records: dict[str, RequestRecord] = {}  # live: admitted and not yet released
+        self.recent: deque[RequestRecord] = deque(maxlen=RECENT)  # released, newest last
+
+    @property
+    def _model(self) -> str:
+        return self.slot.model.name
+
+    @property
+    def _metrics(self) -> Metrics:
+        return self.slot.metrics
+
+    # ------------------------------------------------------------------ the door
+
+    def submit(self, request_id: str, access: dict[str, Any] | None = None, *, early: bool = False) -> Generation:
+        """Admit a generation request (its record is ``queued``). Raises QueueFull (503),
+        ModelUnloading, ServerShuttingDown, RestartBackoff / ModelFailed at once."""
+        access = access if access is not None else {}
+        # the request's generations, by id: how the HTTP layer names the slot whose reader stalls
+        access.setdefault("generation_ids", []).append(request_id)
+        rec = RequestRecord(id=request_id, model=self._model, access=access, early=early)
+        self.slot.admit(rec)  # raises before the record exists for anyone
+        self.records[rec.id] = rec
+        return Generation(self, rec)
+
+    async def wait_worker(self, rec: RequestRecord) -> WorkerProcess:
+        """Wait for ``rec``'s turn (and the model's load). Raises ApiError (ModelLoadFailed,
+        ModelFailed, ModelUnloading) if it will never come."""
+        worker = await self.slot.wait_turn(rec)
+        if rec.queue_time_s is None:  # observed once, when its reader first sees its turn
+            rec.queue_time_s = time.monotonic() - rec.admitted_at
+            self._metrics.queue_time.labels(self._model).observe(rec.queue_time_s)
+        return worker
+
+    async def start(self, rec: RequestRecord, msg: Generate) -> None:
+        """Send ``msg`` to ``rec``'s worker. Raises BadRequest (400) if the protocol cannot
+        carry it — encoded first, so the request is never recorded as sent and never
+        cancelled on a worker that did not get it — and BadGateway if the worker is unreachable."""
+        try:
+            frame = encode(msg)
+        except ProtocolError as e:
+            raise unsendable(e.reason) from None
+        worker = await self.wait_worker(rec)
+        worker.open_stream(rec.id, rec.inbox)
+        rec.msg = msg
+        rec.sent = True
+        try:
+            await worker.send(frame)
+        except WorkerUnreachable as e:
+            self._release(rec, "error:worker_crashed")
+            raise BadGateway(f"model '{self._model}' worker is unreachable: {e}", code="worker_crashed") from None
+
+    async def next(self, rec: RequestRecord) -> Token | Done | KVChunk | Accepted:
+        """``rec``'s next Token (or KVChunk, for a Generate with ``stream_state``), or its final
+        Done; with ``rec.early``, the worker's Accepted frame as well. Raises the mapped ApiError
+        for a worker Error frame, BadGateway(code="worker_crashed") if the worker died,
+        ServerShuttingDown if the router ended it (:meth:`cancel` then cancels it)."""
+        assert rec.sent, "start() first"
+        while True:
+            item = await rec.inbox.get()
+            if isinstance(item, WorkerGone):
+                self._account(rec, None)
+                self._release(rec, "error:worker_crashed")
+                raise BadGateway(f"model '{self._model}' worker failed during the request: {item.reason}",
+                                 code="worker_crashed")
+            if isinstance(item, Aborted):
+                raise ServerShuttingDown(item.reason)
+            if isinstance(item, Error):
+                self._account(rec, None)
+                self._release(rec, f"error:{item.code}")
+                raise from_worker_error(item.code, item.message, n_prompt_tokens=item.n_prompt_tokens,
+                                        n_ctx=item.n_ctx)
+            if isinstance(item, Done):
+                self._account(rec, item)
+                if item.finish_reason == "cancelled":  # stopped by the server (unload timeout)
+                    self._count_cancel(rec)
+                self._release(rec, item.finish_reason)
+                return item
+            if isinstance(item, Token):
+                self._on_token(rec)
+                return item
+            if isinstance(item, KVChunk):
+                return item
+            if isinstance(item, Accepted):
+                rec.accepted = item
+                if rec.early:
+                    return item
+                continue
+            log.warning("unexpected %s frame for request %s", item.TYPE, rec.id)
+
+    def cancel(self, rec: RequestRecord) -> None:
+        """End ``rec`` now, whatever its stage (see the module docstring). Idempotent."""
+        if rec.closed:
+            return
+        rec.closed = True
+        if rec.worker is None or not rec.sent:
+            if not rec.refused:
+                self._count_cancel(rec)  # it left the queue (not refused: load failed, crashed, ...)
+            if rec.worker is not None:  # granted, but nothing was sent
+                rec.worker.close_stream(rec.id)
+                self._release(rec, "cancelled")
+            else:
+                self.slot.withdraw(rec)
+                self._done(rec, "refused" if rec.refused else "cancelled")
+            return
+        if rec.released:
+            return
+        self._count_cancel(rec)
+        if not rec.ended:  # the access log's figures: what reached the client (the Done comes later)
+            rec.access["completion_tokens"] = rec.n_tokens
+        spawn(self._reap(rec, rec.worker))
+
+    # ------------------------------------------------------------------ the record's bookkeeping
+
+    def _on_token(self, rec: RequestRecord) -> None:
+        now = time.monotonic()
+        if rec.n_tokens == 0:
+            rec.first_token_at = now
+            self._metrics.ttft.labels(self._model).observe(now - rec.admitted_at)
+            rec.access["ttft_ms"] = (now - rec.admitted_at) * 1000
+        else:
+            self._metrics.itl.labels(self._model).observe(now - rec.last_token_at)
+        rec.n_tokens += 1
+        rec.last_token_at = now
+
+    def _account(self, rec: RequestRecord, done: Done | None) -> None:
+        """Account for the final frame once: its tokens (a Done) and the request's duration."""
+        if rec.ended:
+            return
+        rec.ended = True
+        m, name = self._metrics, self._model
+        m.e2e.labels(name).observe(time.monotonic() - rec.admitted_at)
+        if done is not None:
+            rec.access.update(prompt_tokens=done.prompt_tokens, cached_tokens=done.cache_n,
+                              completion_tokens=done.completion_tokens)
+            m.prompt_tokens.labels(name).inc(done.prompt_tokens)
+            m.prompt_tokens_cached.labels(name).inc(done.cache_n)
+            m.generation_tokens.labels(name).inc(done.completion_tokens)
+            m.count_generation(name, done.prompt_n, done.prompt_ms, done.predicted_n, done.predicted_ms,
+                               done.prompt_tokens + done.completion_tokens)
+
+    def _count_cancel(self, rec: RequestRecord) -> None:
+        stage = "queue" if not rec.sent else "decode" if rec.n_tokens > 0 else "prefill"
+        self._metrics.cancellations.labels(self._model, stage).inc()
+
+    def _release(self, rec: RequestRecord, outcome: str | None) -> None:
+        """The worker is done with ``rec``: its job slot goes back, its record is done."""
+        rec.closed = True
+        if rec.released:
+            return
+        if rec.worker is not None:
+            rec.worker.close_stream(rec.id)
+        self.slot.release(rec)
+        self._done(rec, outcome)
+
+    def _done(self, rec: RequestRecord, outcome: str | None) -> None:
+        rec.released = True
+        rec.released_at = time.monotonic()
+        rec.outcome = outcome
+        rec.move(RecordState.DONE, outcome)
+        if self.records.get(rec.id) is rec:
+            del self.records[rec.id]
+        self.recent.append(rec)
+
+    async def _reap(self, rec: RequestRecord, worker: WorkerProcess) -> None:
+        """Cancel ``rec`` on its worker and release it once the worker has let it go."""
+        timeout = self.slot.model.cancel_timeout_s
+        t0 = time.monotonic()
+        try:
+            worker.cancel(rec.id)
+            while True:
+                left = timeout - (time.monotonic() - t0)
+                if left <= 0:
+                    raise TimeoutError
+                item = await asyncio.wait_for(rec.inbox.get(), left)
+                if isinstance(item, (Done, Error, WorkerGone)):
+                    self._account(rec, item if isinstance(item, Done) else None)
+                    break
+            log.info("request %s cancelled; worker free after %.1f ms", rec.id, (time.monotonic() - t0) * 1000)
+        except TimeoutError:
+            worker.kill(f"worker hung: no answer to Cancel within cancel_timeout_s={timeout:g} s; killed")
+        finally:
+            self._release(rec, "cancelled")
+
+
+class Generation:
+    """A dialect's handle on one generation request (its record, through its owner).
+
+    ``await start(msg)``, ``await next()`` until a Done, ``close()`` always."""
+
+    def __init__(self, server: ModelServer, record: RequestRecord) -> None:
+        self.server = server
+        self.record = record
+
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+    @property
+    def slot(self) -> ModelSlot:
+        return self.server.slot
+
+    @property
+    def worker(self) -> WorkerProcess | None:
+        """The worker it was granted (None while it waits)."""
+        return self.record.worker
+
+    @property
+    def ready(self) -> Ready | None:
+        """The granted worker's Ready (its model identity: fingerprint, n_ctx, ...); None while it waits."""
+        return self.record.worker.ready if self.record.worker is not None else None
+
+    @property
+    def accepted(self) -> Accepted | None:
+        return self.record.accepted
+
+    @property
+    def finished(self) -> bool:
+        return self.record.closed
+
+    async def wait_worker(self) -> WorkerProcess:
+        return await self.server.wait_worker(self.record)
+
+    async def start(self, msg: Generate) -> None:
+        await self.server.start(self.record, msg)
+
+    async def next(self) -> Token | Done | KVChunk | Accepted:
+        return await self.server.next(self.record)
+
+    def close(self) -> None:
+        self.server.cancel(self.record)
+
+
+_servers: weakref.WeakKeyDictionary[ModelSlot, ModelServer] = weakref.WeakKeyDictionary()
+
+
+def server_of(slot: Any) -> ModelServer:
+    """The serving object of ``slot``'s model (a preset's view: its model's one), made on first use."""
+    base: ModelSlot = getattr(slot, "base", slot)
+    server = _servers.get(base)
+    if server is None:
+        server = _servers[base] = ModelServer(base)
+    return server
+
+
+def submit(slot: Any, request_id: str, access: dict[str, Any] | None = None, *, early: bool = False) -> Generation:
+    """Admit a generation request on ``slot``'s model (:meth:`ModelServer.submit`)."""
+    return server_of(slot).submit(request_id, access, early=early)

@@ -1,0 +1,1 @@
+"""The worker processes: their pool, launch, state machine, placement and events."""

@@ -1,0 +1,199 @@
+"""Every configured model's slot (``router.workers.slot.ModelSlot``), name and alias
+resolution, the CPU share, config reload, shutdown, and what the workers share (the zmq
+context, the socket directory, the CURVE keypair).
+
+Placement (``Pool.place``, its one owner ``router.workers.placing.Placer``, decisions in
+``router.workers.placement``): a model that must load asks the pool for room; the placer
+decides over every slot in one synchronous step — load now, or evict idle
+least-recently-used unpinned models first (drain-then-swap: nothing running is ever
+cut) and wait, or refuse with 503 (``insufficient_memory``, ``max_loaded_reached``).
+Wanted loads are placed first come, first served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import zmq.asyncio
+
+from router.config import Config, ModelConfig
+from router.http.errors import NotFound, ServerShuttingDown
+from router.metrics import Metrics, ModelGauges
+from router.workers.admission import Ticket
+from router.workers.events import EventHub
+from router.workers.lifecycle import WorkerState
+from router.workers.placement import MemoryProbe, SystemMemory
+from router.workers.placing import Placer
+from router.workers.process import CurveKeypair, WorkerProcess, new_curve_keypair
+from router.workers.slot import ModelSlot
+from router.workers.sockdir import make_socket_dir, remove_socket_dir
+
+log = logging.getLogger("modelyard.pool")
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+class Pool:
+    """Every configured model's slot, name/alias resolution, and the shared zmq context."""
+
+    def __init__(self, config: Config, *, worker_module: str | None = None,
+                 metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic,
+                 memory: MemoryProbe | None = None) -> None:
+        self.config = config
+        self.clock = clock  # monotonic seconds for backoff decisions (tests inject one)
+        self.memory: MemoryProbe = memory if memory is not None else SystemMemory()  # placement's figures
+        self.events = EventHub()  # model events (GET /admin/events)
+        self.cores = _cores()  # what CPU sharing divides
+        self._retired: set[ModelSlot] = set()  # removed by a reload, still draining
+        self.placer = Placer(self)  # the one owner of placement decisions: which wanted load starts when
+        self.worker_module = worker_module
+        self.metrics = metrics if metrics is not None else Metrics(config.models)
+        self.closing = False
+        self._ctx = zmq.asyncio.Context()
+        # ipc sockets: a private directory named after this router (stale ones of dead routers are swept)
+        self.socket_dir: Path | None = make_socket_dir() if config.server.transport == "ipc" else None
+        self._endpoints = 0
+        # tcp: one CURVE keypair for this service; each worker gets the public half privately
+        self.curve: CurveKeypair | None = None
+        if config.server.transport == "tcp":
+            try:
+                self.curve = new_curve_keypair()
+            except RuntimeError as e:
+                log.warning("transport = \"tcp\" without CURVE (%s): worker traffic is not encrypted; "
+                            "workers still prove their per-spawn secret", e)
+        self.slots: dict[str, ModelSlot] = {name: ModelSlot(m, self) for name, m in config.models.items()}
+        self.metrics.watch(self.gauges)
+
+    def gauges(self) -> list[ModelGauges]:
+        """Every model's figures, read at scrape time (``Metrics.watch``)."""
+        return [s.gauges() for s in self.slots.values()]
+
+    def get(self, name: str) -> ModelSlot:
+        """The slot for a model name or alias. Raises NotFound listing the ids."""
+        m = self.config.resolve(name) if isinstance(name, str) else None
+        if m is None:
+            raise NotFound(f"model '{name}' not found; available models: {', '.join(self.config.ids())}",
+                           param="model")
+        if m.preset is not None:  # a preset: the model's one slot, showing the preset's defaults
+            from router.serving.presets import PresetSlot
+
+            return PresetSlot(self.slots[m.name], m)  # type: ignore[return-value]
+        return self.slots[m.name]
+
+    # ------------------------------------------------------------------ CPU sharing
+
+    def share_cores(self) -> None:
+        """Give every ready worker without ``n_threads`` its share of the cores: the cores
+        not taken by busy models with their own ``n_threads``, divided among the busy
+        ones without (at least 1 each). One busy model gets them all; two on 2 cores get
+        one each (OpenBLAS's one-per-core threads fighting over the cores made two busy
+        models slower together than one alone). Idle ones get the share too, ready for
+        their turn. Called whenever a model starts or stops being busy."""
+        busy = [s for s in self.slots.values() if s.busy]
+        fixed = sum(s.model.n_threads or 0 for s in busy)
+        sharing = sum(1 for s in busy if s.model.n_threads is None)
+        share = max(1, (self.cores - fixed) // max(1, sharing))
+        for s in self.slots.values():
+            s.set_threads(share)
+
+    # ------------------------------------------------------------------ config reload
+
+    def reload(self, new: Config) -> dict[str, list[str]]:
+        """Apply a re-read config (SIGHUP) in one step: added models appear, removed ones
+        drain and stop (new requests for them are 404 at once), changed ones reload once
+        their running requests finish. Of ``[server]``, only ``max_loaded`` applies without
+        a restart; other changed keys are kept as they were (and named in the log).
+        Returns what changed: ``added``, ``removed``, ``changed``, ``server_kept``."""
+        old = self.config
+        kept = sorted(f.name for f in dataclasses.fields(old.server)
+                      if f.name != "max_loaded" and getattr(old.server, f.name) != getattr(new.server, f.name))
+        server = dataclasses.replace(old.server, max_loaded=new.server.max_loaded)
+        added = [n for n in new.models if n not in self.slots or self.slots[n].retiring]
+        removed = [n for n, s in self.slots.items() if n not in new.models and not s.retiring]
+        changed = [n for n in new.models if n in self.slots and not self.slots[n].retiring
+                   and self.slots[n].model != new.models[n]]
+        self.config = dataclasses.replace(new, server=server)
+        for n in removed:
+            slot = self.slots[n]
+            self._retired.add(slot)
+            task = slot.retire()
+
+            def forget(_t: asyncio.Task[None], n: str = n, slot: ModelSlot = slot) -> None:
+                self._forget(n, slot)
+            task.add_done_callback(forget)
+        for n in changed:
+            self.slots[n].reconfigure(new.models[n])
+        for n in added:
+            if n in self.slots:  # still draining from an earlier removal: a fresh slot takes its name
+                log.warning("model %s: re-added while its old worker still drains", n)
+            self.slots[n] = ModelSlot(new.models[n], self)
+            self.metrics.add_model(n)
+        log.info("config reloaded: added %s, removed %s, changed %s%s", added or "none", removed or "none",
+                 changed or "none", f"; [server] {', '.join(kept)} need a restart (kept)" if kept else "")
+        self.place()
+        return {"added": added, "removed": removed, "changed": changed, "server_kept": kept}
+
+    def _forget(self, name: str, slot: ModelSlot) -> None:
+        self._retired.discard(slot)
+        if self.slots.get(name) is slot:
+            del self.slots[name]
+
+    # ------------------------------------------------------------------ placement
+
+    def want(self, slot: ModelSlot) -> None:
+        """``slot`` wants to load: queue it for placement and decide now (``router.workers.placing``)."""
+        self.placer.want(slot)
+
+    def unwant(self, slot: ModelSlot) -> None:
+        self.placer.unwant(slot)
+
+    def place(self) -> None:
+        """Start every wanted load that has room now (``router.workers.placing.Placer.place``)."""
+        self.placer.place()
+
+    def new_worker(self, model: ModelConfig) -> WorkerProcess:
+        self._endpoints += 1
+        if self.config.server.transport == "tcp":
+            endpoint = "tcp://127.0.0.1:0"
+        else:
+            assert self.socket_dir is not None
+            endpoint = f"ipc://{self.socket_dir}/w{self._endpoints}.sock"
+        return WorkerProcess(model, endpoint, self._ctx, self.worker_module, curve_server=self.curve)
+
+    def begin_shutdown(self) -> None:
+        """The router is stopping (SIGTERM/SIGINT): new requests and waiting ones get 503
+        server_shutting_down now; running ones may finish until :meth:`abort_running`."""
+        self.closing = True
+        for slot in self.slots.values():
+            slot.refuse_waiting(ServerShuttingDown())
+        self.events.close()  # event streams end, so they do not hold the shutdown
+
+    def abort_running(self, reason: str) -> int:
+        """End every running generation now: each fails with ServerShuttingDown(``reason``)
+        (an SSE error event if streaming) and its worker gets Cancel. Returns how many."""
+        return sum(slot.abort_running(reason) for slot in self.slots.values())
+
+    async def close(self) -> None:
+        """Stop every worker (Shutdown, grace, kill) without draining. Idempotent."""
+        self.closing = True
+        self.events.close()
+        slots = {*self.slots.values(), *self._retired}
+        await asyncio.gather(*(s.unload(drain=False, reason="router shutting down") for s in slots),
+                             return_exceptions=True)
+        self._ctx.destroy(linger=0)
+        if self.socket_dir is not None:
+            remove_socket_dir(self.socket_dir)
+
+
+__all__ = ["ModelSlot", "Pool", "Ticket", "WorkerState"]
