@@ -6,7 +6,7 @@ Contract: docs/ENGINE-API.md.
 from .engine import Engine, EngineInfo
 from .errors import EngineError
 from .generate import GenerationResult, TokenEvent
-from .scheduler import Finished, SlotInfo
+from .seqs import Finished, SlotInfo
 from .sampling import SamplingParams
 from .warmup import compile_kernels, preload_kernels
 

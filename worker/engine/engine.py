@@ -25,7 +25,8 @@ from .errors import EngineError
 from .generate import GenerationResult, TokenEvent
 from .kv.state import KV_LAYOUT_VERSION, KVIdentity, KVState
 from .sampling import SamplingParams
-from .scheduler import Finished, Scheduler, SeqRequest, SlotInfo, run_one
+from .scheduler import Scheduler, run_one
+from .seqs import Finished, SeqRequest, SlotInfo
 from .text.tokenizer import Tokenizer
 from .warmup import column_slice_types, take_preload, warm_up_kernels, warm_up_slices
 
