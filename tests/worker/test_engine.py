@@ -14,7 +14,7 @@ import pytest
 
 from tests.worker.test_tokenizer import MODELS, bpe_metadata, load_fixture
 from worker.engine import Engine, EngineError, GenerationResult, SamplingParams, TokenEvent
-from worker.engine.text.chat_template import CHATML_TEMPLATE
+from worker.engine.text.builtin_templates import CHATML_TEMPLATE
 from worker.engine.loading.gguf_loader import read_gguf
 
 

@@ -20,7 +20,8 @@ import numpy as np
 
 from . import constraints
 from .loading import resident
-from .text.chat_template import ChatTemplate, resolve_template
+from .text.builtin_templates import resolve_template
+from .text.chat_template import ChatTemplate
 from .errors import EngineError
 from .generate import GenerationResult, TokenEvent
 from .kv.state import KV_LAYOUT_VERSION, KVIdentity, KVState
