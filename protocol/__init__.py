@@ -5,6 +5,7 @@ Imports neither ``router`` nor ``worker``; both import it.
 
 from protocol.codec import ProtocolError, decode, encode
 from protocol.errors import ErrorCode
+from protocol.token_ids import TokenIds
 from protocol.sampling import SAMPLING_DEFAULTS, SAMPLING_FIELDS, SamplingField, SamplingFields
 from protocol.credentials import WorkerCredentials, read_credentials, secret_matches, write_credentials
 from protocol.messages import (
@@ -40,7 +41,6 @@ from protocol.messages import (
     SlotActionResult,
     Token,
     Tokenize,
-    TokenIds,
     TokenizeResult,
     slot_filename_error,
 )

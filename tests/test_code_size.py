@@ -59,8 +59,6 @@ DEBT: dict[str, int] = {
     "worker:tokenizer.py": 1172,
     "worker:tokenizer.py::Tokenizer": 755,
     "worker:tokenizer.py::Tokenizer.from_metadata": 170,
-    # protocol/
-    "protocol:messages.py": 545,
 }
 
 
