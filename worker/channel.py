@@ -47,6 +47,19 @@ class Channel:
         self.sock: zmq.Socket[bytes] | None = sock
         self.dropped = 0  # frames dropped because the router was not reading
 
+    @classmethod
+    def adopt(cls, ctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes], endpoint: str,
+              linger_ms: int) -> Channel:
+        """A channel over a context and DEALER socket already connected to ``endpoint`` (a warm
+        spare's, ``worker.spare``: its options and credentials were set when it connected)."""
+        self = cls.__new__(cls)
+        self.endpoint = endpoint
+        self._ctx = ctx
+        sock.setsockopt(zmq.LINGER, linger_ms)
+        self.sock = sock
+        self.dropped = 0
+        return self
+
     def connect(self) -> bool:
         """Connect to the endpoint; False (logged, the socket closed) when it is not valid."""
         assert self.sock is not None

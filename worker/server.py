@@ -119,25 +119,26 @@ class WorkerServer:
         self._watch = ParentWatch(cfg.parent_pid) if cfg.parent_pid is not None else None
         self._streams = KVStreams(self._send, self.runner)  # KV states going out and coming in
 
-    # ------------------------------------------------------------------ public
-
     def request_stop(self) -> None:
         """Ask for a Shutdown-like exit (thread- and signal-safe)."""
         self._stop_requested.set()
         self._wake()
 
-    def serve(self) -> int:
+    def serve(self, connected: tuple[zmq.Context[zmq.Socket[bytes]], zmq.Socket[bytes]] | None = None) -> int:
         """Connect, load, serve until Shutdown / parent gone / load failure. Returns the exit status:
-        0 after Shutdown or parent gone, 1 after a load failure or a bad endpoint."""
-        channel = self._channel = Channel(self.cfg.endpoint, self.cfg.credentials, self.cfg.linger_ms)
+        0 after Shutdown or parent gone, 1 after a load failure or a bad endpoint.
+        ``connected``: a context and DEALER socket already connected to the router, Hello
+        already sent on it (a warm spare given its model: ``worker.spare``)."""
         creds = self.cfg.credentials
-        if not channel.connect():
+        channel = self._channel = open_channel(self.cfg, connected)
+        if channel is None:  # a bad endpoint
             self._exit_code = 1
             self._close()
             return 1
         try:
-            self._send(Hello(id=self.worker_id, model=self.cfg.model, pid=self.pid,
-                             auth=creds.secret if creds is not None else ""))
+            if connected is None:
+                self._send(Hello(id=self.worker_id, model=self.cfg.model, pid=self.pid,
+                                 auth=creds.secret if creds is not None else ""))
             if self._watch is not None and self._watch.gone():
                 self._begin_stop(f"parent process {self.cfg.parent_pid} is gone", 0.0, linger_ms=0)
             else:
@@ -271,7 +272,8 @@ class WorkerServer:
             running, waiting = self.runner.jobs.counts()
             self._send(Pong(id=msg.id, busy=bool(running), queue_len=waiting,
                             running_ids=running, slots=list(snap.slots), kv_tokens=snap.kv_tokens,
-                            kv_budget_tokens=snap.kv_budget_tokens, pid=self.pid))
+                            kv_budget_tokens=snap.kv_budget_tokens, n_decode_total=snap.n_decode_total,
+                            n_busy_slots_total=snap.n_busy_slots_total, pid=self.pid))
         elif isinstance(msg, Generate):
             self._on_generate(msg)
         elif isinstance(msg, Cancel):
@@ -381,3 +383,13 @@ class WorkerServer:
                     os.close(fd)
                 except OSError:
                     pass
+
+
+def open_channel(cfg: WorkerConfig, connected: tuple[zmq.Context[zmq.Socket[bytes]], zmq.Socket[bytes]] | None
+                 ) -> Channel | None:
+    """The worker's channel: over ``connected`` (a warm spare's socket), or newly connected to
+    ``cfg.endpoint`` (None when that fails: logged)."""
+    if connected is not None:
+        return Channel.adopt(*connected, cfg.endpoint, cfg.linger_ms)
+    channel = Channel(cfg.endpoint, cfg.credentials, cfg.linger_ms)
+    return channel if channel.connect() else None

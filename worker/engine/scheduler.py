@@ -133,9 +133,9 @@ class Scheduler(SlotStates):
         self.waiting: deque[_Seq] = deque()
         self._by_id: dict[str, _Seq] = {}
         self._clock = 0  # steps run (the LRU clock)
-        #: counters: forward passes run / abandoned mid-pass by a cancel, layers started over all
-        #: passes (``AttnBatch.layers_run``), layers of the last pass
-        self.stats = {"passes": 0, "interrupted": 0, "layers": 0, "last_layers": 0}
+        #: counters: passes run / abandoned by a cancel, layers started (``AttnBatch.layers_run``) in all /
+        #: the last pass, busy slots summed per pass (llama.cpp's ``n_busy_slots_total``)
+        self.stats = {"passes": 0, "interrupted": 0, "layers": 0, "last_layers": 0, "busy_slots": 0}
 
     # ------------------------------------------------------------------ facts
 
@@ -283,6 +283,7 @@ class Scheduler(SlotStates):
         batch = AttnBatch(plan.segs, self.model.dtype,
                           (lambda: any(self._stopped(s) for s in watched)) if watched else None)
         self.stats["passes"] += 1
+        self.stats["busy_slots"] += sum(1 for sl in self.slots if sl.seq is not None)
         try:
             return self.model.forward_batch(np.asarray(plan.tokens, dtype=np.int64), batch, plan.rows)
         except StepInterrupted:
