@@ -263,6 +263,7 @@ class BatchRunner:
                 self._seq.clear()
                 reset_cache(engine)
                 continue
+            self._publish()  # before any JobFinished of this step: a Pong after its Done sees the step
             for f in finished:
                 got = self._seq.pop(f.id, None)
                 if got is None:
