@@ -5,6 +5,8 @@ Imports neither ``router`` nor ``worker``; both import it.
 
 from protocol.codec import ProtocolError, decode, encode
 from protocol.errors import ErrorCode
+from protocol.token_ids import TokenIds
+from protocol.sampling import SAMPLING_DEFAULTS, SAMPLING_FIELDS, SamplingField, SamplingFields
 from protocol.credentials import WorkerCredentials, read_credentials, secret_matches, write_credentials
 from protocol.messages import (
     FINISH_REASONS,
@@ -40,7 +42,6 @@ from protocol.messages import (
     SlotActionResult,
     Token,
     Tokenize,
-    TokenIds,
     TokenizeResult,
     slot_filename_error,
 )
@@ -48,7 +49,7 @@ from protocol.messages import (
 __all__ = [
     "FINISH_REASONS", "KV_CHUNK_BYTES", "KV_CHUNK_MAX_BYTES", "KV_STREAM_IDLE_S", "KV_WINDOW", "LOAD_STAGES", "MAX_FRAME_BYTES", "MESSAGE_TYPES", "PROTOCOL_VERSION",
     "Accepted", "ApplyTemplate", "Assign", "ApplyTemplateResult", "Cancel", "Detokenize", "DetokenizeResult", "Done",
-    "Error", "ErrorCode", "Generate", "Hello", "KVAck", "KVChunk", "LoadProgress", "Message", "Ping", "Pong", "ProtocolError", "Ready",
+    "Error", "ErrorCode", "Generate", "SAMPLING_DEFAULTS", "SAMPLING_FIELDS", "SamplingField", "SamplingFields", "Hello", "KVAck", "KVChunk", "LoadProgress", "Message", "Ping", "Pong", "ProtocolError", "Ready",
     "Shutdown", "SLOT_ACTIONS", "SlotAction", "SlotActionResult",
     "Token", "TokenIds", "Tokenize", "TokenizeResult", "WorkerCredentials", "decode", "encode", "read_credentials",
     "secret_matches", "slot_filename_error", "write_credentials",

@@ -62,17 +62,17 @@ MAX_N_PROBS = int(GENERATE_LIMITS["n_probs"].hi or 0)
 DEFAULT_KV_BUDGET_MIB = 2048.0
 
 #: How a worker holds weight matrices (``weights`` config key, ``python -m worker --weights``):
-#: the GGUF's quantized blocks, or dequantized float32 (the reference path). The engine's own
-#: list (worker.engine.arch.model.WEIGHT_MODES) is checked equal to this one by the tests.
+#: the GGUF's quantized blocks, or dequantized float32 (the reference path). The engine reads
+#: this one (worker.engine.arch.registry re-exports it).
 WEIGHT_MODES = ("quantized", "f32")
 #: The mode a worker runs when ``weights`` is not configured (``python -m worker`` without
-#: ``--weights``); worker.engine.arch.model.DEFAULT_WEIGHTS is checked equal to it by the tests.
+#: ``--weights``); the engine's default too (worker.engine.arch.registry).
 DEFAULT_WEIGHTS = "quantized"
 
 #: The most choices (``n``) one request may ask for.
 MAX_N = int(GENERATE_LIMITS["n"].hi or 1)
 
 #: A worker started without ``--n-ctx`` runs ``min(<arch>.context_length, DEFAULT_MAX_CTX)`` tokens
-#: (``worker.engine.arch.model.DEFAULT_MAX_CTX``, the same value: a test keeps them equal), so the
+#: (the engine reads this one: ``worker.engine.arch.registry.DEFAULT_MAX_CTX``), so the
 #: router can state a model's context size before its worker is loaded (``/v1/models``).
 DEFAULT_MAX_CTX = 8192

@@ -23,14 +23,14 @@ validates them. It imports neither the router nor the worker.
 
 from __future__ import annotations
 
-import sys
-from array import array
 from itertools import accumulate
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from protocol.limits import WEIGHT_MODES
+from protocol.sampling import SamplingFields
+from protocol.token_ids import TokenIds
 
 #: Bumped on any incompatible change; a frame with another version is rejected.
 #: 5: KV-state streams (KVChunk / KVAck, Generate.stream_state).
@@ -55,62 +55,6 @@ KV_CHUNK_MAX_BYTES = 4 * 1024 * 1024
 KV_WINDOW = 4
 #: A KV stream with no chunk (receiver) or no acknowledgement (sender) for this long is dropped (s).
 KV_STREAM_IDLE_S = 60.0
-
-class TokenIds(bytes):
-    """A list of token ids as one compact value: little-endian int32, 4 bytes per id.
-
-    Fields that may hold millions of ids (a 7 MB text's TokenizeResult: ~2.5M) carry this
-    instead of a msgpack list, so neither side packs, unpacks or type-checks millions of
-    Python ints in one hold of the GIL (2.5M ids as a list: ~0.4 s of the router's event
-    loop to decode). On the wire it is a msgpack ``bin``; the codec's one rule for it is
-    its shape (a whole number of 4-byte ids, checked on encode and decode). What an id
-    means ([0, n_vocab)) is checked where it is used (the engine).
-
-    Build with :meth:`of`; read with :meth:`view` (no copy on little-endian hosts) or
-    :meth:`tolist`. ``len()`` is the byte length; :attr:`count` the number of ids.
-    """
-
-    #: Bytes per id.
-    ITEM_BYTES: ClassVar[int] = 4
-    #: Ids packed per C-level step by :meth:`of` (~1 ms each).
-    PACK_SLICE: ClassVar[int] = 1 << 16
-
-    @classmethod
-    def of(cls, ids: Iterable[int]) -> TokenIds:
-        """Pack ``ids`` (ints in [-2**31, 2**31-1]; OverflowError outside, TypeError for a
-        non-int), a list in slices of ``PACK_SLICE`` (other threads may run in between)."""
-        if isinstance(ids, list) and len(ids) > cls.PACK_SLICE:
-            a = array("i")
-            for i in range(0, len(ids), cls.PACK_SLICE):
-                a.extend(ids[i:i + cls.PACK_SLICE])
-        else:
-            a = array("i", ids)
-        if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
-            a.byteswap()
-        return cls(a.tobytes())
-
-    # deliberately replaces bytes.count (a substring count, meaningless over packed int32 ids)
-    @property
-    def count(self) -> int:  # type: ignore[override]
-        """Number of ids."""
-        return len(self) // self.ITEM_BYTES
-
-    def view(self) -> memoryview | array[int]:
-        """The ids as a read-only sequence of int (indexing, slicing, iterating; ``len`` is
-        the id count): a memoryview over these bytes, or a byte-swapped copy on big-endian hosts."""
-        if sys.byteorder == "little":
-            return memoryview(self).cast("i")
-        a = array("i")  # pragma: no cover
-        a.frombytes(self)  # pragma: no cover
-        a.byteswap()  # pragma: no cover
-        return a  # pragma: no cover
-
-    def tolist(self) -> list[int]:
-        """The ids as a list of int (builds one Python int per id)."""
-        return self.view().tolist()
-
-
-assert array("i").itemsize == TokenIds.ITEM_BYTES, "TokenIds needs a 4-byte C int"
 
 #: finish_reason values carried by Done.
 FINISH_REASONS = ("stop", "length", "cancelled")
@@ -416,20 +360,12 @@ class Assign(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Generate(Message):
+class Generate(Message, SamplingFields):
     """Run one generation. Exactly one of ``prompt`` (text or token ids) and
     ``messages`` (chat, rendered with the model's template by the worker) is set.
 
-    Sampling fields use llama.cpp's names and defaults; temperature <= 0 is greedy.
-    ``max_tokens`` None means until the context (n_ctx) is full.
-    ``logit_bias`` is a list of [token_id, bias] pairs.
-
-    Constraints (at most one; the worker masks every sampled token with it, and an
-    invalid one is an Error "invalid_grammar" before any token):
-    ``json_schema`` — the text of a JSON Schema the output must match;
-    ``grammar`` — a Lark grammar (llguidance's dialect: ``%json {...}``, regexes,
-    ``start``) the output must match. The generation ends ("stop") when the
-    constraint allows nothing more.
+    The sampling fields (llama.cpp's names and defaults, the constraints ``json_schema`` /
+    ``grammar``) are :class:`protocol.sampling.SamplingFields`'s, declared there once.
     """
 
     TYPE: ClassVar[str] = "generate"
@@ -441,29 +377,7 @@ class Generate(Message):
     # with messages: more variables for the template (llama.cpp's chat_template_kwargs, e.g.
     # enable_thinking); messages, tools, add_generation_prompt, bos_token, eos_token are not among them
     template_kwargs: dict[str, Any] = field(default_factory=dict)
-    add_special: bool = True
-    parse_special: bool = True
-    max_tokens: int | None = None
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    logit_bias: list[list[Any]] = field(default_factory=list)
-    stop: list[str] = field(default_factory=list)
-    n_probs: int = 0  # top-N logprobs per token, 0 = none
-    # llama.cpp's post_sampling_probs: the logprobs (the token's and the top n_probs) are of the
-    # sampler chain's distribution (after top-k, top-p, min-p, temperature), not the model's
-    post_sampling_probs: bool = False
-    ignore_eos: bool = False
-    cache_prompt: bool = True
     n: int = 1  # choices: n sequences from one prefilled prompt (seed + i each when seeded)
-    json_schema: str | None = None
-    grammar: str | None = None
     # with messages: render them with this chat template (Jinja text or a known name such as
     # "chatml") instead of the model's own — a preset's template over the same loaded weights
     chat_template: str | None = None

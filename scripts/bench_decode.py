@@ -53,7 +53,7 @@ def main() -> int:
         a.gguf = ensure(a.shape, a.qtype)
     from worker.engine.kernels import quant
     from worker.engine.loading.gguf_loader import read_gguf
-    from worker.engine.arch.model import load_model
+    from worker.engine.arch.registry import load_model
 
     t0 = time.monotonic()
     m = load_model(read_gguf(str(a.gguf)), n_ctx=a.ctx + a.tokens * 2 + 8, weights="quantized",

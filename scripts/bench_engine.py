@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from worker.engine.loading.gguf_loader import read_gguf  # noqa: E402
-from worker.engine.arch.model import load_model  # noqa: E402
+from worker.engine.arch.registry import load_model  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 

@@ -178,7 +178,7 @@ def bench_kernels(gguf: Path, threads: int) -> None:
 
     sys.path.insert(0, str(ROOT))
     from worker.engine.loading.gguf_loader import read_gguf
-    from worker.engine.arch.model import load_model
+    from worker.engine.arch.registry import load_model
     from worker.engine.kernels.quant import set_num_threads
 
     threadpool_limits(limits=threads, user_api="blas")

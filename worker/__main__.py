@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         from worker.engine import preload_kernels
 
         preload_kernels()
-    from worker.server import WorkerConfig, WorkerServer
+    from worker.config import WorkerConfig
+    from worker.server import WorkerServer
 
     logging.basicConfig(level=os.environ.get("MODELYARD_WORKER_LOG", "INFO").upper(),
                         format=f"%(asctime)s %(levelname)s worker[{os.getpid()}] %(message)s")
@@ -146,7 +147,8 @@ def serve_spare(args: argparse.Namespace, credentials: WorkerCredentials | None)
     """``--spare``: warm up, wait for Assign, then serve the assigned model on the same socket."""
     logging.basicConfig(level=os.environ.get("MODELYARD_WORKER_LOG", "INFO").upper(),
                         format=f"%(asctime)s %(levelname)s worker[{os.getpid()}] %(message)s")
-    from worker.server import ParentWatch, WorkerConfig, WorkerServer
+    from worker.config import ParentWatch, WorkerConfig
+    from worker.server import WorkerServer
     from worker.spare import SpareWait, warm_up
 
     took = warm_up()

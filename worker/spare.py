@@ -69,7 +69,7 @@ def warm_up(kernels: bool = True) -> float:
         except ImportError as e:  # the load imports (or reports) it itself
             log.warning("spare: cannot import %s: %s", name, e)
     try:  # the architecture modules the registry imports on a model's first load
-        from worker.engine.arch.model import _register_builtin
+        from worker.engine.arch.registry import _register_builtin
 
         _register_builtin()
     except (ImportError, AttributeError) as e:

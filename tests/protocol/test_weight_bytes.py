@@ -16,7 +16,7 @@ from router.workers.gguf_meta import tensor_infos
 from router.workers.placement import held_weight_bytes
 from tests.paths import GEMMA3_PATH, SMOLLM2_PATH
 from worker.engine.kernels import quant
-from worker.engine.arch.model import DEFAULT_WEIGHTS as ENGINE_DEFAULT
+from worker.engine.arch.registry import DEFAULT_WEIGHTS as ENGINE_DEFAULT
 
 #: The estimate may exceed the loaded arrays by the row padding of fused lanes matrices (each
 #: part padded to 16 rows in the estimate, the fused matrix once in the worker); never below.
@@ -96,7 +96,7 @@ def _held(w) -> int:
 @pytest.mark.parametrize("path", [SMOLLM2_PATH, GEMMA3_PATH], ids=["smollm2", "gemma3"])
 def test_the_estimate_is_what_the_loaded_model_holds(path, weights: str) -> None:
     from worker.engine.loading.gguf_loader import read_gguf
-    from worker.engine.arch.model import load_model
+    from worker.engine.arch.registry import load_model
 
     gguf = read_gguf(str(path))
     try:

@@ -85,7 +85,7 @@ def test_models_state_their_context_size(router: LiveRouter) -> None:
 
 def test_default_max_ctx_is_the_engines() -> None:
     from protocol.limits import DEFAULT_MAX_CTX
-    from worker.engine.arch.model import DEFAULT_MAX_CTX as ENGINE_MAX_CTX
+    from worker.engine.arch.registry import DEFAULT_MAX_CTX as ENGINE_MAX_CTX
 
     assert DEFAULT_MAX_CTX == ENGINE_MAX_CTX
 

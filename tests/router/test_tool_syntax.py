@@ -35,7 +35,8 @@ from router.dialects.tools import (
 from tests.router.conftest import LiveRouter
 from tests.router.tool_templates import TEMPLATES
 from tests.worker.tiny_gguf import CHATML_TEMPLATE, write_tiny_llama
-from worker.engine.text.chat_template import ChatTemplate, resolve_template
+from worker.engine.text.builtin_templates import resolve_template
+from worker.engine.text.chat_template import ChatTemplate
 
 SYNTAX = {"hermes": HERMES, "llama3": LLAMA3, "mistral": MISTRAL}
 PARAMS = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},

@@ -131,10 +131,10 @@ def test_rms_norm_and_glu_kernels_give_numpys_bits() -> None:
     and below 16), magnitudes e^±8 and zero rows, 3-D per-head views of a wider matrix, GELU's
     +-10 cut-offs."""
     from worker.engine.kernels import attn_kernels as ak
-    from worker.engine.arch import model
-    from worker.engine.arch.model import gelu_tanh_ggml, glu_ggml, rms_norm, silu_ggml
+    from worker.engine.arch import layers
+    from worker.engine.arch.layers import gelu_tanh_ggml, glu_ggml, rms_norm, silu_ggml
 
-    assert model._PAIRWISE_MAX == ak.PAIRWISE_MAX
+    assert layers._PAIRWISE_MAX == ak.PAIRWISE_MAX
     rng = np.random.default_rng(3)
     for n in (16, 21, 64, 256, 576, 640, 1536, 2048, 2053, 6144):
         x = (rng.standard_normal((40, n)) * np.exp(rng.uniform(-8, 8, (40, 1)))).astype(np.float32)
@@ -161,7 +161,7 @@ def test_rope_kernel_gives_numpys_bits() -> None:
     """``RopeTable`` on the libm tables rotates float32 heads by ``attn_kernels.rope_rows``: the
     same bits as its NumPy rotation (``_rotate``), NEOX and adjacent pairs, a partial rotary
     dimension, heads as strided views of a fused QKV matrix and as contiguous arrays."""
-    from worker.engine.arch.model import RopeTable
+    from worker.engine.arch.layers import RopeTable
 
     rng = np.random.default_rng(5)
     for n_rot, hd in ((64, 64), (256, 256), (32, 64)):

@@ -5,15 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tests.worker.test_tokenizer import bpe_metadata, load_fixture, real_metadata, real_tokenizer
-from worker.engine.text.chat_template import (  # noqa: I001
-    RoleCaps,
-    fit_roles,
-    CHATML_TEMPLATE,
-    GEMMA_TEMPLATE,
-    ChatTemplate,
-    normalize_messages,
-    resolve_template,
-)
+from worker.engine.text.builtin_templates import CHATML_TEMPLATE, GEMMA_TEMPLATE, resolve_template
+from worker.engine.text.chat_template import ChatTemplate, RoleCaps, fit_roles, normalize_messages
 from worker.engine.errors import EngineError
 from worker.engine.text.tokenizer import Tokenizer
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
-from worker.engine.text.chat_template import ChatTemplate, resolve_template, template_context
+from worker.engine.text.builtin_templates import resolve_template
+from worker.engine.text.chat_template import ChatTemplate, template_context
 
 CONVO = [{"role": "system", "content": " be brief "}, {"role": "user", "content": "hi\n"},
          {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"}]

@@ -14,7 +14,7 @@ import pytest
 
 from tests.worker.test_tokenizer import MODELS, bpe_metadata, load_fixture
 from worker.engine import Engine, EngineError, GenerationResult, SamplingParams, TokenEvent
-from worker.engine.text.chat_template import CHATML_TEMPLATE
+from worker.engine.text.builtin_templates import CHATML_TEMPLATE
 from worker.engine.loading.gguf_loader import read_gguf
 
 
@@ -382,7 +382,7 @@ import json, sys
 from worker.engine import Engine, SamplingParams, preload_kernels
 from worker.engine.loading import resident
 from worker.engine.kernels import attn_kernels, quant_kernels
-from worker.engine import engine as engine_module
+from worker.engine import warmup as warmup_module
 
 def llvm_kib():
     with open("/proc/self/smaps") as f:
@@ -398,9 +398,9 @@ def loaded():
 
 if sys.argv[2] == "preload":   # as the worker does: started first, joined by the load
     preload_kernels()
-    assert engine_module._preload_thread is not None
+    assert warmup_module._preload_thread is not None
 e = Engine.load(sys.argv[1], n_ctx=1024, weights="quantized")
-assert engine_module._preload_thread is None
+assert warmup_module._preload_thread is None
 before, llvm_loaded = loaded(), llvm_kib()
 ids = e.tokenize(" ".join(["the cat sat on the mat"] * 12))    # >= 64 rows: the tiled attention
 e.generate(ids, SamplingParams(max_tokens=3, temperature=0))   # then one-row decode steps

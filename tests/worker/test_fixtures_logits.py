@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 from tests.worker.conftest import GEMMA3_FIXTURES, SMOLLM2_FIXTURES, load_fixture_file
-from worker.engine.arch.model import load_model
+from worker.engine.arch.registry import load_model
 
 MEAN_BOUND = 0.06
 N_UBATCH = 512

@@ -24,11 +24,12 @@ from tests.paths import GEMMA3_FIXTURES
 from tests.worker.tiny_gguf import TINY_VOCAB_SIZE, write_tiny_gemma3, write_tiny_llama, write_tiny_qwen
 from worker.engine.errors import EngineError
 from worker.engine.loading.gguf_loader import read_gguf
-from worker.engine.arch import model as model_mod
+from worker.engine.arch import weights as weights_mod
 from worker.engine.kernels import quant
 from worker.engine.kernels.quant import QWeight
 from worker.engine.arch.llama import LlamaModel
-from worker.engine.arch.model import ARCHITECTURES, Model, load_model
+from worker.engine.arch.model import Model
+from worker.engine.arch.registry import ARCHITECTURES, load_model
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +38,7 @@ def _private_cache(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: 
     tests); real-model (slow) tests use the user's cache so warm loads stay fast."""
     if request.node.get_closest_marker("slow") is None:
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
-        monkeypatch.setattr(model_mod, "WEIGHT_CACHE_MIN_BYTES", 0)  # cache even tiny files here
+        monkeypatch.setattr(weights_mod, "WEIGHT_CACHE_MIN_BYTES", 0)  # cache even tiny files here
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -585,7 +586,7 @@ def test_weight_cache_roundtrip(tmp_path: Path, weights: str) -> None:
         arrays = mat.arrays().values() if isinstance(mat, QWeight) else [mat] if isinstance(mat, np.ndarray) else []
         for a in arrays:
             assert a.flags.aligned and a.flags.c_contiguous and not a.flags.writeable, name
-            assert a.ctypes.data % model_mod.WeightCache.PACK_ALIGN == 0 or a.nbytes == 0, name
+            assert a.ctypes.data % weights_mod.WeightCache.PACK_ALIGN == 0 or a.nbytes == 0, name
     np.testing.assert_array_equal(m1.forward(PROMPT, all_logits=True), m2.forward(PROMPT, all_logits=True))
 
 
@@ -629,7 +630,7 @@ def test_weight_cache_disabled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_tiny_files_not_cached_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(model_mod, "WEIGHT_CACHE_MIN_BYTES", 16 << 20)
+    monkeypatch.setattr(weights_mod, "WEIGHT_CACHE_MIN_BYTES", 16 << 20)
     path = tiny(tmp_path, "llama")
     assert load_model(read_gguf(path)).weights_from_cache is False
     assert load_model(read_gguf(path)).weights_from_cache is False

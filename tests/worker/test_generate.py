@@ -20,7 +20,8 @@ from worker.engine.errors import EngineError
 from worker.engine.generate import GenerationResult, TokenEvent, check_context
 from worker.engine.kv.cache import KVShape
 from worker.engine.sampling import SamplingParams
-from worker.engine.scheduler import Scheduler, SeqRequest, run_one
+from worker.engine.scheduler import Scheduler, run_one
+from worker.engine.seqs import SeqRequest
 from worker.engine.text.tokenizer import _BYTE_TO_UNICODE, Tokenizer
 
 TOK = Tokenizer.from_metadata(bpe_metadata())

@@ -333,7 +333,7 @@ def test_a_chunk_without_output_rows_on_the_quantized_path(tmp_path) -> None:
     from tests.worker.tiny_gguf import write_tiny_qwen
     from worker.engine.attention import AttnBatch, Segment
     from worker.engine.loading.gguf_loader import read_gguf
-    from worker.engine.arch.model import load_model
+    from worker.engine.arch.registry import load_model
     kw = json.loads((FIXTURES_DIR / "tiny-arch.llamacpp.json").read_text())["files"]["qwen3-q4_k_m"]["kwargs"]
     g = read_gguf(write_tiny_qwen(tmp_path / "q.gguf", **kw))
     m = load_model(g, n_ctx=64, weights="quantized")
@@ -360,7 +360,7 @@ def test_a_micro_batch_run_in_slices_is_the_same_bits(tmp_path, kind: str) -> No
     from worker.engine.attention import AttnBatch, Segment
     from worker.engine.loading.gguf_loader import read_gguf
     from worker.engine.kv.cache import KVEntry
-    from worker.engine.arch.model import load_model
+    from worker.engine.arch.registry import load_model
     if kind == "qwen3-q4_k_m":
         kw = json.loads((FIXTURES_DIR / "tiny-arch.llamacpp.json").read_text())["files"][kind]["kwargs"]
         path = write_tiny_qwen(tmp_path / "q.gguf", **{**kw, "n_ctx_train": 512})
@@ -478,8 +478,8 @@ def test_unsupported_type_is_refused() -> None:
 
 def test_weight_modes_are_the_protocols() -> None:
     from protocol.limits import WEIGHT_MODES
-    from worker.engine.arch.model import DEFAULT_WEIGHTS, WEIGHT_MODES as ENGINE_MODES
-    assert ENGINE_MODES == WEIGHT_MODES and DEFAULT_WEIGHTS in WEIGHT_MODES
+    from worker.engine.arch.registry import DEFAULT_WEIGHTS, WEIGHT_MODES as ENGINE_MODES
+    assert ENGINE_MODES is WEIGHT_MODES and DEFAULT_WEIGHTS in WEIGHT_MODES  # one fact: the protocol's tuple
 
 
 def test_a_float32_worker_never_imports_numba(tmp_path) -> None:

@@ -241,3 +241,29 @@ def test_raw_logprobs_ties_sorted_by_id() -> None:
     lp, top = raw_logprobs(x, 0, 3)
     assert lp == pytest.approx(-math.log(8))
     assert [i for i, _ in top] == [0, 1, 2]
+
+
+def test_the_sampler_takes_every_field_of_the_protocols_table() -> None:
+    """worker.frames.sampling_params copies every field of protocol.sampling's table (logit_bias
+    pairs to a map), and SamplingParams' defaults are the table's."""
+    import dataclasses
+
+    from protocol import Generate
+    from protocol.sampling import SAMPLING_DEFAULTS, SAMPLING_FIELDS
+    from worker.frames import sampling_params
+
+    params = SamplingParams()
+    for f in SAMPLING_FIELDS:
+        want = {} if f.name == "logit_bias" else f.default
+        assert getattr(params, f.name) == want, f.name
+    values = {"temperature": 0.3, "top_k": 7, "top_p": 0.5, "min_p": 0.2, "repeat_penalty": 1.3, "repeat_last_n": 5,
+              "presence_penalty": 0.4, "frequency_penalty": 0.6, "seed": 11, "n_probs": 3, "max_tokens": 9,
+              "post_sampling_probs": True, "ignore_eos": True, "add_special": False, "parse_special": False,
+              "cache_prompt": False, "grammar": 'start: "a"', "stop": ["z"], "logit_bias": [[4, False], [5, 2]]}
+    assert set(values) | {"json_schema"} == set(SAMPLING_DEFAULTS)
+    p = sampling_params(Generate(id="r", prompt="hi", **values))
+    for name, v in values.items():
+        if name != "logit_bias":
+            assert getattr(p, name) == v, name
+    assert p.logit_bias == {4: float("-inf"), 5: 2.0} and p.json_schema is None
+    assert {f.name for f in dataclasses.fields(p)} >= set(SAMPLING_DEFAULTS)

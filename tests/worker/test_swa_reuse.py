@@ -4,7 +4,7 @@ llama-server (``tools/server/server-context.cpp``) evaluates the last 4 tokens o
 sliding-window model (and the ``n_ubatch`` before them) as batches of their own, keeps a context
 checkpoint before each, and on a later prompt sharing a prefix restores the newest usable
 checkpoint and re-evaluates from one token before it — or the whole prompt when none is usable
-(the scheduler's ``prompt_cuts`` / ``_swa_reuse``). These tests check the cutting, the reuse
+(``worker.engine.prefix``: ``prompt_cuts`` / ``PrefixCache.swa_reuse``). These tests check the cutting, the reuse
 points and, on Gemma 3 270M with quantized weights, the tokens and logprobs against what
 llama-server answered to the same requests in the same order
 (``tests/fixtures/gemma3-swa-reuse.llamacpp.json``, ``scripts/record_swa_reuse_llamacpp.py``).
@@ -21,7 +21,8 @@ import pytest
 
 from tests.paths import FIXTURES_DIR
 from worker.engine import Engine, SamplingParams
-from worker.engine.scheduler import prompt_cuts, ubatch_bounds
+from worker.engine.prefix import prompt_cuts
+from worker.engine.scheduler import ubatch_bounds
 
 SWA_FIXTURE = FIXTURES_DIR / "gemma3-swa-reuse.llamacpp.json"
 

@@ -45,7 +45,7 @@ import pytest
 
 from tests.worker.tiny_gguf import write_tiny_qwen
 from worker.engine.loading.gguf_loader import read_gguf
-from worker.engine.arch.model import load_model
+from worker.engine.arch.registry import load_model
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-arch.llamacpp.json"
 DATA = json.loads(FIXTURE.read_text())
@@ -152,7 +152,7 @@ def test_quantized_files_agree_with_llamacpp(files: dict[str, Path], name: str, 
 @pytest.mark.parametrize("arch, detail", [("qwen2", "no_bias"), ("qwen3", "no_qk_norm"), ("qwen3", "norm_rope")])
 def test_wrong_detail_is_visible(files: dict[str, Path], arch: str, detail: str, monkeypatch) -> None:
     """The bounds above separate a faithful engine from one with a detail wrong."""
-    from worker.engine.arch import model as model_mod
+    from worker.engine.arch import layers as layers_mod
 
     name = f"{arch}-f32"
     model = load_model(read_gguf(files[name]), n_ctx=len(PROMPT), weight_cache=False)
@@ -166,7 +166,7 @@ def test_wrong_detail_is_visible(files: dict[str, Path], arch: str, detail: str,
         def apply_norm(x: np.ndarray, positions: np.ndarray) -> np.ndarray:
             perm = np.concatenate([np.arange(0, rope.n_rot, 2), np.arange(1, rope.n_rot, 2)])
             y = x[..., perm].copy()
-            model_mod.RopeTable.apply_neox(rope, y, positions)
+            layers_mod.RopeTable.apply_neox(rope, y, positions)
             x[..., perm] = y
             return x
 

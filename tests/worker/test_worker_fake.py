@@ -44,7 +44,8 @@ from tests.timing import report
 from tests.worker.fake_engine import EOS, FakeEngine
 from tests.worker.router_stub import RouterStub, garbage_frame
 from worker.engine import EngineError, SamplingParams
-from worker.server import WorkerConfig, WorkerServer
+from worker.config import WorkerConfig
+from worker.server import WorkerServer
 from worker import runner
 
 

@@ -54,7 +54,7 @@ from protocol.limits import DEFAULT_WEIGHTS
 from tests.paths import SMOLLM2_FIXTURES, SMOLLM2_PATH
 from tests.timing import report
 from tests.worker.router_stub import REPO, RouterStub, garbage_frame, spawn_worker, worker_command
-from worker.server import WorkerConfig
+from worker.config import WorkerConfig
 
 pytestmark = pytest.mark.slow
 

@@ -10,9 +10,8 @@ touch the KV and may run on any thread.
 
 from __future__ import annotations
 
-import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -21,15 +20,18 @@ import numpy as np
 
 from . import constraints
 from .loading import resident
-from .text.chat_template import ChatTemplate, resolve_template
+from .text.builtin_templates import resolve_template
+from .text.chat_template import ChatTemplate
 from .errors import EngineError
 from .generate import GenerationResult, TokenEvent
 from .kv.state import KV_LAYOUT_VERSION, KVIdentity, KVState
 from .sampling import SamplingParams
-from .scheduler import Finished, Scheduler, SeqRequest, SlotInfo, run_one
+from .scheduler import Scheduler, run_one
+from .seqs import Finished, SeqRequest, SlotInfo
 from .text.tokenizer import Tokenizer
+from .warmup import column_slice_types, take_preload, warm_up_kernels, warm_up_slices
 
-__all__ = ["Engine", "EngineInfo", "preload_kernels"]
+__all__ = ["Engine", "EngineInfo"]
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ class Engine:
                 none when the prepared weights come from the weight cache); with
                 ``weights="quantized"``, ``("loading_kernels", 0, 1)`` / ``(…, 1, 1)`` around
                 the wait for the kernel warm-up (numba's cache; on an empty cache its
-                compiling, see :func:`compile_kernels`). Called on the loading thread;
+                compiling, see :func:`~.warmup.compile_kernels`). Called on the loading thread;
                 must not raise.
 
         Raises:
@@ -119,7 +121,7 @@ class Engine:
         """
         from .loading.gguf_loader import read_gguf
         from .scheduler import DEFAULT_N_BATCH, DEFAULT_N_UBATCH
-        from .arch.model import DEFAULT_WEIGHTS, WEIGHT_MODES, load_model  # n_ctx None -> min(n_ctx_train, 8192) there
+        from .arch.registry import DEFAULT_WEIGHTS, WEIGHT_MODES, load_model  # n_ctx None -> min(n_ctx_train, 8192) there
 
         path = Path(gguf_path)
         if not path.is_file():
@@ -144,12 +146,12 @@ class Engine:
         warm = None
         if weights == "quantized":  # numba's import and cached kernels load while the model is built
             types = {t.type.name for t in gguf.tensors.values()}
-            from .arch.model import ARCHITECTURES, _register_builtin
+            from .arch.registry import ARCHITECTURES, _register_builtin
 
             _register_builtin()
             arch_cls = ARCHITECTURES.get(gguf.architecture)
-            warm = threading.Thread(target=_warm_up_kernels, daemon=True, name="modelyard-warm-up",
-                                    args=(types, _take_preload(), getattr(arch_cls, "ffn_act", None)))
+            warm = threading.Thread(target=warm_up_kernels, daemon=True, name="modelyard-warm-up",
+                                    args=(types, take_preload(), getattr(arch_cls, "ffn_act", None)))
             warm.start()
         if progress is not None:
             progress("reading_gguf", 1, 1)
@@ -173,7 +175,7 @@ class Engine:
             if progress is not None:
                 progress("loading_kernels", 0, 1)
             warm.join()  # before any kernel runs on this thread (one numba parallel launch at a time)
-            _warm_up_slices(_column_slice_types(model.w.values()))
+            warm_up_slices(column_slice_types(model.w.values()))
             if progress is not None:
                 progress("loading_kernels", 1, 1)
         resident.trim_heap()  # the load's freed temporaries (dequantization, metadata parsing) back to the OS
@@ -314,7 +316,7 @@ class Engine:
                 f"This model's maximum context length is {n_ctx} tokens. However, the prompt has {n_chars} "
                 f"characters, more than {n_ctx} tokens of at most {self._max_piece_chars} characters can hold."))
             # no n_prompt_tokens: not tokenized, the count is unknown (a count_tokens answer takes
-            # the figure as exact: router.dialects.counting)
+            # the figure as exact: router.counting)
 
     # ------------------------------------------------------------------ generate
 
@@ -555,165 +557,3 @@ def _wrap(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise
     except Exception as e:
         raise EngineError("invalid_gguf", f"cannot load GGUF: {type(e).__name__}: {e}") from e
-
-
-_preload_lock = threading.Lock()
-_preload_thread: threading.Thread | None = None
-
-
-def preload_kernels() -> None:
-    """Start loading, on a daemon thread, the part of the quantized path's kernels that does not
-    depend on the file: numba's import (~0.2 s), the kernel modules, the activation quantization
-    and both flash-attention kernels (from numba's on-disk cache). For a process that knows it
-    will call ``Engine.load(..., weights="quantized")`` (the worker, from its arguments) and has
-    other start-up work to overlap with it; the next such load waits for it instead of doing it
-    again. Returns at once; a second call while one is pending does nothing. Failures are
-    logged and otherwise ignored (the load then does the work itself)."""
-    global _preload_thread
-    with _preload_lock:
-        if _preload_thread is None:
-            _preload_thread = threading.Thread(target=_warm_up_common, daemon=True, name="modelyard-preload")
-            _preload_thread.start()
-
-
-def _take_preload() -> threading.Thread | None:
-    """The pending :func:`preload_kernels` thread, once (the next load starts from scratch)."""
-    global _preload_thread
-    with _preload_lock:
-        th, _preload_thread = _preload_thread, None
-    return th
-
-
-def compile_kernels(type_names: Iterable[str] | None = None) -> None:
-    """Compile every kernel signature the quantized path runs, or load it from numba's on-disk
-    cache where that is current (``__pycache__`` beside ``worker/engine/kernels/*_kernels.py``, or
-    ``NUMBA_CACHE_DIR``): the file-independent ones (activation quantization, both flash-attention
-    kernels, SiLU, GELU's table, RoPE's cos/sin) and the matmuls of each GGUF type name in
-    ``type_names`` (None: every type with a kernel, ``quant.ACT_TYPE``). The same set as
-    ``Engine.load(weights="quantized")``'s warm-up; for a set-up step (``scripts/compile_kernels.py``)
-    that fills the cache once per checkout, so that no load compiles (a fresh cache costs tens of
-    seconds of compiling, a current one ~0.5 s of loading). Raises whatever numba raises."""
-    from .kernels import quant
-
-    from .arch.model import FFN_ACTS
-
-    _load_common_kernels()
-    for act in FFN_ACTS:
-        _load_ffn_kernels(act)
-    _load_matmul_kernels(set(quant.ACT_TYPE) if type_names is None else set(type_names))
-
-
-def _load_common_kernels() -> None:
-    """numba's import and the kernels every model's quantized path runs (32-block activation
-    quantization, both flash-attention kernels, RMSNorm, RoPE); raises on failure. The K-quants'
-    activation quantization loads with their matmuls (:func:`_load_matmul_kernels`), the FFN's
-    activation with :func:`_load_ffn_kernels`: a model loads only what it runs (each signature
-    costs ~0.5-2 MiB of LLVM's resident code and tables, and load time)."""
-    from . import attention
-    from .kernels import quant
-
-    x = np.zeros((2, 256), np.float32)
-    for act in ("q8_0", "q8_1"):
-        for with_s in (False, True):
-            quant.quantize_activations(x, act, with_s)
-    for rows, end in ((1, 1), (64, 64)):
-        kv = np.zeros((1, end, 8), np.float32)
-        attention.ggml_attention(np.zeros((rows, 1, 8), np.float32), kv, kv, end - rows, 0, None, 1.0)
-    from .arch.model import RopeTable, rms_norm
-
-    rms_norm(np.zeros((1, 16), np.float32), np.ones(16, np.float32), 1e-6, kernel=True)  # RMSNorm's kernel
-    rope = RopeTable(2, 4, 10000.0, libm=True)                # RoPE's kernel: heads contiguous or strided
-    qkv = np.zeros((2, 16), np.float32)
-    for heads in (qkv[:, :8].reshape(2, 2, 4), np.zeros((1, 2, 4), np.float32)):
-        rope.apply_neox(heads, np.zeros(heads.shape[0], np.int64))
-    quant.cos_sin_libm(np.zeros((1, 2), np.float32))         # RoPE's cosf / sinf
-
-
-def _load_ffn_kernels(act: str) -> None:
-    """The fused ``act(gate) * up`` kernel of a gated FFN activation (a key of
-    ``model.FFN_ACTS``; GELU also builds ggml's table); raises KeyError for another name, or what
-    numba raises."""
-    from .arch.model import FFN_ACTS, glu_ggml
-
-    glu_ggml(np.zeros((1, 32), np.float32), 16, FFN_ACTS[act])
-
-
-def _load_matmul_kernels(type_names: set[str], whole: bool = True, column_slice: bool = True) -> None:
-    """Per weight type in ``type_names`` (those with a kernel), the matmul into a whole output
-    (``QWeight.matmul``; when ``whole``) and into a column slice of one (a ``QConcat`` part of a
-    prompt's rows, another numba signature for the VNNI kernels; when ``column_slice``); raises on failure."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    from .kernels import quant
-
-    for name in sorted(type_names):
-        if not quant.supports(name):
-            continue
-        block, tsize = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
-        w = quant.QWeight.from_raw(name, np.zeros((8, 256 // block * tsize), np.uint8), 8, 256)
-        x = np.zeros((2, 256), np.float32)
-        if whole:
-            w.matmul(x)                                                  # [2, 8] C-contiguous out
-            if w.act == "q8_K":                                          # the float-level q8_K of a fused part
-                for with_s in (False, True):
-                    quant.quantize_activations(x, "q8_K", with_s)
-                if quant.host_has_vnni():                                # a K-quant QConcat's one quantization
-                    quant._compile()["kq_levels"](x)
-        if column_slice:
-            out = np.empty((2, 16), np.float32)
-            w.matmul_quantized(*quant.quantize_activations(x, w.act, True), out[:, 4:12])
-
-
-def _warm_up_common() -> None:
-    """numba's import and the file-independent kernels (see :func:`preload_kernels`)."""
-    try:
-        _load_common_kernels()
-    except Exception:  # noqa: BLE001 - only a warm-up
-        logging.getLogger(__name__).warning("kernel preload failed (kernels load at first use)", exc_info=True)
-
-
-def _warm_up_kernels(type_names: set[str], preload: threading.Thread | None = None, ffn_act: str | None = None) -> None:
-    """Import numba and load (from its on-disk cache) the kernel signatures the quantized path
-    calls, on tiny inputs of the production types: first the file-independent ones (activation
-    quantization, both flash-attention kernels: :func:`_warm_up_common`, or ``preload``, a
-    :func:`preload_kernels` thread, joined instead when given); then per weight type in
-    ``type_names`` the matmul into a whole output (``QWeight.matmul``), and the kernel of the
-    architecture's FFN activation ``ffn_act`` (``Model.ffn_act``; None: every one). Run on a thread during
-    ``Engine.load`` (joined before it returns), so that numba's import (~0.4 s) and the kernels'
-    loading (~25 ms each) overlap the GGUF reading, the tokenizer build and the weight unpacking
-    instead of delaying the first token. A failure is logged and otherwise ignored: the kernels
-    are then loaded at first use. The load then runs :func:`_warm_up_slices` (the column-slice
-    matmuls its ``QConcat`` parts need, none for most files, and the drop of LLVM's pages from
-    the resident set)."""
-    if preload is not None:
-        preload.join()  # one numba parallel launch at a time
-    else:
-        _warm_up_common()
-    from .arch.model import FFN_ACTS
-
-    try:
-        for act in FFN_ACTS if ffn_act is None else (ffn_act,):
-            _load_ffn_kernels(act)
-        _load_matmul_kernels(type_names, column_slice=False)
-    except Exception:  # noqa: BLE001 - only a warm-up
-        logging.getLogger(__name__).warning("kernel warm-up failed (kernels load at first use)", exc_info=True)
-
-
-def _column_slice_types(weights: Iterable[Any]) -> set[str]:
-    """The GGUF type names of the quantized parts of the :class:`~.quant.QConcat` matrices among
-    ``weights`` (the model's): the only weights multiplied into a column slice of an output."""
-    from .kernels.quant import QConcat, QWeight
-
-    return {t for w in weights if isinstance(w, QConcat) for p in w.parts if isinstance(p, QWeight) for t in p.types}
-
-
-def _warm_up_slices(type_names: set[str]) -> None:
-    """The second part of the warm-up, once the model is built (after :func:`_warm_up_kernels`):
-    the column-slice matmuls of ``type_names`` (:func:`_column_slice_types`; a model with no
-    ``QConcat`` needs none), then LLVM's pages off the resident set. Failures are logged."""
-    try:
-        _load_matmul_kernels(type_names, whole=False)
-        # LLVM's code and tables are not run by the loaded kernels: off the resident set (~90 MiB)
-        resident.drop_clean_file_pages("libllvmlite")
-    except Exception:  # noqa: BLE001 - only a warm-up
-        logging.getLogger(__name__).warning("kernel warm-up failed (kernels load at first use)", exc_info=True)

@@ -38,11 +38,13 @@ from typing import Any
 
 import numpy as np
 
+from protocol.limits import GENERATE_LIMITS as _B
+from protocol.limits import MAX_N_PROBS
+from protocol.sampling import SAMPLING_DEFAULTS as _D
+
 from .errors import EngineError
 
 __all__ = ["MAX_N_PROBS", "Sampler", "SamplingParams", "raw_logprobs"]
-
-MAX_N_PROBS = 20
 
 
 def _is_int(x: Any) -> bool:
@@ -57,31 +59,32 @@ def _is_real(x: Any) -> bool:
 class SamplingParams:
     """Per-request sampling and generation parameters (see docs/ENGINE-API.md).
 
-    Defaults are llama-server's. Call :meth:`validated` to check and normalise.
+    The fields and defaults are the protocol's (``protocol.sampling.SAMPLING_FIELDS``: llama-server's),
+    the bounds ``protocol.limits.GENERATE_LIMITS``. Call :meth:`validated` to check and normalise.
     """
 
-    max_tokens: int | None = None
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    logit_bias: dict[int, float] = field(default_factory=dict)
+    max_tokens: int | None = _D["max_tokens"]
+    temperature: float = _D["temperature"]
+    top_k: int = _D["top_k"]
+    top_p: float = _D["top_p"]
+    min_p: float = _D["min_p"]
+    repeat_penalty: float = _D["repeat_penalty"]
+    repeat_last_n: int = _D["repeat_last_n"]
+    presence_penalty: float = _D["presence_penalty"]
+    frequency_penalty: float = _D["frequency_penalty"]
+    seed: int | None = _D["seed"]
+    logit_bias: dict[int, float] = field(default_factory=dict)  # the wire's [id, bias] pairs as a map
     stop: list[str] = field(default_factory=list)
-    n_probs: int = 0
+    n_probs: int = _D["n_probs"]
     # llama.cpp's post_sampling_probs: report the probabilities after the sampler chain (top-k,
     # top-p, min-p, temperature) instead of the model's log-softmax (Sampler.last_candidates)
-    post_sampling_probs: bool = False
-    ignore_eos: bool = False
-    add_special: bool = True
-    parse_special: bool = True
-    cache_prompt: bool = True
-    json_schema: str | None = None  # constraint: the output matches this JSON Schema (its text)
-    grammar: str | None = None  # constraint: the output matches this Lark grammar (llguidance's dialect)
+    post_sampling_probs: bool = _D["post_sampling_probs"]
+    ignore_eos: bool = _D["ignore_eos"]
+    add_special: bool = _D["add_special"]
+    parse_special: bool = _D["parse_special"]
+    cache_prompt: bool = _D["cache_prompt"]
+    json_schema: str | None = _D["json_schema"]  # constraint: the output matches this JSON Schema (its text)
+    grammar: str | None = _D["grammar"]  # constraint: the output matches this Lark grammar (llguidance's dialect)
     # what the constraint could not enforce and left out (set by Engine.prepare; constraints.check)
     set_aside: tuple[str, ...] = ()
 
@@ -101,28 +104,24 @@ class SamplingParams:
         def bad(msg: str) -> EngineError:
             return EngineError("invalid_params", msg)
 
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < (_B["max_tokens"].lo or 0)):
             raise bad(f"max_tokens must be a non-negative integer or null, got {self.max_tokens!r}")
         for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_real(v) or not math.isfinite(v):
                 raise bad(f"{name} must be a finite number, got {v!r}")
-        if self.temperature < 0:
-            raise bad(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 <= self.top_p <= 1:
-            raise bad(f"top_p must be in [0, 1], got {self.top_p!r}")
-        if not 0 <= self.min_p <= 1:
-            raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.repeat_penalty <= 0:
-            raise bad(f"repeat_penalty must be > 0, got {self.repeat_penalty!r}")
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty"):  # their bounds: the protocol's table
+            if not _B[name].contains(getattr(self, name)):
+                raise bad(f"{name} must be {_B[name].describe()}, got {getattr(self, name)!r}")
         if not _is_int(self.top_k):
             raise bad(f"top_k must be an integer, got {self.top_k!r}")
-        if not _is_int(self.repeat_last_n) or self.repeat_last_n < -1:
-            raise bad(f"repeat_last_n must be an integer >= -1, got {self.repeat_last_n!r}")
+        last_n_lo = _B["repeat_last_n"].lo  # its cap (int32) is the router's alone
+        if not _is_int(self.repeat_last_n) or (last_n_lo is not None and self.repeat_last_n < last_n_lo):
+            raise bad(f"repeat_last_n must be an integer >= {last_n_lo:g}, got {self.repeat_last_n!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise bad(f"seed must be an integer or null, got {self.seed!r}")
-        if not _is_int(self.n_probs) or not 0 <= self.n_probs <= MAX_N_PROBS:
-            raise bad(f"n_probs must be an integer in [0, {MAX_N_PROBS}], got {self.n_probs!r}")
+        if not _is_int(self.n_probs) or not _B["n_probs"].contains(self.n_probs):
+            raise bad(f"n_probs must be an integer {_B['n_probs'].describe()}, got {self.n_probs!r}")
         for name in ("ignore_eos", "add_special", "parse_special", "cache_prompt"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise bad(f"{name} must be a boolean, got {getattr(self, name)!r}")

@@ -38,7 +38,9 @@ import numpy as np
 
 from ..errors import EngineError
 from ..attention import AttnBatch, attend
-from .model import FFN_ACTS, Model, RopeTable, embed, fuse_rows, gated_ffn, gelu_tanh, hp_float, hp_int, linear, register, rms_norm, Weights
+from .layers import FFN_ACTS, RopeTable, Weights, embed, fuse_rows, gated_ffn, gelu_tanh, hp_float, hp_int, linear, rms_norm
+from .model import Model
+from .registry import register
 
 
 @register

@@ -29,7 +29,9 @@ from typing import Any
 import numpy as np
 
 from ..attention import AttnBatch, attend
-from .model import FFN_ACTS, Model, RopeTable, embed, fuse_rows, gated_ffn, linear, register, rms_norm, silu, Weights
+from .layers import FFN_ACTS, RopeTable, Weights, embed, fuse_rows, gated_ffn, linear, rms_norm, silu
+from .model import Model
+from .registry import register
 
 
 @register

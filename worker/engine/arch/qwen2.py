@@ -31,7 +31,9 @@ import numpy as np
 
 from ..attention import AttnBatch, attend
 from ..errors import EngineError
-from .model import FFN_ACTS, Matrix, Model, RopeTable, embed, fuse_rows, gated_ffn, linear, register, rms_norm, silu, Weights
+from .layers import FFN_ACTS, Matrix, RopeTable, Weights, embed, fuse_rows, gated_ffn, linear, rms_norm, silu
+from .model import Model
+from .registry import register
 
 
 @register

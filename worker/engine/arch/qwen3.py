@@ -20,7 +20,7 @@ Facts taken from llama.cpp:
 
 from __future__ import annotations
 
-from .model import register
+from .registry import register
 from .qwen2 import Qwen2Model
 
 

@@ -77,7 +77,7 @@ class Checkpoint:
     sliding-window model's memory that cannot be rolled back, before decoding a batch that starts
     at ``n_tokens``; this entry keeps every position's K/V, so a checkpoint here is only the record
     of that moment, which decides where a later prompt's re-evaluation starts (the scheduler's
-    ``_swa_reuse``). All fields are token counts / positions (ints):
+    ``PrefixCache.swa_reuse``). All fields are token counts / positions (ints):
 
     ``n_tokens``: tokens the memory held; ``pos_max``: its highest position (``n_tokens - 1``);
     ``pos_min``: the lowest position the sliding-window cache still held then (0 until that cache
