@@ -85,8 +85,9 @@ class TokenIds(bytes):
             a.byteswap()
         return cls(a.tobytes())
 
+    # deliberately replaces bytes.count (a substring count, meaningless over packed int32 ids)
     @property
-    def count(self) -> int:
+    def count(self) -> int:  # type: ignore[override]
         """Number of ids."""
         return len(self) // self.ITEM_BYTES
 

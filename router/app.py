@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from router.operator import status_page
 from router.operator import admin
@@ -137,7 +137,7 @@ def create_app(config: Config, *, worker_module: str | None = None,
             await app.state.background.close()  # its runs end (Cancel) before the workers stop
             await app.state.pool.close()
 
-    routes = [Route("/", root, methods=["GET", "HEAD"]), Route("/api/hello", root, methods=["GET", "HEAD"]),
+    routes: list[BaseRoute] = [Route("/", root, methods=["GET", "HEAD"]), Route("/api/hello", root, methods=["GET", "HEAD"]),
               Route("/health", health, methods=["GET"]), Route("/v1/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"]),
               *openai_api.routes, *openai_responses.routes, *decode_api.routes, *anthropic_api.routes, *llamacpp_api.routes, *llamacpp_router.routes, *ollama_api.routes, *stream_sessions.routes, *admin.routes,

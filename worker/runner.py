@@ -352,7 +352,7 @@ class BatchRunner:
         self.capacity = parallel
         self._prep_inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._text_inbox: queue.SimpleQueue[Tokenize | Detokenize | ApplyTemplate | None] = queue.SimpleQueue()
-        self._ready: queue.SimpleQueue[tuple[Job, list[int] | None, Any] | None] = queue.SimpleQueue()
+        self._ready: queue.SimpleQueue[tuple[Job, list[int] | None, Any, Any] | None] = queue.SimpleQueue()
         self._running: dict[str, Job] = {}
         self._runs: dict[str, _Run] = {}  # job id -> its sequences in the engine (engine thread only)
         self._seq: dict[str, tuple[_Run, int]] = {}  # engine sequence id -> (run, choice index)
@@ -756,6 +756,7 @@ class BatchRunner:
     def _open_disk(self, engine: Any) -> None:
         from worker.engine.kv.disk import DiskCache
 
+        assert self._kv_cache_dir is not None  # opened only when a directory is configured
         try:
             disk = DiskCache(self._kv_cache_dir, self._kv_cache_bytes, engine.kv_identity)
             n = disk.scan()

@@ -528,9 +528,9 @@ class WorkerServer:
                 self.pending.remove(job)
                 self._send(cancelled_done(job_id))
                 return
-        job = self.running.get(job_id)
-        if job is not None:
-            self._cancel_running(job)
+        running = self.running.get(job_id)
+        if running is not None:
+            self._cancel_running(running)
         # unknown (or already finished): ignored
 
     def _cancel_running(self, job: Job) -> None:

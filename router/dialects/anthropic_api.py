@@ -261,7 +261,7 @@ async def _parse(request: Request, body: dict[str, Any]) -> _Request:
 
 
 def _generate(req: _Request, body: dict[str, Any], max_tokens: int, prefix: str) -> Generate:
-    sampling_body = {k: body[k] for k in ("temperature", "top_p", "top_k") if k in body}
+    sampling_body: dict[str, Any] = {k: body[k] for k in ("temperature", "top_p", "top_k") if k in body}
     get_float(body, "temperature", None, 0.0, 1.0)  # Anthropic's range
     sampling = read_sampling(sampling_body, OPENAI_DEFAULTS, req.slot, openai=False)
     stops = body.get("stop_sequences")
@@ -355,7 +355,7 @@ def _error_event(err: ApiError) -> bytes:
     return sse_named("error", anthropic_error_payload(err))
 
 
-async def messages(request: Request) -> Response:
+async def messages(request: Request) -> Response | SSEResponse:
     body = await read_json(request)
     req = await _parse(request, body)
     refuse_ignored(body, "/v1/messages")  # stop, seed, response_format, ...: not Messages fields

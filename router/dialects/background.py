@@ -68,7 +68,7 @@ log = logging.getLogger("modelyard.background")
 RUNNING = ("queued", "in_progress")
 FINISHED = ("completed", "incomplete", "failed", "cancelled")
 
-Handler = Callable[[Request], Awaitable[Response]]
+Handler = Callable[[Request], Awaitable[Response | SSEResponse]]
 
 
 def new_job_id(prefix: str) -> str:
@@ -178,7 +178,7 @@ class Job:
             return None
         data = self._data()
         if self.kind == "response":
-            final = [d["response"] for d in data if isinstance(d.get("response"), dict)
+            final: list[dict[str, Any]] = [d["response"] for d in data if isinstance(d.get("response"), dict)
                      and d.get("type") in ("response.completed", "response.incomplete", "response.failed")]
             if final:
                 return final[-1]

@@ -117,9 +117,10 @@ def parse_tools(body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
         tc = "auto"
     if tc in ("none", "auto", "required"):
         return tools, choose(tools, tc, None, parallel, "tool_choice")
-    kind = tc.get("type") if isinstance(tc, dict) else None
-    if kind in ("function", "custom") and isinstance(tc.get(kind), dict):
-        return tools, choose(tools, "named", tc[kind].get("name"), parallel, f"tool_choice.{kind}")
+    if isinstance(tc, dict):
+        kind = tc.get("type")
+        if kind in ("function", "custom") and isinstance(tc.get(kind), dict):
+            return tools, choose(tools, "named", tc[kind].get("name"), parallel, f"tool_choice.{kind}")
     raise BadRequest("'tool_choice' must be 'none', 'auto', 'required', {\"type\": \"function\", \"function\": "
                      "{\"name\": ...}} or {\"type\": \"custom\", \"custom\": {\"name\": ...}}", param="tool_choice")
 

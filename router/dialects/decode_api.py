@@ -32,6 +32,7 @@ from router.dialects.background_reads import job_events, stream_query
 from router.http.errors import BadRequest, NotFound
 from router.http.params import get_bool, read_json
 from router.http.responses import JSONResponse
+from router.http.sse import SSEResponse
 
 #: The two bodies /v1/decode takes: (the field that tells them apart, route, kind). The handler is
 #: the one the app serves that route with (no dialect imports another).
@@ -45,7 +46,8 @@ def _handler(request: Request, path: str) -> Handler:
     """The endpoint the app serves ``POST path`` with."""
     for route in request.app.routes:
         if isinstance(route, Route) and route.path == path and route.methods and "POST" in route.methods:
-            return route.endpoint  # type: ignore[no-any-return]
+            endpoint: Handler = route.endpoint
+            return endpoint
     raise LookupError(f"no POST {path} route")  # pragma: no cover - the app always has both
 
 
@@ -76,7 +78,7 @@ async def create(request: Request) -> Response:
     return JSONResponse(job.describe())
 
 
-async def retrieve(request: Request) -> Response:
+async def retrieve(request: Request) -> Response | SSEResponse:
     job_id = request.path_params["decode_id"]
     job = store_of(request).get(job_id)
     if job is None:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -156,7 +157,7 @@ async def _tokenize(request: Request, slot: ModelSlot, text: str, add_special: b
     return list(ans.tokens.view())
 
 
-async def _mixed_ids(request: Request, slot: ModelSlot, parts: list[PromptPart]) -> list[int]:
+async def _mixed_ids(request: Request, slot: ModelSlot, parts: Sequence[PromptPart]) -> list[int]:
     """A mixed prompt's token ids, as llama-server's ``tokenize_mixed``: each string tokenized
     with special tokens parsed, the first element (only) with the model's BOS when it is a string;
     ids kept as they are."""
@@ -210,7 +211,7 @@ def _settings(msg: Generate, n_predict: int | None, streaming: bool) -> dict[str
     }
 
 
-async def completion(request: Request) -> Response:
+async def completion(request: Request) -> Response | SSEResponse:
     body = await read_json(request)
     name, slot = _slot(request, body)
     # llama.cpp's post_sampling_probs: served here (router.serving.samplers refuses it on the other routes)
@@ -218,8 +219,11 @@ async def completion(request: Request) -> Response:
     body = {k: v for k, v in body.items() if k != "post_sampling_probs"}
     refuse_ignored(body, "/completion")  # n, logprobs, response_format, tools, ...: not /completion fields
     parts = _prompt(body)
-    prompt: str | list[int] = (await _mixed_ids(request, slot, parts)  # type: ignore[arg-type]
-                               if isinstance(parts, list) and any(isinstance(p, str) for p in parts) else parts)
+    prompt: str | list[int]
+    if isinstance(parts, list) and any(isinstance(p, str) for p in parts):
+        prompt = await _mixed_ids(request, slot, parts)
+    else:
+        prompt = cast("str | list[int]", parts)  # a list with no string in it holds ids only
     body = await _text_logit_bias(request, slot, body)
     if get_bool(body, "return_progress", False):  # cannot be done: the worker reports no prefill progress
         set_aside(request.state, "return_progress", "prompt_progress",

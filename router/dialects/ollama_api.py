@@ -458,7 +458,7 @@ class _Job:
     top_lp: int | None
 
 
-async def _run(request: Request, job: _Job, t0: float, *, chat: bool) -> Response:
+async def _run(request: Request, job: _Job, t0: float, *, chat: bool) -> Response | SSEResponse:
     was_loaded = job.slot.state in LOADED
     streaming = get_bool(await _body(request), "stream", True)
     run, first = await begin(request, job.slot, job.msg, grammar_param=job.constraint_param, early=streaming)
@@ -546,11 +546,11 @@ async def _run(request: Request, job: _Job, t0: float, *, chat: bool) -> Respons
 
 async def _body(request: Request) -> dict[str, Any]:
     """The request's JSON body (read once; kept on the request's state)."""
-    body = getattr(request.state, "ollama_body", None)
+    body: dict[str, Any] | None = getattr(request.state, "ollama_body", None)
     if body is None:
         body = await read_json(request)
         request.state.ollama_body = body
-    return body  # type: ignore[no-any-return]
+    return body
 
 
 def _is_operator(request: Request) -> bool:
@@ -590,7 +590,7 @@ async def _load_or_unload(request: Request, slot: ModelSlot, model: str, keep_al
 # ----------------------------------------------------------------------------- routes: generation
 
 
-async def chat(request: Request) -> Response:
+async def chat(request: Request) -> Response | SSEResponse:
     t0 = time.monotonic()
     body = await _body(request)
     pool: Pool = request.app.state.pool
@@ -614,7 +614,7 @@ async def chat(request: Request) -> Response:
     return await _run(request, _Job(model, slot, msg, prep, prep.constraint_param, top), t0, chat=True)
 
 
-async def generate(request: Request) -> Response:
+async def generate(request: Request) -> Response | SSEResponse:
     t0 = time.monotonic()
     body = await _body(request)
     pool: Pool = request.app.state.pool

@@ -192,7 +192,7 @@ def _read_chat(request: Request, body: dict[str, Any]) -> _Chat:
     return _Chat(slot, model_name, msg, prep, constraint_param, want_logprobs, top_n, streaming, include_usage)
 
 
-async def chat_completions(request: Request) -> Response:
+async def chat_completions(request: Request) -> Response | SSEResponse:
     chat = _read_chat(request, await read_json(request))
     run, first = await begin(request, chat.slot, chat.msg, grammar_param=chat.constraint_param,
                              early=chat.streaming)
@@ -383,7 +383,7 @@ def _legacy_logprobs(probs: list[TokenProb], n_top: int, offsets: _TextOffsets) 
     }
 
 
-async def completions(request: Request) -> Response:
+async def completions(request: Request) -> Response | SSEResponse:
     body = await read_json(request)
     pool = _pool(request)
     model_name = model_of(body, pool.config.default_name(), pool.config.ids())

@@ -402,7 +402,7 @@ class _Answer:
         return resp
 
 
-async def create(request: Request) -> Response:
+async def create(request: Request) -> Response | SSEResponse:
     body = await read_json(request)
     refuse_ignored(body, "/v1/responses")  # seed, stop, max_tokens, response_format, ...: not Responses fields
     job = getattr(request.state, "background_job", None)  # set when this runs a background response
@@ -566,7 +566,7 @@ def _job_object(job: Job) -> dict[str, Any]:
     return obj
 
 
-async def retrieve(request: Request) -> Response:
+async def retrieve(request: Request) -> Response | SSEResponse:
     rid = request.path_params["response_id"]
     job = background_of(request).get(rid)
     if job is not None:

@@ -182,7 +182,8 @@ def conversation_id(scope: Scope) -> str:
     """The request's ``X-Conversation-Id`` ("" when absent)."""
     for name, value in scope.get("headers", []):
         if name == HEADER:
-            return value.decode("latin-1").strip()
+            text: str = value.decode("latin-1")
+            return text.strip()
     return ""
 
 

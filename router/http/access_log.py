@@ -65,7 +65,7 @@ def request_id_of(scope: Scope) -> str:
     for k, v in scope.get("headers", []):
         if k == HEADER:
             try:
-                text = v.decode("ascii")
+                text: str = v.decode("ascii")
             except UnicodeDecodeError:
                 break
             if _SANE.match(text):

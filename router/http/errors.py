@@ -167,7 +167,7 @@ class Unavailable(ApiError):
     status = 503
     type = "server_error"
     default_code = "unavailable"
-    retry_after_s = 1
+    retry_after_s: ClassVar[int | None] = 1
 
 
 class QueueFull(Unavailable):

@@ -46,8 +46,9 @@ def _printable(text: str, limit: int) -> str:
 
 def _items(state: Any) -> list[str]:
     if isinstance(state, dict):
-        return state.setdefault("set_aside", [])
-    items = getattr(state, "set_aside", None)
+        listed: list[str] = state.setdefault("set_aside", [])
+        return listed
+    items: list[str] | None = getattr(state, "set_aside", None)
     if items is None:
         items = []
         state.set_aside = items
@@ -61,8 +62,9 @@ MAX_LOGGED = 32
 
 def _seen(state: Any) -> set[str]:
     if isinstance(state, dict):
-        return state.setdefault("set_aside_seen", set())
-    seen = getattr(state, "set_aside_seen", None)
+        known: set[str] = state.setdefault("set_aside_seen", set())
+        return known
+    seen: set[str] | None = getattr(state, "set_aside_seen", None)
     if seen is None:
         seen = set()
         state.set_aside_seen = seen

@@ -136,13 +136,13 @@ async def events(request: Request) -> Response:
             return
         while True:
             try:
-                ev = await asyncio.wait_for(q.get(), KEEPALIVE_S)
+                nxt = await asyncio.wait_for(q.get(), KEEPALIVE_S)
             except TimeoutError:
                 yield b": keep-alive\n\n"
                 continue
-            if ev is None:
+            if nxt is None:
                 return
-            yield frame(ev)
+            yield frame(nxt)
 
     return SSEResponse(gen(), on_close=lambda: pool.events.unsubscribe(q))  # type: ignore[return-value]
 

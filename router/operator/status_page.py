@@ -153,7 +153,8 @@ async def redirect(request: Request) -> Response:
 def _for_page(row: dict[str, Any]) -> dict[str, Any]:
     row = dict(row)
     row["file"] = Path(row.pop("path", "") or "").name  # clients learn file names, never paths
-    return admin.redacted(row)  # last_error, failure reasons: files by name only
+    page: dict[str, Any] = admin.redacted(row)  # last_error, failure reasons: files by name only
+    return page
 
 
 async def status(request: Request) -> Response:

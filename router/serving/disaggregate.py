@@ -59,6 +59,7 @@ from starlette.requests import Request
 from protocol import (
     KV_STREAM_IDLE_S,
     KV_WINDOW,
+    Accepted,
     Done,
     Error,
     Generate,
@@ -71,7 +72,7 @@ from protocol import (
 )
 from protocol.errors import ErrorCode
 from router.http.errors import ApiError, BadGateway, Unavailable, from_worker_error
-from router.workers.pool import ModelSlot
+from router.workers.pool import ModelSlot, Pool
 from router.workers.process import WorkerGone, WorkerProcess, WorkerUnreachable
 from router.serving.server import submit
 
@@ -86,7 +87,8 @@ def prefill_slot(request: Request, slot: ModelSlot) -> ModelSlot | None:
     name = slot.model.prefill_model
     if name is None:
         return None
-    return request.app.state.pool.get(name)
+    pool: Pool = request.app.state.pool
+    return pool.get(name)
 
 
 async def prefill_and_hand_over(pre: ModelSlot, slot: ModelSlot, msg: Generate,
@@ -210,7 +212,7 @@ async def _by_file(pre: ModelSlot, slot: ModelSlot, pmsg: Generate) -> dict[str,
         run = submit(pre, pmsg.id)
         try:
             await run.start(pmsg)
-            item: Token | Done | KVChunk = await run.next()
+            item: Token | Done | KVChunk | Accepted = await run.next()
             while not isinstance(item, Done):
                 item = await run.next()
             done = item  # sent once the state file is written (Generate.save_slot_to)

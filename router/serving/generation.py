@@ -151,6 +151,7 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate, grammar_param:
         if hook is not None:
             hook(run, "started")
         first = await until_disconnect(request.receive, run.next())
+        assert not isinstance(first, KVChunk)  # only router.serving.disaggregate asks for stream_state
     except ContextLengthExceeded as e:  # the field at fault, as OpenAI names it
         run.close()
         if e.param is None:
@@ -237,7 +238,9 @@ async def collect(request: Request, run: Generation, first: Token | Done | Accep
         while not isinstance(item, Done):
             if isinstance(item, Token):
                 tokens.append(item)
-            item = await run.next()  # type: ignore[assignment]
+            nxt = await run.next()
+            assert not isinstance(nxt, KVChunk)  # only router.serving.disaggregate asks for stream_state
+            item = nxt
         return tokens, item
 
     try:

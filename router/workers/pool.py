@@ -122,7 +122,10 @@ class Pool:
             slot = self.slots[n]
             self._retired.add(slot)
             task = slot.retire()
-            task.add_done_callback(lambda _t, n=n, slot=slot: self._forget(n, slot))
+
+            def forget(_t: asyncio.Task[None], n: str = n, slot: ModelSlot = slot) -> None:
+                self._forget(n, slot)
+            task.add_done_callback(forget)
         for n in changed:
             self.slots[n].reconfigure(new.models[n])
         for n in added:

@@ -272,7 +272,8 @@ class WorkerProcess:
                          name=f"worker-wait-{self._proc.pid}").start()
         exited = asyncio.ensure_future(self.exited.wait())
         try:
-            done, _ = await asyncio.wait({self._ready, exited}, timeout=timeout_s,
+            waiters: set[asyncio.Future[Any]] = {self._ready, exited}
+            done, _ = await asyncio.wait(waiters, timeout=timeout_s,
                                          return_when=asyncio.FIRST_COMPLETED)
         finally:
             exited.cancel()
@@ -308,7 +309,7 @@ class WorkerProcess:
         if self._reader is not None:
             self._reader.cancel()
         if self._sock is not None:
-            raw = zmq.Socket.shadow(self._sock.underlying)
+            raw: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
             while True:
                 try:
                     parts = raw.recv_multipart(zmq.NOBLOCK)
@@ -543,6 +544,8 @@ class WorkerProcess:
             self.close_stream(msg.id)
         if isinstance(answer, WorkerGone):
             return Error(id=msg.id, code=ErrorCode.WORKER_GONE, message=answer.reason)
+        if isinstance(answer, Aborted):  # only a running generation's stream is aborted, never a call's id
+            raise WorkerUnreachable(f"ended by the router: {answer.reason}")
         return answer
 
     def new_call_id(self, kind: str) -> str:

@@ -726,7 +726,9 @@ class ModelSlot:
                 self._pool.place()  # the last one to leave may leave nobody wanting it
         if self.state is WorkerState.LOADING and self._load_task is not None:
             await asyncio.shield(self._load_task)
-            if self.state is WorkerState.UNLOADED:  # an unload ended the load (a failed one is FAILED)
+            # an unload ended the load (a failed one is FAILED). The ignore: mypy keeps self.state
+            # narrowed to LOADING across the await, during which another task may change it
+            if self.state is WorkerState.UNLOADED:  # type: ignore[comparison-overlap]
                 raise ModelUnloading(f"model '{self.model.name}' was unloaded while loading")
         if self.state is WorkerState.UNRESPONSIVE:
             raise Unavailable(f"model '{self.model.name}' worker is unresponsive (no answer for "

@@ -623,8 +623,8 @@ def _load_common_kernels() -> None:
     rms_norm(np.zeros((1, 16), np.float32), np.ones(16, np.float32), 1e-6, kernel=True)  # RMSNorm's kernel
     rope = RopeTable(2, 4, 10000.0, libm=True)                # RoPE's kernel: heads contiguous or strided
     qkv = np.zeros((2, 16), np.float32)
-    for x in (qkv[:, :8].reshape(2, 2, 4), np.zeros((1, 2, 4), np.float32)):
-        rope.apply_neox(x, np.zeros(x.shape[0], np.int64))
+    for heads in (qkv[:, :8].reshape(2, 2, 4), np.zeros((1, 2, 4), np.float32)):
+        rope.apply_neox(heads, np.zeros(heads.shape[0], np.int64))
     quant.cos_sin_libm(np.zeros((1, 2), np.float32))         # RoPE's cosf / sinf
 
 

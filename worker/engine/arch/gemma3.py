@@ -38,7 +38,7 @@ import numpy as np
 
 from ..errors import EngineError
 from ..attention import AttnBatch, attend
-from .model import FFN_ACTS, Model, RopeTable, embed, fuse_rows, gated_ffn, gelu_tanh, hp_float, hp_int, linear, register, rms_norm
+from .model import FFN_ACTS, Model, RopeTable, embed, fuse_rows, gated_ffn, gelu_tanh, hp_float, hp_int, linear, register, rms_norm, Weights
 
 
 @register
@@ -77,7 +77,7 @@ class Gemma3Model(Model):
         self.softcap = float(cap) if self.window is None and isinstance(cap, (int, float)) and cap else None
         self.embd_scale = math.sqrt(self.n_embd)
 
-    def _build_weights(self) -> dict[str, np.ndarray]:
+    def _build_weights(self) -> Weights:
         E, hd, nh = self.n_embd, self.head_dim, self.n_head
         t = self.tensor
         w = self._embedding_weights()                          # tok_embd, output_norm, [output]

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..attention import AttnBatch, attend
-from .model import FFN_ACTS, Model, RopeTable, embed, fuse_rows, gated_ffn, linear, register, rms_norm, silu
+from .model import FFN_ACTS, Model, RopeTable, embed, fuse_rows, gated_ffn, linear, register, rms_norm, silu, Weights
 
 
 @register
@@ -43,7 +43,7 @@ class LlamaModel(Model):
         self._read_attention_hparams(md, check_embd_divisible=True)
         self.scale = 1.0 / float(np.sqrt(self.head_dim))
 
-    def _build_weights(self) -> dict[str, np.ndarray]:
+    def _build_weights(self) -> Weights:
         E, hd, nh = self.n_embd, self.head_dim, self.n_head
         t = self.tensor
         w = self._embedding_weights()                          # tok_embd, output_norm, [output]

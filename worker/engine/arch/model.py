@@ -27,7 +27,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 
@@ -50,6 +50,9 @@ DEFAULT_WEIGHTS = "quantized"
 
 #: A prepared weight matrix: float32 ``[out, in]`` or a quantized form with ``shape`` and ``matmul``.
 Matrix = np.ndarray | QWeight | QConcat
+#: A model's prepared weights by name: vectors (norms, ``rope_freqs``) float ndarrays, matrices a
+#: :data:`Matrix`. One dict holds both, so an entry is typed Any: its name says which it is.
+Weights = dict[str, Any]
 
 #: ``general.architecture`` -> Model subclass (filled by :func:`register`).
 ARCHITECTURES: dict[str, type[Model]] = {}
@@ -248,7 +251,7 @@ def glu_ggml(gu: np.ndarray, n_ff: int, act: Any) -> np.ndarray:
     return out
 
 
-def embed(w: Matrix, tokens: np.ndarray) -> np.ndarray:
+def embed(w: QWeight | np.ndarray, tokens: np.ndarray) -> np.ndarray:
     """Rows ``tokens [T]`` of an embedding matrix ``[n_vocab, n_embd]`` as float32 ``[T, n_embd]``
     (dequantized rows for a quantized matrix, as ggml's ``get_rows``)."""
     if isinstance(w, QWeight):
@@ -486,9 +489,9 @@ class WeightCache:
                     parts.setdefault(owner, {})[part] = a
             for name, meta in manifest.get("quantized", {}).items():
                 out[name] = QWeight.from_arrays(parts.get(name, {}), meta)
-            for name, n_parts in manifest.get("concat", {}).items():
-                out[name] = QConcat([out.pop(f"{name}#{i}") if f"{name}#{i}" in out else flat[f"{name}#{i}"]
-                                     for i in range(n_parts)])
+            for name, n_parts in manifest.get("concat", {}).items():  # a part is never itself a QConcat
+                out[name] = QConcat([cast("QWeight | np.ndarray", out.pop(f"{name}#{i}")) if f"{name}#{i}" in out
+                                     else flat[f"{name}#{i}"] for i in range(n_parts)])
             return out
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -541,7 +544,7 @@ class WeightCache:
                             f.write(b"\0" * pad)
                             off += pad
                             entries[name] = [list(a.shape), str(a.dtype), off]
-                            f.write(memoryview(a.reshape(-1)).cast("B"))
+                            f.write(memoryview(a.reshape(-1)).cast("B"))  # type: ignore[arg-type]  # numpy types ndarray's buffer protocol for Python >= 3.12 only
                             off += a.nbytes
                     os.replace(tmp, path)
                 finally:
@@ -632,7 +635,7 @@ class Model:
     def _read_hparams(self, md: dict[str, Any]) -> None:
         raise NotImplementedError
 
-    def _build_weights(self) -> dict[str, Matrix]:
+    def _build_weights(self) -> Weights:
         """Prepared arrays by name (matrices from :meth:`matrix`, vectors from :meth:`tensor`;
         fused, validated)."""
         raise NotImplementedError
@@ -705,7 +708,7 @@ class Model:
         self.rope_base = hp_float(md, f"{a}.rope.freq_base", 10000.0)
         self.rope_scale = rope_freq_scale(md, a)
 
-    def _embedding_weights(self) -> dict[str, np.ndarray]:
+    def _embedding_weights(self) -> Weights:
         """``tok_embd`` ``[n_vocab, n_embd]``, ``output_norm`` ``[n_embd]`` and, when the
         file has it, ``output`` ``[n_vocab, n_embd]``; n_vocab from ``token_embd.weight``."""
         E, t = self.n_embd, self.tensor
@@ -713,7 +716,7 @@ class Model:
         if tok is None:
             raise EngineError("invalid_gguf", f"{self.gguf.path}: missing tensor 'token_embd.weight'")
         n_vocab = tok.np_shape[0]
-        w: dict[str, np.ndarray] = {
+        w: Weights = {
             "tok_embd": self.matrix("token_embd.weight", (n_vocab, E)),  # [n_vocab, n_embd]
             "output_norm": t("output_norm.weight", (E,)),      # [n_embd]
         }
@@ -721,7 +724,7 @@ class Model:
             w["output"] = self.matrix("output.weight", (n_vocab, E))     # [n_vocab, n_embd]
         return w
 
-    def _qkv_weights(self, p: str) -> tuple[Matrix, Matrix, Matrix]:
+    def _qkv_weights(self, p: str) -> tuple[QWeight | np.ndarray, QWeight | np.ndarray, QWeight | np.ndarray]:
         """Block ``p``'s (e.g. ``"blk.3."``) Wq ``[n_head*hd, n_embd]``, Wk and Wv ``[n_kv*hd, n_embd]``."""
         E, hd, t = self.n_embd, self.head_dim, self.matrix
         return (t(p + "attn_q.weight", (self.n_head * hd, E)),      # [n_head*hd, n_embd]
@@ -737,13 +740,13 @@ class Model:
             p + "wdown": t(p + "ffn_down.weight", (E, nff)),           # [n_embd, n_ff]
         }
 
-    def _layer_weights(self, names: Sequence[str]) -> list[tuple[Matrix, ...]]:
+    def _layer_weights(self, names: Sequence[str]) -> list[tuple[Any, ...]]:
         """Per layer, the prepared arrays ``blk.{i}.{name}`` in the order of ``names``."""
         return [tuple(self.w[f"blk.{i}.{n}"] for n in names) for i in range(self.n_layer)]
 
     # -- weights ----------------------------------------------------------
 
-    def _load_weights(self, weight_cache: bool | None) -> dict[str, Matrix]:
+    def _load_weights(self, weight_cache: bool | None) -> Weights:
         if weight_cache is None:
             weight_cache = os.environ.get(CACHE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
         use_cache = weight_cache and self.dtype == np.float32 and self.gguf.file_size >= WEIGHT_CACHE_MIN_BYTES
@@ -759,11 +762,11 @@ class Model:
             self.load_timings["fingerprint"] = time.perf_counter() - t0
             if fp is not None:
                 t0 = time.perf_counter()
-                arrays = WeightCache(fp, layout).load()
+                cached = WeightCache(fp, layout).load()
                 self.load_timings["cache_read"] = time.perf_counter() - t0
-                if arrays is not None:
+                if cached is not None:
                     self.weights_from_cache = True
-                    return arrays
+                    return cached
         self.weights_from_cache = False
         t0 = time.perf_counter()
         arrays = self._build_weights()
@@ -788,7 +791,7 @@ class Model:
             arrays = {k: v.astype(self.dtype) for k, v in arrays.items()}
         return arrays
 
-    def matrix(self, name: str, shape: Sequence[int]) -> Matrix:
+    def matrix(self, name: str, shape: Sequence[int]) -> QWeight | np.ndarray:
         """A weight matrix ``[out, in]`` as the model multiplies with it: a :class:`~.quant.QWeight`
         on the quantized path when the tensor's type has an int8 form, else dequantized float32.
 
@@ -917,7 +920,7 @@ class Model:
 
     def _output(self, h: np.ndarray) -> np.ndarray:
         """Output projection ``h @ W_out.T`` (tied to ``token_embd`` when no ``output.weight``)."""
-        w = self.w.get("output", self.w["tok_embd"])  # [n_vocab, n_embd]
+        w = self.w["output"] if "output" in self.w else self.w["tok_embd"]  # [n_vocab, n_embd]
         return np.ascontiguousarray(linear(h, w))  # [T, n_vocab], rows contiguous for the samplers
 
     def truncate(self, n: int) -> None:
@@ -960,7 +963,7 @@ class Model:
         return f"{type(self).__name__}(n_ctx={self.n_ctx}, n_vocab={self.n_vocab}, n_past={self.n_past})"
 
 
-def fuse_rows(parts: Sequence[Matrix]) -> Matrix:
+def fuse_rows(parts: Sequence[QWeight | np.ndarray]) -> Matrix:
     """Stack ``[out_i, in]`` matrices into one ``[sum(out_i), in]`` (C-contiguous float32, one
     QWeight when the quantized parts are compatible, else a QConcat; :func:`worker.engine.kernels.quant.fuse`)."""
     return fuse(parts)
@@ -968,7 +971,7 @@ def fuse_rows(parts: Sequence[Matrix]) -> Matrix:
 
 __all__ = [
     "ARCHITECTURES", "AttnBatch", "DEFAULT_MAX_CTX", "DEFAULT_WEIGHTS", "LoadProgressFn", "Matrix", "Model", "RopeTable", "Segment",
-    "WEIGHT_MODES", "WeightCache", "attention", "attention_mask", "embed", "fuse_rows", "gated_ffn", "gelu_tanh",
+    "WEIGHT_MODES", "WeightCache", "Weights", "attention", "attention_mask", "embed", "fuse_rows", "gated_ffn", "gelu_tanh",
     "gelu_tanh_ggml", "glu_ggml", "silu_ggml", "hp_float", "hp_int", "linear", "load_model", "register", "rms_norm",
     "rope_freq_scale", "silu",
 ]

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..attention import AttnBatch, attend
 from ..errors import EngineError
-from .model import FFN_ACTS, Matrix, Model, RopeTable, embed, fuse_rows, gated_ffn, linear, register, rms_norm, silu
+from .model import FFN_ACTS, Matrix, Model, RopeTable, embed, fuse_rows, gated_ffn, linear, register, rms_norm, silu, Weights
 
 
 @register
@@ -66,7 +66,7 @@ class Qwen2Model(Model):
         names = [p + f"attn_{x}.bias" for x in "qkv"]
         present = [self.has_tensor(b) for b in names]
         if self.has_tensor(p + "attn_qkv.weight"):
-            wqkv = self.matrix(p + "attn_qkv.weight", (n, E))
+            wqkv: Matrix = self.matrix(p + "attn_qkv.weight", (n, E))
             if self.has_tensor(p + "attn_qkv.bias"):
                 return wqkv, self.tensor(p + "attn_qkv.bias", (n,))
             if not all(present):
@@ -79,12 +79,12 @@ class Qwen2Model(Model):
                                for b, s, ok in zip(names, sizes, present)])
         return wqkv, bias
 
-    def _build_weights(self) -> dict[str, Matrix]:
+    def _build_weights(self) -> Weights:
         E, hd, nh = self.n_embd, self.head_dim, self.n_head
         t = self.tensor
         w = self._embedding_weights()                          # tok_embd, output_norm, [output]
         if self.output_bias and self.has_tensor("output.bias"):
-            w["output_b"] = t("output.bias", (int(w.get("output", w["tok_embd"]).shape[0]),))  # [n_vocab]
+            w["output_b"] = t("output.bias", (int((w["output"] if "output" in w else w["tok_embd"]).shape[0]),))  # [n_vocab]
         for i in range(self.n_layer):
             p = f"blk.{i}."
             w[p + "attn_norm"] = t(p + "attn_norm.weight", (E,))                     # [n_embd]
@@ -122,7 +122,7 @@ class Qwen2Model(Model):
             q = qkv[:, :nq].reshape(T, nh, hd)                        # [T, nh, hd]
             k = qkv[:, nq:nq + nk].reshape(T, nkv, hd)                # [T, nkv, hd]
             v = qkv[:, nq + nk:].reshape(T, nkv, hd)                  # [T, nkv, hd]
-            if q_norm is not None:
+            if q_norm is not None and k_norm is not None:  # both or neither (qk_norm)
                 q = rms_norm(q, q_norm, self.eps, self.ggml_numerics)                     # [T, nh, hd] per-head RMSNorm
                 k = rms_norm(k, k_norm, self.eps, self.ggml_numerics)                     # [T, nkv, hd]
             self.rope.apply_neox(q, pos)                              # [T, nh, hd]

@@ -291,7 +291,7 @@ _SEQ_ROWS: contextvars.ContextVar[np.ndarray | None] = contextvars.ContextVar("s
 TILED_MIN_ROWS = 8
 
 
-def row_groups(segment_rows: Sequence[int], ubatch_rows: Sequence[int] | None = None,
+def row_groups(segment_rows: Sequence[int] | np.ndarray, ubatch_rows: Sequence[int] | None = None,
                ubatch_first: Sequence[int] | None = None) -> contextvars.Token:
     """Declare the rows of the next matmuls as consecutive segments of ``segment_rows[i]``
     rows (a forward pass's segments, in order); returns the token for ``_SEQ_ROWS.reset``.
@@ -614,7 +614,7 @@ class QWeight:
         d = p["d"][..., None]                                                # [n, nsb, 1]
         if self.kind in ("q4k", "vq4k"):
             qs = p["q"].reshape(n, nsb, 4, 32)
-            q = np.empty((n, nsb, 8, 32), np.int8)
+            q: np.ndarray = np.empty((n, nsb, 8, 32), np.int8)
             q[:, :, 0::2] = qs & 0x0F                                        # sub-block 2c: low nibbles of chunk c
             q[:, :, 1::2] = qs >> 4                                          # sub-block 2c+1: high nibbles
             m = -(p["m"][..., None] * p["mn"].astype(np.float32))
@@ -787,8 +787,9 @@ def fuse(parts: Sequence[QWeight | np.ndarray]) -> QWeight | QConcat | np.ndarra
     """Stack ``[out_i, in]`` weights row-wise: float32 arrays concatenated; runs of adjacent
     QWeights of the same form, block and activation type merged into one QWeight; one QWeight
     when that is all, else a QConcat of the runs."""
-    if all(isinstance(p, np.ndarray) for p in parts):
-        return np.ascontiguousarray(np.concatenate(parts, axis=0))
+    arrays = [p for p in parts if isinstance(p, np.ndarray)]
+    if len(arrays) == len(parts):
+        return np.ascontiguousarray(np.concatenate(arrays, axis=0))
     runs: list[list[QWeight | np.ndarray]] = []
     for p in parts:
         prev = runs[-1][-1] if runs else None

@@ -126,6 +126,8 @@ class KVEntry:
         self._bufs: tuple[mmap.mmap | None, mmap.mmap | None] = (None, None)
         self.allocated = 0
         self.capacity = 0
+        self.k: np.ndarray  # [L, n_kv, allocated, hd_k], set by _alloc
+        self.v: np.ndarray  # [L, n_kv, allocated, hd_v]
         self._alloc(self._alloc_size(int(capacity)), 0)
         self.capacity = int(capacity)
 

@@ -121,7 +121,7 @@ class NumericArray(Sequence):  # type: ignore[type-arg]
             a = np.array(a, copy=True)
             a.flags.writeable = False
         self.array = a
-        self._mv = memoryview(a)
+        self._mv = memoryview(a)  # type: ignore[arg-type]  # numpy types ndarray's buffer protocol for Python >= 3.12 only
 
     def __len__(self) -> int:
         return len(self._mv)
@@ -181,7 +181,7 @@ class StringArray(Sequence):  # type: ignore[type-arg]
         off.flags.writeable = False
         self.blob = bytes(blob)
         self.offsets = off
-        self._off = memoryview(off)
+        self._off = memoryview(off)  # type: ignore[arg-type]  # numpy types ndarray's buffer protocol for Python >= 3.12 only
         if hashes is not None:
             hashes = np.array(hashes, dtype=np.int64)
             if hashes.shape != (len(off) - 1,):
@@ -372,7 +372,7 @@ def _read_value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> Any:
         if itype == GGUFValueType.STRING:
             # every string needs at least its 8-byte length: reject absurd counts early
             cur.need(count * 8, f"array {key!r}")
-            buf, out = cur.buf, []
+            buf, out = cur.buf, list[Any]()
             append, unpack, limit = out.append, struct.unpack_from, cur.size
             p = cur.pos
             if count >= COMPACT_MIN_ITEMS:
@@ -513,7 +513,7 @@ class GGUFFile:
             fut: Future[str] = Future()
             self._fp = fut
             if self.file_size < SHA256_MEMO_MIN_BYTES:
-                fut.set_result(hashlib.sha256(self._data).hexdigest())
+                fut.set_result(hashlib.sha256(self._data).hexdigest())  # type: ignore[arg-type]  # numpy types ndarray's buffer protocol for Python >= 3.12 only
                 return fut
             key = f"{os.path.realpath(self.path)}|{self.file_size}|{self._mtime_ns}|{self._inode}"
             memo = cache_root() / "sha256" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"

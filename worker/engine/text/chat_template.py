@@ -414,7 +414,7 @@ class ChatTemplate:
         ``requires_non_null_content``; such messages then get ``""``."""
         if self._requires_content is None:
             call = [{"id": "call_0", "type": "function", "function": {"name": "f", "arguments": {}}}]
-            probe = [{"role": "user", "content": "modelyard-probe-u1"},
+            probe: list[dict[str, Any]] = [{"role": "user", "content": "modelyard-probe-u1"},
                      {"role": "assistant", "content": None, "tool_calls": call},
                      {"role": "tool", "content": "modelyard-probe-t1", "tool_call_id": "call_0", "name": "f"}]
             try:

@@ -355,7 +355,9 @@ class _VocabIndex:
             raise EngineError("invalid_gguf", f"duplicate token in vocabulary: {texts[dup[0]]!r} has ids "
                               f"{dup[0]} and {dup[1]}")
         self._table, self._keys = table, keys
-        self.get = self._getter(memoryview(table), memoryview(keys), mask, texts.blob, memoryview(texts.offsets))
+        # the ignores: numpy types ndarray's buffer protocol for Python >= 3.12 only
+        self.get = self._getter(memoryview(table), memoryview(keys),  # type: ignore[arg-type]
+                                mask, texts.blob, memoryview(texts.offsets))  # type: ignore[arg-type]
 
     @staticmethod
     def _getter(slots: memoryview, keys: memoryview, mask: int, blob: bytes, off: memoryview) -> Any:
@@ -1093,7 +1095,7 @@ class Tokenizer:
         """
         out = []
         for t in ids:
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < self.n_vocab:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= int(t) < self.n_vocab:
                 raise EngineError("invalid_token", f"token id {t!r} is out of the vocabulary "
                                   f"[0, {self.n_vocab})")
             out.append(int(t))
