@@ -27,7 +27,7 @@ from router.dialects.shared import Prepared, prepare, read_template_kwargs
 from router.http.errors import BadRequest, NotFound
 from router.dialects.chat_request import parse_tools, parse_turns, refuse_unsupported_chat, response_format
 from router.dialects.field_policy import refuse_ignored
-from router.dialects.openai_shapes import choice_finals, envelope, final_events, fingerprint, include_usage, usage_null
+from router.dialects.openai_shapes import choice_finals, envelope, final_events, fingerprint, usage_null, wants_usage
 from router.serving.budget import context_size
 from router.serving.generation import (
     OPENAI_DEFAULTS,
@@ -187,7 +187,7 @@ def _read_chat(request: Request, body: dict[str, Any]) -> _Chat:
         raise BadRequest("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
     top_n = top_n or 0
     streaming = get_bool(body, "stream", False)
-    include_usage = include_usage(body)
+    include_usage = wants_usage(body)
     msg = Generate(n_probs=max(top_n, 1) if want_logprobs else 0, **fields, **common)
     return _Chat(slot, model_name, msg, prep, constraint_param, want_logprobs, top_n, streaming, include_usage)
 
@@ -400,7 +400,7 @@ async def completions(request: Request) -> Response | SSEResponse:
         raise BadRequest("'suffix' is not supported", param="suffix")
     n_lp = get_int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     streaming = get_bool(body, "stream", False)
-    include_usage = include_usage(body)
+    include_usage = wants_usage(body)
     json_schema, grammar, cparam = llamacpp_constraint(body)  # llama.cpp's extensions on its OpenAI route
     msg = Generate(prompt=prompt, n_probs=max(n_lp, 1) if n_lp is not None else 0, json_schema=json_schema,
                    grammar=grammar, **common)

@@ -13,7 +13,7 @@ from router.http.sse import sse_event
 from router.serving.generation import timings_of, usage_of
 
 
-def include_usage(body: dict[str, Any]) -> bool:
+def wants_usage(body: dict[str, Any]) -> bool:
     """``stream_options.include_usage`` of a streaming request. Without ``stream`` the
     field is ignored, as llama.cpp does (OpenAI refuses it; litellm and pr-agent send it)."""
     opts = body.get("stream_options")
