@@ -18,6 +18,7 @@ from protocol.messages import (
     PROTOCOL_VERSION,
     Accepted,
     ApplyTemplate,
+    Assign,
     ApplyTemplateResult,
     Cancel,
     Detokenize,
@@ -46,7 +47,7 @@ from protocol.messages import (
 
 __all__ = [
     "FINISH_REASONS", "KV_CHUNK_BYTES", "KV_CHUNK_MAX_BYTES", "KV_STREAM_IDLE_S", "KV_WINDOW", "LOAD_STAGES", "MAX_FRAME_BYTES", "MESSAGE_TYPES", "PROTOCOL_VERSION",
-    "Accepted", "ApplyTemplate", "ApplyTemplateResult", "Cancel", "Detokenize", "DetokenizeResult", "Done",
+    "Accepted", "ApplyTemplate", "Assign", "ApplyTemplateResult", "Cancel", "Detokenize", "DetokenizeResult", "Done",
     "Error", "ErrorCode", "Generate", "Hello", "KVAck", "KVChunk", "LoadProgress", "Message", "Ping", "Pong", "ProtocolError", "Ready",
     "Shutdown", "SLOT_ACTIONS", "SlotAction", "SlotActionResult",
     "Token", "TokenIds", "Tokenize", "TokenizeResult", "WorkerCredentials", "decode", "encode", "read_credentials",

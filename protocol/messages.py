@@ -14,8 +14,8 @@ Direction:
 * worker -> router: Hello, LoadProgress, Ready, Accepted, Token, Done, Error, Pong, TokenizeResult,
   DetokenizeResult, ApplyTemplateResult, SlotActionResult, KVChunk (a prefill worker's
   state), KVAck (a decode worker took a chunk)
-* router -> worker: Generate, Cancel, Ping, Shutdown, Tokenize, Detokenize,
-  ApplyTemplate, SlotAction, KVChunk (to a decode worker), KVAck (credit to a prefill worker)
+* router -> worker: Assign (a warm spare's model), Generate, Cancel, Ping, Shutdown, Tokenize,
+  Detokenize, ApplyTemplate, SlotAction, KVChunk (to a decode worker), KVAck (credit to a prefill worker)
 
 This module only declares the records; ``protocol.codec`` encodes, decodes and
 validates them. It imports neither the router nor the worker.
@@ -30,6 +30,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from protocol.limits import WEIGHT_MODES
+
 #: Bumped on any incompatible change; a frame with another version is rejected.
 #: 5: KV-state streams (KVChunk / KVAck, Generate.stream_state).
 #: 6: token ids of TokenizeResult / Detokenize travel as TokenIds (int32 bytes), pieces as one blob.
@@ -37,7 +39,9 @@ from typing import Any, ClassVar
 #: 8: Accepted (a Generate's prompt fits and is queued; what its constraint set aside); ApplyTemplate.tools.
 #: 9: Error.n_prompt_tokens / n_ctx (a context overflow's figures); Generate / ApplyTemplate template_kwargs;
 #:    Generate.post_sampling_probs.
-PROTOCOL_VERSION = 9
+#: 10: Pong.n_decode_total / n_busy_slots_total (llama.cpp's decode-call metrics).
+#: 11: Assign (a warm spare, started without a model, is given one; Hello.model "" until then).
+PROTOCOL_VERSION = 11
 
 #: Largest frame either side accepts, in bytes (a 100 KB prompt as token ids is < 1 MiB).
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -139,7 +143,7 @@ class Hello(Message):
     the worker was started without credentials (the router then ignores it)."""
 
     TYPE: ClassVar[str] = "hello"
-    model: str  # configured model name
+    model: str  # configured model name; "" for a warm spare (it gets one with Assign)
     pid: int
     auth: str = ""
 
@@ -284,6 +288,11 @@ class Pong(Message):
     ``/slots`` names: ``{"id": int, "id_task": str | None (the request id
     running in it), "is_processing": bool, "n_past": int (tokens its KV
     holds)}``.
+
+    ``n_decode_total`` / ``n_busy_slots_total``: since the worker started, its batched forward
+    passes (llama.cpp's ``llama_decode`` calls) and the sum over them of the slots busy at each
+    (``server_metrics::on_decoded`` in llama.cpp's tools/server: a slot running a request,
+    prefilling or decoding, counts whether or not that pass carried it).
     """
 
     TYPE: ClassVar[str] = "pong"
@@ -293,6 +302,8 @@ class Pong(Message):
     slots: list[dict[str, Any]] = field(default_factory=list)
     kv_tokens: int = 0  # KV positions held (running sequences and idle prefix-cache entries)
     kv_budget_tokens: int = 0  # KV positions the budget allows in all
+    n_decode_total: int = 0  # batched forward passes run since the worker started
+    n_busy_slots_total: int = 0  # over those passes, the slots busy at each
     pid: int
 
 
@@ -349,6 +360,59 @@ class ApplyTemplateResult(Message):
 
 
 # --------------------------------------------------------------------- router -> worker
+
+
+@dataclass(frozen=True, kw_only=True)
+class Assign(Message):
+    """Give a warm spare its model (id: the router's call id; the worker's frames keep their own).
+
+    A spare is a worker started without a model (``python -m worker --spare``): it has
+    done its interpreter start, imports and kernel loading, sent Hello with ``model`` "",
+    and waits. On Assign it loads the model exactly as a worker started for it would
+    (the fields are the ``python -m worker`` options of the same names), then sends
+    LoadProgress and Ready, or Error "load_failed" and exits 1. Sent at most once; a
+    worker that has a model answers another Assign with Error "protocol_error".
+
+    ``threads`` > 0: the worker's BLAS threads (its NumPy is already loaded, so they are
+    set as a Ping's ``threads`` are, not through the environment); 0: as the spare started.
+    Units: n_ctx, n_ubatch tokens; kv_budget_mib, kv_cache_mib MiB.
+    """
+
+    TYPE: ClassVar[str] = "assign"
+    model: str  # configured model name (echoed in Ready)
+    gguf: str  # path of the GGUF file on the worker's host
+    n_ctx: int | None = None
+    chat_template: str | None = None
+    max_queue: int = 8
+    parallel: int = 1
+    kv_budget_mib: float | None = None
+    weights: str | None = None  # one of protocol.limits.WEIGHT_MODES; None: the worker's default
+    n_ubatch: int | None = None
+    threads: int = 0
+    slot_save_path: str | None = None
+    kv_cache_dir: str | None = None
+    kv_cache_mib: float = 1024.0
+
+    @classmethod
+    def value_problem(cls, fields: dict[str, Any]) -> str | None:
+        if not fields["model"] or not fields["gguf"]:
+            return "model and gguf must be non-empty"
+        for key in ("n_ctx", "n_ubatch"):
+            if fields.get(key) is not None and fields[key] <= 0:
+                return f"{key} must be a positive number of tokens, got {fields[key]}"
+        if fields.get("max_queue", 0) < 0:
+            return f"max_queue must be >= 0, got {fields['max_queue']}"
+        if fields.get("parallel", 1) < 1:
+            return f"parallel must be >= 1, got {fields['parallel']}"
+        if fields.get("threads", 0) < 0:
+            return f"threads must be >= 0, got {fields['threads']}"
+        if fields.get("kv_budget_mib") is not None and not fields["kv_budget_mib"] > 0:
+            return f"kv_budget_mib must be > 0, got {fields['kv_budget_mib']}"
+        if not fields.get("kv_cache_mib", 1.0) > 0:
+            return f"kv_cache_mib must be > 0, got {fields['kv_cache_mib']}"
+        if fields.get("weights") is not None and fields["weights"] not in WEIGHT_MODES:
+            return f"weights {fields['weights']!r} is not one of {list(WEIGHT_MODES)}"
+        return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -567,7 +631,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
         Hello, LoadProgress, Ready, Accepted, Token, Done, Error, Pong, TokenizeResult, DetokenizeResult,
-        ApplyTemplateResult, Generate, Cancel, Ping, Shutdown, Tokenize, Detokenize,
+        ApplyTemplateResult, Assign, Generate, Cancel, Ping, Shutdown, Tokenize, Detokenize,
         ApplyTemplate, SlotAction, SlotActionResult, KVChunk, KVAck,
     )
 }

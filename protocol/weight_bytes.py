@@ -35,7 +35,7 @@ FLOAT32_BYTES = 4
 LANE_ROWS = 16
 
 #: ggml type name -> ``(form, elements, bytes)``: the quantized path's in-memory form of a
-#: matrix of that type holds ``bytes`` per ``elements`` weights, on a CPU without AVX512-VNNI
+#: matrix of that type holds ``bytes`` per ``elements`` weights, on a CPU without AVX512-VNNI or AVX2
 #: (the reference kernels' forms):
 #:
 #: * ``lanes`` (the 32-block types): an int8 level per weight and a float32 scale ``d`` per 32
@@ -53,10 +53,11 @@ QUANTIZED_FORMS: dict[str, tuple[str, int, int]] = {
     "Q6_K": ("q6k", 256, 256 + 16 + 4),
 }
 
-#: The same on a CPU with AVX512-VNNI (the VNNI kernels' forms, ``quant.QWeight``): every form
+#: The same on a CPU with AVX512-VNNI or AVX2 (the VNNI kernels' forms, ``quant.QWeight``): every form
 #: has its rows interleaved by :data:`LANE_ROWS` (padded); ``vlanes4`` holds Q4_0 / Q4_1 as
 #: packed nibbles (16 bytes per 32 weights), ``vlanes`` the other 32-block types as a byte per
-#: weight, ``vq4k`` / ``vq6k`` the K-quant forms' bytes; every scale (``d``, ``m``, ``dmin``) as the
+#: weight, ``vq4k`` the K-quant form's bytes, ``vq6k`` the 6-bit levels packed as the GGUF packs them
+#: (4 + 2 bits: ``quant.pack_q6``); every scale (``d``, ``m``, ``dmin``) as the
 #: GGUF's own fp16 (2 bytes). A fused matrix whose parts are not all
 #: Q4_0 / Q4_1 is held as ``vlanes`` (a byte per weight) whole.
 VNNI_FORMS: dict[str, tuple[str, int, int]] = {
@@ -66,7 +67,7 @@ VNNI_FORMS: dict[str, tuple[str, int, int]] = {
     "Q8_0": ("vlanes", 32, 32 + 2),
     "Q5_1": ("vlanes", 32, 32 + 2 + 2),
     "Q4_K": ("vq4k", 256, 128 + 8 + 8 + 2 + 2),
-    "Q6_K": ("vq6k", 256, 256 + 16 + 2),
+    "Q6_K": ("vq6k", 256, 192 + 16 + 2),
 }
 
 #: Environment switch of the worker's VNNI kernels (``worker.engine.kernels.quant.VNNI_ENV``).
@@ -75,7 +76,8 @@ VNNI_ENV = "MODELYARD_QUANT_VNNI"
 
 def host_has_vnni() -> bool:
     """Whether a worker on this host holds the VNNI forms: the CPU flags ``avx512f``,
-    ``avx512bw`` and ``avx512_vnni`` in ``/proc/cpuinfo`` (Linux), :data:`VNNI_ENV` not off,
+    ``avx512bw`` and ``avx512_vnni``, or ``avx2``, ``fma`` and ``f16c``, in ``/proc/cpuinfo``
+    (Linux), :data:`VNNI_ENV` not off,
     ``NUMBA_CPU_NAME`` unset or ``host`` — the rule of ``worker.engine.kernels.quant.host_has_vnni``
     (which asks llvmlite; a test holds the two equal). False where ``/proc/cpuinfo`` is missing."""
     if os.environ.get(VNNI_ENV, "1").strip().lower() in ("0", "false", "no", "off") \
@@ -86,7 +88,7 @@ def host_has_vnni() -> bool:
             for line in f:
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
-                    return {"avx512f", "avx512bw", "avx512_vnni"} <= flags
+                    return {"avx512f", "avx512bw", "avx512_vnni"} <= flags or {"avx2", "fma", "f16c"} <= flags
     except OSError:
         pass
     return False

@@ -6,7 +6,7 @@ Layout::
                         shutdown_timeout_s, allowed_hosts, cors_origins, header_timeout_s,
                         body_timeout_s, keep_alive_timeout_s, max_connections, max_header_bytes,
                         stream_stall_timeout_s, sse_keepalive_s, max_loaded, default_model,
-                        discover_models, max_keep_alive_s
+                        discover_models, max_keep_alive_s, warm_spare
     [defaults]          any per-model key below except path/aliases; applies to every model
     [presets.NAME]      model (required), aliases, sampling keys, n_predict, system_prompt, chat_template,
                         reasoning, chat_template_kwargs (router.serving.presets)
@@ -179,6 +179,9 @@ class ServerConfig:
     # the model a request without "model" gets (a name or alias; None: the only model when exactly one
     # is configured, else "model" is required), as llama-server answers with the model it serves
     default_model: str | None = None
+    # keep one worker process started without a model (imports and kernels done), taken by the next
+    # model to load (router.workers.launchers.local): its cold start skips the process's own start
+    warm_spare: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,7 +243,8 @@ _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport
                 "keep_alive_timeout_s", "max_connections", "max_header_bytes", "stream_stall_timeout_s", "sse_keepalive_s",
                 "max_loaded",
                 "responses_store_max", "responses_store_ttl_s", "background_max", "background_ttl_s", "background_max_mib",
-                "background_per_key", "background_unread_s", "default_model", "discover_models", "max_keep_alive_s"}
+                "background_per_key", "background_unread_s", "default_model", "discover_models", "max_keep_alive_s",
+                "warm_spare"}
 
 #: A ``cors_origins`` entry: scheme://host[:port], nothing after it (or "*").
 _ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#]+$")
@@ -307,6 +311,7 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
         background_per_key=_int(server_raw, "background_per_key", "server", 8, 1, 1_000_000),
         background_unread_s=_float(server_raw, "background_unread_s", "server", 600.0, 0.0),
         default_model=_opt_str(server_raw, "default_model", "server"),
+        warm_spare=_bool(server_raw, "warm_spare", "server", True),
     )
     check_public_bind(server)
 

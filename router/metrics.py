@@ -69,6 +69,22 @@ class LlamacppTotals:
     window_prompt_seconds: float = 0.0
     window_predicted_tokens: int = 0
     window_predicted_seconds: float = 0.0
+    # the workers' forward passes (llama_decode calls) and busy slots summed over them: the
+    # workers gone before (their last Pong's figures) plus the current one's, which its
+    # Pongs report as totals since it started
+    decodes_before: int = 0
+    busy_slots_before: int = 0
+    worker: int | None = None  # the current worker (pid) whose totals follow
+    worker_decodes: int = 0
+    worker_busy_slots: int = 0
+
+    @property
+    def n_decode_total(self) -> int:
+        return self.decodes_before + self.worker_decodes
+
+    @property
+    def n_busy_slots_total(self) -> int:
+        return self.busy_slots_before + self.worker_busy_slots
 
 
 @dataclass(frozen=True)
@@ -178,6 +194,20 @@ class Metrics:
         t.window_predicted_tokens += predicted_n
         t.window_predicted_seconds += predicted_ms / 1000
 
+    def count_decodes(self, model: str, worker: int | None, n_decode: int, n_busy_slots: int) -> None:
+        """Take a worker's Pong figures for ``model``'s ``llamacpp:n_decode_total`` and
+        ``llamacpp:n_busy_slots_per_decode``: ``n_decode`` forward passes and ``n_busy_slots``
+        busy slots summed over them, totals since that worker (``worker``: its pid, None when not
+        known) started.
+        Another worker (or totals that went down: a new process with a reused pid) starts a new
+        run on top of what the previous ones counted, so the counter never goes back."""
+        t = self.llamacpp.setdefault(model, LlamacppTotals())
+        if worker != t.worker or n_decode < t.worker_decodes or n_busy_slots < t.worker_busy_slots:
+            t.decodes_before += t.worker_decodes
+            t.busy_slots_before += t.worker_busy_slots
+            t.worker = worker
+        t.worker_decodes, t.worker_busy_slots = n_decode, n_busy_slots
+
     def watch(self, snapshot: Callable[[], list[ModelGauges]]) -> None:
         """Read the per-model gauges from ``snapshot()`` at every scrape."""
         self.registry.register(_GaugeCollector(snapshot))
@@ -228,8 +258,9 @@ class _LlamacppCollector:
     """llama-server's ``llamacpp:*`` families (its README "GET /metrics"), one series per model
     (label ``model``, as its router mode's ``/metrics?model=`` gives one model's). The throughput
     gauges average over the window since the previous scrape, which a scrape then resets, as
-    llama-server does. Not served: ``llamacpp:n_decode_total`` and
-    ``llamacpp:n_busy_slots_per_decode`` (the router sees no decode calls)."""
+    llama-server does. ``n_decode_total`` and ``n_busy_slots_per_decode`` come from the workers'
+    Pongs (:meth:`Metrics.count_decodes`; a scrape pings every ready worker first), as
+    llama-server computes them: busy slots summed over decode calls / decode calls (at least 1)."""
 
     def __init__(self, snapshot: Callable[[], list[ModelGauges]], totals: dict[str, LlamacppTotals]) -> None:
         self._snapshot = snapshot
@@ -258,6 +289,8 @@ class _LlamacppCollector:
         deferred = gauge("requests_deferred", "Number of requests deferred.")
         kv_ratio = gauge("kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage.")
         kv_tokens = gauge("kv_cache_tokens", "KV-cache tokens.")
+        n_decode = counter("n_decode", "Total number of llama_decode() calls")
+        busy_per_decode = gauge("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call")
         for model, t in self._totals.items():
             prompt_tokens.add_metric([model], t.prompt_tokens)
             prompt_seconds.add_metric([model], t.prompt_seconds)
@@ -276,8 +309,10 @@ class _LlamacppCollector:
             kv_ratio.add_metric([model], row.kv_tokens / row.kv_budget_tokens
                                 if row and row.kv_budget_tokens else 0.0)
             kv_tokens.add_metric([model], row.kv_tokens if row else 0)
+            n_decode.add_metric([model], t.n_decode_total)
+            busy_per_decode.add_metric([model], t.n_busy_slots_total / max(t.n_decode_total, 1))
         yield from (prompt_tokens, prompt_seconds, predicted, predicted_seconds, n_tokens_max, prompt_tps,
-                    predicted_tps, processing, deferred, kv_ratio, kv_tokens)
+                    predicted_tps, processing, deferred, kv_ratio, kv_tokens, n_decode, busy_per_decode)
 
 
 def label_request(request: Request, model: str) -> None:

@@ -4,18 +4,26 @@ single-stream decode and resident memory.
 
     .venv/bin/python scripts/bench_weights.py [--model smollm2|gemma3] [--llama-server PATH]
         [--skip-llama] [--prompt-tokens 512] [--decode-tokens 128] [--repeat 3] [--cold-repeat 1] [--port 8191]
+        [--cold-only] [--servers llama,f32,quantized,quantized-nospare]
     .venv/bin/python scripts/bench_weights.py --kernels [--model ...] [--threads 2]
 
-Servers, one at a time (never two measured at once): llama-server (``-t 2 -c 2048 -np 1``),
-modelyard with ``weights = "f32"`` and with ``weights = "quantized"`` (``parallel = 1``,
-n_ctx 2048). For each:
+Servers, one at a time (never two measured at once; ``--servers`` picks some, in that order):
+llama-server (``-t 2 -c 2048 -np 1``), modelyard with ``weights = "f32"``, with ``weights =
+"quantized"`` (both with the warm spare, the default), and ``quantized-nospare`` (``warm_spare =
+false``); ``parallel = 1``, n_ctx 2048. For each:
 
-* ``cold_first_token_s``: from starting the server process to the first streamed token of a
-  short ``/completion`` (includes process start, model load, prompt and one decode step; for
-  modelyard the router's start, then the worker it spawns on that first request). With
-  ``--cold-repeat N`` every server is started N times, the servers alternating (llama, f32,
-  quantized, llama, ...), before the measured run: ``cold_first_token_s`` is the median,
-  ``cold_first_token_all_s`` every value;
+* ``cold_first_token_s``: from sending the first request to its first streamed token, the model
+  never loaded in that process (a short ``/completion``; includes the model's load, the prompt and
+  one decode step). modelyard: the router is up (``/health``) and, with the spare, the spare is
+  warm (``/admin/models`` ``spare.state``) before the request is sent, so the figure holds the
+  worker's start (without the spare) and the model's load. llama-server loads its model at start
+  and has no "up, model not loaded" state: its request is sent as its process starts and retried
+  until it is accepted, so its figure holds its whole start. With ``--cold-repeat N`` every server
+  is started N times, the servers alternating (llama, f32, quantized, ..., llama, ...), before the
+  measured run: ``cold_first_token_s`` is the median, ``cold_first_token_all_s`` every value;
+* ``start_to_first_token_s`` (modelyard): from starting the router process to that first token,
+  the wait for its spare included (as the old ``cold_first_token_s``, measured without a spare);
+  ``spare_rss_mib``: the warm spare's resident set just before the request, from ``/admin/models``;
 * ``worker_rss_first_mib``: the worker's (llama-server's) resident set right after that first
   token: the footprint before any long prompt (KV pages are written as positions fill, in both);
 * ``prefill_tok_s``: ``timings.prompt_per_second`` of a ~``--prompt-tokens`` prompt
@@ -23,11 +31,14 @@ n_ctx 2048). For each:
 * ``decode_tok_s``: ``timings.predicted_per_second`` of ``--decode-tokens`` greedy tokens
   (``ignore_eos``), best of ``--repeat``;
 * ``rss_mib``: resident set of the serving process(es) after those requests (llama-server; the
-  router plus its worker for modelyard, and the worker alone). Not like for like in one respect:
+  router plus its worker and, with the spare, the new spare for modelyard; ``worker_rss_mib``: the
+  model's worker alone). Not like for like in one respect:
   llama-server's KV cache is one slot of ``-c`` positions in f16, allocated and cleared at start
   (so resident from the first token on), while modelyard's idle sequences stay as a prefix cache
   within ``kv_budget_mib`` (float32 positions, resident once written): ``kv_cache_tokens`` (from
   /metrics) is the positions the worker holds at the end.
+
+``--cold-only``: the first-token figures alone (no prefill / decode requests).
 
 Prints one JSON line per server, then the ratios to llama-server and the load average. A server
 that drops a connection during the prefill/decode requests keeps its row with an ``error`` field
@@ -68,9 +79,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_batching import MODELS, N_CTX, ROOT, post, stop  # noqa: E402
 
 
-def first_token_s(port: int, model: str, t_start: float, timeout: float = 600) -> float:
-    """Seconds from ``t_start`` to the first streamed token of a short /completion."""
+def wait_up(port: int, proc: subprocess.Popen, spare: bool, timeout: float = 600) -> tuple[float | None, float]:
+    """Wait until modelyard on ``port`` answers /health and, with ``spare``, its warm spare is warm.
+    Returns (the spare's RSS in MiB or None, monotonic time it was up)."""
+    t0 = time.monotonic()
     while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the router exited with {proc.returncode}")
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            c.request("GET", "/admin/models" if spare else "/health")
+            r = c.getresponse()
+            body = r.read()
+            if r.status == 200:
+                if not spare:
+                    return None, time.monotonic()
+                s = json.loads(body).get("spare") or {}
+                if s.get("state") == "warm" and s.get("rss_bytes"):
+                    return round(s["rss_bytes"] / 2**20, 1), time.monotonic()
+        except (OSError, http.client.HTTPException, ValueError):
+            pass
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError("the router (or its spare) did not come up")
+        time.sleep(0.05)
+
+
+def first_token_s(port: int, model: str, t_start: float, timeout: float = 600,
+                  proc: subprocess.Popen | None = None) -> float:
+    """Seconds from ``t_start`` to the first streamed token of a short /completion. Raises
+    RuntimeError if ``proc`` (the server) exits meanwhile (e.g. its port was taken: another
+    server would answer instead)."""
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before its first token (port {port} taken?)")
         try:
             c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
             c.request("POST", "/completion", json.dumps({"model": model, "prompt": "Once upon a time",
@@ -248,6 +289,9 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cold-repeat", type=int, default=1, help="cold starts per server (alternating); median")
+    ap.add_argument("--cold-only", action="store_true", help="the first-token figures alone (no prefill/decode)")
+    ap.add_argument("--servers", default="llama,f32,quantized,quantized-nospare",
+                    help="which servers, in this order (llama, f32, quantized, quantized-nospare)")
     ap.add_argument("--kernels", action="store_true", help="kernel vs sgemm in-process, no servers")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--port", type=int, default=8191, help="the servers' port, one server at a time (default 8191)")
@@ -269,10 +313,15 @@ def main() -> int:
     prompt = " ".join(f"word{i % 97}" for i in range(a.prompt_tokens // 3))  # ~3 tokens per word
     tmp = Path(tempfile.mkdtemp(prefix="modelyard-bench-"))
     rows: dict[str, dict] = {}
-    runs = ([("llama", None)] if srv else []) + [("f32", "f32"), ("quantized", "quantized")]
+    known = {"llama": (None, False), "f32": ("f32", True), "quantized": ("quantized", True),
+             "quantized-nospare": ("quantized", False)}
+    wanted = [v for v in a.servers.split(",") if v]
+    if unknown := [v for v in wanted if v not in known]:
+        ap.error(f"--servers: unknown {unknown}; known: {', '.join(known)}")
+    runs = [(label, *known[label]) for label in wanted if label != "llama" or srv]
     port = a.port
 
-    def start(label: str, weights: str | None) -> tuple[subprocess.Popen, float]:
+    def start(label: str, weights: str | None, spare: bool) -> tuple[subprocess.Popen, float]:
         t0 = time.monotonic()
         if weights is None:
             proc = subprocess.Popen([srv, "-m", str(gguf), "-t", "2", "-c", str(N_CTX), "-np", "1", "--port",
@@ -280,44 +329,66 @@ def main() -> int:
                                     stderr=subprocess.DEVNULL, start_new_session=True)
         else:
             cfg = tmp / f"{label}.toml"
-            cfg.write_text(f'[server]\nport = {port}\n[models.m]\npath = "{gguf}"\nn_ctx = {N_CTX}\nparallel = 1\n'
-                           f'weights = "{weights}"\n')
+            cfg.write_text(f'[server]\nport = {port}\nwarm_spare = {str(spare).lower()}\n[models.m]\n'
+                           f'path = "{gguf}"\nn_ctx = {N_CTX}\nparallel = 1\nweights = "{weights}"\n')
             proc = subprocess.Popen([sys.executable, "-m", "router", "serve", "--config", str(cfg), "--log-level",
                                      "warning"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                     start_new_session=True)
         return proc, t0
 
+    def cold_start(label: str, weights: str | None, spare: bool) -> tuple[subprocess.Popen, dict]:
+        """Start the server and take its first token cold: (the process, its figures)."""
+        proc, t0 = start(label, weights, spare)
+        try:
+            if weights is None:  # llama-server: the request goes out as the process starts
+                return proc, {"cold_first_token_s": round(first_token_s(port, "m", t0, proc=proc), 3)}
+            spare_rss, t_up = wait_up(port, proc, spare)
+            cold = first_token_s(port, "m", t_up, proc=proc)
+            figs = {"cold_first_token_s": round(cold, 3), "start_to_first_token_s": round(time.monotonic() - t0, 3)}
+            if spare:
+                figs["spare_rss_mib"] = spare_rss
+            return proc, figs
+        except BaseException:
+            stop(proc)
+            raise
+
     def serving_pids(proc: subprocess.Popen) -> list[int]:
         return [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
 
-    cold: dict[str, list[float]] = {label: [] for label, _ in runs}
+    cold: dict[str, list[dict]] = {label: [] for label, _, _ in runs}
     for _ in range(max(0, a.cold_repeat - 1)):
-        for label, weights in runs:
-            proc, t0 = start(label, weights)
-            try:
-                cold[label].append(round(first_token_s(port, "m", t0), 3))
-            finally:
-                stop(proc)
-                wait_closed(port)
-    for label, weights in runs:
-        proc, t0 = start(label, weights)
+        for label, weights, spare in runs:
+            proc, figs = cold_start(label, weights, spare)
+            cold[label].append({**figs, "loadavg": round(os.getloadavg()[0], 2)})
+            stop(proc)
+            wait_closed(port)
+    for label, weights, spare in runs:
+        proc, figs = cold_start(label, weights, spare)
         try:
-            cold[label].append(round(first_token_s(port, "m", t0), 3))
+            cold[label].append({**figs, "loadavg": round(os.getloadavg()[0], 2)})
+            runs_of = cold[label]
             pids = serving_pids(proc)
-            row: dict = {"model": a.model, "server": label,
-                         "cold_first_token_s": sorted(cold[label])[len(cold[label]) // 2]}
-            if len(cold[label]) > 1:
-                row["cold_first_token_all_s"] = cold[label]
-            row["worker_rss_first_mib"] = rss_mib(pids if weights is None else pids[1:])
-            try:
-                row.update(measure(port, "m", prompt, a.decode_tokens, a.repeat))
-            except (OSError, http.client.HTTPException) as e:  # e.g. a server dropping a connection under load
-                row["error"] = f"{type(e).__name__}: {e}"   # the row is kept, the other servers still run
-            pids = serving_pids(proc)
-            row["rss_mib"] = rss_mib(pids)
-            if weights is not None:
-                row["worker_rss_mib"] = rss_mib(pids[1:])
-                row["kv_cache_tokens"] = kv_cache_tokens(port)
+            row: dict = {"model": a.model, "server": label}
+            for key in figs:  # the median of each figure over the cold starts
+                vals = sorted(f[key] for f in runs_of if f.get(key) is not None)
+                row[key] = vals[len(vals) // 2] if vals else None
+            if len(runs_of) > 1:
+                row["cold_first_token_all_s"] = [f["cold_first_token_s"] for f in runs_of]
+                row["loadavg_1m_each"] = [f["loadavg"] for f in runs_of]
+            # the serving worker (not a replacement spare started since): the model's pid
+            mp = model_pid(port)
+            worker_pids = pids if weights is None else [mp] if mp is not None else pids[1:2]
+            row["worker_rss_first_mib"] = rss_mib(worker_pids)
+            if not a.cold_only:
+                try:
+                    row.update(measure(port, "m", prompt, a.decode_tokens, a.repeat))
+                except (OSError, http.client.HTTPException) as e:  # e.g. a server dropping a connection under load
+                    row["error"] = f"{type(e).__name__}: {e}"   # the row is kept, the other servers still run
+                pids = serving_pids(proc)
+                row["rss_mib"] = rss_mib(pids)
+                if weights is not None:
+                    row["worker_rss_mib"] = rss_mib(worker_pids)
+                    row["kv_cache_tokens"] = kv_cache_tokens(port)
             row["loadavg"] = [round(x, 2) for x in os.getloadavg()]
             rows[label] = row
             print(json.dumps(row), flush=True)
@@ -326,18 +397,31 @@ def main() -> int:
             wait_closed(port)
     if "llama" in rows:
         ref = rows["llama"]
-        for label in ("f32", "quantized"):
+        for label, weights, _ in runs:
+            if weights is None:
+                continue
             r = rows[label]
             ratio = {"ratio_to_llama": label, "model": a.model,
                      "cold_first_token": round(r["cold_first_token_s"] / ref["cold_first_token_s"], 3),
                      "worker_rss_first": round(r["worker_rss_first_mib"] / ref["worker_rss_first_mib"], 3)}
-            if "error" not in r and "error" not in ref:  # the figures after the first token
+            if not a.cold_only and "error" not in r and "error" not in ref:  # the figures after the first token
                 ratio.update({"decode": round(r["decode_tok_s"] / ref["decode_tok_s"], 3),
                               "prefill": round(r["prefill_tok_s"] / ref["prefill_tok_s"], 3),
                               "rss": round(r["rss_mib"] / ref["rss_mib"], 3),
                               "worker_rss": round(r["worker_rss_mib"] / ref["rss_mib"], 3)})
             print(json.dumps({**ratio, "loadavg": [round(x, 2) for x in os.getloadavg()]}), flush=True)
     return 0
+
+
+def model_pid(port: int) -> int | None:
+    """The pid of model ``m``'s worker, from the router's /admin/models (None if unknown)."""
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        c.request("GET", "/admin/models")
+        data = json.loads(c.getresponse().read())["data"]
+        return next((m["pid"] for m in data if m["id"] == "m"), None)
+    except (OSError, http.client.HTTPException, ValueError, KeyError):
+        return None
 
 
 def wait_closed(port: int, timeout: float = 30) -> None:

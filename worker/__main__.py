@@ -5,6 +5,12 @@ Usage::
     python -m worker --model NAME --gguf PATH --endpoint ENDPOINT [--n-ctx N]
                      [--chat-template NAME_OR_TEXT] [--max-queue N] [--parent-pid PID]
                      [--threads N] [--auth-fd FD]
+    python -m worker --spare --endpoint ENDPOINT [--parent-pid PID] [--auth-fd FD]
+
+``--spare`` starts a warm spare (``worker.spare``): no model yet; it imports and loads its
+kernels, says Hello with model "", and waits for the router's Assign, whose fields replace the
+model options above; from there it is the same worker. Exit status as below (0 also when it
+is stopped before it got a model).
 
 ENDPOINT is the router's bound ROUTER socket (``ipc://PATH`` or
 ``tcp://HOST:PORT``); the worker connects a DEALER socket to it, sends Hello,
@@ -35,6 +41,7 @@ import os
 import signal
 import sys
 
+from protocol.credentials import WorkerCredentials
 from protocol.limits import DEFAULT_WEIGHTS, WEIGHT_MODES
 
 #: Environment variables that set the BLAS / OpenMP thread pools (read when NumPy loads).
@@ -57,8 +64,10 @@ def _non_negative(s: str) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m worker", description="Serve one GGUF model to the modelyard router.")
-    p.add_argument("--model", required=True, help="configured model name (echoed in Hello/Ready)")
-    p.add_argument("--gguf", required=True, help="path of the GGUF file")
+    p.add_argument("--model", default=None, help="configured model name (echoed in Hello/Ready)")
+    p.add_argument("--gguf", default=None, help="path of the GGUF file")
+    p.add_argument("--spare", action="store_true",
+                   help="a warm spare: no model yet; wait for the router's Assign (worker.spare)")
     p.add_argument("--endpoint", required=True, help="router ROUTER endpoint: ipc://PATH or tcp://HOST:PORT")
     p.add_argument("--n-ctx", type=_positive, default=None, help="KV cache size in tokens (default: engine's)")
     p.add_argument("--chat-template", default=None, help="chat template text or known name (chatml, gemma)")
@@ -85,6 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--auth-fd", type=_non_negative, default=None,
                    help="inherited pipe with this worker's credentials (secret, CURVE keys)")
     args = p.parse_args(argv)
+    if args.spare and (args.model is not None or args.gguf is not None):
+        p.error("--spare takes no --model / --gguf: the router's Assign names them")
+    if not args.spare and (args.model is None or args.gguf is None):
+        p.error("--model and --gguf are required (or --spare)")
     if not args.endpoint.startswith(("ipc://", "tcp://")):
         p.error(f"--endpoint must be ipc://PATH or tcp://HOST:PORT, got {args.endpoint!r}")
     return args
@@ -104,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:  # before NumPy is imported (worker.server imports the engine)
         for var in THREAD_ENV_VARS:
             os.environ[var] = str(args.threads)
+    if args.spare:
+        return serve_spare(args, credentials)
     if (args.weights or DEFAULT_WEIGHTS) == "quantized":  # numba and the file-independent kernels load while the rest starts
         from worker.engine import preload_kernels
 
@@ -125,6 +140,45 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
     signal.signal(signal.SIGINT, lambda *_: server.request_stop())
     return server.serve()
+
+
+def serve_spare(args: argparse.Namespace, credentials: WorkerCredentials | None) -> int:
+    """``--spare``: warm up, wait for Assign, then serve the assigned model on the same socket."""
+    logging.basicConfig(level=os.environ.get("MODELYARD_WORKER_LOG", "INFO").upper(),
+                        format=f"%(asctime)s %(levelname)s worker[{os.getpid()}] %(message)s")
+    from worker.server import ParentWatch, WorkerConfig, WorkerServer
+    from worker.spare import SpareWait, warm_up
+
+    took = warm_up()
+    logging.info("spare: imports and kernels in %.2f s", took)
+    parent = args.parent_pid if args.parent_pid is not None else os.getppid()
+    waiter = SpareWait(args.endpoint, credentials, ParentWatch(parent))
+    signal.signal(signal.SIGTERM, lambda *_: waiter.stop.set())
+    signal.signal(signal.SIGINT, lambda *_: waiter.stop.set())
+    got = waiter.wait_for_model()
+    if isinstance(got, int):
+        return got
+    ctx, sock, a = got
+    try:
+        cfg = WorkerConfig(
+            model=a.model, gguf=a.gguf, endpoint=args.endpoint, n_ctx=a.n_ctx, chat_template=a.chat_template,
+            max_queue=a.max_queue, parallel=a.parallel, kv_budget_mib=a.kv_budget_mib, weights=a.weights,
+            n_ubatch=a.n_ubatch, parent_pid=parent, credentials=waiter.credentials,
+            slot_save_path=a.slot_save_path, kv_cache_dir=a.kv_cache_dir, kv_cache_mib=a.kv_cache_mib)
+    except ValueError as e:  # the codec checked the values; a defect here is a bug, said as a load failure
+        from protocol import Error, encode
+        from protocol.errors import ErrorCode
+
+        sock.send(encode(Error(id=f"worker-{os.getpid()}", code=ErrorCode.LOAD_FAILED, message=str(e)[:4000])))
+        sock.close(linger=1000)
+        ctx.term()
+        return 1
+    server = WorkerServer(cfg)
+    if a.threads:
+        server.runner.request_threads(a.threads)
+    signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
+    signal.signal(signal.SIGINT, lambda *_: server.request_stop())
+    return server.serve(connected=(ctx, sock))
 
 
 if __name__ == "__main__":

@@ -319,6 +319,8 @@ class RunnerSnapshot:
     slots: list[dict[str, Any]] = field(default_factory=list)  # protocol Pong.slots maps
     kv_tokens: int = 0
     kv_budget_tokens: int = 0
+    n_decode_total: int = 0  # the engine's forward passes (Pong.n_decode_total)
+    n_busy_slots_total: int = 0  # slots busy at each, summed (Pong.n_busy_slots_total)
 
 
 class BatchRunner:
@@ -918,6 +920,8 @@ class BatchRunner:
         try:
             slots = [{"id": int(s.id), "id_task": s.id_task, "is_processing": bool(s.is_processing),
                       "n_past": int(s.n_past)} for s in eng.slots()]
-            self.snapshot = RunnerSnapshot(slots, int(eng.kv_tokens), int(getattr(eng.info, "kv_budget_tokens", 0)))
+            stats = getattr(eng, "step_stats", None) or {}
+            self.snapshot = RunnerSnapshot(slots, int(eng.kv_tokens), int(getattr(eng.info, "kv_budget_tokens", 0)),
+                                           int(stats.get("passes", 0)), int(stats.get("busy_slots", 0)))
         except Exception:  # noqa: BLE001 - a snapshot is informational
             log.debug("snapshot failed:\n%s", traceback.format_exc())

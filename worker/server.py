@@ -259,33 +259,40 @@ class WorkerServer:
         self._stop_requested.set()
         self._wake()
 
-    def serve(self) -> int:
+    def serve(self, connected: tuple[zmq.Context[zmq.Socket[bytes]], zmq.Socket[bytes]] | None = None) -> int:
         """Connect, load, serve until Shutdown / parent gone / load failure. Returns the exit status:
-        0 after Shutdown or parent gone, 1 after a load failure or a bad endpoint."""
-        self._ctx = zmq.Context()
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, self.cfg.linger_ms)
-        # Frames queue while the router is not reading; sends never block (NOBLOCK) and a
-        # full queue drops frames rather than freezing the loop (parent checks must go on).
-        sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
+        0 after Shutdown or parent gone, 1 after a load failure or a bad endpoint.
+        ``connected``: a context and DEALER socket already connected to the router, Hello
+        already sent on it (a warm spare given its model: ``worker.spare``)."""
         creds = self.cfg.credentials
-        if creds is not None and creds.curve:  # tcp: the router's key and ours, handed over privately
-            sock.curve_serverkey = str(creds.server_public).encode()
-            sock.curve_publickey = str(creds.public).encode()
-            sock.curve_secretkey = str(creds.secret_key).encode()
-        try:
-            sock.connect(self.cfg.endpoint)
-        except zmq.ZMQError as e:
-            log.error("cannot connect to %s: %s", self.cfg.endpoint, e)
-            self._exit_code = 1
-            sock.close(linger=0)
-            self._close()
-            return 1
+        if connected is not None:
+            self._ctx, sock = connected
+            sock.setsockopt(zmq.LINGER, self.cfg.linger_ms)
+        else:
+            self._ctx = zmq.Context()
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, self.cfg.linger_ms)
+            # Frames queue while the router is not reading; sends never block (NOBLOCK) and a
+            # full queue drops frames rather than freezing the loop (parent checks must go on).
+            sock.setsockopt(zmq.SNDHWM, 100_000)
+            sock.setsockopt(zmq.RCVHWM, 100_000)
+            if creds is not None and creds.curve:  # tcp: the router's key and ours, handed over privately
+                sock.curve_serverkey = str(creds.server_public).encode()
+                sock.curve_publickey = str(creds.public).encode()
+                sock.curve_secretkey = str(creds.secret_key).encode()
+            try:
+                sock.connect(self.cfg.endpoint)
+            except zmq.ZMQError as e:
+                log.error("cannot connect to %s: %s", self.cfg.endpoint, e)
+                self._exit_code = 1
+                sock.close(linger=0)
+                self._close()
+                return 1
         self._sock = sock
         try:
-            self._send(Hello(id=self.worker_id, model=self.cfg.model, pid=self.pid,
-                             auth=creds.secret if creds is not None else ""))
+            if connected is None:
+                self._send(Hello(id=self.worker_id, model=self.cfg.model, pid=self.pid,
+                                 auth=creds.secret if creds is not None else ""))
             if self._watch is not None and self._watch.gone():
                 self._begin_stop(f"parent process {self.cfg.parent_pid} is gone", 0.0, linger_ms=0)
             else:
@@ -468,7 +475,8 @@ class WorkerServer:
             snap = self.runner.snapshot
             self._send(Pong(id=msg.id, busy=bool(self.running), queue_len=len(self.pending),
                             running_ids=list(self.running), slots=list(snap.slots), kv_tokens=snap.kv_tokens,
-                            kv_budget_tokens=snap.kv_budget_tokens, pid=self.pid))
+                            kv_budget_tokens=snap.kv_budget_tokens, n_decode_total=snap.n_decode_total,
+                            n_busy_slots_total=snap.n_busy_slots_total, pid=self.pid))
         elif isinstance(msg, Generate):
             self._on_generate(msg)
         elif isinstance(msg, Cancel):

@@ -12,15 +12,17 @@ token ending inside a UTF-8 character (its ``bytes`` are exact).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
-from collections.abc import Sequence
-from typing import Any, cast
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar, cast
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from protocol import (
+    Accepted,
     ApplyTemplate,
     ApplyTemplateResult,
     Detokenize,
@@ -37,13 +39,14 @@ from protocol.limits import GENERATE_LIMITS
 from router.dialects.constraints import llamacpp_constraint
 from router.dialects.shared import RANDOM_SEED, read_template_kwargs, template_kwargs
 from router.serving.calls import call_worker
-from router.http.errors import BadGateway, BadRequest
+from router.http.errors import ApiError, BadGateway, BadRequest
 from router.dialects.field_policy import refuse_ignored
 from router.serving.generation import (
     LLAMACPP_DEFAULTS,
     TokenProb,
     begin,
     collect,
+    error_event,
     new_id,
     read_sampling,
     stream,
@@ -65,11 +68,14 @@ from router.http.params import (
     get_token_list,
     read_json,
 )
+from router.serving.budget import RequestTooLarge, request_ceiling
+from router.serving.server import Generation
 from router.workers.pool import ModelSlot, Pool
 from router.serving.presets import preset_template
 from router.http.responses import JSONResponse, dumps
+from router.http.access_log import access_record
 from router.http.set_aside import set_aside
-from router.http.sse import SSEResponse, sse_event
+from router.http.sse import SSEResponse, sse_event, until_disconnect
 
 def _slot(request: Request, body: dict[str, Any]) -> tuple[str, ModelSlot]:
     pool: Pool = request.app.state.pool
@@ -113,39 +119,54 @@ def _prob(logprob: float | None) -> float:
 
 
 PromptPart = str | int
+Prompt = str | list[int] | list[PromptPart]
 
 
-def _prompt(body: dict[str, Any]) -> str | list[int] | list[PromptPart]:
-    """``prompt`` as llama-server takes one: a string, token ids, a list mixing strings and
+def _is_id(p: Any) -> bool:
+    return isinstance(p, int) and not isinstance(p, bool)
+
+
+def _prompts(body: dict[str, Any], most: int) -> list[Prompt]:
+    """``prompt``'s prompts, as llama-server's ``tokenize_input_prompts`` reads the field: a list
+    holding no number is a list of prompts (each answered in order, ``index`` its place), anything
+    else is one prompt. ``most``: how many one request may carry (a 400 naming ``prompt`` beyond)."""
+    raw = body.get("prompt")
+    if isinstance(raw, list) and len(raw) > 1 and not any(_is_id(p) for p in raw):
+        if len(raw) > most:
+            raise BadRequest(f"'prompt' holds {len(raw)} prompts; one request may carry at most {most} for this "
+                             "model (its parallel + max_queue: every prompt runs as a request of its own)",
+                             param="prompt")
+        return [_prompt(p, f"prompt[{i}]") for i, p in enumerate(raw)]
+    return [_prompt(raw, "prompt")]
+
+
+def _prompt(raw: Any, param: str) -> Prompt:
+    """One prompt as llama-server takes one: a string, token ids, a list mixing strings and
     token ids (``[12, 34, "text", 56]``: returned as is, :func:`_mixed_ids` tokenizes it), or an
     object ``{"prompt_string": ...}`` (with no ``multimodal_data``: this server has no vision).
-    Several prompts in one request are a 400 (one completion per request here)."""
-    raw = body.get("prompt")
+    ``param``: the field's name in errors (``prompt``, ``prompt[2]``)."""
     if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (dict, list)):
         raw = raw[0]  # one prompt in a list of prompts
     if isinstance(raw, dict):
         if raw.get("multimodal_data"):
-            raise BadRequest("'prompt.multimodal_data' is not supported: this server's models take text only",
-                             param="prompt.multimodal_data")
+            raise BadRequest(f"'{param}.multimodal_data' is not supported: this server's models take text only",
+                             param=f"{param}.multimodal_data")
         text = raw.get("prompt_string")
         if not isinstance(text, str):
-            raise BadRequest("a prompt object needs a string 'prompt_string'", param="prompt.prompt_string")
+            raise BadRequest("a prompt object needs a string 'prompt_string'", param=f"{param}.prompt_string")
         return text
-    prompt = get_prompt(raw, "prompt")
+    prompt = get_prompt(raw, param)
     if prompt is not None:
         return prompt
-    if (isinstance(raw, list) and raw and all(isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool))
-                                              for p in raw) and any(isinstance(p, int) for p in raw)):
+    if (isinstance(raw, list) and raw and all(isinstance(p, str) or _is_id(p) for p in raw)
+            and any(_is_id(p) for p in raw)):
         for t in raw:
-            if isinstance(t, int) and not 0 <= t <= MAX_TOKEN_ID:
-                raise BadRequest(f"'prompt': token ids must be integers in [0, {MAX_TOKEN_ID}], got {t}",
-                                 param="prompt")
+            if _is_id(t) and not 0 <= t <= MAX_TOKEN_ID:
+                raise BadRequest(f"'{param}': token ids must be integers in [0, {MAX_TOKEN_ID}], got {t}",
+                                 param=param)
         return list(raw)
-    if isinstance(raw, list) and len(raw) > 1:
-        raise BadRequest("only one prompt per request is supported (a string, token ids, a list mixing "
-                         "both, or {\"prompt_string\": ...})", param="prompt")
-    raise BadRequest("'prompt' must be a string, a non-empty list of token ids (strings may be mixed in) or "
-                     "{\"prompt_string\": ...}", param="prompt")
+    raise BadRequest(f"'{param}' must be a string, a non-empty list of token ids (strings may be mixed in), "
+                     "{\"prompt_string\": ...} or a list of these (several prompts)", param=param)
 
 
 async def _tokenize(request: Request, slot: ModelSlot, text: str, add_special: bool, parse_special: bool,
@@ -218,12 +239,12 @@ async def completion(request: Request) -> Response | SSEResponse:
     post_sampling = get_bool(body, "post_sampling_probs", False)
     body = {k: v for k, v in body.items() if k != "post_sampling_probs"}
     refuse_ignored(body, "/completion")  # n, logprobs, response_format, tools, ...: not /completion fields
-    parts = _prompt(body)
-    prompt: str | list[int]
-    if isinstance(parts, list) and any(isinstance(p, str) for p in parts):
-        prompt = await _mixed_ids(request, slot, parts)
-    else:
-        prompt = cast("str | list[int]", parts)  # a list with no string in it holds ids only
+    prompts: list[str | list[int]] = []
+    for parts in _prompts(body, slot.model.parallel + slot.model.max_queue):
+        if isinstance(parts, list) and any(isinstance(p, str) for p in parts):
+            prompts.append(await _mixed_ids(request, slot, parts))
+        else:
+            prompts.append(cast("str | list[int]", parts))  # a list with no string in it holds ids only
     body = await _text_logit_bias(request, slot, body)
     if get_bool(body, "return_progress", False):  # cannot be done: the worker reports no prefill progress
         set_aside(request.state, "return_progress", "prompt_progress",
@@ -240,26 +261,37 @@ async def completion(request: Request) -> Response | SSEResponse:
     # a slot that exists is accepted; which slot runs is the prefix cache's choice (the text does not
     # depend on it; the answer's id_slot says which ran), as llama.cpp does when id_slot is -1
     get_int(body, "id_slot", -1, -1, slot.model.parallel - 1)
-    msg = Generate(
-        id=new_id("cmpl"), prompt=prompt, max_tokens=max_tokens, n_probs=n_probs, post_sampling_probs=post_sampling,
-        cache_prompt=get_bool(body, "cache_prompt", True), ignore_eos=get_bool(body, "ignore_eos", False),
-        json_schema=json_schema, grammar=grammar,
-        **read_sampling(body, LLAMACPP_DEFAULTS, slot, openai=False),
-    )
-    run, first = await begin(request, slot, msg, grammar_param=param, early=streaming)
-    settings = _settings(msg, max_tokens, streaming)
-    prompt_text = prompt if isinstance(prompt, str) else None
+    sampling = read_sampling(body, LLAMACPP_DEFAULTS, slot, openai=False)
+    cache_prompt, ignore_eos = get_bool(body, "cache_prompt", True), get_bool(body, "ignore_eos", False)
+    if len(prompts) > 1:
+        max_tokens = await _shared_n_predict(request, slot, len(prompts), max_tokens)
+    msgs = [Generate(id=new_id("cmpl"), prompt=prompt, max_tokens=max_tokens, n_probs=n_probs,
+                     post_sampling_probs=post_sampling, cache_prompt=cache_prompt, ignore_eos=ignore_eos,
+                     json_schema=json_schema, grammar=grammar, **sampling) for prompt in prompts]
+    settings = _settings(msgs[0], max_tokens, streaming)
+    access = access_record(request.state)
+    totals = {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}
 
-    def summary(done: Done, tokens: list[int], content: str) -> dict[str, Any]:
+    def account(done: Done) -> None:
+        """Several prompts: the access log's figures are the request's, every prompt's summed (each
+        generation's record writes its own, last one wins, as it finishes before this runs)."""
+        if len(msgs) > 1:
+            totals["prompt_tokens"] += done.prompt_tokens
+            totals["cached_tokens"] += done.cache_n
+            totals["completion_tokens"] += done.completion_tokens
+            access.update(totals)
+
+    def summary(index: int, run: Generation, done: Done, tokens: list[int], content: str) -> dict[str, Any]:
         ready = run.ready
+        prompt = prompts[index]
         # as llama.cpp: truncated when generation stopped because the context was full
         truncated = (done.stop_type == "limit" and ready is not None
                      and done.prompt_tokens + done.completion_tokens >= ready.n_ctx)
         return {
-            "index": 0, "content": content, "tokens": tokens if return_tokens else [], "id_slot": done.id_slot,
+            "index": index, "content": content, "tokens": tokens if return_tokens else [], "id_slot": done.id_slot,
             "stop": True, "model": name, "tokens_predicted": done.completion_tokens,
             "tokens_evaluated": done.prompt_tokens, "generation_settings": settings,
-            **({"prompt": prompt_text} if prompt_text is not None else {}),
+            **({"prompt": prompt} if isinstance(prompt, str) else {}),
             "has_new_line": "\n" in content, "truncated": truncated,
             "stop_type": done.stop_type if done.stop_type in ("eos", "word", "limit") else "none",
             "stopping_word": done.stopping_word,
@@ -275,40 +307,192 @@ async def completion(request: Request) -> Response | SSEResponse:
         return [Token(id=done.id, text="", token_id=done.eog_token, piece=b"", logprob=done.eog_logprob,
                       top_logprobs=done.eog_top_logprobs)]
 
+    def probs(tokens: list[Token]) -> list[dict[str, Any]]:
+        return [_prob_entry(p, n_probs, post_sampling) for p in token_probs(tokens, n_probs)]
+
     if not streaming:
-        tokens, done = await collect(request, run, first)
-        text = "".join(t.text for t in tokens) + done.text
-        tokens += eog_token(done)
-        out = summary(done, [t.token_id for t in tokens], text)
-        if n_probs > 0:
-            out["completion_probabilities"] = [_prob_entry(p, n_probs, post_sampling)
-                                               for p in token_probs(tokens, n_probs)]
-        return JSONResponse(out)
-
-    count = 0
-
-    async def on_frame(item: Token | Done) -> list[bytes]:
-        nonlocal count
-        if isinstance(item, Token):
-            count += 1
-            chunk: dict[str, Any] = {"index": 0, "content": item.text,
-                                     "tokens": [item.token_id],  # llama.cpp: always, when streaming
-                                     "stop": False, "tokens_predicted": count}
+        async def answer(index: int) -> dict[str, Any]:
+            run, first = await begin(request, slot, msgs[index], grammar_param=param)
+            tokens, done = await collect(request, run, first)
+            account(done)
+            text = "".join(t.text for t in tokens) + done.text
+            tokens += eog_token(done)
+            out = summary(index, run, done, [t.token_id for t in tokens], text)
             if n_probs > 0:
-                chunk["completion_probabilities"] = [
-                    _prob_entry(p, n_probs, post_sampling) for p in token_probs([item], n_probs)]
-            return [sse_event(chunk)]
-        events = []
-        for eog in eog_token(item):  # llama.cpp streams the end-of-generation token as a chunk too
-            count += 1
-            eog_chunk: dict[str, Any] = {"index": 0, "content": "", "tokens": [eog.token_id], "stop": False,
-                                         "tokens_predicted": count}
-            if n_probs > 0:
-                eog_chunk["completion_probabilities"] = [_prob_entry(p, n_probs, post_sampling) for p in token_probs([eog], n_probs)]
-            events.append(sse_event(eog_chunk))
-        return events + [sse_event(summary(item, [], item.text))]
+                out["completion_probabilities"] = probs(tokens)
+            return out
 
-    return SSEResponse(stream(run, first, on_frame), run.close)
+        if len(msgs) == 1:
+            return JSONResponse(await answer(0))
+        # llama-server answers several prompts with the list of their results, in the prompts' order
+        return JSONResponse(await _all([answer(i) for i in range(len(msgs))]))
+
+    def formatter(index: int, run: Generation) -> Callable[[Token | Done], Awaitable[list[bytes]]]:
+        count = 0
+
+        async def on_frame(item: Token | Done) -> list[bytes]:
+            nonlocal count
+            if isinstance(item, Token):
+                count += 1
+                chunk: dict[str, Any] = {"index": index, "content": item.text,
+                                         "tokens": [item.token_id],  # llama.cpp: always, when streaming
+                                         "stop": False, "tokens_predicted": count}
+                if n_probs > 0:
+                    chunk["completion_probabilities"] = probs([item])
+                return [sse_event(chunk)]
+            account(item)
+            events = []
+            for eog in eog_token(item):  # llama.cpp streams the end-of-generation token as a chunk too
+                count += 1
+                eog_chunk: dict[str, Any] = {"index": index, "content": "", "tokens": [eog.token_id], "stop": False,
+                                             "tokens_predicted": count}
+                if n_probs > 0:
+                    eog_chunk["completion_probabilities"] = probs([eog])
+                events.append(sse_event(eog_chunk))
+            return events + [sse_event(summary(index, run, item, [], item.text))]
+
+        return on_frame
+
+    if len(msgs) == 1:
+        run, first = await begin(request, slot, msgs[0], grammar_param=param, early=True)
+        return SSEResponse(stream(run, first, formatter(0, run)), run.close)
+    # several prompts: each its own run, their chunks interleaved as they come (each names its
+    # prompt's index), as llama-server streams the tasks of one request. The stream opens once
+    # one of them is under way — a refusal before that is the request's answer (llama-server
+    # treats the first result's error as a non-stream one); later ones wait for a job slot while
+    # the first stream flows (waiting for them all first would deadlock: the first ones pause
+    # while nobody reads them, holding the slots the later ones wait for)
+    starts = [asyncio.ensure_future(begin(request, slot, m, grammar_param=param, early=True)) for m in msgs]
+    try:
+        await asyncio.wait(starts, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        _drop(starts)
+        raise
+    refused = [t for t in starts if t.done() and not t.cancelled() and t.exception() is not None]
+    if refused:
+        _drop(starts)
+        exc = refused[0].exception()
+        assert exc is not None
+        raise exc
+    failed = False
+
+    def on_error(err: ApiError) -> bytes:
+        nonlocal failed
+        failed = True  # llama-server ends the whole stream at an error of one of its tasks
+        return error_event(err)
+
+    async def prompt_stream(index: int) -> AsyncIterator[bytes]:
+        try:
+            run, first = await starts[index]
+        except ApiError as err:
+            yield on_error(err)
+            return
+        async for ev in stream(run, first, formatter(index, run), on_error):
+            yield ev
+
+    return SSEResponse(_merge([prompt_stream(i) for i in range(len(msgs))], lambda: failed),
+                       lambda: _drop(starts))
+
+
+def _drop(starts: Sequence[asyncio.Future[tuple[Generation, Token | Done | Accepted]]]) -> None:
+    """Cancel the ``begin`` calls still waiting; close the runs of those done."""
+    for t in starts:
+        if not t.done():
+            t.cancel()
+        elif not t.cancelled() and t.exception() is None:
+            t.result()[0].close()
+
+
+async def _shared_n_predict(request: Request, slot: ModelSlot, k: int, max_tokens: int | None) -> int | None:
+    """The ``n_predict`` each of ``k`` prompts of one request gets: its total work is bounded
+    as ``n`` choices' is (``router.serving.budget``): without ``n_predict`` each takes an equal share
+    of the model's request ceiling; with one, ``k`` x ``n_predict`` beyond it is a 400 naming
+    ``prompt``. The ceiling needs the worker's n_ctx when none is configured: the model is loaded
+    first then (as a tokenize call would load it)."""
+    ceiling, why = request_ceiling(slot)
+    if ceiling is None:
+        with slot.holding():
+            await until_disconnect(request.receive, slot.ready_worker())
+        ceiling, why = request_ceiling(slot)
+        if ceiling is None:
+            return max_tokens
+    if max_tokens is None:
+        if ceiling // k < 1:
+            raise RequestTooLarge(f"{k} prompts cannot share this request's ceiling of {ceiling} tokens ({why}) "
+                                  f"for model '{slot.model.name}'", param="prompt")
+        return ceiling // k
+    if k * max_tokens > ceiling:
+        raise RequestTooLarge(
+            f"{k} prompts x n_predict {max_tokens} = {k * max_tokens} tokens is beyond what one request may ask "
+            f"of model '{slot.model.name}': {ceiling} tokens ({why}; set max_request_tokens to allow more). "
+            "Send fewer prompts or fewer tokens", param="prompt")
+    return max_tokens
+
+
+T = TypeVar("T")
+
+
+async def _all(coros: list[Coroutine[Any, Any, T]], discard: Callable[[T], None] | None = None) -> list[T]:
+    """Run ``coros`` at once; their results in order. The first to fail (the lowest index of those
+    failed by then) cancels the others and is raised; the results of those that had finished
+    are given to ``discard`` (runs begun for nothing are closed)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except BaseException:  # this handler cancelled (client gone, shutdown): nothing is left running
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for t in tasks:
+            if discard is not None and not t.cancelled() and t.exception() is None:
+                discard(t.result())
+        raise
+    failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+    if not failed:
+        return [t.result() for t in tasks]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    if discard is not None:
+        for t in tasks:
+            if not t.cancelled() and t.exception() is None:
+                discard(t.result())
+    exc = failed[0].exception()
+    assert exc is not None
+    raise exc
+
+
+async def _merge(streams: list[AsyncIterator[bytes]], stop: Callable[[], bool]) -> AsyncIterator[bytes]:
+    """The events of ``streams`` interleaved as they come, until every one has ended or ``stop()``
+    turns true after an event. Each stream is read only while fewer than ``len(streams)`` events
+    wait to be sent: a reader that takes nothing holds them all back (router.http.sse's pacing)."""
+    queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=len(streams))
+
+    async def pump(events: AsyncIterator[bytes]) -> None:
+        async for ev in events:
+            await queue.put(ev)
+        await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        ended = 0
+        while ended < len(tasks):
+            ev = await queue.get()
+            if ev is None:
+                ended += 1
+                continue
+            yield ev
+            if stop():
+                return
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:  # a stream whose pump waited to put an event: its generator is suspended
+            aclose = getattr(s, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
 
 
 def _piece(p: bytes) -> str | list[int]:

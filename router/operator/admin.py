@@ -39,10 +39,12 @@ def _pool(request: Request) -> Pool:
 
 async def list_models(request: Request) -> Response:
     """Every configured model: state, pid, queue depth, in-flight ids, load time, last use, last error,
-    idle expiry (``expires_at``), and what its GGUF header says (``gguf``: ``router.workers.gguf_meta.ModelInfo``)."""
+    idle expiry (``expires_at``), and what its GGUF header says (``gguf``: ``router.workers.gguf_meta.ModelInfo``);
+    and the launcher's warm spare (``spare``: ``router.workers.launchers.Launcher.describe_spare``)."""
     pool = _pool(request)
     return JSONResponse({"object": "list", "data": await model_rows(pool),
-                         "presets": preset_rows(pool), "invalid": discovered(request).invalid})
+                         "presets": preset_rows(pool), "invalid": discovered(request).invalid,
+                         "spare": pool.launcher.describe_spare()})
 
 
 def preset_rows(pool: Pool) -> list[dict[str, Any]]:

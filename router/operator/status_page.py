@@ -166,6 +166,7 @@ async def status(request: Request) -> Response:
         "server": {"version": version(), "api_key_required": bool(srv.api_key),
                    "admin_key_required": bool(srv.admin_key)},
         "models": rows,
+        "spare": admin.redacted(pool.launcher.describe_spare()),
         "invalid": admin.discovered(request).invalid,
         "presets": admin.preset_rows(pool),
         "requests": list(recent_requests(request.app.state))[::-1],

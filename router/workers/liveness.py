@@ -62,6 +62,8 @@ class Liveness:
         if pong is not None and wp is self._slot.worker:
             self._pong = (wp, pong)
             self._slot.sample_rss(wp)
+            self._slot.metrics.count_decodes(self._slot.model.name, wp.pid, pong.n_decode_total,
+                                             pong.n_busy_slots_total)
         return pong
 
     def _watching(self, wp: WorkerProcess) -> bool:

@@ -16,7 +16,8 @@ acts on the answer (``pool.Pool._place``), so no decision is made on a stale vie
   a pinned one, never one with a running or waiting request: drain-then-swap); or
   ``refuse`` (503) when even evicting every unpinned model would not make room.
 
-Memory: ``available`` is the system's available memory now (psutil); a model still
+Memory: ``available`` is the host's available memory now (its launcher's figure, plus the RSS
+of a warm spare the next load takes: ``pool.Pool.spare_bytes``); a model still
 loading has not taken all of its estimate yet, so the rest of it is counted as
 taken; a model draining (being unloaded) will give back its RSS.
 """
@@ -26,13 +27,12 @@ from __future__ import annotations
 from protocol.limits import DEFAULT_KV_BUDGET_MIB, WEIGHT_MODES
 from protocol.weight_bytes import held_bytes
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import psutil
-
-from router.workers.gguf_meta import tensor_infos
+from router.workers.gguf_meta import TensorInfo, tensor_infos
 
 MiB = 1024 * 1024
 
@@ -73,10 +73,16 @@ class Estimate:
 def held_weight_bytes(path: Path, weights: str) -> int | None:
     """The bytes a worker in mode ``weights`` holds for the GGUF at ``path``'s tensors (the
     sum of ``protocol.weight_bytes.held_bytes``), or None without readable tensor infos.
-    Raises: ValueError for an unknown mode."""
-    infos = tensor_infos(path)
+    Raises: ValueError for an unknown mode. Computed once per file version (size, mtime) and
+    mode: placement asks on every decision, in the event loop."""
+    infos = tensor_infos(path)  # cached by the file's version (router.workers.gguf_meta)
     if not infos:
         return None
+    return _held_sum(infos, weights)
+
+
+@functools.lru_cache(maxsize=64)
+def _held_sum(infos: tuple[TensorInfo, ...], weights: str) -> int:
     return sum(held_bytes(t.type_code, t.dims, weights) for t in infos)
 
 
@@ -104,7 +110,8 @@ def estimate(path: Path, kv_budget_mib: float | None, measured_rss: int | None, 
 
 
 class MemoryProbe(Protocol):
-    """Where placement reads memory figures (tests inject made-up ones)."""
+    """Where placement reads memory figures: the pool's launcher, which knows its host
+    (``router.workers.launchers``; tests inject made-up ones)."""
 
     def available(self) -> int:
         """Memory available for a new process now, bytes."""
@@ -113,21 +120,6 @@ class MemoryProbe(Protocol):
     def rss(self, pid: int | None, model: str) -> int | None:
         """Resident memory of ``model``'s worker process ``pid``, bytes (None: gone)."""
         ...
-
-
-class SystemMemory:
-    """The machine's figures, through psutil."""
-
-    def available(self) -> int:
-        return int(psutil.virtual_memory().available)
-
-    def rss(self, pid: int | None, model: str) -> int | None:
-        if pid is None:
-            return None
-        try:
-            return int(psutil.Process(pid).memory_info().rss)
-        except (psutil.Error, OSError):
-            return None
 
 
 @dataclass(frozen=True)

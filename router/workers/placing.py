@@ -66,7 +66,7 @@ class Placer:
                 continue
             seats = [seat for s in self._pool.slots.values() if s is not slot and (seat := s.seat()) is not None]
             d = placement.decide(slot.model.name, slot.estimate(), seats, max_loaded=self._pool.config.server.max_loaded,
-                                 available=self._pool.memory.available())
+                                 available=self._pool.memory.available() + self._pool.spare_bytes())
             for name in d.evict:
                 self._pool.slots[name].evict(slot.model.name)
             if d.action == "load":

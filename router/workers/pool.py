@@ -1,6 +1,7 @@
 """Every configured model's slot (``router.workers.slot.ModelSlot``), name and alias
 resolution, the CPU share, config reload, shutdown, and what the workers share (the zmq
-context, the socket directory, the CURVE keypair).
+context, the CURVE keypair, the launcher: ``router.workers.launchers``, which knows where
+workers run, their endpoints, the host's memory and cores, and keeps the warm spare).
 
 Placement (``Pool.place``, its one owner ``router.workers.placing.Placer``, decisions in
 ``router.workers.placement``): a model that must load asks the pool for room; the placer
@@ -15,10 +16,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import zmq.asyncio
 
@@ -29,20 +28,15 @@ from router.workers import cpu_share
 from router.workers.admission import Ticket
 from router.workers.events import EventHub
 from router.workers.lifecycle import WorkerState
-from router.workers.placement import MemoryProbe, SystemMemory
+from router.workers import gguf_meta, placement
+from router.workers.launchers import Launcher
+from router.workers.launchers.local import SPARE_NAME, LocalLauncher
+from router.workers.placement import MemoryProbe
 from router.workers.placing import Placer
 from router.workers.process import CurveKeypair, WorkerProcess, new_curve_keypair
 from router.workers.slot import ModelSlot
-from router.workers.sockdir import make_socket_dir, remove_socket_dir
 
 log = logging.getLogger("modelyard.pool")
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 class Pool:
@@ -50,21 +44,16 @@ class Pool:
 
     def __init__(self, config: Config, *, worker_module: str | None = None,
                  metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic,
-                 memory: MemoryProbe | None = None) -> None:
+                 memory: MemoryProbe | None = None, launcher: Launcher | None = None) -> None:
         self.config = config
         self.clock = clock  # monotonic seconds for backoff decisions (tests inject one)
-        self.memory: MemoryProbe = memory if memory is not None else SystemMemory()  # placement's figures
         self.events = EventHub()  # model events (GET /admin/events)
-        self.cores = _cores()  # what CPU sharing divides
         self._retired: set[ModelSlot] = set()  # removed by a reload, still draining
         self.placer = Placer(self)  # the one owner of placement decisions: which wanted load starts when
         self.worker_module = worker_module
         self.metrics = metrics if metrics is not None else Metrics(config.models)
         self.closing = False
         self._ctx = zmq.asyncio.Context()
-        # ipc sockets: a private directory named after this router (stale ones of dead routers are swept)
-        self.socket_dir: Path | None = make_socket_dir() if config.server.transport == "ipc" else None
-        self._endpoints = 0
         # tcp: one CURVE keypair for this service; each worker gets the public half privately
         self.curve: CurveKeypair | None = None
         if config.server.transport == "tcp":
@@ -73,8 +62,26 @@ class Pool:
             except RuntimeError as e:
                 log.warning("transport = \"tcp\" without CURVE (%s): worker traffic is not encrypted; "
                             "workers still prove their per-spawn secret", e)
+        # where workers run and what they may use (router.workers.launchers): their endpoints,
+        # the host's memory and cores, the warm spare
+        self.launcher: Launcher = launcher if launcher is not None else LocalLauncher(
+            config.server, ctx=self._ctx, curve=self.curve, module=worker_module)
+        self.memory: MemoryProbe = memory if memory is not None else self.launcher  # placement's figures
+        self.cores = self.launcher.cores()  # what CPU sharing divides
         self.slots: dict[str, ModelSlot] = {name: ModelSlot(m, self) for name, m in config.models.items()}
         self.metrics.watch(self.gauges)
+        self.launcher.begin()  # the warm spare starts now
+        # the GGUF headers placement reads (tensor infos: up to ~0.5 s for a large vocabulary on a
+        # busy machine), parsed now off the event loop: a model's first request does not wait for them
+        asyncio.get_running_loop().run_in_executor(None, self._read_headers)
+
+    def _read_headers(self) -> None:
+        for m in list(self.config.models.values()):
+            try:
+                gguf_meta.model_info(m.path)
+                placement.estimate(m.path, m.kv_budget_mib, None, weights=m.weights_mode)
+            except Exception:  # noqa: BLE001 - a defect shows when the model is used
+                log.debug("reading %s's header in advance failed", m.name, exc_info=True)
 
     def gauges(self) -> list[ModelGauges]:
         """Every model's figures, read at scrape time (``Metrics.watch``)."""
@@ -156,14 +163,19 @@ class Pool:
         """Start every wanted load that has room now (``router.workers.placing.Placer.place``)."""
         self.placer.place()
 
+    def spare_bytes(self) -> int:
+        """The warm spare's RSS, bytes (0: none to take): free for the next load, which takes it
+        (that model's seat then counts it as its worker's)."""
+        pid = self.launcher.spare_pid()
+        return (self.memory.rss(pid, SPARE_NAME) or 0) if pid is not None else 0
+
     def new_worker(self, model: ModelConfig) -> WorkerProcess:
-        self._endpoints += 1
-        if self.config.server.transport == "tcp":
-            endpoint = "tcp://127.0.0.1:0"
-        else:
-            assert self.socket_dir is not None
-            endpoint = f"ipc://{self.socket_dir}/w{self._endpoints}.sock"
-        return WorkerProcess(model, endpoint, self._ctx, self.worker_module, curve_server=self.curve)
+        """``model``'s next worker: the launcher's warm spare when it has one, else a new one
+        (started by its ``start()``)."""
+        spare = self.launcher.take_spare(model)
+        if spare is not None:
+            return spare
+        return WorkerProcess(model, self._ctx, self.launcher, curve_server=self.curve)
 
     def begin_shutdown(self) -> None:
         """The router is stopping (SIGTERM/SIGINT): new requests and waiting ones get 503
@@ -185,9 +197,8 @@ class Pool:
         slots = {*self.slots.values(), *self._retired}
         await asyncio.gather(*(s.unload(drain=False, reason="router shutting down") for s in slots),
                              return_exceptions=True)
+        await self.launcher.close()  # the warm spare; its socket directory
         self._ctx.destroy(linger=0)
-        if self.socket_dir is not None:
-            remove_socket_dir(self.socket_dir)
 
 
 __all__ = ["ModelSlot", "Pool", "Ticket", "WorkerState"]

@@ -1,13 +1,15 @@
-"""One worker OS process and its ZeroMQ socket: the mechanism under a model's state
-machine (``router.workers.lifecycle``, applied by ``pool.ModelSlot`` alone).
+"""One worker's connection: the mechanism under a model's state machine
+(``router.workers.lifecycle``, applied by ``pool.ModelSlot`` alone).
 
-:class:`WorkerProcess` binds a ROUTER socket, spawns the exact worker command, accepts the Hello of
-its own child only — the peer that proves the per-spawn secret handed to that
-child through an inherited pipe (``protocol.credentials``; over tcp the socket
-also speaks ZeroMQ CURVE with keys handed over the same way) — routes frames to per-request queues by request id, and
-watches the process (a thread blocked in ``Popen.wait``, plus psutil for
-identity and metrics). When the process exits every open request queue
-receives a :class:`WorkerGone` at once.
+:class:`WorkerProcess` binds a ROUTER socket at the endpoint its launcher names, has the
+launcher (``router.workers.launchers``) start the worker, accepts the Hello of that worker
+only — the peer that proves the per-spawn secret the launcher handed it privately
+(``protocol.credentials``; over tcp the socket also speaks ZeroMQ CURVE with keys handed over
+the same way) and whose pid the launcher's handle owns — and routes frames to per-request
+queues by request id. The handle reports the process's exit; then every open request queue
+receives a :class:`WorkerGone` at once. A warm spare's connection is made by the launcher
+before any model wants it; the model that takes it (:meth:`WorkerProcess.adopt`) sends Assign
+from :meth:`WorkerProcess.start` instead of starting a process.
 """
 
 from __future__ import annotations
@@ -17,15 +19,11 @@ import dataclasses
 import itertools
 import logging
 import os
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
@@ -45,10 +43,11 @@ from protocol import (
     decode,
     encode,
     secret_matches,
-    write_credentials,
 )
 from protocol.errors import ErrorCode
 from router.config import ModelConfig
+from router.workers.launchers import LaunchError, Launcher, WorkerHandle
+from router.workers.options import assign_for, option_args
 from router.workers.tasks import spawn
 
 log = logging.getLogger("modelyard.worker")
@@ -87,10 +86,6 @@ class WorkerUnreachable(Exception):
     """A frame could not be sent: the worker is gone or not connected."""
 
 
-#: The worker module run as ``python -m MODULE``; tests point it at the fake worker.
-WORKER_MODULE_ENV = "MODELYARD_WORKER_MODULE"
-
-
 #: A CURVE keypair (public, secret), Z85 text, as ``zmq.curve_keypair`` makes it.
 CurveKeypair = tuple[str, str]
 
@@ -107,56 +102,28 @@ def new_curve_keypair() -> CurveKeypair:
     return public.decode("ascii"), secret.decode("ascii")
 
 
-def worker_command(model: ModelConfig, endpoint: str, module: str | None = None,
-                   auth_fd: int | None = None) -> list[str]:
-    """The exact command line of ``model``'s worker (argument list, no shell). ``auth_fd``
-    is the inherited pipe with its credentials (only the descriptor's number is here)."""
-    cmd = [sys.executable, "-m", module or os.environ.get(WORKER_MODULE_ENV) or "worker",
-           "--model", model.name, "--gguf", str(model.path), "--endpoint", endpoint]
-    if model.n_ctx is not None:
-        cmd += ["--n-ctx", str(model.n_ctx)]
-    if model.chat_template is not None:
-        cmd += ["--chat-template", model.chat_template]
-    if model.n_threads is not None:
-        cmd += ["--threads", str(model.n_threads)]
-    cmd += ["--parallel", str(model.parallel)]
-    if model.kv_budget_mib is not None:
-        cmd += ["--kv-budget-mib", repr(float(model.kv_budget_mib))]
-    if model.weights is not None:
-        cmd += ["--weights", model.weights]
-    if model.n_ubatch is not None:
-        cmd += ["--n-ubatch", str(model.n_ubatch)]
-    if model.slot_save_path is not None:
-        cmd += ["--slot-save-path", str(model.slot_save_path)]
-    if model.kv_cache_dir is not None:
-        cmd += ["--kv-cache-dir", str(model.kv_cache_dir / model.name), "--kv-cache-mib", repr(float(model.kv_cache_mib))]
-    cmd += ["--max-queue", str(model.max_queue), "--parent-pid", str(os.getpid())]
-    if auth_fd is not None:
-        cmd += ["--auth-fd", str(auth_fd)]
-    return cmd
-
-
 _ids = itertools.count(1)
 
 
 class WorkerProcess:
-    """One spawned worker. Create, ``await start()``, use, ``await stop()``.
+    """One worker and its socket. Create, ``await start()``, use, ``await stop()``.
 
-    Not a state owner: ``pool.ModelSlot`` decides; this object executes.
+    ``model`` None: a warm spare (made by its launcher: :meth:`start_spare`, then
+    :meth:`adopt` by the model that takes it). Not a state owner: ``pool.ModelSlot``
+    decides; this object executes.
     """
 
-    def __init__(self, model: ModelConfig, endpoint: str, ctx: zmq.asyncio.Context,
-                 module: str | None = None, curve_server: CurveKeypair | None = None) -> None:
+    def __init__(self, model: ModelConfig | None, ctx: zmq.asyncio.Context, launcher: Launcher,
+                 curve_server: CurveKeypair | None = None) -> None:
         self.model = model
-        self.endpoint = endpoint  # "tcp://127.0.0.1:0" binds an ephemeral port (known after start)
-        self._module = module
+        self._launcher = launcher
+        self.endpoint = ""  # the bound endpoint (a tcp port 0 is known once bound)
         self.command: list[str] = []
         self.serial = next(_ids)
         self._ctx = ctx
         self._sock: zmq.asyncio.Socket | None = None
         self._identity: bytes | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._ps: psutil.Process | None = None
+        self._handle: WorkerHandle | None = None
         self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._hello = asyncio.Event()
@@ -168,6 +135,8 @@ class WorkerProcess:
         self.ready: Ready | None = None
         self._late_fingerprint = ""  # from a second Ready (sent when the file's hash finished after load)
         self.started_at = time.time()
+        self.from_spare = False  # started as a warm spare, then given this model (adopt)
+        self.start_ended = asyncio.Event()  # start() has returned or raised (the launcher's replacement waits for it)
         self._exit_callbacks: list[Callable[[WorkerProcess], None]] = []
         self._call_ids = itertools.count(1)
         self._curve_server = curve_server  # the service's CURVE keypair (tcp), else None
@@ -181,12 +150,27 @@ class WorkerProcess:
     # ------------------------------------------------------------------ facts
 
     @property
+    def name(self) -> str:
+        """The model's name, or "(spare)" before a spare is adopted (for logs)."""
+        return self.model.name if self.model is not None else "(spare)"
+
+    @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        return self._handle.pid if self._handle is not None else None
+
+    @property
+    def host(self) -> str:
+        """Where it runs (its launcher's host)."""
+        return self._launcher.host
 
     @property
     def alive(self) -> bool:
-        return self._proc is not None and not self.exited.is_set()
+        return self._handle is not None and not self.exited.is_set()
+
+    @property
+    def warm(self) -> bool:
+        """It has said Hello with this spawn's secret (a spare is warm from then on)."""
+        return self._hello.is_set()
 
     @property
     def max_jobs(self) -> int:
@@ -195,10 +179,7 @@ class WorkerProcess:
 
     def rss_bytes(self) -> int | None:
         """Resident memory of the worker process, bytes (None if gone)."""
-        try:
-            return int(self._ps.memory_info().rss) if self._ps is not None and self.alive else None
-        except (psutil.Error, OSError):
-            return None
+        return self._handle.rss_bytes() if self._handle is not None and self.alive else None
 
     def exit_description(self) -> str:
         if self.kill_reason:
@@ -216,15 +197,9 @@ class WorkerProcess:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self, timeout_s: float, progress: Callable[[str, dict[str, Any]], None] | None = None) -> Ready:
-        """Bind, spawn, and wait for Hello then Ready. ``progress(stage, fields)`` hears
-        ``spawned`` (``pid``), ``connected`` (the worker's Hello: it is loading) and each
-        LoadProgress the worker sends (its ``stage``; ``done``, ``total``).
-
-        Raises LoadFailed on Error(load_failed), process exit, or no Ready
-        within ``timeout_s`` seconds (the process is then killed).
-        """
-        loop = asyncio.get_running_loop()
+    async def _launch(self) -> None:
+        """Bind the socket at the launcher's endpoint, make this spawn's credentials, and have
+        the launcher start the worker (``self.model``'s, or a spare). Raises LoadFailed."""
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -236,40 +211,85 @@ class WorkerProcess:
             sock.curve_secretkey = self._curve_server[1].encode("ascii")
             curve = (self._curve_server[0], *new_curve_keypair())
         self._credentials = WorkerCredentials.new(curve)
+        endpoint = self._launcher.endpoint()
         try:
-            sock.bind(self.endpoint)
+            sock.bind(endpoint)
         except zmq.ZMQError as e:
             sock.close(linger=0)
             self.exited.set()
-            raise LoadFailed(f"cannot bind the worker socket {self.endpoint}: {e}") from None
+            raise LoadFailed(f"cannot bind the worker socket {endpoint}: {e}") from None
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock
         if curve is not None:
-            self._monitor = asyncio.create_task(self._watch_handshakes(sock),
-                                                name=f"worker-monitor-{self.model.name}")
-        self._reader = asyncio.create_task(self._read_loop(), name=f"worker-reader-{self.model.name}")
-        auth_fd = write_credentials(self._credentials)
+            self._monitor = asyncio.create_task(self._watch_handshakes(sock), name=f"worker-monitor-{self.name}")
+        self._reader = asyncio.create_task(self._read_loop(), name=f"worker-reader-{self.name}")
         try:
-            self.command = worker_command(self.model, self.endpoint, self._module, auth_fd)
-            log.info("spawning worker for %s: %s", self.model.name, " ".join(self.command))
-            self._proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, start_new_session=True,
-                                          pass_fds=(auth_fd,))
-        except OSError as e:
+            launched = await self._launcher.start(self.model, self.endpoint, self._credentials)
+        except LaunchError as e:
             self._close_socket()
             self.exited.set()
-            raise LoadFailed(f"cannot spawn worker: {e}") from None
-        finally:
-            os.close(auth_fd)  # the child has its copy; no other process gets one
+            raise LoadFailed(e.reason) from None
+        self._handle = launched.handle
+        self.command = list(launched.command)
+        launched.handle.on_exit(self._on_exit)
+
+    async def start_spare(self, timeout_s: float) -> bool:
+        """Start this connection's worker as a warm spare (no model) and wait for its Hello.
+        True once it is warm; False if it could not start, exited, or said no Hello within
+        ``timeout_s`` seconds (then it is still running: the caller kills it)."""
         try:
-            self._ps = psutil.Process(self._proc.pid)
-        except psutil.Error:
-            self._ps = None
+            await self._launch()
+        except LoadFailed as e:
+            self.kill_reason = e.reason
+            return False
+        hello = asyncio.ensure_future(self._hello.wait())
+        exited = asyncio.ensure_future(self.exited.wait())
+        try:
+            await asyncio.wait({hello, exited}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hello.cancel()
+            exited.cancel()
+        return self.warm and not self.exited.is_set()
+
+    def adopt(self, model: ModelConfig) -> None:
+        """This warm spare is ``model``'s from now on: its :meth:`start` sends Assign."""
+        assert self.model is None and self._handle is not None, "only a started spare is adopted"
+        self.model = model
+        self.from_spare = True
+        self.command = [*self.command, *option_args(model)]  # what it runs, as a worker started for it
+
+    async def start(self, timeout_s: float, progress: Callable[[str, dict[str, Any]], None] | None = None) -> Ready:
+        """Start the worker (or, an adopted spare, send it Assign) and wait for Hello then Ready.
+        ``progress(stage, fields)`` hears ``spawned`` (``pid``; ``spare`` True for an adopted
+        spare), ``connected`` (the worker's Hello: it is loading) and each LoadProgress the
+        worker sends (its ``stage``; ``done``, ``total``).
+
+        Raises LoadFailed on Error(load_failed), process exit, or no Ready
+        within ``timeout_s`` seconds (the process is then killed).
+        """
+        try:
+            return await self._start(timeout_s, progress)
+        finally:
+            self.start_ended.set()
+
+    async def _start(self, timeout_s: float, progress: Callable[[str, dict[str, Any]], None] | None) -> Ready:
+        assert self.model is not None, "a spare starts with start_spare()"
+        adopted = self._handle is not None
+        if not adopted:
+            await self._launch()
         if progress is not None:
-            progress("spawned", {"pid": self._proc.pid})
+            progress("spawned", {"pid": self.pid, **({"spare": True} if adopted else {})})
             self._on_hello = lambda: progress("connected", {})
             self._on_load_step = lambda m: progress(m.stage, {"done": m.done, "total": m.total})
-        threading.Thread(target=self._wait_thread, args=(loop,), daemon=True,
-                         name=f"worker-wait-{self._proc.pid}").start()
+        if adopted:
+            if self._on_hello is not None:
+                self._on_hello()
+            try:
+                await self.send(assign_for(self.model, self.new_call_id("assign")))
+            except (WorkerUnreachable, ProtocolError) as e:
+                self.kill("could not be assigned its model")
+                await self._wait_exited(5.0)
+                raise LoadFailed(f"cannot give the warm spare its model: {e}", self.exit_code) from None
         exited = asyncio.ensure_future(self.exited.wait())
         try:
             waiters: set[asyncio.Future[Any]] = {self._ready, exited}
@@ -294,14 +314,6 @@ class WorkerProcess:
         await self._wait_exited(5.0)
         raise LoadFailed(f"worker was not ready within load_timeout_s={timeout_s:g} s; killed", self.exit_code)
 
-    def _wait_thread(self, loop: asyncio.AbstractEventLoop) -> None:
-        assert self._proc is not None
-        code = self._proc.wait()
-        try:
-            loop.call_soon_threadsafe(self._on_exit, code)
-        except RuntimeError:  # loop closed: the router is going away
-            pass
-
     def _on_exit(self, code: int) -> None:
         self.exit_code = code
         self.exited.set()
@@ -315,10 +327,10 @@ class WorkerProcess:
                     parts = raw.recv_multipart(zmq.NOBLOCK)
                 except zmq.ZMQError:
                     break
-                self._handle(parts)
+                self._handle_frame(parts)
         gone = WorkerGone(self.exit_description(), code)
         log.log(logging.INFO if self._stop_requested else logging.WARNING, "worker %s (pid %s) for %s: %s",
-                self.serial, self.pid, self.model.name, gone.reason)
+                self.serial, self.pid, self.name, gone.reason)
         for q in self._streams.values():
             q.put_nowait(gone)
         for cb in self._exit_callbacks:
@@ -329,19 +341,17 @@ class WorkerProcess:
         self._close_socket()
 
     def kill(self, reason: str | None = None) -> None:
-        """SIGKILL the process now (no-op if gone). ``reason`` becomes its exit description."""
+        """End the process now (its launcher's kill: SIGKILL for a local child; no-op if gone).
+        ``reason`` becomes its exit description."""
         if reason and not self.kill_reason and not self.exited.is_set():
             self.kill_reason = reason
-        if self._proc is not None and self._proc.returncode is None:
-            try:
-                self._proc.kill()
-            except OSError:
-                pass
+        if self._handle is not None:
+            self._handle.kill()
 
     async def stop(self, grace_s: float) -> None:
-        """Shutdown frame, up to ``grace_s`` seconds to exit, then SIGKILL. Idempotent."""
+        """Shutdown frame, up to ``grace_s`` seconds to exit, then kill. Idempotent."""
         self._stop_requested = True
-        if self._proc is None:
+        if self._handle is None:
             self._close_socket()
             return
         if not self.exited.is_set():
@@ -353,7 +363,7 @@ class WorkerProcess:
                 pass
             if not await self._wait_exited(grace_s):
                 log.warning("worker %s for %s ignored Shutdown for %.1f s; killing", self.pid,
-                            self.model.name, grace_s)
+                            self.name, grace_s)
                 self.kill(f"killed after ignoring Shutdown for {grace_s:g} s")
                 await self._wait_exited(10.0)
         self._close_socket()
@@ -390,7 +400,7 @@ class WorkerProcess:
                 parts = await sock.recv_multipart(copy=True)
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
-            self._handle(parts)
+            self._handle_frame(parts)
 
     async def _watch_handshakes(self, sock: zmq.asyncio.Socket) -> None:
         """Log (and count) every peer that failed the CURVE handshake on ``sock``."""
@@ -416,17 +426,17 @@ class WorkerProcess:
         self.refused_peers += 1
         n = self.refused_peers
         if n <= 10 or n % 100 == 0:
-            log.warning("refused a peer on %s's worker socket: %s (%d refused so far)", self.model.name, why, n)
+            log.warning("refused a peer on %s's worker socket: %s (%d refused so far)", self.name, why, n)
 
-    def _handle(self, parts: list[bytes]) -> None:
+    def _handle_frame(self, parts: list[bytes]) -> None:
         if len(parts) != 2:
-            log.warning("dropping a %d-part frame from %s's worker", len(parts), self.model.name)
+            log.warning("dropping a %d-part frame from %s's worker", len(parts), self.name)
             return
         ident, payload = parts
         try:
             msg = decode(payload)
         except ProtocolError as e:
-            log.warning("bad frame from %s's worker: %s", self.model.name, e.reason)
+            log.warning("bad frame from %s's worker: %s", self.name, e.reason)
             if e.msg_id is not None and e.msg_id in self._streams and ident == self._identity:
                 self._streams[e.msg_id].put_nowait(
                     Error(id=e.msg_id, code=ErrorCode.PROTOCOL_ERROR, message=f"bad frame from worker: {e.reason}"))
@@ -446,7 +456,7 @@ class WorkerProcess:
                 self._refused(f"ignoring Hello claiming pid {msg.pid} (worker {self.pid}): {why}")
             return
         if ident != self._identity:
-            log.warning("ignoring %s from an unknown peer on %s's socket", msg.TYPE, self.model.name)
+            log.warning("ignoring %s from an unknown peer on %s's socket", msg.TYPE, self.name)
             return
         self.last_frame_at = time.monotonic()  # liveness: any frame of the worker (router.workers.liveness judges)
         q = self._streams.get(msg.id)
@@ -468,7 +478,7 @@ class WorkerProcess:
         if isinstance(msg, Error) and not self._ready.done():
             self._ready.set_exception(LoadFailed(f"{msg.code}: {msg.message}"))
             return
-        log.debug("frame %s for unknown request %s from %s's worker", msg.TYPE, msg.id, self.model.name)
+        log.debug("frame %s for unknown request %s from %s's worker", msg.TYPE, msg.id, self.name)
 
     def _authentic(self, hello: Hello) -> bool:
         """The Hello proves this spawn's secret and names our process (or its child)."""
@@ -476,14 +486,7 @@ class WorkerProcess:
         return creds is not None and secret_matches(creds.secret, hello.auth) and self._is_own(hello.pid)
 
     def _is_own(self, pid: int) -> bool:
-        if self._proc is None:
-            return False
-        if pid == self._proc.pid:
-            return True
-        try:
-            return any(c.pid == pid for c in psutil.Process(self._proc.pid).children(recursive=True))
-        except psutil.Error:
-            return False
+        return self._handle is not None and self._handle.is_own(pid)
 
     def open_stream(self, request_id: str, into: asyncio.Queue[StreamItem] | None = None) -> asyncio.Queue[StreamItem]:
         """Route the frames of ``request_id`` into ``into`` (a request record's inbox; else a new
@@ -525,7 +528,7 @@ class WorkerProcess:
             except WorkerUnreachable:
                 pass
             except ProtocolError as e:  # pragma: no cover - Cancel/Shutdown always encode
-                log.error("cannot send %s to %s's worker: %s", msg.TYPE, self.model.name, e.reason)
+                log.error("cannot send %s to %s's worker: %s", msg.TYPE, self.name, e.reason)
         spawn(_go())
 
     async def call(self, msg: Message, timeout_s: float) -> Message:

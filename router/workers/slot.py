@@ -228,7 +228,7 @@ class ModelSlot:
                                   weights=self.model.weights_mode)
 
     def sample_rss(self, wp: WorkerProcess | None) -> int | None:
-        """``wp``'s RSS now (psutil on its pid, or the injected probe); a ready worker's
+        """``wp``'s RSS now (its launcher's figure for its pid, or the injected probe); a ready worker's
         raises :attr:`rss_peak`."""
         if wp is None:
             return None
@@ -523,13 +523,14 @@ class ModelSlot:
             self.metrics.restarts.labels(self.model.name).inc()
         self.metrics.loads.labels(self.model.name).inc()
         self._set_state(WorkerState.LOADING)
-        self._load_task = asyncio.create_task(self._load(), name=f"load-{self.model.name}")
-
-    async def _load(self) -> None:
+        # in the same step as the placement decision: a warm spare it counted on is taken now
         wp = self._pool.new_worker(self.model)
         self._loading_worker = wp
         self.spawn_count += 1
         wp.on_exit(self._on_worker_exit)
+        self._load_task = asyncio.create_task(self._load(wp), name=f"load-{self.model.name}")
+
+    async def _load(self, wp: WorkerProcess) -> None:
         t0 = time.monotonic()
         stage = ["spawning"]
 

@@ -80,6 +80,8 @@ def describe(slot: ModelSlot) -> dict[str, Any]:
         "failures": slot.failures.describe(slot.clock()),
         "spawn_count": slot.spawn_count,
         "refused_peers": w.refused_peers if w is not None else 0,
+        "host": w.host if w is not None else None,  # where its worker runs (its launcher's host)
+        "from_spare": w.from_spare if w is not None else None,  # the worker was the warm spare
         "rss_bytes": slot.sample_rss(w) if w is not None and w.alive else None,
         "placement": {"pinned": slot.model.pinned, "waiting_for": slot.waiting_for,
                       "estimate": slot.estimate().describe(), "rss_after_load_bytes": slot.rss_after_load,

@@ -28,6 +28,12 @@ every spawn, so a test can change behaviour between spawns), a map of model name
     report_slots      bool   Pong carries its slot list (else slots=[], as today's real worker)
     cache_n           int    prompt tokens reported as reused from the cache (Done.cache_n, capped)
 
+Warm spare (``--spare``, no --model / --gguf): the switches of the key ``"(spare)"`` apply
+until Assign names the model (then the model's, as above): ``spare_delay_s`` (float: the
+warm-up before Hello), ``spare_crash`` (exit 4 before Hello), ``spare_hold`` (wait before Hello
+while the hold file exists). While waiting it answers Ping, exits 0 on Shutdown and refuses
+other requests with Error "busy"; it logs ``spare_hello`` and ``assigned`` (model).
+
 Per-request directives inside the prompt (or any message content):
 ``[crash]`` exit 9 after the first token; ``[hang]`` freeze the whole process
 (no Pong, no Cancel); ``[slow=S]`` S seconds per token; ``[len=N]`` N tokens
@@ -42,6 +48,8 @@ The hold file is ``$MODELYARD_FAKE_FILE.hold``: tests create it to keep a load o
 generation in progress for exactly as long as they need, instead of racing a sleep.
 
 Generated token k has id 100+k and piece " w<id>"; Detokenize([i]) gives " w<i>".
+Decode calls (Pong.n_decode_total): a prompt's prefill is one and each generated token one more;
+each counts the generations running at that moment as its busy slots (Pong.n_busy_slots_total).
 Every event is appended as a JSON line to ``MODELYARD_FAKE_LOG`` if set.
 """
 
@@ -68,6 +76,7 @@ from protocol import (
     Accepted,
     ApplyTemplate,
     ApplyTemplateResult,
+    Assign,
     Cancel,
     Detokenize,
     DetokenizeResult,
@@ -133,7 +142,7 @@ class FakeWorker:
     def __init__(self, args: argparse.Namespace, creds: WorkerCredentials | None) -> None:
         self.args = args
         self.creds = creds
-        self.sw = _switches(args.model)
+        self.sw = _switches(args.model or "(spare)")
         self.n_ctx = int(self.sw.get("n_ctx", args.n_ctx or 256))
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -147,18 +156,57 @@ class FakeWorker:
         self.held = [0] * self.max_jobs  # tokens each slot's KV holds (kept after a request ends)
         self.cancelled: set[str] = set()
         self.task: asyncio.Task[None] | None = None
+        self.n_decode = 0  # "decode calls" (see the module docstring)
+        self.n_busy_slots = 0
 
     async def send(self, msg: Message) -> None:
         await self.sock.send(encode(msg))
 
-    async def main(self) -> int:
-        asyncio.get_running_loop().create_task(self.watch_parent())
-        while self.sw.get("hold_hello") and _held():
+    async def wait_for_model(self) -> int | None:
+        """``--spare``: Hello without a model, then wait for Assign (None) or Shutdown (0)."""
+        sw = _switches("(spare)")
+        await asyncio.sleep(float(sw.get("spare_delay_s", 0.0)))
+        if sw.get("spare_crash"):
+            _log("spare_crash")
+            os._exit(4)
+        while sw.get("spare_hold") and _held():
             await asyncio.sleep(0.01)
         self.sock.connect(self.args.endpoint)
-        await self.send(Hello(id="hello", model=self.args.model, pid=os.getpid(),
+        await self.send(Hello(id="hello", model="", pid=os.getpid(),
                               auth=self.creds.secret if self.creds is not None else ""))
-        _log("hello", model=self.args.model)
+        _log("spare_hello")
+        while True:
+            msg = decode(await self.sock.recv())
+            if isinstance(msg, Assign):
+                a = self.args
+                a.model, a.gguf, a.n_ctx, a.max_queue = msg.model, msg.gguf, msg.n_ctx, msg.max_queue
+                self.sw = _switches(msg.model)
+                self.n_ctx = int(self.sw.get("n_ctx", a.n_ctx or 256))
+                self.max_jobs = int(self.sw.get("max_jobs", 1))
+                self.held = [0] * self.max_jobs
+                _log("assigned", model=msg.model, threads=msg.threads, weights=msg.weights)
+                return None
+            if isinstance(msg, Shutdown):
+                _log("shutdown")
+                return 0
+            if isinstance(msg, Ping):
+                await self.send(Pong(id=msg.id, busy=False, queue_len=0, pid=os.getpid()))
+            elif not isinstance(msg, Cancel):
+                await self.send(Error(id=msg.id, code="busy", message="this worker has no model yet"))
+
+    async def main(self) -> int:
+        asyncio.get_running_loop().create_task(self.watch_parent())
+        if self.args.spare:
+            code = await self.wait_for_model()
+            if code is not None:
+                return code
+        else:
+            while self.sw.get("hold_hello") and _held():
+                await asyncio.sleep(0.01)
+            self.sock.connect(self.args.endpoint)
+            await self.send(Hello(id="hello", model=self.args.model, pid=os.getpid(),
+                                  auth=self.creds.secret if self.creds is not None else ""))
+            _log("hello", model=self.args.model)
         t0 = time.monotonic()
         await asyncio.sleep(float(self.sw.get("load_delay_s", 0.0)))
         if self.sw.get("crash_at_load"):
@@ -220,6 +268,10 @@ class FakeWorker:
                 _log("parent_gone")
                 os._exit(0)
 
+    def _decoded(self) -> None:
+        self.n_decode += 1
+        self.n_busy_slots += len(self.running)
+
     async def handle(self, msg: Message) -> None:
         if isinstance(msg, Ping):
             if msg.threads:
@@ -229,7 +281,8 @@ class FakeWorker:
                      for i in range(self.max_jobs)] if self.sw.get("report_slots") else []
             await self.send(Pong(id=msg.id, busy=bool(self.running), queue_len=0,
                                  running_ids=list(self.running), slots=slots, kv_tokens=sum(self.held),
-                                 kv_budget_tokens=self.max_jobs * self.n_ctx, pid=os.getpid()))
+                                 kv_budget_tokens=self.max_jobs * self.n_ctx, n_decode_total=self.n_decode,
+                                 n_busy_slots_total=self.n_busy_slots, pid=os.getpid()))
         elif isinstance(msg, Cancel):
             _log("cancel", id=msg.id)
             if not self.sw.get("ignore_cancel"):
@@ -324,6 +377,7 @@ class FakeWorker:
         while time.monotonic() - t0 < prefill_s and g.id not in self.cancelled:  # "prefill"
             await asyncio.sleep(min(0.01, prefill_s))
         prompt_ms = (time.monotonic() - t0) * 1000
+        self._decoded()  # the prefill
         t1 = time.monotonic()
         limit = max_tokens if max_tokens is not None else self.n_ctx - len(prompt_ids)
         pieces: list[bytes] = []
@@ -388,6 +442,7 @@ class FakeWorker:
                    for j in range(g.n_probs)]
             if n == 1:
                 _log("first_token", id=g.id)
+            self._decoded()
             await self.send(Token(id=g.id, text=delta, token_id=tid, piece=pc,
                                   logprob=-0.5 if g.n_probs else None, top_logprobs=top))
             if crash:
@@ -413,8 +468,9 @@ class FakeWorker:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", required=True)
-    p.add_argument("--gguf", required=True)
+    p.add_argument("--model", default=None)
+    p.add_argument("--gguf", default=None)
+    p.add_argument("--spare", action="store_true")
     p.add_argument("--endpoint", required=True)
     p.add_argument("--n-ctx", type=int, default=None)
     p.add_argument("--chat-template", default=None)

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -33,6 +34,17 @@ SMOLLM2 = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA = MODELS / "gemma-3-270m-q4_k_m.gguf"
 
 
+def spare_off(config: str) -> str:
+    """``config`` with ``[server] warm_spare = false`` unless it sets ``warm_spare`` itself: the
+    router tests count, kill and time their workers one by one; the warm spare's own tests
+    (``test_spare_fake.py``, ``test_spare_real.py``) turn it on."""
+    if re.search(r"^\s*warm_spare\s*=", config, re.M):
+        return config
+    if re.search(r"^\[server\]\s*$", config, re.M):
+        return re.sub(r"^\[server\]\s*$", "[server]\nwarm_spare = false", config, count=1, flags=re.M)
+    return "[server]\nwarm_spare = false\n\n" + config
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -49,7 +61,7 @@ class LiveRouter:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config_path = tmp / "config.toml"
-        self.config_path.write_text(config)
+        self.config_path.write_text(spare_off(config))
         self.fake_file = tmp / "fake.json"
         self.fake_log = tmp / "fake.log"
         self.log_path = tmp / "router.log"

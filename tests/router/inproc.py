@@ -21,7 +21,7 @@ import pytest
 from router.app import create_app
 from router.config import parse_config
 from router.workers.pool import Pool
-from tests.router.conftest import ROOT, dummy_gguf
+from tests.router.conftest import ROOT, dummy_gguf, spare_off
 
 
 class FakeClock:
@@ -75,7 +75,7 @@ class InProc:
 
     @contextlib.asynccontextmanager
     async def app(self, config: str, **pool_options: Any) -> AsyncIterator[tuple[Pool, httpx.AsyncClient]]:
-        cfg = parse_config(tomllib.loads(config), base_dir=self.tmp)
+        cfg = parse_config(tomllib.loads(spare_off(config)), base_dir=self.tmp)
         app = create_app(cfg, worker_module="tests.fakes.fake_worker", pool_options=pool_options)
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)

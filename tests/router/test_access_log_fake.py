@@ -79,3 +79,17 @@ def test_a_client_leaving_mid_stream_is_logged_as_disconnected(router: LiveRoute
     assert rec["disconnected"] == "true" and rec["status"] == "499"
     assert int(rec["completion_tokens"]) >= 1 and rec["prompt_tokens"] == "-"
     assert "Traceback" not in router.log_path.read_text()
+
+
+def test_several_prompts_are_one_line_with_their_figures_summed(router: LiveRouter) -> None:
+    """/completion with several prompts is one request: one line, every prompt's tokens summed."""
+    for stream in (False, True):
+        rid = f"multi-{int(stream)}"
+        r = httpx.post(router.url + "/completion", timeout=30, headers={"X-Request-Id": rid},
+                       json={"model": "m", "prompt": ["one two", "three four five"], "n_predict": 3, "stream": stream})
+        assert r.status_code == 200, r.text
+        rec = one_line(router, rid)
+        assert int(rec["completion_tokens"]) == 6 and int(rec["cached_tokens"]) == 0
+        if not stream:
+            assert int(rec["prompt_tokens"]) == sum(o["tokens_evaluated"] for o in r.json())
+        assert len(lines_for(router, rid)) == 1

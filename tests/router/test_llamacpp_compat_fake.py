@@ -219,7 +219,7 @@ def test_llamacpp_metric_names_and_process_start_header(tmp_path: Path, monkeypa
             for name in ("prompt_tokens_total", "prompt_seconds_total", "tokens_predicted_total",
                          "tokens_predicted_seconds_total", "n_tokens_max", "prompt_tokens_seconds",
                          "predicted_tokens_seconds", "requests_processing", "requests_deferred",
-                         "kv_cache_usage_ratio", "kv_cache_tokens"):
+                         "kv_cache_usage_ratio", "kv_cache_tokens", "n_decode_total", "n_busy_slots_per_decode"):
                 assert f"# HELP llamacpp:{name} " in t, name
                 assert _sample(t, f"llamacpp:{name}", "a") == 0.0
             r1 = await c.post("/v1/chat/completions", json=chat("a", "one two three", max_tokens=5))
@@ -240,11 +240,50 @@ def test_llamacpp_metric_names_and_process_start_header(tmp_path: Path, monkeypa
     run(go())
 
 
+def test_decode_calls_and_busy_slots_per_decode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-server's ``llamacpp:n_decode_total`` (llama_decode calls) and
+    ``llamacpp:n_busy_slots_per_decode`` (busy slots summed over those calls / the calls), from
+    the workers' Pongs (the fake: a prefill is one call, each token one more). The counter
+    goes on across a worker's restart (the new worker's totals add to the old one's)."""
+    from tests.router.inproc import until
+    env = InProc(tmp_path, monkeypatch)
+    env.set_fake({"a": {"max_jobs": 2}})
+
+    async def go() -> None:
+        async with env.app(config("a", extra={"a": ["parallel = 2"]})) as (_, c):
+            r = await c.post("/completion", json={"model": "a", "prompt": "alone [len=3]", "n_predict": 3})
+            assert r.status_code == 200, r.text
+            t = (await c.get("/metrics")).text
+            assert _sample(t, "llamacpp:n_decode_total", "a") == 4  # the prefill and 3 tokens
+            assert _sample(t, "llamacpp:n_busy_slots_per_decode", "a") == 1.0
+            # two at once: both hold their slot while each waits after its first token
+            with env.hold():
+                reqs = [asyncio.ensure_future(c.post("/completion", json={
+                    "model": "a", "prompt": f"pair {i} [len=3] [hold@1]", "n_predict": 3})) for i in range(2)]
+                await until(lambda: len([ln for ln in env.fake_log.read_text().splitlines()
+                                         if '"first_token"' in ln]) >= 3, "both first tokens")
+            assert all(r.status_code == 200 for r in await asyncio.gather(*reqs))
+            t = (await c.get("/metrics")).text
+            assert _sample(t, "llamacpp:n_decode_total", "a") == 12
+            per = _sample(t, "llamacpp:n_busy_slots_per_decode", "a")
+            assert 1.0 < per < 2.0  # the pair's calls saw 2 busy slots, at least until one of them ended
+            r = await c.post("/admin/models/unload", json={"model": "a"})
+            assert r.status_code == 200, r.text
+            r = await c.post("/completion", json={"model": "a", "prompt": "again [len=2]", "n_predict": 2})
+            assert r.status_code == 200, r.text
+            t = (await c.get("/metrics")).text
+            assert _sample(t, "llamacpp:n_decode_total", "a") == 15  # 12 + the new worker's 3
+
+    run(go())
+
+
 # ----------------------------------------------------------------------------- 4. /completion's answer
 
 
 def _generates(env: InProc) -> list[dict[str, Any]]:
     import json
+    if not env.fake_log.exists():  # nothing generated yet
+        return []
     return [e for e in map(json.loads, env.fake_log.read_text().splitlines()) if e["event"] == "generate"]
 
 
@@ -293,10 +332,95 @@ def test_completion_takes_prompt_objects_and_mixed_lists(tmp_path: Path, monkeyp
             r = await c.post("/completion", json={"prompt": [77, "gamma delta"], "n_predict": 1})
             assert _generates(env)[-1]["prompt"] == [77] + tokenize("gamma delta", False)
             for bad, param in (({"prompt_string": "x", "multimodal_data": ["aGk="]}, "prompt.multimodal_data"),
-                               ({"prompt_str": "x"}, "prompt.prompt_string"), (["a", "b"], "prompt"),
-                               ([1, -3, "a"], "prompt")):
+                               ({"prompt_str": "x"}, "prompt.prompt_string"), ([1, -3, "a"], "prompt"),
+                               (["a", {"prompt_str": "x"}], "prompt[1].prompt_string"), (["a", 5.5], "prompt[1]")):
                 r = await c.post("/completion", json={"prompt": bad})
                 assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+
+    run(go())
+
+
+def _chunks(text: str) -> list[dict[str, Any]]:
+    import json
+    return [json.loads(ln[6:]) for ln in text.splitlines() if ln.startswith("data: {")]
+
+
+def test_completion_answers_several_prompts_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-server (``tokenize_input_prompts``): a ``prompt`` list holding no number is several
+    prompts, each a string, token ids, a mixed list or a prompt object; the answer is the list of
+    their results in the prompts' order, each with its ``index`` (one prompt: one object); a
+    stream interleaves their chunks, each naming its prompt's ``index``, and ends each with its
+    own ``stop`` chunk."""
+    from tests.fakes.fake_worker import tokenize
+    env = InProc(tmp_path, monkeypatch)
+    env.set_fake({"a": {"max_jobs": 2}})
+    prompts = ["alpha [len=2]", {"prompt_string": "beta [len=4]"}, [77, "gamma [len=3]"]]
+
+    async def go() -> None:
+        async with env.app(config("a", extra={"a": ["parallel = 2"]})) as (pool, c):
+            r = await c.post("/completion", json={"prompt": prompts, "n_predict": 6, "return_tokens": True})
+            assert r.status_code == 200, r.text
+            out = r.json()
+            assert isinstance(out, list) and [o["index"] for o in out] == [0, 1, 2]
+            assert [o["tokens_predicted"] for o in out] == [2, 4, 6]  # token ids: the fake reads no [len=]
+            assert [o.get("prompt") for o in out] == ["alpha [len=2]", "beta [len=4]", None]
+            assert all(o["stop"] and o["generation_settings"]["n_predict"] == 6 for o in out)
+            assert all(len(o["tokens"]) >= o["tokens_predicted"] for o in out)
+            sent = sorted((g["prompt"] for g in _generates(env)[-3:]), key=str)
+            assert sent == sorted(["alpha [len=2]", "beta [len=4]", [77] + tokenize("gamma [len=3]", False)], key=str)
+            # one prompt, in a list or not: one object, index 0
+            for one in (["alpha [len=2]"], "alpha [len=2]", [["alpha [len=2]"]]):
+                r = await c.post("/completion", json={"prompt": one, "n_predict": 6})
+                assert r.status_code == 200 and r.json()["index"] == 0 and r.json()["tokens_predicted"] == 2, one
+            r = await c.post("/completion", json={"prompt": prompts, "n_predict": 6, "stream": True})
+            assert r.status_code == 200, r.text
+            chunks = _chunks(r.text)
+            for i, o in enumerate(out):
+                mine = [ch for ch in chunks if ch["index"] == i]
+                assert mine[-1]["stop"] is True and not any(ch["stop"] for ch in mine[:-1])
+                assert "".join(ch["content"] for ch in mine) == o["content"]
+                assert mine[-1]["tokens_predicted"] == o["tokens_predicted"]
+            assert {ch["index"] for ch in chunks} == {0, 1, 2}
+            assert pool.get("a").gauges().running == 0
+
+    run(go())
+
+
+def test_several_prompts_are_bounded_and_fail_together(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several prompts are one request's work: at most parallel + max_queue of them, their
+    n_predict together within the model's request ceiling (issue 23's n x max_tokens bound, naming
+    ``prompt``), each an equal share of it without n_predict; one prompt refused fails the request
+    and leaves nothing running."""
+    env = InProc(tmp_path, monkeypatch)
+
+    async def go() -> None:
+        async with env.app(config("a", extra={"a": ["parallel = 1", "max_queue = 2", "n_ctx = 256",
+                                                    "n_predict = -1"]})) as (pool, c):
+            r = await c.post("/completion", json={"prompt": ["a", "b", "c", "d"], "n_predict": 2})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+            assert "at most 3" in r.json()["error"]["message"]
+            r = await c.post("/completion", json={"prompt": ["a", "b"], "n_predict": 200})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "prompt" and err["code"] == "request_too_large_for_model" and "400" in err["message"]
+            n = len(_generates(env))
+            r = await c.post("/completion", json={"prompt": ["a [len=300]", "b [len=300]"]})
+            assert r.status_code == 200, r.text
+            assert [g["max_tokens"] for g in _generates(env)[n:]] == [128, 128]
+            # the second prompt's token id is outside the vocabulary: the worker refuses it, the request fails
+            n = len(_generates(env))
+            r = await c.post("/completion", json={"prompt": ["fine [len=3]", [5, 10_000_000]], "n_predict": 3})
+            assert r.status_code == 400 and r.json()["error"]["param"] in ("prompt", "prompt[1]"), r.text
+            assert pool.get("a").gauges().running == 0 and pool.get("a").queue_depth == 0
+            # streaming, one slot: the first prompt's stream is under way when the second is refused,
+            # so the refusal is the stream's error event and its end
+            r = await c.post("/completion", json={"prompt": ["fine [len=3]", [5, 10_000_000]], "n_predict": 3,
+                                                  "stream": True})
+            assert r.status_code == 200, r.text
+            chunks = _chunks(r.text)
+            assert [ch["index"] for ch in chunks[:-1]] == [0, 0, 0, 0] and chunks[-2]["stop"] is True
+            assert chunks[-1]["error"]["code"] == "invalid_token", chunks[-1]
+            assert pool.get("a").gauges().running == 0 and pool.get("a").queue_depth == 0
 
     run(go())
 

@@ -101,3 +101,22 @@ def test_post_sampling_probs_are_the_chains_candidates(router: LiveRouter) -> No
         assert any(t["id"] == e["id"] and abs(t["prob"] - e["prob"]) < 1e-9 for t in top)
     plain = httpx.post(router.url + "/completion", json={**body, "post_sampling_probs": False}, timeout=300)
     assert [e["id"] for e in plain.json()["completion_probabilities"]] == [e["id"] for e in probs]  # same sampling
+
+
+def test_several_prompts_answer_as_each_alone(router: LiveRouter) -> None:
+    """/completion with several prompts (run side by side in the worker's batch) answers each
+    prompt exactly as a request of its own does, in order and when streamed (temperature 0; no
+    prompt cache, so every evaluation is fresh)."""
+    prompts = ["The sky is", "One, two, three,"]
+    common = {"model": "think", "n_predict": 6, "temperature": 0, "cache_prompt": False}
+    alone = []
+    for p in prompts:
+        r = httpx.post(router.url + "/completion", json={**common, "prompt": p}, timeout=300)
+        assert r.status_code == 200, r.text
+        alone.append(r.json()["content"])
+    r = httpx.post(router.url + "/completion", json={**common, "prompt": prompts}, timeout=300)
+    assert r.status_code == 200, r.text
+    assert [o["index"] for o in r.json()] == [0, 1] and [o["content"] for o in r.json()] == alone
+    r = httpx.post(router.url + "/completion", json={**common, "prompt": prompts, "stream": True}, timeout=300)
+    chunks = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+    assert ["".join(c["content"] for c in chunks if c["index"] == i) for i in range(2)] == alone

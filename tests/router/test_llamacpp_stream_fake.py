@@ -98,3 +98,23 @@ def test_stream_errors(router: LiveRouter) -> None:
     r = httpx.post(router.url + "/v1/chat/completions", headers={"X-Conversation-Id": "c4"},
                    json={"model": "a", "stream": True, "messages": "bad"}, timeout=30)
     assert r.status_code == 400 and _lookup(router, "c4") == []
+
+
+def test_several_prompts_stream_and_a_client_leaving_cancels_every_one(router: LiveRouter) -> None:
+    """/completion with several prompts streams them interleaved (each chunk names its prompt's
+    ``index``); a client that leaves mid-stream cancels every one of their generations."""
+    body = {"model": "a", "prompt": ["left one [len=20] [hold@1]", "left two [len=20] [hold@1]"], "n_predict": 20,
+            "stream": True}
+    with router.hold():
+        with httpx.stream("POST", router.url + "/completion", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            seen = set()
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    seen.add(json.loads(line[6:])["index"])
+                if seen == {0, 1}:
+                    break
+        ids = [e["id"] for e in router.fake_events("generate") if "left " in str(e["prompt"])]
+        assert len(ids) == 2
+        for gid in ids:
+            router.wait_for(lambda gid=gid: router.fake_events("cancel", id=gid), what=f"{gid} cancelled")

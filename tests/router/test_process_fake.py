@@ -52,7 +52,7 @@ def test_config_defaults_and_paths(tmp_path: Path) -> None:
 
 def test_n_threads_reaches_the_worker_command(tmp_path: Path) -> None:
     cfg = load_config(write(tmp_path, MINI + '[defaults]\nn_threads = 1\n'))
-    from router.workers.process import worker_command
+    from router.workers.launchers.local import worker_command
 
     cmd = worker_command(cfg.models["one"], "ipc:///x.sock")
     assert cmd[cmd.index("--threads") + 1] == "1"
@@ -60,7 +60,7 @@ def test_n_threads_reaches_the_worker_command(tmp_path: Path) -> None:
 
 
 def test_n_ubatch_reaches_the_worker_command(tmp_path: Path) -> None:
-    from router.workers.process import worker_command
+    from router.workers.launchers.local import worker_command
 
     cfg = load_config(write(tmp_path, MINI + '[defaults]\nn_ubatch = 256\n'))
     cmd = worker_command(cfg.models["one"], "ipc:///x.sock")
@@ -69,7 +69,7 @@ def test_n_ubatch_reaches_the_worker_command(tmp_path: Path) -> None:
 
 
 def test_kv_state_keys_reach_the_worker_command(tmp_path: Path) -> None:
-    from router.workers.process import worker_command
+    from router.workers.launchers.local import worker_command
 
     text = MINI.replace('[models.two]\npath = "m.gguf"\n', '[models.two]\npath = "m.gguf"\nslot_save_path = "s"\n'
                         'prefill_model = "one"\n') + '[defaults]\nslot_save_path = "s"\nkv_cache_dir = "kv"\n'
@@ -85,6 +85,7 @@ def test_kv_state_keys_reach_the_worker_command(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("extra,key", [
     ("[server]\nport = 'x'\n", "server.port"),
+    ("[server]\nwarm_spare = 'yes'\n", "server.warm_spare"),
     ("[models.one]\nmax_queue = -1\n", "models.one.max_queue"),
     ("[models.one]\nmax_qeue = 1\n", "models.one.max_qeue"),
     ("[defaults]\ntemperature = 'hot'\n", "defaults.temperature"),

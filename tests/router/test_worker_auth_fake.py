@@ -24,7 +24,7 @@ import zmq
 
 from protocol import Hello, Ready, WorkerCredentials, encode, read_credentials, write_credentials
 from protocol.credentials import secret_matches
-from router.workers.process import worker_command
+from router.workers.launchers.local import worker_command
 from tests.router.conftest import LiveRouter, dummy_gguf
 
 pytestmark = pytest.mark.reliability  # issue 11's probes (README: -m reliability)

@@ -121,3 +121,25 @@ def test_batch_mates_unchanged_and_no_stale_kv_after_an_abandoned_pass(engine: E
     assert again.cache_n == held and again.tokens == ref_b
     c = engine.generate(c_ids, greedy(6, cache_prompt=True))
     assert c.cache_n == 100 and c.tokens == ref_c
+
+
+def test_busy_slots_are_summed_over_passes(engine: Engine) -> None:
+    """``busy_slots`` (Pong.n_busy_slots_total, llama.cpp's ``n_busy_slots_total``) adds, at
+    every forward pass, the slots holding a sequence: two sequences run together count 2 a pass
+    until the shorter one ends, then 1."""
+    engine.reset_cache()
+    engine.add("one", prompt_of(engine, 5, 1), greedy(2))
+    engine.add("two", prompt_of(engine, 5, 2), greedy(6))
+    before = engine.step_stats
+    busy_per_pass: list[int] = []
+    live = {"one", "two"}  # 4 slots: both are admitted at the first step and hold a slot until they end
+    while engine.has_work:
+        busy = len(live)
+        n = engine.step_stats["passes"]
+        live -= {f.id for f in engine.step()}
+        if engine.step_stats["passes"] > n:
+            busy_per_pass.append(busy)
+    after = engine.step_stats
+    assert after["passes"] - before["passes"] == len(busy_per_pass) >= 6
+    assert after["busy_slots"] - before["busy_slots"] == sum(busy_per_pass)
+    assert busy_per_pass[0] == 2 and busy_per_pass[-1] == 1

@@ -251,7 +251,11 @@ def test_ping_and_tokenize_are_answered_mid_generation(wa: Proc) -> None:
     assert tk.piece_slice(0, 2) == [b"Hello", b" world"]
     tokens, done = s.stream("long", 120)
     assert isinstance(done, Done) and tokens, "Pong and TokenizeResult came before the generation ended"
-    assert not _ping(s, "pg2").busy
+    after = _ping(s, "pg2")
+    assert not after.busy
+    # llama.cpp's decode-call figures: a forward pass per generated token at least, one busy slot at each
+    assert after.n_decode_total - pong.n_decode_total >= done.completion_tokens - 1
+    assert after.n_busy_slots_total - pong.n_busy_slots_total >= after.n_decode_total - pong.n_decode_total
 
 
 # ----------------------------------------------------------------------------- cancel

@@ -406,7 +406,8 @@ class Engine:
     def step_stats(self) -> dict[str, int]:
         """Counters of the batch scheduler (a copy): ``passes`` forward passes started,
         ``interrupted`` of them abandoned mid-pass by a ``should_stop``, ``layers`` layers
-        started over all passes, ``last_layers`` layers the last pass started."""
+        started over all passes, ``last_layers`` layers the last pass started, ``busy_slots``
+        the slots busy at each pass, summed over all passes."""
         return dict(self._sched.stats)
 
     @property

@@ -270,8 +270,10 @@ class Scheduler:
         self._by_id: dict[str, _Seq] = {}
         self._clock = 0  # steps run (the LRU clock)
         #: counters: forward passes run / abandoned mid-pass by a cancel, layers started over all
-        #: passes (``AttnBatch.layers_run``), layers of the last pass
-        self.stats = {"passes": 0, "interrupted": 0, "layers": 0, "last_layers": 0}
+        #: passes (``AttnBatch.layers_run``), layers of the last pass, and over all passes the slots
+        #: busy at each (llama.cpp's ``n_busy_slots_total``: a slot holding a sequence, whether or
+        #: not the pass carried it)
+        self.stats = {"passes": 0, "interrupted": 0, "layers": 0, "last_layers": 0, "busy_slots": 0}
 
     # ------------------------------------------------------------------ facts
 
@@ -498,6 +500,7 @@ class Scheduler:
         batch = AttnBatch(segs, self.model.dtype,
                           (lambda: any(self._stopped(s) for s in watched)) if watched else None)
         self.stats["passes"] += 1
+        self.stats["busy_slots"] += sum(1 for sl in self.slots if sl.seq is not None)
         try:
             logits = self.model.forward_batch(np.asarray(tokens, dtype=np.int64), batch, rows)  # [R, n_vocab]
         except StepInterrupted:

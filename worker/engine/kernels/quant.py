@@ -148,7 +148,7 @@ def _compile() -> dict[str, Any]:
                         matmul_q4k=k.matmul_q4k, matmul_q6k=k.matmul_q6k, cos_sin_f32=k.cos_sin_f32,
                         matmul_lanes_vnni=k.matmul_lanes_vnni, matmul_q4k_vnni=k.matmul_q4k_vnni,
                         matmul_q6k_vnni=k.matmul_q6k_vnni, lane_levels=k.lane_levels,
-                        quant_q8_K_int=k.quant_q8_K_int)
+                        quant_q8_K_int=k.quant_q8_K_int, matmul_kq_x=k.matmul_kq_x, kq_levels=k.kq_levels)
         if _threads is not None:
             set_num_threads(_threads)
     return _kernels
@@ -250,18 +250,20 @@ def cos_sin_libm(ang: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 #: Version of the in-memory forms below, recorded in the weight cache's manifest (a cache of
 #: another version is rebuilt).
-FORMAT_VERSION = 9
+FORMAT_VERSION = 10
 
 #: Environment switch: ``MODELYARD_QUANT_VNNI=0`` keeps the reference forms and kernels on a CPU
-#: with AVX512-VNNI (same bits, slower); on any other CPU they are the only ones.
+#: with AVX512-VNNI or AVX2 (same bits, slower); on any other CPU they are the only ones.
 VNNI_ENV = "MODELYARD_QUANT_VNNI"
 _vnni: bool | None = None
 
 
 def host_has_vnni() -> bool:
-    """Whether the VNNI forms and kernels are used: AVX512-VNNI (with F and BW) on the CPU numba
-    compiles for (the host, unless ``NUMBA_CPU_NAME`` names another), and not switched off by
-    :data:`VNNI_ENV`. Decided once per process (imports llvmlite, not numba)."""
+    """Whether the VNNI forms and their vector kernels are used: the CPU numba compiles for (the
+    host, unless ``NUMBA_CPU_NAME`` names another) has AVX512-VNNI (with F and BW), or AVX2 with
+    FMA and F16C (the kernels' integer dot products then lowered to ``vpmaddubsw`` +
+    ``vpmaddwd``, as ggml's AVX2 kernels take them: :data:`.simd.ISA`), and they are not switched
+    off by :data:`VNNI_ENV`. Decided once per process (imports llvmlite, not numba)."""
     global _vnni
     if _vnni is None:
         if os.environ.get(VNNI_ENV, "1").strip().lower() in ("0", "false", "no", "off") \
@@ -270,12 +272,13 @@ def host_has_vnni() -> bool:
         else:
             from llvmlite import binding
             f = binding.get_host_cpu_features()
-            _vnni = bool(f.get("avx512vnni") and f.get("avx512bw") and f.get("avx512f"))
+            _vnni = bool((f.get("avx512vnni") and f.get("avx512bw") and f.get("avx512f"))
+                         or (f.get("avx2") and f.get("fma") and f.get("f16c")))
     return _vnni
 
 
 def format_tag() -> str:
-    """The weight cache's tag of the quantized forms this process builds (``9-vnni`` where the
+    """The weight cache's tag of the quantized forms this process builds (``10-vnni`` where the
     32-block types are held in the VNNI forms)."""
     return f"{FORMAT_VERSION}-vnni" if host_has_vnni() else str(FORMAT_VERSION)
 
@@ -505,7 +508,40 @@ def to_vkquant(kind: str, parts: dict[str, np.ndarray]) -> dict[str, np.ndarray]
         out[k] = np.ascontiguousarray(np.moveaxis(a, 1, _VK_AXES[k]))
         if k in ("d", "m"):
             out[k] = to_f16_bits(out[k])
+        elif k == "q" and kind == "q6k":
+            out[k] = pack_q6(out[k])
     return out
+
+
+def pack_q6(lv: np.ndarray) -> np.ndarray:
+    """The "vq6k" levels uint8 ``[ng, nsb, 64, 16, 4]`` (byte ``(e4, i, k)`` = the 6-bit level of row
+    ``16g+i``, element ``4*e4+k``; ``e4 = 8v + l``: lane l of 32-element group v) -> the packed
+    form the kernels read, uint8 ``[ng, nsb, 3072]`` (192 bytes per row and super-block, as the
+    GGUF's ``ql`` + ``qh``): bytes ``0..2047`` ``[v, l4, 16, 4]`` hold the low 4 bits of lane l4
+    (low nibble) and of lane l4+4 (high nibble) of group v; bytes ``2048..3071`` ``[vp, l4, 16, 4]``
+    hold the top 2 bits of (group 2vp, lane l4), (2vp, l4+4), (2vp+1, l4), (2vp+1, l4+4) in bit
+    pairs 0-1, 2-3, 4-5, 6-7 (``quant_kernels._q6_chunk``)."""
+    ng, nsb = lv.shape[:2]
+    a = lv.reshape(ng, nsb, 8, 8, 16, 4)                              # [.., v, l, i, k]
+    ql = (a[:, :, :, 0:4] & 15) | ((a[:, :, :, 4:8] & 15) << 4)     # [.., v, l4, i, k]
+    h = (a >> 4).reshape(ng, nsb, 4, 2, 8, 16, 4)                    # [.., vp, v&1, l, i, k]
+    qh = h[:, :, :, 0, 0:4] | (h[:, :, :, 0, 4:8] << 2) | (h[:, :, :, 1, 0:4] << 4) | (h[:, :, :, 1, 4:8] << 6)
+    return np.ascontiguousarray(np.concatenate([ql.reshape(ng, nsb, 2048), qh.reshape(ng, nsb, 1024)], axis=-1),
+                                dtype=np.uint8)
+
+
+def unpack_q6(q: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`pack_q6`: uint8 ``[ng, nsb, 3072]`` -> ``[ng, nsb, 64, 16, 4]``."""
+    ng, nsb = q.shape[:2]
+    ql = q[..., :2048].reshape(ng, nsb, 8, 4, 16, 4)
+    qh = q[..., 2048:].reshape(ng, nsb, 4, 4, 16, 4)
+    lv = np.empty((ng, nsb, 8, 8, 16, 4), np.uint8)
+    lv[:, :, :, 0:4] = ql & 15
+    lv[:, :, :, 4:8] = ql >> 4
+    for par in range(2):                                             # v = 2vp + par
+        lv[:, :, par::2, 0:4] |= ((qh >> (4 * par)) & 3) << 4
+        lv[:, :, par::2, 4:8] |= ((qh >> (4 * par + 2)) & 3) << 4
+    return lv.reshape(ng, nsb, 64, 16, 4)
 
 
 def from_vkquant(kind: str, arrays: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
@@ -513,6 +549,8 @@ def from_vkquant(kind: str, arrays: dict[str, np.ndarray], rows: np.ndarray) -> 
     g, i = np.divmod(np.asarray(rows, dtype=np.int64), LANE_ROWS)
     out = {}
     for k, a in arrays.items():
+        if k == "q" and kind == "q6k":
+            a = unpack_q6(a)
         a = np.moveaxis(a, _VK_AXES[k], 1)[g, i]
         out[k] = (np.ascontiguousarray(a.reshape(len(g), a.shape[1], -1)) if k == "q" else
                   from_f16_bits(a) if k in ("d", "m") else np.ascontiguousarray(a))
@@ -676,26 +714,38 @@ class QWeight:
 
         Raises: EngineError("invalid_params") when ``in`` differs.
         """
+        kind = self.kind
+        if kind == "vq4k" or kind == "vq6k":                             # quantize + multiply in one call
+            if x.ndim != 2 or x.shape[1] != self.q.shape[1] * QK_K:
+                raise EngineError("invalid_params", f"matmul of {tuple(x.shape)} with a {list(self.shape)} weight")
+            T = x.shape[0]
+            out = np.empty((T, self.n_rows), np.float32)
+            if T:
+                gemm, tiled = _row_flags(T)
+                mn = self.mn if self.mn is not None else self.sc
+                m = self.m if self.m is not None else self.d
+                _compile()["matmul_kq_x"](np.ascontiguousarray(x, dtype=np.float32), kind == "vq4k", self.q, self.sc,
+                                          mn, self.d, m, gemm, tiled, self.n_rows, out)
+            return out
         O, K = self.shape
         if x.ndim != 2 or x.shape[1] != K:
             raise EngineError("invalid_params", f"matmul of {tuple(x.shape)} with a [{O}, {K}] weight")
         out = np.empty((x.shape[0], O), np.float32)
-        if self.kind in ("vq4k", "vq6k"):                                # the levels as int8 in one pass
-            self._matmul_kquant(*quantize_q8_K_int(x), out)
-            return out
         xq, dx, xs = quantize_activations(x, self.act, self.m is not None)  # [T, K], [T, K/32], [T, K/32]
         self.matmul_quantized(xq, dx, xs, out)
         return out
 
-    def _matmul_kquant(self, xi: np.ndarray, dy: np.ndarray, bs16: np.ndarray, out: np.ndarray) -> None:
+    def _matmul_kquant(self, xi: np.ndarray, dy: np.ndarray, bs16: np.ndarray, out: np.ndarray,
+                       bs32: np.ndarray | None = None) -> None:
         """A VNNI K-quant's ``out[T, O]`` from :func:`quantize_q8_K_int`'s levels, super-block
-        scales and sums per 16 (``out`` may be a column slice)."""
+        scales and sums per 16 (and per 32 when given; ``out`` may be a column slice)."""
         k = _compile()
         T = xi.shape[0]
         if T == 0:
             return
         if self.kind == "vq4k":
-            bs32 = bs16.reshape(T, -1, 2).sum(-1, dtype=np.int32)        # [T, K/32]
+            if bs32 is None:
+                bs32 = bs16.reshape(T, -1, 2).sum(-1, dtype=np.int32)    # [T, K/32]
             k["matmul_q4k_vnni"](self.q, self.sc, self.mn, self.d, self.m, xi, dy, bs32, gemm_rows(T), self.n_rows, out)
         else:
             k["matmul_q6k_vnni"](self.q, self.sc, self.d, xi, dy, bs16, tiled_rows(T), self.n_rows, out)
@@ -768,6 +818,15 @@ class QConcat:
         if x.ndim != 2 or x.shape[1] != K:
             raise EngineError("invalid_params", f"matmul of {tuple(x.shape)} with a [{O}, {K}] weight")
         out = np.empty((x.shape[0], O), np.float32)
+        kquant = [p for p in self.parts if isinstance(p, QWeight) and p.kind in ("vq4k", "vq6k")]
+        if len(kquant) == len(self.parts):
+            if x.shape[0]:                                               # one quantization, int8 levels
+                xi, dy, bs16, bs32 = _compile()["kq_levels"](np.ascontiguousarray(x, dtype=np.float32))
+                o0 = 0
+                for q in kquant:
+                    q._matmul_kquant(xi, dy, bs16, out[:, o0:o0 + q.n_rows], bs32)
+                    o0 += q.n_rows
+            return out
         quantized: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         with_s = any(isinstance(p, QWeight) and p.m is not None for p in self.parts)
         o0 = 0

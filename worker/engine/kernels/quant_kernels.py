@@ -347,6 +347,7 @@ def matmul_q6k(q6, sc, dw, xi, dy, bs16, tiled, out):
 # The same float32 operations as the kernels above, in the same order, with the exact integer
 # parts done by vpdpbusd on explicit 16-lane vectors (:mod:`.simd`); tested equal (==) to them.
 
+from .simd import ISA, addw, dpbusd_s, maddubs, maddw_s, q6_level  # noqa: E402
 from .simd import (dpbusd, i2f, iadd, ibcast4, iload16_s8, iload16_u8, iload64, imul, isplat,  # noqa: E402
                    isub, izero, nib_hi, nib_lo, vadd, vfma, vfma_s, vload, vload_h, vmul, vmul_s, vstore, vstore_row,
                    vsub, vzero)
@@ -589,6 +590,50 @@ def _q4k_row(q, sc, mn, d, m, g, xi, t, bs32, dy, pairs, dst, col):
     vstore_row(dst, t, col, vsub(acc, accm))
 
 
+#: the K-quant kernels take the AVX2 rows (int16 partial sums, as ggml's AVX2 kernels) where the
+#: host has no VNNI (a compile-time constant of the kernels)
+_AVX2 = ISA == "avx2"
+
+
+@njit(cache=True)
+def _q4k_row_avx2(q, sc, mn, d, m, g, xi, t, bs32, dy, pairs, dst, col):
+    # _q4k_row (the same form, operations and bits) for AVX2: the nibble products of a sub-block
+    # summed in int16 lanes (8 vpmaddubsw pairs of at most 2*15*127 = 3810 each: |sum| <= 30480,
+    # exact), then scaled by vpmaddwd against the sub-block scale (exact int32)
+    nsb = d.shape[1]
+    K = xi.shape[1]
+    acc = vzero()
+    accm = vzero()
+    for b in range(nsb):
+        base = g * nsb + b
+        qo = base * 2048
+        so = base * 128
+        dd = vmul_s(vload_h(d, base * 16), dy[t, b])
+        ddm = vmul_s(vload_h(m, base * 16), dy[t, b])
+        isum = izero()
+        imin = izero()
+        xo = t * K + b * 256
+        for c in range(4):
+            slo = izero()
+            shi = izero()
+            for k4 in range(8):
+                v = iload64(q, qo + (c * 8 + k4) * 64)
+                slo = addw(slo, maddubs(nib_lo(v), ibcast4(xi, xo + c * 64 + 4 * k4)))
+                shi = addw(shi, maddubs(nib_hi(v), ibcast4(xi, xo + c * 64 + 32 + 4 * k4)))
+            isum = iadd(isum, iadd(maddw_s(slo, iload16_u8(sc, so + 32 * c)), maddw_s(shi, iload16_u8(sc, so + 32 * c + 16))))
+            imin = iadd(imin, iadd(imul(iload16_u8(mn, so + 32 * c), isplat(bs32[t, b * 8 + 2 * c])),
+                                   imul(iload16_u8(mn, so + 32 * c + 16), isplat(bs32[t, b * 8 + 2 * c + 1]))))
+            if pairs:
+                acc = vfma(i2f(isum), dd, acc)
+                accm = vfma(i2f(imin), ddm, accm)
+                isum = izero()
+                imin = izero()
+        if not pairs:
+            acc = vfma(i2f(isum), dd, acc)
+            accm = vfma(i2f(imin), ddm, accm)
+    vstore_row(dst, t, col, vsub(acc, accm))
+
+
 @njit(parallel=True, cache=True)
 def matmul_q4k_vnni(q, sc, mn, d, m, xi, dy, bs32, grouped, n_out, out):
     # matmul_q4k's outputs (bit for bit) from the "vq4k" form (see _q4k_row); out f32 [T, >= n_out]
@@ -601,11 +646,27 @@ def matmul_q4k_vnni(q, sc, mn, d, m, xi, dy, bs32, grouped, n_out, out):
             tmp = out if full else np.empty((T, LANE_ROWS), np.float32)
             col = g * LANE_ROWS if full else 0
             for t in range(T):
-                _q4k_row(q, sc, mn, d, m, g, xi, t, bs32, dy, grouped[t] != 0, tmp, col)
+                if _AVX2:
+                    _q4k_row_avx2(q, sc, mn, d, m, g, xi, t, bs32, dy, grouped[t] != 0, tmp, col)
+                else:
+                    _q4k_row(q, sc, mn, d, m, g, xi, t, bs32, dy, grouped[t] != 0, tmp, col)
             if not full:
                 for t in range(T):
                     for i in range(n_out - g * LANE_ROWS):
                         out[t, g * LANE_ROWS + i] = tmp[t, i]
+
+
+#: bytes per row group and super-block of the packed "vq6k" levels (quant.pack_q6: 192 per row)
+_Q6_GB = 3072
+
+
+@njit(cache=True)
+def _q6_chunk(q, qo, v, l):
+    # the levels of lane l (0..7) of 32-element group v (0..7) of a row group's super-block at
+    # byte qo of the packed "vq6k" form (quant.pack_q6), as 64 bytes: (row i, element 4l+k) at 4i+k
+    l4 = l & 3
+    return q6_level(iload64(q, qo + (v * 4 + l4) * 64), iload64(q, qo + 2048 + ((v >> 1) * 4 + l4) * 64),
+                    (l >> 2) | ((2 * (v & 1) + (l >> 2)) << 1))
 
 
 @njit(cache=True)
@@ -628,7 +689,7 @@ def _q6k_vec_row(q, sc, d, g, xi, t, bs16, dy, dst, col):
     a7 = vzero()
     for b in range(nsb):
         base = g * nsb + b
-        qo = base * 4096
+        qo = base * _Q6_GB
         so = base * 256
         xo = t * K + b * 256
         l0 = izero()
@@ -642,17 +703,16 @@ def _q6k_vec_row(q, sc, d, g, xi, t, bs16, dy, dst, col):
         for v in range(8):
             s0 = iload16_s8(sc, so + 32 * v)
             s1 = iload16_s8(sc, so + 32 * v + 16)
-            e = qo + v * 512
             x = xo + v * 32
             z = izero()
-            l0 = iadd(l0, imul(s0, dpbusd(z, iload64(q, e), ibcast4(xi, x))))
-            l1 = iadd(l1, imul(s0, dpbusd(z, iload64(q, e + 64), ibcast4(xi, x + 4))))
-            l2 = iadd(l2, imul(s0, dpbusd(z, iload64(q, e + 128), ibcast4(xi, x + 8))))
-            l3 = iadd(l3, imul(s0, dpbusd(z, iload64(q, e + 192), ibcast4(xi, x + 12))))
-            l4 = iadd(l4, imul(s1, dpbusd(z, iload64(q, e + 256), ibcast4(xi, x + 16))))
-            l5 = iadd(l5, imul(s1, dpbusd(z, iload64(q, e + 320), ibcast4(xi, x + 20))))
-            l6 = iadd(l6, imul(s1, dpbusd(z, iload64(q, e + 384), ibcast4(xi, x + 24))))
-            l7 = iadd(l7, imul(s1, dpbusd(z, iload64(q, e + 448), ibcast4(xi, x + 28))))
+            l0 = iadd(l0, imul(s0, dpbusd(z, _q6_chunk(q, qo, v, 0), ibcast4(xi, x))))
+            l1 = iadd(l1, imul(s0, dpbusd(z, _q6_chunk(q, qo, v, 1), ibcast4(xi, x + 4))))
+            l2 = iadd(l2, imul(s0, dpbusd(z, _q6_chunk(q, qo, v, 2), ibcast4(xi, x + 8))))
+            l3 = iadd(l3, imul(s0, dpbusd(z, _q6_chunk(q, qo, v, 3), ibcast4(xi, x + 12))))
+            l4 = iadd(l4, imul(s1, dpbusd(z, _q6_chunk(q, qo, v, 4), ibcast4(xi, x + 16))))
+            l5 = iadd(l5, imul(s1, dpbusd(z, _q6_chunk(q, qo, v, 5), ibcast4(xi, x + 20))))
+            l6 = iadd(l6, imul(s1, dpbusd(z, _q6_chunk(q, qo, v, 6), ibcast4(xi, x + 24))))
+            l7 = iadd(l7, imul(s1, dpbusd(z, _q6_chunk(q, qo, v, 7), ibcast4(xi, x + 28))))
         bo = b * 16
         l0 = isub(l0, _q6_corr(sc, so, bs16, t, bo, 0))
         l1 = isub(l1, _q6_corr(sc, so, bs16, t, bo, 1))
@@ -675,6 +735,76 @@ def _q6k_vec_row(q, sc, d, g, xi, t, bs16, dy, dst, col):
 
 
 @njit(cache=True)
+def _q6k_vec_row_avx2(q, sc, d, g, xi, t, bs16, dy, dst, col):
+    # _q6k_vec_row (the same form, operations and bits) for AVX2: each lane's 4-element products
+    # by vpmaddubsw (levels 0..63: at most 2*63*127 per int16, exact) and scaled by vpmaddwd
+    # against the sub-block scale (exact int32)
+    nsb = d.shape[1]
+    K = xi.shape[1]
+    a0 = vzero()
+    a1 = vzero()
+    a2 = vzero()
+    a3 = vzero()
+    a4 = vzero()
+    a5 = vzero()
+    a6 = vzero()
+    a7 = vzero()
+    for b in range(nsb):
+        base = g * nsb + b
+        qo = base * _Q6_GB
+        so = base * 256
+        xo = t * K + b * 256
+        l0 = izero()
+        l1 = izero()
+        l2 = izero()
+        l3 = izero()
+        l4 = izero()
+        l5 = izero()
+        l6 = izero()
+        l7 = izero()
+        for v in range(8):
+            s0 = iload16_s8(sc, so + 32 * v)
+            s1 = iload16_s8(sc, so + 32 * v + 16)
+            x = xo + v * 32
+            l0 = iadd(l0, maddw_s(maddubs(_q6_chunk(q, qo, v, 0), ibcast4(xi, x)), s0))
+            l1 = iadd(l1, maddw_s(maddubs(_q6_chunk(q, qo, v, 1), ibcast4(xi, x + 4)), s0))
+            l2 = iadd(l2, maddw_s(maddubs(_q6_chunk(q, qo, v, 2), ibcast4(xi, x + 8)), s0))
+            l3 = iadd(l3, maddw_s(maddubs(_q6_chunk(q, qo, v, 3), ibcast4(xi, x + 12)), s0))
+            l4 = iadd(l4, maddw_s(maddubs(_q6_chunk(q, qo, v, 4), ibcast4(xi, x + 16)), s1))
+            l5 = iadd(l5, maddw_s(maddubs(_q6_chunk(q, qo, v, 5), ibcast4(xi, x + 20)), s1))
+            l6 = iadd(l6, maddw_s(maddubs(_q6_chunk(q, qo, v, 6), ibcast4(xi, x + 24)), s1))
+            l7 = iadd(l7, maddw_s(maddubs(_q6_chunk(q, qo, v, 7), ibcast4(xi, x + 28)), s1))
+        bo = b * 16
+        l0 = isub(l0, _q6_corr(sc, so, bs16, t, bo, 0))
+        l1 = isub(l1, _q6_corr(sc, so, bs16, t, bo, 1))
+        l2 = isub(l2, _q6_corr(sc, so, bs16, t, bo, 2))
+        l3 = isub(l3, _q6_corr(sc, so, bs16, t, bo, 3))
+        l4 = isub(l4, _q6_corr(sc, so, bs16, t, bo, 4))
+        l5 = isub(l5, _q6_corr(sc, so, bs16, t, bo, 5))
+        l6 = isub(l6, _q6_corr(sc, so, bs16, t, bo, 6))
+        l7 = isub(l7, _q6_corr(sc, so, bs16, t, bo, 7))
+        dd = vmul_s(vload_h(d, base * 16), dy[t, b])
+        a0 = vfma(dd, i2f(l0), a0)
+        a1 = vfma(dd, i2f(l1), a1)
+        a2 = vfma(dd, i2f(l2), a2)
+        a3 = vfma(dd, i2f(l3), a3)
+        a4 = vfma(dd, i2f(l4), a4)
+        a5 = vfma(dd, i2f(l5), a5)
+        a6 = vfma(dd, i2f(l6), a6)
+        a7 = vfma(dd, i2f(l7), a7)
+    vstore_row(dst, t, col, vadd(vadd(vadd(a0, a4), vadd(a2, a6)), vadd(vadd(a1, a5), vadd(a3, a7))))
+
+
+@njit(cache=True)
+def _q6_sub_avx2(c0, c1, c2, c3, xi, x, scj):
+    # scj * sum_k q6 * q8 over one 16-element sub-block for 16 rows (exact int32), its levels the
+    # four lane chunks c0..c3 (_q6_chunk): two int16 sums of two vpmaddubsw each (at most
+    # 4*63*127 = 32004), scaled by vpmaddwd
+    return iadd(maddw_s(addw(maddubs(c0, ibcast4(xi, x)), maddubs(c1, ibcast4(xi, x + 4))), scj),
+                maddw_s(addw(maddubs(c2, ibcast4(xi, x + 8)), maddubs(c3, ibcast4(xi, x + 12))), scj))
+
+
+@njit(cache=True)
 def _q6_corr(sc, so, bs16, t, bo, l):
     # 32 * (bsum16[2l] * sc[2l] + bsum16[2l+1] * sc[2l+1]) for the 16 rows (exact int32)
     return imul(isplat(np.int32(32)), iadd(imul(iload16_s8(sc, so + 32 * l), isplat(bs16[t, bo + 2 * l])),
@@ -682,10 +812,11 @@ def _q6_corr(sc, so, bs16, t, bo, l):
 
 
 @njit(cache=True)
-def _q6_sub(q, e, xi, x, c):
-    # sum_k q6 * q8 over one 16-element sub-block for 16 rows, started at c (exact int32)
-    return dpbusd(dpbusd(dpbusd(dpbusd(c, iload64(q, e), ibcast4(xi, x)), iload64(q, e + 64), ibcast4(xi, x + 4)),
-                         iload64(q, e + 128), ibcast4(xi, x + 8)), iload64(q, e + 192), ibcast4(xi, x + 12))
+def _q6_sub(c0, c1, c2, c3, xi, x, c):
+    # sum_k q6 * q8 over one 16-element sub-block for 16 rows, started at c (exact int32), its
+    # levels the four lane chunks c0..c3 (_q6_chunk)
+    return dpbusd(dpbusd(dpbusd(dpbusd(c, c0, ibcast4(xi, x)), c1, ibcast4(xi, x + 4)), c2, ibcast4(xi, x + 8)),
+                  c3, ibcast4(xi, x + 12))
 
 
 @njit(cache=True)
@@ -703,7 +834,7 @@ def _q6k_tiled_rows(q, sc, d, g, xi, t, n, bs16, dy, dst, col):
     four = n == 4
     for b in range(nsb):
         base = g * nsb + b
-        qo = base * 4096
+        qo = base * _Q6_GB
         so = base * 256
         xo = t * K + b * 256
         i0 = izero()
@@ -712,13 +843,25 @@ def _q6k_tiled_rows(q, sc, d, g, xi, t, n, bs16, dy, dst, col):
         i3 = izero()
         for j in range(16):
             scj = iload16_s8(sc, so + 16 * j)
-            e = qo + j * 256
             x = xo + 16 * j
-            i0 = iadd(i0, imul(scj, _q6_sub(q, e, xi, x, isplat(-32 * bs16[t, b * 16 + j]))))
+            v = j >> 1
+            h = 4 * (j & 1)
+            c0 = _q6_chunk(q, qo, v, h)
+            c1 = _q6_chunk(q, qo, v, h + 1)
+            c2 = _q6_chunk(q, qo, v, h + 2)
+            c3 = _q6_chunk(q, qo, v, h + 3)
+            if _AVX2:                   # the same exact integers: scj * sum + scj * (-32 * bsum)
+                i0 = iadd(i0, iadd(_q6_sub_avx2(c0, c1, c2, c3, xi, x, scj), imul(scj, isplat(-32 * bs16[t, b * 16 + j]))))
+                if four:
+                    i1 = iadd(i1, iadd(_q6_sub_avx2(c0, c1, c2, c3, xi, x + K, scj), imul(scj, isplat(-32 * bs16[t + 1, b * 16 + j]))))
+                    i2 = iadd(i2, iadd(_q6_sub_avx2(c0, c1, c2, c3, xi, x + 2 * K, scj), imul(scj, isplat(-32 * bs16[t + 2, b * 16 + j]))))
+                    i3 = iadd(i3, iadd(_q6_sub_avx2(c0, c1, c2, c3, xi, x + 3 * K, scj), imul(scj, isplat(-32 * bs16[t + 3, b * 16 + j]))))
+                continue
+            i0 = iadd(i0, imul(scj, _q6_sub(c0, c1, c2, c3, xi, x, isplat(-32 * bs16[t, b * 16 + j]))))
             if four:
-                i1 = iadd(i1, imul(scj, _q6_sub(q, e, xi, x + K, isplat(-32 * bs16[t + 1, b * 16 + j]))))
-                i2 = iadd(i2, imul(scj, _q6_sub(q, e, xi, x + 2 * K, isplat(-32 * bs16[t + 2, b * 16 + j]))))
-                i3 = iadd(i3, imul(scj, _q6_sub(q, e, xi, x + 3 * K, isplat(-32 * bs16[t + 3, b * 16 + j]))))
+                i1 = iadd(i1, imul(scj, _q6_sub(c0, c1, c2, c3, xi, x + K, isplat(-32 * bs16[t + 1, b * 16 + j]))))
+                i2 = iadd(i2, imul(scj, _q6_sub(c0, c1, c2, c3, xi, x + 2 * K, isplat(-32 * bs16[t + 2, b * 16 + j]))))
+                i3 = iadd(i3, imul(scj, _q6_sub(c0, c1, c2, c3, xi, x + 3 * K, isplat(-32 * bs16[t + 3, b * 16 + j]))))
         dw = vload_h(d, base * 16)
         o0 = vfma_s(vmul(i2f(i0), dw), dy[t, b], o0)
         if four:
@@ -753,9 +896,59 @@ def matmul_q6k_vnni(q, sc, d, xi, dy, bs16, tiled, n_out, out):
                         _q6k_tiled_rows(q, sc, d, g, xi, t, 1, bs16, dy, tmp, col)
                         t += 1
                 else:
-                    _q6k_vec_row(q, sc, d, g, xi, t, bs16, dy, tmp, col)
+                    if _AVX2:
+                        _q6k_vec_row_avx2(q, sc, d, g, xi, t, bs16, dy, tmp, col)
+                    else:
+                        _q6k_vec_row(q, sc, d, g, xi, t, bs16, dy, tmp, col)
                     t += 1
             if not full:
                 for t in range(T):
                     for i in range(n_out - g * LANE_ROWS):
                         out[t, g * LANE_ROWS + i] = tmp[t, i]
+
+
+@njit(cache=True)
+def _kq_quantize(x, xi, dy, bs16, bs32):
+    # quant_q8_K_int's values of x (f32 [T, K]) into xi / dy / bs16, and bs32 int32 [T, K/32] (the
+    # sums per 32), in parallel over blocks of PAR_ROWS rows from PAR_MIN elements on (each row alone)
+    T = x.shape[0]
+    xb = x.view(np.int32)
+    if x.size < PAR_MIN:
+        _quant_q8_K_int_part(x, xb, xi, dy, bs16, 0, T)
+    else:
+        _quant_q8_K_int_par(x, xb, xi, dy, bs16)
+    for t in range(T):
+        for j in range(bs32.shape[1]):
+            bs32[t, j] = bs16[t, 2 * j] + bs16[t, 2 * j + 1]
+
+
+@njit(cache=True, parallel=True)
+def _quant_q8_K_int_par(x, xb, xi, dy, bs16):
+    T = x.shape[0]
+    for c in prange((T + PAR_ROWS - 1) // PAR_ROWS):
+        _quant_q8_K_int_part(x, xb, xi, dy, bs16, c * PAR_ROWS, min(T, c * PAR_ROWS + PAR_ROWS))
+
+
+@njit(cache=True)
+def kq_levels(x):
+    """x f32 [T, K] (C-contiguous) -> (xi int8 [T, K], dy f32 [T, K/256], bs16 int32 [T, K/16],
+    bs32 int32 [T, K/32]): quant_q8_K_int's levels, scales and sums, with the sums per 32."""
+    T, K = x.shape
+    xi = np.empty((T, K), np.int8)
+    dy = np.empty((T, K // 256), np.float32)
+    bs16 = np.empty((T, K // 16), np.int32)
+    bs32 = np.empty((T, K // 32), np.int32)
+    _kq_quantize(x, xi, dy, bs16, bs32)
+    return xi, dy, bs16, bs32
+
+
+@njit(cache=True)
+def matmul_kq_x(x, is_q4, q, sc, mn, d, m, gemm, tiled, n_out, out):
+    # out[:, :n_out] = x @ W.T for a VNNI-form K-quant W ("vq4k" when is_q4, else "vq6k"; mn / m
+    # unused for Q6_K) from float32 activations x [T, K]: quant_q8_K_int's levels, then
+    # matmul_q4k_vnni / matmul_q6k_vnni — one call from Python instead of three
+    xi, dy, bs16, bs32 = kq_levels(x)
+    if is_q4:
+        matmul_q4k_vnni(q, sc, mn, d, m, xi, dy, bs32, gemm, n_out, out)
+    else:
+        matmul_q6k_vnni(q, sc, d, xi, dy, bs16, tiled, n_out, out)
