@@ -25,10 +25,11 @@ from starlette.routing import BaseRoute, Route
 
 from router.operator import status_page
 from router.operator import admin
-from router.dialects import anthropic_api, stream_sessions, decode_api, llamacpp_api, llamacpp_router, openai_api, openai_responses, openapi
+from router.dialects import anthropic_api, decode_api, llamacpp_api, llamacpp_router, openai_api, openai_responses, openapi
 from router.dialects import ollama_api
 from router.dialects.background import BackgroundStore
-from router.dialects.stream_sessions import StreamSessions
+from router.http import stream_sessions
+from router.http.stream_sessions import StreamSessions
 from router.http.access_log import AccessLog
 from router.http.auth import BearerAuth
 from router.cli_args import version

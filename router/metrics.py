@@ -33,13 +33,9 @@ from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.http.access_log import route_template
-from router.workers.lifecycle import WorkerState
 
 #: ``Content-Type`` of the text exposition.
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-
-#: Worker states a model can be in (``modelyard_model_state``'s ``state`` label).
-STATES = tuple(s.value for s in WorkerState)
 
 #: Where a cancelled request was: waiting for its turn, prefilling (no token yet), decoding.
 CANCEL_STAGES = ("queue", "prefill", "decode")
@@ -96,7 +92,8 @@ class ModelGauges:
     """One model's point-in-time figures, as the pool sees them at scrape time."""
 
     model: str
-    state: str  # one of STATES
+    state: str  # one of states
+    states: tuple[str, ...]  # every state a model's worker can be in (``modelyard_model_state``'s label)
     loaded: bool  # a worker holds the model (ready or draining)
     waiting: int  # requests admitted, waiting for a job slot
     running: int  # requests holding a job slot
@@ -249,7 +246,7 @@ class _GaugeCollector:
                                                   "worker's budget allows (0: unknown)", labels=["model"]),
         }
         for row in rows:
-            for s in STATES:
+            for s in row.states:
                 state.add_metric([row.model, s], 1.0 if row.state == s else 0.0)
             for key, fam in families.items():
                 fam.add_metric([row.model], float(getattr(row, key)))

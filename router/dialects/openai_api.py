@@ -12,20 +12,22 @@ syntax, else the generic tool format); a last assistant message is a prefill.
 from __future__ import annotations
 
 import codecs
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from protocol import Accepted, Done, Generate, Ready, Token
+from protocol import Accepted, Done, Generate, Token
 from protocol.limits import MAX_N, MAX_N_PROBS
 from router.workers import gguf_meta
 from router.dialects.constraints import llamacpp_constraint
-from router.dialects.shared import prepare, read_template_kwargs
+from router.dialects.shared import Prepared, prepare, read_template_kwargs
 from router.http.errors import BadRequest, NotFound
 from router.dialects.chat_request import parse_tools, parse_turns, refuse_unsupported_chat, response_format
 from router.dialects.field_policy import refuse_ignored
+from router.dialects.openai_shapes import choice_finals, envelope, final_events, fingerprint, usage_null, wants_usage
 from router.serving.budget import context_size
 from router.serving.generation import (
     OPENAI_DEFAULTS,
@@ -122,56 +124,6 @@ def _common(body: dict[str, Any], slot: ModelSlot, prefix: str) -> dict[str, Any
             **read_sampling(body, OPENAI_DEFAULTS, slot, openai=True)}
 
 
-def _include_usage(body: dict[str, Any]) -> bool:
-    """``stream_options.include_usage`` of a streaming request. Without ``stream`` the
-    field is ignored, as llama.cpp does (OpenAI refuses it; litellm and pr-agent send it)."""
-    opts = body.get("stream_options")
-    if opts is None or not get_bool(body, "stream", False):
-        return False
-    if not isinstance(opts, dict):
-        raise BadRequest("'stream_options' must be an object", param="stream_options")
-    return get_bool(opts, "include_usage", False)
-
-
-def _usage_null(include_usage: bool) -> dict[str, Any]:
-    """What every chunk before the final usage chunk carries: with
-    ``stream_options.include_usage`` OpenAI sends ``"usage": null`` in each of them."""
-    return {"usage": None} if include_usage else {}
-
-
-def _fingerprint(ready: Ready | None) -> str | None:
-    """The ``system_fingerprint`` of the worker's model (its GGUF content hash)."""
-    if ready is None:
-        return None
-    fp = ready.fingerprint  # "" while the worker is still hashing a file it never saw
-    return f"fp_{fp[:12]}" if fp else None
-
-
-def _envelope(rid: str, obj: str, created: int, model: str, fp: str | None) -> dict[str, Any]:
-    """The fields that open every completion object and chunk, in OpenAI's order."""
-    return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": fp}
-
-
-def _choice_finals(done: Done, n: int) -> list[tuple[str, str]]:
-    """``(held-back text, finish_reason)`` of each of the ``n`` choices, by index."""
-    if n == 1 or not done.choices:
-        return [(done.text, done.finish_reason)]
-    by_index = {int(c["index"]): c for c in done.choices}
-    return [(str(by_index[i].get("text", "")), str(by_index[i].get("finish_reason", done.finish_reason)))
-            if i in by_index else ("", done.finish_reason) for i in range(n)]
-
-
-def _final_events(final: dict[str, Any], done: Done, head: dict[str, Any], include_usage: bool) -> list[bytes]:
-    """The end of a stream: ``final`` (the last chunk) with llama.cpp ``timings``; with
-    ``include_usage`` a chunk ``head`` + no choices + ``usage``; then ``[DONE]``."""
-    final["timings"] = timings_of(done)
-    out = [sse_event(final)]
-    if include_usage:
-        out.append(sse_event({**head, "choices": [], "usage": usage_of(done), "timings": timings_of(done)}))
-    out.append(sse_event("[DONE]"))
-    return out
-
-
 # ----------------------------------------------------------------------------- chat
 
 
@@ -192,8 +144,23 @@ def _chat_finish(finish: str, calls: list[ToolCall]) -> str:
     return "tool_calls" if calls and finish == "stop" else finish
 
 
-async def chat_completions(request: Request) -> Response | SSEResponse:
-    body = await read_json(request)
+@dataclass
+class _Chat:
+    """A validated chat request: its model, its Generate, and how to write the answer."""
+
+    slot: ModelSlot
+    model_name: str
+    msg: Generate
+    prep: Prepared
+    constraint_param: str | None
+    want_logprobs: bool
+    top_n: int
+    streaming: bool
+    include_usage: bool
+
+
+def _read_chat(request: Request, body: dict[str, Any]) -> _Chat:
+    """Validate a chat body into a :class:`_Chat`. Raises BadRequest naming the field, NotFound."""
     pool = _pool(request)
     model_name = model_of(body, pool.config.default_name(), pool.config.ids())
     slot = pool.get(model_name)
@@ -213,7 +180,6 @@ async def chat_completions(request: Request) -> Response | SSEResponse:
             raise BadRequest("'grammar' cannot be combined with tools (their calls are a grammar already)",
                              param="grammar")
         fields["grammar"], constraint_param = grammar, "grammar"
-    offered = prep.offered
     common = _common(body, slot, "chatcmpl")
     want_logprobs = get_bool(body, "logprobs", False)
     top_n = get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
@@ -221,106 +187,121 @@ async def chat_completions(request: Request) -> Response | SSEResponse:
         raise BadRequest("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
     top_n = top_n or 0
     streaming = get_bool(body, "stream", False)
-    include_usage = _include_usage(body)
+    include_usage = wants_usage(body)
     msg = Generate(n_probs=max(top_n, 1) if want_logprobs else 0, **fields, **common)
+    return _Chat(slot, model_name, msg, prep, constraint_param, want_logprobs, top_n, streaming, include_usage)
 
-    run, first = await begin(request, slot, msg, grammar_param=constraint_param, early=streaming)
+
+async def chat_completions(request: Request) -> Response | SSEResponse:
+    chat = _read_chat(request, await read_json(request))
+    run, first = await begin(request, chat.slot, chat.msg, grammar_param=chat.constraint_param,
+                             early=chat.streaming)
     assert run.worker is not None
-    rid, created, fp = msg.id, now_s(), _fingerprint(run.ready)
-    n = msg.n
-    parsers = [prep.parser() for _ in range(n)]  # one per choice
-
-    if not streaming:
+    created, fp = now_s(), fingerprint(run.ready)
+    if not chat.streaming:
         tokens, done = await collect(request, run, first)
-        choices = []
-        for i, (tail_text, finish) in enumerate(_choice_finals(done, n)):
-            parser = parsers[i]
-            mine = [t for t in tokens if t.index == i]
-            out = parser.read([*(t.text for t in mine), tail_text])
-            logprobs = None
-            if want_logprobs and out.content is not None:
-                logprobs = {"content": _chat_logprobs(mine, top_n), "refusal": None}
-            message: dict[str, Any] = {"role": "assistant", "content": out.content, "refusal": None}
-            if out.calls:
-                message["tool_calls"] = [_tool_call_json(c) for c in out.calls]
-            choices.append({"index": i, "message": message, "logprobs": logprobs,
-                            "finish_reason": _chat_finish(finish, out.calls)})
-        return JSONResponse({
-            **_envelope(rid, "chat.completion", created, model_name, fp),
-            "choices": choices, "usage": usage_of(done), "timings": timings_of(done),
-        })
+        return JSONResponse(_chat_answer(chat, created, fp, tokens, done))
+    out = _ChatStream(chat, created, fp)
+    return SSEResponse(stream(run, first, out.on_frame, on_open=out.on_open), run.close)
 
-    head = _envelope(rid, "chat.completion.chunk", created, model_name, fp)
-    tail = _usage_null(include_usage)
 
-    def chunk(delta: dict[str, Any], finish: str | None = None,
+def _chat_answer(chat: _Chat, created: int, fp: str | None, tokens: list[Token], done: Done) -> dict[str, Any]:
+    """The non-streaming answer: every choice read back (content, tool calls, logprobs)."""
+    choices = []
+    for i, (tail_text, finish) in enumerate(choice_finals(done, chat.msg.n)):
+        parser = chat.prep.parser()
+        mine = [t for t in tokens if t.index == i]
+        out = parser.read([*(t.text for t in mine), tail_text])
+        logprobs = None
+        if chat.want_logprobs and out.content is not None:
+            logprobs = {"content": _chat_logprobs(mine, chat.top_n), "refusal": None}
+        message: dict[str, Any] = {"role": "assistant", "content": out.content, "refusal": None}
+        if out.calls:
+            message["tool_calls"] = [_tool_call_json(c) for c in out.calls]
+        choices.append({"index": i, "message": message, "logprobs": logprobs,
+                        "finish_reason": _chat_finish(finish, out.calls)})
+    return {**envelope(chat.msg.id, "chat.completion", created, chat.model_name, fp),
+            "choices": choices, "usage": usage_of(done), "timings": timings_of(done)}
+
+
+class _ChatStream:
+    """The SSE chunks of a streamed chat: each choice's role chunk, its content and tool-call
+    deltas as its parser reads them (with the logprobs of the tokens that made them), its
+    finish chunk, then the usage chunk and ``[DONE]``."""
+
+    def __init__(self, chat: _Chat, created: int, fp: str | None) -> None:
+        self.chat = chat
+        n = chat.msg.n
+        self.head = envelope(chat.msg.id, "chat.completion.chunk", created, chat.model_name, fp)
+        self.tail = usage_null(chat.include_usage)
+        self.parsers = [chat.prep.parser() for _ in range(n)]  # one per choice
+        self.pending: list[list[Token]] = [[] for _ in range(n)]  # tokens not yet sent, by choice
+        self.started: set[int] = set()
+
+    def chunk(self, delta: dict[str, Any], finish: str | None = None,
               lp: list[dict[str, Any]] | None = None, index: int = 0) -> dict[str, Any]:
-        return {**head,
+        return {**self.head,
                 "choices": [{"index": index, "delta": delta,
                              "logprobs": {"content": lp, "refusal": None} if lp else None,
-                             "finish_reason": finish}], **tail}
+                             "finish_reason": finish}], **self.tail}
 
-    pending: list[list[Token]] = [[] for _ in range(n)]  # tokens not yet sent, by choice
-    started: set[int] = set()
-
-    def start(i: int, out: list[bytes]) -> None:
-        if i not in started:
-            started.add(i)
+    def start(self, i: int, out: list[bytes]) -> None:
+        if i not in self.started:
+            self.started.add(i)
             # content null, as llama-server's first chunk (its clients expect a non-empty delta or null)
-            out.append(sse_event(chunk({"role": "assistant", "content": None}, index=i)))
+            out.append(sse_event(self.chunk({"role": "assistant", "content": None}, index=i)))
 
-    def on_open(accepted: Accepted) -> list[bytes]:
+    def on_open(self, accepted: Accepted) -> list[bytes]:
         """Every choice's role chunk at once, before the prompt is prefilled."""
         out: list[bytes] = []
-        for i in range(n):
-            start(i, out)
+        for i in range(self.chat.msg.n):
+            self.start(i, out)
         return out
 
-    def emit(i: int, content: str, calls: list[ToolCall], out: list[bytes]) -> None:
+    def emit(self, i: int, content: str, calls: list[ToolCall], out: list[bytes]) -> None:
         """Choice i's content deltas (with the logprobs of the tokens that made them) and tool-call
         deltas: a call's first fragment has its index, id, type and name; the next, its arguments."""
         if content:
-            lp = _chat_logprobs(pending[i], top_n) if want_logprobs else None
-            pending[i].clear()
-            out.append(sse_event(chunk({"content": content}, lp=lp, index=i)))
+            lp = _chat_logprobs(self.pending[i], self.chat.top_n) if self.chat.want_logprobs else None
+            self.pending[i].clear()
+            out.append(sse_event(self.chunk({"content": content}, lp=lp, index=i)))
         for c in calls:
-            pending[i].clear()
-            index = len(parsers[i].calls) - len(calls) + calls.index(c)
+            self.pending[i].clear()
+            index = len(self.parsers[i].calls) - len(calls) + calls.index(c)
             if c.custom:  # one fragment: the whole input
-                out.append(sse_event(chunk({"tool_calls": [{"index": index, **_tool_call_json(c)}]}, index=i)))
+                out.append(sse_event(self.chunk({"tool_calls": [{"index": index, **_tool_call_json(c)}]}, index=i)))
                 continue
-            out.append(sse_event(chunk({"tool_calls": [{"index": index, "id": c.id, "type": "function",
-                                                         "function": {"name": c.name, "arguments": ""}}]},
-                                       index=i)))
-            out.append(sse_event(chunk({"tool_calls": [{"index": index, "function": {"arguments": c.arguments}}]},
-                                       index=i)))
+            out.append(sse_event(self.chunk({"tool_calls": [{"index": index, "id": c.id, "type": "function",
+                                                              "function": {"name": c.name, "arguments": ""}}]},
+                                            index=i)))
+            out.append(sse_event(self.chunk({"tool_calls": [{"index": index,
+                                                              "function": {"arguments": c.arguments}}]}, index=i)))
 
-    async def on_frame(item: Token | Done) -> list[bytes]:
+    async def on_frame(self, item: Token | Done) -> list[bytes]:
         out: list[bytes] = []
         if isinstance(item, Token):
             i = item.index
-            start(i, out)
-            pending[i].append(item)
+            self.start(i, out)
+            self.pending[i].append(item)
             if item.text:
-                emit(i, *parsers[i].feed(item.text), out)
+                self.emit(i, *self.parsers[i].feed(item.text), out)
             return out
-        finals = _choice_finals(item, n)
+        finals = choice_finals(item, self.chat.msg.n)
         for i, (tail_text, finish) in enumerate(finals):
-            start(i, out)
-            parser = parsers[i]
-            emit(i, *parser.feed(tail_text), out)
-            emit(i, *parser.finish(), out)
-            lp = _chat_logprobs(pending[i], top_n) if want_logprobs and pending[i] and not parser.calls \
-                else ([] if want_logprobs else None)
-            pending[i].clear()
-            last = chunk({}, _chat_finish(finish, parser.calls), lp, index=i)
+            self.start(i, out)
+            parser = self.parsers[i]
+            self.emit(i, *parser.feed(tail_text), out)
+            self.emit(i, *parser.finish(), out)
+            want = self.chat.want_logprobs
+            lp = (_chat_logprobs(self.pending[i], self.chat.top_n) if want and self.pending[i] and not parser.calls
+                  else ([] if want else None))
+            self.pending[i].clear()
+            last = self.chunk({}, _chat_finish(finish, parser.calls), lp, index=i)
             if i < len(finals) - 1:
                 out.append(sse_event(last))
             else:
-                out.extend(_final_events(last, item, head, include_usage))
+                out.extend(final_events(last, item, self.head, self.chat.include_usage))
         return out
-
-    return SSEResponse(stream(run, first, on_frame, on_open=on_open), run.close)
 
 
 async def chat_input_tokens(request: Request) -> Response:
@@ -419,33 +400,33 @@ async def completions(request: Request) -> Response | SSEResponse:
         raise BadRequest("'suffix' is not supported", param="suffix")
     n_lp = get_int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     streaming = get_bool(body, "stream", False)
-    include_usage = _include_usage(body)
+    include_usage = wants_usage(body)
     json_schema, grammar, cparam = llamacpp_constraint(body)  # llama.cpp's extensions on its OpenAI route
     msg = Generate(prompt=prompt, n_probs=max(n_lp, 1) if n_lp is not None else 0, json_schema=json_schema,
                    grammar=grammar, **common)
 
     run, first = await begin(request, slot, msg, grammar_param=cparam, early=streaming)
     assert run.worker is not None
-    rid, created, fp = msg.id, now_s(), _fingerprint(run.ready)
+    rid, created, fp = msg.id, now_s(), fingerprint(run.ready)
     top_n = n_lp or 0
 
     n = msg.n
     if not streaming:
         tokens, done = await collect(request, run, first)
         choices = []
-        for i, (tail_text, finish) in enumerate(_choice_finals(done, n)):
+        for i, (tail_text, finish) in enumerate(choice_finals(done, n)):
             mine = [t for t in tokens if t.index == i]
             logprobs = _legacy_logprobs(token_probs(mine, top_n), top_n, _TextOffsets()) \
                 if n_lp is not None else None
             choices.append({"index": i, "text": "".join(t.text for t in mine) + tail_text, "logprobs": logprobs,
                             "finish_reason": finish})
         return JSONResponse({
-            **_envelope(rid, "text_completion", created, model_name, fp),
+            **envelope(rid, "text_completion", created, model_name, fp),
             "choices": choices, "usage": usage_of(done), "timings": timings_of(done),
         })
 
-    head = _envelope(rid, "text_completion", created, model_name, fp)
-    tail = _usage_null(include_usage)
+    head = envelope(rid, "text_completion", created, model_name, fp)
+    tail = usage_null(include_usage)
 
     def chunk(text: str, finish: str | None = None, lp: dict[str, Any] | None = None,
               index: int = 0) -> dict[str, Any]:
@@ -469,13 +450,13 @@ async def completions(request: Request) -> Response | SSEResponse:
                 return []
             lp = flush_lp(item.index)
             return [sse_event(chunk(item.text, lp=lp, index=item.index))]
-        finals = _choice_finals(item, n)
+        finals = choice_finals(item, n)
         out: list[bytes] = []
         for i, (tail_text, finish) in enumerate(finals[:-1]):
             out.append(sse_event(chunk(tail_text, finish, flush_lp(i), index=i)))
         i = len(finals) - 1
         tail_text, finish = finals[i]
-        return out + _final_events(chunk(tail_text, finish, flush_lp(i), index=i), item, head, include_usage)
+        return out + final_events(chunk(tail_text, finish, flush_lp(i), index=i), item, head, include_usage)
 
     return SSEResponse(stream(run, first, on_frame), run.close)
 

@@ -7,7 +7,7 @@
 * :class:`SSEResponse` sends ``data: <json>\\n\\n`` events (no ``id:`` or
   ``retry:`` fields) from an async iterator, and stops — closing the iterator,
   whose ``finally`` cancels the generation — as soon as the client disconnects;
-  with ``X-Conversation-Id`` the stream is resumable instead (``router.dialects.stream_sessions``).
+  with ``X-Conversation-Id`` the stream is resumable instead (``router.http.stream_sessions``).
 """
 
 from __future__ import annotations
@@ -126,10 +126,10 @@ class SSEResponse:
 
     async def _resumable(self, scope: Scope, receive: Receive, send: Send,
                          headers: list[tuple[bytes, bytes]]) -> bool:
-        """With ``X-Conversation-Id`` (llama-server's resumable streams, ``router.dialects.stream_sessions``):
+        """With ``X-Conversation-Id`` (llama-server's resumable streams, ``router.http.stream_sessions``):
         the events run into the conversation's session to their end whatever this connection
         does, and this response reads them from there. False: no session (a plain stream)."""
-        from router.dialects import stream_sessions  # it imports router.http.params, which imports this module
+        from router.http import stream_sessions  # it imports router.http.params, which imports this module
 
         cid = stream_sessions.conversation_id(scope)
         store = stream_sessions.store_of(scope) if cid else None

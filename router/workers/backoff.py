@@ -2,7 +2,7 @@
 
 Pure bookkeeping, no I/O and no clock of its own: every method takes ``now``
 (monotonic seconds, from the pool's clock), so the decisions are deterministic and
-testable with made-up times. ``pool.ModelSlot`` owns one :class:`CrashHistory` and
+testable with made-up times. ``router.workers.slot.ModelSlot`` owns one :class:`CrashHistory` and
 is its only writer.
 
 Policy (per model, ``[models.NAME]`` / ``[defaults]`` keys):
@@ -25,6 +25,8 @@ import signal
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
+
+from router.http.errors import ApiError, ModelFailed, RestartBackoff, redact_paths
 
 
 @dataclass(frozen=True)
@@ -124,3 +126,21 @@ class CrashHistory:
                 "window_s": self.policy.window_s, "max_crashes": self.policy.max_crashes,
                 "restart_in_s": round(self.remaining(now), 3) if not self.given_up else None,
                 "given_up": self.given_up, "last": self.last.describe() if self.last else None}
+
+
+def restart_refusal(h: CrashHistory, model: str, now: float) -> ApiError | None:
+    """Why a failed model may not start again at ``now`` (monotonic s) on a request's behalf:
+    ModelFailed (given up after ``max_crashes``; until an operator loads it) or RestartBackoff
+    (503, Retry-After: the remaining wait); None: it may."""
+    last = f" (last: {redact_paths(h.last.reason)})" if h.last is not None else ""
+    if h.given_up:
+        return ModelFailed(
+            f"model '{model}' failed {h.in_window(now)} times within crash_window_s="
+            f"{h.policy.window_s:g} s{last}; it stays failed until an operator loads it "
+            f"(POST /admin/models/load)")
+    left = h.remaining(now)
+    if left > 0:
+        return RestartBackoff(
+            f"model '{model}' failed {h.in_window(now)} time(s) recently{last}; "
+            f"it restarts in {left:.1f} s (crash backoff)", retry_after_s=h.retry_after(now))
+    return None

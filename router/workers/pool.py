@@ -24,6 +24,7 @@ import zmq.asyncio
 from router.config import Config, ModelConfig
 from router.http.errors import NotFound, ServerShuttingDown
 from router.metrics import Metrics, ModelGauges
+from router.workers import cpu_share
 from router.workers.admission import Ticket
 from router.workers.events import EventHub
 from router.workers.lifecycle import WorkerState
@@ -101,18 +102,11 @@ class Pool:
     # ------------------------------------------------------------------ CPU sharing
 
     def share_cores(self) -> None:
-        """Give every ready worker without ``n_threads`` its share of the cores: the cores
-        not taken by busy models with their own ``n_threads``, divided among the busy
-        ones without (at least 1 each). One busy model gets them all; two on 2 cores get
-        one each (OpenBLAS's one-per-core threads fighting over the cores made two busy
-        models slower together than one alone). Idle ones get the share too, ready for
-        their turn. Called whenever a model starts or stops being busy."""
-        busy = [s for s in self.slots.values() if s.busy]
-        fixed = sum(s.model.n_threads or 0 for s in busy)
-        sharing = sum(1 for s in busy if s.model.n_threads is None)
-        share = max(1, (self.cores - fixed) // max(1, sharing))
+        """Give every ready worker without ``n_threads`` its share of the cores
+        (``router.workers.cpu_share``). Called whenever a model starts or stops being busy."""
+        n = cpu_share.share(self.slots.values(), self.cores)
         for s in self.slots.values():
-            s.set_threads(share)
+            s.set_threads(n)
 
     # ------------------------------------------------------------------ config reload
 

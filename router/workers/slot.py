@@ -47,7 +47,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from protocol import Ping, Pong, Ready
+from protocol import Pong, Ready
 from router.config import ModelConfig
 from router.http.errors import (
     ApiError,
@@ -58,7 +58,6 @@ from router.http.errors import (
     ModelLoadFailed,
     ModelUnloading,
     QueueFull,
-    RestartBackoff,
     ServerShuttingDown,
     Unavailable,
     redact_paths,
@@ -66,7 +65,8 @@ from router.http.errors import (
 from router.metrics import Metrics, ModelGauges
 from router.workers import views
 from router.workers.admission import Admission, Ticket
-from router.workers.backoff import CrashHistory, CrashPolicy, Failure
+from router.workers.cpu_share import ThreadShare
+from router.workers.backoff import CrashHistory, CrashPolicy, Failure, restart_refusal
 from router.workers.idle import IdleTimer
 from router.workers.lifecycle import LOADED, Lifecycle, WorkerState
 from router.workers.liveness import Liveness
@@ -130,7 +130,7 @@ class ModelSlot:
         self.failures = CrashHistory(_crash_policy(model))
         self._pending_model: ModelConfig | None = None  # a reload changed the config: applied once the worker stops
         self.retiring = False  # removed from the config: draining, then forgotten
-        self._threads: tuple[WorkerProcess, int] | None = None  # the BLAS threads last sent to the worker
+        self._threads = ThreadShare(model.name)  # the CPU share last sent to the worker (router.workers.cpu_share)
         self._restart_task: asyncio.Task[None] | None = None  # restart for waiting requests after a crash
         self.liveness = Liveness(self)  # the ping loop: the one judge of unresponsive
 
@@ -338,18 +338,14 @@ class ModelSlot:
         wp = self.worker
         if wp is None or self.state is not WorkerState.READY or self.model.n_threads is not None:
             return
-        if self._threads == (wp, n):
-            return
-        self._threads = (wp, n)
-        log.info("model %s: %d BLAS thread(s) (share of the cores)", self.model.name, n)
-        wp.send_nowait(Ping(id=wp.new_call_id("threads"), threads=n))
+        self._threads.send(wp, n)
 
     @property
     def blas_threads(self) -> int | None:
         """The BLAS threads its worker uses: ``n_threads``, else the share last sent (None: the worker's own)."""
         if self.model.n_threads is not None:
             return self.model.n_threads
-        return self._threads[1] if self._threads is not None and self._threads[0] is self.worker else None
+        return self._threads.of(self.worker)
 
     def _refusing(self) -> bool:
         """New requests get 503: an operator unload is draining, the model was removed, or the router stops."""
@@ -369,22 +365,12 @@ class ModelSlot:
         RestartBackoff (503, Retry-After: the remaining wait)."""
         if self.state is not WorkerState.FAILED:
             return
-        h = self.failures
         if operator:
-            h.operator_reset()
+            self.failures.operator_reset()
             return
-        now = self._pool.clock()
-        last = f" (last: {redact_paths(h.last.reason)})" if h.last is not None else ""
-        if h.given_up:
-            raise ModelFailed(
-                f"model '{self.model.name}' failed {h.in_window(now)} times within crash_window_s="
-                f"{h.policy.window_s:g} s{last}; it stays failed until an operator loads it "
-                f"(POST /admin/models/load)")
-        left = h.remaining(now)
-        if left > 0:
-            raise RestartBackoff(
-                f"model '{self.model.name}' failed {h.in_window(now)} time(s) recently{last}; "
-                f"it restarts in {left:.1f} s (crash backoff)", retry_after_s=h.retry_after(now))
+        refusal = restart_refusal(self.failures, self.model.name, self._pool.clock())
+        if refusal is not None:
+            raise refusal
 
     def _record_failure(self, kind: str, reason: str, exit_code: int | None) -> None:
         f = Failure(kind, reason, exit_code, time.time())

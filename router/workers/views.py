@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING, Any
 from router.metrics import ModelGauges
 from router.workers.lifecycle import LOADED, WorkerState
 
+#: Every state a model's worker can be in (``/metrics``' ``modelyard_model_state`` label set).
+STATES = tuple(s.value for s in WorkerState)
+
 if TYPE_CHECKING:
     from router.workers.slot import ModelSlot
 
@@ -38,7 +41,7 @@ def gauges(slot: ModelSlot) -> ModelGauges:
     slots = kv_slots(slot)
     running, waiting = slot.admission.n_running, slot.queue_depth
     return ModelGauges(
-        model=slot.model.name, state=slot.state.value,
+        model=slot.model.name, state=slot.state.value, states=STATES,
         loaded=slot.state in LOADED or slot.state is WorkerState.DRAINING,
         waiting=waiting, running=running, total_slots=len(slots),
         busy_slots=sum(1 for s in slots if s["is_processing"]),

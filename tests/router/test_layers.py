@@ -45,8 +45,6 @@ PAST_THE_DOOR = {"router.workers.pool", "router.workers.process"}
 DEBT: dict[tuple[str, str], str] = {
     ("router.config", "router.serving.presets"): "presets are parsed with config's readers; the parser should live in config",
     ("router.workers.pool", "router.serving.presets"): "Pool.get answers a preset with its view of the slot; the serving layer should",
-    ("router.metrics", "router.workers.lifecycle"): "/metrics labels each worker state; the pool should hand Metrics the names",
-    ("router.http.sse", "router.dialects.stream_sessions"): "SSEResponse knows the resumable stream sessions",
     # the dialects still hold the model's ModelSlot (its config, state, one-shot worker calls)
     ("router.dialects.anthropic_api", "router.workers.pool"): "dialects type the model as ModelSlot",
     ("router.dialects.counting", "router.workers.pool"): "dialects type the model as ModelSlot",
