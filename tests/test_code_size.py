@@ -42,7 +42,6 @@ DEBT: dict[str, int] = {
     "router:llamacpp_api.py::completion": 160,
     "router:ollama_api.py": 828,
     "router:ollama_api.py::_run": 84,
-    "router:openai_api.py::chat_completions": 129,
     "router:openai_responses.py": 615,
     "router:openai_responses.py::create": 122,
     "router:tools.py": 507,
