@@ -88,7 +88,8 @@ def host_has_vnni() -> bool:
             for line in f:
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
-                    return {"avx512f", "avx512bw", "avx512_vnni"} <= flags or {"avx2", "fma", "f16c"} <= flags
+                    return {"avx512f", "avx512bw", "avx512_vnni"} <= flags or (
+                        {"avx2", "fma", "f16c"} <= flags and os.environ.get("MODELYARD_VECTOR_AVX2", "0").strip() == "1")
     except OSError:
         pass
     return False

@@ -80,10 +80,11 @@ async def rescan(request: Request) -> Response:
 async def model_rows(pool: Pool) -> list[dict[str, Any]]:
     """``describe()`` of every model with its GGUF header facts (read in a thread: a large
     vocabulary takes a while the first time; cached after)."""
-    rows = [s.describe() for s in pool.slots.values()]
-    infos = await asyncio.to_thread(lambda: [gguf_meta.model_info(s.model.path).describe()
-                                             for s in pool.slots.values()])
-    for row, info, s in zip(rows, infos, pool.slots.values()):
+    slots = list(pool.slots.values())  # one snapshot: a config reload may change the pool meanwhile
+    rows = [s.describe() for s in slots]
+    paths = [s.model.path for s in slots]
+    infos = await asyncio.to_thread(lambda: [gguf_meta.model_info(p).describe() for p in paths])
+    for row, info, s in zip(rows, infos, slots):
         row["gguf"] = info
         row["source"] = "models_dir" if s.model.discovered else "config"
     return rows

@@ -274,8 +274,14 @@ def host_has_vnni() -> bool:
             from llvmlite import binding
             f = binding.get_host_cpu_features()
             _vnni = bool((f.get("avx512vnni") and f.get("avx512bw") and f.get("avx512f"))
-                         or (f.get("avx2") and f.get("fma") and f.get("f16c")))
+                         or (f.get("avx2") and f.get("fma") and f.get("f16c")
+                             and os.environ.get(AVX2_ENV, "0").strip() == "1"))
     return _vnni
+
+
+#: The AVX2 lowering of the vector kernels is opt-in (``1``) until its kernel warm-up covers the
+#: fused entry points (tests/worker/test_engine.py's warm-up probes); AVX512-VNNI hosts use them always.
+AVX2_ENV = "MODELYARD_VECTOR_AVX2"
 
 
 def format_tag() -> str:
