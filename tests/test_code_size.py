@@ -45,8 +45,6 @@ DEBT: dict[str, int] = {
     "router:openai_responses.py": 615,
     "router:openai_responses.py::create": 122,
     "router:tools.py": 507,
-    "router:process.py": 567,
-    "router:process.py::WorkerProcess": 459,
     "router:slot.py": 886,
     "router:slot.py::ModelSlot": 796,
     # worker/ (to be split by concept; see /work/notes/wseam-report.md)

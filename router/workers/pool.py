@@ -33,7 +33,8 @@ from router.workers.launchers import Launcher
 from router.workers.launchers.local import SPARE_NAME, LocalLauncher
 from router.workers.placement import MemoryProbe
 from router.workers.placing import Placer
-from router.workers.process import CurveKeypair, WorkerProcess, new_curve_keypair
+from router.workers.connection import CurveKeypair, new_curve_keypair
+from router.workers.process import WorkerProcess
 from router.workers.slot import ModelSlot
 
 log = logging.getLogger("modelyard.pool")
