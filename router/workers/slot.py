@@ -85,7 +85,7 @@ class ModelSlot(SlotFacts):
         self.asleep = False
         self.rss_peak: int | None = None  # the largest RSS a ready worker of this model had, bytes
         self.failures = CrashHistory(crash_policy(model))
-        self.admission = Admission()  # the bounded queue and the running set (moved only by this slot)
+        self.admission = Admission()  # the bounded queue and the running set (moved only by this slot and its parts)
         self._threads = ThreadShare(model.name)  # the CPU share last sent to the worker (router.workers.cpu_share)
         self.idle = IdleTimer(self)
         self.liveness = Liveness(self)
@@ -96,7 +96,8 @@ class ModelSlot(SlotFacts):
     # ------------------------------------------------------------------ state machine
 
     def move(self, new: WorkerState, error: str | None = None) -> None:
-        """Move the state machine (this slot and its parts alone call it)."""
+        """Move the state machine to ``new`` (``error``: why, kept as :attr:`last_error`); this slot and
+        its parts alone call it. Raises RuntimeError for a move ``router.workers.lifecycle`` forbids."""
         self._life.move(new, error)
 
     def _on_state(self, old: WorkerState, new: WorkerState, note: str | None) -> None:
