@@ -40,8 +40,6 @@ DEBT: dict[str, int] = {
     "router:background.py": 521,
     "router:llamacpp_api.py": 596,
     "router:llamacpp_api.py::completion": 160,
-    "router:openai_responses.py": 615,
-    "router:openai_responses.py::create": 122,
     "router:tools.py": 507,
     "router:process.py": 567,
     "router:process.py::WorkerProcess": 459,

@@ -51,7 +51,6 @@ DEBT: dict[tuple[str, str], str] = {
     ("router.dialects.llamacpp_api", "router.workers.pool"): "dialects type the model as ModelSlot",
     ("router.dialects.llamacpp_router", "router.workers.pool"): "dialects type the model as ModelSlot",
     ("router.dialects.openai_api", "router.workers.pool"): "dialects type the model as ModelSlot",
-    ("router.dialects.openai_responses", "router.workers.pool"): "dialects type the model as ModelSlot",
     ("router.dialects.shared", "router.workers.pool"): "dialects type the model as ModelSlot",
     ("router.operator.admin", "router.workers.pool"): "the admin routes drive the pool directly",
 }
