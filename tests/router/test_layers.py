@@ -46,7 +46,6 @@ DEBT: dict[tuple[str, str], str] = {
     ("router.config", "router.serving.presets"): "presets are parsed with config's readers; the parser should live in config",
     ("router.workers.pool", "router.serving.presets"): "Pool.get answers a preset with its view of the slot; the serving layer should",
     # the dialects still hold the model's ModelSlot (its config, state, one-shot worker calls)
-    ("router.dialects.anthropic_api", "router.workers.pool"): "dialects type the model as ModelSlot",
     ("router.dialects.counting", "router.workers.pool"): "dialects type the model as ModelSlot",
     ("router.dialects.llamacpp_api", "router.workers.pool"): "dialects type the model as ModelSlot",
     ("router.dialects.llamacpp_router", "router.workers.pool"): "dialects type the model as ModelSlot",
