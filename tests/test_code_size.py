@@ -36,10 +36,8 @@ DEBT: dict[str, int] = {
     # router/ (the serving-layer restructuring of issue 24 is splitting these; sizes as merged at 80c87de)
     "router:config.py": 613,
     "router:config.py::parse_config": 139,
-    "router:background.py": 521,
     "router:llamacpp_api.py": 596,
     "router:llamacpp_api.py::completion": 160,
-    "router:tools.py": 507,
     "router:process.py": 567,
     "router:process.py::WorkerProcess": 459,
     "router:slot.py": 886,

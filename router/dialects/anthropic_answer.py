@@ -11,7 +11,8 @@ import json
 from typing import Any
 
 from protocol import Accepted, Done, Token
-from router.dialects.tools import CallParser, ToolCall
+from router.dialects.call_parser import CallParser
+from router.dialects.tools import ToolCall
 from router.http.errors import ApiError, anthropic_error_payload
 from router.http.sse import sse_named
 

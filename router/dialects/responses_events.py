@@ -14,8 +14,9 @@ from typing import Any
 from starlette.requests import Request
 
 from protocol import Accepted, Done, Token
+from router.dialects.call_parser import CallParser
 from router.dialects.responses_output import Answer, call_item, message_item, output_logprobs
-from router.dialects.tools import CallParser, ToolCall
+from router.dialects.tools import ToolCall
 from router.http.errors import ApiError
 from router.http.sse import sse_named
 
