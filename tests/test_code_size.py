@@ -34,8 +34,6 @@ KERNELS = frozenset({
 #: ``"<package>:<file name>::<Class>"`` / ``"...::<Class>.<method>"`` / ``"...::<function>"``.
 DEBT: dict[str, int] = {
     # router/ (the serving-layer restructuring of issue 24 is splitting these; sizes as merged at 80c87de)
-    "router:config.py": 613,
-    "router:config.py::parse_config": 139,
     "router:llamacpp_api.py": 596,
     "router:llamacpp_api.py::completion": 160,
     "router:process.py": 567,

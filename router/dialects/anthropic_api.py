@@ -50,7 +50,7 @@ from router.dialects.anthropic_answer import PING, MessageStream, error_event, m
 from router.dialects.constraints import json_format_constraint
 from router.dialects.counting import count_beyond_context, refused_for_length
 from router.dialects.shared import Prepared, choose, function_tool, objects, prepare, tool_list
-from router.http.errors import ApiError, BadRequest, ContextLengthExceeded, anthropic_error_payload
+from router.http.errors import BadRequest, ContextLengthExceeded
 from router.dialects.field_policy import refuse_ignored
 from router.serving.generation import OPENAI_DEFAULTS, begin, collect, new_id, read_sampling, stream
 from router.metrics import label_request
