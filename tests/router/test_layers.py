@@ -45,12 +45,8 @@ PAST_THE_DOOR = {"router.workers.pool", "router.workers.process"}
 #: Edges that break a rule today, each with why it is still here. (importer, imported).
 DEBT: dict[tuple[str, str], str] = {
     ("router.workers.pool", "router.serving.presets"): "Pool.get answers a preset with its view of the slot; the serving layer should",
-    # the dialects still hold the model's ModelSlot (its config, state, one-shot worker calls)
-    ("router.dialects.counting", "router.workers.pool"): "dialects type the model as ModelSlot",
+    # the other dialects type the model and the pool with router.serving.models' ModelSlot / ModelPool
     ("router.dialects.llamacpp_api", "router.workers.pool"): "dialects type the model as ModelSlot",
-    ("router.dialects.llamacpp_router", "router.workers.pool"): "dialects type the model as ModelSlot",
-    ("router.dialects.openai_api", "router.workers.pool"): "dialects type the model as ModelSlot",
-    ("router.dialects.shared", "router.workers.pool"): "dialects type the model as ModelSlot",
     ("router.operator.admin", "router.workers.pool"): "the admin routes drive the pool directly",
 }
 
