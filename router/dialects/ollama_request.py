@@ -115,6 +115,7 @@ def keep_alive_s(v: Any) -> float | None:
 
 
 def read_think(body: dict[str, Any], model: str) -> None:
+    """``think``: a 400 when asked for (these models do not think), as Ollama answers; false is fine."""
     t = body.get("think")
     if t is None or t is False or t in ("", "false", "none"):
         return
@@ -195,6 +196,7 @@ def read_logprobs(body: dict[str, Any]) -> int | None:
 
 
 def read_overflow(request: Request, body: dict[str, Any]) -> None:
+    """``truncate`` / ``shift``: set aside when true (a prompt beyond n_ctx is a 400 here)."""
     for key in ("truncate", "shift"):
         if get_bool(body, key, False):
             set_aside(request.state, key, "true", "a prompt beyond n_ctx is a 400 and a generation that reaches "
