@@ -38,8 +38,6 @@ DEBT: dict[str, int] = {
     "router:config.py::parse_config": 139,
     "router:anthropic_api.py::messages": 94,
     "router:background.py": 521,
-    "router:llamacpp_api.py": 596,
-    "router:llamacpp_api.py::completion": 160,
     "router:ollama_api.py": 828,
     "router:ollama_api.py::_run": 84,
     "router:openai_responses.py": 615,
@@ -59,8 +57,6 @@ DEBT: dict[str, int] = {
     "worker:tokenizer.py": 1172,
     "worker:tokenizer.py::Tokenizer": 755,
     "worker:tokenizer.py::Tokenizer.from_metadata": 170,
-    # protocol/ (Assign, the warm spare's message, came in at 80c87de)
-    "protocol:messages.py": 551,
 }
 
 

@@ -269,7 +269,7 @@ def test_native_completion_stream(router: LiveRouter) -> None:
 
 
 def test_token_text_drops_a_cut_off_character_as_llama_cpp() -> None:
-    from router.dialects.llamacpp_api import _token_text
+    from router.dialects.llamacpp_answers import token_text as _token_text
 
     assert _token_text(b"\xf0\x9f") == "" and _token_text(b"a\xe2\x82") == "a" and _token_text(b"\xc3\xa9") == "\u00e9"
     assert _token_text(b"x\xa9") == "x\ufffd"  # a stray continuation byte is not a cut-off character
