@@ -278,8 +278,9 @@ async def stream(run: Generation, first: Token | Done | Accepted, on_frame: Form
     ``first`` an Accepted (``begin(early=True)``): ``on_open`` gives the dialect's opening
     events at once (Anthropic ``message_start``, the chat role chunk, ``response.created``;
     none given: a keep-alive), before the prompt is prefilled. The PromptProgress frames of a
-    Generate with ``return_progress`` are formatted by ``on_progress`` (none given: no event). Whenever nothing was sent
-    for the server's ``sse_keepalive_s``, ``keepalive`` is (an SSE comment, Anthropic's ``ping``).
+    Generate with ``return_progress`` are formatted by ``on_progress`` (none given: no event).
+    Whenever nothing was sent for the server's ``sse_keepalive_s``, ``keepalive`` is (an SSE
+    comment, Anthropic's ``ping``).
     An ApiError mid-stream becomes one error event (``on_error``, default
     :func:`error_event`: OpenAI's shape) and ends the stream."""
     on_error = on_error or error_event

@@ -104,10 +104,10 @@ class ModelServer:
 
     async def next(self, rec: RequestRecord) -> Token | Done | KVChunk | Accepted | PromptProgress:
         """``rec``'s next Token (or KVChunk, for a Generate with ``stream_state``), or its final
-        Done; with ``rec.early``, the worker's Accepted frame as well, and its PromptProgress frames
-        when its Generate has ``return_progress`` (a stream's; else they are dropped). Raises the mapped ApiError
-        for a worker Error frame, BadGateway(code="worker_crashed") if the worker died,
-        ServerShuttingDown if the router ended it (:meth:`cancel` then cancels it)."""
+        Done; with ``rec.early``, the worker's Accepted frame as well, and its PromptProgress
+        frames when its Generate has ``return_progress`` (a stream's; else they are dropped).
+        Raises the mapped ApiError for a worker Error frame, BadGateway(code="worker_crashed") if
+        the worker died, ServerShuttingDown if the router ended it (:meth:`cancel` then cancels it)."""
         assert rec.sent, "start() first"
         while True:
             item = await rec.inbox.get()
