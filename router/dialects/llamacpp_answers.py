@@ -13,7 +13,7 @@ from protocol import Done, Generate, PromptProgress, Token
 from router.dialects.llamacpp_request import Completion
 from router.dialects.shared import RANDOM_SEED
 from router.http.sse import sse_event
-from router.serving.generation import TokenProb, timings_of, token_probs
+from router.serving.generation import TokenProb, prompt_progress_of, timings_of, token_probs
 from router.serving.server import Generation
 
 
@@ -157,12 +157,11 @@ class CompletionAnswers:
 def progress_chunk(index: int) -> Callable[[PromptProgress], list[bytes]]:
     """The stream chunk of a PromptProgress frame, as llama-server's ``return_progress`` sends it
     (a partial result with no token: ``id_slot`` -1, ``tokens_evaluated`` the prompt's tokens,
-    ``prompt_progress`` ``{"total", "cache", "processed", "time_ms"}``, tokens and whole ms)."""
+    ``prompt_progress`` ``{"total", "cache", "processed", "time_ms"}``)."""
 
     def chunk(p: PromptProgress) -> list[bytes]:
         return [sse_event({"index": index, "content": "", "tokens": [], "stop": False, "id_slot": -1,
                            "tokens_predicted": 0, "tokens_evaluated": p.total,
-                           "prompt_progress": {"total": p.total, "cache": p.cache, "processed": p.processed,
-                                               "time_ms": int(p.time_ms)}})]
+                           "prompt_progress": prompt_progress_of(p)})]
 
     return chunk

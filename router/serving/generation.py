@@ -334,6 +334,11 @@ def error_event(err: ApiError) -> bytes:
     return sse_event(error_payload(err))
 
 
+def prompt_progress_of(p: PromptProgress) -> dict[str, Any]:
+    """llama-server's ``prompt_progress`` object (tokens; ``time_ms`` whole ms since the prompt's start)."""
+    return {"total": p.total, "cache": p.cache, "processed": p.processed, "time_ms": int(p.time_ms)}
+
+
 def timings_of(done: Done) -> dict[str, Any]:
     """llama.cpp's ``timings`` object (ms, tokens, tokens/s)."""
     def per_tok(ms: float, n: int) -> float:

@@ -647,6 +647,36 @@ def test_return_progress_streams_prompt_progress(tmp_path: Path, monkeypatch: py
     run(go())
 
 
+def test_return_progress_on_the_chat_route(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-server's chat route with ``return_progress`` (its tests/unit/test_chat_completion.py):
+    chunks carrying the role delta and ``prompt_progress``, the first with processed == cache,
+    processed growing, the last == total, all before the content; not streamed: nothing."""
+    env = InProc(tmp_path, monkeypatch)
+    env.set_fake({"a": {"cache_n": 2}})
+    words = " ".join(f"w{i}" for i in range(20))
+
+    async def go() -> None:
+        async with env.app(config("a")) as (_, c):
+            r = await c.post("/v1/chat/completions", json=chat("a", words, stream=True, return_progress=True))
+            assert r.status_code == 200, r.text
+            chunks = _chunks(r.text)
+            progress = [ch for ch in chunks if "prompt_progress" in ch]
+            done = [p["prompt_progress"]["processed"] for p in progress]
+            total = progress[0]["prompt_progress"]["total"]
+            assert done[0] == progress[0]["prompt_progress"]["cache"] == 2 and done[-1] == total > 16
+            assert done == sorted(set(done)) and len(done) >= 3
+            assert all(p["choices"][0]["delta"] == {"role": "assistant", "content": None}
+                       and p["object"] == "chat.completion.chunk" for p in progress)
+            first_content = next(i for i, ch in enumerate(chunks)
+                                 if ch["choices"] and ch["choices"][0]["delta"].get("content"))
+            assert chunks.index(progress[-1]) < first_content
+            r = await c.post("/v1/chat/completions", json=chat("a", words, return_progress=True))
+            assert r.status_code == 200 and "prompt_progress" not in r.json()
+            assert _generates(env)[-1]["return_progress"] is False
+
+    run(go())
+
+
 # ----------------------------------------------------------------------------- 8. templates
 
 
