@@ -12,7 +12,7 @@ with ``return_progress``), several prompts run at once by ``llamacpp_tasks``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -150,28 +150,26 @@ async def _token_list_json(ans: TokenizeResult) -> bytes:
     7 MB text) take ~0.8 s of encoding, which would otherwise pause every other stream
     of the router."""
     ids = ans.tokens.view()
-    parts = [b'{"tokens":[']
-    for i in range(0, len(ids), TOKENS_PER_SLICE):
-        if i:
-            parts.append(b",")
-            await asyncio.sleep(0)
-        parts.append(",".join(map(str, ids[i:i + TOKENS_PER_SLICE])).encode("ascii"))
-    parts.append(b"]}")
-    return b"".join(parts)
+    return await _sliced_json(len(ids), TOKENS_PER_SLICE, lambda lo, hi: ",".join(map(str, ids[lo:hi])).encode("ascii"))
 
 
 async def _pieces_json(ans: TokenizeResult) -> bytes:
     """``{"tokens":[{"id":..,"piece":..},...]}`` (a piece that is not UTF-8 as its byte
     values), rendered a slice at a time like :func:`_token_list_json`."""
     ids = ans.tokens.view()
+    return await _sliced_json(len(ids), PIECES_PER_SLICE, lambda lo, hi: dumps(
+        [{"id": t, "piece": _piece(p)} for t, p in zip(ids[lo:hi], ans.piece_slice(lo, hi))])[1:-1])
+
+
+async def _sliced_json(n: int, per: int, render: Callable[[int, int], bytes]) -> bytes:
+    """``{"tokens":[...]}`` with its ``n`` entries rendered ``per`` at a time (``render(lo, hi)``:
+    entries lo..hi-1 as JSON, comma-separated, no brackets), the event loop free between slices."""
     parts = [b'{"tokens":[']
-    for i in range(0, len(ids), PIECES_PER_SLICE):
+    for i in range(0, n, per):
         if i:
             parts.append(b",")
             await asyncio.sleep(0)
-        chunk = [{"id": t, "piece": _piece(p)}
-                 for t, p in zip(ids[i:i + PIECES_PER_SLICE], ans.piece_slice(i, i + PIECES_PER_SLICE))]
-        parts.append(dumps(chunk)[1:-1])
+        parts.append(render(i, min(i + per, n)))
     parts.append(b"]}")
     return b"".join(parts)
 
