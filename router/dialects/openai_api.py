@@ -411,7 +411,7 @@ async def completions(request: Request) -> Response | SSEResponse:
     include_usage = wants_usage(body)
     json_schema, grammar, cparam = llamacpp_constraint(body)  # llama.cpp's extensions on its OpenAI route
     msg = Generate(prompt=prompt, n_probs=max(n_lp, 1) if n_lp is not None else 0, json_schema=json_schema,
-                   grammar=grammar, **common)
+                   grammar=grammar, return_progress=streaming and get_bool(body, "return_progress", False), **common)
 
     run, first = await begin(request, slot, msg, grammar_param=cparam, early=streaming)
     assert run.worker is not None
@@ -466,7 +466,8 @@ async def completions(request: Request) -> Response | SSEResponse:
         tail_text, finish = finals[i]
         return out + final_events(chunk(tail_text, finish, flush_lp(i), index=i), item, head, include_usage)
 
-    return SSEResponse(stream(run, first, on_frame), run.close)
+    return SSEResponse(stream(run, first, on_frame, on_progress=lambda p: [  # llama.cpp's return_progress
+        sse_event({**chunk(""), "prompt_progress": prompt_progress_of(p)})]), run.close)
 
 
 routes = [

@@ -647,10 +647,11 @@ def test_return_progress_streams_prompt_progress(tmp_path: Path, monkeypatch: py
     run(go())
 
 
-def test_return_progress_on_the_chat_route(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_return_progress_on_the_openai_routes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """llama-server's chat route with ``return_progress`` (its tests/unit/test_chat_completion.py):
     chunks carrying the role delta and ``prompt_progress``, the first with processed == cache,
-    processed growing, the last == total, all before the content; not streamed: nothing."""
+    processed growing, the last == total, all before the content; not streamed: nothing. Its
+    /v1/completions: chunks with empty text carry it."""
     env = InProc(tmp_path, monkeypatch)
     env.set_fake({"a": {"cache_n": 2}})
     words = " ".join(f"w{i}" for i in range(20))
@@ -673,6 +674,13 @@ def test_return_progress_on_the_chat_route(tmp_path: Path, monkeypatch: pytest.M
             r = await c.post("/v1/chat/completions", json=chat("a", words, return_progress=True))
             assert r.status_code == 200 and "prompt_progress" not in r.json()
             assert _generates(env)[-1]["return_progress"] is False
+            # /v1/completions: text chunks with no text carry it
+            r = await c.post("/v1/completions", json={"model": "a", "prompt": words, "max_tokens": 2, "stream": True,
+                                                      "return_progress": True})
+            progress = [ch for ch in _chunks(r.text) if "prompt_progress" in ch]
+            assert [p["prompt_progress"]["processed"] for p in progress] == [2, 10, 18, 21]  # BOS + 20 words
+            assert all(p["choices"] == [{"index": 0, "text": "", "logprobs": None, "finish_reason": None}]
+                       and p["object"] == "text_completion" for p in progress)
 
     run(go())
 
