@@ -213,7 +213,7 @@ async def _by_file(pre: ModelSlot, slot: ModelSlot, pmsg: Generate) -> dict[str,
         run = submit(pre, pmsg.id)
         try:
             await run.start(pmsg)
-            item: Token | Done | KVChunk | Accepted = await run.next()
+            item = await run.next()
             while not isinstance(item, Done):
                 item = await run.next()
             done = item  # sent once the state file is written (Generate.save_slot_to)
