@@ -42,11 +42,11 @@ from router.metrics import label_request
 from router.serving.calls import call_worker
 from router.serving.generation import begin, collect, error_event, stream
 from router.serving.presets import preset_template
-from router.workers.pool import ModelSlot, Pool
+from router.serving.models import ModelPool, ModelSlot
 
 
 def _slot(request: Request, body: dict[str, Any]) -> tuple[str, ModelSlot]:
-    pool: Pool = request.app.state.pool
+    pool: ModelPool = request.app.state.pool
     name = model_of(body, pool.config.default_name(), pool.config.ids())
     slot = pool.get(name)
     label_request(request, slot.model.name)

@@ -29,7 +29,7 @@ from router.http.sse import until_disconnect
 from router.serving.budget import RequestTooLarge, request_ceiling
 from router.serving.calls import call_worker
 from router.serving.generation import LLAMACPP_DEFAULTS, new_id, read_sampling
-from router.workers.slot import ModelSlot
+from router.serving.models import ModelSlot
 
 PromptPart = str | int
 Prompt = str | list[int] | list[PromptPart]
