@@ -56,9 +56,6 @@ DEBT: dict[str, int] = {
     "worker:gguf_loader.py": 809,
     "worker:gguf_loader.py::_read_value": 84,
     "worker:gguf_loader.py::read_gguf": 112,
-    "worker:tokenizer.py": 1172,
-    "worker:tokenizer.py::Tokenizer": 755,
-    "worker:tokenizer.py::Tokenizer.from_metadata": 170,
     # protocol/ (Assign, the warm spare's message, came in at 80c87de)
     "protocol:messages.py": 551,
 }

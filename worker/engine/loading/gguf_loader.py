@@ -379,7 +379,7 @@ def _read_value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> Any:
                 # the items' bytes (re-encoded where invalid UTF-8 was replaced) straight into one
                 # buffer, offsets and hashes into arrays: no Python object per item outlives its
                 # step (262,144 live bytes/int objects, freed after the load, would leave their
-                # heap pages resident: the engine loads on a thread, see tokenizer._VocabIndex)
+                # heap pages resident: the engine loads on a thread, see text.vocab.VocabIndex)
                 blob = bytearray()
                 offs = array.array("q", [0])
                 hashes = array.array("q")
