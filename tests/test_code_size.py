@@ -53,9 +53,6 @@ DEBT: dict[str, int] = {
     "worker:engine.py": 559,  # +2 import lines (records to seqs.py, named templates out), +1 main's step_stats docstring
     "worker:engine.py::Engine": 490,
     "worker:engine.py::Engine.load": 126,
-    "worker:gguf_loader.py": 809,
-    "worker:gguf_loader.py::_read_value": 84,
-    "worker:gguf_loader.py::read_gguf": 112,
     # protocol/ (Assign, the warm spare's message, came in at 80c87de)
     "protocol:messages.py": 551,
 }

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import EngineError
-from ..loading.gguf_loader import StringArray
+from ..loading.arrays import StringArray
 
 # tokenizers' rayon pool off (one text at a time; no oversubscription, no fork warnings);
 # encode_batch is used for its GIL release alone (BpeModel.ids)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..loading.gguf_loader import StringArray
+from ..loading.arrays import StringArray
 from .vocab import (ATTR_CONTROL, ATTR_NORMAL, ATTR_UNUSED, ATTR_USER_DEFINED, PARSE_ONLY_ATTRS,
                     SPECIAL_ATTRS, trie_regex)
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from ..loading.gguf_loader import NumericArray, StringArray
+from ..loading.arrays import NumericArray, StringArray
 from .vocab import trie_regex
 
 SPM_SPACE = "\u2581"  # LOWER ONE EIGHTH BLOCK, SentencePiece's escaped space

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import EngineError
-from ..loading.gguf_loader import NumericArray, StringArray
+from ..loading.arrays import NumericArray, StringArray
 from .bpe import UNICODE_TO_BYTE, BpeModel, pre_tokenizer
 from .specials import FIM_ROLES, SpecialIds, SpecialTokens, detect_by_text, read_special_ids
 from .spm import SPM_SPACE, SpmModel

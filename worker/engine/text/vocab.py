@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import EngineError
-from ..loading.gguf_loader import NumericArray, StringArray
+from ..loading.arrays import NumericArray, StringArray
 
 # llama.h: enum llama_token_attr (bit flags)
 ATTR_UNDEFINED = 0
