@@ -49,10 +49,6 @@ DEBT: dict[str, int] = {
     "router:process.py::WorkerProcess": 459,
     "router:slot.py": 886,
     "router:slot.py::ModelSlot": 796,
-    # worker/ (to be split by concept; see /work/notes/wseam-report.md)
-    "worker:engine.py": 559,  # +2 import lines (records to seqs.py, named templates out), +1 main's step_stats docstring
-    "worker:engine.py::Engine": 490,
-    "worker:engine.py::Engine.load": 126,
     # protocol/ (Assign, the warm spare's message, came in at 80c87de)
     "protocol:messages.py": 551,
 }
