@@ -73,7 +73,8 @@ from protocol import (
 from protocol.errors import ErrorCode
 from router.http.errors import ApiError, BadGateway, Unavailable, from_worker_error
 from router.workers.pool import ModelSlot, Pool
-from router.workers.process import WorkerGone, WorkerProcess, WorkerUnreachable
+from router.workers.connection import WorkerGone, WorkerUnreachable
+from router.workers.process import WorkerProcess
 from router.serving.server import submit
 
 log = logging.getLogger("modelyard.disaggregate")

@@ -37,7 +37,8 @@ from router.http.errors import ApiError, BadGateway, ServerShuttingDown, from_wo
 from router.metrics import Metrics
 from router.serving.record import RecordState, RequestRecord
 from router.workers.pool import ModelSlot
-from router.workers.process import Aborted, WorkerGone, WorkerProcess, WorkerUnreachable
+from router.workers.connection import Aborted, WorkerGone, WorkerUnreachable
+from router.workers.process import WorkerProcess
 from router.workers.tasks import spawn
 
 log = logging.getLogger("modelyard.run")

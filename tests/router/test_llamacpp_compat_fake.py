@@ -535,11 +535,11 @@ def test_a_client_leaving_while_its_model_loads_evicts_nothing_more(
                 b = pool.get("b")
                 for make, waiting in ((lambda: c.post("/v1/chat/completions", json=chat("b")), lambda: b.queue_depth),
                                       (lambda: c.post("/tokenize", json={"model": "b", "content": "x"}),
-                                       lambda: b._users)):
+                                       lambda: b.users)):
                     t = asyncio.create_task(make())
                     await until(lambda: b.state is WorkerState.LOADING and waiting(), "b loading for the request")
                     t.cancel()
-                    await until(lambda: pool.get("b").queue_depth == 0 and pool.get("b")._users == 0, "b left")
+                    await until(lambda: pool.get("b").queue_depth == 0 and pool.get("b").users == 0, "b left")
                     assert pool.get("c").state is WorkerState.READY
             await until(lambda: pool.get("b").state is WorkerState.READY, "b loaded")
             assert pool.get("c").state is WorkerState.READY and pool.get("a").state is WorkerState.UNLOADED
