@@ -371,18 +371,9 @@ class BatchRunner:
         first = dones[0]
         assert isinstance(first, Done)
         save_to = getattr(run.job.msg, "save_slot_to", "")
-        if run.n == 1 and getattr(run.job.msg, "stream_state", False) and run.finished.get(0) is not None \
+        stream_state = getattr(run.job.msg, "stream_state", False)
+        if run.n == 1 and (stream_state or save_to) and run.finished.get(0) is not None \
                 and first.finish_reason != "cancelled":
-            # this very step ended it: its slot still holds its entry; the socket thread streams it
-            try:
-                state = self.engine.save_slot(run.finished[0].id_slot)
-            except EngineError as e:
-                self._end(job_id, error_frame(job_id, e))
-                return
-            self._end(job_id, first, post=False)
-            self._post(StateOut(job_id, state, first))
-            return
-        if run.n == 1 and save_to and run.finished.get(0) is not None and first.finish_reason != "cancelled":
             # this very step ended it: its slot still holds its entry, nobody took it over yet
             try:
                 state = self.engine.save_slot(run.finished[0].id_slot)
@@ -390,7 +381,10 @@ class BatchRunner:
                 self._end(job_id, error_frame(job_id, e))
                 return
             self._end(job_id, first, post=False)
-            self.kv.save_then_finish(job_id, run.finished[0].id_slot, save_to, state, first)  # Done once written
+            if stream_state:  # the socket thread streams it
+                self._post(StateOut(job_id, state, first))
+            else:
+                self.kv.save_then_finish(job_id, run.finished[0].id_slot, save_to, state, first)  # Done once written
             return
         if run.n == 1:
             self._end(job_id, first)
