@@ -92,6 +92,13 @@ CurveKeypair = tuple[str, str]
 #: ZeroMQ monitor events that mean a peer failed the CURVE handshake.
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+#: tcp: ZMTP heartbeats every HEARTBEAT_IVL_MS; a peer silent for HEARTBEAT_TIMEOUT_MS is
+#: disconnected (a worker whose host vanished is known within ~2 s, not at the next request; a
+#: worker that dies on a live host closes its connection and is known at once).
+HEARTBEAT_IVL_MS = 500
+HEARTBEAT_TIMEOUT_MS = 2000
+#: The exit code a worker gets when its connection is lost (as a SIGKILLed child's).
+LOST_EXIT_CODE = -9
 
 
 def new_curve_keypair() -> CurveKeypair:
@@ -160,8 +167,8 @@ class WorkerProcess:
 
     @property
     def host(self) -> str:
-        """Where it runs (its launcher's host)."""
-        return self._launcher.host
+        """Where it runs: its process's host once started (a Ray node), else its launcher's."""
+        return self._handle.host if self._handle is not None else self._launcher.host
 
     @property
     def alive(self) -> bool:
@@ -220,6 +227,9 @@ class WorkerProcess:
             raise LoadFailed(f"cannot bind the worker socket {endpoint}: {e}") from None
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock
+        if self.endpoint.startswith("tcp://"):
+            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         if curve is not None:
             self._monitor = asyncio.create_task(self._watch_handshakes(sock), name=f"worker-monitor-{self.name}")
         self._reader = asyncio.create_task(self._read_loop(), name=f"worker-reader-{self.name}")
@@ -315,6 +325,8 @@ class WorkerProcess:
         raise LoadFailed(f"worker was not ready within load_timeout_s={timeout_s:g} s; killed", self.exit_code)
 
     def _on_exit(self, code: int) -> None:
+        if self.exited.is_set():  # declared lost already (_probe_peer); its launcher's news comes later
+            return
         self.exit_code = code
         self.exited.set()
         # Frames the worker sent before it died are delivered before the news of its death.
@@ -403,14 +415,18 @@ class WorkerProcess:
             self._handle_frame(parts)
 
     async def _watch_handshakes(self, sock: zmq.asyncio.Socket) -> None:
-        """Log (and count) every peer that failed the CURVE handshake on ``sock``."""
-        mon = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        """Log (and count) every peer that failed the CURVE handshake on ``sock``; on any peer's
+        disconnection, check that the worker is still connected (:meth:`_probe_peer`)."""
+        mon = sock.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED)
         try:
             while True:
                 try:
                     event = parse_monitor_message(await mon.recv_multipart())
                 except (zmq.ZMQError, asyncio.CancelledError):
                     return
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    spawn(self._probe_peer())
+                    continue
                 self._refused(f"CURVE handshake failed ({zmq.Event(event['event']).name}, "
                               f"errno {event['value']})")
         finally:
@@ -419,6 +435,26 @@ class WorkerProcess:
             except zmq.ZMQError:
                 pass
             mon.close(linger=0)
+
+    async def _probe_peer(self) -> None:
+        """A peer disconnected: if it was the worker (a Ping to its routing id is now refused:
+        ROUTER_MANDATORY), the worker is lost, as if it had exited: its streams end with their
+        error at once, it is killed through its launcher, and a later exit report is ignored.
+        A worker on another host is then known to be gone within the heartbeat timeout, whatever
+        its launcher learns and when."""
+        for delay in (0.0, 0.2):  # the socket drops the peer's pipe when it next processes commands
+            await asyncio.sleep(delay)
+            if self._identity is None or self.exited.is_set() or self._stop_requested:
+                return
+            try:
+                await self.send(Ping(id=self.new_call_id("probe")))
+                continue  # still routed: another peer left (or not yet dropped)
+            except (WorkerUnreachable, ProtocolError):
+                pass
+            self.kill("its connection was lost (host or network gone)")
+            log.warning("worker %s (pid %s on %s) for %s: connection lost", self.serial, self.pid, self.host, self.name)
+            self._on_exit(LOST_EXIT_CODE)
+            return
 
     def _refused(self, why: str) -> None:
         """Count a refused peer; log the first ten, then every hundredth (a peer that keeps
