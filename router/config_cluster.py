@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from router.config_readers import ConfigError
+
 #: ``[cluster] backend`` values; the first is the default.
 BACKENDS = ("local", "ray")
 _CLUSTER_KEYS = {"backend", "address", "advertise_host", "place_timeout_s"}
@@ -41,8 +43,6 @@ class ClusterConfig:
 def parse_cluster(data: dict[str, Any]) -> ClusterConfig:
     """The ``[cluster]`` table of a parsed config document (absent: the defaults).
     Raises ConfigError naming the key."""
-    from router.config import ConfigError  # router.config imports this module
-
     raw = data.get("cluster", {})
     if not isinstance(raw, dict):
         raise ConfigError("cluster", f"expected a table, got {type(raw).__name__}")
@@ -68,8 +68,6 @@ def parse_cluster(data: dict[str, Any]) -> ClusterConfig:
 def node_labels(merged: dict[str, Any], where: str) -> tuple[tuple[str, str], ...]:
     """A model's ``node_labels`` table as sorted (key, value) pairs (absent: none).
     Raises ConfigError naming ``where.node_labels`` unless every key and value is a non-empty string."""
-    from router.config import ConfigError  # router.config imports this module
-
     raw = merged.get("node_labels", {})
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}.node_labels", f"expected a table of strings, got {type(raw).__name__}")

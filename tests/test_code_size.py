@@ -34,17 +34,8 @@ KERNELS = frozenset({
 #: ``"<package>:<file name>::<Class>"`` / ``"...::<Class>.<method>"`` / ``"...::<function>"``.
 DEBT: dict[str, int] = {
     # router/ (the serving-layer restructuring of issue 24 is splitting these; sizes as merged at 80c87de)
-    "router:config.py": 613,
-    "router:config.py::parse_config": 139,
-    "router:anthropic_api.py::messages": 94,
-    "router:background.py": 521,
     "router:llamacpp_api.py": 596,
     "router:llamacpp_api.py::completion": 160,
-    "router:ollama_api.py": 828,
-    "router:ollama_api.py::_run": 84,
-    "router:openai_responses.py": 615,
-    "router:openai_responses.py::create": 122,
-    "router:tools.py": 507,
     "router:process.py": 567,
     "router:process.py::WorkerProcess": 459,
     "router:slot.py": 886,

@@ -45,7 +45,7 @@ from router.serving.generation import (
 )
 from router.metrics import label_request
 from router.http.params import INT32_MAX, N_PREDICT_MIN, get_bool, get_int, model_of, get_prompt, get_str, read_json
-from router.workers.pool import ModelSlot, Pool
+from router.serving.models import ModelPool, ModelSlot
 from router.http.responses import JSONResponse
 from router.http.sse import SSEResponse, sse_event
 from router.dialects.tools import ToolCall
@@ -53,15 +53,15 @@ from router.dialects.tools import ToolCall
 MAX_TOP_LOGPROBS = MAX_N_PROBS  # they become Generate.n_probs
 
 
-def _pool(request: Request) -> Pool:
-    pool: Pool = request.app.state.pool
+def _pool(request: Request) -> ModelPool:
+    pool: ModelPool = request.app.state.pool
     return pool
 
 
 # ----------------------------------------------------------------------------- models
 
 
-def _model_object(pool: Pool, ident: str) -> dict[str, Any]:
+def _model_object(pool: ModelPool, ident: str) -> dict[str, Any]:
     m = pool.config.resolve(ident)
     assert m is not None
     slot = pool.slots[m.name]
