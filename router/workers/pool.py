@@ -33,7 +33,8 @@ from router.workers.launchers import Launcher
 from router.workers.launchers.local import SPARE_NAME, LocalLauncher
 from router.workers.placement import MemoryProbe
 from router.workers.placing import Placer
-from router.workers.process import CurveKeypair, WorkerProcess, new_curve_keypair
+from router.workers.connection import CurveKeypair, new_curve_keypair
+from router.workers.process import WorkerProcess
 from router.workers.slot import ModelSlot
 
 log = logging.getLogger("modelyard.pool")
@@ -130,9 +131,9 @@ class Pool:
         kept = sorted(f.name for f in dataclasses.fields(old.server)
                       if f.name != "max_loaded" and getattr(old.server, f.name) != getattr(new.server, f.name))
         server = dataclasses.replace(old.server, max_loaded=new.server.max_loaded)
-        added = [n for n in new.models if n not in self.slots or self.slots[n].retiring]
-        removed = [n for n, s in self.slots.items() if n not in new.models and not s.retiring]
-        changed = [n for n in new.models if n in self.slots and not self.slots[n].retiring
+        added = [n for n in new.models if n not in self.slots or self.slots[n].unloader.retiring]
+        removed = [n for n, s in self.slots.items() if n not in new.models and not s.unloader.retiring]
+        changed = [n for n in new.models if n in self.slots and not self.slots[n].unloader.retiring
                    and self.slots[n].model != new.models[n]]
         self.config = dataclasses.replace(new, server=server)
         for n in removed:
