@@ -17,7 +17,8 @@ Layout::
                         max_crashes, crash_window_s, pinned, n_predict, system_prompt,
                         and default sampling values (temperature, top_p, top_k, min_p,
                         repeat_penalty, repeat_last_n, presence_penalty,
-                        frequency_penalty, seed)
+                        frequency_penalty, seed), node_labels
+    [cluster]           backend, address, advertise_host, place_timeout_s (router.config_cluster)
 
 Every defect raises :class:`ConfigError` whose message starts with the key path
 (``models.smollm2.max_queue: ...``); unknown keys are defects too (a typo must not
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.limits import DEFAULT_WEIGHTS, WEIGHT_MODES
+from router.config_cluster import ClusterConfig, node_labels, parse_cluster
 from router.config_presets import parse_presets
 from router.config_readers import ConfigError as ConfigError  # re-exported: every caller's name for it
 from router.config_readers import (
@@ -87,6 +89,7 @@ class ModelConfig:
     restart_backoff_max_s: float = 60.0
     max_crashes: int = 5
     crash_window_s: float = 300.0
+    node_labels: tuple[tuple[str, str], ...] = ()  # Ray node labels its worker's node must carry (router.config_cluster)
     pinned: bool = False  # never evicted for another model (router.workers.placement) nor unloaded for idleness
     # KV states (worker.engine.kv.state): POST /slots/{id}?action=save|restore|erase files live in
     # slot_save_path (None: slot actions are a 501); kv_cache_dir/<model name> keeps the idle KV
@@ -172,6 +175,7 @@ class Config:
     source: Path | None = None
     defaults: dict[str, Any] = field(default_factory=dict)  # the [defaults] table (discovered models use it)
     presets: dict[str, ModelConfig] = field(default_factory=dict)  # [presets.NAME]: a model's view (router.serving.presets)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # [cluster]: where workers run (router.config_cluster)
 
     def resolve(self, name: str) -> ModelConfig | None:
         """The model called ``name`` (canonical name or alias), else None."""
@@ -212,7 +216,7 @@ _MODEL_KEYS = {
     "ping_timeout_s", "unresponsive_after_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", "weights",
     "n_ubatch", "restart_backoff_s", "restart_backoff_max_s", "max_crashes", "crash_window_s", "pinned", "slot_save_path",
     "kv_cache_dir", "kv_cache_mib", "prefill_model", "kv_transfer", "n_predict", "max_request_tokens",
-    "background_slots", "system_prompt", *SAMPLING_KEYS,
+    "background_slots", "system_prompt", "node_labels", *SAMPLING_KEYS,
 }
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases", "prefill_model", "kv_transfer"}
 #: ``kv_transfer`` values (router.serving.disaggregate).
@@ -246,7 +250,7 @@ def load_config(path: str | Path) -> Config:
 
 def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = None) -> Config:
     """Validate an already-parsed TOML document. Raises ConfigError."""
-    no_unknown(data, {"server", "defaults", "models", "presets"}, "")
+    no_unknown(data, {"server", "defaults", "models", "presets", "cluster"}, "")
     server = _server(table_of(data, "server", "server"), base_dir)
     check_public_bind(server)
 
@@ -265,7 +269,8 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
     if server.default_model is not None and server.default_model not in seen_ids:
         raise ConfigError("server.default_model", f"{server.default_model!r} is not a configured model name or "
                           f"alias (configured: {', '.join(seen_ids)})")
-    return Config(server=server, models=models, source=source, defaults=dict(defaults), presets=presets)
+    return Config(server=server, models=models, source=source, defaults=dict(defaults), presets=presets,
+                  cluster=parse_cluster(data))
 
 
 def _server(server_raw: dict[str, Any], base_dir: Path) -> ServerConfig:
@@ -374,6 +379,7 @@ def _model(name: str, table: Any, defaults: dict[str, Any], models_dir: Path, ba
         background_slots=read_int(merged, "background_slots", src("background_slots"), 0, 0, 100_000),
         sampling=sampling,
         system_prompt=read_opt_str(merged, "system_prompt", src("system_prompt")),
+        node_labels=node_labels(merged, src("node_labels")),
     )
 
 

@@ -72,6 +72,11 @@ CurveKeypair = tuple[str, str]
 #: ZeroMQ monitor events that mean a peer failed the CURVE handshake.
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+#: tcp: ZMTP heartbeats every HEARTBEAT_IVL_MS; a peer silent for HEARTBEAT_TIMEOUT_MS is
+#: disconnected (a worker whose host vanished is known within ~2 s, not at the next request; a
+#: worker that dies on a live host closes its connection and is known at once).
+HEARTBEAT_IVL_MS = 500
+HEARTBEAT_TIMEOUT_MS = 2000
 
 
 def new_curve_keypair() -> CurveKeypair:
@@ -160,6 +165,9 @@ class WorkerChannel:
             raise
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock
+        if self.endpoint.startswith("tcp://"):
+            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         if curve is not None:
             self._monitor = asyncio.create_task(self._watch_handshakes(sock), name=f"worker-monitor-{self.name}")
         self._reader = asyncio.create_task(self._read_loop(), name=f"worker-reader-{self.name}")
@@ -207,14 +215,18 @@ class WorkerChannel:
             self._handle_frame(parts)
 
     async def _watch_handshakes(self, sock: zmq.asyncio.Socket) -> None:
-        """Log (and count) every peer that failed the CURVE handshake on ``sock``."""
-        mon = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        """Log (and count) every peer that failed the CURVE handshake on ``sock``; on any peer's
+        disconnection, check that the worker is still connected (:meth:`_probe_peer`)."""
+        mon = sock.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED)
         try:
             while True:
                 try:
                     event = parse_monitor_message(await mon.recv_multipart())
                 except (zmq.ZMQError, asyncio.CancelledError):
                     return
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    spawn(self._probe_peer())
+                    continue
                 self._refused(f"CURVE handshake failed ({zmq.Event(event['event']).name}, "
                               f"errno {event['value']})")
         finally:
@@ -223,6 +235,25 @@ class WorkerChannel:
             except zmq.ZMQError:
                 pass
             mon.close(linger=0)
+
+    async def _probe_peer(self) -> None:
+        """A peer disconnected: if it was the worker (a Ping to its routing id is now refused:
+        ROUTER_MANDATORY), :meth:`_connection_lost` decides what that means."""
+        for delay in (0.0, 0.2):  # the socket drops the peer's pipe when it next processes commands
+            await asyncio.sleep(delay)
+            if self._identity is None or self.exited.is_set():
+                return
+            try:
+                await self.send(Ping(id=self.new_call_id("probe")))
+                continue  # still routed: another peer left (or not yet dropped)
+            except (WorkerUnreachable, ProtocolError):
+                pass
+            self._connection_lost()
+            return
+
+    def _connection_lost(self) -> None:
+        """The worker's connection is gone (it died, or its host or network did). The process
+        side (``router.workers.process.WorkerProcess``) ends it; the channel alone does nothing."""
 
     def _refused(self, why: str) -> None:
         """Count a refused peer; log the first ten, then every hundredth (a peer that keeps

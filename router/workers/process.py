@@ -33,6 +33,9 @@ from router.workers.options import assign_for, option_args
 log = logging.getLogger("modelyard.worker")
 
 
+#: The exit code a worker gets when its connection is lost (as a SIGKILLed child's).
+LOST_EXIT_CODE = -9
+
 class LoadFailed(Exception):
     """The worker did not become ready. ``exit_code`` is set when the process exited."""
 
@@ -81,8 +84,8 @@ class WorkerProcess(WorkerChannel):
 
     @property
     def host(self) -> str:
-        """Where it runs (its launcher's host)."""
-        return self._launcher.host
+        """Where it runs: its process's host once started (a Ray node), else its launcher's."""
+        return self._handle.host if self._handle is not None else self._launcher.host
 
     @property
     def alive(self) -> bool:
@@ -215,6 +218,8 @@ class WorkerProcess(WorkerChannel):
         raise LoadFailed(f"worker was not ready within load_timeout_s={timeout_s:g} s; killed", self.exit_code)
 
     def _on_exit(self, code: int) -> None:
+        if self.exited.is_set():  # declared lost already (_connection_lost); its launcher's news comes later
+            return
         self.exit_code = code
         self.exited.set()
         # Frames the worker sent before it died are delivered before the news of its death.
@@ -228,6 +233,17 @@ class WorkerProcess(WorkerChannel):
             except Exception:  # pragma: no cover - a bug in a callback must not stop the others
                 log.exception("worker exit callback failed")
         self._close_socket()
+
+    def _connection_lost(self) -> None:
+        """The worker's connection dropped: it is gone, as if it had exited (its streams end with
+        their error at once; it is killed through its launcher, whose later exit report is
+        ignored). A worker on another host is so known to be gone within the heartbeat timeout,
+        whatever its launcher learns and when."""
+        if self._stop_requested or self.exited.is_set():
+            return
+        self.kill("its connection was lost (host or network gone)")
+        log.warning("worker %s (pid %s on %s) for %s: connection lost", self.serial, self.pid, self.host, self.name)
+        self._on_exit(LOST_EXIT_CODE)
 
     def kill(self, reason: str | None = None) -> None:
         """End the process now (its launcher's kill: SIGKILL for a local child; no-op if gone).

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 ENTRY = {"router", "router.app", "router.cli", "router.cli_client", "router.__main__"}
-BASE = {"router.config", "router.config_readers", "router.config_presets", "router.cli_args", "router.metrics"}
+BASE = {"router.config", "router.config_readers", "router.config_presets", "router.config_cluster", "router.cli_args", "router.metrics"}
 
 #: One module per API dialect (the others in router.dialects are their shared helpers).
 DIALECT_MODULES = {
