@@ -27,6 +27,8 @@ killed by that signal).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +39,8 @@ from protocol import WorkerCredentials
 if TYPE_CHECKING:
     from router.config import ModelConfig
     from router.workers.process import WorkerProcess
+
+log = logging.getLogger("modelyard.worker")
 
 
 class LaunchError(Exception):
@@ -79,6 +83,43 @@ class WorkerHandle(ABC):
     @abstractmethod
     def is_own(self, pid: int) -> bool:
         """Whether ``pid`` (from a Hello) is this process or one of its descendants."""
+
+
+class ExitWatchingHandle(WorkerHandle):
+    """A handle's exit bookkeeping, shared by the launchers: :meth:`on_exit` callbacks run once,
+    in the event loop, after :meth:`_exited`; a subclass starts learning of the exit in
+    :meth:`_watch` (called once, at the first :meth:`on_exit`)."""
+
+    def __init__(self) -> None:
+        self._code: int | None = None
+        self._callbacks: list[Callable[[int], None]] = []
+        self._watching = False
+
+    def on_exit(self, callback: Callable[[int], None]) -> None:
+        loop = asyncio.get_running_loop()
+        if self._code is not None:
+            loop.call_soon(callback, self._code)
+            return
+        self._callbacks.append(callback)
+        if not self._watching:
+            self._watching = True
+            self._watch(loop)
+
+    @abstractmethod
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Arrange for :meth:`_exited` to be called in ``loop`` once the process has exited."""
+
+    def _exited(self, code: int) -> None:
+        """The process exited with ``code``: run the callbacks (once; a second report is ignored)."""
+        if self._code is not None:
+            return
+        self._code = code
+        callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            try:
+                cb(code)
+            except Exception:  # pragma: no cover - a bug in a callback must not stop the others
+                log.exception("worker exit callback failed")
 
 
 @dataclass(frozen=True)
@@ -150,4 +191,4 @@ class Launcher(ABC):
         its resources. The models' workers are stopped by their owners first. Idempotent."""
 
 
-__all__ = ["LaunchError", "Launched", "Launcher", "WorkerHandle"]
+__all__ = ["ExitWatchingHandle", "LaunchError", "Launched", "Launcher", "WorkerHandle"]

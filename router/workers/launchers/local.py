@@ -35,7 +35,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +42,7 @@ import psutil
 
 from protocol import WorkerCredentials, write_credentials
 from router.config import ModelConfig, ServerConfig
-from router.workers.launchers import LaunchError, Launched, Launcher, WorkerHandle
+from router.workers.launchers import ExitWatchingHandle, LaunchError, Launched, Launcher
 from router.workers.options import option_args
 from router.workers.sockdir import make_socket_dir, remove_socket_dir
 
@@ -89,20 +88,18 @@ def local_cores() -> int:
         return os.cpu_count() or 1
 
 
-class LocalHandle(WorkerHandle):
+class LocalHandle(ExitWatchingHandle):
     """A child process (``subprocess.Popen``) of the router; psutil for its memory and children."""
 
     host = "localhost"
 
     def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        super().__init__()
         self._proc = proc
         try:
             self._ps: psutil.Process | None = psutil.Process(proc.pid)
         except psutil.Error:
             self._ps = None
-        self._code: int | None = None
-        self._callbacks: list[Callable[[int], None]] = []
-        self._watcher: threading.Thread | None = None
 
     @property
     def pid(self) -> int | None:
@@ -118,16 +115,9 @@ class LocalHandle(WorkerHandle):
             except OSError:
                 pass
 
-    def on_exit(self, callback: Callable[[int], None]) -> None:
-        loop = asyncio.get_running_loop()
-        if self._code is not None:
-            loop.call_soon(callback, self._code)
-            return
-        self._callbacks.append(callback)
-        if self._watcher is None:  # a thread blocked in Popen.wait: the exit is known at once
-            self._watcher = threading.Thread(target=self._wait, args=(loop,), daemon=True,
-                                             name=f"worker-wait-{self._proc.pid}")
-            self._watcher.start()
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        # a thread blocked in Popen.wait: the exit is known at once
+        threading.Thread(target=self._wait, args=(loop,), daemon=True, name=f"worker-wait-{self._proc.pid}").start()
 
     def _wait(self, loop: asyncio.AbstractEventLoop) -> None:
         code = self._proc.wait()
@@ -135,15 +125,6 @@ class LocalHandle(WorkerHandle):
             loop.call_soon_threadsafe(self._exited, code)
         except RuntimeError:  # loop closed: the router is going away
             pass
-
-    def _exited(self, code: int) -> None:
-        self._code = code
-        callbacks, self._callbacks = self._callbacks, []
-        for cb in callbacks:
-            try:
-                cb(code)
-            except Exception:  # pragma: no cover - a bug in a callback must not stop the others
-                log.exception("worker exit callback failed")
 
     def rss_bytes(self) -> int | None:
         try:

@@ -31,14 +31,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
 from typing import Any
 
 from protocol import WorkerCredentials
 from router.config import ModelConfig
 from router.config_cluster import ClusterConfig
 from router.workers import placement
-from router.workers.launchers import LaunchError, Launched, Launcher, WorkerHandle
+from router.workers.launchers import ExitWatchingHandle, LaunchError, Launched, Launcher
 from router.workers.launchers.local import WORKER_MODULE_ENV
 from router.workers.launchers.ray_host import WorkerHost, node_memory_available
 from router.workers.options import option_args
@@ -74,17 +73,16 @@ def _ray() -> Any:
     return ray
 
 
-class RayHandle(WorkerHandle):
+class RayHandle(ExitWatchingHandle):
     """One worker started by a WorkerHost actor; its figures are the actor's last report."""
 
     def __init__(self, ray: Any, actor: Any, info: dict[str, Any]) -> None:
+        super().__init__()
         self._ray = ray
         self._actor = actor
         self._pid = int(info["pid"])
         self.host = f"{info['host']}/{str(info['node_id'])[:12]}"
         self.node_id = str(info["node_id"])
-        self._code: int | None = None
-        self._callbacks: list[Callable[[int], None]] = []
         self._waiter: asyncio.Task[None] | None = None
         self._rss: int | None = None
         self._pids: set[int] = {self._pid}
@@ -114,14 +112,8 @@ class RayHandle(WorkerHandle):
         except Exception:  # already gone
             pass
 
-    def on_exit(self, callback: Callable[[int], None]) -> None:
-        loop = asyncio.get_running_loop()
-        if self._code is not None:
-            loop.call_soon(callback, self._code)
-            return
-        self._callbacks.append(callback)
-        if self._waiter is None:
-            self._waiter = loop.create_task(self._wait(), name=f"ray-worker-wait-{self._pid}")
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._waiter = loop.create_task(self._wait(), name=f"ray-worker-wait-{self._pid}")
 
     async def _wait(self) -> None:
         try:
@@ -134,17 +126,10 @@ class RayHandle(WorkerHandle):
         self._exited(code)
 
     def _exited(self, code: int) -> None:
-        if self._code is not None:
-            return
-        self._code = code
-        self._rss = None
-        self._kill_actor()  # its job is done
-        callbacks, self._callbacks = self._callbacks, []
-        for cb in callbacks:
-            try:
-                cb(code)
-            except Exception:  # pragma: no cover - a bug in a callback must not stop the others
-                log.exception("worker exit callback failed")
+        if self._code is None:
+            self._rss = None
+            self._kill_actor()  # its job is done
+        super()._exited(code)
 
     async def refresh(self) -> None:
         """Read the worker's RSS and pids from its actor (called by the launcher's probe)."""
