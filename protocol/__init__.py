@@ -35,6 +35,7 @@ from protocol.messages import (
     Message,
     Ping,
     Pong,
+    PromptProgress,
     Ready,
     Shutdown,
     SLOT_ACTIONS,
@@ -49,7 +50,7 @@ from protocol.messages import (
 __all__ = [
     "FINISH_REASONS", "KV_CHUNK_BYTES", "KV_CHUNK_MAX_BYTES", "KV_STREAM_IDLE_S", "KV_WINDOW", "LOAD_STAGES", "MAX_FRAME_BYTES", "MESSAGE_TYPES", "PROTOCOL_VERSION",
     "Accepted", "ApplyTemplate", "Assign", "ApplyTemplateResult", "Cancel", "Detokenize", "DetokenizeResult", "Done",
-    "Error", "ErrorCode", "Generate", "SAMPLING_DEFAULTS", "SAMPLING_FIELDS", "SamplingField", "SamplingFields", "Hello", "KVAck", "KVChunk", "LoadProgress", "Message", "Ping", "Pong", "ProtocolError", "Ready",
+    "Error", "ErrorCode", "Generate", "SAMPLING_DEFAULTS", "SAMPLING_FIELDS", "SamplingField", "SamplingFields", "Hello", "KVAck", "KVChunk", "LoadProgress", "Message", "Ping", "Pong", "PromptProgress", "ProtocolError", "Ready",
     "Shutdown", "SLOT_ACTIONS", "SlotAction", "SlotActionResult",
     "Token", "TokenIds", "Tokenize", "TokenizeResult", "WorkerCredentials", "decode", "encode", "read_credentials",
     "secret_matches", "slot_filename_error", "write_credentials",

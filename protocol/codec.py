@@ -27,7 +27,8 @@ from typing import Any, Union
 
 import msgpack
 
-from protocol.messages import MAX_FRAME_BYTES, MESSAGE_TYPES, PROTOCOL_VERSION, Message
+from protocol.frame import MAX_FRAME_BYTES, PROTOCOL_VERSION, Message
+from protocol.messages import MESSAGE_TYPES
 from protocol.token_ids import TokenIds
 
 MAX_ID_LEN = 128

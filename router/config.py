@@ -9,7 +9,7 @@ Layout::
                         discover_models, max_keep_alive_s, warm_spare
     [defaults]          any per-model key below except path/aliases; applies to every model
     [presets.NAME]      model (required), aliases, sampling keys, n_predict, system_prompt, chat_template,
-                        reasoning, chat_template_kwargs (router.serving.presets)
+                        reasoning, chat_template_kwargs (router.config_presets)
     [models.NAME]       path (required), aliases, n_ctx, chat_template, reasoning, max_queue,
                         load_timeout_s, cancel_timeout_s, drain_timeout_s,
                         shutdown_grace_s, ping_interval_s, ping_timeout_s, unresponsive_after_s,
@@ -17,7 +17,8 @@ Layout::
                         max_crashes, crash_window_s, pinned, n_predict, system_prompt,
                         and default sampling values (temperature, top_p, top_k, min_p,
                         repeat_penalty, repeat_last_n, presence_penalty,
-                        frequency_penalty, seed)
+                        frequency_penalty, seed), node_labels
+    [cluster]           backend, address, advertise_host, place_timeout_s (router.config_cluster)
 
 Every defect raises :class:`ConfigError` whose message starts with the key path
 (``models.smollm2.max_queue: ...``); unknown keys are defects too (a typo must not
@@ -30,7 +31,6 @@ model ``path`` is relative to ``models_dir``.
 from __future__ import annotations
 
 import ipaddress
-import math
 import os
 import re
 import tomllib
@@ -38,31 +38,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from protocol.limits import DEFAULT_WEIGHTS, GENERATE_LIMITS, WEIGHT_MODES
-
-#: Sampling keys a model (or [defaults]) may preset. A request's own value wins;
-#: these win over the API's built-in defaults (OpenAI's for /v1/*, llama.cpp's for /completion).
-SAMPLING_KEYS: dict[str, tuple[type, float | None, float | None]] = {
-    # key: (type, minimum, maximum)
-    "temperature": (float, 0.0, 100.0),
-    "top_p": (float, 0.0, 1.0),
-    "top_k": (int, 0, 2**31 - 1),
-    "min_p": (float, 0.0, 1.0),
-    "repeat_penalty": (float, 0.0, None),
-    "repeat_last_n": (int, -1, 2**31 - 1),
-    "presence_penalty": (float, -2.0, 2.0),
-    "frequency_penalty": (float, -2.0, 2.0),
-    "seed": (int, -(2**63), 2**64 - 1),  # what the protocol carries; negative: random
-}
-
-
-class ConfigError(ValueError):
-    """The configuration is invalid. ``key`` is the dotted key path at fault."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"{key}: {message}" if key else message)
-        self.key = key
-
+from protocol.limits import DEFAULT_WEIGHTS, WEIGHT_MODES
+from router.config_cluster import ClusterConfig, node_labels, parse_cluster
+from router.config_presets import parse_presets
+from router.config_readers import ConfigError as ConfigError  # re-exported: every caller's name for it
+from router.config_readers import (
+    REASONING_MODES, SAMPLING_KEYS, check_id, no_unknown, read_aliases, read_bool, read_choice, read_float, read_int,
+    read_n_predict, read_opt_dir, read_opt_str, read_sampling, read_str, table_of,
+)
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
@@ -106,6 +89,7 @@ class ModelConfig:
     restart_backoff_max_s: float = 60.0
     max_crashes: int = 5
     crash_window_s: float = 300.0
+    node_labels: tuple[tuple[str, str], ...] = ()  # Ray node labels its worker's node must carry (router.config_cluster)
     pinned: bool = False  # never evicted for another model (router.workers.placement) nor unloaded for idleness
     # KV states (worker.engine.kv.state): POST /slots/{id}?action=save|restore|erase files live in
     # slot_save_path (None: slot actions are a 501); kv_cache_dir/<model name> keeps the idle KV
@@ -191,6 +175,7 @@ class Config:
     source: Path | None = None
     defaults: dict[str, Any] = field(default_factory=dict)  # the [defaults] table (discovered models use it)
     presets: dict[str, ModelConfig] = field(default_factory=dict)  # [presets.NAME]: a model's view (router.serving.presets)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # [cluster]: where workers run (router.config_cluster)
 
     def resolve(self, name: str) -> ModelConfig | None:
         """The model called ``name`` (canonical name or alias), else None."""
@@ -231,11 +216,9 @@ _MODEL_KEYS = {
     "ping_timeout_s", "unresponsive_after_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", "weights",
     "n_ubatch", "restart_backoff_s", "restart_backoff_max_s", "max_crashes", "crash_window_s", "pinned", "slot_save_path",
     "kv_cache_dir", "kv_cache_mib", "prefill_model", "kv_transfer", "n_predict", "max_request_tokens",
-    "background_slots", "system_prompt", *SAMPLING_KEYS,
+    "background_slots", "system_prompt", "node_labels", *SAMPLING_KEYS,
 }
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases", "prefill_model", "kv_transfer"}
-#: ``reasoning`` values (llama.cpp's ``--reasoning``): the first is the default.
-REASONING_MODES = ("auto", "on", "off")
 #: ``kv_transfer`` values (router.serving.disaggregate).
 KV_TRANSFERS = ("wire", "file")
 _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport", "shutdown_timeout_s",
@@ -248,14 +231,6 @@ _SERVER_KEYS = {"host", "port", "api_key", "admin_key", "models_dir", "transport
 
 #: A ``cors_origins`` entry: scheme://host[:port], nothing after it (or "*").
 _ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#]+$")
-
-
-def _n_predict(merged: dict[str, Any], where: str) -> int:
-    """``n_predict``: -1 (no limit) or a positive number of tokens."""
-    n = _int(merged, "n_predict", where, -1, -1, 2**31 - 1)
-    if n == 0:
-        raise ConfigError(f"{where}.n_predict", "must be -1 (no limit) or a positive number of tokens, got 0")
-    return n
 
 
 def load_config(path: str | Path) -> Config:
@@ -275,143 +250,137 @@ def load_config(path: str | Path) -> Config:
 
 def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = None) -> Config:
     """Validate an already-parsed TOML document. Raises ConfigError."""
-    _no_unknown(data, {"server", "defaults", "models", "presets"}, "")
-    server_raw = _table(data, "server", "server")
-    _no_unknown(server_raw, _SERVER_KEYS, "server")
-    host = _str(server_raw, "host", "server", "127.0.0.1")
-    port = _int(server_raw, "port", "server", 8080, 0, 65535)
-    api_key = _opt_str(server_raw, "api_key", "server")
-    admin_key = _opt_str(server_raw, "admin_key", "server")
-    models_dir = resolve_models_dir(server_raw, base_dir)
-    transport = _str(server_raw, "transport", "server", "ipc")
-    if transport not in ("ipc", "tcp"):
-        raise ConfigError("server.transport", f'expected "ipc" or "tcp", got {transport!r}')
-    server = ServerConfig(
-        host=host, port=port, api_key=api_key, admin_key=admin_key, models_dir=models_dir,
-        transport=transport,
-        shutdown_timeout_s=_float(server_raw, "shutdown_timeout_s", "server", 10.0, 0.0),
-        allowed_hosts=_hosts(server_raw),
-        cors_origins=_origins(server_raw),
-        header_timeout_s=_float(server_raw, "header_timeout_s", "server", 10.0, 0.1),
-        body_timeout_s=_float(server_raw, "body_timeout_s", "server", 30.0, 0.1),
-        keep_alive_timeout_s=_float(server_raw, "keep_alive_timeout_s", "server", 5.0, 0.1),
-        max_connections=_int(server_raw, "max_connections", "server", 256, 1, 1_000_000),
-        max_header_bytes=_int(server_raw, "max_header_bytes", "server", 16 * 1024, 1024, 1024 * 1024),
-        stream_stall_timeout_s=_float(server_raw, "stream_stall_timeout_s", "server", 30.0, 0.1),
-        sse_keepalive_s=_float(server_raw, "sse_keepalive_s", "server", 5.0, 0.05, 3600.0),
-        max_loaded=_int(server_raw, "max_loaded", "server", 0, 0, 100_000),
-        responses_store_max=_int(server_raw, "responses_store_max", "server", 256, 0, 1_000_000),
-        responses_store_ttl_s=_float(server_raw, "responses_store_ttl_s", "server", 3600.0, 0.0),
-        background_max=_int(server_raw, "background_max", "server", 256, 1, 1_000_000),
-        background_ttl_s=_float(server_raw, "background_ttl_s", "server", 3600.0, 0.0),
-        background_max_mib=_float(server_raw, "background_max_mib", "server", 64.0, 0.01),
-        discover_models=_bool(server_raw, "discover_models", "server", False),
-        max_keep_alive_s=(None if server_raw.get("max_keep_alive_s") is None
-                          else _float(server_raw, "max_keep_alive_s", "server", 0.0, 0.0)),
-        background_per_key=_int(server_raw, "background_per_key", "server", 8, 1, 1_000_000),
-        background_unread_s=_float(server_raw, "background_unread_s", "server", 600.0, 0.0),
-        default_model=_opt_str(server_raw, "default_model", "server"),
-        warm_spare=_bool(server_raw, "warm_spare", "server", True),
-    )
+    no_unknown(data, {"server", "defaults", "models", "presets", "cluster"}, "")
+    server = _server(table_of(data, "server", "server"), base_dir)
     check_public_bind(server)
 
-    defaults = _table(data, "defaults", "defaults")
-    _no_unknown(defaults, _DEFAULTS_KEYS, "defaults")
-    models_raw = _table(data, "models", "models")
+    defaults = table_of(data, "defaults", "defaults")
+    no_unknown(defaults, _DEFAULTS_KEYS, "defaults")
+    models_raw = table_of(data, "models", "models")
     if not models_raw and not server.discover_models:
         raise ConfigError("models", "at least one [models.NAME] table is required")
     models: dict[str, ModelConfig] = {}
     seen_ids: dict[str, str] = {}
     for name, table in models_raw.items():
-        where = f"models.{name}"
-        if not isinstance(table, dict):
-            raise ConfigError(where, f"expected a table, got {type(table).__name__}")
-        _no_unknown(table, _MODEL_KEYS, where)
-        _check_id(name, where)
-        merged = {**defaults, **table}
-
-        def src(key: str) -> str:
-            return where if key in table else "defaults"
-
-        if "path" not in table:
-            raise ConfigError(f"{where}.path", "required (the GGUF file, relative to server.models_dir)")
-        rel = _str(table, "path", where, "")
-        gguf = Path(rel) if Path(rel).is_absolute() else models_dir / rel
-        if not gguf.is_file():
-            raise ConfigError(f"{where}.path", f"no such file: {gguf}")
-        aliases_raw = table.get("aliases", [])
-        if not isinstance(aliases_raw, list) or not all(isinstance(a, str) for a in aliases_raw):
-            raise ConfigError(f"{where}.aliases", "expected a list of strings")
-        for ident in [name, *aliases_raw]:
-            _check_id(ident, f"{where}.aliases")
-            if ident in seen_ids:
-                raise ConfigError(f"{where}.aliases" if ident != name else where,
-                                  f"name {ident!r} is already used by model {seen_ids[ident]!r}")
-            seen_ids[ident] = name
-        n_ctx_raw = merged.get("n_ctx")
-        n_ctx = None if n_ctx_raw is None else _int(merged, "n_ctx", src("n_ctx"), 0, 16, 1 << 20)
-        sampling: dict[str, float | int] = {}
-        for key, (tp, lo, hi) in SAMPLING_KEYS.items():
-            if key in merged:
-                if tp is int:
-                    sampling[key] = _int(merged, key, src(key), 0, lo, hi)
-                else:
-                    sampling[key] = _float(merged, key, src(key), 0.0, lo, hi)
-                bound = GENERATE_LIMITS.get(key)  # what the worker accepts
-                if bound is not None and not bound.contains(sampling[key]):
-                    raise ConfigError(f"{src(key)}.{key}", f"must be {bound.describe()}, got {sampling[key]}")
-        ping_interval = _float(merged, "ping_interval_s", src("ping_interval_s"), 5.0, 0.0)
-        ping_timeout = _float(merged, "ping_timeout_s", src("ping_timeout_s"), 30.0, 0.001)
-        models[name] = ModelConfig(
-            name=name,
-            path=gguf.resolve(),
-            aliases=tuple(aliases_raw),
-            n_ctx=n_ctx,
-            chat_template=_opt_str(merged, "chat_template", src("chat_template")),
-            reasoning=_choice(merged, "reasoning", src("reasoning"), REASONING_MODES),
-            max_queue=_int(merged, "max_queue", src("max_queue"), 8, 0, 100_000),
-            load_timeout_s=_float(merged, "load_timeout_s", src("load_timeout_s"), 120.0, 0.001),
-            cancel_timeout_s=_float(merged, "cancel_timeout_s", src("cancel_timeout_s"), 10.0, 0.001),
-            drain_timeout_s=_float(merged, "drain_timeout_s", src("drain_timeout_s"), 600.0, 0.0),
-            shutdown_grace_s=_float(merged, "shutdown_grace_s", src("shutdown_grace_s"), 5.0, 0.0),
-            ping_interval_s=ping_interval,
-            ping_timeout_s=ping_timeout,
-            unresponsive_after_s=min(ping_timeout, _float(merged, "unresponsive_after_s",
-                                                          src("unresponsive_after_s"), 3.0, 0.001)),
-            idle_ttl_s=_float(merged, "idle_ttl_s", src("idle_ttl_s"), 0.0, 0.0),
-            n_threads=(None if merged.get("n_threads") is None
-                       else _int(merged, "n_threads", src("n_threads"), 1, 1, 1024)),
-            parallel=_int(merged, "parallel", src("parallel"), 4, 1, 256),
-            kv_budget_mib=(None if merged.get("kv_budget_mib") is None
-                           else _float(merged, "kv_budget_mib", src("kv_budget_mib"), 2048.0, 1.0, float(1 << 24))),
-            weights=_weights(merged, src("weights")),
-            n_ubatch=(None if merged.get("n_ubatch") is None
-                      else _int(merged, "n_ubatch", src("n_ubatch"), 512, 1, 65536)),
-            restart_backoff_s=_float(merged, "restart_backoff_s", src("restart_backoff_s"), 1.0, 0.0),
-            restart_backoff_max_s=_float(merged, "restart_backoff_max_s", src("restart_backoff_max_s"), 60.0, 0.0),
-            max_crashes=_int(merged, "max_crashes", src("max_crashes"), 5, 1, 1_000_000),
-            crash_window_s=_float(merged, "crash_window_s", src("crash_window_s"), 300.0, 0.0),
-            pinned=_bool(merged, "pinned", src("pinned"), False),
-            slot_save_path=_opt_dir(merged, "slot_save_path", src("slot_save_path"), base_dir),
-            kv_cache_dir=_opt_dir(merged, "kv_cache_dir", src("kv_cache_dir"), base_dir),
-            kv_cache_mib=_float(merged, "kv_cache_mib", src("kv_cache_mib"), 1024.0, 0.0, float(1 << 30)),
-            prefill_model=_opt_str(table, "prefill_model", where),
-            kv_transfer=_kv_transfer(table, where),
-            n_predict=_n_predict(merged, src("n_predict")),
-            max_request_tokens=_int(merged, "max_request_tokens", src("max_request_tokens"), 0, 0, 1 << 30),
-            background_slots=_int(merged, "background_slots", src("background_slots"), 0, 0, 100_000),
-            sampling=sampling,
-            system_prompt=_opt_str(merged, "system_prompt", src("system_prompt")),
-        )
+        models[name] = _model(name, table, defaults, server.models_dir, base_dir, seen_ids)
     for name, m in models.items():
         _check_prefill_model(name, m, models)
-    from router.serving.presets import parse_presets  # it builds on this module's readers
-
-    presets = parse_presets(_table(data, "presets", "presets"), models, seen_ids)
+    presets = parse_presets(table_of(data, "presets", "presets"), models, seen_ids)
     if server.default_model is not None and server.default_model not in seen_ids:
         raise ConfigError("server.default_model", f"{server.default_model!r} is not a configured model name or "
                           f"alias (configured: {', '.join(seen_ids)})")
-    return Config(server=server, models=models, source=source, defaults=dict(defaults), presets=presets)
+    return Config(server=server, models=models, source=source, defaults=dict(defaults), presets=presets,
+                  cluster=parse_cluster(data))
+
+
+def _server(server_raw: dict[str, Any], base_dir: Path) -> ServerConfig:
+    """``[server]``. Raises ConfigError naming the key."""
+    no_unknown(server_raw, _SERVER_KEYS, "server")
+    host = read_str(server_raw, "host", "server", "127.0.0.1")
+    port = read_int(server_raw, "port", "server", 8080, 0, 65535)
+    api_key = read_opt_str(server_raw, "api_key", "server")
+    admin_key = read_opt_str(server_raw, "admin_key", "server")
+    models_dir = resolve_models_dir(server_raw, base_dir)
+    transport = read_str(server_raw, "transport", "server", "ipc")
+    if transport not in ("ipc", "tcp"):
+        raise ConfigError("server.transport", f'expected "ipc" or "tcp", got {transport!r}')
+    return ServerConfig(
+        host=host, port=port, api_key=api_key, admin_key=admin_key, models_dir=models_dir,
+        transport=transport,
+        shutdown_timeout_s=read_float(server_raw, "shutdown_timeout_s", "server", 10.0, 0.0),
+        allowed_hosts=_hosts(server_raw),
+        cors_origins=_origins(server_raw),
+        header_timeout_s=read_float(server_raw, "header_timeout_s", "server", 10.0, 0.1),
+        body_timeout_s=read_float(server_raw, "body_timeout_s", "server", 30.0, 0.1),
+        keep_alive_timeout_s=read_float(server_raw, "keep_alive_timeout_s", "server", 5.0, 0.1),
+        max_connections=read_int(server_raw, "max_connections", "server", 256, 1, 1_000_000),
+        max_header_bytes=read_int(server_raw, "max_header_bytes", "server", 16 * 1024, 1024, 1024 * 1024),
+        stream_stall_timeout_s=read_float(server_raw, "stream_stall_timeout_s", "server", 30.0, 0.1),
+        sse_keepalive_s=read_float(server_raw, "sse_keepalive_s", "server", 5.0, 0.05, 3600.0),
+        max_loaded=read_int(server_raw, "max_loaded", "server", 0, 0, 100_000),
+        responses_store_max=read_int(server_raw, "responses_store_max", "server", 256, 0, 1_000_000),
+        responses_store_ttl_s=read_float(server_raw, "responses_store_ttl_s", "server", 3600.0, 0.0),
+        background_max=read_int(server_raw, "background_max", "server", 256, 1, 1_000_000),
+        background_ttl_s=read_float(server_raw, "background_ttl_s", "server", 3600.0, 0.0),
+        background_max_mib=read_float(server_raw, "background_max_mib", "server", 64.0, 0.01),
+        discover_models=read_bool(server_raw, "discover_models", "server", False),
+        max_keep_alive_s=(None if server_raw.get("max_keep_alive_s") is None
+                          else read_float(server_raw, "max_keep_alive_s", "server", 0.0, 0.0)),
+        background_per_key=read_int(server_raw, "background_per_key", "server", 8, 1, 1_000_000),
+        background_unread_s=read_float(server_raw, "background_unread_s", "server", 600.0, 0.0),
+        default_model=read_opt_str(server_raw, "default_model", "server"),
+        warm_spare=read_bool(server_raw, "warm_spare", "server", True),
+    )
+
+
+def _model(name: str, table: Any, defaults: dict[str, Any], models_dir: Path, base_dir: Path,
+           seen_ids: dict[str, str]) -> ModelConfig:
+    """``[models.NAME]`` over ``[defaults]``; ``seen_ids`` (id -> model) gets its name and aliases.
+    Raises ConfigError naming the key (in ``defaults`` when the value came from there)."""
+    where = f"models.{name}"
+    if not isinstance(table, dict):
+        raise ConfigError(where, f"expected a table, got {type(table).__name__}")
+    no_unknown(table, _MODEL_KEYS, where)
+    check_id(name, where)
+    merged = {**defaults, **table}
+
+    def src(key: str) -> str:
+        return where if key in table else "defaults"
+
+    if "path" not in table:
+        raise ConfigError(f"{where}.path", "required (the GGUF file, relative to server.models_dir)")
+    rel = read_str(table, "path", where, "")
+    gguf = Path(rel) if Path(rel).is_absolute() else models_dir / rel
+    if not gguf.is_file():
+        raise ConfigError(f"{where}.path", f"no such file: {gguf}")
+    aliases_raw = read_aliases(table, name, where, seen_ids, "model ")
+    n_ctx_raw = merged.get("n_ctx")
+    n_ctx = None if n_ctx_raw is None else read_int(merged, "n_ctx", src("n_ctx"), 0, 16, 1 << 20)
+    sampling = read_sampling(merged, src)
+    ping_interval = read_float(merged, "ping_interval_s", src("ping_interval_s"), 5.0, 0.0)
+    ping_timeout = read_float(merged, "ping_timeout_s", src("ping_timeout_s"), 30.0, 0.001)
+    return ModelConfig(
+        name=name,
+        path=gguf.resolve(),
+        aliases=tuple(aliases_raw),
+        n_ctx=n_ctx,
+        chat_template=read_opt_str(merged, "chat_template", src("chat_template")),
+        reasoning=read_choice(merged, "reasoning", src("reasoning"), REASONING_MODES),
+        max_queue=read_int(merged, "max_queue", src("max_queue"), 8, 0, 100_000),
+        load_timeout_s=read_float(merged, "load_timeout_s", src("load_timeout_s"), 120.0, 0.001),
+        cancel_timeout_s=read_float(merged, "cancel_timeout_s", src("cancel_timeout_s"), 10.0, 0.001),
+        drain_timeout_s=read_float(merged, "drain_timeout_s", src("drain_timeout_s"), 600.0, 0.0),
+        shutdown_grace_s=read_float(merged, "shutdown_grace_s", src("shutdown_grace_s"), 5.0, 0.0),
+        ping_interval_s=ping_interval,
+        ping_timeout_s=ping_timeout,
+        unresponsive_after_s=min(ping_timeout, read_float(merged, "unresponsive_after_s",
+                                                      src("unresponsive_after_s"), 3.0, 0.001)),
+        idle_ttl_s=read_float(merged, "idle_ttl_s", src("idle_ttl_s"), 0.0, 0.0),
+        n_threads=(None if merged.get("n_threads") is None
+                   else read_int(merged, "n_threads", src("n_threads"), 1, 1, 1024)),
+        parallel=read_int(merged, "parallel", src("parallel"), 4, 1, 256),
+        kv_budget_mib=(None if merged.get("kv_budget_mib") is None
+                       else read_float(merged, "kv_budget_mib", src("kv_budget_mib"), 2048.0, 1.0, float(1 << 24))),
+        weights=_weights(merged, src("weights")),
+        n_ubatch=(None if merged.get("n_ubatch") is None
+                  else read_int(merged, "n_ubatch", src("n_ubatch"), 512, 1, 65536)),
+        restart_backoff_s=read_float(merged, "restart_backoff_s", src("restart_backoff_s"), 1.0, 0.0),
+        restart_backoff_max_s=read_float(merged, "restart_backoff_max_s", src("restart_backoff_max_s"), 60.0, 0.0),
+        max_crashes=read_int(merged, "max_crashes", src("max_crashes"), 5, 1, 1_000_000),
+        crash_window_s=read_float(merged, "crash_window_s", src("crash_window_s"), 300.0, 0.0),
+        pinned=read_bool(merged, "pinned", src("pinned"), False),
+        slot_save_path=read_opt_dir(merged, "slot_save_path", src("slot_save_path"), base_dir),
+        kv_cache_dir=read_opt_dir(merged, "kv_cache_dir", src("kv_cache_dir"), base_dir),
+        kv_cache_mib=read_float(merged, "kv_cache_mib", src("kv_cache_mib"), 1024.0, 0.0, float(1 << 30)),
+        prefill_model=read_opt_str(table, "prefill_model", where),
+        kv_transfer=_kv_transfer(table, where),
+        n_predict=read_n_predict(merged, src("n_predict")),
+        max_request_tokens=read_int(merged, "max_request_tokens", src("max_request_tokens"), 0, 0, 1 << 30),
+        background_slots=read_int(merged, "background_slots", src("background_slots"), 0, 0, 100_000),
+        sampling=sampling,
+        system_prompt=read_opt_str(merged, "system_prompt", src("system_prompt")),
+        node_labels=node_labels(merged, src("node_labels")),
+    )
 
 
 def _check_prefill_model(name: str, m: ModelConfig, models: dict[str, ModelConfig]) -> None:
@@ -443,7 +412,7 @@ def resolve_models_dir(server_raw: dict[str, Any], base_dir: Path, env: dict[str
     config wins; else ``$MODELYARD_MODELS_DIR`` if set and non-empty (relative to the
     current directory); else ``models`` next to the config file."""
     if "models_dir" in server_raw:
-        d = Path(_str(server_raw, "models_dir", "server", "models"))
+        d = Path(read_str(server_raw, "models_dir", "server", "models"))
         return d if d.is_absolute() else base_dir / d
     from_env = (os.environ if env is None else env).get(MODELS_DIR_ENV, "")
     if from_env:
@@ -500,56 +469,8 @@ def _origins(server_raw: dict[str, Any]) -> tuple[str, ...]:
     return tuple(out)
 
 
-# ----------------------------------------------------------------------------- helpers
-
-
-def _no_unknown(table: dict[str, Any], allowed: set[str], where: str) -> None:
-    for key in table:
-        if key not in allowed:
-            path = f"{where}.{key}" if where else key
-            raise ConfigError(path, f"unknown key (allowed: {', '.join(sorted(allowed))})")
-
-
-def _table(data: dict[str, Any], key: str, where: str) -> dict[str, Any]:
-    value = data.get(key, {})
-    if not isinstance(value, dict):
-        raise ConfigError(where, f"expected a table, got {type(value).__name__}")
-    return value
-
-
-def _check_id(ident: str, where: str) -> None:
-    if not ident or len(ident) > 128 or any(c.isspace() for c in ident):
-        raise ConfigError(where, f"invalid model id {ident!r} (1..128 characters, no whitespace)")
-
-
-def _opt_dir(t: dict[str, Any], key: str, where: str, base_dir: Path) -> Path | None:
-    """An optional directory (relative to the config file's directory); it need not exist yet,
-    but an existing non-directory there is an error."""
-    v = _opt_str(t, key, where)
-    if v is None:
-        return None
-    d = Path(v) if Path(v).is_absolute() else base_dir / v
-    if d.exists() and not d.is_dir():
-        raise ConfigError(f"{where}.{key}", f"not a directory: {d}")
-    return d.resolve()
-
-
-def _bool(t: dict[str, Any], key: str, where: str, default: bool) -> bool:
-    v = t.get(key, default)
-    if not isinstance(v, bool):
-        raise ConfigError(f"{where}.{key}", f"expected true or false, got {v!r}")
-    return v
-
-
-def _str(t: dict[str, Any], key: str, where: str, default: str) -> str:
-    v = t.get(key, default)
-    if not isinstance(v, str):
-        raise ConfigError(f"{where}.{key}", f"expected a string, got {type(v).__name__}")
-    return v
-
-
 def _weights(t: dict[str, Any], where: str) -> str | None:
-    v = _opt_str(t, "weights", where)
+    v = read_opt_str(t, "weights", where)
     if v is not None and v not in WEIGHT_MODES:
         raise ConfigError(f"{where}.weights", f"expected one of {', '.join(WEIGHT_MODES)}, got {v!r}")
     return v
@@ -558,56 +479,4 @@ def _weights(t: dict[str, Any], where: str) -> str | None:
 def _kv_transfer(t: dict[str, Any], where: str) -> str:
     if "kv_transfer" in t and "prefill_model" not in t:
         raise ConfigError(f"{where}.kv_transfer", "only a model with a prefill_model hands KV states over")
-    return _choice(t, "kv_transfer", where, KV_TRANSFERS)
-
-
-def _choice(t: dict[str, Any], key: str, where: str, choices: tuple[str, ...]) -> str:
-    """``t[key]``, one of ``choices`` (default: the first)."""
-    v = _opt_str(t, key, where)
-    if v is None:
-        return choices[0]
-    if v not in choices:
-        raise ConfigError(f"{where}.{key}", f"expected one of {', '.join(choices)}, got {v!r}")
-    return v
-
-
-def _opt_str(t: dict[str, Any], key: str, where: str) -> str | None:
-    if key not in t:
-        return None
-    v = _str(t, key, where, "")
-    return v or None
-
-
-def _int(t: dict[str, Any], key: str, where: str, default: int, lo: float | None = None,
-         hi: float | None = None) -> int:
-    v = t.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ConfigError(f"{where}.{key}", f"expected an integer, got {type(v).__name__}")
-    _range(v, f"{where}.{key}", lo, hi)
-    return v
-
-
-def _float(t: dict[str, Any], key: str, where: str, default: float, lo: float | None = None,
-           hi: float | None = None) -> float:
-    v = t.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ConfigError(f"{where}.{key}", f"expected a finite number, got {v!r}")
-    _range(v, f"{where}.{key}", lo, hi)
-    return float(v)
-
-
-def _range(v: float, path: str, lo: float | None, hi: float | None) -> None:
-    if lo is not None and v < lo:
-        raise ConfigError(path, f"must be >= {lo}, got {v}")
-    if hi is not None and v > hi:
-        raise ConfigError(path, f"must be <= {hi}, got {v}")
-
-
-# The validators other config tables' readers share (router.serving.presets reads [presets.*] with them):
-# each raises ConfigError naming the key path, as for [models.*].
-check_id = _check_id
-read_float = _float
-read_int = _int
-read_n_predict = _n_predict
-no_unknown = _no_unknown
-read_opt_str = _opt_str
+    return read_choice(t, "kv_transfer", where, KV_TRANSFERS)

@@ -32,36 +32,7 @@ KERNELS = frozenset({
 #: DEBT, not a standard: what is over a limit today, at its size today. Shrink these; when one is
 #: within its limit, delete its line. Keys: ``"<package>:<file name>"`` for a module,
 #: ``"<package>:<file name>::<Class>"`` / ``"...::<Class>.<method>"`` / ``"...::<function>"``.
-DEBT: dict[str, int] = {
-    # router/ (the serving-layer restructuring of issue 24 is splitting these; sizes as merged at 80c87de)
-    "router:config.py": 613,
-    "router:config.py::parse_config": 139,
-    "router:anthropic_api.py::messages": 94,
-    "router:background.py": 521,
-    "router:llamacpp_api.py": 596,
-    "router:llamacpp_api.py::completion": 160,
-    "router:ollama_api.py": 828,
-    "router:ollama_api.py::_run": 84,
-    "router:openai_responses.py": 615,
-    "router:openai_responses.py::create": 122,
-    "router:tools.py": 507,
-    "router:process.py": 567,
-    "router:process.py::WorkerProcess": 459,
-    "router:slot.py": 886,
-    "router:slot.py::ModelSlot": 796,
-    # worker/ (to be split by concept; see /work/notes/wseam-report.md)
-    "worker:engine.py": 559,  # +2 import lines (records to seqs.py, named templates out), +1 main's step_stats docstring
-    "worker:engine.py::Engine": 490,
-    "worker:engine.py::Engine.load": 126,
-    "worker:gguf_loader.py": 809,
-    "worker:gguf_loader.py::_read_value": 84,
-    "worker:gguf_loader.py::read_gguf": 112,
-    "worker:tokenizer.py": 1172,
-    "worker:tokenizer.py::Tokenizer": 755,
-    "worker:tokenizer.py::Tokenizer.from_metadata": 170,
-    # protocol/ (Assign, the warm spare's message, came in at 80c87de)
-    "protocol:messages.py": 551,
-}
+DEBT: dict[str, int] = {}  # empty since issue 24's splits: keep it so
 
 
 def measure() -> dict[str, tuple[str, int, str]]:

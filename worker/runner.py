@@ -46,6 +46,7 @@ from worker.frames import INTERNAL_ERROR, cancelled_done, check_generate, done_f
 from worker.jobs import Job, JobTable
 from worker.kvops import KVStates
 from worker.prep import Prep
+from worker.progress import PrefillProgress
 from worker.textops import TextOps
 from worker.threads import apply_blas_threads
 
@@ -78,9 +79,20 @@ class _Run:
     first_token: bool = False
     aborted: bool = False
     finished: dict[int, Any] = field(default_factory=dict)
+    progress: PrefillProgress | None = None  # Generate.return_progress: its prompt's PromptProgress frames
 
     def seq_id(self, i: int) -> str:
         return self.job.id if self.n == 1 else f"{self.job.id}#{i}"
+
+    @classmethod
+    def of(cls, job: Job, ids: list[int], params: Any, engine: Any, post: Callable[[RunnerEvent], None]) -> _Run:
+        """The run of ``job`` (prompt ``ids``), with its prefill's progress reports when it asks."""
+        run = cls(job, ids, params, max(1, int(job.msg.n)))
+        if getattr(job.msg, "return_progress", False):
+            sid = run.seq_id(0)
+            run.progress = PrefillProgress(job.id, sid, len(ids), functools.partial(engine.cache_n, sid),
+                                           lambda m: post(FrameOut(m)))
+        return run
 
 
 @dataclass(frozen=True)
@@ -106,8 +118,7 @@ class BatchRunner:
             must be thread-safe and must not block.
         max_queue: jobs that may wait beyond the ``capacity`` running ones.
 
-    Per job it posts zero or more FrameOut(Token), then exactly one
-    JobFinished carrying the job's Done or Error.
+    Per job it posts FrameOut frames (Accepted, PromptProgress, Token), then one JobFinished (its Done or Error).
     """
 
     def __init__(self, loader: Callable[..., Any], gguf_path: str, n_ctx: int | None,
@@ -264,6 +275,8 @@ class BatchRunner:
                 reset_cache(engine)
                 continue
             self._publish()  # before any JobFinished of this step: a Pong after its Done sees the step
+            for progress in [r.progress for r in self._runs.values() if r.progress is not None]:
+                progress.after_step(self.snapshot.slots)  # how far the prompts are, after this step
             for f in finished:
                 got = self._seq.pop(f.id, None)
                 if got is None:
@@ -290,8 +303,7 @@ class BatchRunner:
         if err is not None:
             self._end(job.id, err)
             return
-        n = max(1, int(job.msg.n))
-        run = _Run(job, ids, p, n)
+        run = _Run.of(job, ids, p, self.engine, self._post)
         self._runs[job.id] = run
         self._add_choices(run, upto=1)
         if run.added:  # queued in the engine: the router may open its stream now (before the prefill)
@@ -312,6 +324,8 @@ class BatchRunner:
                 # cannot be recovered from a detokenized string), same convention as ev.piece.
                 top = [[int(t), float(lp), engine.token_bytes(int(t), special=False)] for t, lp in ev.top_logprobs]
                 head = i == 0 and not run.first_token  # the first token carries the prompt's counts
+                if head and run.progress is not None:
+                    run.progress.prompt_done()  # its last report goes before the token
                 self._post(FrameOut(Token(id=job.id, text=ev.text, token_id=int(ev.id), piece=bytes(ev.piece),
                                           logprob=None if ev.logprob is None else float(ev.logprob),
                                           top_logprobs=top, index=i,
@@ -357,18 +371,9 @@ class BatchRunner:
         first = dones[0]
         assert isinstance(first, Done)
         save_to = getattr(run.job.msg, "save_slot_to", "")
-        if run.n == 1 and getattr(run.job.msg, "stream_state", False) and run.finished.get(0) is not None \
+        stream_state = getattr(run.job.msg, "stream_state", False)
+        if run.n == 1 and (stream_state or save_to) and run.finished.get(0) is not None \
                 and first.finish_reason != "cancelled":
-            # this very step ended it: its slot still holds its entry; the socket thread streams it
-            try:
-                state = self.engine.save_slot(run.finished[0].id_slot)
-            except EngineError as e:
-                self._end(job_id, error_frame(job_id, e))
-                return
-            self._end(job_id, first, post=False)
-            self._post(StateOut(job_id, state, first))
-            return
-        if run.n == 1 and save_to and run.finished.get(0) is not None and first.finish_reason != "cancelled":
             # this very step ended it: its slot still holds its entry, nobody took it over yet
             try:
                 state = self.engine.save_slot(run.finished[0].id_slot)
@@ -376,7 +381,10 @@ class BatchRunner:
                 self._end(job_id, error_frame(job_id, e))
                 return
             self._end(job_id, first, post=False)
-            self.kv.save_then_finish(job_id, run.finished[0].id_slot, save_to, state, first)  # Done once written
+            if stream_state:  # the socket thread streams it
+                self._post(StateOut(job_id, state, first))
+            else:
+                self.kv.save_then_finish(job_id, run.finished[0].id_slot, save_to, state, first)  # Done once written
             return
         if run.n == 1:
             self._end(job_id, first)

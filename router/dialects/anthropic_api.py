@@ -24,7 +24,8 @@ gives; ``output_tokens``). Streams carry Anthropic's named events in its order:
 ``message_start``, ``content_block_start``, ``ping``, ``content_block_delta``
 (``text_delta`` / ``input_json_delta``), ``content_block_stop``, ``message_delta``
 (``stop_reason``, usage), ``message_stop``; a failure after the first byte is an
-``error`` event. Errors on these routes are Anthropic-shaped (``router.http.errors``).
+``error`` event (written by ``router.dialects.anthropic_answer``). Errors on these routes are
+Anthropic-shaped (``router.http.errors``).
 
 Admission, the worker run, cancel-on-disconnect and the error path are the shared
 ones of ``router.serving.generation``; tools, the constraint and the answer's parser come
@@ -45,19 +46,20 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from protocol import Accepted, Done, Generate, Token
+from router.dialects.anthropic_answer import PING, MessageStream, error_event, message
 from router.dialects.constraints import json_format_constraint
 from router.dialects.counting import count_beyond_context, refused_for_length
 from router.dialects.shared import Prepared, choose, function_tool, objects, prepare, tool_list
-from router.http.errors import ApiError, BadRequest, ContextLengthExceeded, anthropic_error_payload
+from router.http.errors import BadRequest, ContextLengthExceeded
 from router.dialects.field_policy import refuse_ignored
 from router.serving.generation import OPENAI_DEFAULTS, begin, collect, new_id, read_sampling, stream
 from router.metrics import label_request
 from router.http.params import INT32_MAX, get_bool, get_float, get_int, get_str, model_of, read_json
-from router.workers.pool import ModelSlot, Pool
+from router.serving.models import ModelPool, ModelSlot
 from router.http.responses import JSONResponse
 from router.serving.server import Generation
 from router.http.set_aside import set_aside
-from router.http.sse import SSEResponse, sse_named
+from router.http.sse import SSEResponse
 from router.dialects.tools import ChatTurn, Tool, ToolCall, ToolChoice
 
 #: Content block types of earlier assistant turns that carry no text for the prompt (a ``thinking``
@@ -248,7 +250,7 @@ def _output_format(body: dict[str, Any]) -> tuple[str | None, str | None]:
 
 
 async def _parse(request: Request, body: dict[str, Any]) -> _Request:
-    pool: Pool = request.app.state.pool
+    pool: ModelPool = request.app.state.pool
     model = model_of(body, pool.config.default_name(), pool.config.ids())
     slot = pool.get(model)
     label_request(request, slot.model.name)
@@ -269,43 +271,6 @@ def _generate(req: _Request, body: dict[str, Any], max_tokens: int, prefix: str)
         raise BadRequest("'stop_sequences' must be an array of strings", param="stop_sequences")
     sampling["stop"] = [s for s in (stops or []) if s]
     return Generate(id=new_id(prefix), max_tokens=max_tokens, **req.prep.generate_fields(), **sampling)
-
-
-def _stop_reason(done: Done, calls: list[ToolCall]) -> tuple[str, str | None]:
-    if calls and done.finish_reason == "stop":
-        return "tool_use", None
-    if done.finish_reason == "length":
-        return "max_tokens", None
-    if done.stop_type == "word":
-        return "stop_sequence", done.stopping_word
-    return "end_turn", None
-
-
-def _usage(done: Done) -> dict[str, Any]:
-    return {"input_tokens": done.prompt_tokens - done.cache_n, "output_tokens": done.completion_tokens,
-            "cache_read_input_tokens": done.cache_n, "cache_creation_input_tokens": 0}
-
-
-#: Anthropic's keep-alive event (its streams carry ``ping`` events).
-_PING = sse_named("ping", {"type": "ping"})
-
-
-def _start_usage(first: Token | Done | Accepted) -> dict[str, Any]:
-    """``message_start``'s usage, as Anthropic sends it: the prompt's counts (the worker's
-    Accepted or the first Token carries them — how much of the prompt the KV cache holds is
-    known only later: ``message_delta``'s usage has it; a Done, when nothing was generated)
-    and 1 output token."""
-    if isinstance(first, Accepted):
-        return {"input_tokens": first.prompt_tokens, "output_tokens": 1, "cache_read_input_tokens": 0,
-                "cache_creation_input_tokens": 0}
-    if isinstance(first, Done):
-        return {**_usage(first), "output_tokens": first.completion_tokens}
-    return {"input_tokens": first.prompt_tokens - first.cache_n, "output_tokens": 1,
-            "cache_read_input_tokens": first.cache_n, "cache_creation_input_tokens": 0}
-
-
-def _tool_block(c: ToolCall) -> dict[str, Any]:
-    return {"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)}
 
 
 async def _begin(request: Request, req: _Request, msg: Generate,
@@ -351,10 +316,6 @@ def anthropic_context_error(e: ContextLengthExceeded) -> ContextLengthExceeded:
     return out
 
 
-def _error_event(err: ApiError) -> bytes:
-    return sse_named("error", anthropic_error_payload(err))
-
-
 async def messages(request: Request) -> Response | SSEResponse:
     body = await read_json(request)
     req = await _parse(request, body)
@@ -371,84 +332,11 @@ async def messages(request: Request) -> Response | SSEResponse:
     if not streaming:
         tokens, done = await collect(request, run, first)
         out = parser.read([*(t.text for t in tokens), done.text])
-        content = ([_tool_block(c) for c in out.calls] if out.content is None
-                   else [{"type": "text", "text": out.content}])
-        if not content:
-            content = [{"type": "text", "text": ""}]
-        reason, seq = _stop_reason(done, out.calls)
-        return JSONResponse({"id": mid, "type": "message", "role": "assistant", "model": req.model,
-                             "content": content, "stop_reason": reason, "stop_sequence": seq,
-                             "usage": _usage(done)})
+        return JSONResponse(message(mid, req.model, out.content, out.calls, done))
 
-    state = {"started": False, "block": -1, "text_open": False, "pinged": False}
-    out_events: list[bytes] = []
-
-    def open_block(block: dict[str, Any]) -> None:
-        state["block"] += 1
-        out_events.append(sse_named("content_block_start", {"type": "content_block_start",
-                                                            "index": state["block"], "content_block": block}))
-        if not state["pinged"]:
-            state["pinged"] = True
-            out_events.append(sse_named("ping", {"type": "ping"}))
-
-    def close_block() -> None:
-        out_events.append(sse_named("content_block_stop", {"type": "content_block_stop", "index": state["block"]}))
-
-    def emit(text: str, calls: list[ToolCall]) -> None:
-        if text:
-            if not state["text_open"]:
-                state["text_open"] = True
-                open_block({"type": "text", "text": ""})
-            out_events.append(sse_named("content_block_delta", {
-                "type": "content_block_delta", "index": state["block"],
-                "delta": {"type": "text_delta", "text": text}}))
-        for c in calls:
-            open_block({"type": "tool_use", "id": c.id, "name": c.name, "input": {}})
-            out_events.append(sse_named("content_block_delta", {
-                "type": "content_block_delta", "index": state["block"],
-                "delta": {"type": "input_json_delta", "partial_json": c.arguments}}))
-            close_block()
-
-    def start(item: Token | Done | Accepted) -> None:
-        if not state["started"]:
-            state["started"] = True
-            out_events.append(sse_named("message_start", {"type": "message_start", "message": {
-                "id": mid, "type": "message", "role": "assistant", "model": req.model, "content": [],
-                "stop_reason": None, "stop_sequence": None, "usage": _start_usage(item)}}))
-            if not parser.mode == "undecided":  # plain text: the block opens at once, as Anthropic's
-                state["text_open"] = True
-                open_block({"type": "text", "text": ""})
-            elif not state["pinged"]:
-                state["pinged"] = True
-                out_events.append(_PING)
-
-    def on_open(accepted: Accepted) -> list[bytes]:
-        out_events.clear()
-        start(accepted)  # message_start at once: the prompt's prefill has not begun yet
-        return list(out_events)
-
-    async def on_frame(item: Token | Done) -> list[bytes]:
-        out_events.clear()
-        start(item)
-        if isinstance(item, Token):
-            emit(*parser.feed(item.text))
-            return list(out_events)
-        emit(*parser.feed(item.text))
-        emit(*parser.finish())
-        if state["block"] < 0:
-            state["text_open"] = True
-            open_block({"type": "text", "text": ""})
-        if state["text_open"]:
-            close_block()
-        reason, seq = _stop_reason(item, parser.calls)
-        out_events.append(sse_named("message_delta", {"type": "message_delta",
-                                                      "delta": {"stop_reason": reason, "stop_sequence": seq},
-                                                      "usage": _usage(item)}))
-        out_events.append(sse_named("message_stop", {"type": "message_stop"}))
-        return list(out_events)
-
-    return SSEResponse(stream(run, first, on_frame, on_error=_error_event, on_open=on_open, keepalive=_PING),
-                       run.close)
+    events = MessageStream(mid, req.model, parser)
+    return SSEResponse(stream(run, first, events.on_frame, on_error=error_event, on_open=events.on_open,
+                              keepalive=PING), run.close)
 
 
 async def count_tokens(request: Request) -> Response:

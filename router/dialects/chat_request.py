@@ -19,7 +19,16 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
               "tool": "tool"}
 
 
-def _tool_calls(m: dict[str, Any], where: str) -> list[ToolCall]:
+def tool_calls(m: dict[str, Any], where: str, *, id_prefix: str = "call_", custom: bool = False,
+               ollama: bool = False) -> list[ToolCall]:
+    """An assistant message's ``tool_calls`` as ToolCalls (their arguments as JSON text).
+
+    OpenAI's form by default: ``{"id", "type": "function", "function": {"name", "arguments"}}``,
+    the arguments a JSON text (an object given instead is written as one); with ``custom``,
+    ``{"id", "type": "custom", "custom": {"name", "input"}}`` too. ``ollama``: Ollama's form,
+    ``{"function": {"name", "arguments"}}`` with a non-empty name and the arguments an object
+    (or its JSON text; ``{}`` when absent or null). A call without an id (Ollama: or with an
+    empty one) gets ``<id_prefix><k>``, k its index. Raises BadRequest naming the field."""
     raw = m.get("tool_calls")
     if raw is None:
         return []
@@ -29,8 +38,8 @@ def _tool_calls(m: dict[str, Any], where: str) -> list[ToolCall]:
     for k, c in enumerate(raw):
         cw = f"{where}.tool_calls[{k}]"
         ident = c.get("id") if isinstance(c, dict) else None
-        ident = ident if isinstance(ident, str) else f"call_{k}"
-        if isinstance(c, dict) and c.get("type") == "custom":
+        ident = ident if isinstance(ident, str) and (ident or not ollama) else f"{id_prefix}{k}"
+        if custom and isinstance(c, dict) and c.get("type") == "custom":
             cu = c.get("custom")
             if not isinstance(cu, dict) or not isinstance(cu.get("name"), str) or not isinstance(cu.get("input"), str):
                 raise BadRequest(f"'{cw}' must be {{\"id\", \"type\": \"custom\", \"custom\": {{\"name\", "
@@ -38,14 +47,27 @@ def _tool_calls(m: dict[str, Any], where: str) -> list[ToolCall]:
             calls.append(ToolCall(ident, cu["name"], cu["input"], custom=True))
             continue
         fn = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise BadRequest(f"'{cw}' must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
-                             "\"arguments\"}}", param=cw)
-        args = fn.get("arguments", "")
-        if not isinstance(args, str):
-            args = json.dumps(args, ensure_ascii=False)  # some clients send the object itself
-        calls.append(ToolCall(ident, fn["name"], args))
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or (ollama and not fn["name"]):
+            shape = "" if ollama else '\"id\", \"type\": \"function\", '
+            raise BadRequest(f"'{cw}' must be {{{shape}\"function\": {{\"name\", \"arguments\"}}}}", param=cw)
+        calls.append(ToolCall(ident, fn["name"], _arguments(fn, f"{cw}.function.arguments", ollama)))
     return calls
+
+
+def _arguments(fn: dict[str, Any], where: str, ollama: bool) -> str:
+    """A call's ``arguments`` as JSON text: OpenAI's a text ("" when absent; anything else is
+    written as JSON), Ollama's an object or its text (``{}`` when absent or null)."""
+    if not ollama:
+        args = fn.get("arguments", "")
+        return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)  # some send the object
+    args = fn.get("arguments", {})
+    if args is None:
+        args = {}
+    if isinstance(args, str):  # some clients send the JSON text
+        return args
+    if isinstance(args, dict):
+        return json.dumps(args, ensure_ascii=False)
+    raise BadRequest(f"'{where}' must be an object", param=where)
 
 
 def parse_turns(body: dict[str, Any]) -> list[ChatTurn]:
@@ -65,7 +87,7 @@ def parse_turns(body: dict[str, Any]) -> list[ChatTurn]:
             text = ""
         else:
             text = content_text(content, f"{where}.content", ("text", "input_text"))
-        calls = _tool_calls(m, where) if role == "assistant" else []
+        calls = tool_calls(m, where, custom=True) if role == "assistant" else []
         call_id = m.get("tool_call_id") if role == "tool" else None
         if role == "tool" and (not isinstance(call_id, str) or not call_id):
             raise BadRequest(f"'{where}.tool_call_id' is required in a tool message (the id of the call it "
@@ -88,16 +110,19 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         raise BadRequest(str(e), param="messages") from None
 
 
-def _tool(t: dict[str, Any], where: str) -> Tool:
+def chat_tool(t: dict[str, Any], where: str, *, custom: bool = True) -> Tool:
+    """One of a chat request's ``tools``: ``{"type": "function", "function": {"name",
+    "description", "parameters"}}``, or with ``custom`` (OpenAI's, not Ollama's) ``{"type":
+    "custom", "custom": {"name", "description", "format"}}``. Raises BadRequest naming the field."""
     kind = t.get("type", "function")
-    if kind == "custom":
+    if custom and kind == "custom":
         c = t.get("custom")
         if not isinstance(c, dict):
             raise BadRequest(f"'{where}.custom' must be an object", param=f"{where}.custom")
         return custom_tool(c.get("name"), c.get("description"), c.get("format"), f"{where}.custom")
     if kind != "function":
-        raise BadRequest(f"'{where}': tools of type {kind!r} are not supported (function and custom tools)",
-                         param=f"{where}.type")
+        kinds = "function and custom tools" if custom else "function tools"
+        raise BadRequest(f"'{where}': tools of type {kind!r} are not supported ({kinds})", param=f"{where}.type")
     fn = t.get("function")
     if not isinstance(fn, dict):
         raise BadRequest(f"'{where}.function' must be an object", param=f"{where}.function")
@@ -110,7 +135,7 @@ def parse_tools(body: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
     ``grammar`` format, Lark or regex), ``tool_choice`` (``none`` / ``auto`` /
     ``required`` / ``{"type": "function", "function": {"name"}}`` / ``{"type":
     "custom", "custom": {"name"}}``) and ``parallel_tool_calls``."""
-    tools = tool_list(body, _tool)
+    tools = tool_list(body, chat_tool)
     parallel = get_bool(body, "parallel_tool_calls", True)
     tc = body.get("tool_choice")
     if tc is None:

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from protocol import ApplyTemplate, ApplyTemplateResult, Generate, Tokenize, TokenizeResult
 from router.http.errors import ApiError, BadGateway, ContextLengthExceeded
 from router.serving.calls import call_worker
-from router.workers.pool import ModelSlot
+from router.serving.models import ModelSlot
 
 
 async def count_prompt_tokens(request: Request, slot: ModelSlot, msg: Generate) -> int:

@@ -60,7 +60,7 @@ from router.http.http_server import STALLED_READERS
 from router.workers import gguf_meta
 from router.metrics import label_request
 from router.http.params import get_str, read_json
-from router.workers.pool import ModelSlot, Pool
+from router.serving.models import ModelPool, ModelSlot
 from router.workers.lifecycle import WorkerState
 from router.http.responses import JSONResponse
 from router.http.security import may_load_on_get
@@ -78,8 +78,8 @@ class ModelNotLoaded(BadRequest):
     default_code = "model_not_loaded"
 
 
-def _pool(request: Request) -> Pool:
-    pool: Pool = request.app.state.pool
+def _pool(request: Request) -> ModelPool:
+    pool: ModelPool = request.app.state.pool
     return pool
 
 

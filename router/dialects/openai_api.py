@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from protocol import Accepted, Done, Generate, Token
+from protocol import Accepted, Done, Generate, PromptProgress, Token
 from protocol.limits import MAX_N, MAX_N_PROBS
 from router.workers import gguf_meta
 from router.dialects.constraints import llamacpp_constraint
@@ -37,6 +37,7 @@ from router.serving.generation import (
     new_id,
     now_s,
     openai_logprob,
+    prompt_progress_of,
     read_sampling,
     stream,
     timings_of,
@@ -45,7 +46,7 @@ from router.serving.generation import (
 )
 from router.metrics import label_request
 from router.http.params import INT32_MAX, N_PREDICT_MIN, get_bool, get_int, model_of, get_prompt, get_str, read_json
-from router.workers.pool import ModelSlot, Pool
+from router.serving.models import ModelPool, ModelSlot
 from router.http.responses import JSONResponse
 from router.http.sse import SSEResponse, sse_event
 from router.dialects.tools import ToolCall
@@ -53,15 +54,15 @@ from router.dialects.tools import ToolCall
 MAX_TOP_LOGPROBS = MAX_N_PROBS  # they become Generate.n_probs
 
 
-def _pool(request: Request) -> Pool:
-    pool: Pool = request.app.state.pool
+def _pool(request: Request) -> ModelPool:
+    pool: ModelPool = request.app.state.pool
     return pool
 
 
 # ----------------------------------------------------------------------------- models
 
 
-def _model_object(pool: Pool, ident: str) -> dict[str, Any]:
+def _model_object(pool: ModelPool, ident: str) -> dict[str, Any]:
     m = pool.config.resolve(ident)
     assert m is not None
     slot = pool.slots[m.name]
@@ -188,7 +189,8 @@ def _read_chat(request: Request, body: dict[str, Any]) -> _Chat:
     top_n = top_n or 0
     streaming = get_bool(body, "stream", False)
     include_usage = wants_usage(body)
-    msg = Generate(n_probs=max(top_n, 1) if want_logprobs else 0, **fields, **common)
+    msg = Generate(n_probs=max(top_n, 1) if want_logprobs else 0,  # llama.cpp's return_progress: streams only
+                   return_progress=streaming and get_bool(body, "return_progress", False), **fields, **common)
     return _Chat(slot, model_name, msg, prep, constraint_param, want_logprobs, top_n, streaming, include_usage)
 
 
@@ -202,7 +204,8 @@ async def chat_completions(request: Request) -> Response | SSEResponse:
         tokens, done = await collect(request, run, first)
         return JSONResponse(_chat_answer(chat, created, fp, tokens, done))
     out = _ChatStream(chat, created, fp)
-    return SSEResponse(stream(run, first, out.on_frame, on_open=out.on_open), run.close)
+    return SSEResponse(stream(run, first, out.on_frame, on_open=out.on_open, on_progress=out.on_progress),
+                       run.close)
 
 
 def _chat_answer(chat: _Chat, created: int, fp: str | None, tokens: list[Token], done: Done) -> dict[str, Any]:
@@ -257,6 +260,11 @@ class _ChatStream:
         for i in range(self.chat.msg.n):
             self.start(i, out)
         return out
+
+    def on_progress(self, p: PromptProgress) -> list[bytes]:
+        """llama-server's ``prompt_progress`` chunk (``return_progress``): the role delta with it."""
+        chunk = self.chunk({"role": "assistant", "content": None})
+        return [sse_event({**chunk, "prompt_progress": prompt_progress_of(p)})]
 
     def emit(self, i: int, content: str, calls: list[ToolCall], out: list[bytes]) -> None:
         """Choice i's content deltas (with the logprobs of the tokens that made them) and tool-call
@@ -403,7 +411,7 @@ async def completions(request: Request) -> Response | SSEResponse:
     include_usage = wants_usage(body)
     json_schema, grammar, cparam = llamacpp_constraint(body)  # llama.cpp's extensions on its OpenAI route
     msg = Generate(prompt=prompt, n_probs=max(n_lp, 1) if n_lp is not None else 0, json_schema=json_schema,
-                   grammar=grammar, **common)
+                   grammar=grammar, return_progress=streaming and get_bool(body, "return_progress", False), **common)
 
     run, first = await begin(request, slot, msg, grammar_param=cparam, early=streaming)
     assert run.worker is not None
@@ -458,7 +466,8 @@ async def completions(request: Request) -> Response | SSEResponse:
         tail_text, finish = finals[i]
         return out + final_events(chunk(tail_text, finish, flush_lp(i), index=i), item, head, include_usage)
 
-    return SSEResponse(stream(run, first, on_frame), run.close)
+    return SSEResponse(stream(run, first, on_frame, on_progress=lambda p: [  # llama.cpp's return_progress
+        sse_event({**chunk(""), "prompt_progress": prompt_progress_of(p)})]), run.close)
 
 
 routes = [

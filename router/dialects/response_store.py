@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.requests import Request
+
 from router.dialects.tools import ChatTurn
 
 
@@ -66,3 +68,9 @@ class ResponseStore:
     def __len__(self) -> int:
         self._expire()
         return len(self._items)
+
+
+def store_of(request: Request) -> ResponseStore:
+    """The app's one store (made by ``router.app.create_app`` from the ``[server]`` keys)."""
+    st: ResponseStore = request.app.state.responses
+    return st

@@ -17,9 +17,9 @@ from typing import Any
 from router.dialects.constraints import tool_constraint
 from router.http.errors import BadRequest
 from router.workers.gguf_meta import chat_template as model_chat_template
-from router.workers.pool import ModelSlot
+from router.serving.models import ModelSlot
+from router.dialects.call_parser import CallParser
 from router.dialects.tools import (
-    CallParser,
     ChatTurn,
     Tool,
     ToolChoice,

@@ -16,7 +16,7 @@ from protocol.errors import ErrorCode
 from router.http.errors import BadGateway, BadRequest, from_worker_error, unsendable
 from router.http.sse import until_disconnect
 from router.workers.pool import ModelSlot
-from router.workers.process import WorkerUnreachable
+from router.workers.connection import WorkerUnreachable
 
 #: How long a tokenize / detokenize / apply-template call may take, s. Liveness is the ping
 #: loop's (router.workers.liveness: a silent worker is unresponsive, then killed, and the call ends with

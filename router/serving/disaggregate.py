@@ -73,7 +73,8 @@ from protocol import (
 from protocol.errors import ErrorCode
 from router.http.errors import ApiError, BadGateway, Unavailable, from_worker_error
 from router.workers.pool import ModelSlot, Pool
-from router.workers.process import WorkerGone, WorkerProcess, WorkerUnreachable
+from router.workers.connection import WorkerGone, WorkerUnreachable
+from router.workers.process import WorkerProcess
 from router.serving.server import submit
 
 log = logging.getLogger("modelyard.disaggregate")
@@ -212,7 +213,7 @@ async def _by_file(pre: ModelSlot, slot: ModelSlot, pmsg: Generate) -> dict[str,
         run = submit(pre, pmsg.id)
         try:
             await run.start(pmsg)
-            item: Token | Done | KVChunk | Accepted = await run.next()
+            item = await run.next()
             while not isinstance(item, Done):
                 item = await run.next()
             done = item  # sent once the state file is written (Generate.save_slot_to)

@@ -27,7 +27,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from protocol import Accepted, Done, Generate, KVChunk, Token
+from protocol import Accepted, Done, Generate, KVChunk, PromptProgress, Token
 from router.http.access_log import access_record
 from router.serving.budget import check_request_budget, request_ceiling
 from router.serving.disaggregate import prefill_and_hand_over, prefill_slot
@@ -152,6 +152,7 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate, grammar_param:
             hook(run, "started")
         first = await until_disconnect(request.receive, run.next())
         assert not isinstance(first, KVChunk)  # only router.serving.disaggregate asks for stream_state
+        assert not isinstance(first, PromptProgress)  # sent after the Accepted, which comes first
     except ContextLengthExceeded as e:  # the field at fault, as OpenAI names it
         run.close()
         if e.param is None:
@@ -234,7 +235,7 @@ async def collect(request: Request, run: Generation, first: Token | Done | Accep
 
     async def go() -> tuple[list[Token], Done]:
         tokens: list[Token] = []
-        item = first
+        item: Token | Done | Accepted | PromptProgress = first
         while not isinstance(item, Done):
             if isinstance(item, Token):
                 tokens.append(item)
@@ -270,26 +271,31 @@ KEEPALIVE_COMMENT = b": keep-alive\n\n"
 async def stream(run: Generation, first: Token | Done | Accepted, on_frame: Formatter,
                  on_error: Callable[[ApiError], bytes] | None = None, *,
                  on_open: Callable[[Accepted], list[bytes]] | None = None,
+                 on_progress: Callable[[PromptProgress], list[bytes]] | None = None,
                  keepalive: bytes = KEEPALIVE_COMMENT) -> AsyncIterator[bytes]:
     """SSE events for every frame of ``run`` (``on_frame`` formats; may return none).
 
     ``first`` an Accepted (``begin(early=True)``): ``on_open`` gives the dialect's opening
     events at once (Anthropic ``message_start``, the chat role chunk, ``response.created``;
-    none given: a keep-alive), before the prompt is prefilled. Whenever nothing was sent
-    for the server's ``sse_keepalive_s``, ``keepalive`` is (an SSE comment, Anthropic's ``ping``).
+    none given: a keep-alive), before the prompt is prefilled. The PromptProgress frames of a
+    Generate with ``return_progress`` are formatted by ``on_progress`` (none given: no event).
+    Whenever nothing was sent for the server's ``sse_keepalive_s``, ``keepalive`` is (an SSE
+    comment, Anthropic's ``ping``).
     An ApiError mid-stream becomes one error event (``on_error``, default
     :func:`error_event`: OpenAI's shape) and ends the stream."""
     on_error = on_error or error_event
     keepalive_s = run.slot.sse_keepalive_s
-    getter: asyncio.Future[Token | Done | Accepted | KVChunk] | None = None
+    getter: asyncio.Future[Token | Done | Accepted | KVChunk | PromptProgress] | None = None
     try:
-        item: Token | Done | Accepted = first
+        item: Token | Done | Accepted | PromptProgress = first
         sent_at = time.monotonic()  # the response head goes out with the first event
         while True:
             if isinstance(item, Done):
                 check_not_cancelled(item)
             if isinstance(item, Accepted):
                 events = on_open(item) if on_open is not None else [keepalive]
+            elif isinstance(item, PromptProgress):
+                events = on_progress(item) if on_progress is not None else []
             else:
                 events = await on_frame(item)
             for ev in events:
@@ -326,6 +332,11 @@ async def stream(run: Generation, first: Token | Done | Accepted, on_frame: Form
 def error_event(err: ApiError) -> bytes:
     """The SSE event of an error once the stream has started (``stream``'s ``on_error``)."""
     return sse_event(error_payload(err))
+
+
+def prompt_progress_of(p: PromptProgress) -> dict[str, Any]:
+    """llama-server's ``prompt_progress`` object (tokens; ``time_ms`` whole ms since the prompt's start)."""
+    return {"total": p.total, "cache": p.cache, "processed": p.processed, "time_ms": int(p.time_ms)}
 
 
 def timings_of(done: Done) -> dict[str, Any]:

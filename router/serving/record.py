@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from protocol import Accepted, Generate
 from router.workers.admission import Ticket
-from router.workers.process import StreamItem
+from router.workers.connection import StreamItem
 
 if TYPE_CHECKING:
     from router.workers.process import WorkerProcess

@@ -32,12 +32,13 @@ import weakref
 from collections import deque
 from typing import Any
 
-from protocol import Accepted, Done, Error, Generate, KVChunk, ProtocolError, Ready, Token, encode
+from protocol import Accepted, Done, Error, Generate, KVChunk, PromptProgress, ProtocolError, Ready, Token, encode
 from router.http.errors import ApiError, BadGateway, ServerShuttingDown, from_worker_error, unsendable
 from router.metrics import Metrics
 from router.serving.record import RecordState, RequestRecord
 from router.workers.pool import ModelSlot
-from router.workers.process import Aborted, WorkerGone, WorkerProcess, WorkerUnreachable
+from router.workers.connection import Aborted, WorkerGone, WorkerUnreachable
+from router.workers.process import WorkerProcess
 from router.workers.tasks import spawn
 
 log = logging.getLogger("modelyard.run")
@@ -102,11 +103,12 @@ class ModelServer:
             self._release(rec, "error:worker_crashed")
             raise BadGateway(f"model '{self._model}' worker is unreachable: {e}", code="worker_crashed") from None
 
-    async def next(self, rec: RequestRecord) -> Token | Done | KVChunk | Accepted:
+    async def next(self, rec: RequestRecord) -> Token | Done | KVChunk | Accepted | PromptProgress:
         """``rec``'s next Token (or KVChunk, for a Generate with ``stream_state``), or its final
-        Done; with ``rec.early``, the worker's Accepted frame as well. Raises the mapped ApiError
-        for a worker Error frame, BadGateway(code="worker_crashed") if the worker died,
-        ServerShuttingDown if the router ended it (:meth:`cancel` then cancels it)."""
+        Done; with ``rec.early``, the worker's Accepted frame as well, and its PromptProgress
+        frames when its Generate has ``return_progress`` (a stream's; else they are dropped).
+        Raises the mapped ApiError for a worker Error frame, BadGateway(code="worker_crashed") if
+        the worker died, ServerShuttingDown if the router ended it (:meth:`cancel` then cancels it)."""
         assert rec.sent, "start() first"
         while True:
             item = await rec.inbox.get()
@@ -136,6 +138,10 @@ class ModelServer:
             if isinstance(item, Accepted):
                 rec.accepted = item
                 if rec.early:
+                    return item
+                continue
+            if isinstance(item, PromptProgress):
+                if rec.early and rec.msg is not None and rec.msg.return_progress:
                     return item
                 continue
             log.warning("unexpected %s frame for request %s", item.TYPE, rec.id)
@@ -276,7 +282,7 @@ class Generation:
     async def start(self, msg: Generate) -> None:
         await self.server.start(self.record, msg)
 
-    async def next(self) -> Token | Done | KVChunk | Accepted:
+    async def next(self) -> Token | Done | KVChunk | Accepted | PromptProgress:
         return await self.server.next(self.record)
 
     def close(self) -> None:

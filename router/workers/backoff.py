@@ -2,8 +2,9 @@
 
 Pure bookkeeping, no I/O and no clock of its own: every method takes ``now``
 (monotonic seconds, from the pool's clock), so the decisions are deterministic and
-testable with made-up times. ``router.workers.slot.ModelSlot`` owns one :class:`CrashHistory` and
-is its only writer.
+testable with made-up times. ``router.workers.slot.ModelSlot`` owns one :class:`CrashHistory`;
+it and its parts are its only writers (``router.workers.loading`` records the failures,
+``router.workers.unloading`` applies a reloaded config's policy).
 
 Policy (per model, ``[models.NAME]`` / ``[defaults]`` keys):
 
@@ -26,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from router.config import ModelConfig
 from router.http.errors import ApiError, ModelFailed, RestartBackoff, redact_paths
 
 
@@ -41,6 +43,12 @@ class CrashPolicy:
         if n <= 0 or self.base_s <= 0:
             return 0.0
         return min(self.base_s * 2.0 ** min(n - 1, 60), self.max_s)
+
+
+def crash_policy(m: ModelConfig) -> CrashPolicy:
+    """The crash backoff ``m``'s config asks for."""
+    return CrashPolicy(base_s=m.restart_backoff_s, max_s=m.restart_backoff_max_s, max_crashes=m.max_crashes,
+                       window_s=m.crash_window_s)
 
 
 @dataclass(frozen=True)

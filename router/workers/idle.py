@@ -3,7 +3,7 @@
 A ready worker with nothing running or waiting for its idle time-to-live is unloaded
 (drained, then stopped; never a ``pinned`` model), as Ollama's keep_alive and
 llama-server's ``--sleep-idle-seconds`` do. The idle check and the switch to
-``draining`` happen in one step (the slot's :meth:`~router.workers.slot.ModelSlot.idle_unload`,
+``draining`` happen in one step (the slot's :meth:`~router.workers.unloading.Unloader.idle_unload`,
 called with no ``await`` in between), so a request cannot slip in between.
 """
 
@@ -99,7 +99,7 @@ class IdleTimer:
             # idle for ttl: check and state change in one step (no await in between)
             self._task = None
             why = "keep_alive" if self.keep_alive is not None else "idle_ttl_s"
-            slot.idle_unload(f"idle for {ttl:g} s ({why})")
+            slot.unloader.idle_unload(f"idle for {ttl:g} s ({why})")
             return
         if self._task is asyncio.current_task():
             self._task = None

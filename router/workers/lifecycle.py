@@ -21,12 +21,14 @@ States of a model's worker::
 thread): it keeps its running requests (they fail with the SSE error event if it
 is killed) but no new job is handed to it; requests wait in the model's queue
 and run on it when it answers again, or on the restarted worker once it has
-been killed. The judge is ``pool.ModelSlot``'s ping loop (the one task that
-watches a ready worker's liveness).
+been killed. The judge is the slot's ping loop (``router.workers.liveness``, the one task
+that watches a ready worker's liveness).
 
 ``failed`` keeps the reason and the exit code; it is distinct from ``unloaded``
 (the operator's choice, idleness or eviction). :class:`Lifecycle` holds the state;
-``pool.ModelSlot`` owns one and is the only caller of :meth:`Lifecycle.move`.
+``router.workers.slot.ModelSlot`` owns one and is the only caller of :meth:`Lifecycle.move`
+(its :meth:`~router.workers.slot.ModelSlot.move`, called by the slot and the parts it makes:
+``router.workers.loading``, ``router.workers.unloading``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Placement's one owner: the loads wanted, decided over every model in one synchronous step.
 
-A model that must load asks for room (:meth:`Placer.want`); the placer decides at once and
+A model that must load asks for room (its :class:`SlotPlacing`, which the pool's
+:meth:`Placer.want` queues); the placer decides at once and
 again whenever a model's facts change (:meth:`Placer.place`): load now, or evict idle
 least-recently-used unpinned models first (drain-then-swap: nothing running is ever cut)
 and wait, or refuse with 503 (``insufficient_memory``, ``max_loaded_reached``). Wanted loads
@@ -11,13 +12,19 @@ stale snapshot.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import TYPE_CHECKING
 
+from router.http.errors import ApiError, InsufficientMemory, MaxLoadedReached
 from router.workers import placement
+from router.workers.lifecycle import WorkerState
 
 if TYPE_CHECKING:
     from router.workers.pool import Pool
     from router.workers.slot import ModelSlot
+
+log = logging.getLogger("modelyard.pool")
 
 
 class Placer:
@@ -61,19 +68,122 @@ class Placer:
         for slot in list(self._wanting):
             if self._pool.closing:
                 return
-            if not slot.wants_place():
-                slot.cancel_placement()  # nobody waits for it any more
+            if not slot.placing.wanted():
+                slot.placing.cancel()  # nobody waits for it any more
                 continue
             seats = [seat for s in self._pool.slots.values() if s is not slot and (seat := s.seat()) is not None]
             d = placement.decide(slot.model.name, slot.estimate(), seats, max_loaded=self._pool.config.server.max_loaded,
                                  available=self._pool.memory.available() + self._pool.spare_bytes())
             for name in d.evict:
-                self._pool.slots[name].evict(slot.model.name)
+                self._pool.slots[name].placing.evict(slot.model.name)
             if d.action == "load":
                 self._wanting.remove(slot)
-                slot.placed()
+                slot.placing.granted()
             elif d.action == "refuse":
-                slot.refuse_place(d)
+                slot.placing.refuse(d)
             else:
-                slot.place_later(d.why)
+                slot.placing.later(d.why)
                 return  # first come, first placed: the others wait behind it
+
+
+class SlotPlacing:
+    """One model's side of placement: the load it wants (asked once per load: a burst of first
+    requests waits on the same one), who waits for it, and the placer's decisions applied to it.
+    Part of the model's slot (``router.workers.slot``), which alone makes it."""
+
+    def __init__(self, slot: ModelSlot) -> None:
+        self._slot = slot
+        self._future: asyncio.Future[None] | None = None  # set while waiting for a place
+        self._holders = 0  # ready_worker callers waiting on it (they hold no ticket)
+        self._sticky = False  # an operator asked for the load: wanted even with nobody waiting
+        self.waiting_for: str | None = None  # why the wanted load has not started
+
+    @property
+    def asked(self) -> bool:
+        """A load is wanted and not yet placed, refused or given up."""
+        return self._future is not None
+
+    def wanted(self) -> bool:
+        """A load is wanted and someone still waits for it."""
+        slot = self._slot
+        return (self._future is not None and slot.state in (WorkerState.UNLOADED, WorkerState.FAILED)
+                and (slot.queue_depth > 0 or self._holders > 0 or self._sticky))
+
+    def ask(self, *, sticky: bool = False) -> None:
+        """Ask the pool for a place to load in (it may start the load at once). Once per
+        load: a burst of first requests waits on the same placement."""
+        if sticky:
+            self._sticky = True
+        if self._slot.state not in (WorkerState.UNLOADED, WorkerState.FAILED) or self._future is not None:
+            return
+        self._future = asyncio.get_running_loop().create_future()
+        self._slot.pool.want(self._slot)
+
+    async def wait(self) -> None:
+        """Wait for the place as a caller without a ticket (``ready_worker``), asking for it if the
+        model is not loaded; raises what refused it. Meanwhile the model is wanted."""
+        slot = self._slot
+        self._holders += 1  # before asking: the placement sees someone waits
+        try:
+            if slot.state in (WorkerState.UNLOADED, WorkerState.FAILED):
+                self.ask()
+            if self._future is not None:  # waiting for room (max_loaded, memory)
+                await asyncio.shield(self._future)
+        finally:
+            self._holders -= 1
+            if self._future is not None:
+                slot.pool.place()  # the last one to leave may leave nobody wanting it
+
+    def granted(self) -> None:
+        """The placer's decision: load now."""
+        fut, self._future = self._future, None
+        self._sticky = False
+        self.waiting_for = None
+        self._slot.loader.begin()
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def later(self, why: str) -> None:
+        """The placer's decision: not yet (``why``: what it waits for)."""
+        if why != self.waiting_for:
+            log.info("model %s: %s", self._slot.model.name, why)
+            self._slot.emit("waiting", why=why)
+        self.waiting_for = why
+
+    def refuse(self, decision: placement.Decision) -> None:
+        """The placer's decision: it cannot load (503 to everyone waiting)."""
+        slot = self._slot
+        log.warning("model %s: %s", slot.model.name, decision.why)
+        slot.emit("refused", code=decision.code, why=decision.why)
+        err: ApiError = (InsufficientMemory(decision.why) if decision.code == "insufficient_memory"
+                         else MaxLoadedReached(decision.why))
+        slot.last_error = decision.why
+        self.drop(err)
+        slot.admission.refuse_waiting(err)
+
+    def cancel(self) -> None:
+        """The placer's decision: the wanted load is not needed any more (nobody waits)."""
+        self.drop(None)
+
+    def drop(self, err: ApiError | None) -> None:
+        """No load is wanted any more (refused, unloaded, shutdown or nobody waits): its waiters
+        get ``err`` (None: cancelled)."""
+        fut, self._future = self._future, None
+        self._sticky = False
+        self.waiting_for = None
+        self._slot.pool.unwant(self._slot)
+        if fut is not None and not fut.done():
+            if err is None:
+                fut.cancel()
+            else:
+                fut.set_exception(err)
+                fut.exception()  # retrieved: no one may be awaiting it
+
+    def evict(self, for_model: str) -> None:
+        """The placer's decision: this idle model makes room for ``for_model`` (drain-then-stop;
+        a request that arrives meanwhile waits and loads it again)."""
+        slot = self._slot
+        assert slot.state is WorkerState.READY and not slot.model.pinned
+        slot.metrics.evictions.labels(slot.model.name).inc()
+        slot.emit("evicted", **{"for": for_model})
+        slot.unloader.soft_unload(f"evicted to make room for '{for_model}'")

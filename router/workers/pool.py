@@ -33,10 +33,21 @@ from router.workers.launchers import Launcher
 from router.workers.launchers.local import SPARE_NAME, LocalLauncher
 from router.workers.placement import MemoryProbe
 from router.workers.placing import Placer
-from router.workers.process import CurveKeypair, WorkerProcess, new_curve_keypair
+from router.workers.connection import CurveKeypair, new_curve_keypair
+from router.workers.process import WorkerProcess
 from router.workers.slot import ModelSlot
 
 log = logging.getLogger("modelyard.pool")
+
+
+def _launcher(config: Config, ctx: zmq.asyncio.Context, curve: CurveKeypair | None, module: str | None) -> Launcher:
+    """The launcher ``[cluster] backend`` names (Ray is imported only for "ray"). Raises
+    LaunchError when Ray's cluster cannot be joined."""
+    if config.cluster.backend == "ray":
+        from router.workers.launchers.ray import RayLauncher
+
+        return RayLauncher(config.cluster, module=module)
+    return LocalLauncher(config.server, ctx=ctx, curve=curve, module=module)
 
 
 class Pool:
@@ -56,7 +67,7 @@ class Pool:
         self._ctx = zmq.asyncio.Context()
         # tcp: one CURVE keypair for this service; each worker gets the public half privately
         self.curve: CurveKeypair | None = None
-        if config.server.transport == "tcp":
+        if config.server.transport == "tcp" or config.cluster.backend == "ray":
             try:
                 self.curve = new_curve_keypair()
             except RuntimeError as e:
@@ -64,8 +75,8 @@ class Pool:
                             "workers still prove their per-spawn secret", e)
         # where workers run and what they may use (router.workers.launchers): their endpoints,
         # the host's memory and cores, the warm spare
-        self.launcher: Launcher = launcher if launcher is not None else LocalLauncher(
-            config.server, ctx=self._ctx, curve=self.curve, module=worker_module)
+        self.launcher: Launcher = launcher if launcher is not None else _launcher(config, self._ctx, self.curve,
+                                                                                   worker_module)
         self.memory: MemoryProbe = memory if memory is not None else self.launcher  # placement's figures
         self.cores = self.launcher.cores()  # what CPU sharing divides
         self.slots: dict[str, ModelSlot] = {name: ModelSlot(m, self) for name, m in config.models.items()}
@@ -120,9 +131,9 @@ class Pool:
         kept = sorted(f.name for f in dataclasses.fields(old.server)
                       if f.name != "max_loaded" and getattr(old.server, f.name) != getattr(new.server, f.name))
         server = dataclasses.replace(old.server, max_loaded=new.server.max_loaded)
-        added = [n for n in new.models if n not in self.slots or self.slots[n].retiring]
-        removed = [n for n, s in self.slots.items() if n not in new.models and not s.retiring]
-        changed = [n for n in new.models if n in self.slots and not self.slots[n].retiring
+        added = [n for n in new.models if n not in self.slots or self.slots[n].unloader.retiring]
+        removed = [n for n, s in self.slots.items() if n not in new.models and not s.unloader.retiring]
+        changed = [n for n in new.models if n in self.slots and not self.slots[n].unloader.retiring
                    and self.slots[n].model != new.models[n]]
         self.config = dataclasses.replace(new, server=server)
         for n in removed:

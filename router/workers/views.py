@@ -1,24 +1,218 @@
 """What one model's slot looks like from outside: /admin/models, /metrics' gauges, /slots.
 
 Read-only views of a :class:`~router.workers.slot.ModelSlot`, made when asked (no state of
-their own); the slot's methods of the same names return them.
+their own): :class:`SlotFacts`, the slot's base, answers with what its parts hold; the
+functions here make the views (the slot's methods of the same names return them).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from router.metrics import ModelGauges
-from router.workers.lifecycle import LOADED, WorkerState
+from protocol import Pong, Ready
+from router.metrics import Metrics, ModelGauges
+from router.workers import placement
+from router.workers.lifecycle import LOADED, Lifecycle, WorkerState
 
 #: Every state a model's worker can be in (``/metrics``' ``modelyard_model_state`` label set).
 STATES = tuple(s.value for s in WorkerState)
 
 if TYPE_CHECKING:
-    from router.workers.slot import ModelSlot
+    from router.config import ModelConfig
+    from router.workers.admission import Admission
+    from router.workers.backoff import CrashHistory
+    from router.workers.cpu_share import ThreadShare
+    from router.workers.idle import IdleTimer
+    from router.workers.liveness import Liveness
+    from router.workers.loading import Loader
+    from router.workers.placing import SlotPlacing
+    from router.workers.pool import Pool
+    from router.workers.process import WorkerProcess
+    from router.workers.unloading import Unloader
 
 
-def kv_slots(slot: ModelSlot) -> list[dict[str, Any]]:
+class SlotFacts:
+    """A model's slot as its readers see it: the facts its parts hold, read-only. The base of
+    ``router.workers.slot.ModelSlot``, which makes the parts declared here."""
+
+    model: ModelConfig
+    pool: Pool
+    worker: WorkerProcess | None  # the ready (or unresponsive, draining) worker
+    admission: Admission  # the bounded queue and the running set
+    idle: IdleTimer  # idle_ttl_s / keep_alive: the idle unload
+    liveness: Liveness  # the ping loop: the one judge of unresponsive
+    loader: Loader  # loading, and starting again after a crash
+    unloader: Unloader  # draining and stopping, config reload
+    placing: SlotPlacing  # this model's side of placement: its place asked for, granted, refused
+    failures: CrashHistory  # the crash backoff
+    last_active: float  # the last admission, finished request or load (monotonic s)
+    users: int  # requests without a ticket waiting for the worker or calling it (holding, ready_worker)
+    asleep: bool  # unloaded for idleness and not woken since
+    rss_peak: int | None  # the largest RSS a ready worker of this model had, bytes
+    last_used: float | None  # unix time a request last finished
+    last_error: str | None
+    last_exit_code: int | None
+    _life: Lifecycle
+    _threads: ThreadShare  # the CPU share last sent to the worker
+
+    @property
+    def state(self) -> WorkerState:
+        return self._life.state
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.pool.metrics
+
+    @property
+    def sse_keepalive_s(self) -> float:
+        """How long a stream of this model may be silent before it sends a keep-alive (s)."""
+        return self.pool.config.server.sse_keepalive_s
+
+    def clock(self) -> float:
+        """The pool's monotonic clock (s; tests inject one)."""
+        return self.pool.clock()
+
+    # ------------------------------------------------------------------ admission
+
+    @property
+    def capacity(self) -> int:
+        jobs = self.worker.max_jobs if self.worker is not None else 1
+        return jobs + self.model.max_queue
+
+    @property
+    def queue_depth(self) -> int:
+        return self.admission.queue_depth
+
+    def admitted_split(self) -> tuple[int, int]:
+        """(running, waiting) as admission counts them (``router.workers.admission``)."""
+        return self.admission.split(self.worker.max_jobs if self.worker is not None else 1)
+
+    @property
+    def running_ids(self) -> list[str]:
+        return self.admission.running_ids
+
+    @property
+    def busy(self) -> bool:
+        """A worker of this model is generating (it holds a running request)."""
+        return self.admission.busy
+
+    @property
+    def total_slots(self) -> int:
+        """The ready worker's KV slots (``Ready.max_jobs``); 0 when no worker is ready."""
+        return self.worker.max_jobs if self.worker is not None and self.worker.ready is not None else 0
+
+    # ------------------------------------------------------------------ the worker's record
+
+    def last_pong(self) -> Pong | None:
+        """The current worker's most recent Pong (None before the first, or after it left)."""
+        return self.liveness.last_pong()
+
+    @property
+    def unresponsive_since(self) -> float | None:
+        """Unix time the worker went unresponsive (None: it is not)."""
+        return self.liveness.unresponsive_since
+
+    @property
+    def loading_worker(self) -> WorkerProcess | None:
+        """The worker being started (None once it is ready, or when none is)."""
+        return self.loader.worker
+
+    @property
+    def spawn_count(self) -> int:
+        """Workers started (or spares taken) for this model."""
+        return self.loader.spawn_count
+
+    @property
+    def load_ms(self) -> float | None:
+        """The last worker's reported model load time, ms."""
+        return self.loader.load_ms
+
+    @property
+    def loaded_at(self) -> float | None:
+        """Unix time the last worker was ready."""
+        return self.loader.loaded_at
+
+    @property
+    def last_ready(self) -> Ready | None:
+        """The last worker's Ready (its n_ctx, slots), kept while asleep."""
+        return self.loader.last_ready
+
+    @property
+    def unload_reason(self) -> str | None:
+        """Why the worker was last unloaded (admin, idle, evicted, reload); None once loaded again."""
+        return self.unloader.unload_reason
+
+    @property
+    def sleeping(self) -> bool:
+        """Unloaded for idleness and not woken since (llama-server's ``is_sleeping``)."""
+        return self.asleep and self.state is WorkerState.UNLOADED
+
+    @property
+    def waiting_for(self) -> str | None:
+        """Why the wanted load has not started (placement)."""
+        return self.placing.waiting_for
+
+    def expires_at(self) -> float | None:
+        """Unix time the idle unload is due (``router.workers.idle``); None: not idle or no TTL."""
+        return self.idle.expires_at(self.last_active)
+
+    def idle_ttl(self) -> float | None:
+        """The idle time-to-live in force, s (``router.workers.idle.IdleTimer.ttl``)."""
+        return self.idle.ttl()
+
+    @property
+    def blas_threads(self) -> int | None:
+        """The BLAS threads its worker uses: ``n_threads``, else the share last sent (None: the worker's own)."""
+        if self.model.n_threads is not None:
+            return self.model.n_threads
+        return self._threads.of(self.worker)
+
+    def sample_rss(self, wp: WorkerProcess | None) -> int | None:
+        """``wp``'s RSS now (its launcher's figure for its pid, or the injected probe); a ready worker's
+        raises :attr:`rss_peak`."""
+        if wp is None:
+            return None
+        rss = self.pool.memory.rss(wp.pid, self.model.name)
+        if rss and wp is self.worker and self.state is WorkerState.READY:
+            self.rss_peak = max(self.rss_peak or 0, rss)
+        return rss
+
+    def estimate(self) -> placement.Estimate:
+        """What this model will take once loaded (router.workers.placement.estimate)."""
+        return placement.estimate(self.model.path, self.model.kv_budget_mib, self.rss_peak,
+                                  weights=self.model.weights_mode)
+
+    def seat(self) -> placement.Seat | None:
+        """This model as placement sees it now, when it holds a worker (else None)."""
+        if self.state not in (WorkerState.LOADING, *LOADED, WorkerState.DRAINING):
+            return None
+        return placement.Seat(name=self.model.name, state=self.state.value,
+                              idle=(self.state is WorkerState.READY and not self.busy and self.queue_depth == 0
+                                    and self.users == 0),
+                              pinned=self.model.pinned, last_active=self.last_active,
+                              rss=self.sample_rss(self.worker or self.loader.worker) or 0,
+                              estimate=self.estimate().total)
+
+    # ------------------------------------------------------------------ the views
+
+    def kv_slots(self) -> list[dict[str, Any]]:
+        """One entry per KV slot of the ready worker (:func:`kv_slots`)."""
+        return kv_slots(self)
+
+    def gauges(self) -> ModelGauges:
+        """This model's figures for ``/metrics``."""
+        return gauges(self)
+
+    def describe(self) -> dict[str, Any]:
+        """The admin view of this model (:func:`describe`)."""
+        return describe(self)
+
+    def condition(self) -> str:
+        """The state with its history, for operators (:func:`condition`)."""
+        return condition(self)
+
+
+def kv_slots(slot: SlotFacts) -> list[dict[str, Any]]:
     """One entry per KV slot of the ready worker (protocol names: ``id``, ``id_task``,
     ``is_processing``, ``n_past``): the worker's own list from its last Pong when it
     sends one, else made from the router's running set (request ids in admission
@@ -35,7 +229,7 @@ def kv_slots(slot: ModelSlot) -> list[dict[str, Any]]:
              "is_processing": i < len(running), "n_past": held} for i in range(n)]
 
 
-def gauges(slot: ModelSlot) -> ModelGauges:
+def gauges(slot: SlotFacts) -> ModelGauges:
     """This model's figures for ``/metrics``."""
     pong = slot.last_pong()
     slots = kv_slots(slot)
@@ -51,7 +245,7 @@ def gauges(slot: ModelSlot) -> ModelGauges:
                           if slot.worker is not None and slot.worker.ready is not None else 0))
 
 
-def describe(slot: ModelSlot) -> dict[str, Any]:
+def describe(slot: SlotFacts) -> dict[str, Any]:
     """The admin view of this model (times: unix seconds; load_ms: ms)."""
     w = slot.worker or slot.loading_worker
     ready = slot.worker.ready if slot.worker is not None else None
@@ -84,7 +278,7 @@ def describe(slot: ModelSlot) -> dict[str, Any]:
         "from_spare": w.from_spare if w is not None else None,  # the worker was the warm spare
         "rss_bytes": slot.sample_rss(w) if w is not None and w.alive else None,
         "placement": {"pinned": slot.model.pinned, "waiting_for": slot.waiting_for,
-                      "estimate": slot.estimate().describe(), "rss_after_load_bytes": slot.rss_after_load,
+                      "estimate": slot.estimate().describe(), "rss_after_load_bytes": slot.loader.rss_after_load,
                       "rss_peak_bytes": slot.rss_peak},
         "n_ctx": ready.n_ctx if ready else slot.model.n_ctx,
         "architecture": ready.architecture if ready else None,
@@ -93,7 +287,7 @@ def describe(slot: ModelSlot) -> dict[str, Any]:
     }
 
 
-def condition(slot: ModelSlot) -> str:
+def condition(slot: SlotFacts) -> str:
     """The state with its history, for operators: ``never_loaded``, ``unloaded``,
     ``loading``, ``ready``, ``unresponsive`` (silent; killed at ping_timeout_s unless it
     answers), ``draining``, ``crashed`` (a ready worker died; restarts on

@@ -38,7 +38,8 @@ Per-request directives inside the prompt (or any message content):
 ``[crash]`` exit 9 after the first token; ``[hang]`` freeze the whole process
 (no Pong, no Cancel); ``[slow=S]`` S seconds per token; ``[len=N]`` N tokens
 before EOS; ``[utf8]`` a two-token "é" (first token ends mid-character);
-``[prefill=S]`` the prefill takes S seconds (after Accepted; a Cancel ends it);
+``[prefill=S]`` the prefill takes S seconds (after Accepted; a Cancel ends it; with
+``return_progress`` a PromptProgress at its start and after each chunk of PREFILL_CHUNK tokens);
 ``[hold]`` before each token, wait while the hold file exists (a Cancel still ends it);
 ``[hold@N]`` the same from token N on (the first N tokens flow freely);
 ``[reply64=B]`` the reply is the UTF-8 text whose base64 is B, three bytes a token
@@ -88,6 +89,7 @@ from protocol import (
     Message,
     Ping,
     Pong,
+    PromptProgress,
     Ready,
     Shutdown,
     Token,
@@ -100,6 +102,8 @@ from protocol import (
 )
 
 N_VOCAB = 50_000
+#: Prompt tokens per "forward pass" of the fake prefill (its PromptProgress steps).
+PREFILL_CHUNK = 8
 BOS, EOS = 1, 2
 
 
@@ -294,7 +298,8 @@ class FakeWorker:
                  prompt=msg.prompt, logit_bias=msg.logit_bias, grammar=msg.grammar,
                  json_schema=msg.json_schema, trace_id=msg.trace_id, chat_template=msg.chat_template, repeat_penalty=msg.repeat_penalty,
                  repeat_last_n=msg.repeat_last_n, presence_penalty=msg.presence_penalty,
-                 frequency_penalty=msg.frequency_penalty, tools=msg.tools, template_kwargs=msg.template_kwargs)
+                 frequency_penalty=msg.frequency_penalty, tools=msg.tools, template_kwargs=msg.template_kwargs,
+                 return_progress=msg.return_progress)
             if len(self.running) >= self.max_jobs:
                 await self.send(Error(id=msg.id, code="busy", message="a generation is already running"))
                 return
@@ -374,8 +379,17 @@ class FakeWorker:
         t0 = time.monotonic()
         m = re.search(r"\[prefill=([0-9.]+)\]", text)
         prefill_s = float(m.group(1)) if m else 0.01
-        while time.monotonic() - t0 < prefill_s and g.id not in self.cancelled:  # "prefill"
-            await asyncio.sleep(min(0.01, prefill_s))
+        total = len(prompt_ids)
+        cache = min(int(self.sw.get("cache_n", 0)), total - 1)
+        ends = [*range(cache + PREFILL_CHUNK, total, PREFILL_CHUNK), total]  # the prefill's chunks
+        if g.return_progress:
+            await self.send(PromptProgress(id=g.id, total=total, cache=cache, processed=cache, time_ms=0.0))
+        for k, end in enumerate(ends):  # "prefill"
+            while time.monotonic() - t0 < prefill_s * (k + 1) / len(ends) and g.id not in self.cancelled:
+                await asyncio.sleep(min(0.01, prefill_s))
+            if g.return_progress and g.id not in self.cancelled:
+                await self.send(PromptProgress(id=g.id, total=total, cache=cache, processed=end,
+                                               time_ms=(time.monotonic() - t0) * 1000))
         prompt_ms = (time.monotonic() - t0) * 1000
         self._decoded()  # the prefill
         t1 = time.monotonic()

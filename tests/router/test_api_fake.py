@@ -269,10 +269,30 @@ def test_native_completion_stream(router: LiveRouter) -> None:
 
 
 def test_token_text_drops_a_cut_off_character_as_llama_cpp() -> None:
-    from router.dialects.llamacpp_api import _token_text
+    from router.dialects.llamacpp_answers import token_text as _token_text
 
     assert _token_text(b"\xf0\x9f") == "" and _token_text(b"a\xe2\x82") == "a" and _token_text(b"\xc3\xa9") == "\u00e9"
     assert _token_text(b"x\xa9") == "x\ufffd"  # a stray continuation byte is not a cut-off character
+
+
+def test_tokenize_answers_rendered_in_slices_are_what_dumps_makes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/tokenize's answers, rendered a slice at a time (the event loop free in between), are byte
+    for byte the JSON of the whole list, over any number of slices (a piece not UTF-8 as bytes)."""
+    import asyncio
+
+    from protocol import TokenizeResult
+    from router.dialects import llamacpp_api
+    from router.http.responses import dumps
+
+    monkeypatch.setattr(llamacpp_api, "TOKENS_PER_SLICE", 3)
+    monkeypatch.setattr(llamacpp_api, "PIECES_PER_SLICE", 2)
+    for n in (0, 1, 2, 3, 4, 7):
+        ids = list(range(100, 100 + n))
+        pieces = [f" w{t}".encode() for t in ids[:-1]] + [b"\xc3"] * (n > 0)
+        ans = TokenizeResult.of("t", ids, pieces)
+        assert asyncio.run(llamacpp_api._token_list_json(ans)) == dumps({"tokens": ids})
+        want = [{"id": t, "piece": p.decode() if p != b"\xc3" else [0xC3]} for t, p in zip(ids, pieces)]
+        assert asyncio.run(llamacpp_api._pieces_json(ans)) == dumps({"tokens": want})
 
 
 def test_native_completion_until_the_context_is_full_is_truncated(router: LiveRouter) -> None:

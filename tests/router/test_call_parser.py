@@ -1,11 +1,12 @@
-"""The tool-call parser (router.dialects.tools.CallParser) on text cut at every character: no byte
+"""The tool-call parser (router.dialects.call_parser.CallParser) on text cut at every character: no byte
 of a call's markup ever reaches content, fed whole or piece by piece."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.dialects.tools import CALL_OPEN, GENERIC, HERMES, LLAMA3, MISTRAL, CallParser, ToolSyntax, render_call
+from router.dialects.call_parser import CallParser
+from router.dialects.tools import CALL_OPEN, GENERIC, HERMES, LLAMA3, MISTRAL, ToolSyntax, render_call
 
 
 def _read(text: str, syntax: ToolSyntax, pieces: int = 1) -> tuple[str, bool, int]:

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-import router.workers.slot
+import router.workers.loading
 from tests.router.conftest import LiveRouter, dummy_gguf
 from tests.router.inproc import FakeClock, InProc, chat, until
 
@@ -52,7 +52,7 @@ def kinds(evs: list[dict[str, Any]], model: str) -> list[str]:
 
 def test_events_tell_the_whole_story_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     env = InProc(tmp_path, monkeypatch)
-    monkeypatch.setattr(router.workers.slot, "LOAD_PROGRESS_INTERVAL_S", 0.02)
+    monkeypatch.setattr(router.workers.loading, "LOAD_PROGRESS_INTERVAL_S", 0.02)
     env.set_fake({"a": {"hold_load": True}})
     clock = FakeClock()
 
@@ -111,7 +111,7 @@ def test_events_tell_the_whole_story_in_order(tmp_path: Path, monkeypatch: pytes
 def test_worker_load_steps_reach_events_and_console(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     env = InProc(tmp_path, monkeypatch)
-    monkeypatch.setattr(router.workers.slot, "LOAD_PROGRESS_INTERVAL_S", 0.02)
+    monkeypatch.setattr(router.workers.loading, "LOAD_PROGRESS_INTERVAL_S", 0.02)
     env.set_fake({"a": {"hold_load": True, "load_steps": 7}})
     caplog.set_level("INFO", logger="modelyard")
 

@@ -535,11 +535,11 @@ def test_a_client_leaving_while_its_model_loads_evicts_nothing_more(
                 b = pool.get("b")
                 for make, waiting in ((lambda: c.post("/v1/chat/completions", json=chat("b")), lambda: b.queue_depth),
                                       (lambda: c.post("/tokenize", json={"model": "b", "content": "x"}),
-                                       lambda: b._users)):
+                                       lambda: b.users)):
                     t = asyncio.create_task(make())
                     await until(lambda: b.state is WorkerState.LOADING and waiting(), "b loading for the request")
                     t.cancel()
-                    await until(lambda: pool.get("b").queue_depth == 0 and pool.get("b")._users == 0, "b left")
+                    await until(lambda: pool.get("b").queue_depth == 0 and pool.get("b").users == 0, "b left")
                     assert pool.get("c").state is WorkerState.READY
             await until(lambda: pool.get("b").state is WorkerState.READY, "b loaded")
             assert pool.get("c").state is WorkerState.READY and pool.get("a").state is WorkerState.UNLOADED
@@ -603,16 +603,84 @@ def test_an_empty_anthropic_conversation_is_answered(tmp_path: Path, monkeypatch
     run(go())
 
 
-def test_return_progress_is_set_aside_visibly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_return_progress_streams_prompt_progress(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-server's ``return_progress`` (tools/server README): in a stream, ``prompt_progress``
+    chunks ``{"total", "cache", "processed", "time_ms"}`` while the prompt is processed — its start
+    (processed == cache) and one per batch, the last with processed == total — before the first
+    token; each names its prompt's ``index``. Not streaming, or not asked: no progress, nothing set aside."""
     env = InProc(tmp_path, monkeypatch)
+    env.set_fake({"a": {"cache_n": 3, "max_jobs": 2}})
+    words = " ".join(f"w{i}" for i in range(20))  # 21 tokens with BOS: the fake's chunks of 8 end at 11, 19, 21
+
+    async def go() -> None:
+        async with env.app(config("a", extra={"a": ["parallel = 2"]})) as (_, c):
+            r = await c.post("/completion", json={"prompt": words + " [len=2]", "n_predict": 4, "stream": True,
+                                                  "return_progress": True})
+            assert r.status_code == 200, r.text
+            assert "X-Modelyard-Set-Aside" not in r.headers and _generates(env)[-1]["return_progress"] is True
+            chunks = _chunks(r.text)
+            progress = [ch for ch in chunks if "prompt_progress" in ch]
+            assert [tuple(p["prompt_progress"][k] for k in ("total", "cache", "processed")) for p in progress] == [
+                (22, 3, 3), (22, 3, 11), (22, 3, 19), (22, 3, 22)]
+            assert all(isinstance(p["prompt_progress"]["time_ms"], int) for p in progress)
+            assert progress[0]["prompt_progress"]["time_ms"] == 0
+            assert all(p["content"] == "" and p["tokens"] == [] and p["stop"] is False and p["tokens_predicted"] == 0
+                       and p["tokens_evaluated"] == 22 and p["index"] == 0 for p in progress)
+            assert chunks[:len(progress)] == progress  # all of them before the first token
+            assert chunks[-1]["stop"] is True and chunks[-1]["tokens_predicted"] == 2
+            # several prompts: each reports its own, under its index
+            r = await c.post("/completion", json={"prompt": ["one two [len=1]", "three [len=1]"], "n_predict": 2,
+                                                  "stream": True, "return_progress": True})
+            assert r.status_code == 200, r.text
+            by_index = {i: [ch["prompt_progress"]["processed"] for ch in _chunks(r.text)
+                            if "prompt_progress" in ch and ch["index"] == i] for i in (0, 1)}
+            assert by_index == {0: [3, 4], 1: [2, 3]}  # 4 and 3 tokens; the cache holds all but the last
+            # not streamed: llama-server sends no progress and ignores the field
+            r = await c.post("/completion", json={"prompt": "hi [len=2]", "n_predict": 2, "return_progress": True})
+            assert r.status_code == 200 and "prompt_progress" not in r.json()
+            assert "X-Modelyard-Set-Aside" not in r.headers and _generates(env)[-1]["return_progress"] is False
+            # not asked: none
+            r = await c.post("/completion", json={"prompt": words, "n_predict": 2, "stream": True})
+            assert r.status_code == 200 and not any("prompt_progress" in ch for ch in _chunks(r.text))
+            assert _generates(env)[-1]["return_progress"] is False
+
+    run(go())
+
+
+def test_return_progress_on_the_openai_routes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-server's chat route with ``return_progress`` (its tests/unit/test_chat_completion.py):
+    chunks carrying the role delta and ``prompt_progress``, the first with processed == cache,
+    processed growing, the last == total, all before the content; not streamed: nothing. Its
+    /v1/completions: chunks with empty text carry it."""
+    env = InProc(tmp_path, monkeypatch)
+    env.set_fake({"a": {"cache_n": 2}})
+    words = " ".join(f"w{i}" for i in range(20))
 
     async def go() -> None:
         async with env.app(config("a")) as (_, c):
-            r = await c.post("/completion", json={"prompt": "hi", "n_predict": 2, "stream": True,
-                                                  "return_progress": True})
-            assert r.status_code == 200 and r.headers["X-Modelyard-Set-Aside"] == "return_progress:prompt_progress"
-            r = await c.post("/completion", json={"prompt": "hi", "n_predict": 2})
-            assert "X-Modelyard-Set-Aside" not in r.headers
+            r = await c.post("/v1/chat/completions", json=chat("a", words, stream=True, return_progress=True))
+            assert r.status_code == 200, r.text
+            chunks = _chunks(r.text)
+            progress = [ch for ch in chunks if "prompt_progress" in ch]
+            done = [p["prompt_progress"]["processed"] for p in progress]
+            total = progress[0]["prompt_progress"]["total"]
+            assert done[0] == progress[0]["prompt_progress"]["cache"] == 2 and done[-1] == total > 16
+            assert done == sorted(set(done)) and len(done) >= 3
+            assert all(p["choices"][0]["delta"] == {"role": "assistant", "content": None}
+                       and p["object"] == "chat.completion.chunk" for p in progress)
+            first_content = next(i for i, ch in enumerate(chunks)
+                                 if ch["choices"] and ch["choices"][0]["delta"].get("content"))
+            assert chunks.index(progress[-1]) < first_content
+            r = await c.post("/v1/chat/completions", json=chat("a", words, return_progress=True))
+            assert r.status_code == 200 and "prompt_progress" not in r.json()
+            assert _generates(env)[-1]["return_progress"] is False
+            # /v1/completions: text chunks with no text carry it
+            r = await c.post("/v1/completions", json={"model": "a", "prompt": words, "max_tokens": 2, "stream": True,
+                                                      "return_progress": True})
+            progress = [ch for ch in _chunks(r.text) if "prompt_progress" in ch]
+            assert [p["prompt_progress"]["processed"] for p in progress] == [2, 10, 18, 21]  # BOS + 20 words
+            assert all(p["choices"] == [{"index": 0, "text": "", "logprobs": None, "finish_reason": None}]
+                       and p["object"] == "text_completion" for p in progress)
 
     run(go())
 

@@ -1,7 +1,8 @@
 """The llama-server behaviours of issue 28 that go through the real worker (``python -m worker``
 on SmolLM2-135M): the template variables (date_string, enable_thinking, a turn's
-reasoning_content) reach the engine's renderer, and the engine's context overflow answers
-llama-server's exceed_context_size_error with its figures."""
+reasoning_content) reach the engine's renderer, the engine's context overflow answers
+llama-server's exceed_context_size_error with its figures, and a long prompt's prefill is
+reported pass by pass (return_progress)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ chat_template = {json.dumps(TEMPLATE)}
 path = "{SMOLLM2.name}"
 chat_template = {json.dumps(TEMPLATE)}
 reasoning = "off"
+[models.long]
+path = "{SMOLLM2.name}"
+n_ctx = 1024
 """
     r = LiveRouter(module_tmp, config, real=True)
     yield r
@@ -120,3 +124,36 @@ def test_several_prompts_answer_as_each_alone(router: LiveRouter) -> None:
     r = httpx.post(router.url + "/completion", json={**common, "prompt": prompts, "stream": True}, timeout=300)
     chunks = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
     assert ["".join(c["content"] for c in chunks if c["index"] == i) for i in range(2)] == alone
+
+
+def test_return_progress_reports_each_prefill_pass(router: LiveRouter) -> None:
+    """llama-server's return_progress on the real engine: a prompt of ~600 tokens is prefilled in
+    passes of at most 256 tokens (the engine's n_batch), each reported before the first token —
+    its start (processed == cache == 0), then every pass, the last with processed == total;
+    the same prompt again starts from what the prefix cache holds."""
+    prompt = "Progress check. " + " ".join(f"item {i}," for i in range(120))
+    body = {"model": "long", "prompt": prompt, "n_predict": 3, "temperature": 0, "stream": True,
+            "return_progress": True}
+
+    def progress_of() -> tuple[list[dict], dict]:
+        r = httpx.post(router.url + "/completion", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        chunks = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+        reports = [c["prompt_progress"] for c in chunks if "prompt_progress" in c]
+        assert chunks[:len(reports)] == [c for c in chunks if "prompt_progress" in c]  # all before any token
+        return reports, chunks[-1]
+
+    reports, final = progress_of()
+    total = final["tokens_evaluated"]
+    assert 512 < total < 1000 and final["stop"] is True
+    assert reports[0] == {"total": total, "cache": 0, "processed": 0, "time_ms": 0}
+    done = [r["processed"] for r in reports]
+    assert done[-1] == total and len(reports) >= 4  # the start and at least three passes
+    assert all(0 < b - a <= 256 for a, b in zip(done, done[1:]))
+    assert all(r["total"] == total and r["cache"] == 0 for r in reports)
+    assert all(a["time_ms"] <= b["time_ms"] for a, b in zip(reports, reports[1:]))
+    again, _ = progress_of()
+    cache = again[0]["cache"]
+    assert 0 < cache < total and again[0]["processed"] == cache and again[-1]["processed"] == total
+    assert len(again) == 2 and all(r["cache"] == cache for r in again)
+    print(f"return_progress: processed {done} of {total}; again from the cache: {[r['processed'] for r in again]}")

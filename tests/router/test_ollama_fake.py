@@ -466,7 +466,7 @@ def test_tool_messages_find_their_calls_by_id_name_or_age() -> None:
     """A tool message answers the open call with its tool_call_id, else its tool_name, else
     (naming neither) the oldest open one — found without a scan per message (that was quadratic
     on the event loop: 20,000 calls answered in reverse held every client 50 s, 0.2 s now)."""
-    from router.dialects.ollama_api import chat_turns
+    from router.dialects.ollama_request import chat_turns
 
     def answered(msgs: list[dict[str, Any]]) -> list[tuple[str | None, str | None]]:
         return [(t.tool_call_id, t.name) for t in chat_turns({"messages": msgs}) if t.role == "tool"]

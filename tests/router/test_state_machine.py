@@ -44,3 +44,23 @@ def test_only_a_slot_writes_its_state() -> None:
         if path.name != "lifecycle.py":
             assert not re.search(r"\.state\s*=[^=]", text), path.name
         assert not re.search(r"^from router\.\w+ import .*\b_[a-z]\w*", text, re.M), path.name
+
+
+def test_only_the_slot_and_its_parts_move_the_state() -> None:
+    """A model's state machine is made by its ModelSlot alone and moved only through the slot's
+    ``move``, called by the slot and the parts it makes (router/workers/loading.py, unloading.py)."""
+    import re
+    from pathlib import Path
+
+    router = Path(__file__).resolve().parents[2] / "router"
+    movers, makers, lifecycle_moves = set(), set(), set()
+    for path in router.rglob("*.py"):
+        text = path.read_text()
+        if re.search(r"\.move\(WorkerState\.", text):
+            movers.add(path.name)
+        if re.search(r"\bLifecycle\(", text):
+            makers.add(path.name)
+        if re.search(r"\._life\.move\(", text):
+            lifecycle_moves.add(path.name)
+    assert movers == {"slot.py", "loading.py", "unloading.py"}, movers
+    assert makers == {"slot.py"} and lifecycle_moves == {"slot.py"}, (makers, lifecycle_moves)

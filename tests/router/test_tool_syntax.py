@@ -18,6 +18,7 @@ import jsonschema
 import openai
 import pytest
 
+from router.dialects.call_parser import parse_output
 from router.dialects.tools import (
     GENERIC,
     HERMES,
@@ -27,7 +28,6 @@ from router.dialects.tools import (
     Tool,
     ToolCall,
     detect_syntax,
-    parse_output,
     render_messages,
     syntax_for,
     template_tools,

@@ -188,7 +188,8 @@ class FakeEngine:
         self._seqs[seq_id] = _Seq(seq_id, ids, p, on_token, keep, self._cache[:keep], slot, n_max, boom)
 
     def cache_n(self, seq_id: str) -> int:
-        return 0
+        s = self._seqs.get(seq_id)
+        return s.keep if s is not None else 0
 
     def abort(self, seq_id: str) -> bool:
         s = self._seqs.get(seq_id)

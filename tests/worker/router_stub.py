@@ -24,7 +24,8 @@ from pathlib import Path
 import msgpack
 import zmq
 
-from protocol import PROTOCOL_VERSION, Accepted, Done, Error, Generate, Hello, Message, Ping, Ready, Token, decode, encode
+from protocol import (PROTOCOL_VERSION, Accepted, Done, Error, Generate, Hello, Message, Ping, PromptProgress, Ready,
+                      Token, decode, encode)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,6 +44,7 @@ class RouterStub:
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.ident: bytes | None = None
         self.accepted: dict[str, Accepted] = {}  # each request's Accepted frame (stream())
+        self.progress: dict[str, list[PromptProgress]] = {}  # each request's PromptProgress frames (stream())
         self.received: list[tuple[float, Message]] = []  # (monotonic s, frame)
         self._unread: list[Message] = []
 
@@ -94,7 +96,8 @@ class RouterStub:
 
     def stream(self, req_id: str, timeout_s: float = 60.0) -> tuple[list[Token], Done | Error]:
         """Token frames of ``req_id`` up to and including its Done or Error. The worker's
-        Accepted (at most one, before any Token) is kept in ``accepted[req_id]``."""
+        Accepted (at most one, before any Token) is kept in ``accepted[req_id]``, its PromptProgress
+        frames (after the Accepted, before any Token) in ``progress[req_id]``."""
         tokens: list[Token] = []
         deadline = time.monotonic() + timeout_s
         while True:
@@ -102,6 +105,9 @@ class RouterStub:
             if isinstance(m, Accepted):
                 assert not tokens and req_id not in self.accepted, f"Accepted out of order for {req_id}"
                 self.accepted[req_id] = m
+            elif isinstance(m, PromptProgress):
+                assert not tokens and req_id in self.accepted, f"PromptProgress out of order for {req_id}"
+                self.progress.setdefault(req_id, []).append(m)
             elif isinstance(m, Token):
                 tokens.append(m)
             elif isinstance(m, (Done, Error)):

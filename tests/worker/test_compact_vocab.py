@@ -13,7 +13,8 @@ import pytest
 from tests.paths import GEMMA3_PATH, SMOLLM2_PATH
 from worker.engine.errors import EngineError
 from worker.engine.loading.gguf_loader import COMPACT_MIN_ITEMS, NumericArray, StringArray, read_gguf
-from worker.engine.text.tokenizer import Tokenizer, _VocabIndex
+from worker.engine.text.tokenizer import Tokenizer
+from worker.engine.text.vocab import VocabIndex
 
 TEXTS = ["a", "", "héllo", "▁the", "日本語", "😀x", "e'", "\u2765", "<0x0A>", "\ud800", "", "z" * 300]
 
@@ -136,7 +137,7 @@ def test_vocab_index_is_exact_like_a_dict() -> None:
     texts = [t for t in dict.fromkeys(TEXTS) if t] + [chr(0x4E00 + i) for i in range(300)] + [
         "ab", "\u6261", "abcd", "\u6261\u6463", "\U00016261"]  # raw-buffer twins of ASCII pairs
     a = StringArray.from_strs(texts)
-    idx = _VocabIndex(a)
+    idx = VocabIndex(a)
     for i, t in enumerate(texts):
         assert idx.get(t) == i
     for q in ["", "b", "héllo!", "日本", "ba", "\u6162", "abc", "\ud801", "zz", "z" * 299]:
@@ -147,12 +148,12 @@ def test_vocab_index_is_exact_like_a_dict() -> None:
 def test_vocab_index_with_every_hash_equal_still_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every text hashing alike: a lookup walks one long probe run and tells texts of one length
     apart by their bytes alone."""
-    import worker.engine.text.tokenizer as tokenizer_module
+    import worker.engine.text.vocab as vocab_module
 
     texts = [f"w{i:03d}" for i in range(200)] + ["é", "日", "ab", "ba", "\u6261"]
     packed = StringArray.from_strs(texts)
-    monkeypatch.setattr(tokenizer_module, "hash", lambda s: 0, raising=False)
-    idx = _VocabIndex(StringArray(packed.blob, packed.offsets, hashes=np.zeros(len(texts), dtype=np.int64)))
+    monkeypatch.setattr(vocab_module, "hash", lambda s: 0, raising=False)
+    idx = VocabIndex(StringArray(packed.blob, packed.offsets, hashes=np.zeros(len(texts), dtype=np.int64)))
     assert [idx.get(t) for t in texts] == list(range(len(texts)))
     for q in ["w200", "w19", "w0999", "è", "a", "bb", "\u6262"]:
         assert idx.get(q) is None, q
@@ -161,7 +162,7 @@ def test_vocab_index_with_every_hash_equal_still_exact(monkeypatch: pytest.Monke
 def test_vocab_index_names_duplicates() -> None:
     texts = ["a", "b", "c", "b", "a", "d"]
     with pytest.raises(EngineError) as ei:
-        _VocabIndex(StringArray.from_strs(texts))
+        VocabIndex(StringArray.from_strs(texts))
     assert ei.value.code == "invalid_gguf" and "'b' has ids 1 and 3" in ei.value.message
 
 

@@ -176,7 +176,8 @@ def test_every_tool_constraint_the_router_builds_compiles(engine: Engine) -> Non
     every choice mode; every tool syntax; with a response format) is accepted by
     llguidance, and a free-text custom tool's call can be generated and parsed back."""
     from router.dialects.constraints import tool_constraint
-    from router.dialects.tools import HERMES, LLAMA3, MISTRAL, Tool, ToolChoice, parse_output
+    from router.dialects.call_parser import parse_output
+    from router.dialects.tools import HERMES, LLAMA3, MISTRAL, Tool, ToolChoice
 
     fn = Tool("get_weather", "weather", {"type": "object", "properties": {"city": {"type": "string"}},
                                          "required": ["city"]})

@@ -22,7 +22,8 @@ from worker.engine.kv.cache import KVShape
 from worker.engine.sampling import SamplingParams
 from worker.engine.scheduler import Scheduler, run_one
 from worker.engine.seqs import SeqRequest
-from worker.engine.text.tokenizer import _BYTE_TO_UNICODE, Tokenizer
+from worker.engine.text.bpe import BYTE_TO_UNICODE
+from worker.engine.text.tokenizer import Tokenizer
 
 TOK = Tokenizer.from_metadata(bpe_metadata())
 EOS = TOK.token_id("<|im_end|>")
@@ -78,7 +79,7 @@ def ids(text: str) -> list[int]:
 
 def chars(text: str) -> list[int]:
     """One token per UTF-8 byte (the vocabulary's byte tokens)."""
-    return [TOK.token_id(_BYTE_TO_UNICODE[b]) for b in text.encode()]
+    return [TOK.token_id(BYTE_TO_UNICODE[b]) for b in text.encode()]
 
 
 def say(reply: list[int], n_prompt: int) -> Callable[[list[int]], int]:

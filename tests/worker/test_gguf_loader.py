@@ -13,7 +13,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from tests.worker.tiny_gguf import TINY_VOCAB_SIZE, tiny_bpe_vocab, write_gguf, write_tiny_llama
-from worker.engine.loading import gguf_loader
+from worker.engine.loading import dequant, gguf_loader
 from worker.engine.errors import EngineError
 from worker.engine.loading.gguf_loader import SUPPORTED_TENSOR_TYPES, atomic_write_bytes, cache_root, read_gguf
 
@@ -362,13 +362,13 @@ def test_metadata_value_types(tmp_path: Path) -> None:
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_chunked_dequant_bit_identical(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qtype: str) -> None:
     """Chunk boundaries (7 blocks, a ragged last chunk) change nothing, bit for bit."""
-    monkeypatch.setattr(gguf_loader, "_DEQUANT_CHUNK_BLOCKS", 7)
+    monkeypatch.setattr(dequant, "_DEQUANT_CHUNK_BLOCKS", 7)
     rng = np.random.default_rng(5)
     qt = GGMLQuantizationType[qtype]
     w = (rng.standard_normal((13, 96)) * 3).astype(np.float32)
     w[0, :32] = 0.0  # an all-zero block
     raw = gguf.quants.quantize(w, qt).view(np.uint8).reshape(13, -1)
-    got = gguf_loader.dequantize_raw(raw, qt)
+    got = dequant.dequantize_raw(raw, qt)
     want = gguf.quants.dequantize(raw, qt).reshape(13, 96)
     assert got.dtype == np.float32 and got.shape == (13, 96) and got.flags.c_contiguous
     assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))

@@ -20,11 +20,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.paths import GEMMA3_PATH, SMOLLM2_PATH
-import worker.engine.text.tokenizer as tokenizer_module
+import worker.engine.text.bpe as bpe_module
+import worker.engine.text.specials as specials_module
+import worker.engine.text.spm as spm_module
 from worker.engine.errors import EngineError
 from worker.engine.loading.gguf_loader import NumericArray, StringArray
+from worker.engine.text.bpe import BYTE_TO_UNICODE
 from worker.engine.text.tokenizer import (
-    _BYTE_TO_UNICODE,
     ATTR_CONTROL,
     ATTR_USER_DEFINED,
     IncrementalUTF8Decoder,
@@ -173,7 +175,7 @@ def test_real_special_tokens_and_eog() -> None:
 def test_real_round_trip_property(text: str) -> None:
     for model in ("smollm2", "gemma3"):
         tok = real_tokenizer(model)
-        if tok.model == "gpt2" and any(tok.token_id(_BYTE_TO_UNICODE[b]) is None for b in text.encode()):
+        if tok.model == "gpt2" and any(tok.token_id(BYTE_TO_UNICODE[b]) is None for b in text.encode()):
             # SmolLM2's vocabulary lacks 21 byte tokens (e.g. 0xF1, the lead byte of
             # U+40000..); llama.cpp, like this tokenizer, cannot represent such text
             continue
@@ -196,7 +198,7 @@ SPECIAL_TYPES = [3, 3, 3, 3, 3, 4, 4, 3, 4]
 def bpe_metadata(**over: Any) -> dict[str, Any]:
     """A byte-level BPE vocabulary: control tokens, two user-defined ones, bytes, a few merges."""
     merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld", "1 2"]
-    tokens = SPECIALS_BPE + [_BYTE_TO_UNICODE[b] for b in range(256)]
+    tokens = SPECIALS_BPE + [BYTE_TO_UNICODE[b] for b in range(256)]
     for m in merges:
         a, b = m.split(" ")
         tokens.append(a + b)
@@ -394,10 +396,10 @@ def test_partition_matches_llama_cpp_reference(parts: list[str], parse_special: 
     tok = Tokenizer.from_metadata(bpe_metadata())
     text = "".join(parts)
     want = ref_partition(tok, text, parse_special)
-    got = [(f.text, f.token) for f in tok._partition(text, parse_special, None)] if text else []
+    got = [(f.text, f.token) for f in tok._specials.partition(text, parse_special, None)] if text else []
     assert got == want
-    with mock.patch.object(tokenizer_module, "_SCAN_CHARS", 3):  # the scan in tiny windows finds the same
-        got = [(f.text, f.token) for f in tok._partition(text, parse_special, None)] if text else []
+    with mock.patch.object(specials_module, "_SCAN_CHARS", 3):  # the scan in tiny windows finds the same
+        got = [(f.text, f.token) for f in tok._specials.partition(text, parse_special, None)] if text else []
     assert got == want
 
 
@@ -496,7 +498,7 @@ def test_spm_matches_llama_cpp_reference(text: str, parse_special: bool) -> None
     tok = Tokenizer.from_metadata(spm_metadata())
     want = ref_tokenize_spm(tok, text, parse_special)
     assert tok.tokenize(text, add_special=False, parse_special=parse_special) == want
-    with mock.patch.object(tokenizer_module, "_CHUNK_CHARS", 1):
+    with mock.patch.object(spm_module, "_CHUNK_CHARS", 1):
         assert tok.tokenize(text, add_special=False, parse_special=parse_special) == want
     assert tok.detokenize(tok.tokenize(text, add_special=False, parse_special=False)) == text
 
@@ -596,7 +598,7 @@ def test_incremental_decoder_never_emits_half_characters() -> None:
 
 
 #: One name per distinct row of the pre-tokenizer table.
-PRE_ROWS = {row: name for name, row in reversed(list(tokenizer_module._PRE_TOKENIZERS.items()))}
+PRE_ROWS = {row: name for name, row in reversed(list(bpe_module._PRE_TOKENIZERS.items()))}
 CUT_ALPHABET = ["a", "b", "Z", " ", "  ", "\n", "\r\n", "\t", "1", "23", "'s", "'", ".", ",", "é", "中", "ß", "-"]
 
 
@@ -614,8 +616,8 @@ def test_long_texts_in_chunks_give_the_ids_of_the_whole_on_every_pre_tokenizer(p
             _TOK_CACHE[key] = Tokenizer.from_metadata({**real_metadata("smollm2"), "tokenizer.ggml.pre": name})
         tok = _TOK_CACHE[key]
         whole: list[int] = []
-        tok._keep_ids(tok._hf.encode(text, add_special_tokens=False).ids, whole)
+        tok._bpe.keep_ids(tok._bpe.hf.encode(text, add_special_tokens=False).ids, whole)
         chunked: list[int] = []
-        with mock.patch.multiple(tokenizer_module, _GIL_FREE_CHARS=0, _CHUNK_CHARS=1):
-            tok._hf_ids(text, chunked)
+        with mock.patch.multiple(bpe_module, _GIL_FREE_CHARS=0, _CHUNK_CHARS=1):
+            tok._bpe.ids(text, chunked)
         assert chunked == whole, (name, row.regexes)

@@ -364,6 +364,28 @@ def test_cancel_mid_decode_stops_within_a_token(start: Callable[..., Harness]) -
     print(f"fake engine: Cancel -> Done mid-decode {latency * 1e3:.1f} ms")
 
 
+def test_return_progress_reports_the_prefill_chunk_by_chunk(start: Callable[..., Harness]) -> None:
+    """llama-server's prompt_progress: the prefill's start (processed == cache), then one report per
+    prefill chunk (4 tokens in the fake engine), the last with processed == total, before the first
+    Token; a prompt found in the prefix cache reports its cached tokens; none unless asked."""
+    h = start()
+    prompt = " ".join(f"word{i}" for i in range(13))  # 14 tokens: chunks end at 4, 8, 12, 14
+    h.stub.send(Generate(id="p1", prompt=prompt, temperature=0.0, max_tokens=2, return_progress=True))
+    tokens, done = h.stub.stream("p1")
+    assert isinstance(done, Done) and len(tokens) == 2
+    reports = h.stub.progress["p1"]
+    assert [(r.total, r.cache, r.processed) for r in reports] == [(14, 0, 0), (14, 0, 4), (14, 0, 8), (14, 0, 12),
+                                                                  (14, 0, 14)]
+    assert reports[0].time_ms == 0.0 and all(a.time_ms <= b.time_ms for a, b in zip(reports, reports[1:]))
+    h.stub.send(Generate(id="p2", prompt=prompt, temperature=0.0, max_tokens=2, return_progress=True))
+    tokens, done = h.stub.stream("p2")
+    assert isinstance(done, Done) and done.cache_n == 13
+    assert [(r.total, r.cache, r.processed) for r in h.stub.progress["p2"]] == [(14, 13, 13), (14, 13, 14)]
+    h.stub.send(Generate(id="p3", prompt=prompt + " more", temperature=0.0, max_tokens=2))
+    tokens, done = h.stub.stream("p3")
+    assert isinstance(done, Done) and "p3" not in h.stub.progress
+
+
 def test_cancel_mid_prefill_stops_between_chunks(start: Callable[..., Harness]) -> None:
     h = start()
     h.engine.allow(1)  # one prefill chunk, then held

@@ -37,6 +37,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
+from worker.engine.text.bpe import BYTE_TO_UNICODE
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -66,18 +68,9 @@ system user assistant message content hello again and again, the end.
 N_MERGES = 160
 
 
-@lru_cache(maxsize=1)
 def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode character map."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
+    """GPT-2's reversible byte -> printable unicode character map (the engine's, a copy)."""
+    return dict(BYTE_TO_UNICODE)
 
 
 _WORD_RE = re.compile(r" ?[A-Za-z]+| ?[0-9]| ?[^\sA-Za-z0-9]+|\s+")

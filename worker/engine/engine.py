@@ -5,57 +5,34 @@ and its batch :class:`~worker.engine.scheduler.Scheduler` (KV slots, prefix
 cache). Several sequences run at once through ``add`` / ``step`` / ``abort``;
 ``generate`` is the single-sequence wrapper. A lock serialises the calls that
 touch the scheduler; ``prepare``, ``tokenize`` and the template calls never
-touch the KV and may run on any thread.
+touch the KV and may run on any thread. The load itself is in ``engine_load.py``, the text
+methods in ``engine_text.py``, the identity and KV-state methods in ``engine_kv.py``.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
-import numpy as np
-
 from . import constraints
-from .loading import resident
-from .text.builtin_templates import resolve_template
-from .text.chat_template import ChatTemplate
+from .engine_kv import EngineKVStates
+from .engine_load import EngineInfo, load_parts
+from .engine_text import EngineText
 from .errors import EngineError
 from .generate import GenerationResult, TokenEvent
-from .kv.state import KV_LAYOUT_VERSION, KVIdentity, KVState
+from .kv.state import KVIdentity
 from .sampling import SamplingParams
 from .scheduler import Scheduler, run_one
 from .seqs import Finished, SeqRequest, SlotInfo
+from .text.chat_template import ChatTemplate
 from .text.tokenizer import Tokenizer
-from .warmup import column_slice_types, take_preload, warm_up_kernels, warm_up_slices
 
 __all__ = ["Engine", "EngineInfo"]
 
 
-@dataclass(frozen=True)
-class EngineInfo:
-    """Identity and sizes of a loaded model."""
-
-    architecture: str  # general.architecture, e.g. "llama", "gemma3"
-    name: str  # general.name or the file stem
-    n_ctx: int  # KV cache size in tokens
-    n_ctx_train: int
-    n_vocab: int
-    file_size: int  # bytes
-    fingerprint: str  # hex SHA-256 of the file (gguf_loader's identity rule); "" until computed (Engine.fingerprint)
-    has_chat_template: bool
-    bos_token: str | None
-    eos_token: str | None
-    n_parallel: int = 1  # KV slots: sequences decoded at once
-    kv_budget_tokens: int = 0  # KV positions the budget holds in all
-    kv_token_bytes: int = 0  # bytes of K and V per position
-    weights: str = "quantized"  # how weight matrices are held: "quantized" | "f32"
-    weight_bytes: int = 0  # bytes of the prepared weights in memory
-
-
-class Engine:
+class Engine(EngineText, EngineKVStates):
     """One loaded model: tokenizer, chat template, forward pass, KV cache.
 
     Build with :meth:`load`. Methods raise :class:`EngineError` with a
@@ -119,204 +96,8 @@ class Engine:
                 (n_ctx not a positive integer, parallel, n_batch or n_ubatch < 1, budget <= 0,
                 unknown weights mode).
         """
-        from .loading.gguf_loader import read_gguf
-        from .scheduler import DEFAULT_N_BATCH, DEFAULT_N_UBATCH
-        from .arch.registry import DEFAULT_WEIGHTS, WEIGHT_MODES, load_model  # n_ctx None -> min(n_ctx_train, 8192) there
-
-        path = Path(gguf_path)
-        if not path.is_file():
-            raise EngineError("file_not_found", f"GGUF file not found: {gguf_path}")
-        if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx <= 0):
-            raise EngineError("invalid_params", f"n_ctx must be a positive integer, got {n_ctx!r}")
-        if chat_template is not None and not isinstance(chat_template, str):
-            raise EngineError("invalid_params", "chat_template must be a string")
-        for name, v in (("parallel", parallel), ("n_batch", n_batch), ("n_ubatch", n_ubatch)):
-            if (v is not None or name == "parallel") and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise EngineError("invalid_params", f"{name} must be an integer >= 1, got {v!r}")
-        if kv_budget_mib is not None and (isinstance(kv_budget_mib, bool) or not isinstance(kv_budget_mib, (int, float))
-                                          or not kv_budget_mib > 0):
-            raise EngineError("invalid_params", f"kv_budget_mib must be a positive number, got {kv_budget_mib!r}")
-        weights = DEFAULT_WEIGHTS if weights is None else weights
-        if weights not in WEIGHT_MODES:
-            raise EngineError("invalid_params", f"weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}")
-        if progress is not None:
-            progress("reading_gguf", 0, 1)
-        gguf = _wrap(read_gguf, str(path))
-        gguf.start_fingerprint()  # hashed on a background thread while the model is built
-        warm = None
-        if weights == "quantized":  # numba's import and cached kernels load while the model is built
-            types = {t.type.name for t in gguf.tensors.values()}
-            from .arch.registry import ARCHITECTURES, _register_builtin
-
-            _register_builtin()
-            arch_cls = ARCHITECTURES.get(gguf.architecture)
-            warm = threading.Thread(target=warm_up_kernels, daemon=True, name="modelyard-warm-up",
-                                    args=(types, take_preload(), getattr(arch_cls, "ffn_act", None)))
-            warm.start()
-        if progress is not None:
-            progress("reading_gguf", 1, 1)
-        md = gguf.metadata
-        arch = gguf.architecture
-        n_ctx_train = md.get(f"{arch}.context_length")
-        if isinstance(n_ctx_train, bool) or not isinstance(n_ctx_train, int) or n_ctx_train <= 0:
-            raise EngineError("invalid_gguf", f"GGUF has no valid {arch}.context_length")
-        if progress is not None:
-            progress("building_tokenizer", 0, 1)
-        tokenizer = _wrap(Tokenizer.from_metadata, md)
-        source = resolve_template(chat_template) if chat_template is not None else md.get("tokenizer.chat_template")
-        template = None
-        if isinstance(source, str) and source.strip():
-            template = ChatTemplate(source, tokenizer.bos_token, tokenizer.eos_token,
-                                    strip_bos=tokenizer.add_bos, strip_eos=tokenizer.add_eos)
-        if progress is not None:
-            progress("building_tokenizer", 1, 1)
-        model = _wrap(load_model, gguf, n_ctx, weights=weights, progress=progress)
-        if warm is not None:  # kernels from numba's cache (~0.3 s), or compiled into an empty one (tens of s)
-            if progress is not None:
-                progress("loading_kernels", 0, 1)
-            warm.join()  # before any kernel runs on this thread (one numba parallel launch at a time)
-            warm_up_slices(column_slice_types(model.w.values()))
-            if progress is not None:
-                progress("loading_kernels", 1, 1)
-        resident.trim_heap()  # the load's freed temporaries (dequantization, metadata parsing) back to the OS
-        token_bytes = model.kv_shape.token_bytes
-        budget_tokens = (parallel * int(model.n_ctx) if kv_budget_mib is None
-                         else max(1, int(kv_budget_mib * 2**20) // token_bytes))
-        sched = Scheduler(model, tokenizer, n_parallel=parallel, kv_budget_tokens=budget_tokens,
-                          n_batch=DEFAULT_N_BATCH if n_batch is None else n_batch,
-                          n_ubatch=DEFAULT_N_UBATCH if n_ubatch is None else n_ubatch)
-        name = md.get("general.name")
-        info = EngineInfo(
-            architecture=arch,
-            name=name if isinstance(name, str) and name else path.stem,
-            n_ctx=int(model.n_ctx),
-            n_ctx_train=n_ctx_train,
-            n_vocab=int(model.n_vocab),
-            file_size=int(gguf.file_size),
-            fingerprint=gguf.fingerprint_nowait() or "",
-            has_chat_template=template is not None,
-            bos_token=tokenizer.bos_token,
-            eos_token=tokenizer.eos_token,
-            n_parallel=parallel,
-            kv_budget_tokens=budget_tokens,
-            kv_token_bytes=token_bytes,
-            weights=model.weights,
-            weight_bytes=int(model.weight_bytes),
-        )
-        return cls(gguf, model, tokenizer, template, info, sched)
-
-    # ------------------------------------------------------------------ text
-
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        """Token ids of ``text`` (llama.cpp semantics, see ``Tokenizer.tokenize``).
-
-        Raises:
-            EngineError("invalid_params"): ``text`` is not a string.
-        """
-        return self.tokenizer.tokenize(text, add_special=bool(add_special), parse_special=bool(parse_special))
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        """Text of ``ids`` (control tokens rendered as their text; invalid UTF-8 -> U+FFFD).
-
-        Raises:
-            EngineError("invalid_token"): an id outside ``[0, n_vocab)``.
-        """
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
-            raise EngineError("invalid_params", "ids must be a list of token ids")
-        return self.tokenizer.detokenize(ids)
-
-    def token_bytes(self, token_id: int, special: bool = True) -> bytes:
-        """Raw bytes of one token's piece; ``special=False`` gives b"" for control
-        tokens, as generated text does.
-
-        Raises:
-            EngineError("invalid_token"): id outside ``[0, n_vocab)``.
-        """
-        return self.tokenizer.token_bytes(token_id, special=special)
-
-    def _require_template(self) -> ChatTemplate:
-        if self._template is None:
-            raise EngineError("no_chat_template", f"model {self.info.name!r} has no chat template; "
-                              "configure one (a template text or a name such as 'chatml' or 'gemma')")
-        return self._template
-
-    #: Request templates (``chat_template`` of a request: a preset's) kept compiled, most recent last.
-    TEMPLATE_CACHE = 8
-
-    def _template_for(self, chat_template: str | None) -> ChatTemplate:
-        """The model's template (``chat_template`` None), else that template text or known name,
-        compiled once (the last :attr:`TEMPLATE_CACHE` kept).
-
-        Raises:
-            EngineError("no_chat_template" | "template_error" | "invalid_params")."""
-        if chat_template is None:
-            return self._require_template()
-        if not isinstance(chat_template, str) or not chat_template.strip():
-            raise EngineError("invalid_params", "chat_template must be a non-empty string")
-        cache: dict[str, ChatTemplate] = self.__dict__.setdefault("_request_templates", {})
-        t = cache.pop(chat_template, None)
-        if t is None:
-            tok = self.tokenizer
-            t = ChatTemplate(resolve_template(chat_template), tok.bos_token, tok.eos_token,
-                             strip_bos=tok.add_bos, strip_eos=tok.add_eos)
-            while len(cache) >= self.TEMPLATE_CACHE:
-                cache.pop(next(iter(cache)))
-        cache[chat_template] = t
-        return t
-
-    def apply_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                       tools: list[Any] | None = None, template_kwargs: dict[str, Any] | None = None,
-                       chat_template: str | None = None) -> str:
-        """The chat prompt text for ``messages`` (OpenAI-style; content a string
-        or a list of text parts; ``template_kwargs``: more template variables, llama.cpp's
-        ``chat_template_kwargs``). A leading BOS text is removed when the
-        tokenizer adds BOS itself, like llama.cpp's ``/apply-template``. ``chat_template``
-        (text or a known name) renders with that template instead of the model's.
-
-        Raises:
-            EngineError("no_chat_template" | "template_error" | "invalid_params").
-        """
-        return self._template_for(chat_template).render(messages, add_generation_prompt, tools, template_kwargs)
-
-    def tokenize_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                      tools: list[Any] | None = None, template_kwargs: dict[str, Any] | None = None,
-                      chat_template: str | None = None) -> list[int]:
-        """Prompt ids for ``messages``: template markup is tokenized with special
-        parsing, message contents without it (a user typing ``<|im_end|>``
-        cannot close a turn); BOS added per the GGUF, exactly once. ``chat_template`` (text
-        or a known name) renders them with that template instead of the model's;
-        ``template_kwargs`` are extra template variables (``chat_template_kwargs``).
-
-        Raises:
-            EngineError("no_chat_template" | "template_error" | "invalid_params").
-        """
-        segments = self._template_for(chat_template).render_segments(messages, add_generation_prompt, tools,
-                                                                     template_kwargs)
-        self._check_fits(sum(len(text) for text, _ in segments))
-        return self.tokenizer.tokenize_pieces(segments, add_special=True)
-
-    def _check_fits(self, n_chars: int) -> None:
-        """Refuse, before tokenizing, a text that cannot fit the context whatever its tokens:
-        a token covers at most ``max_piece`` characters, so more than ``n_ctx * max_piece``
-        characters make more than n_ctx tokens.
-
-        Raises: EngineError("context_length_exceeded").
-        """
-        n_ctx = self.info.n_ctx
-        if n_chars <= n_ctx:
-            return
-        if self._max_piece_chars is None:
-            # the longest token text in UTF-8 bytes bounds every piece's characters (a piece's
-            # bytes are at most its text's: SentencePiece's "\u2581" and "<0xNN>", GPT-2's byte
-            # alphabet all shrink when decoded): one numpy pass over the vocabulary's compact
-            # storage, where decoding 262k pieces took seconds on the first long prompt
-            self._max_piece_chars = max(1, int(self.tokenizer.tokens.byte_lengths().max()))
-        if n_chars > n_ctx * self._max_piece_chars:
-            raise EngineError("context_length_exceeded", (
-                f"This model's maximum context length is {n_ctx} tokens. However, the prompt has {n_chars} "
-                f"characters, more than {n_ctx} tokens of at most {self._max_piece_chars} characters can hold."))
-            # no n_prompt_tokens: not tokenized, the count is unknown (a count_tokens answer takes
-            # the figure as exact: router.counting)
+        return cls(*load_parts(gguf_path, n_ctx, chat_template, parallel=parallel, kv_budget_mib=kv_budget_mib,
+                               n_batch=n_batch, weights=weights, n_ubatch=n_ubatch, progress=progress))
 
     # ------------------------------------------------------------------ generate
 
@@ -435,125 +216,3 @@ class Engine:
             if self._sched.has_work:
                 raise EngineError("invalid_params", "generate() while add()/step() sequences are live")
             return run_one(self._sched, SeqRequest("generate", ids, p, on_token, should_stop), should_stop)
-
-    # ------------------------------------------------------------------ identity, KV states
-
-    @property
-    def fingerprint(self) -> str:
-        """The GGUF's content fingerprint (hex SHA-256 of the file, ``GGUFFile.fingerprint``),
-        waiting for the background hash ``load`` started if it is still running (a file seen
-        before is known at once). ``info.fingerprint`` is "" until then, the digest after."""
-        fp = self._gguf.fingerprint
-        if self.info.fingerprint != fp:
-            self.info = replace(self.info, fingerprint=fp)
-        return fp
-
-    def on_fingerprint(self, callback: Callable[[str], None]) -> None:
-        """Call ``callback(fingerprint)`` once it is known: at once if it is, else on the hashing
-        thread when it finishes (``info.fingerprint`` is updated first). Not called if the file
-        was closed before."""
-        def done(fut: Any) -> None:
-            if fut.exception() is None:
-                callback(self.fingerprint)
-
-        self._gguf.start_fingerprint().add_done_callback(done)
-
-    @property
-    def kv_identity(self) -> KVIdentity:
-        """What a KV state of this engine depends on (``worker.engine.kv.state``), with the full
-        content fingerprint (waited for if still being computed: a state from another file is
-        always refused, naming ``model_fingerprint``); the tokenizer fingerprint is computed
-        on first use."""
-        if self._kv_identity is None:
-            s = self._sched.pool.shape
-            self._kv_identity = KVIdentity(
-                architecture=self.info.architecture, model_fingerprint=self.fingerprint,
-                tokenizer_fingerprint=self.tokenizer.fingerprint, n_layer=s.n_layer, n_kv_head=s.n_kv_head,
-                head_dim_k=s.head_dim_k, head_dim_v=s.head_dim_v, kv_dtype=s.dtype.name,
-                kv_layout=KV_LAYOUT_VERSION, n_ctx=self.info.n_ctx)
-        return self._kv_identity
-
-    def slot_busy(self, id_slot: int) -> bool:
-        """True while a request runs in slot ``id_slot``. Raises EngineError("invalid_params")."""
-        with self._lock:
-            return self._sched.slot_busy(id_slot)
-
-    def save_slot(self, id_slot: int) -> KVState:
-        """A copy of what idle slot ``id_slot`` holds (0 tokens when it holds nothing).
-
-        Raises: EngineError("invalid_params"): a bad slot id, or the slot is processing.
-        """
-        with self._lock:
-            e = self._sched.slot_entry(id_slot)
-            return self._snapshot(e)
-
-    def _snapshot(self, e: Any, copy: bool = True) -> KVState:
-        ident = self.kv_identity
-        if e is None:
-            s = self._sched.pool.shape
-            return KVState(ident, [], np.zeros((s.n_layer, s.n_kv_head, 0, s.head_dim_k), s.dtype),
-                           np.zeros((s.n_layer, s.n_kv_head, 0, s.head_dim_v), s.dtype))
-        n = e.n_past
-        k, v = e.k[:, :, :n], e.v[:, :, :n]
-        return KVState(ident, list(e.tokens), k.copy() if copy else k, v.copy() if copy else v)
-
-    def restore_slot(self, state: KVState, id_slot: int | None = None) -> int:
-        """Load ``state`` into idle slot ``id_slot`` (replacing what it held), or with None into
-        the prefix cache only; the tokens restored. The next request whose prompt extends
-        those tokens reuses them.
-
-        Raises (the KV is unchanged): KVStateError("kv_state_mismatch") naming the field
-        when ``state`` is of another model / quantization / tokenizer / n_ctx / layout;
-        EngineError("invalid_params") a bad or busy slot; ("kv_budget_exceeded") no room.
-        """
-        self.kv_identity.check(state.identity)
-        with self._lock:
-            self._sched.install(state.tokens, state.k, state.v, id_slot)
-        return state.n_tokens
-
-    def erase_slot(self, id_slot: int) -> int:
-        """Forget idle slot ``id_slot``'s KV; the tokens it held.
-
-        Raises: EngineError("invalid_params"): a bad slot id, or the slot is processing.
-        """
-        with self._lock:
-            return self._sched.erase(id_slot)
-
-    def idle_states(self, copy: bool = True) -> list[KVState]:
-        """Every idle KV entry (the prefix cache), most recently used first: copies, or with
-        ``copy=False`` views valid only until the next add / step / restore (for a caller
-        that writes them out before touching the engine again)."""
-        with self._lock:
-            return [self._snapshot(e, copy) for e in reversed(self._sched.idle_entries()) if e.n_past]
-
-    def best_prefix(self, ids: Sequence[int]) -> int:
-        """Tokens of ``ids`` (at most all but the last) the KV already holds as a prefix."""
-        with self._lock:
-            return self._sched.best_prefix(list(ids))
-
-    def reset_cache(self) -> None:
-        """Forget every idle KV entry (the next request evaluates its whole prompt)."""
-        with self._lock:
-            for e in self._sched.idle_entries():
-                self._sched.pool.drop(e)
-
-    @property
-    def cached_tokens(self) -> list[int]:
-        """A copy of the token ids held by the most recently used KV entry ([] when none)."""
-        with self._lock:
-            entries = self._sched.pool.entries
-            if not entries:
-                return []
-            return list(max(entries, key=lambda e: e.last_use).tokens)
-
-
-def _wrap(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call a loader; any failure that is not an EngineError becomes ``invalid_gguf``."""
-    try:
-        return fn(*args, **kwargs)
-    except EngineError:
-        raise
-    except MemoryError:
-        raise
-    except Exception as e:
-        raise EngineError("invalid_gguf", f"cannot load GGUF: {type(e).__name__}: {e}") from e

@@ -50,7 +50,8 @@ from router.workers.sockdir import make_socket_dir, remove_socket_dir
 if TYPE_CHECKING:
     import zmq.asyncio
 
-    from router.workers.process import CurveKeypair, WorkerProcess
+    from router.workers.connection import CurveKeypair
+    from router.workers.process import WorkerProcess
 
 log = logging.getLogger("modelyard.worker")
 

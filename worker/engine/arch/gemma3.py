@@ -38,7 +38,7 @@ import numpy as np
 
 from ..errors import EngineError
 from ..attention import AttnBatch, attend
-from .layers import FFN_ACTS, RopeTable, Weights, embed, fuse_rows, gated_ffn, gelu_tanh, hp_float, hp_int, linear, rms_norm
+from .layers import FFN_ACTS, RopeTable, Weights, fuse_rows, gated_ffn, gelu_tanh, hp_float, hp_int, linear, rms_norm
 from .model import Model
 from .registry import register
 
@@ -109,7 +109,7 @@ class Gemma3Model(Model):
         nh, nkv, hd, nff = self.n_head, self.n_head_kv, self.head_dim, self.n_ff
         nq, nk = nh * hd, nkv * hd
         pos = batch.positions                                          # [T]
-        x = embed(self.w["tok_embd"], tokens).astype(self.dtype)       # [T, n_embd]
+        x = self._embed(tokens)                                        # [T, n_embd]
         x *= self.dtype.type(self.embd_scale)                          # [T, n_embd] * sqrt(n_embd)
         for il, (attn_norm, wqkv, q_norm, k_norm, wo, post_attn_norm, ffn_norm, wgu, wdown,
                  post_ffw_norm) in enumerate(self.layers):

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from ..attention import AttnBatch, attend
-from .layers import FFN_ACTS, RopeTable, Weights, embed, fuse_rows, gated_ffn, linear, rms_norm, silu
+from ..attention import AttnBatch
+from .layers import RopeTable, Weights, fuse_rows, linear, rms_norm
 from .model import Model
 from .registry import register
 
@@ -68,11 +68,10 @@ class LlamaModel(Model):
 
     def _forward_hidden(self, tokens: np.ndarray, batch: AttnBatch, rows: np.ndarray) -> np.ndarray:
         T = tokens.shape[0]                                           # N tokens of every sequence in the step
-        nh, nkv, hd, nff = self.n_head, self.n_head_kv, self.head_dim, self.n_ff
+        nh, nkv, hd = self.n_head, self.n_head_kv, self.head_dim
         nq, nk = nh * hd, nkv * hd
         pos = batch.positions                                         # [T]
-        act = FFN_ACTS[self.ffn_act] if self.ggml_numerics else silu
-        x = embed(self.w["tok_embd"], tokens).astype(self.dtype)      # [T, n_embd]
+        x = self._embed(tokens)                                       # [T, n_embd]
         for il, (attn_norm, wqkv, wo, ffn_norm, wgu, wdown) in enumerate(self.layers):
             h = rms_norm(x, attn_norm, self.eps, self.ggml_numerics)                      # [T, n_embd]
             qkv = linear(h, wqkv)                                         # [T, (nh+2nkv)*hd]
@@ -81,11 +80,5 @@ class LlamaModel(Model):
             q = qk[:, :nh]                                            # [T, nh, hd]
             k = qk[:, nh:]                                            # [T, nkv, hd]
             v = qkv[:, nq + nk:].reshape(T, nkv, hd)                  # [T, nkv, hd]
-            a = attend(batch, il, q, k, v, self.scale, f16=self.ggml_numerics)  # [T, nh*hd]
-            o = linear(a, wo)                                         # [T, n_embd]
-            if il == self.n_layer - 1:
-                x, o = self._keep_output_rows(batch, rows, x, o)      # [R, n_embd]
-            x = x + o                                                 # [T, n_embd]
-            h = rms_norm(x, ffn_norm, self.eps, self.ggml_numerics)                       # [T, n_embd]
-            x = x + gated_ffn(h, wgu, wdown, nff, act)                # [T, n_embd]
+            x = self._pre_norm_rest(batch, rows, il, x, q, k, v, wo, ffn_norm, wgu, wdown)  # [T, n_embd]
         return rms_norm(x, self.w["output_norm"], self.eps, self.ggml_numerics)           # [T, n_embd]

@@ -24,13 +24,13 @@ import numpy as np
 
 from protocol.limits import DEFAULT_MAX_CTX, DEFAULT_WEIGHTS
 
-from ..attention import AttnBatch, Segment
+from ..attention import AttnBatch, Segment, attend
 from ..errors import EngineError
 from ..kernels.quant import _SEQ_ROWS, row_groups, thread_ceiling, use_threads
 from ..kernels.threadctl import ThreadGovernor
 from ..kv.cache import KVEntry, KVShape
 from ..loading.gguf_loader import GGUFFile
-from .layers import hp_float, hp_int, linear, rope_freq_scale
+from .layers import FFN_ACTS, embed, gated_ffn, hp_float, hp_int, linear, rms_norm, rope_freq_scale, silu
 from .weights import LoadProgressFn, ModelWeights
 
 
@@ -60,6 +60,9 @@ class Model(ModelWeights):
     #: The gated FFN's activation on the quantized path, a key of :data:`~.layers.FFN_ACTS`: the kernel
     #: the load warms up (``warmup._load_ffn_kernels``).
     ffn_act: ClassVar[str] = "silu"
+    #: The attention's score scale (``1/sqrt(head_dim)``), set by the architectures whose blocks end
+    #: in :meth:`_pre_norm_rest`.
+    scale: float
 
     def __init__(self, gguf: GGUFFile, n_ctx: int | None = None, *, dtype: Any = np.float32,
                  weight_cache: bool | None = None, cache_write: str = "background",
@@ -220,6 +223,26 @@ class Model(ModelWeights):
         seg = np.searchsorted(starts, rows, side="right") - 1                   # [R] segment of each row
         row_groups(np.bincount(seg, minlength=len(starts))[np.unique(seg)])    # reset with the pass's token
         return tuple(x[rows] for x in xs)
+
+    def _embed(self, tokens: np.ndarray) -> np.ndarray:
+        """The embeddings of ``tokens`` (int ``[T]``): ``[T, n_embd]`` in the model's dtype."""
+        return embed(self.w["tok_embd"], tokens).astype(self.dtype)
+
+    def _pre_norm_rest(self, batch: AttnBatch, rows: np.ndarray, il: int, x: np.ndarray, q: np.ndarray,
+                       k: np.ndarray, v: np.ndarray, wo: Any, ffn_norm: np.ndarray, wgu: Any,
+                       wdown: Any) -> np.ndarray:
+        """The rest of pre-norm block ``il`` (llama, qwen2/3) once ``q`` ``[T, nh, hd]``, ``k``,
+        ``v`` ``[T, nkv, hd]`` are ready: attention, the output projection and its residual (in
+        the last block, of the output ``rows`` alone), the FFN's RMSNorm, the gated FFN (:attr:`ffn_act`
+        on the quantized path, SiLU on the f32 one) and its residual. Returns ``x`` ``[T, n_embd]`` (``[R, n_embd]`` after the last block)."""
+        a = attend(batch, il, q, k, v, self.scale, f16=self.ggml_numerics)  # [T, nh*hd]
+        o = linear(a, wo)                                         # [T, n_embd]
+        if il == self.n_layer - 1:
+            x, o = self._keep_output_rows(batch, rows, x, o)      # [R, n_embd]
+        x = x + o                                                 # [T, n_embd]
+        h = rms_norm(x, ffn_norm, self.eps, self.ggml_numerics)  # [T, n_embd]
+        act = FFN_ACTS[self.ffn_act] if self.ggml_numerics else silu
+        return x + gated_ffn(h, wgu, wdown, self.n_ff, act)      # [T, n_embd]
 
     def forward(self, tokens: Sequence[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:
         """Single-sequence path: append ``tokens`` to ``self.cache`` at positions

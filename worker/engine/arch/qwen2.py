@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from ..attention import AttnBatch, attend
+from ..attention import AttnBatch
 from ..errors import EngineError
-from .layers import FFN_ACTS, Matrix, RopeTable, Weights, embed, fuse_rows, gated_ffn, linear, rms_norm, silu
+from .layers import Matrix, RopeTable, Weights, fuse_rows, linear, rms_norm
 from .model import Model
 from .registry import register
 
@@ -112,10 +112,10 @@ class Qwen2Model(Model):
 
     def _forward_hidden(self, tokens: np.ndarray, batch: AttnBatch, rows: np.ndarray) -> np.ndarray:
         T = tokens.shape[0]                                           # N tokens of every sequence in the step
-        nh, nkv, hd, nff = self.n_head, self.n_head_kv, self.head_dim, self.n_ff
+        nh, nkv, hd = self.n_head, self.n_head_kv, self.head_dim
         nq, nk = nh * hd, nkv * hd
         pos = batch.positions                                         # [T]
-        x = embed(self.w["tok_embd"], tokens).astype(self.dtype)      # [T, n_embd]
+        x = self._embed(tokens)                                       # [T, n_embd]
         for il, (attn_norm, wqkv, bqkv, q_norm, k_norm, wo, ffn_norm, wgu, wdown) in enumerate(self.layers):
             h = rms_norm(x, attn_norm, self.eps, self.ggml_numerics)                      # [T, n_embd]
             qkv = linear(h, wqkv)                                     # [T, (nh+2nkv)*hd]
@@ -129,13 +129,7 @@ class Qwen2Model(Model):
                 k = rms_norm(k, k_norm, self.eps, self.ggml_numerics)                     # [T, nkv, hd]
             self.rope.apply_neox(q, pos)                              # [T, nh, hd]
             self.rope.apply_neox(k, pos)                              # [T, nkv, hd]
-            a = attend(batch, il, q, k, v, self.scale, f16=self.ggml_numerics)  # [T, nh*hd]
-            o = linear(a, wo)                                         # [T, n_embd]
-            if il == self.n_layer - 1:
-                x, o = self._keep_output_rows(batch, rows, x, o)      # [R, n_embd]
-            x = x + o                                                 # [T, n_embd]
-            h = rms_norm(x, ffn_norm, self.eps, self.ggml_numerics)                       # [T, n_embd]
-            x = x + gated_ffn(h, wgu, wdown, nff, FFN_ACTS[self.ffn_act] if self.ggml_numerics else silu)  # [T, n_embd]
+            x = self._pre_norm_rest(batch, rows, il, x, q, k, v, wo, ffn_norm, wgu, wdown)  # [T, n_embd]
         return rms_norm(x, self.w["output_norm"], self.eps, self.ggml_numerics)           # [T, n_embd]
 
     def _output(self, h: np.ndarray) -> np.ndarray:

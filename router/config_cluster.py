@@ -1,0 +1,80 @@
+"""``[cluster]`` in config.toml: where workers run (this host, or the nodes of a Ray cluster).
+
+Keys (all optional; without the table every worker is a child of the router, as always):
+
+* ``backend``: ``"local"`` (default: subprocesses of the router, ``router.workers.launchers.local``)
+  or ``"ray"`` (each worker started by a Ray actor on a node Ray picks,
+  ``router.workers.launchers.ray``; needs ``pip install 'modelyard[ray]'``; Ray is imported only
+  then). With ``"ray"`` the router-worker sockets are tcp with CURVE whatever
+  ``[server] transport`` says.
+* ``address``: the Ray cluster to join (``"auto"``, ``"HOST:6379"``, ``"ray://HOST:10001"``;
+  as ``ray.init(address=...)``); unset: the router starts a Ray instance on this host alone.
+* ``advertise_host``: the address workers connect to (the router binds its worker sockets there);
+  unset: the IP Ray reports for the router's own node.
+* ``place_timeout_s``: how long a worker may wait for a node with the resources it asks for
+  before its load fails (default 60 s).
+
+Per model (``[models.NAME]`` or ``[defaults]``): ``node_labels = { key = "value", ... }``, the Ray
+node labels a node must carry to run that model's worker (Ray's ``label_selector``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from router.config_readers import ConfigError
+
+#: ``[cluster] backend`` values; the first is the default.
+BACKENDS = ("local", "ray")
+_CLUSTER_KEYS = {"backend", "address", "advertise_host", "place_timeout_s"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """``[cluster]`` (see the module docstring). Times in seconds."""
+
+    backend: str = "local"
+    address: str | None = None
+    advertise_host: str | None = None
+    place_timeout_s: float = 60.0
+
+
+def parse_cluster(data: dict[str, Any]) -> ClusterConfig:
+    """The ``[cluster]`` table of a parsed config document (absent: the defaults).
+    Raises ConfigError naming the key."""
+    raw = data.get("cluster", {})
+    if not isinstance(raw, dict):
+        raise ConfigError("cluster", f"expected a table, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - _CLUSTER_KEYS)
+    if unknown:
+        raise ConfigError(f"cluster.{unknown[0]}", f"unknown key (known: {', '.join(sorted(_CLUSTER_KEYS))})")
+    backend = raw.get("backend", BACKENDS[0])
+    if backend not in BACKENDS:
+        raise ConfigError("cluster.backend", f"expected one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    strings: dict[str, str | None] = {}
+    for key in ("address", "advertise_host"):
+        v = raw.get(key)
+        if v is not None and (not isinstance(v, str) or not v.strip()):
+            raise ConfigError(f"cluster.{key}", f"expected a non-empty string, got {v!r}")
+        strings[key] = v
+    timeout = raw.get("place_timeout_s", 60.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
+        raise ConfigError("cluster.place_timeout_s", f"expected seconds in (0, 86400], got {timeout!r}")
+    return ClusterConfig(backend=backend, address=strings["address"], advertise_host=strings["advertise_host"],
+                         place_timeout_s=float(timeout))
+
+
+def node_labels(merged: dict[str, Any], where: str) -> tuple[tuple[str, str], ...]:
+    """A model's ``node_labels`` table as sorted (key, value) pairs (absent: none).
+    Raises ConfigError naming ``where.node_labels`` unless every key and value is a non-empty string."""
+    raw = merged.get("node_labels", {})
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}.node_labels", f"expected a table of strings, got {type(raw).__name__}")
+    for k, v in raw.items():
+        if not isinstance(v, str) or not v or not k:
+            raise ConfigError(f"{where}.node_labels.{k}", f"expected a non-empty string, got {v!r}")
+    return tuple(sorted(raw.items()))
+
+
+__all__ = ["BACKENDS", "ClusterConfig", "node_labels", "parse_cluster"]
