@@ -72,16 +72,21 @@ VNNI_FORMS: dict[str, tuple[str, int, int]] = {
 
 #: Environment switch of the worker's VNNI kernels (``worker.engine.kernels.quant.VNNI_ENV``).
 VNNI_ENV = "MODELYARD_QUANT_VNNI"
+#: Environment switch of their AVX2 lowering (``worker.engine.kernels.quant.AVX2_ENV``).
+AVX2_ENV = "MODELYARD_VECTOR_AVX2"
+
+
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def host_has_vnni() -> bool:
     """Whether a worker on this host holds the VNNI forms: the CPU flags ``avx512f``,
-    ``avx512bw`` and ``avx512_vnni``, or ``avx2``, ``fma`` and ``f16c``, in ``/proc/cpuinfo``
-    (Linux), :data:`VNNI_ENV` not off,
+    ``avx512bw`` and ``avx512_vnni``, or ``avx2``, ``fma`` and ``f16c`` (:data:`AVX2_ENV` not
+    off), in ``/proc/cpuinfo`` (Linux), :data:`VNNI_ENV` not off,
     ``NUMBA_CPU_NAME`` unset or ``host`` — the rule of ``worker.engine.kernels.quant.host_has_vnni``
     (which asks llvmlite; a test holds the two equal). False where ``/proc/cpuinfo`` is missing."""
-    if os.environ.get(VNNI_ENV, "1").strip().lower() in ("0", "false", "no", "off") \
-            or os.environ.get("NUMBA_CPU_NAME", "host") not in ("", "host"):
+    if not _env_on(VNNI_ENV) or os.environ.get("NUMBA_CPU_NAME", "host") not in ("", "host"):
         return False
     try:
         with open("/proc/cpuinfo") as f:
@@ -89,7 +94,7 @@ def host_has_vnni() -> bool:
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
                     return {"avx512f", "avx512bw", "avx512_vnni"} <= flags or (
-                        {"avx2", "fma", "f16c"} <= flags and os.environ.get("MODELYARD_VECTOR_AVX2", "0").strip() == "1")
+                        {"avx2", "fma", "f16c"} <= flags and _env_on(AVX2_ENV))
     except OSError:
         pass
     return False

@@ -91,6 +91,15 @@ def stop(p: subprocess.Popen) -> None:
         os.killpg(p.pid, signal.SIGKILL)
 
 
+def start_busy(n: int) -> list[subprocess.Popen]:
+    """``n`` CPU-bound processes (Python busy loops, each in its own session: :func:`stop` ends
+    one), for "a busy machine" figures; 2 s to let the scheduler and the load average see them."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(n)]
+    if busy:
+        time.sleep(2)
+    return busy
+
+
 def loadgen(port: int, model: str, conc: int, max_tokens: int) -> dict:
     out = subprocess.run([sys.executable, str(LOADGEN), f"http://127.0.0.1:{port}", model, str(conc),
                           str(max_tokens)], capture_output=True, text=True, check=True, timeout=1800)

@@ -3,7 +3,7 @@
 of weights per second the matmuls move.
 
     .venv/bin/python scripts/bench_decode.py [--gguf PATH | --shape llama-1b --qtype Q4_K_M]
-        [--threads 1,2,2f] [--tokens 32] [--repeat 3] [--ctx 64]
+        [--threads 1,2,2f] [--tokens 32] [--repeat 3] [--ctx 64] [--busy N]
 
 Loads the model (``weights = "quantized"``, no weight cache unless ``--weight-cache``), feeds a
 ``--ctx``-token prompt, then decodes ``--tokens`` greedy tokens with ``Model.forward`` one at a
@@ -17,6 +17,16 @@ whatever the thread count; only time is measured.
 
 ``--gguf`` a model file, or ``--shape`` / ``--qtype`` one of ``make_bench_models.py``'s
 (written first when not cached).
+
+``--busy N``: N CPU-bound processes (Python busy loops) run beside the measured rounds (started
+after the load and the warm-up, stopped at the end), e.g. ``--busy 2`` on 2 cores for "two busy
+processes take the cores". Each thread count keeps its own run-time choice across the rounds (as
+a worker does). A last JSON line sums the run up: per thread count the median over rounds of
+tok/s, its ratio to ``1``'s in the same round (median), the busy processes and the load average.
+For a busy-machine comparison of the default against ``n_threads = 1`` (issue 26), e.g.:
+
+    .venv/bin/python scripts/bench_decode.py --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --threads 2,1 --busy 2 --tokens 64 --repeat 5 --no-split
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -47,11 +58,15 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=64)
     ap.add_argument("--weight-cache", action="store_true")
     ap.add_argument("--no-split", action="store_true", help="time whole tokens only (no per-matmul timing)")
+    ap.add_argument("--busy", type=int, default=0, help="CPU-bound processes run beside the measured rounds")
     a = ap.parse_args()
     if a.gguf is None:
         from make_bench_models import ensure
         a.gguf = ensure(a.shape, a.qtype)
+    from bench_batching import start_busy, stop
+
     from worker.engine.kernels import quant
+    from worker.engine.kernels.threadctl import ThreadGovernor
     from worker.engine.loading.gguf_loader import read_gguf
     from worker.engine.arch.registry import load_model
 
@@ -86,18 +101,43 @@ def main() -> int:
             cls.matmul = timed(cls)
     threads = [v.strip() for v in a.threads.split(",") if v.strip()]   # "2": the governor's choice up to 2; "2f": all 2
 
+    governors: dict[str, ThreadGovernor] = {}
+
     def apply(spec: str) -> None:
-        m.threads.adaptive = not spec.endswith("f")
+        m.threads = governors.setdefault(spec, ThreadGovernor(adaptive=not spec.endswith("f")))
         quant.set_num_threads(int(spec.rstrip("f")))
 
     rng = np.random.default_rng(0)
     prompt = rng.integers(10, 1000, a.ctx)
-    best: dict[int, dict] = {}
+    best: dict[str, dict] = {}
+    per_round: dict[str, list[float]] = defaultdict(list)   # tok/s of every round
     for n in threads:                                   # warm-up: kernels loaded, pages touched
         apply(n)
         m.reset()
         m.forward(prompt[:8])
         m.forward([int(prompt[0])])
+    busy = start_busy(a.busy)
+    try:
+        rounds(a, m, threads, apply, prompt, best, per_round, totals, nbytes, cpu_totals)
+    finally:
+        for p in busy:
+            stop(p)
+    wbytes = sum(w.nbytes for w in m.w.values() if hasattr(w, "nbytes"))
+    print(json.dumps({"model": a.gguf.name, "load_s": round(load_s, 1), "weight_mib": round(wbytes / 2**20)}))
+    for n in threads:
+        print(json.dumps(best[n]), flush=True)
+    summary: dict = {"summary": a.gguf.name, "busy": a.busy, "rounds": a.repeat, "tokens": a.tokens,
+                     "tok_s_median": {n: round(statistics.median(v), 2) for n, v in per_round.items()}}
+    if "1" in per_round:
+        summary["vs_t1_median"] = {n: round(statistics.median(x / y for x, y in zip(v, per_round["1"])), 3)
+                                   for n, v in per_round.items() if n != "1"}
+    summary["loadavg"] = [round(v, 2) for v in os.getloadavg()]
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+def rounds(a, m, threads, apply, prompt, best, per_round, totals, nbytes, cpu_totals) -> None:
+    """The measured rounds: every thread count in turn, ``a.repeat`` times (see the docstring)."""
     for _ in range(a.repeat):
         for n in threads:
             apply(n)
@@ -129,14 +169,10 @@ def main() -> int:
                                 "passes": dict(m.threads.passes), "switches": m.threads.switches},
                    "loadavg": [round(v, 2) for v in os.getloadavg()]}
             m.threads.passes.clear()
+            per_round[n].append(row["tok_s"])
             key = "thread_cpu_ms_per_token" if n == "1" else "ms_per_token"
             if n not in best or row[key] < best[n][key]:
                 best[n] = row
-    wbytes = sum(w.nbytes for w in m.w.values() if hasattr(w, "nbytes"))
-    print(json.dumps({"model": a.gguf.name, "load_s": round(load_s, 1), "weight_mib": round(wbytes / 2**20)}))
-    for n in threads:
-        print(json.dumps(best[n]), flush=True)
-    return 0
 
 
 if __name__ == "__main__":

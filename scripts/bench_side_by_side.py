@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_batching import MODELS, N_CTX, ROOT, post, stop, wait_http  # noqa: E402
+from bench_batching import MODELS, N_CTX, ROOT, post, start_busy, stop, wait_http  # noqa: E402
 
 
 def gguf_tensor_bytes(path: Path) -> int:
@@ -158,10 +158,7 @@ def main() -> int:
         for s in labels:
             procs[s] = start_server(s, gguf, ports[s], srv, tmp)
             measure(ports[s], "Once upon a time", 4)         # warm: first requests, pages touched
-        for _ in range(a.busy):
-            busy.append(subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True))
-        if busy:
-            time.sleep(2)
+        busy = start_busy(a.busy)
         for r in range(a.rounds):
             order = labels[r % len(labels):] + labels[:r % len(labels)]
             for s in order:

@@ -221,6 +221,35 @@ def test_vnni_k_quant_kernels_give_the_reference_kernels_bits(type_name: str) ->
         np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
+@VNNI
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_vnni_kernels_threads_take_row_groups_as_they_come(type_name: str) -> None:
+    # the VNNI kernels' threads take their work items (row groups, simd.claim) as they come, not
+    # a fixed share each: with many items and a partial last group, every output is computed
+    # once and gets the reference kernel's bits on one thread and on all of them, whole outputs
+    # and column slices (a QConcat of two parts), decode rows and a tiled / gemm batch
+    import numba
+
+    n_rows, K, kind = 16 * 4 * 6 + 8, 512, type_name.lower().replace("_", "")
+    raw = random_blocks(type_name, n_rows, K, seed=31)
+    w = quant.QWeight.from_raw(type_name, raw, n_rows, K)
+    ref = (quant.QWeight.lanes(*w.plain(), w.act, w.types, "lanes") if w.kind in quant.QWeight.LANE_KINDS else
+           quant.QWeight.kquant(kind, w.act, w.types, n_rows, quant.kquant_parts(type_name, raw, n_rows, K), vnni=False))
+    assert w.kind != ref.kind
+    x = np.random.default_rng(32).standard_normal((9, K)).astype(np.float32)
+    want = {T: ref.matmul(x[:T]) for T in (1, 2, 9)}
+    try:
+        for n in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+            quant.use_threads(n)
+            for T, r in want.items():
+                np.testing.assert_array_equal(_bits(w.matmul(x[:T])), _bits(r), err_msg=f"{n} threads, {T} rows")
+                both = quant.QConcat([w, w]).matmul(x[:T])
+                np.testing.assert_array_equal(_bits(both), _bits(np.concatenate([r, r], axis=1)),
+                                              err_msg=f"{n} threads, {T} rows, column slices")
+    finally:
+        quant.use_threads(numba.config.NUMBA_NUM_THREADS)
+
+
 def _fma(a, b, c):
     return np.float32(np.float64(a) * np.float64(b) + np.float64(c))  # one rounding (exact product)
 

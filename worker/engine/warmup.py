@@ -105,8 +105,12 @@ def _load_ffn_kernels(act: str) -> None:
 
 def _load_matmul_kernels(type_names: set[str], whole: bool = True, column_slice: bool = True) -> None:
     """Per weight type in ``type_names`` (those with a kernel), the matmul into a whole output
-    (``QWeight.matmul``; when ``whole``) and into a column slice of one (a ``QConcat`` part of a
-    prompt's rows, another numba signature for the VNNI kernels; when ``column_slice``); raises on failure."""
+    (``QWeight.matmul``; when ``whole``) and into column slices of one (``QConcat.matmul`` of two
+    parts, of one row and of two: a one-row slice is C-contiguous, a taller one is not, two numba
+    signatures of the VNNI kernels; when ``column_slice``); raises on failure. Every entry point is
+    called as a request calls it: kernels called only from inside another (``matmul_kq_x``'s
+    ``matmul_q4k_vnni``, ...) are in numba's overloads only when that one was compiled, not when
+    it came from the cache."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     from .kernels import quant
@@ -122,11 +126,9 @@ def _load_matmul_kernels(type_names: set[str], whole: bool = True, column_slice:
             if w.act == "q8_K":                                          # the float-level q8_K of a fused part
                 for with_s in (False, True):
                     quant.quantize_activations(x, "q8_K", with_s)
-                if quant.host_has_vnni():                                # a K-quant QConcat's one quantization
-                    quant._compile()["kq_levels"](x)
         if column_slice:
-            out = np.empty((2, 16), np.float32)
-            w.matmul_quantized(*quant.quantize_activations(x, w.act, True), out[:, 4:12])
+            for rows in (1, 2):
+                quant.QConcat([w, w]).matmul(x[:rows])
 
 
 def _warm_up_common() -> None:

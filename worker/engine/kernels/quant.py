@@ -263,24 +263,28 @@ def host_has_vnni() -> bool:
     """Whether the VNNI forms and their vector kernels are used: the CPU numba compiles for (the
     host, unless ``NUMBA_CPU_NAME`` names another) has AVX512-VNNI (with F and BW), or AVX2 with
     FMA and F16C (the kernels' integer dot products then lowered to ``vpmaddubsw`` +
-    ``vpmaddwd``, as ggml's AVX2 kernels take them: :data:`.simd.ISA`), and they are not switched
-    off by :data:`VNNI_ENV`. Decided once per process (imports llvmlite, not numba)."""
+    ``vpmaddwd``, as ggml's AVX2 kernels take them: :data:`.simd.ISA`; :data:`AVX2_ENV` off keeps
+    the reference there), and they are not switched off by :data:`VNNI_ENV`. Decided once per
+    process (imports llvmlite, not numba)."""
     global _vnni
     if _vnni is None:
-        if os.environ.get(VNNI_ENV, "1").strip().lower() in ("0", "false", "no", "off") \
-                or os.environ.get("NUMBA_CPU_NAME", "host") not in ("", "host"):
+        if not _env_on(VNNI_ENV) or os.environ.get("NUMBA_CPU_NAME", "host") not in ("", "host"):
             _vnni = False
         else:
             from llvmlite import binding
             f = binding.get_host_cpu_features()
             _vnni = bool((f.get("avx512vnni") and f.get("avx512bw") and f.get("avx512f"))
-                         or (f.get("avx2") and f.get("fma") and f.get("f16c")
-                             and os.environ.get(AVX2_ENV, "0").strip() == "1"))
+                         or (f.get("avx2") and f.get("fma") and f.get("f16c") and _env_on(AVX2_ENV)))
     return _vnni
 
 
-#: The AVX2 lowering of the vector kernels is opt-in (``1``) until its kernel warm-up covers the
-#: fused entry points (tests/worker/test_engine.py's warm-up probes); AVX512-VNNI hosts use them always.
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+#: Environment switch: ``MODELYARD_VECTOR_AVX2=0`` keeps the reference forms and kernels on a CPU
+#: with AVX2 but not AVX512-VNNI (same bits, slower); AVX512-VNNI hosts use the vector kernels
+#: whatever it says (:data:`VNNI_ENV` turns them off everywhere).
 AVX2_ENV = "MODELYARD_VECTOR_AVX2"
 
 
@@ -896,6 +900,6 @@ def fuse(parts: Sequence[QWeight | np.ndarray]) -> QWeight | QConcat | np.ndarra
     return merged[0] if len(merged) == 1 else QConcat(merged)
 
 
-__all__ = ["ACT_TYPE", "FORMAT_VERSION", "LANE_ROWS", "LANE_TYPES", "PACKED_TYPES", "VNNI_ENV", "QConcat", "QWeight", "cos_sin_libm",
+__all__ = ["ACT_TYPE", "AVX2_ENV", "FORMAT_VERSION", "LANE_ROWS", "LANE_TYPES", "PACKED_TYPES", "VNNI_ENV", "QConcat", "QWeight", "cos_sin_libm",
            "format_tag", "fuse", "gemm_rows", "host_has_vnni", "kquant_parts", "row_groups", "tiled_rows", "quantize_activations", "quantize_q8_K_int", "set_num_threads", "supports",
            "thread_ceiling", "unpack", "use_threads"]

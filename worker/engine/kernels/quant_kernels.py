@@ -14,6 +14,7 @@ import math
 import numba
 import numpy as np
 from numba import njit, prange
+from numba.np.ufunc.parallel import _iget_num_threads  # numba's get_num_threads by symbol (cacheable)
 
 from .attn_kernels import PAR_MIN, PAR_ROWS, f16r, fma32
 
@@ -183,6 +184,17 @@ from .quant import LANE_ROWS  # noqa: E402  (one fact: the lanes form of quant.p
 _LANE_CHUNK = 4
 
 
+@njit(cache=True)
+def _workers(n_items):
+    # iterations of a parallel loop whose threads take its n_items work items as they come
+    # (simd.claim): one per thread, at most one per item. numba splits a prange's iterations
+    # evenly over its threads beforehand; taken this way, a thread that another process keeps
+    # off its core holds at most the item it took, the others do the rest. Each item is
+    # computed whole by one thread in one order: the bits do not depend on which.
+    # (numba.get_num_threads() itself holds a ctypes pointer: a kernel calling it is not cached)
+    return min(_iget_num_threads(), n_items)
+
+
 @njit(parallel=True, fastmath=_LANE_MATH, cache=True)
 def matmul_lanes(wi, d, m, has_m, xq3, dx, xs, out):
     # ggml's x86 AVX2 vec_dot of the 32-weight block types (ggml_vec_dot_q4_0_q8_0, _q4_1_q8_1,
@@ -347,7 +359,7 @@ def matmul_q6k(q6, sc, dw, xi, dy, bs16, tiled, out):
 # The same float32 operations as the kernels above, in the same order, with the exact integer
 # parts done by vpdpbusd on explicit 16-lane vectors (:mod:`.simd`); tested equal (==) to them.
 
-from .simd import ISA, addw, dpbusd_s, maddubs, maddw_s, q6_level  # noqa: E402
+from .simd import ISA, addw, claim, dpbusd_s, maddubs, maddw_s, q6_level  # noqa: E402
 from .simd import (dpbusd, i2f, iadd, ibcast4, iload16_s8, iload16_u8, iload64, imul, isplat,  # noqa: E402
                    isub, izero, nib_hi, nib_lo, vadd, vfma, vfma_s, vload, vload_h, vmul, vmul_s, vstore, vstore_row,
                    vsub, vzero)
@@ -539,17 +551,22 @@ def matmul_lanes_vnni(w, packed, d, m, x8, nxc, dx, xs, n_out, out):
     # "vlanes4", see _vl_group). out f32 [T, >= n_out] (rows may be strided): columns 0..n_out-1.
     ng = d.shape[0]
     T = x8.shape[0]
-    for c in prange((ng + _LANE_CHUNK - 1) // _LANE_CHUNK):
+    n_items = (ng + _LANE_CHUNK - 1) // _LANE_CHUNK
+    taken = np.zeros(1, np.int64)
+    for _ in prange(_workers(n_items)):                  # each thread takes items as it comes (claim)
         scr = np.empty(256, np.float32)
-        for g in range(c * _LANE_CHUNK, min(ng, c * _LANE_CHUNK + _LANE_CHUNK)):
-            if (g + 1) * LANE_ROWS <= n_out:
-                _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, out, g * LANE_ROWS, scr)
-            else:
-                tmp = np.empty((T, LANE_ROWS), np.float32)
-                _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, tmp, 0, scr)
-                for t in range(T):
-                    for i in range(n_out - g * LANE_ROWS):
-                        out[t, g * LANE_ROWS + i] = tmp[t, i]
+        c = claim(taken)
+        while c < n_items:
+            for g in range(c * _LANE_CHUNK, min(ng, c * _LANE_CHUNK + _LANE_CHUNK)):
+                if (g + 1) * LANE_ROWS <= n_out:
+                    _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, out, g * LANE_ROWS, scr)
+                else:
+                    tmp = np.empty((T, LANE_ROWS), np.float32)
+                    _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, tmp, 0, scr)
+                    for t in range(T):
+                        for i in range(n_out - g * LANE_ROWS):
+                            out[t, g * LANE_ROWS + i] = tmp[t, i]
+            c = claim(taken)
 
 
 @njit(cache=True)
@@ -639,26 +656,37 @@ def _q4k_row_avx2(q, sc, mn, d, m, g, xi, t, bs32, dy, pairs, dst, col):
     vstore_row(dst, t, col, vsub(acc, accm))
 
 
+@njit(cache=True)
+def _group_dst(out, g, n_out, T):
+    # where row group g's outputs are written: (out, its first column, True) when the group is
+    # whole within n_out columns, else (a scratch [T, 16], 0, False) copied into out afterwards
+    full = (g + 1) * LANE_ROWS <= n_out
+    return (out if full else np.empty((T, LANE_ROWS), np.float32)), (g * LANE_ROWS if full else 0), full
+
+
 @njit(parallel=True, cache=True)
 def matmul_q4k_vnni(q, sc, mn, d, m, xi, dy, bs32, grouped, n_out, out):
     # matmul_q4k's outputs (bit for bit) from the "vq4k" form (see _q4k_row); out f32 [T, >= n_out]
     # (rows may be strided): columns 0..n_out-1
     ng = d.shape[0]
     T = xi.shape[0]
-    for c in prange((ng + _LANE_CHUNK - 1) // _LANE_CHUNK):
-        for g in range(c * _LANE_CHUNK, min(ng, c * _LANE_CHUNK + _LANE_CHUNK)):
-            full = (g + 1) * LANE_ROWS <= n_out
-            tmp = out if full else np.empty((T, LANE_ROWS), np.float32)
-            col = g * LANE_ROWS if full else 0
-            for t in range(T):
-                if _AVX2:
-                    _q4k_row_avx2(q, sc, mn, d, m, g, xi, t, bs32, dy, grouped[t] != 0, tmp, col)
-                else:
-                    _q4k_row(q, sc, mn, d, m, g, xi, t, bs32, dy, grouped[t] != 0, tmp, col)
-            if not full:
+    n_items = (ng + _LANE_CHUNK - 1) // _LANE_CHUNK
+    taken = np.zeros(1, np.int64)
+    for _ in prange(_workers(n_items)):                  # each thread takes items as it comes (claim)
+        c = claim(taken)
+        while c < n_items:
+            for g in range(c * _LANE_CHUNK, min(ng, c * _LANE_CHUNK + _LANE_CHUNK)):
+                tmp, col, full = _group_dst(out, g, n_out, T)
                 for t in range(T):
-                    for i in range(n_out - g * LANE_ROWS):
-                        out[t, g * LANE_ROWS + i] = tmp[t, i]
+                    if _AVX2:
+                        _q4k_row_avx2(q, sc, mn, d, m, g, xi, t, bs32, dy, grouped[t] != 0, tmp, col)
+                    else:
+                        _q4k_row(q, sc, mn, d, m, g, xi, t, bs32, dy, grouped[t] != 0, tmp, col)
+                if not full:
+                    for t in range(T):
+                        for i in range(n_out - g * LANE_ROWS):
+                            out[t, g * LANE_ROWS + i] = tmp[t, i]
+            c = claim(taken)
 
 
 #: bytes per row group and super-block of the packed "vq6k" levels (quant.pack_q6: 192 per row)
@@ -864,31 +892,34 @@ def matmul_q6k_vnni(q, sc, d, xi, dy, bs16, tiled, n_out, out):
     # vec_dot or (tiled[t]) the tiled kernel; out f32 [T, >= n_out] (rows may be strided)
     ng = d.shape[0]
     T = xi.shape[0]
-    for c in prange((ng + _LANE_CHUNK - 1) // _LANE_CHUNK):
+    n_items = (ng + _LANE_CHUNK - 1) // _LANE_CHUNK
+    taken = np.zeros(1, np.int64)
+    for _ in prange(_workers(n_items)):                  # each thread takes items as it comes (claim)
         scr = np.empty(128, np.float32)
-        for g in range(c * _LANE_CHUNK, min(ng, c * _LANE_CHUNK + _LANE_CHUNK)):
-            full = (g + 1) * LANE_ROWS <= n_out
-            tmp = out if full else np.empty((T, LANE_ROWS), np.float32)
-            col = g * LANE_ROWS if full else 0
-            t = 0
-            while t < T:
-                if tiled[t] != 0:
-                    if t + 4 <= T and tiled[t + 1] != 0 and tiled[t + 2] != 0 and tiled[t + 3] != 0:
-                        _q6k_tiled_rows(q, sc, d, g, xi, t, 4, bs16, dy, tmp, col)
-                        t += 4
+        c = claim(taken)
+        while c < n_items:
+            for g in range(c * _LANE_CHUNK, min(ng, c * _LANE_CHUNK + _LANE_CHUNK)):
+                tmp, col, full = _group_dst(out, g, n_out, T)
+                t = 0
+                while t < T:
+                    if tiled[t] != 0:
+                        if t + 4 <= T and tiled[t + 1] != 0 and tiled[t + 2] != 0 and tiled[t + 3] != 0:
+                            _q6k_tiled_rows(q, sc, d, g, xi, t, 4, bs16, dy, tmp, col)
+                            t += 4
+                        else:
+                            _q6k_tiled_rows(q, sc, d, g, xi, t, 1, bs16, dy, tmp, col)
+                            t += 1
                     else:
-                        _q6k_tiled_rows(q, sc, d, g, xi, t, 1, bs16, dy, tmp, col)
+                        if _AVX2:
+                            _q6k_vec_row_avx2(q, sc, d, g, xi, t, bs16, dy, tmp, col, scr)
+                        else:
+                            _q6k_vec_row(q, sc, d, g, xi, t, bs16, dy, tmp, col)
                         t += 1
-                else:
-                    if _AVX2:
-                        _q6k_vec_row_avx2(q, sc, d, g, xi, t, bs16, dy, tmp, col, scr)
-                    else:
-                        _q6k_vec_row(q, sc, d, g, xi, t, bs16, dy, tmp, col)
-                    t += 1
-            if not full:
-                for t in range(T):
-                    for i in range(n_out - g * LANE_ROWS):
-                        out[t, g * LANE_ROWS + i] = tmp[t, i]
+                if not full:
+                    for t in range(T):
+                        for i in range(n_out - g * LANE_ROWS):
+                            out[t, g * LANE_ROWS + i] = tmp[t, i]
+            c = claim(taken)
 
 
 @njit(cache=True)

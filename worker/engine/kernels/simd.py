@@ -67,6 +67,21 @@ def _byte_ptr(context, builder, aty, arr, i):
 
 
 @intrinsic
+def claim(typingctx, taken):
+    """The next work item of a parallel loop whose threads take items as they come: an atomic
+    fetch-and-add of 1 on ``taken[0]`` (int64 array, zero before the loop), returning its value
+    before (items >= the item count: none left). Only the count is atomic (monotonic order); the
+    items' results are published by the loop's end."""
+    if not (isinstance(taken, types.Array) and taken.dtype == types.int64):
+        return None
+
+    def cg(context, builder, sig, args):
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        return builder.atomic_rmw("add", a.data, ir.Constant(ir.IntType(64), 1), "monotonic")
+    return types.int64(taken), cg
+
+
+@intrinsic
 def vzero(typingctx):
     """16 float32 zeros."""
     def cg(context, builder, sig, args):
