@@ -53,7 +53,7 @@ WARM_1B = """
 import sys
 sys.path.insert(0, "scripts")
 from make_bench_models import ensure
-from worker.engine.arch.model import load_model
+from worker.engine.arch.registry import load_model
 from worker.engine.loading.gguf_loader import read_gguf
 load_model(read_gguf(str(ensure("llama-1b", "Q4_K_M"))), n_ctx=64, weights="quantized", cache_write="sync")
 """

@@ -558,11 +558,13 @@ def unpack_q6(q: np.ndarray) -> np.ndarray:
 def from_vkquant(kind: str, arrays: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
     """Inverse of :func:`to_vkquant` for ``rows`` (int ``[n]``): the :func:`kquant_parts` arrays."""
     g, i = np.divmod(np.asarray(rows, dtype=np.int64), LANE_ROWS)
+    n = np.arange(len(g))
     out = {}
     for k, a in arrays.items():
+        a = a[g]                                   # only the rows' lane groups: [n, ...] (never the whole matrix)
         if k == "q" and kind == "q6k":
             a = unpack_q6(a)
-        a = np.moveaxis(a, _VK_AXES[k], 1)[g, i]
+        a = np.moveaxis(a, _VK_AXES[k], 1)[n, i]
         out[k] = (np.ascontiguousarray(a.reshape(len(g), a.shape[1], -1)) if k == "q" else
                   from_f16_bits(a) if k in ("d", "m") else np.ascontiguousarray(a))
     return out
