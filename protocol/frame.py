@@ -22,7 +22,8 @@ from typing import Any, ClassVar
 #: 10: Pong.n_decode_total / n_busy_slots_total (llama.cpp's decode-call metrics).
 #: 11: Assign (a warm spare, started without a model, is given one; Hello.model "" until then).
 #: 12: PromptProgress (a prompt's prefill, chunk by chunk, for a Generate with return_progress).
-PROTOCOL_VERSION = 12
+#: 13: KvEvents (a worker's KV-cache events, vLLM's format: protocol.kv_events).
+PROTOCOL_VERSION = 13
 
 #: Largest frame either side accepts, in bytes (a 100 KB prompt as token ids is < 1 MiB).
 MAX_FRAME_BYTES = 16 * 1024 * 1024

@@ -10,12 +10,13 @@ The records, by concept:
 * ``protocol.generation`` — a generation: Generate, Cancel, Accepted, PromptProgress, Token, Done
 * ``protocol.text_calls`` — tokenizer and template calls: Tokenize, Detokenize, ApplyTemplate and their results
 * ``protocol.kv_frames`` — KV states: SlotAction, SlotActionResult, KVChunk, KVAck
+* ``protocol.kv_events`` — what enters and leaves a worker's KV cache (vLLM's KV-events format): KvEvents
 
 Direction:
 
 * worker -> router: Hello, LoadProgress, Ready, Accepted, PromptProgress, Token, Done, Error, Pong,
   TokenizeResult, DetokenizeResult, ApplyTemplateResult, SlotActionResult, KVChunk (a prefill
-  worker's state), KVAck (a decode worker took a chunk)
+  worker's state), KVAck (a decode worker took a chunk), KvEvents
 * router -> worker: Assign (a warm spare's model), Generate, Cancel, Ping, Shutdown, Tokenize,
   Detokenize, ApplyTemplate, SlotAction, KVChunk (to a decode worker), KVAck (credit to a prefill worker)
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 from protocol.frame import MAX_FRAME_BYTES, PROTOCOL_VERSION, Error, Message
 from protocol.generation import FINISH_REASONS, Accepted, Cancel, Done, Generate, PromptProgress, Token
+from protocol.kv_events import KvEvents
 from protocol.kv_frames import (
     KV_CHUNK_BYTES,
     KV_CHUNK_MAX_BYTES,
@@ -53,7 +55,7 @@ __all__ = [
     "FINISH_REASONS", "KV_CHUNK_BYTES", "KV_CHUNK_MAX_BYTES", "KV_STREAM_IDLE_S", "KV_WINDOW", "LOAD_STAGES",
     "MAX_FRAME_BYTES", "MESSAGE_TYPES", "PROTOCOL_VERSION", "SLOT_ACTIONS", "Accepted", "ApplyTemplate",
     "ApplyTemplateResult", "Assign", "Cancel", "Detokenize", "DetokenizeResult", "Done", "Error", "Generate",
-    "Hello", "KVAck", "KVChunk", "LoadProgress", "Message", "Ping", "Pong", "PromptProgress", "Ready",
+    "Hello", "KVAck", "KVChunk", "KvEvents", "LoadProgress", "Message", "Ping", "Pong", "PromptProgress", "Ready",
     "Shutdown", "SlotAction", "SlotActionResult", "Token", "Tokenize", "TokenizeResult", "slot_filename_error",
 ]
 
@@ -63,6 +65,6 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     for cls in (
         Hello, LoadProgress, Ready, Accepted, PromptProgress, Token, Done, Error, Pong, TokenizeResult,
         DetokenizeResult, ApplyTemplateResult, Assign, Generate, Cancel, Ping, Shutdown, Tokenize, Detokenize,
-        ApplyTemplate, SlotAction, SlotActionResult, KVChunk, KVAck,
+        ApplyTemplate, SlotAction, SlotActionResult, KVChunk, KVAck, KvEvents,
     )
 }

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import protocol
+from protocol.kv_events import AllBlocksCleared, KvEvents, encode_batch
 from protocol import (
     MAX_FRAME_BYTES,
     MESSAGE_TYPES,
@@ -86,6 +87,7 @@ EXAMPLES = [
     KVChunk(id="x1", seq=0, data=b"MYKVSTAT\x01\x00", last=False),
     KVChunk(id="x1", seq=7, data=bytes(range(256)) * 4, last=True),
     KVAck(id="x1", seq=3),
+    KvEvents(id="w", seq=0, payload=encode_batch(1.0, [AllBlocksCleared()])),
 ]
 
 
