@@ -182,6 +182,10 @@ _LANE_MATH = {"contract", "nnan", "ninf", "nsz"}
 from .quant import LANE_ROWS  # noqa: E402  (one fact: the lanes form of quant.py)
 #: row groups per work item of the lane kernel's parallel loop
 _LANE_CHUNK = 4
+#: how far ahead (bytes of a row group's weight stream) the vector kernels' decode rows prefetch
+#: (simd.prefetch): ~2-4 super-blocks of a 16-row group, measured best at 6-12 KiB on this
+#: machine kind; the scales' streams are prefetched as many super-blocks ahead
+_PF_BYTES = 8192
 
 
 @njit(cache=True)
@@ -359,7 +363,7 @@ def matmul_q6k(q6, sc, dw, xi, dy, bs16, tiled, out):
 # The same float32 operations as the kernels above, in the same order, with the exact integer
 # parts done by vpdpbusd on explicit 16-lane vectors (:mod:`.simd`); tested equal (==) to them.
 
-from .simd import ISA, addw, claim, dpbusd_s, maddubs, maddw_s, q6_level  # noqa: E402
+from .simd import ISA, addw, claim, dpbusd_s, maddubs, maddw_s, prefetch, q6_level  # noqa: E402
 from .simd import (dpbusd, i2f, iadd, ibcast4, iload16_s8, iload16_u8, iload64, imul, isplat,  # noqa: E402
                    isub, izero, nib_hi, nib_lo, vadd, vfma, vfma_s, vload, vload_h, vmul, vmul_s, vstore, vstore_row,
                    vsub, vzero)
@@ -414,6 +418,18 @@ def _vl_half(w, o, packed, h):
 
 
 @njit(cache=True)
+def _vl_prefetch(w, d, m, has_m, blk, wb):
+    # the cache lines _PF_BYTES ahead of block blk (wb bytes of weights, 32 of d / m) of a VNNI
+    # lanes form
+    o = blk * wb + _PF_BYTES
+    for k in range(wb // 64):
+        prefetch(w, o + 64 * k)
+    prefetch(d, blk * 32 + _PF_BYTES * 32 // wb)
+    if has_m:
+        prefetch(m, blk * 32 + _PF_BYTES * 32 // wb)
+
+
+@njit(cache=True)
 def _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, dst, col, scr):
     # dst[t, col:col+16] = matmul_lanes' outputs of row group g for every row t (the same float32
     # operations in the same order). Weights w uint8: unpacked [ng, nb, 8, 16, 4] (byte (l, i, k)
@@ -448,6 +464,8 @@ def _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, dst, col, scr):
             e2 = vzero()
             e3 = vzero()
             for b in range(nb):
+                if h == 0:                  # the first pass streams the group's weights
+                    _vl_prefetch(w, d, m, has_m, g * nb + b, wb)
                 w0, w1, w2, w3 = _vl_half(w, (g * nb + b) * wb, packed, h)
                 dw = vload_h(d, (g * nb + b) * 16)
                 l0 = 4 * h
@@ -523,6 +541,8 @@ def _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, dst, col, scr):
             a3 = vzero()
             l0 = 4 * h
             for b in range(nb):
+                if h == 0:
+                    _vl_prefetch(w, d, m, has_m, g * nb + b, wb)
                 w0, w1, w2, w3 = _vl_half(w, (g * nb + b) * wb, packed, h)
                 da = vmul_s(vload_h(d, (g * nb + b) * 16), dx[t, b])
                 xa = t * K + b * 32 + 16 * h
@@ -570,6 +590,19 @@ def matmul_lanes_vnni(w, packed, d, m, x8, nxc, dx, xs, n_out, out):
 
 
 @njit(cache=True)
+def _q4k_prefetch_scales(sc, mn, d, m, base):
+    # the scales of the super-block _PF_BYTES of levels (2048 per super-block) ahead of super-block
+    # base of the "vq4k" form: 128 bytes of sc and of mn, 32 of d and of m
+    ahead = base + _PF_BYTES // 2048
+    prefetch(sc, ahead * 128)
+    prefetch(sc, ahead * 128 + 64)
+    prefetch(mn, ahead * 128)
+    prefetch(mn, ahead * 128 + 64)
+    prefetch(d, ahead * 32)
+    prefetch(m, ahead * 32)
+
+
+@njit(cache=True)
 def _q4k_row(q, sc, mn, d, m, g, xi, t, bs32, dy, pairs, dst, col):
     # dst[t, col:col+16] = matmul_q4k's outputs of row group g (the same float32 operations):
     # per span the exact integers isum = sum_j sc_j * sum_k q4 * q8, imin = sum_j mn_j * bsum_j
@@ -591,10 +624,12 @@ def _q4k_row(q, sc, mn, d, m, g, xi, t, bs32, dy, pairs, dst, col):
         isum = izero()
         imin = izero()
         xo = t * K + b * 256
+        _q4k_prefetch_scales(sc, mn, d, m, base)
         for c in range(4):
             slo = izero()
             shi = izero()
             for k4 in range(8):
+                prefetch(q, qo + _PF_BYTES + (c * 8 + k4) * 64)
                 v = iload64(q, qo + (c * 8 + k4) * 64)
                 slo = dpbusd(slo, nib_lo(v), ibcast4(xi, xo + c * 64 + 4 * k4))
                 shi = dpbusd(shi, nib_hi(v), ibcast4(xi, xo + c * 64 + 32 + 4 * k4))
@@ -635,10 +670,12 @@ def _q4k_row_avx2(q, sc, mn, d, m, g, xi, t, bs32, dy, pairs, dst, col):
         isum = izero()
         imin = izero()
         xo = t * K + b * 256
+        _q4k_prefetch_scales(sc, mn, d, m, base)
         for c in range(4):
             slo = izero()
             shi = izero()
             for k4 in range(8):
+                prefetch(q, qo + _PF_BYTES + (c * 8 + k4) * 64)
                 v = iload64(q, qo + (c * 8 + k4) * 64)
                 slo = addw(slo, maddubs(nib_lo(v), ibcast4(xi, xo + c * 64 + 4 * k4)))
                 shi = addw(shi, maddubs(nib_hi(v), ibcast4(xi, xo + c * 64 + 32 + 4 * k4)))
@@ -703,6 +740,20 @@ def _q6_chunk(q, qo, v, l):
 
 
 @njit(cache=True)
+def _q6_prefetch(q, sc, qo, so, v):
+    # the cache lines _PF_BYTES ahead of step v (0..7) of a super-block at qo / so of the "vq6k"
+    # form: 384 bytes of levels (a super-block's 3072 in 8 steps) and half a line of scales
+    p = qo + _PF_BYTES + v * 384
+    prefetch(q, p)
+    prefetch(q, p + 64)
+    prefetch(q, p + 128)
+    prefetch(q, p + 192)
+    prefetch(q, p + 256)
+    prefetch(q, p + 320)
+    prefetch(sc, so + _PF_BYTES // 12 + 32 * v)
+
+
+@njit(cache=True)
 def _q6k_vec_row(q, sc, d, g, xi, t, bs16, dy, dst, col):
     # dst[t, col:col+16] = matmul_q6k's vec_dot outputs of row group g (same float32 operations):
     # per super-block eight exact int32 lanes, lane l = sum_v sc[2v + l//4] * sum_k q6 * q8 over
@@ -733,7 +784,9 @@ def _q6k_vec_row(q, sc, d, g, xi, t, bs16, dy, dst, col):
         l5 = izero()
         l6 = izero()
         l7 = izero()
+        prefetch(d, base * 32 + _PF_BYTES // 96)
         for v in range(8):
+            _q6_prefetch(q, sc, qo, so, v)
             s0 = iload16_s8(sc, so + 32 * v)
             s1 = iload16_s8(sc, so + 32 * v + 16)
             x = xo + v * 32
@@ -788,7 +841,11 @@ def _q6k_vec_row_avx2(q, sc, d, g, xi, t, bs16, dy, dst, col, scr):
             xo = t * K + b * 256
             l0 = izero()
             l1 = izero()
+            if p == 0:
+                prefetch(d, base * 32 + _PF_BYTES // 96)
             for v in range(8):
+                if p == 0:                      # the first pass streams the group's weights
+                    _q6_prefetch(q, sc, qo, so, v)
                 s = iload16_s8(sc, so + 32 * v + 16 * sh)
                 x = xo + v * 32 + 4 * la
                 l0 = iadd(l0, maddw_s(maddubs(_q6_chunk(q, qo, v, la), ibcast4(xi, x)), s))

@@ -82,6 +82,23 @@ def claim(typingctx, taken):
 
 
 @intrinsic
+def prefetch(typingctx, arr, i):
+    """Ask for the cache line holding byte offset ``i`` of a C-contiguous array to be brought into
+    the caches ahead of its loads (``prefetcht0``; changes no value). A prefetch never faults, so
+    ``i`` may lie past the array's end (nothing is fetched there). The weight streams of a decode
+    step come from DRAM: measured on this machine kind (Zen 4, one thread), the Q6_K kernel read
+    4-8 GB/s of weights without it and 12-22 GB/s with it, one stream alone reads ~28."""
+    def cg(context, builder, sig, args):
+        p = _byte_ptr(context, builder, sig.args[0], args[0], args[1])
+        i8p = ir.IntType(8).as_pointer()
+        f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+                                           "llvm.prefetch.p0i8")
+        builder.call(f, [p, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+    return types.none(arr, types.intp), cg
+
+
+@intrinsic
 def vzero(typingctx):
     """16 float32 zeros."""
     def cg(context, builder, sig, args):
