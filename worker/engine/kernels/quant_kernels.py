@@ -182,9 +182,12 @@ _LANE_MATH = {"contract", "nnan", "ninf", "nsz"}
 from .quant import LANE_ROWS  # noqa: E402  (one fact: the lanes form of quant.py)
 #: row groups per work item of the lane kernel's parallel loop
 _LANE_CHUNK = 4
-#: how far ahead (bytes of a row group's weight stream) the vector kernels' decode rows prefetch
-#: (simd.prefetch): ~2-4 super-blocks of a 16-row group, measured best at 6-12 KiB on this
-#: machine kind; the scales' streams are prefetched as many super-blocks ahead
+#: how far ahead (bytes of a row group's levels) the Q6_K decode rows prefetch (simd.prefetch):
+#: ~2.7 super-blocks of a 16-row group (6-12 KiB measured best here); the scales as many
+#: super-blocks ahead. Only Q6_K: its levels are read in two interleaved runs (4-bit and 2-bit
+#: parts) that the hardware prefetcher does not follow (one thread read 8 GB/s of its weights
+#: from DRAM without, 21-24 with); the Q4_K and 32-block kernels read one run each and were
+#: no faster with it (measured on this machine kind, 2026-12-07)
 _PF_BYTES = 8192
 
 
@@ -418,18 +421,6 @@ def _vl_half(w, o, packed, h):
 
 
 @njit(cache=True)
-def _vl_prefetch(w, d, m, has_m, blk, wb):
-    # the cache lines _PF_BYTES ahead of block blk (wb bytes of weights, 32 of d / m) of a VNNI
-    # lanes form
-    o = blk * wb + _PF_BYTES
-    for k in range(wb // 64):
-        prefetch(w, o + 64 * k)
-    prefetch(d, blk * 32 + _PF_BYTES * 32 // wb)
-    if has_m:
-        prefetch(m, blk * 32 + _PF_BYTES * 32 // wb)
-
-
-@njit(cache=True)
 def _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, dst, col, scr):
     # dst[t, col:col+16] = matmul_lanes' outputs of row group g for every row t (the same float32
     # operations in the same order). Weights w uint8: unpacked [ng, nb, 8, 16, 4] (byte (l, i, k)
@@ -464,8 +455,6 @@ def _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, dst, col, scr):
             e2 = vzero()
             e3 = vzero()
             for b in range(nb):
-                if h == 0:                  # the first pass streams the group's weights
-                    _vl_prefetch(w, d, m, has_m, g * nb + b, wb)
                 w0, w1, w2, w3 = _vl_half(w, (g * nb + b) * wb, packed, h)
                 dw = vload_h(d, (g * nb + b) * 16)
                 l0 = 4 * h
@@ -541,8 +530,6 @@ def _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, dst, col, scr):
             a3 = vzero()
             l0 = 4 * h
             for b in range(nb):
-                if h == 0:
-                    _vl_prefetch(w, d, m, has_m, g * nb + b, wb)
                 w0, w1, w2, w3 = _vl_half(w, (g * nb + b) * wb, packed, h)
                 da = vmul_s(vload_h(d, (g * nb + b) * 16), dx[t, b])
                 xa = t * K + b * 32 + 16 * h
@@ -590,19 +577,6 @@ def matmul_lanes_vnni(w, packed, d, m, x8, nxc, dx, xs, n_out, out):
 
 
 @njit(cache=True)
-def _q4k_prefetch_scales(sc, mn, d, m, base):
-    # the scales of the super-block _PF_BYTES of levels (2048 per super-block) ahead of super-block
-    # base of the "vq4k" form: 128 bytes of sc and of mn, 32 of d and of m
-    ahead = base + _PF_BYTES // 2048
-    prefetch(sc, ahead * 128)
-    prefetch(sc, ahead * 128 + 64)
-    prefetch(mn, ahead * 128)
-    prefetch(mn, ahead * 128 + 64)
-    prefetch(d, ahead * 32)
-    prefetch(m, ahead * 32)
-
-
-@njit(cache=True)
 def _q4k_row(q, sc, mn, d, m, g, xi, t, bs32, dy, pairs, dst, col):
     # dst[t, col:col+16] = matmul_q4k's outputs of row group g (the same float32 operations):
     # per span the exact integers isum = sum_j sc_j * sum_k q4 * q8, imin = sum_j mn_j * bsum_j
@@ -624,12 +598,10 @@ def _q4k_row(q, sc, mn, d, m, g, xi, t, bs32, dy, pairs, dst, col):
         isum = izero()
         imin = izero()
         xo = t * K + b * 256
-        _q4k_prefetch_scales(sc, mn, d, m, base)
         for c in range(4):
             slo = izero()
             shi = izero()
             for k4 in range(8):
-                prefetch(q, qo + _PF_BYTES + (c * 8 + k4) * 64)
                 v = iload64(q, qo + (c * 8 + k4) * 64)
                 slo = dpbusd(slo, nib_lo(v), ibcast4(xi, xo + c * 64 + 4 * k4))
                 shi = dpbusd(shi, nib_hi(v), ibcast4(xi, xo + c * 64 + 32 + 4 * k4))
@@ -670,12 +642,10 @@ def _q4k_row_avx2(q, sc, mn, d, m, g, xi, t, bs32, dy, pairs, dst, col):
         isum = izero()
         imin = izero()
         xo = t * K + b * 256
-        _q4k_prefetch_scales(sc, mn, d, m, base)
         for c in range(4):
             slo = izero()
             shi = izero()
             for k4 in range(8):
-                prefetch(q, qo + _PF_BYTES + (c * 8 + k4) * 64)
                 v = iload64(q, qo + (c * 8 + k4) * 64)
                 slo = addw(slo, maddubs(nib_lo(v), ibcast4(xi, xo + c * 64 + 4 * k4)))
                 shi = addw(shi, maddubs(nib_hi(v), ibcast4(xi, xo + c * 64 + 32 + 4 * k4)))

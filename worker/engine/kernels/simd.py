@@ -85,9 +85,8 @@ def claim(typingctx, taken):
 def prefetch(typingctx, arr, i):
     """Ask for the cache line holding byte offset ``i`` of a C-contiguous array to be brought into
     the caches ahead of its loads (``prefetcht0``; changes no value). A prefetch never faults, so
-    ``i`` may lie past the array's end (nothing is fetched there). The weight streams of a decode
-    step come from DRAM: measured on this machine kind (Zen 4, one thread), the Q6_K kernel read
-    4-8 GB/s of weights without it and 12-22 GB/s with it, one stream alone reads ~28."""
+    ``i`` may lie past the array's end (nothing is fetched there). For weight streams the
+    hardware prefetcher does not follow (``quant_kernels._PF_BYTES``)."""
     def cg(context, builder, sig, args):
         p = _byte_ptr(context, builder, sig.args[0], args[0], args[1])
         i8p = ir.IntType(8).as_pointer()
