@@ -182,13 +182,11 @@ _LANE_MATH = {"contract", "nnan", "ninf", "nsz"}
 from .quant import LANE_ROWS  # noqa: E402  (one fact: the lanes form of quant.py)
 #: row groups per work item of the lane kernel's parallel loop
 _LANE_CHUNK = 4
-#: how far ahead (bytes of a row group's levels) the Q6_K decode rows prefetch (simd.prefetch):
-#: ~2.7 super-blocks of a 16-row group (6-12 KiB measured best here); the scales as many
-#: super-blocks ahead. Only Q6_K: its levels are read in two interleaved runs (4-bit and 2-bit
-#: parts) that the hardware prefetcher does not follow (one thread read 8 GB/s of its weights
-#: from DRAM without, 21-24 with); the Q4_K and 32-block kernels read one run each and were
-#: no faster with it (measured on this machine kind, 2026-12-07)
-_PF_BYTES = 8192
+#: how far ahead (bytes of a row group's weights) the Q6_K and 32-block kernels' decode rows
+#: prefetch into L2 (simd.prefetch; the scales as many blocks ahead): Q6_K's two interleaved
+#: runs of levels are not followed by the hardware prefetcher, and the 32-block kernels gained
+#: too; the Q4_K kernel did not (docs/engine.md, "VNNI kernels"). 8-32 KiB measured alike.
+_PF_BYTES = 16384
 
 
 @njit(cache=True)
@@ -421,6 +419,18 @@ def _vl_half(w, o, packed, h):
 
 
 @njit(cache=True)
+def _vl_prefetch(w, d, m, has_m, blk, wb):
+    # the cache lines _PF_BYTES ahead of block blk (wb bytes of weights, 32 of d / m) of a VNNI
+    # lanes form
+    o = blk * wb + _PF_BYTES
+    for k in range(wb // 64):
+        prefetch(w, o + 64 * k)
+    prefetch(d, blk * 32 + _PF_BYTES * 32 // wb)
+    if has_m:
+        prefetch(m, blk * 32 + _PF_BYTES * 32 // wb)
+
+
+@njit(cache=True)
 def _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, dst, col, scr):
     # dst[t, col:col+16] = matmul_lanes' outputs of row group g for every row t (the same float32
     # operations in the same order). Weights w uint8: unpacked [ng, nb, 8, 16, 4] (byte (l, i, k)
@@ -530,6 +540,8 @@ def _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, dst, col, scr):
             a3 = vzero()
             l0 = 4 * h
             for b in range(nb):
+                if h == 0:                  # the first pass streams the group's weights
+                    _vl_prefetch(w, d, m, has_m, g * nb + b, wb)
                 w0, w1, w2, w3 = _vl_half(w, (g * nb + b) * wb, packed, h)
                 da = vmul_s(vload_h(d, (g * nb + b) * 16), dx[t, b])
                 xa = t * K + b * 32 + 16 * h
