@@ -17,7 +17,7 @@ Layout::
                         max_crashes, crash_window_s, pinned, n_predict, system_prompt,
                         and default sampling values (temperature, top_p, top_k, min_p,
                         repeat_penalty, repeat_last_n, presence_penalty,
-                        frequency_penalty, seed), node_labels
+                        frequency_penalty, seed), node_labels, replicas, routing
     [cluster]           backend, address, advertise_host, place_timeout_s (router.config_cluster)
 
 Every defect raises :class:`ConfigError` whose message starts with the key path
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.limits import DEFAULT_WEIGHTS, WEIGHT_MODES
-from router.config_cluster import ClusterConfig, node_labels, parse_cluster
+from router.config_cluster import ClusterConfig, node_labels, parse_cluster, read_replicas, read_routing
 from router.config_presets import parse_presets
 from router.config_readers import ConfigError as ConfigError  # re-exported: every caller's name for it
 from router.config_readers import (
@@ -90,6 +90,8 @@ class ModelConfig:
     max_crashes: int = 5
     crash_window_s: float = 300.0
     node_labels: tuple[tuple[str, str], ...] = ()  # Ray node labels its worker's node must carry (router.config_cluster)
+    replicas: int = 1  # workers serving this model, each its own slot (router.workers.replicas)
+    routing: str = "cache_aware"  # how a request picks a replica (router.serving.routing)
     pinned: bool = False  # never evicted for another model (router.workers.placement) nor unloaded for idleness
     # KV states (worker.engine.kv.state): POST /slots/{id}?action=save|restore|erase files live in
     # slot_save_path (None: slot actions are a 501); kv_cache_dir/<model name> keeps the idle KV
@@ -216,7 +218,7 @@ _MODEL_KEYS = {
     "ping_timeout_s", "unresponsive_after_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", "weights",
     "n_ubatch", "restart_backoff_s", "restart_backoff_max_s", "max_crashes", "crash_window_s", "pinned", "slot_save_path",
     "kv_cache_dir", "kv_cache_mib", "prefill_model", "kv_transfer", "n_predict", "max_request_tokens",
-    "background_slots", "system_prompt", "node_labels", *SAMPLING_KEYS,
+    "background_slots", "system_prompt", "node_labels", "replicas", "routing", *SAMPLING_KEYS,
 }
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases", "prefill_model", "kv_transfer"}
 #: ``kv_transfer`` values (router.serving.disaggregate).
@@ -380,6 +382,8 @@ def _model(name: str, table: Any, defaults: dict[str, Any], models_dir: Path, ba
         sampling=sampling,
         system_prompt=read_opt_str(merged, "system_prompt", src("system_prompt")),
         node_labels=node_labels(merged, src("node_labels")),
+        replicas=read_replicas(merged, src("replicas")),
+        routing=read_routing(merged, src("routing")),
     )
 
 
@@ -389,9 +393,13 @@ def _check_prefill_model(name: str, m: ModelConfig, models: dict[str, ModelConfi
     if m.prefill_model is None:
         return
     key = f"models.{name}.prefill_model"
+    if m.replicas > 1:
+        raise ConfigError(key, "a disaggregated model has one decode worker: replicas > 1 is not supported with it")
     p = models.get(m.prefill_model)
     if p is None or p is m:
         raise ConfigError(key, f"{m.prefill_model!r} is not another configured model (by its canonical name)")
+    if p.replicas > 1:
+        raise ConfigError(key, f"{m.prefill_model!r} has replicas > 1: a prefill model has one worker")
     if p.path != m.path:
         raise ConfigError(key, f"{m.prefill_model!r} serves {p.path.name}, not {m.path.name}: the KV state "
                           "is only valid for the same GGUF")

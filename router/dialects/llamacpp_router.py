@@ -186,7 +186,8 @@ async def slots(request: Request) -> Response:
     now = time.monotonic()
     out = [{"id": s["id"], "id_task": s["id_task"], "n_ctx": n_ctx, "speculative": False,
             "is_processing": s["is_processing"], "n_past": s["n_past"], "params": params,
-            "reader_stalled_s": STALLED_READERS.stalled_s(s["id_task"], now)}
+            "reader_stalled_s": STALLED_READERS.stalled_s(s["id_task"], now),
+            **({"replica": s["replica"], "node": s["node"]} if "replica" in s else {})}
            for s in slot.kv_slots()]
     if request.query_params.get("fail_on_no_slot") in ("1", "true") and all(s["is_processing"] for s in out):
         raise Unavailable(f"model '{slot.model.name}' has no free slot", code="no_slot_available")
@@ -239,10 +240,14 @@ async def slot_action(request: Request) -> Response:
 
 
 def _status(slot: ModelSlot) -> dict[str, Any]:
+    replicas = slot.replica_set()
+    state = replicas.state() if replicas is not None else slot.state  # replicas: the model as a whole
     value = {WorkerState.UNLOADED: "unloaded", WorkerState.LOADING: "loading", WorkerState.READY: "loaded",
              WorkerState.UNRESPONSIVE: "loaded", WorkerState.DRAINING: "loaded",
-             WorkerState.FAILED: "unloaded"}[slot.state]
-    status: dict[str, Any] = {"value": value, "state": slot.state.value}
+             WorkerState.FAILED: "unloaded"}[state]
+    status: dict[str, Any] = {"value": value, "state": state.value}
+    if replicas is not None:  # each replica: its node, state, slots, load (router.workers.replicas)
+        status["replicas"] = [replicas.replica_row(r) for r in replicas.slots]
     w = slot.worker
     if w is not None and w.command:
         status["args"] = [redact_paths(a) for a in w.command]  # a client's view: no paths, no endpoints
@@ -286,7 +291,8 @@ async def _body_slot(request: Request) -> ModelSlot:
 
 async def load(request: Request) -> Response:
     slot = await _body_slot(request)
-    if not slot.begin_load():
+    replicas = slot.replica_set()  # replicas = N: each one loads
+    if not (replicas.begin_load() if replicas is not None else slot.begin_load()):
         raise BadRequest(f"model '{slot.model.name}' is already running ({slot.state.value})",
                          code="model_already_loaded", param="model")
     return JSONResponse({"success": True})
@@ -298,7 +304,11 @@ async def unload(request: Request) -> Response:
                           WorkerState.DRAINING):
         raise BadRequest(f"model '{slot.model.name}' is not running ({slot.state.value})",
                          code="model_not_running", param="model")
-    slot.begin_unload()
+    replicas = slot.replica_set()
+    if replicas is not None:
+        replicas.begin_unload()
+    else:
+        slot.begin_unload()
     return JSONResponse({"success": True})
 
 

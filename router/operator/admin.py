@@ -95,9 +95,12 @@ async def load(request: Request) -> Response:
     slot = _pool(request).get(get_str(body, "model"))
     label_request(request, slot.model.name)
     t0 = time.monotonic()
-    load_ms = await until_disconnect(request.receive, slot.load())
-    return JSONResponse({"model": slot.model.name, "state": slot.state.value, "load_ms": load_ms,
-                         "wait_ms": (time.monotonic() - t0) * 1000, "pid": slot.describe()["pid"]})
+    replicas = slot.replica_set()  # replicas = N: each one loads (router.workers.replicas)
+    load_ms = await until_disconnect(request.receive, replicas.load() if replicas is not None else slot.load())
+    row = slot.describe()
+    return JSONResponse({"model": slot.model.name, "state": row["state"], "load_ms": load_ms,
+                         "wait_ms": (time.monotonic() - t0) * 1000, "pid": row["pid"],
+                         **({"replicas": row["replicas"]} if replicas is not None else {})})
 
 
 async def unload(request: Request) -> Response:
@@ -105,8 +108,10 @@ async def unload(request: Request) -> Response:
     slot = _pool(request).get(get_str(body, "model"))
     label_request(request, slot.model.name)
     t0 = time.monotonic()
-    await slot.unload()  # not cancelled by the client leaving: an unload, once asked, completes
-    return JSONResponse({"model": slot.model.name, "state": slot.state.value,
+    replicas = slot.replica_set()  # replicas = N: each one unloads
+    # not cancelled by the client leaving: an unload, once asked, completes
+    await (replicas.unload() if replicas is not None else slot.unload())
+    return JSONResponse({"model": slot.model.name, "state": slot.describe()["state"],
                          "unload_ms": (time.monotonic() - t0) * 1000})
 
 

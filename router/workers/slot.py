@@ -53,6 +53,7 @@ from router.workers.lifecycle import Lifecycle, WorkerState
 from router.workers.liveness import Liveness
 from router.workers.loading import Loader
 from router.workers.placing import SlotPlacing
+from router.workers.prefix_index import PrefixIndex
 from router.workers.process import WorkerProcess
 from router.workers.unloading import Unloader
 from router.workers.views import SlotFacts
@@ -66,9 +67,11 @@ log = logging.getLogger("modelyard.pool")
 class ModelSlot(SlotFacts):
     """One configured model: its worker's state machine, queue and running requests."""
 
-    def __init__(self, model: ModelConfig, pool: Pool) -> None:
+    def __init__(self, model: ModelConfig, pool: Pool, replica: int = 0) -> None:
         self.model = model
         self.pool = pool
+        self.replica = replica  # its number among the model's replicas (router.workers.replicas); 0: the first
+        self.prefix = PrefixIndex()  # what its worker's KV cache holds (router.workers.prefix_index)
         self._life = Lifecycle(model.name, self._on_state)  # moved only by this slot and its parts
         self.worker: WorkerProcess | None = None
         self.last_error: str | None = None
