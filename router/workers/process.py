@@ -25,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from protocol import Error, LoadProgress, Message, ProtocolError, Ready, Shutdown
+from protocol.kv_events import KvEvents
 from router.config import ModelConfig
 from router.workers.connection import CurveKeypair, WorkerChannel, WorkerGone, WorkerUnreachable
 from router.workers.launchers import LaunchError, Launcher, WorkerHandle
@@ -284,7 +285,7 @@ class WorkerProcess(WorkerChannel):
 
     def _unrouted(self, msg: Message) -> None:
         """Its frames for no open request: LoadProgress, Ready (twice: the second carries the
-        fingerprint the worker was still computing), a load's Error."""
+        fingerprint the worker was still computing), a load's Error, KvEvents."""
         if isinstance(msg, LoadProgress):
             if not self._ready.done() and self._on_load_step is not None:
                 self._on_load_step(msg)
@@ -299,6 +300,8 @@ class WorkerProcess(WorkerChannel):
             return
         if isinstance(msg, Error) and not self._ready.done():
             self._ready.set_exception(LoadFailed(f"{msg.code}: {msg.message}"))
+            return
+        if isinstance(msg, KvEvents):  # the worker's KV events (issue 25): not consumed yet, dropped
             return
         log.debug("frame %s for unknown request %s from %s's worker", msg.TYPE, msg.id, self.name)
 
