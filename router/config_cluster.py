@@ -24,6 +24,7 @@ distinct Ray nodes where the nodes allow it (all on this host with the local lau
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,8 @@ BACKENDS = ("local", "ray")
 _CLUSTER_KEYS = {"backend", "address", "advertise_host", "place_timeout_s"}
 #: ``routing`` values (router.serving.routing); the first is the default.
 ROUTINGS = ("cache_aware", "least_loaded", "round_robin")
+#: The per-model keys of replicas (``[models.NAME]``, ``[defaults]``).
+REPLICA_KEYS = ("replicas", "routing")
 #: The most replicas a model may have.
 MAX_REPLICAS = 64
 
@@ -103,4 +106,20 @@ def read_routing(merged: dict[str, Any], where: str) -> str:
     return str(v)
 
 
-__all__ = ["BACKENDS", "ROUTINGS", "ClusterConfig", "node_labels", "parse_cluster", "read_replicas", "read_routing"]
+def replica_fields(merged: dict[str, Any], src: Callable[[str], str]) -> dict[str, Any]:
+    """A model's ``replicas`` and ``routing`` as ModelConfig fields, with ``kv_events_to_router`` (the
+    router's prefix indexes need its workers' KV events when it has several replicas). ``src(key)``:
+    the table a key came from. Raises ConfigError naming the key."""
+    replicas = read_replicas(merged, src("replicas"))
+    return {"replicas": replicas, "routing": read_routing(merged, src("routing")), "kv_events_to_router": replicas > 1}
+
+
+def one_worker_each(key: str, replicas: int, prefill_replicas: int) -> None:
+    """A disaggregated model and its prefill model have one worker each. Raises ConfigError at ``key``."""
+    if replicas > 1 or prefill_replicas > 1:
+        raise ConfigError(key, "a disaggregated model and its prefill model have one worker each: "
+                          "replicas > 1 is not supported with prefill_model")
+
+
+__all__ = ["BACKENDS", "REPLICA_KEYS", "ROUTINGS", "ClusterConfig", "node_labels", "one_worker_each", "parse_cluster", "read_replicas",
+           "read_routing", "replica_fields"]

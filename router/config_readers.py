@@ -69,6 +69,22 @@ def read_opt_dir(t: dict[str, Any], key: str, where: str, base_dir: Path) -> Pat
     return d.resolve()
 
 
+def read_endpoint(t: dict[str, Any], key: str, where: str, base_dir: Path, model: str) -> str | None:
+    """An optional ZeroMQ endpoint to bind, ``tcp://HOST:PORT`` or ``ipc://PATH`` (a relative PATH
+    is relative to ``base_dir``), with ``{model}`` replaced by ``model``; None when absent."""
+    v = read_opt_str(t, key, where)
+    if v is None:
+        return None
+    v = v.replace("{model}", model)
+    if v.startswith("ipc://") and len(v) > len("ipc://"):
+        p = Path(v[len("ipc://"):])
+        return "ipc://" + str(p if p.is_absolute() else base_dir / p)
+    host, sep, port = v[len("tcp://"):].rpartition(":")
+    if v.startswith("tcp://") and host and sep and port.isdigit() and 0 < int(port) < 65536:
+        return v
+    raise ConfigError(f"{where}.{key}", f"expected tcp://HOST:PORT or ipc://PATH, got {v!r}")
+
+
 def read_bool(t: dict[str, Any], key: str, where: str, default: bool) -> bool:
     v = t.get(key, default)
     if not isinstance(v, bool):

@@ -41,7 +41,7 @@ from typing import Any
 
 from protocol import Accepted, Done, Error, Generate, Token
 from worker.engine import EngineError
-from worker.events import FrameOut, JobFinished, LoadFailed, LoadStep, Loaded, RunnerEvent, StateOut
+from worker.events import FrameOut, JobFinished, KvBatch, LoadFailed, LoadStep, Loaded, RunnerEvent, StateOut
 from worker.frames import INTERNAL_ERROR, cancelled_done, check_generate, done_frame, error_frame, job_problem, merged_done
 from worker.jobs import Job, JobTable
 from worker.kvops import KVStates
@@ -117,6 +117,7 @@ class BatchRunner:
         post: called (from the runner threads) with each :class:`RunnerEvent`;
             must be thread-safe and must not block.
         max_queue: jobs that may wait beyond the ``capacity`` running ones.
+        kv_events_block_size: > 0: post each step's KV events (a :class:`KvBatch`) in blocks of that size.
 
     Per job it posts FrameOut frames (Accepted, PromptProgress, Token), then one JobFinished (its Done or Error).
     """
@@ -125,11 +126,12 @@ class BatchRunner:
                  chat_template: str | None, post: Callable[[RunnerEvent], None], *, parallel: int = 1,
                  kv_budget_mib: float | None = None, weights: str | None = None, n_ubatch: int | None = None,
                  slot_save_path: str | None = None, kv_cache_dir: str | None = None, kv_cache_mib: float = 0.0,
-                 max_queue: int) -> None:
+                 max_queue: int, kv_events_block_size: int = 0) -> None:
         extra: dict[str, Any] = {} if n_ubatch is None else {"n_ubatch": n_ubatch}
         self._load = functools.partial(loader, gguf_path, n_ctx, chat_template, parallel=parallel,
                                        kv_budget_mib=kv_budget_mib, weights=weights, **extra)
         self._post = post
+        self._kv_block_size = kv_events_block_size
         #: the jobs, waiting and running: their one record (worker.jobs)
         self.jobs = JobTable(max_queue, parallel)
         self._serving = False  # jobs start once the server sent Ready (begin_serving)
@@ -243,6 +245,9 @@ class BatchRunner:
         self.prep.start(engine)
         self.text.start(engine)
         self._post(Loaded(engine, (time.perf_counter() - t0) * 1e3))
+        if self._kv_block_size:  # KV events: their first batch (AllBlocksCleared) follows Ready
+            engine.enable_kv_events(self._kv_block_size)
+            self._publish()
         while not self._stop:
             if not engine.has_work:
                 self._wake.wait(0.5)
@@ -397,8 +402,10 @@ class BatchRunner:
         if post:
             self._post(JobFinished(job_id, final))
 
-    def _publish(self) -> None:
+    def _publish(self) -> None:  # after each step and slot action: its KV events, at most one batch
         self.snapshot = snapshot_of(self.engine, self.snapshot)
+        if self._kv_block_size and (events := self.engine.take_kv_events()):
+            self._post(KvBatch(time.time(), events))
 
 
 def load_progress(post: Callable[[RunnerEvent], None]) -> Callable[[str, int, int], None]:

@@ -92,8 +92,10 @@ async def prompt_tokens(slot: ModelSlot, msg: Generate) -> list[int] | None:
                 if not isinstance(ans, ApplyTemplateResult):
                     return None
                 text = ans.prompt
-            tok = await worker.call(Tokenize(id=worker.new_call_id("route"), content=text,
-                                             add_special=msg.add_special, parse_special=True), TOKENIZE_TIMEOUT_S)
+            # as the worker tokenizes a Generate: a chat with BOS (its template markup special), a prompt as asked
+            tok = await worker.call(Tokenize(id=worker.new_call_id("route"), content=text, parse_special=True,
+                                             add_special=msg.add_special or msg.messages is not None),
+                                    TOKENIZE_TIMEOUT_S)
     except Exception as e:  # noqa: BLE001 - routing by load is always a correct answer
         log.info("model %s: the prompt could not be tokenized for routing (%s: %s); routing by load",
                  slot.model.name, type(e).__name__, e)

@@ -287,7 +287,7 @@ class WorkerProcess(WorkerChannel):
 
     def _unrouted(self, msg: Message) -> None:
         """Its frames for no open request: LoadProgress, Ready (twice: the second carries the
-        fingerprint the worker was still computing), a load's Error."""
+        fingerprint the worker was still computing), a load's Error, KvEvents."""
         if isinstance(msg, LoadProgress):
             if not self._ready.done() and self._on_load_step is not None:
                 self._on_load_step(msg)

@@ -71,7 +71,7 @@ class ModelSlot(SlotFacts):
         self.model = model
         self.pool = pool
         self.replica = replica  # its number among the model's replicas (router.workers.replicas); 0: the first
-        self.prefix = PrefixIndex()  # what its worker's KV cache holds (router.workers.prefix_index)
+        self.prefix = PrefixIndex(model.kv_events_block_size)  # what its worker's KV cache holds (router.workers.prefix_index)
         self._life = Lifecycle(model.name, self._on_state)  # moved only by this slot and its parts
         self.worker: WorkerProcess | None = None
         self.last_error: str | None = None

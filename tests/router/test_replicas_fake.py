@@ -93,6 +93,9 @@ def test_a_conversations_next_turn_goes_where_its_first_ran(tmp_path: Path, monk
             rs = await asyncio.gather(*(c.post("/v1/chat/completions", json=convo(t, words(t))) for t in tags))
             assert all(r.status_code == 200 for r in rs)
             first = {k: v[0] for k, v in by_conversation(pool).items()}
+            replicas = pool.replica_set("m")
+            assert replicas is not None  # the workers' KV events (blocks of 4 ids, the fake's) fed the indexes
+            assert all(s.prefix.block_size == 4 and len(s.prefix) > 0 for s in replicas.slots)
             assert set(first.values()) == {0, 1}, first
             for t in reversed(tags):  # second turns one by one: both replicas idle, the cache decides
                 r = await c.post("/v1/chat/completions", json=convo(t, words(t), "and then?"))

@@ -22,6 +22,7 @@ from .engine_load import EngineInfo, load_parts
 from .engine_text import EngineText
 from .errors import EngineError
 from .generate import GenerationResult, TokenEvent
+from .kv.blocks import KVBlockLog
 from .kv.state import KVIdentity
 from .sampling import SamplingParams
 from .scheduler import Scheduler, run_one
@@ -51,6 +52,7 @@ class Engine(EngineText, EngineKVStates):
         self._lock = threading.RLock()
         self._max_piece_chars: int | None = None  # longest token text in characters (lazy)
         self._kv_identity: KVIdentity | None = None
+        self._kv_blocks: KVBlockLog | None = None  # KV events (enable_kv_events); None: off
 
     # ------------------------------------------------------------------ load
 
