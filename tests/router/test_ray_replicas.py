@@ -9,7 +9,6 @@ and the lost replica is placed again. One module-scoped cluster and router (~3 m
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ from tests.router.conftest import LiveRouter
 ray = pytest.importorskip("ray", reason="the Ray launcher's tests need the [ray] extra (installed by .[dev])")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from tests.router.test_ray_launcher import _lose_host  # noqa: E402
+from tests.router.test_ray_launcher import _lose_host, local_cluster  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "models"
@@ -40,23 +39,8 @@ TOPICS = ["apples", "the moon", "rivers", "bicycles", "volcanoes", "owls", "brea
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[Cluster, dict[str, Any]]]:
-    keep = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_USAGE_STATS_ENABLED", "RAY_raylet_start_wait_time_s")}
-    os.environ.update(RAY_USAGE_STATS_ENABLED="0", RAY_raylet_start_wait_time_s="180",
-                      PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    nodes = {name: c.add_node(num_cpus=1, labels={"zone": name}) for name in ("a", "b", "c")}
-    c.wait_for_nodes()
-    try:
-        yield c, nodes
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        c.shutdown()
-        for k, v in keep.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with local_cluster(("a", "b", "c"), {}) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
