@@ -9,6 +9,7 @@ and the lost replica is placed again. One module-scoped cluster and router (~3 m
 from __future__ import annotations
 
 import json
+import random
 import threading
 import time
 from collections.abc import Iterator
@@ -101,8 +102,9 @@ def test_a_conversations_next_turns_land_where_its_prefix_is(live: LiveRouter) -
             return i, http.post("/v1/chat/completions", json=chat("smol", convs[i])).json()
 
         for round_ in range(3):  # turn 1, then turns 2 and 3: 16 next turns in all
+            order = random.Random(round_).sample(range(len(convs)), len(convs))  # a new order each round
             with ThreadPoolExecutor(2) as pool:  # interleaved, two at a time
-                results = list(pool.map(turn, range(len(convs))))
+                results = list(pool.map(turn, order))
             for i, ans in results:
                 usage = ans["usage"]
                 if round_ > 0:
