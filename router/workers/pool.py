@@ -117,20 +117,20 @@ class Pool:
         return next(s for s in self.every_slot() if s.key == key)
 
     def _sync_replicas(self, name: str) -> None:
-        """Model ``name``'s extra replicas as its config says: new ones made, surplus ones retired
-        (they drain and stop), the kept ones given a changed config."""
-        slot = self.slots.get(name)
-        want = slot.model.replicas - 1 if slot is not None and not slot.unloader.retiring else 0
+        """Model ``name``'s extra replicas as the config says: new ones made, surplus ones retired
+        (they drain and stop), the kept ones given a changed config (applied as a reload's)."""
+        slot, model = self.slots.get(name), self.config.models.get(name)
+        want = model.replicas - 1 if slot is not None and model is not None and not slot.unloader.retiring else 0
         have = self.extra.get(name, [])
         for s in have[want:]:
             self._retired.add(s)
             s.retire().add_done_callback(functools.partial(self._retire_done, s))
         kept = have[:want]
-        if slot is not None:
+        if model is not None:
             for s in kept:
-                if s.model != replica_model(slot.model, s.replica):
-                    s.reconfigure(replica_model(slot.model, s.replica))
-            kept += [ModelSlot(replica_model(slot.model, i), self, replica=i) for i in range(len(kept) + 1, want + 1)]
+                if s.model != replica_model(model, s.replica):
+                    s.reconfigure(replica_model(model, s.replica))
+            kept += [ModelSlot(replica_model(model, i), self, replica=i) for i in range(len(kept) + 1, want + 1)]
         if kept:
             self.extra[name] = kept
         else:

@@ -194,3 +194,32 @@ def test_replicas_config_is_validated(tmp_path: Path) -> None:
     cfg = parse_config(tomllib.loads('[server]\nmodels_dir = "."\n[defaults]\nreplicas = 2\n'
                                      '[models.m]\npath = "m.gguf"\n'), base_dir=tmp_path)
     assert cfg.models["m"].replicas == 2 and cfg.models["m"].routing == "cache_aware"
+
+
+def test_a_reload_changes_the_number_of_replicas(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tomllib
+
+    from router.config import parse_config
+    from tests.router.conftest import spare_off
+
+    env = InProc(tmp_path, monkeypatch)
+
+    def cfg(n: int) -> Any:
+        return parse_config(tomllib.loads(spare_off(config(replicas=n))), base_dir=tmp_path)
+
+    async def go() -> None:
+        async with env.app(config(replicas=2)) as (pool, c):
+            assert (await c.post("/admin/models/load", json={"model": "m"})).status_code == 200
+            changes = pool.reload(cfg(3))
+            assert changes["changed"] == ["m"] and len(pool.every_slot()) == 3
+            assert (await c.post("/admin/models/load", json={"model": "m"})).status_code == 200
+            assert [s.state for s in pool.every_slot()] == [WorkerState.READY] * 3
+            assert all(s.model.replicas == 3 for s in pool.every_slot())
+            leaving = pool.extra["m"][:]
+            pool.reload(cfg(1))
+            assert pool.replica_set("m") is None and len(pool.every_slot()) == 1
+            await until(lambda: all(s.state is WorkerState.UNLOADED for s in leaving), "the extra replicas stopped")
+            assert (await c.post("/v1/chat/completions", json=convo("a", "hi"))).status_code == 200
+            assert "replicas" not in next(m for m in (await c.get("/admin/models")).json()["data"] if m["id"] == "m")
+
+    asyncio.run(go())
