@@ -124,8 +124,8 @@ class ModelServer:
                 err = err or e
                 continue
             rec.replica = s
-            if s.state is not WorkerState.READY:
-                rs.start_others(s)  # lazy start: the first request starts every replica
+            if s.state is not WorkerState.READY or s.queue_depth > 0:
+                rs.start_others(s)  # lazy start; a replica unloaded for idleness starts again once requests wait
             return
         raise err or QueueFull(f"model '{self._model}' has no replica to take the request; retry shortly")
 

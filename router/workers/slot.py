@@ -110,7 +110,9 @@ class ModelSlot(SlotFacts):
         self.emit("state", **{"from": old.value, "to": new.value, "reason": note, "condition": self.condition()})
 
     def emit(self, event: str, **fields: Any) -> None:
-        """A model event (``GET /admin/events``)."""
+        """A model event (``GET /admin/events``); with replicas, naming the ``replica``."""
+        if self.model.replicas > 1:
+            fields["replica"] = self.replica
         self.pool.events.emit(self.model.name, event, **fields)
 
     # ------------------------------------------------------------------ admission
