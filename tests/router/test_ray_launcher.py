@@ -8,7 +8,6 @@ take fails its load with a message saying what it asked for."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import time
@@ -28,21 +27,25 @@ from ray.cluster_utils import Cluster  # noqa: E402
 pytestmark = pytest.mark.timeout(600)
 
 
-@contextlib.contextmanager
-def local_cluster(zones: tuple[str, ...], env: dict[str, str]) -> Iterator[tuple[Cluster, dict[str, Any]]]:
-    """A Ray cluster on this machine: a head with 0 CPUs (the router's node, runs no worker) and one
-    node per zone (1 CPU, label ``zone=NAME``). ``env`` is set first (Ray's processes, and so the
-    workers they start, inherit it) and restored at the end, with Ray shut down."""
-    keep = {k: os.environ.get(k) for k in (*env, "PYTHONPATH", "RAY_USAGE_STATS_ENABLED", "RAY_raylet_start_wait_time_s")}
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, dict[str, Any], Path]]:
+    """Head (0 CPUs: the router's node, runs no worker) + nodes "a" and "b" (1 CPU each, labels
+    zone=a / zone=b). The fake worker's switch file is set in the environment first: Ray's
+    processes (and so the workers they start) inherit it."""
+    tmp = tmp_path_factory.mktemp("ray")
+    fake = tmp / "fake.json"
+    fake.write_text("{}")
+    keep = {k: os.environ.get(k) for k in ("MODELYARD_FAKE_FILE", "PYTHONPATH", "RAY_USAGE_STATS_ENABLED",
+                                           "RAY_raylet_start_wait_time_s")}
     root = str(Path(__file__).resolve().parents[2])
     # a raylet may take more than Ray's default 30 s to register on a busy 2-core machine
-    os.environ.update(RAY_USAGE_STATS_ENABLED="0", RAY_raylet_start_wait_time_s="180",
-                      PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
+    os.environ.update(MODELYARD_FAKE_FILE=str(fake), RAY_USAGE_STATS_ENABLED="0", RAY_raylet_start_wait_time_s="180",
+                      PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    nodes = {name: c.add_node(num_cpus=1, labels={"zone": name}) for name in zones}
+    nodes = {name: c.add_node(num_cpus=1, labels={"zone": name}) for name in ("a", "b")}
     c.wait_for_nodes()
     try:
-        yield c, nodes
+        yield c, nodes, fake
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -52,17 +55,6 @@ def local_cluster(zones: tuple[str, ...], env: dict[str, str]) -> Iterator[tuple
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, dict[str, Any], Path]]:
-    """Head + nodes "a" and "b" (labels zone=a / zone=b); the fake worker's switch file in the
-    environment (Ray's processes, and so the workers they start, inherit it)."""
-    tmp = tmp_path_factory.mktemp("ray")
-    fake = tmp / "fake.json"
-    fake.write_text("{}")
-    with local_cluster(("a", "b"), {"MODELYARD_FAKE_FILE": str(fake)}) as (c, nodes):
-        yield c, nodes, fake
 
 
 def _config(address: str, models: str) -> str:
