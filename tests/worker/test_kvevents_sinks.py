@@ -58,3 +58,17 @@ def test_a_sink_that_told_nothing_sends_nothing_at_close() -> None:
     sinks = KvEventSinks("m", None, "w", sent.append)
     sinks.close(0)
     assert sent == [] and sinks.pub is None
+
+
+def test_the_worker_flags() -> None:
+    from worker.__main__ import parse_args
+
+    base = ["--model", "m", "--gguf", "g.gguf", "--endpoint", "ipc:///tmp/x.sock"]
+    a = parse_args(base)
+    assert (a.kv_events_endpoint, a.kv_events_block_size, a.kv_events_to_router) == (None, 16, False)  # off
+    a = parse_args(base + ["--kv-events-endpoint", "tcp://127.0.0.1:5557", "--kv-events-block-size", "32",
+                           "--kv-events-to-router"])
+    assert (a.kv_events_endpoint, a.kv_events_block_size, a.kv_events_to_router) == ("tcp://127.0.0.1:5557", 32, True)
+    for bad in (["--kv-events-endpoint", "udp://127.0.0.1:5557"], ["--kv-events-block-size", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(base + bad)
