@@ -164,10 +164,14 @@ class BatchRunner:
         """Take Generate ``g``: the Error refusing it (its id in use, a bad value:
         :func:`check_generate`, the line full), or None: it waits, and starts as soon as a slot
         is free (in arrival order)."""
-        err = self.jobs.id_in_use(g) or check_generate(g, None if self.engine is None else int(self.engine.info.n_vocab))
+        err = self.jobs.id_in_use(g)
         if err is not None:
             return err
-        err = self.jobs.admit(g, can_start=self._serving)
+        e = self.engine
+        checked = check_generate(g, None if e is None else int(e.info.n_vocab), None if e is None else e.sampling_vocab)
+        if isinstance(checked, Error):
+            return checked
+        err = self.jobs.admit(g, checked, can_start=self._serving)
         if err is None:
             self._start_waiting()
         return err

@@ -56,22 +56,8 @@ from typing import Any
 import zmq
 
 from protocol import (
-    ApplyTemplate,
-    Cancel,
-    Detokenize,
-    Error,
-    Generate,
-    Hello,
-    KVAck,
-    KVChunk,
-    LoadProgress,
-    Message,
-    Ping,
-    Pong,
-    Ready,
-    Shutdown,
-    SlotAction,
-    Tokenize,
+    ApplyTemplate, Cancel, Detokenize, Error, Generate, Hello, KVAck, KVChunk, LoadProgress, Message, Ping,
+    Pong, Ready, Shutdown, SlotAction, Tokenize,
 )
 from protocol.errors import ErrorCode
 from worker.channel import Channel

@@ -72,10 +72,8 @@ PROBE_TIMEOUT_S = 2.0
 SLOT_ACTION_TIMEOUT_S = 120.0
 
 
-class ModelNotLoaded(BadRequest):
+class ModelNotLoaded(BadRequest, code="model_not_loaded"):
     """400: ``autoload=false`` and the model is not loaded (llama.cpp's router says the same)."""
-
-    default_code = "model_not_loaded"
 
 
 def _pool(request: Request) -> ModelPool:

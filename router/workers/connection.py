@@ -24,16 +24,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from protocol import (
-    Cancel,
-    Error,
-    Hello,
-    Message,
-    Ping,
-    Pong,
-    ProtocolError,
-    WorkerCredentials,
-    decode,
-    encode,
+    Cancel, Error, Hello, Message, Ping, Pong, ProtocolError, WorkerCredentials, decode, encode,
     secret_matches,
 )
 from protocol.errors import ErrorCode

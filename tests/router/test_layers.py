@@ -46,7 +46,6 @@ PAST_THE_DOOR = {"router.workers.pool", "router.workers.process", "router.worker
 DEBT: dict[tuple[str, str], str] = {
     ("router.workers.pool", "router.serving.presets"): "Pool.get answers a preset with its view of the slot; the serving layer should",
     # the other dialects type the model and the pool with router.serving.models' ModelSlot / ModelPool
-    ("router.operator.admin", "router.workers.pool"): "the admin routes drive the pool directly",
 }
 
 

@@ -121,7 +121,7 @@ class Engine(EngineText, EngineKVStates):
         """
         if not isinstance(params, SamplingParams):
             raise EngineError("invalid_params", "params must be a SamplingParams")
-        p = params.validated(min(self.info.n_vocab, self.tokenizer.n_vocab))
+        p = params.validated(self.sampling_vocab)
         if isinstance(prompt, str):
             self._check_fits(len(prompt))
             ids = self.tokenizer.tokenize(prompt, add_special=p.add_special, parse_special=p.parse_special)
@@ -176,6 +176,12 @@ class Engine(EngineText, EngineKVStates):
         prefill began, e.g. inside its first ``on_token``; 0 when unknown)."""
         with self._lock:
             return self._sched.cache_n(seq_id)
+
+    @property
+    def sampling_vocab(self) -> int:
+        """The token ids sampling parameters may name (``logit_bias`` keys): ``[0, sampling_vocab)``,
+        the smaller of the model's and the tokenizer's vocabulary."""
+        return int(min(self.info.n_vocab, self.tokenizer.n_vocab))
 
     @property
     def has_work(self) -> bool:
