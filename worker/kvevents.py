@@ -54,7 +54,6 @@ class KvEventSinks:
         self.worker_id = worker_id
         self._send = send
         self.seq = 0  # the next batch's number
-        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self.pub: zmq.Socket[bytes] | None = None
         if endpoint is not None:
             self._bind(endpoint)
@@ -70,7 +69,7 @@ class KvEventSinks:
             sock.close(linger=0)
             ctx.term()
             return
-        self._ctx, self.pub = ctx, sock
+        self.pub = sock
         log.info("KV events published on %s (topic %r)", endpoint, self.topic.decode())
 
     def publish(self, ts: float, events: Sequence[KVEvent]) -> None:
@@ -97,9 +96,8 @@ class KvEventSinks:
         close the PUB socket, waiting at most ``linger_ms`` for unsent batches."""
         if self.seq:
             self.publish(time.time(), [AllBlocksCleared()])
-        if self.pub is not None:
-            self.pub.close(linger=linger_ms)
-            self.pub = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
+        pub, self.pub = self.pub, None
+        if pub is not None:  # its context is its own
+            ctx = pub.context
+            pub.close(linger=linger_ms)
+            ctx.term()

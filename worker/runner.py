@@ -41,7 +41,7 @@ from typing import Any
 
 from protocol import Accepted, Done, Error, Generate, Token
 from worker.engine import EngineError
-from worker.events import FrameOut, JobFinished, KvBatch, LoadFailed, LoadStep, Loaded, RunnerEvent, StateOut
+from worker.events import FrameOut, JobFinished, LoadFailed, LoadStep, Loaded, RunnerEvent, StateOut
 from worker.frames import INTERNAL_ERROR, cancelled_done, check_generate, done_frame, error_frame, job_problem, merged_done
 from worker.jobs import Job, JobTable
 from worker.kvops import KVStates
@@ -117,7 +117,7 @@ class BatchRunner:
         post: called (from the runner threads) with each :class:`RunnerEvent`;
             must be thread-safe and must not block.
         max_queue: jobs that may wait beyond the ``capacity`` running ones.
-        kv_events_block_size: > 0: post each step's KV events (a :class:`KvBatch`) in blocks of that size.
+        kv_events_block_size: > 0: post each step's KV events (``KVStates.post_events``) in blocks of that size.
 
     Per job it posts FrameOut frames (Accepted, PromptProgress, Token), then one JobFinished (its Done or Error).
     """
@@ -131,7 +131,6 @@ class BatchRunner:
         self._load = functools.partial(loader, gguf_path, n_ctx, chat_template, parallel=parallel,
                                        kv_budget_mib=kv_budget_mib, weights=weights, **extra)
         self._post = post
-        self._kv_block_size = kv_events_block_size
         #: the jobs, waiting and running: their one record (worker.jobs)
         self.jobs = JobTable(max_queue, parallel)
         self._serving = False  # jobs start once the server sent Ready (begin_serving)
@@ -145,7 +144,7 @@ class BatchRunner:
         self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
         #: KV states in and out: slot actions, streamed states, the cache kept across restarts
         self.kv = KVStates(post, self._wake, self._publish, slot_save_path=slot_save_path, kv_cache_dir=kv_cache_dir,
-                           kv_cache_mib=kv_cache_mib)
+                           kv_cache_mib=kv_cache_mib, kv_events_block_size=kv_events_block_size)
         self.text = TextOps(post)  # Tokenize / Detokenize / ApplyTemplate, on their own thread
         self.prep = Prep(self.kv, self._wake)  # started Generates -> prompt ids, on their own thread
 
@@ -249,9 +248,6 @@ class BatchRunner:
         self.prep.start(engine)
         self.text.start(engine)
         self._post(Loaded(engine, (time.perf_counter() - t0) * 1e3))
-        if self._kv_block_size:  # KV events: their first batch (AllBlocksCleared) follows Ready
-            engine.enable_kv_events(self._kv_block_size)
-            self._publish()
         while not self._stop:
             if not engine.has_work:
                 self._wake.wait(0.5)
@@ -406,10 +402,9 @@ class BatchRunner:
         if post:
             self._post(JobFinished(job_id, final))
 
-    def _publish(self) -> None:  # after each step and slot action: its KV events, at most one batch
+    def _publish(self) -> None:  # after each step and slot action: also its KV events, at most one batch
         self.snapshot = snapshot_of(self.engine, self.snapshot)
-        if self._kv_block_size and (events := self.engine.take_kv_events()):
-            self._post(KvBatch(time.time(), events))
+        self.kv.post_events()
 
 
 def load_progress(post: Callable[[RunnerEvent], None]) -> Callable[[str, int, int], None]:

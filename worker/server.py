@@ -30,6 +30,10 @@ chunk by chunk on this thread, acknowledged, and the state handed to the engine
 thread only once complete and valid; a Cancel, an error or ``KV_STREAM_IDLE_S``
 without a chunk drops a partial one (nothing is installed).
 
+KV events (``worker.kvevents``, off by default): the runner posts each step's as a KvBatch; this
+loop numbers them and sends them on the PUB socket it bound and / or to the router, and at exit
+tells AllBlocksCleared.
+
 Exit: on Shutdown (or SIGTERM via :meth:`WorkerServer.request_stop`) every
 waiting request is answered Done cancelled, the running one is cancelled and its
 Done awaited for up to ``shutdown_grace_s``; then ``serve`` returns 0. When the

@@ -131,3 +131,17 @@ def test_engine_events_follow_its_entries_and_change_nothing_it_computes(tiny: P
         assert ev.block_hashes == block_hashes(toks, 16, ev.parent_block_hash)
     on.reset_cache()
     assert on.take_kv_events() == [AllBlocksCleared()]
+
+
+def test_a_state_restored_from_outside_enters_the_cache_and_an_erase_clears_it(tiny: Path) -> None:
+    eng = Engine.load(str(tiny), n_ctx=256, parallel=1, weights="f32")
+    eng.enable_kv_events(16)
+    assert eng.take_kv_events() == [AllBlocksCleared()]
+    eng.generate(list(range(10, 60)), greedy(3))  # 50 prompt tokens + 2 fed back: 3 full blocks
+    state = eng.save_slot(0)
+    toks = list(state.tokens)
+    assert eng.take_kv_events() == [BlockStored(block_hashes(toks, 16), None, toks[:48], 16)]
+    assert eng.erase_slot(0) == len(toks)
+    assert eng.take_kv_events() == [AllBlocksCleared()]
+    eng.restore_slot(state, 0)  # a slot restore, a KV stream, the disk cache: the same path
+    assert eng.take_kv_events() == [BlockStored(block_hashes(toks, 16), None, toks[:48], 16)]

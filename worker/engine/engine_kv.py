@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from protocol.kv_events import KVEvent
+
 from .engine_load import EngineInfo
 from .kv.blocks import KVBlockLog
 from .kv.state import KV_LAYOUT_VERSION, KVIdentity, KVState
@@ -137,7 +139,7 @@ class EngineKVStates:
         with self._lock:
             self._kv_blocks = KVBlockLog(block_size)
 
-    def take_kv_events(self) -> list[Any]:
+    def take_kv_events(self) -> list[KVEvent]:
         """The ``protocol.kv_events`` events since the last call ([] when nothing changed or events
         are off): the first call gives AllBlocksCleared, then BlockStored for what the cache holds."""
         blocks = self._kv_blocks
