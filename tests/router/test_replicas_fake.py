@@ -223,3 +223,26 @@ def test_a_reload_changes_the_number_of_replicas(tmp_path: Path, monkeypatch: py
             assert "replicas" not in next(m for m in (await c.get("/admin/models")).json()["data"] if m["id"] == "m")
 
     asyncio.run(go())
+
+
+def test_a_replica_unloaded_for_idleness_starts_again_when_requests_wait(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = InProc(tmp_path, monkeypatch)
+    env.set_fake({"*": {"max_jobs": 1}})
+
+    async def go() -> None:
+        async with env.app(config(extra="idle_ttl_s = 0.5\n")) as (pool, c):
+            assert (await c.post("/admin/models/load", json={"model": "m"})).status_code == 200
+            rs = pool.replica_set("m")
+            assert rs is not None
+            r0, r1 = rs.slots
+            with env.hold():
+                running = asyncio.create_task(c.post("/v1/chat/completions", json=convo("x", "[hold@1] go")))
+                await until(lambda: r0.admission.n_running == 1, "running on replica 0")
+                await until(lambda: r1.state is WorkerState.UNLOADED, "replica 1 unloaded for idleness")
+                assert r0.state is WorkerState.READY
+                waiting = asyncio.create_task(c.post("/v1/chat/completions", json=convo("y", "hi")))
+                await until(lambda: r1.state in (WorkerState.LOADING, WorkerState.READY), "replica 1 started again")
+            assert [r.status_code for r in await asyncio.gather(running, waiting)] == [200, 200]
+
+    asyncio.run(go())
