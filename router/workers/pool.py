@@ -57,8 +57,12 @@ class Pool:
 
     def __init__(self, config: Config, *, worker_module: str | None = None,
                  metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic,
-                 memory: MemoryProbe | None = None, launcher: Launcher | None = None) -> None:
+                 memory: MemoryProbe | None = None, launcher: Launcher | None = None,
+                 preset_view: Callable[[ModelSlot, ModelConfig], ModelSlot] | None = None) -> None:
         self.config = config
+        # how a preset's requests see its model's slot (the serving layer's PresetSlot, given by
+        # the app); None: as the model's own slot
+        self.preset_view = preset_view
         self.clock = clock  # monotonic seconds for backoff decisions (tests inject one)
         self.events = EventHub()  # model events (GET /admin/events)
         self._retired: set[ModelSlot] = set()  # removed by a reload, still draining
@@ -149,10 +153,8 @@ class Pool:
         if m is None:
             raise NotFound(f"model '{name}' not found; available models: {', '.join(self.config.ids())}",
                            param="model")
-        if m.preset is not None:  # a preset: the model's one slot, showing the preset's defaults
-            from router.serving.presets import PresetSlot
-
-            return PresetSlot(self.slots[m.name], m)  # type: ignore[return-value]
+        if m.preset is not None and self.preset_view is not None:  # the model's slot, the preset's defaults
+            return self.preset_view(self.slots[m.name], m)
         return self.slots[m.name]
 
     # ------------------------------------------------------------------ CPU sharing
