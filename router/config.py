@@ -45,7 +45,7 @@ from router.config_presets import parse_presets
 from router.config_readers import ConfigError as ConfigError  # re-exported: every caller's name for it
 from router.config_readers import (
     REASONING_MODES, SAMPLING_KEYS, check_id, no_unknown, read_aliases, read_bool, read_choice, read_float, read_int,
-    read_endpoint, read_n_predict, read_opt_dir, read_opt_str, read_sampling, read_str, table_of,
+    read_endpoint, read_n_predict, read_opt_dir, read_opt_str, read_sampling, read_str, replica_endpoint, table_of,
 )
 
 @dataclass(frozen=True, kw_only=True)
@@ -274,10 +274,10 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
     bound: dict[str, str] = {}  # KV-events endpoint -> the model whose worker binds it
     for name, m in models.items():
         _check_prefill_model(name, m, models)
-        ep = m.kv_events_endpoint
-        if ep is not None and bound.setdefault(ep, name) != name:
-            raise ConfigError(f"models.{name}.kv_events_endpoint", f"{ep} is {bound[ep]}'s too: each worker binds "
-                              "its own (in [defaults], put {model} in it)")
+        for ep in (replica_endpoint(m.kv_events_endpoint, r) for r in range(m.replicas) if m.kv_events_endpoint):
+            if bound.setdefault(ep, name) != name:
+                raise ConfigError(f"models.{name}.kv_events_endpoint", f"{ep} is {bound[ep]}'s too: each worker binds "
+                                  "its own (in [defaults], put {model} in it)")
     presets = parse_presets(table_of(data, "presets", "presets"), models, seen_ids)
     if server.default_model is not None and server.default_model not in seen_ids:
         raise ConfigError("server.default_model", f"{server.default_model!r} is not a configured model name or "

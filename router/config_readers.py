@@ -85,6 +85,18 @@ def read_endpoint(t: dict[str, Any], key: str, where: str, base_dir: Path, model
     raise ConfigError(f"{where}.{key}", f"expected tcp://HOST:PORT or ipc://PATH, got {v!r}")
 
 
+def replica_endpoint(endpoint: str, replica: int) -> str:
+    """The KV-events endpoint replica ``replica`` of a model binds: replica 0 ``endpoint`` itself,
+    replica N ``tcp://HOST:PORT+N`` (vLLM's rule for its data-parallel ranks) or ``ipc://PATH-N``,
+    so that no two replicas on one host bind the same socket."""
+    if replica == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.rpartition(":")
+        return f"{host}:{int(port) + replica}"
+    return f"{endpoint}-{replica}"
+
+
 def read_bool(t: dict[str, Any], key: str, where: str, default: bool) -> bool:
     v = t.get(key, default)
     if not isinstance(v, bool):

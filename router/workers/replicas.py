@@ -27,6 +27,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from router.config import ModelConfig
+from router.config_readers import replica_endpoint
 from router.http.errors import ApiError
 from router.metrics import ModelGauges
 from router.workers.lifecycle import WorkerState
@@ -43,10 +44,13 @@ _BEST_FIRST = (WorkerState.READY, WorkerState.UNRESPONSIVE, WorkerState.LOADING,
 
 def replica_model(model: ModelConfig, replica: int) -> ModelConfig:
     """The config replica ``replica`` runs: the model's, with its own ``kv_cache_dir`` below the
-    model's (``replica-N``) so that two workers never share one disk cache."""
-    if replica == 0 or model.kv_cache_dir is None:
+    model's (``replica-N``) so that two workers never share one disk cache, and its own KV-events
+    endpoint (``router.config_readers.replica_endpoint``)."""
+    if replica == 0:
         return model
-    return dataclasses.replace(model, kv_cache_dir=model.kv_cache_dir / f"replica-{replica}")
+    ep = model.kv_events_endpoint
+    return dataclasses.replace(model, kv_cache_dir=None if model.kv_cache_dir is None else model.kv_cache_dir / f"replica-{replica}",
+                               kv_events_endpoint=None if ep is None else replica_endpoint(ep, replica))
 
 
 def load_of(slot: ModelSlot) -> int:

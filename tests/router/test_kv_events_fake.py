@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from router.config_readers import replica_endpoint
 from router.config import ConfigError, load_config
 from router.workers.launchers.local import worker_command
 from router.workers.options import assign_for
@@ -85,3 +86,25 @@ def test_kv_events_frames_from_the_worker_harm_nothing(router) -> None:  # type:
     assert argv[argv.index("--kv-events-endpoint") + 1] == f"ipc://{router.tmp.resolve()}/kv-m.sock"
     assert router.admin("m")["state"] == "ready"
     assert "Traceback" not in router.log()
+
+
+def test_each_replica_binds_its_own_kv_events_endpoint(tmp_path: Path) -> None:
+    """Replica 0 the model's endpoint, replica N port + N (tcp) or PATH-N (ipc), as vLLM numbers
+    its data-parallel ranks' publishers."""
+    from router.config import ModelConfig
+    from router.workers.replicas import replica_model
+
+    assert replica_endpoint("tcp://127.0.0.1:5557", 0) == "tcp://127.0.0.1:5557"
+    assert replica_endpoint("tcp://127.0.0.1:5557", 2) == "tcp://127.0.0.1:5559"
+    assert replica_endpoint("tcp://[::1]:5557", 1) == "tcp://[::1]:5558"
+    assert replica_endpoint("ipc:///run/kv.sock", 1) == "ipc:///run/kv.sock-1"
+    m = ModelConfig(name="m", path=Path("m.gguf"), kv_events_endpoint="tcp://127.0.0.1:5557", replicas=3)
+    assert [replica_model(m, r).kv_events_endpoint for r in range(3)] == [
+        "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", "tcp://127.0.0.1:5559"]
+    text = MINI.replace('[models.one]\npath = "m.gguf"\n', '[models.one]\npath = "m.gguf"\nreplicas = 2\n'
+                        'kv_events_endpoint = "tcp://127.0.0.1:5556"\n').replace(
+        '[models.two]\npath = "m.gguf"\n', '[models.two]\npath = "m.gguf"\nkv_events_endpoint = "tcp://127.0.0.1:5557"\n')
+    with pytest.raises(ConfigError) as e:  # one's second replica would bind two's port
+        load_config(write(tmp_path, text))
+    assert e.value.key == "models.two.kv_events_endpoint" and "5557" in str(e.value)
+    assert replica_model(m, 0) is m and replica_model(ModelConfig(name="m", path=Path("m.gguf")), 1).kv_events_endpoint is None
