@@ -314,29 +314,32 @@ async def unload(request: Request) -> Response:
 
 
 async def model_health(request: Request, name: str) -> Response:
-    """``/health?model=NAME``: 200 once ready, else 503 (starting a load unless autoload=false)."""
+    """``/health?model=NAME``: 200 once ready (with replicas: once any is), else 503 (starting a
+    load unless autoload=false)."""
     slot = _pool(request).get(name)
     label_request(request, slot.model.name)
-    if slot.state is WorkerState.READY:
+    replicas = slot.replica_set()
+    state = replicas.state() if replicas is not None else slot.state  # replicas: the model as a whole
+    if state is WorkerState.READY:
         return JSONResponse({"status": "ok", "model": slot.model.name})
     if slot.sleeping:  # llama-server's sleeping server is healthy; its next generation wakes it
         return JSONResponse({"status": "ok", "model": slot.model.name, "is_sleeping": True})
     err: ApiError
-    if slot.state in (WorkerState.UNLOADED, WorkerState.FAILED) and _autoload(request):
-        failed = slot.state is WorkerState.FAILED
-        try:
-            slot.begin_load(operator=False)  # a client's autoload waits out a crash backoff
+    if state in (WorkerState.UNLOADED, WorkerState.FAILED) and _autoload(request):
+        failed = state is WorkerState.FAILED
+        try:  # a client's autoload waits out a crash backoff
+            replicas.begin_load(operator=False) if replicas is not None else slot.begin_load(operator=False)
         except ApiError as e:
             return error_response(e)
         err = Unavailable("Loading model" + (f" (the last load failed: {slot.last_error})" if failed else ""),
                           code="model_loading")
-    elif slot.state is WorkerState.LOADING:
+    elif state is WorkerState.LOADING:
         err = Unavailable("Loading model", code="model_loading")
-    elif slot.state is WorkerState.FAILED:
+    elif state is WorkerState.FAILED:
         err = Unavailable(f"model '{slot.model.name}' failed: {slot.last_error}", code="model_load_failed")
-    elif slot.state is WorkerState.DRAINING:
+    elif state is WorkerState.DRAINING:
         err = Unavailable(f"model '{slot.model.name}' is being unloaded", code="model_unloading")
-    elif slot.state is WorkerState.UNRESPONSIVE:
+    elif state is WorkerState.UNRESPONSIVE:
         err = Unavailable(f"model '{slot.model.name}' worker is unresponsive", code="model_unresponsive")
     else:
         err = Unavailable(f"model '{slot.model.name}' is not loaded", code="model_not_loaded")

@@ -144,6 +144,10 @@ def test_a_lost_replicas_waiting_requests_move_and_it_is_placed_again(
             assert r.status_code == 502 or "error" in r.text  # its worker crashed mid-stream: the stream fails
             answers = await asyncio.gather(held, *waiting)
             assert [a.status_code for a in answers] == [200, 200, 200]
+            # the model is healthy while one replica is (replica 0 is still restarting here)
+            r0_down = r0.state is not WorkerState.READY
+            h = await c.get("/health", params={"model": "m", "autoload": "false"})
+            assert h.status_code == 200 and r1.state is WorkerState.READY, (h.text, r0_down)
             assert pool.metrics.crashes.labels("m")._value.get() == 1
             await until(lambda: r0.state is WorkerState.READY, "replica 0 placed again", timeout=30)
             assert r0.spawn_count == 2
