@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from protocol.frame import Message
+from protocol.kv_events import DEFAULT_BLOCK_SIZE
 from protocol.limits import WEIGHT_MODES
 
 
@@ -117,7 +118,9 @@ class Assign(Message):
 
     ``threads`` > 0: the worker's BLAS threads (its NumPy is already loaded, so they are
     set as a Ping's ``threads`` are, not through the environment); 0: as the spare started.
-    Units: n_ctx, n_ubatch tokens; kv_budget_mib, kv_cache_mib MiB.
+    Units: n_ctx, n_ubatch, kv_events_block_size tokens; kv_budget_mib, kv_cache_mib MiB.
+    ``kv_events_*``: the worker's KV events (``protocol.kv_events``): the PUB socket it binds (None:
+    none), its block size, and whether it also sends them to the router as KvEvents frames.
     """
 
     TYPE: ClassVar[str] = "assign"
@@ -134,6 +137,9 @@ class Assign(Message):
     slot_save_path: str | None = None
     kv_cache_dir: str | None = None
     kv_cache_mib: float = 1024.0
+    kv_events_endpoint: str | None = None
+    kv_events_block_size: int = DEFAULT_BLOCK_SIZE
+    kv_events_to_router: bool = False
 
     @classmethod
     def value_problem(cls, fields: dict[str, Any]) -> str | None:
@@ -154,6 +160,11 @@ class Assign(Message):
             return f"kv_cache_mib must be > 0, got {fields['kv_cache_mib']}"
         if fields.get("weights") is not None and fields["weights"] not in WEIGHT_MODES:
             return f"weights {fields['weights']!r} is not one of {list(WEIGHT_MODES)}"
+        if fields.get("kv_events_block_size", 1) < 1:
+            return f"kv_events_block_size must be >= 1, got {fields['kv_events_block_size']}"
+        endpoint = fields.get("kv_events_endpoint")
+        if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://")):
+            return f"kv_events_endpoint must be tcp://... or ipc://..., got {endpoint!r}"
         return None
 
 

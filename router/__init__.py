@@ -1,22 +1,18 @@
 """modelyard's router: the Starlette app clients talk to. HTTP only; speaks to
 workers through ``protocol`` and never imports numpy, the engine or ``worker``.
 
-Modules, one concept each:
+Layers (each imports only those below it; ``tests/router/test_layers.py`` checks it, and
+``docs/architecture.md`` says where each concern lives):
 
-* ``config``      — config.toml read once into typed records (ConfigError names the key)
-* ``errors``      — the ApiError hierarchy and the one mapping to OpenAI-shaped bodies
-* ``lifecycle``   — the worker state machine (states, transitions, the one mover)
-* ``process``     — one worker OS process + socket
-* ``pool``        — ModelSlot, the one owner of a model's scheduling state; Pool of slots
-* ``placement``   — max_loaded / memory decisions (estimates, LRU eviction, pinning)
-* ``backoff``     — crash backoff bookkeeping
-* ``access_log``  — one line per request, X-Request-Id
-* ``tasks``       — background tasks kept referenced
-* ``run``         — one request's passage through one worker (admit, frames, cancel, release)
-* ``sse``         — SSE responses and client-disconnect watching
-* ``params`` / ``generation`` — request field readers; what the generation routes share
-* ``openai_api`` / ``llamacpp_api`` / ``admin`` — the routes
-* ``auth``        — bearer keys (pure ASGI)
-* ``app`` / ``cli`` / ``cli_args`` — the application, ``modelyard serve`` (bind, banner,
-  signals) and its dependency-free argument parser
+* ``app`` / ``cli`` — the application (routes table, the one error mapping, the pool's
+  lifetime) and the ``modelyard`` command; ``config`` (validated once), ``metrics`` and
+  ``router.http`` (errors, SSE, auth, access log, limits) serve every layer below
+* ``router.dialects`` — one module per API (OpenAI, Anthropic, Responses, Ollama, llama.cpp):
+  a request read in, its events written out; none imports another
+* ``router.operator`` — the admin routes and the status page
+* ``router.serving`` — the one door the dialects call: a model's ``ModelServer`` owns every
+  request's record from admission to release (``Generation``: start, next, close)
+* ``router.workers`` — a model's worker: ``ModelSlot`` (the one owner of its state machine) and
+  its parts (admission, liveness, loading, placement, CPU share), the pool of slots, and the
+  launchers (local child processes with a warm spare; Ray for other hosts)
 """

@@ -38,6 +38,7 @@ from router.http.errors import ApiError, InternalError, MethodNotAllowed, NotFou
 from router.metrics import CONTENT_TYPE, Metrics, RequestMetrics
 from router.http.http_server import FramingGuard, RequestAdmission
 from router.workers.pool import Pool
+from router.serving.presets import PresetSlot
 from router.dialects.response_store import ResponseStore
 from router.http.responses import JSONResponse
 from router.http.security import BrowserGuard
@@ -126,7 +127,9 @@ def create_app(config: Config, *, worker_module: str | None = None,
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        app.state.pool = Pool(config, worker_module=worker_module, metrics=registry, **(pool_options or {}))
+        app.state.pool = Pool(config, worker_module=worker_module, metrics=registry,
+                              preset_view=PresetSlot,  # type: ignore[arg-type]  # a slot's view, duck-typed
+                              **(pool_options or {}))
         lag_probe = asyncio.get_running_loop().create_task(registry.watch_event_loop(), name="loop-lag")
         sampler = asyncio.get_running_loop().create_task(status_page.sample_forever(app), name="ui-sampler")
         try:

@@ -17,7 +17,7 @@ Layout::
                         max_crashes, crash_window_s, pinned, n_predict, system_prompt,
                         and default sampling values (temperature, top_p, top_k, min_p,
                         repeat_penalty, repeat_last_n, presence_penalty,
-                        frequency_penalty, seed), node_labels
+                        frequency_penalty, seed), node_labels, replicas, routing
     [cluster]           backend, address, advertise_host, place_timeout_s (router.config_cluster)
 
 Every defect raises :class:`ConfigError` whose message starts with the key path
@@ -38,13 +38,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from protocol.kv_events import DEFAULT_BLOCK_SIZE
 from protocol.limits import DEFAULT_WEIGHTS, WEIGHT_MODES
-from router.config_cluster import ClusterConfig, node_labels, parse_cluster
+from router.config_cluster import REPLICA_KEYS, ClusterConfig, node_labels, one_worker_each, parse_cluster, replica_fields
 from router.config_presets import parse_presets
 from router.config_readers import ConfigError as ConfigError  # re-exported: every caller's name for it
 from router.config_readers import (
     REASONING_MODES, SAMPLING_KEYS, check_id, no_unknown, read_aliases, read_bool, read_choice, read_float, read_int,
-    read_n_predict, read_opt_dir, read_opt_str, read_sampling, read_str, table_of,
+    read_endpoint, read_n_predict, read_opt_dir, read_opt_str, read_sampling, read_str, replica_endpoint, table_of,
 )
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +91,8 @@ class ModelConfig:
     max_crashes: int = 5
     crash_window_s: float = 300.0
     node_labels: tuple[tuple[str, str], ...] = ()  # Ray node labels its worker's node must carry (router.config_cluster)
+    replicas: int = 1  # workers serving it, each its own slot (router.workers.replicas); routing: how a
+    routing: str = "cache_aware"  # request picks one (router.serving.routing; router.config_cluster)
     pinned: bool = False  # never evicted for another model (router.workers.placement) nor unloaded for idleness
     # KV states (worker.engine.kv.state): POST /slots/{id}?action=save|restore|erase files live in
     # slot_save_path (None: slot actions are a 501); kv_cache_dir/<model name> keeps the idle KV
@@ -98,6 +101,11 @@ class ModelConfig:
     slot_save_path: Path | None = None
     kv_cache_dir: Path | None = None
     kv_cache_mib: float = 1024.0
+    # KV events (worker.kvevents; docs/operations.md#kv-events): the PUB endpoint its worker binds (None:
+    # none) and their block size; kv_events_to_router is no key: set when the router routes by them
+    kv_events_endpoint: str | None = None
+    kv_events_block_size: int = DEFAULT_BLOCK_SIZE
+    kv_events_to_router: bool = False
     # disaggregated prefill/decode (router.serving.disaggregate): another configured model (same GGUF)
     # whose worker prefills this model's prompts; this model's worker decodes. None: this worker
     # does both. kv_transfer: how the KV state moves between them: "wire" (KVChunk frames
@@ -215,8 +223,8 @@ _MODEL_KEYS = {
     "cancel_timeout_s", "drain_timeout_s", "shutdown_grace_s", "ping_interval_s",
     "ping_timeout_s", "unresponsive_after_s", "idle_ttl_s", "n_threads", "parallel", "kv_budget_mib", "weights",
     "n_ubatch", "restart_backoff_s", "restart_backoff_max_s", "max_crashes", "crash_window_s", "pinned", "slot_save_path",
-    "kv_cache_dir", "kv_cache_mib", "prefill_model", "kv_transfer", "n_predict", "max_request_tokens",
-    "background_slots", "system_prompt", "node_labels", *SAMPLING_KEYS,
+    "kv_cache_dir", "kv_cache_mib", "prefill_model", "kv_transfer", "n_predict", "max_request_tokens", *REPLICA_KEYS,
+    "background_slots", "system_prompt", "node_labels", "kv_events_endpoint", "kv_events_block_size", *SAMPLING_KEYS,
 }
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases", "prefill_model", "kv_transfer"}
 #: ``kv_transfer`` values (router.serving.disaggregate).
@@ -263,8 +271,13 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
     seen_ids: dict[str, str] = {}
     for name, table in models_raw.items():
         models[name] = _model(name, table, defaults, server.models_dir, base_dir, seen_ids)
+    bound: dict[str, str] = {}  # KV-events endpoint -> the model whose worker binds it
     for name, m in models.items():
         _check_prefill_model(name, m, models)
+        for ep in (replica_endpoint(m.kv_events_endpoint, r) for r in range(m.replicas) if m.kv_events_endpoint):
+            if bound.setdefault(ep, name) != name:
+                raise ConfigError(f"models.{name}.kv_events_endpoint", f"{ep} is {bound[ep]}'s too: each worker binds "
+                                  "its own (in [defaults], put {model} in it)")
     presets = parse_presets(table_of(data, "presets", "presets"), models, seen_ids)
     if server.default_model is not None and server.default_model not in seen_ids:
         raise ConfigError("server.default_model", f"{server.default_model!r} is not a configured model name or "
@@ -372,6 +385,9 @@ def _model(name: str, table: Any, defaults: dict[str, Any], models_dir: Path, ba
         slot_save_path=read_opt_dir(merged, "slot_save_path", src("slot_save_path"), base_dir),
         kv_cache_dir=read_opt_dir(merged, "kv_cache_dir", src("kv_cache_dir"), base_dir),
         kv_cache_mib=read_float(merged, "kv_cache_mib", src("kv_cache_mib"), 1024.0, 0.0, float(1 << 30)),
+        kv_events_endpoint=read_endpoint(merged, "kv_events_endpoint", src("kv_events_endpoint"), base_dir, name),
+        kv_events_block_size=read_int(merged, "kv_events_block_size", src("kv_events_block_size"),
+                                      DEFAULT_BLOCK_SIZE, 1, 65536),
         prefill_model=read_opt_str(table, "prefill_model", where),
         kv_transfer=_kv_transfer(table, where),
         n_predict=read_n_predict(merged, src("n_predict")),
@@ -380,6 +396,7 @@ def _model(name: str, table: Any, defaults: dict[str, Any], models_dir: Path, ba
         sampling=sampling,
         system_prompt=read_opt_str(merged, "system_prompt", src("system_prompt")),
         node_labels=node_labels(merged, src("node_labels")),
+        **replica_fields(merged, src),
     )
 
 
@@ -392,6 +409,7 @@ def _check_prefill_model(name: str, m: ModelConfig, models: dict[str, ModelConfi
     p = models.get(m.prefill_model)
     if p is None or p is m:
         raise ConfigError(key, f"{m.prefill_model!r} is not another configured model (by its canonical name)")
+    one_worker_each(key, m.replicas, p.replicas)
     if p.path != m.path:
         raise ConfigError(key, f"{m.prefill_model!r} serves {p.path.name}, not {m.path.name}: the KV state "
                           "is only valid for the same GGUF")

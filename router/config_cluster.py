@@ -15,11 +15,16 @@ Keys (all optional; without the table every worker is a child of the router, as 
   before its load fails (default 60 s).
 
 Per model (``[models.NAME]`` or ``[defaults]``): ``node_labels = { key = "value", ... }``, the Ray
-node labels a node must carry to run that model's worker (Ray's ``label_selector``).
+node labels a node must carry to run that model's worker (Ray's ``label_selector``);
+``replicas = N`` (1 to 64, default 1), the workers serving that model, each its own slot, on
+distinct Ray nodes where the nodes allow it (all on this host with the local launcher;
+``router.workers.replicas``); ``routing``, how a request picks among the ready replicas
+(``router.serving.routing``): ``"cache_aware"`` (default), ``"least_loaded"`` or ``"round_robin"``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +33,12 @@ from router.config_readers import ConfigError
 #: ``[cluster] backend`` values; the first is the default.
 BACKENDS = ("local", "ray")
 _CLUSTER_KEYS = {"backend", "address", "advertise_host", "place_timeout_s"}
+#: ``routing`` values (router.serving.routing); the first is the default.
+ROUTINGS = ("cache_aware", "least_loaded", "round_robin")
+#: The per-model keys of replicas (``[models.NAME]``, ``[defaults]``).
+REPLICA_KEYS = ("replicas", "routing")
+#: The most replicas a model may have.
+MAX_REPLICAS = 64
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,4 +88,38 @@ def node_labels(merged: dict[str, Any], where: str) -> tuple[tuple[str, str], ..
     return tuple(sorted(raw.items()))
 
 
-__all__ = ["BACKENDS", "ClusterConfig", "node_labels", "parse_cluster"]
+def read_replicas(merged: dict[str, Any], where: str) -> int:
+    """A model's ``replicas`` (absent: 1). Raises ConfigError naming ``where.replicas`` unless an
+    integer in [1, MAX_REPLICAS]."""
+    v = merged.get("replicas", 1)
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_REPLICAS:
+        raise ConfigError(f"{where}.replicas", f"expected an integer in [1, {MAX_REPLICAS}], got {v!r}")
+    return v
+
+
+def read_routing(merged: dict[str, Any], where: str) -> str:
+    """A model's ``routing`` (absent: ``"cache_aware"``). Raises ConfigError naming ``where.routing``
+    unless one of ROUTINGS."""
+    v = merged.get("routing", ROUTINGS[0])
+    if v not in ROUTINGS:
+        raise ConfigError(f"{where}.routing", f"expected one of {', '.join(map(repr, ROUTINGS))}, got {v!r}")
+    return str(v)
+
+
+def replica_fields(merged: dict[str, Any], src: Callable[[str], str]) -> dict[str, Any]:
+    """A model's ``replicas`` and ``routing`` as ModelConfig fields, with ``kv_events_to_router`` (the
+    router's prefix indexes need its workers' KV events when it has several replicas). ``src(key)``:
+    the table a key came from. Raises ConfigError naming the key."""
+    replicas = read_replicas(merged, src("replicas"))
+    return {"replicas": replicas, "routing": read_routing(merged, src("routing")), "kv_events_to_router": replicas > 1}
+
+
+def one_worker_each(key: str, replicas: int, prefill_replicas: int) -> None:
+    """A disaggregated model and its prefill model have one worker each. Raises ConfigError at ``key``."""
+    if replicas > 1 or prefill_replicas > 1:
+        raise ConfigError(key, "a disaggregated model and its prefill model have one worker each: "
+                          "replicas > 1 is not supported with prefill_model")
+
+
+__all__ = ["BACKENDS", "REPLICA_KEYS", "ROUTINGS", "ClusterConfig", "node_labels", "one_worker_each", "parse_cluster", "read_replicas",
+           "read_routing", "replica_fields"]

@@ -69,6 +69,34 @@ def read_opt_dir(t: dict[str, Any], key: str, where: str, base_dir: Path) -> Pat
     return d.resolve()
 
 
+def read_endpoint(t: dict[str, Any], key: str, where: str, base_dir: Path, model: str) -> str | None:
+    """An optional ZeroMQ endpoint to bind, ``tcp://HOST:PORT`` or ``ipc://PATH`` (a relative PATH
+    is relative to ``base_dir``), with ``{model}`` replaced by ``model``; None when absent."""
+    v = read_opt_str(t, key, where)
+    if v is None:
+        return None
+    v = v.replace("{model}", model)
+    if v.startswith("ipc://") and len(v) > len("ipc://"):
+        p = Path(v[len("ipc://"):])
+        return "ipc://" + str(p if p.is_absolute() else base_dir / p)
+    host, sep, port = v[len("tcp://"):].rpartition(":")
+    if v.startswith("tcp://") and host and sep and port.isdigit() and 0 < int(port) < 65536:
+        return v
+    raise ConfigError(f"{where}.{key}", f"expected tcp://HOST:PORT or ipc://PATH, got {v!r}")
+
+
+def replica_endpoint(endpoint: str, replica: int) -> str:
+    """The KV-events endpoint replica ``replica`` of a model binds: replica 0 ``endpoint`` itself,
+    replica N ``tcp://HOST:PORT+N`` (vLLM's rule for its data-parallel ranks) or ``ipc://PATH-N``,
+    so that no two replicas on one host bind the same socket."""
+    if replica == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.rpartition(":")
+        return f"{host}:{int(port) + replica}"
+    return f"{endpoint}-{replica}"
+
+
 def read_bool(t: dict[str, Any], key: str, where: str, default: bool) -> bool:
     v = t.get(key, default)
     if not isinstance(v, bool):

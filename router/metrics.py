@@ -101,6 +101,9 @@ class ModelGauges:
     busy_slots: int  # KV slots running a request
     kv_tokens: int  # KV positions held (the worker's last Pong; 0 without one)
     kv_budget_tokens: int  # KV positions the worker's budget allows (0: unknown)
+    # a replica's row (router.workers.replicas): its number and node; None: the model as a whole
+    replica: int | None = None
+    node: str = ""
 
 
 class Metrics:
@@ -246,12 +249,42 @@ class _GaugeCollector:
                                                   "worker's budget allows (0: unknown)", labels=["model"]),
         }
         for row in rows:
+            if row.replica is not None:
+                continue
             for s in row.states:
                 state.add_metric([row.model, s], 1.0 if row.state == s else 0.0)
             for key, fam in families.items():
                 fam.add_metric([row.model], float(getattr(row, key)))
         yield state
         yield from families.values()
+        yield from _replica_families([r for r in rows if r.replica is not None])
+
+
+def _replica_families(rows: list[ModelGauges]) -> Iterator[Metric]:
+    """Each replica's gauges (models with ``replicas > 1``): labels model, replica, node."""
+    if not rows:
+        return
+    labels = ["model", "replica", "node"]
+    state = GaugeMetricFamily("modelyard_replica_state", "1 for the state the replica's worker is in, 0 for "
+                              "the others", labels=[*labels, "state"])
+    families = {
+        "waiting": GaugeMetricFamily("modelyard_replica_requests_waiting", "Requests waiting in the replica's "
+                                     "queue", labels=labels),
+        "running": GaugeMetricFamily("modelyard_replica_requests_running", "Requests holding a job slot of "
+                                     "the replica's worker", labels=labels),
+        "total_slots": GaugeMetricFamily("modelyard_replica_slots_total", "KV slots of the replica's worker "
+                                         "(0: none up)", labels=labels),
+        "busy_slots": GaugeMetricFamily("modelyard_replica_slots_busy", "KV slots of the replica running a "
+                                        "request", labels=labels),
+    }
+    for row in rows:
+        ids = [row.model, str(row.replica), row.node]
+        for s in row.states:
+            state.add_metric([*ids, s], 1.0 if row.state == s else 0.0)
+        for key, fam in families.items():
+            fam.add_metric(ids, float(getattr(row, key)))
+    yield state
+    yield from families.values()
 
 
 class _LlamacppCollector:
@@ -270,7 +303,7 @@ class _LlamacppCollector:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        rows = {r.model: r for r in self._snapshot()}
+        rows = {r.model: r for r in self._snapshot() if r.replica is None}
 
         def counter(name: str, doc: str) -> CounterMetricFamily:
             return CounterMetricFamily(f"llamacpp:{name}", doc, labels=["model"])

@@ -4,7 +4,7 @@ Usage::
 
     python -m worker --model NAME --gguf PATH --endpoint ENDPOINT [--n-ctx N]
                      [--chat-template NAME_OR_TEXT] [--max-queue N] [--parent-pid PID]
-                     [--threads N] [--auth-fd FD]
+                     [--threads N] [--kv-events-endpoint EP] [--kv-events-to-router] [--auth-fd FD]
     python -m worker --spare --endpoint ENDPOINT [--parent-pid PID] [--auth-fd FD]
 
 ``--spare`` starts a warm spare (``worker.spare``): no model yet; it imports and loads its
@@ -42,6 +42,7 @@ import signal
 import sys
 
 from protocol.credentials import WorkerCredentials
+from protocol.kv_events import DEFAULT_BLOCK_SIZE
 from protocol.limits import DEFAULT_WEIGHTS, WEIGHT_MODES
 
 #: Environment variables that set the BLAS / OpenMP thread pools (read when NumPy loads).
@@ -91,6 +92,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="directory where idle KV caches are saved on stop and restored lazily after a load")
     p.add_argument("--kv-cache-mib", type=float, default=1024.0,
                    help="disk budget of --kv-cache-dir, MiB (default 1024)")
+    p.add_argument("--kv-events-endpoint", default=None,
+                   help="publish KV events (vLLM's format) on a ZeroMQ PUB socket bound here: tcp://HOST:PORT or "
+                        "ipc://PATH (default: off); plaintext, unauthenticated: bind it to localhost or ipc")
+    p.add_argument("--kv-events-block-size", type=_positive, default=DEFAULT_BLOCK_SIZE,
+                   help=f"tokens per block of the KV events (default {DEFAULT_BLOCK_SIZE})")
+    p.add_argument("--kv-events-to-router", action="store_true",
+                   help="also send the KV events to the router (KvEvents frames)")
     p.add_argument("--auth-fd", type=_non_negative, default=None,
                    help="inherited pipe with this worker's credentials (secret, CURVE keys)")
     args = p.parse_args(argv)
@@ -98,8 +106,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--spare takes no --model / --gguf: the router's Assign names them")
     if not args.spare and (args.model is None or args.gguf is None):
         p.error("--model and --gguf are required (or --spare)")
-    if not args.endpoint.startswith(("ipc://", "tcp://")):
-        p.error(f"--endpoint must be ipc://PATH or tcp://HOST:PORT, got {args.endpoint!r}")
+    for flag, ep in (("--endpoint", args.endpoint), ("--kv-events-endpoint", args.kv_events_endpoint or "ipc://")):
+        if not ep.startswith(("ipc://", "tcp://")):
+            p.error(f"{flag} must be ipc://PATH or tcp://HOST:PORT, got {ep!r}")
     return args
 
 
@@ -137,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         chat_template=args.chat_template, max_queue=args.max_queue, parallel=args.parallel,
         kv_budget_mib=args.kv_budget_mib, weights=args.weights, n_ubatch=args.n_ubatch,
         parent_pid=parent, credentials=credentials,
-        slot_save_path=args.slot_save_path, kv_cache_dir=args.kv_cache_dir, kv_cache_mib=args.kv_cache_mib))
+        slot_save_path=args.slot_save_path, kv_cache_dir=args.kv_cache_dir, kv_cache_mib=args.kv_cache_mib,
+        kv_events_endpoint=args.kv_events_endpoint, kv_events_block_size=args.kv_events_block_size,
+        kv_events_to_router=args.kv_events_to_router))
     signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
     signal.signal(signal.SIGINT, lambda *_: server.request_stop())
     return server.serve()
@@ -166,7 +177,9 @@ def serve_spare(args: argparse.Namespace, credentials: WorkerCredentials | None)
             model=a.model, gguf=a.gguf, endpoint=args.endpoint, n_ctx=a.n_ctx, chat_template=a.chat_template,
             max_queue=a.max_queue, parallel=a.parallel, kv_budget_mib=a.kv_budget_mib, weights=a.weights,
             n_ubatch=a.n_ubatch, parent_pid=parent, credentials=waiter.credentials,
-            slot_save_path=a.slot_save_path, kv_cache_dir=a.kv_cache_dir, kv_cache_mib=a.kv_cache_mib)
+            slot_save_path=a.slot_save_path, kv_cache_dir=a.kv_cache_dir, kv_cache_mib=a.kv_cache_mib,
+            kv_events_endpoint=a.kv_events_endpoint, kv_events_block_size=a.kv_events_block_size,
+            kv_events_to_router=a.kv_events_to_router)
     except ValueError as e:  # the codec checked the values; a defect here is a bug, said as a load failure
         from protocol import Error, encode
         from protocol.errors import ErrorCode

@@ -12,6 +12,7 @@ from typing import Any
 import psutil
 
 from protocol import WorkerCredentials
+from protocol.kv_events import DEFAULT_BLOCK_SIZE
 from protocol.limits import DEFAULT_KV_BUDGET_MIB
 
 __all__ = ["ParentWatch", "WorkerConfig", "default_loader"]
@@ -60,6 +61,10 @@ class WorkerConfig:
         the idle KV entries are saved there (most recent first, within ``kv_cache_mib``) before
         exiting; at load they are indexed and restored lazily on a prefix match. None -> off.
     kv_cache_mib: disk budget of ``kv_cache_dir`` (MiB).
+    kv_events_endpoint: the ZeroMQ PUB endpoint (``tcp://HOST:PORT`` / ``ipc://PATH``) the worker binds
+        to publish its KV events (``worker.kvevents``); None -> none.
+    kv_events_block_size: tokens per block of those events (>= 1).
+    kv_events_to_router: also send them to the router as KvEvents frames.
     """
 
     model: str
@@ -82,6 +87,14 @@ class WorkerConfig:
     slot_save_path: str | None = None
     kv_cache_dir: str | None = None
     kv_cache_mib: float = 1024.0
+    kv_events_endpoint: str | None = None
+    kv_events_block_size: int = DEFAULT_BLOCK_SIZE
+    kv_events_to_router: bool = False
+
+    @property
+    def kv_events(self) -> bool:
+        """The worker tells its KV events somewhere (a PUB endpoint, the router or both)."""
+        return self.kv_events_endpoint is not None or self.kv_events_to_router
 
     def __post_init__(self) -> None:
         if not self.endpoint.startswith(("ipc://", "tcp://")):
@@ -94,6 +107,10 @@ class WorkerConfig:
             raise ValueError(f"parallel must be >= 1, got {self.parallel}")
         if self.kv_budget_mib is not None and not self.kv_budget_mib > 0:
             raise ValueError(f"kv_budget_mib must be > 0, got {self.kv_budget_mib}")
+        if self.kv_events_endpoint is not None and not self.kv_events_endpoint.startswith(("ipc://", "tcp://")):
+            raise ValueError(f"kv_events_endpoint must be ipc://... or tcp://host:port, got {self.kv_events_endpoint!r}")
+        if self.kv_events_block_size < 1:
+            raise ValueError(f"kv_events_block_size must be >= 1, got {self.kv_events_block_size}")
 
 
 class ParentWatch:

@@ -9,7 +9,7 @@ from typing import Any
 
 from protocol import Done, Error, Message
 
-__all__ = ["FrameOut", "JobFinished", "LoadFailed", "LoadStep", "Loaded", "Persisted",
+__all__ = ["FrameOut", "JobFinished", "KvBatch", "LoadFailed", "LoadStep", "Loaded", "Persisted",
            "RunnerEvent", "StateOut"]
 
 
@@ -78,4 +78,13 @@ class StateOut:
     final: Done
 
 
-RunnerEvent = FrameOut | JobFinished | LoadStep | Loaded | LoadFailed | Persisted | StateOut
+@dataclass(frozen=True)
+class KvBatch:
+    """What entered and left the KV cache in one engine step (or slot action): ``events``
+    (``protocol.kv_events``), taken at ``ts`` (unix seconds); for ``worker.kvevents``."""
+
+    ts: float
+    events: list[Any]
+
+
+RunnerEvent = FrameOut | JobFinished | KvBatch | LoadStep | Loaded | LoadFailed | Persisted | StateOut

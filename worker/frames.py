@@ -29,17 +29,21 @@ def error_frame(request_id: str, e: EngineError) -> Error:
     return Error(id=request_id, code=e.code, message=e.message, n_prompt_tokens=e.n_prompt_tokens, n_ctx=e.n_ctx)
 
 
-def check_generate(g: Generate, n_vocab: int | None = None) -> Error | None:
-    """Cheap checks on arrival, so a bad request is refused at once rather than after
-    the generations queued before it: an Error to answer, or None.
+def check_generate(g: Generate, n_vocab: int | None = None, sampling_vocab: int | None = None) -> SamplingParams | Error:
+    """The one check of a Generate in the worker, on arrival, so a bad request is refused at once
+    rather than after the generations queued before it: the Error to answer, or its sampling
+    parameters, checked once the model is loaded (``n_vocab`` known: ``SamplingParams.validated``
+    against ``sampling_vocab``, the engine's ``Engine.sampling_vocab``, default ``n_vocab``; the
+    engine trusts that checked copy as it is) and to be checked when its job is prepared
+    otherwise (a spare or a loading worker).
 
     Exactly one of ``prompt`` and ``messages`` must be set ("invalid_request");
-    ``logit_bias`` must be ``[token_id, bias]`` pairs and, once the model is loaded
-    (``n_vocab`` known), the sampling values must pass ``SamplingParams.validated``
-    ("invalid_params") and a token-id prompt must be non-empty ("empty_prompt") with
-    every id in ``[0, n_vocab)`` ("invalid_token"). Whatever needs tokenizing
-    (context length of text and chat prompts, templates) is checked by the engine
-    when the job runs.
+    ``logit_bias`` must be ``[token_id, bias]`` pairs and, once the model is loaded, the
+    sampling values must pass ``SamplingParams.validated`` ("invalid_params") and a token-id
+    prompt must be non-empty ("empty_prompt") with every id in ``[0, n_vocab)``
+    ("invalid_token"). Whatever needs tokenizing (context length of text and chat prompts,
+    templates) is checked by the engine when the job runs. (The codec checked every field's
+    type when the frame arrived.)
     """
     if (g.prompt is None) == (g.messages is None):
         return Error(id=g.id, code=ErrorCode.INVALID_REQUEST,
@@ -49,7 +53,7 @@ def check_generate(g: Generate, n_vocab: int | None = None) -> Error | None:
     try:
         params = sampling_params(g)
         if n_vocab is not None:
-            params.validated(n_vocab)
+            params = params.validated(n_vocab if sampling_vocab is None else sampling_vocab)
     except EngineError as e:
         return error_frame(g.id, e)
     if n_vocab is not None and isinstance(g.prompt, list):
@@ -58,7 +62,7 @@ def check_generate(g: Generate, n_vocab: int | None = None) -> Error | None:
         bad = next((t for t in g.prompt if not 0 <= t < n_vocab), None)
         if bad is not None:
             return Error(id=g.id, code=ErrorCode.INVALID_TOKEN, message=f"token id {bad} is out of the vocabulary [0, {n_vocab})")
-    return None
+    return params
 
 
 def _bias_pairs(pairs: list[Any]) -> dict[Any, float]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from protocol import Error, Generate
 from protocol.errors import ErrorCode
+from worker.engine import SamplingParams
 
 __all__ = ["Job", "JobTable"]
 
@@ -29,10 +30,12 @@ class Job:
     ``cancel`` is set by the socket thread (Cancel, Shutdown, parent gone) and
     read by the engine thread. ``tokens_sent`` counts Token frames posted
     (engine thread writes, socket thread reads only after the job finished or
-    gave up on it). ``received`` is ``time.monotonic()`` at arrival (s).
+    gave up on it). ``received`` is ``time.monotonic()`` at arrival (s). ``params``: the
+    request's sampling parameters as checked on arrival (``worker.frames.check_generate``).
     """
 
     msg: Generate
+    params: SamplingParams
     received: float = field(default_factory=time.monotonic)
     cancel: threading.Event = field(default_factory=threading.Event)
     tokens_sent: int = 0
@@ -54,8 +57,8 @@ class JobTable:
         self._waiting: deque[Job] = deque()
         self._running: dict[str, Job] = {}
 
-    def admit(self, g: Generate, can_start: bool) -> Error | None:
-        """Queue ``g`` as a waiting job, or the Error refusing it: its id in use
+    def admit(self, g: Generate, params: SamplingParams, can_start: bool) -> Error | None:
+        """Queue ``g`` (with its checked ``params``) as a waiting job, or the Error refusing it: its id in use
         ("invalid_request"), or the line full ("busy": ``max_queue`` waiting, and it could not
         start at once). ``can_start``: a job may start now (the model is loaded)."""
         with self._lock:
@@ -66,7 +69,7 @@ class JobTable:
                 return Error(id=g.id, code=ErrorCode.BUSY, message=(
                     f"the worker is busy: {len(self._running)} running, {len(self._waiting)} waiting "
                     f"(max_queue={self.max_queue})"))
-            self._waiting.append(Job(g))
+            self._waiting.append(Job(g, params))
             return None
 
     def start_next(self) -> Job | None:

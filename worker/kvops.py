@@ -1,6 +1,7 @@
 """KV states that leave or enter the engine: llama.cpp's slot actions (save / restore / erase a
 slot's KV to a file in ``slot_save_path``), KV states streamed in (installed in the prefix cache),
-a generation's ``save_slot_to``, and the KV cache directory kept across restarts.
+a generation's ``save_slot_to``, the KV cache directory kept across restarts, and the KV events
+of what enters and leaves the cache (posted as KvBatch events for ``worker.kvevents``).
 
 File work runs on the *kvio* thread (a restore reads and validates the whole file before the
 slot is touched); slot changes run on the engine thread between two steps (:meth:`KVStates.run_slot_ops`,
@@ -22,7 +23,7 @@ from typing import Any
 from protocol import Done, Error, Message, SlotAction, SlotActionResult, slot_filename_error
 from protocol.errors import ErrorCode
 from worker.engine import EngineError
-from worker.events import FrameOut, JobFinished, Persisted, RunnerEvent
+from worker.events import FrameOut, JobFinished, KvBatch, Persisted, RunnerEvent
 from worker.frames import INTERNAL_ERROR, error_frame
 
 __all__ = ["KVStates"]
@@ -53,10 +54,13 @@ class KVStates:
             a /slots read after the answer shows what it did).
         slot_save_path: the directory of slot files (None: slot actions are refused).
         kv_cache_dir, kv_cache_mib: the KV cache kept across restarts (None: none).
+        kv_events_block_size: > 0: the engine's KV events are on, in blocks of that many tokens
+            (:meth:`post_events`); 0: off.
     """
 
     def __init__(self, post: Callable[[RunnerEvent], None], wake: threading.Event, publish: Callable[[], None], *,
-                 slot_save_path: str | None, kv_cache_dir: str | None, kv_cache_mib: float) -> None:
+                 slot_save_path: str | None, kv_cache_dir: str | None, kv_cache_mib: float,
+                 kv_events_block_size: int = 0) -> None:
         self._post = post
         self._wake = wake
         self._publish = publish
@@ -70,16 +74,27 @@ class KVStates:
         self._slot_ops: queue.SimpleQueue[_SlotOp] = queue.SimpleQueue()  # for the engine thread
         self._deferred: list[_SlotOp] = []  # slot ops waiting for their slot to be idle
         self._persist_wanted = threading.Event()
+        self._kv_block_size = kv_events_block_size
 
     def start(self, engine: Any) -> None:
-        """The engine is loaded (engine thread): open the KV cache directory, start the kvio thread."""
+        """The engine is loaded (engine thread): turn its KV events on (when asked), open the KV
+        cache directory, start the kvio thread."""
         self._engine = engine
+        if self._kv_block_size:
+            engine.enable_kv_events(self._kv_block_size)
         if self._kv_cache_dir:
             self._open_disk(engine)
         self._io.start()
 
     def stop(self) -> None:
         self._io_inbox.put(None)
+
+    def post_events(self) -> None:
+        """Post what entered and left the engine's KV cache since the last call as one KvBatch
+        (engine thread, after a step or slot action; nothing when nothing changed or events are off;
+        the first batch is AllBlocksCleared)."""
+        if self._kv_block_size and (events := self._engine.take_kv_events()):
+            self._post(KvBatch(time.time(), events))
 
     def persist_due(self, engine: Any) -> bool:
         """A persist was asked for and nothing runs (engine thread): run :meth:`persist_now`."""

@@ -18,7 +18,7 @@ from typing import Any
 
 from protocol import Error
 from worker.engine import EngineError
-from worker.frames import INTERNAL_ERROR, error_frame, sampling_params
+from worker.frames import INTERNAL_ERROR, error_frame
 from worker.jobs import Job
 from worker.kvops import KVStates
 
@@ -80,7 +80,7 @@ class Prep:
         g = job.msg
         engine = self._engine
         try:
-            params = sampling_params(g)
+            params = job.params
             prompt: str | list[int]
             if g.messages is not None:
                 prompt = engine.tokenize_chat(g.messages, tools=g.tools, template_kwargs=g.template_kwargs,

@@ -117,6 +117,7 @@ class BatchRunner:
         post: called (from the runner threads) with each :class:`RunnerEvent`;
             must be thread-safe and must not block.
         max_queue: jobs that may wait beyond the ``capacity`` running ones.
+        kv_events_block_size: > 0: post each step's KV events (``KVStates.post_events``) in blocks of that size.
 
     Per job it posts FrameOut frames (Accepted, PromptProgress, Token), then one JobFinished (its Done or Error).
     """
@@ -125,7 +126,7 @@ class BatchRunner:
                  chat_template: str | None, post: Callable[[RunnerEvent], None], *, parallel: int = 1,
                  kv_budget_mib: float | None = None, weights: str | None = None, n_ubatch: int | None = None,
                  slot_save_path: str | None = None, kv_cache_dir: str | None = None, kv_cache_mib: float = 0.0,
-                 max_queue: int) -> None:
+                 max_queue: int, kv_events_block_size: int = 0) -> None:
         extra: dict[str, Any] = {} if n_ubatch is None else {"n_ubatch": n_ubatch}
         self._load = functools.partial(loader, gguf_path, n_ctx, chat_template, parallel=parallel,
                                        kv_budget_mib=kv_budget_mib, weights=weights, **extra)
@@ -143,7 +144,7 @@ class BatchRunner:
         self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
         #: KV states in and out: slot actions, streamed states, the cache kept across restarts
         self.kv = KVStates(post, self._wake, self._publish, slot_save_path=slot_save_path, kv_cache_dir=kv_cache_dir,
-                           kv_cache_mib=kv_cache_mib)
+                           kv_cache_mib=kv_cache_mib, kv_events_block_size=kv_events_block_size)
         self.text = TextOps(post)  # Tokenize / Detokenize / ApplyTemplate, on their own thread
         self.prep = Prep(self.kv, self._wake)  # started Generates -> prompt ids, on their own thread
 
@@ -162,10 +163,14 @@ class BatchRunner:
         """Take Generate ``g``: the Error refusing it (its id in use, a bad value:
         :func:`check_generate`, the line full), or None: it waits, and starts as soon as a slot
         is free (in arrival order)."""
-        err = self.jobs.id_in_use(g) or check_generate(g, None if self.engine is None else int(self.engine.info.n_vocab))
+        err = self.jobs.id_in_use(g)
         if err is not None:
             return err
-        err = self.jobs.admit(g, can_start=self._serving)
+        e = self.engine
+        checked = check_generate(g, None if e is None else int(e.info.n_vocab), None if e is None else e.sampling_vocab)
+        if isinstance(checked, Error):
+            return checked
+        err = self.jobs.admit(g, checked, can_start=self._serving)
         if err is None:
             self._start_waiting()
         return err
@@ -397,8 +402,9 @@ class BatchRunner:
         if post:
             self._post(JobFinished(job_id, final))
 
-    def _publish(self) -> None:
+    def _publish(self) -> None:  # after each step and slot action: also its KV events, at most one batch
         self.snapshot = snapshot_of(self.engine, self.snapshot)
+        self.kv.post_events()
 
 
 def load_progress(post: Callable[[RunnerEvent], None]) -> Callable[[str, int, int], None]:

@@ -30,6 +30,10 @@ chunk by chunk on this thread, acknowledged, and the state handed to the engine
 thread only once complete and valid; a Cancel, an error or ``KV_STREAM_IDLE_S``
 without a chunk drops a partial one (nothing is installed).
 
+KV events (``worker.kvevents``, off by default): the runner posts each step's as a KvBatch; this
+loop numbers them and sends them on the PUB socket it bound and / or to the router, and at exit
+tells AllBlocksCleared.
+
 Exit: on Shutdown (or SIGTERM via :meth:`WorkerServer.request_stop`) every
 waiting request is answered Done cancelled, the running one is cancelled and its
 Done awaited for up to ``shutdown_grace_s``; then ``serve`` returns 0. When the
@@ -52,29 +56,17 @@ from typing import Any
 import zmq
 
 from protocol import (
-    ApplyTemplate,
-    Cancel,
-    Detokenize,
-    Error,
-    Generate,
-    Hello,
-    KVAck,
-    KVChunk,
-    LoadProgress,
-    Message,
-    Ping,
-    Pong,
-    Ready,
-    Shutdown,
-    SlotAction,
-    Tokenize,
+    ApplyTemplate, Cancel, Detokenize, Error, Generate, Hello, KVAck, KVChunk, LoadProgress, Message, Ping,
+    Pong, Ready, Shutdown, SlotAction, Tokenize,
 )
 from protocol.errors import ErrorCode
 from worker.channel import Channel
 from worker.config import ParentWatch, WorkerConfig, default_loader
-from worker.events import FrameOut, JobFinished, LoadFailed, LoadStep, Loaded, Persisted, RunnerEvent, StateOut
+from worker.events import (FrameOut, JobFinished, KvBatch, LoadFailed, LoadStep, Loaded, Persisted, RunnerEvent,
+                           StateOut)
 from worker.frames import cancelled_done
 from worker.jobs import Job
+from worker.kvevents import KvEventSinks
 from worker.kvstream import KVStreams
 from worker.runner import BatchRunner
 
@@ -106,7 +98,8 @@ class WorkerServer:
         self.runner = runner_factory(loader or default_loader, cfg.gguf, cfg.n_ctx, cfg.chat_template, self._post,
                                      parallel=cfg.parallel, kv_budget_mib=cfg.kv_budget_mib, weights=cfg.weights,
                                      n_ubatch=cfg.n_ubatch, slot_save_path=cfg.slot_save_path, kv_cache_dir=cfg.kv_cache_dir,
-                                     kv_cache_mib=cfg.kv_cache_mib, max_queue=cfg.max_queue)
+                                     kv_cache_mib=cfg.kv_cache_mib, max_queue=cfg.max_queue,
+                                     **({"kv_events_block_size": cfg.kv_events_block_size} if cfg.kv_events else {}))
         self.engine: Any = None
         self._channel: Channel | None = None
         self._exit_code: int | None = None
@@ -118,6 +111,8 @@ class WorkerServer:
         self._linger_ms = cfg.linger_ms
         self._watch = ParentWatch(cfg.parent_pid) if cfg.parent_pid is not None else None
         self._streams = KVStreams(self._send, self.runner)  # KV states going out and coming in
+        self._kv_events = KvEventSinks(cfg.model, cfg.kv_events_endpoint, self.worker_id,
+                                       self._send if cfg.kv_events_to_router else None)
 
     def request_stop(self) -> None:
         """Ask for a Shutdown-like exit (thread- and signal-safe)."""
@@ -212,6 +207,8 @@ class WorkerServer:
                               (time.monotonic() - job.cancel_at) * 1e3)
             elif isinstance(ev, StateOut):
                 self._streams.state_out(ev.job_id, ev.state, ev.final)
+            elif isinstance(ev, KvBatch):
+                self._kv_events.publish(ev.ts, ev.events)
             elif isinstance(ev, LoadStep):
                 self._send(LoadProgress(id=self.worker_id, stage=ev.stage, done=ev.done, total=ev.total))
             elif isinstance(ev, Persisted):
@@ -229,17 +226,7 @@ class WorkerServer:
     def _on_loaded(self, ev: Loaded) -> None:
         self.engine = ev.engine
         info = ev.engine.info
-        try:
-            file_size = int(info.file_size)
-        except (TypeError, ValueError):
-            file_size = os.path.getsize(self.cfg.gguf)
-        ready = Ready(
-            id=self.worker_id, model=self.cfg.model, architecture=str(info.architecture), gguf_path=self.cfg.gguf,
-            file_size=file_size, fingerprint=str(info.fingerprint), n_ctx=int(info.n_ctx),
-            n_ctx_train=int(info.n_ctx_train), n_vocab=int(info.n_vocab),
-            has_chat_template=bool(info.has_chat_template), pid=self.pid, load_ms=float(ev.load_ms),
-            max_jobs=int(self.runner.capacity),
-            kv_budget_tokens=int(getattr(info, "kv_budget_tokens", 0) or 0))
+        ready = ready_frame(self.cfg, self.worker_id, ev, int(self.runner.capacity))
         self._send(ready)
         if not ready.fingerprint and hasattr(ev.engine, "on_fingerprint"):
             # a file never seen before is still being hashed (gguf_loader): serve now, and send
@@ -374,6 +361,7 @@ class WorkerServer:
     def _close(self) -> None:
         # The runner ends within a token once cancelled; do not wait for it when nobody listens.
         runner_ended = self.runner.stop(0.2 if self._linger_ms > 0 else 0.0)
+        self._kv_events.close(self._linger_ms)  # AllBlocksCleared: the worker's cache goes with it
         if self._channel is not None:
             self._channel.close(self._linger_ms)
             self._channel = None
@@ -383,6 +371,21 @@ class WorkerServer:
                     os.close(fd)
                 except OSError:
                     pass
+
+
+def ready_frame(cfg: WorkerConfig, worker_id: str, ev: Loaded, max_jobs: int) -> Ready:
+    """The Ready of a worker whose engine loaded (``ev``), running ``max_jobs`` generations at once."""
+    info = ev.engine.info
+    try:
+        file_size = int(info.file_size)
+    except (TypeError, ValueError):
+        file_size = os.path.getsize(cfg.gguf)
+    return Ready(
+        id=worker_id, model=cfg.model, architecture=str(info.architecture), gguf_path=cfg.gguf,
+        file_size=file_size, fingerprint=str(info.fingerprint), n_ctx=int(info.n_ctx),
+        n_ctx_train=int(info.n_ctx_train), n_vocab=int(info.n_vocab),
+        has_chat_template=bool(info.has_chat_template), pid=os.getpid(), load_ms=float(ev.load_ms),
+        max_jobs=max_jobs, kv_budget_tokens=int(getattr(info, "kv_budget_tokens", 0) or 0))
 
 
 def open_channel(cfg: WorkerConfig, connected: tuple[zmq.Context[zmq.Socket[bytes]], zmq.Socket[bytes]] | None

@@ -25,17 +25,7 @@ import time
 import zmq
 
 from protocol import (
-    Assign,
-    Cancel,
-    Error,
-    Hello,
-    Message,
-    Ping,
-    Pong,
-    ProtocolError,
-    Shutdown,
-    WorkerCredentials,
-    decode,
+    Assign, Cancel, Error, Hello, Message, Ping, Pong, ProtocolError, Shutdown, WorkerCredentials, decode,
     encode,
 )
 from protocol.errors import ErrorCode

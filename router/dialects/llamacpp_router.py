@@ -72,10 +72,8 @@ PROBE_TIMEOUT_S = 2.0
 SLOT_ACTION_TIMEOUT_S = 120.0
 
 
-class ModelNotLoaded(BadRequest):
+class ModelNotLoaded(BadRequest, code="model_not_loaded"):
     """400: ``autoload=false`` and the model is not loaded (llama.cpp's router says the same)."""
-
-    default_code = "model_not_loaded"
 
 
 def _pool(request: Request) -> ModelPool:
@@ -186,7 +184,8 @@ async def slots(request: Request) -> Response:
     now = time.monotonic()
     out = [{"id": s["id"], "id_task": s["id_task"], "n_ctx": n_ctx, "speculative": False,
             "is_processing": s["is_processing"], "n_past": s["n_past"], "params": params,
-            "reader_stalled_s": STALLED_READERS.stalled_s(s["id_task"], now)}
+            "reader_stalled_s": STALLED_READERS.stalled_s(s["id_task"], now),
+            **({"replica": s["replica"], "node": s["node"]} if "replica" in s else {})}
            for s in slot.kv_slots()]
     if request.query_params.get("fail_on_no_slot") in ("1", "true") and all(s["is_processing"] for s in out):
         raise Unavailable(f"model '{slot.model.name}' has no free slot", code="no_slot_available")
@@ -239,10 +238,14 @@ async def slot_action(request: Request) -> Response:
 
 
 def _status(slot: ModelSlot) -> dict[str, Any]:
+    replicas = slot.replica_set()
+    state = replicas.state() if replicas is not None else slot.state  # replicas: the model as a whole
     value = {WorkerState.UNLOADED: "unloaded", WorkerState.LOADING: "loading", WorkerState.READY: "loaded",
              WorkerState.UNRESPONSIVE: "loaded", WorkerState.DRAINING: "loaded",
-             WorkerState.FAILED: "unloaded"}[slot.state]
-    status: dict[str, Any] = {"value": value, "state": slot.state.value}
+             WorkerState.FAILED: "unloaded"}[state]
+    status: dict[str, Any] = {"value": value, "state": state.value}
+    if replicas is not None:  # each replica: its node, state, slots, load (router.workers.replicas)
+        status["replicas"] = [replicas.replica_row(r) for r in replicas.slots]
     w = slot.worker
     if w is not None and w.command:
         status["args"] = [redact_paths(a) for a in w.command]  # a client's view: no paths, no endpoints
@@ -286,7 +289,8 @@ async def _body_slot(request: Request) -> ModelSlot:
 
 async def load(request: Request) -> Response:
     slot = await _body_slot(request)
-    if not slot.begin_load():
+    replicas = slot.replica_set()  # replicas = N: each one loads
+    if not (replicas.begin_load() if replicas is not None else slot.begin_load()):
         raise BadRequest(f"model '{slot.model.name}' is already running ({slot.state.value})",
                          code="model_already_loaded", param="model")
     return JSONResponse({"success": True})
@@ -298,7 +302,11 @@ async def unload(request: Request) -> Response:
                           WorkerState.DRAINING):
         raise BadRequest(f"model '{slot.model.name}' is not running ({slot.state.value})",
                          code="model_not_running", param="model")
-    slot.begin_unload()
+    replicas = slot.replica_set()
+    if replicas is not None:
+        replicas.begin_unload()
+    else:
+        slot.begin_unload()
     return JSONResponse({"success": True})
 
 
@@ -306,29 +314,32 @@ async def unload(request: Request) -> Response:
 
 
 async def model_health(request: Request, name: str) -> Response:
-    """``/health?model=NAME``: 200 once ready, else 503 (starting a load unless autoload=false)."""
+    """``/health?model=NAME``: 200 once ready (with replicas: once any is), else 503 (starting a
+    load unless autoload=false)."""
     slot = _pool(request).get(name)
     label_request(request, slot.model.name)
-    if slot.state is WorkerState.READY:
+    replicas = slot.replica_set()
+    state = replicas.state() if replicas is not None else slot.state  # replicas: the model as a whole
+    if state is WorkerState.READY:
         return JSONResponse({"status": "ok", "model": slot.model.name})
     if slot.sleeping:  # llama-server's sleeping server is healthy; its next generation wakes it
         return JSONResponse({"status": "ok", "model": slot.model.name, "is_sleeping": True})
     err: ApiError
-    if slot.state in (WorkerState.UNLOADED, WorkerState.FAILED) and _autoload(request):
-        failed = slot.state is WorkerState.FAILED
-        try:
-            slot.begin_load(operator=False)  # a client's autoload waits out a crash backoff
+    if state in (WorkerState.UNLOADED, WorkerState.FAILED) and _autoload(request):
+        failed = state is WorkerState.FAILED
+        try:  # a client's autoload waits out a crash backoff
+            replicas.begin_load(operator=False) if replicas is not None else slot.begin_load(operator=False)
         except ApiError as e:
             return error_response(e)
         err = Unavailable("Loading model" + (f" (the last load failed: {slot.last_error})" if failed else ""),
                           code="model_loading")
-    elif slot.state is WorkerState.LOADING:
+    elif state is WorkerState.LOADING:
         err = Unavailable("Loading model", code="model_loading")
-    elif slot.state is WorkerState.FAILED:
+    elif state is WorkerState.FAILED:
         err = Unavailable(f"model '{slot.model.name}' failed: {slot.last_error}", code="model_load_failed")
-    elif slot.state is WorkerState.DRAINING:
+    elif state is WorkerState.DRAINING:
         err = Unavailable(f"model '{slot.model.name}' is being unloaded", code="model_unloading")
-    elif slot.state is WorkerState.UNRESPONSIVE:
+    elif state is WorkerState.UNRESPONSIVE:
         err = Unavailable(f"model '{slot.model.name}' worker is unresponsive", code="model_unresponsive")
     else:
         err = Unavailable(f"model '{slot.model.name}' is not loaded", code="model_not_loaded")

@@ -21,6 +21,13 @@ from router.http.responses import JSONResponse
 log = logging.getLogger("modelyard.errors")
 
 
+class _Unset:
+    """The marker of a class argument left out (``None`` is a value of ``retry_after_s``)."""
+
+
+_UNSET = _Unset()
+
+
 class ApiError(Exception):
     """Base class. ``status`` (HTTP), ``type`` (OpenAI error type), ``code`` (machine-readable)."""
 
@@ -28,6 +35,21 @@ class ApiError(Exception):
     type: ClassVar[str] = "server_error"
     default_code: ClassVar[str | None] = None
     retry_after_s: ClassVar[int | None] = None
+
+    def __init_subclass__(cls, *, status: int | None = None, type: str | None = None, code: str | None = None,
+                          retry_after_s: int | None | _Unset = _UNSET, **kw: Any) -> None:
+        """A subclass declares what differs from its base as class arguments:
+        ``class NotFound(ApiError, status=404, type="invalid_request_error", code="model_not_found")``
+        (``retry_after_s=None`` takes a base's Retry-After away)."""
+        super().__init_subclass__(**kw)
+        if status is not None:
+            cls.status = status
+        if type is not None:
+            cls.type = type
+        if code is not None:
+            cls.default_code = code
+        if not isinstance(retry_after_s, _Unset):
+            cls.retry_after_s = retry_after_s
 
     def __init__(self, message: str, *, code: str | None = None, param: str | None = None,
                  retry_after_s: int | None = None) -> None:
@@ -49,14 +71,11 @@ class ApiError(Exception):
         return {}
 
 
-class BadRequest(ApiError):
+class BadRequest(ApiError, status=400, type="invalid_request_error"):
     """400: malformed JSON, invalid values, input the model cannot take."""
 
-    status = 400
-    type = "invalid_request_error"
 
-
-class ContextLengthExceeded(BadRequest):
+class ContextLengthExceeded(BadRequest, type="exceed_context_size_error", code="context_length_exceeded"):
     """400: the prompt (+ max_tokens) does not fit n_ctx.
 
     ``n_prompt_tokens`` and ``n_ctx`` come from the worker's Error frame when it carries them,
@@ -67,9 +86,6 @@ class ContextLengthExceeded(BadRequest):
     tokens), try increasing it", OpenAI's ``code`` "context_length_exceeded" and wording
     ("maximum context length") kept after it; on /v1/messages Anthropic's ``prompt is too long``
     (router.dialects.anthropic_api)."""
-
-    type = "exceed_context_size_error"
-    default_code = "context_length_exceeded"
 
     def __init__(self, message: str, *, code: str | None = None, param: str | None = None,
                  retry_after_s: int | None = None, n_prompt_tokens: int | None = None,
@@ -91,156 +107,100 @@ _CONTEXT_FIGURES = re.compile(r"maximum context length is (\d+) tokens\. However
                               r"\((\d+) in the prompt, (\d+) for the completion\)")
 
 
-class PayloadTooLarge(ApiError):
+class PayloadTooLarge(ApiError, status=413, type="invalid_request_error", code="request_too_large"):
     """413: the request body is over the router's limit."""
 
-    status = 413
-    type = "invalid_request_error"
-    default_code = "request_too_large"
 
-
-class Unauthorized(ApiError):
+class Unauthorized(ApiError, status=401, type="authentication_error", code="invalid_api_key"):
     """401: a missing or wrong key. ``type`` is llama-server's (and Anthropic's) "authentication_error";
     ``code`` OpenAI's "invalid_api_key"."""
 
-    status = 401
-    type = "authentication_error"
-    default_code = "invalid_api_key"
 
-
-class Forbidden(ApiError):
+class Forbidden(ApiError, status=403, type="invalid_request_error", code="forbidden"):
     """403: a browser-origin rule refused the request (``router.http.security``)."""
 
-    status = 403
-    type = "invalid_request_error"
-    default_code = "forbidden"
 
-
-class RequestTimeout(ApiError):
+class RequestTimeout(ApiError, status=408, type="invalid_request_error", code="request_timeout",
+                     retry_after_s=1):
     """408: the client did not send its whole body within ``server.body_timeout_s``."""
-
-    status = 408
-    type = "invalid_request_error"
-    default_code = "request_timeout"
 
     def headers(self) -> dict[str, str]:
         return {"Connection": "close"}
 
 
-class UnsupportedMediaType(ApiError):
+class UnsupportedMediaType(ApiError, status=415, type="invalid_request_error", code="unsupported_media_type"):
     """415: a JSON route got a body that does not say it is JSON."""
 
-    status = 415
-    type = "invalid_request_error"
-    default_code = "unsupported_media_type"
+
+class NotFound(ApiError, status=404, type="invalid_request_error", code="model_not_found"):
+    """404: no such model (or route object)."""
 
 
-class NotFound(ApiError):
-    status = 404
-    type = "invalid_request_error"
-    default_code = "model_not_found"
+class MethodNotAllowed(ApiError, status=405, type="invalid_request_error", code="method_not_allowed"):
+    """405: the route does not take this method."""
 
 
-class MethodNotAllowed(ApiError):
-    status = 405
-    type = "invalid_request_error"
-    default_code = "method_not_allowed"
+class Conflict(ApiError, status=409, type="invalid_request_error", code="conflict"):
+    """409: the request contradicts the current state."""
 
 
-class Conflict(ApiError):
-    status = 409
-    type = "invalid_request_error"
-    default_code = "conflict"
-
-
-class NotSupported(ApiError):
+class NotSupported(ApiError, status=501, type="not_supported_error", code="not_supported"):
     """501: a capability this server was not configured for (llama.cpp's not_supported_error)."""
 
-    status = 501
-    type = "not_supported_error"
-    default_code = "not_supported"
 
-
-class Unavailable(ApiError):
+class Unavailable(ApiError, status=503, type="server_error", code="unavailable", retry_after_s=1):
     """503: try again later (Retry-After)."""
 
-    status = 503
-    type = "server_error"
-    default_code = "unavailable"
-    retry_after_s: ClassVar[int | None] = 1
+
+class QueueFull(Unavailable, code="queue_full"):
+    """The model's bounded queue is full (503 at once)."""
 
 
-class QueueFull(Unavailable):
-    default_code = "queue_full"
+class ModelUnloading(Unavailable, code="model_unloading"):
+    """The model is unloading; it may be loaded again."""
 
 
-class ModelUnloading(Unavailable):
-    default_code = "model_unloading"
-
-
-class ServerShuttingDown(Unavailable):
+class ServerShuttingDown(Unavailable, code="server_shutting_down"):
     """The router is stopping: a waiting request is refused, a running one is ended
     once the shutdown grace period (``shutdown_timeout_s``) runs out."""
-
-    default_code = "server_shutting_down"
 
     def __init__(self, message: str = "the server is shutting down; retry against a running instance") -> None:
         super().__init__(message)
 
 
-class ModelLoadFailed(Unavailable):
-    default_code = "model_load_failed"
-    retry_after_s = 5
+class ModelLoadFailed(Unavailable, code="model_load_failed", retry_after_s=5):
+    """The model's worker failed to load it."""
 
 
-class WorkerCrashed(Unavailable):
+class WorkerCrashed(Unavailable, code="worker_crashed"):
     """The worker process died (or was killed as hung) while the request was queued."""
 
-    default_code = "worker_crashed"
 
-
-class RestartBackoff(Unavailable):
+class RestartBackoff(Unavailable, code="restart_backoff"):
     """The model's worker crashed recently; it may start again in ``retry_after_s`` seconds
     (exponential backoff, ``router.workers.backoff``)."""
 
-    default_code = "restart_backoff"
 
-
-class ModelFailed(Unavailable):
+class ModelFailed(Unavailable, code="model_failed", retry_after_s=None):
     """The model failed ``max_crashes`` times within ``crash_window_s``: it stays failed
     until an operator loads it. No Retry-After: retrying will not help."""
 
-    default_code = "model_failed"
-    retry_after_s = None
 
-
-class InsufficientMemory(Unavailable):
+class InsufficientMemory(Unavailable, code="insufficient_memory", retry_after_s=10):
     """Placement: the model's estimate does not fit in the available memory even with
     every unpinned model unloaded (the message has the figures)."""
 
-    default_code = "insufficient_memory"
-    retry_after_s = 10
 
-
-class MaxLoadedReached(Unavailable):
+class MaxLoadedReached(Unavailable, code="max_loaded_reached", retry_after_s=10):
     """Placement: ``max_loaded`` models are loaded and none of them may be evicted (pinned)."""
 
-    default_code = "max_loaded_reached"
-    retry_after_s = 10
 
-
-class BadGateway(ApiError):
+class BadGateway(ApiError, status=502, type="server_error", code="worker_error"):
     """502: the worker failed during this request (crash mid-request, protocol error)."""
 
-    status = 502
-    type = "server_error"
-    default_code = "worker_error"
 
-
-class InternalError(ApiError):
-    status = 500
-    type = "server_error"
-    default_code = "internal_error"
+class InternalError(ApiError, status=500, type="server_error", code="internal_error"):
+    """500: a fault of the router itself."""
 
 
 #: Every worker ``Error.code`` -> the ApiError class it becomes (the worker's code and
@@ -297,6 +257,8 @@ def unsendable(reason: str) -> BadRequest:
 
 #: An absolute file path inside a message (two or more components): ``/a/b/model.gguf``.
 _ABS_PATH = re.compile(r"(?<![\w.~:/-])/(?:[^\s/'\"`:,;()<>]+/)+([^\s/'\"`:,;()<>]+)")
+
+
 #: A worker socket's endpoint (``ipc:///run/.../w.sock``, ``tcp://127.0.0.1:40123``).
 _ENDPOINT = re.compile(r"\b(ipc|tcp|inproc)://[^\s'\"`,;()<>]+")
 
@@ -336,6 +298,7 @@ _ANTHROPIC_TYPES: dict[int, str] = {
     413: "request_too_large", 415: "invalid_request_error", 429: "rate_limit_error", 499: "invalid_request_error",
     503: "overloaded_error",
 }
+
 
 #: Path prefixes whose errors take Anthropic's shape (the Messages API).
 ANTHROPIC_PATHS = ("/v1/messages",)

@@ -25,12 +25,8 @@ from router.http.responses import dumps
 T = TypeVar("T")
 
 
-class ClientDisconnected(ApiError):
+class ClientDisconnected(ApiError, status=499, type="invalid_request_error", code="client_disconnected"):
     """The client closed the connection; nobody will read the answer (nginx's 499)."""
-
-    status = 499
-    type = "invalid_request_error"
-    default_code = "client_disconnected"
 
 
 async def wait_disconnect(receive: Receive) -> None:

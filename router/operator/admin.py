@@ -24,7 +24,7 @@ from router.http.errors import BadRequest, redact_paths
 from router.workers.events import HISTORY
 from router.metrics import label_request
 from router.http.params import get_str, read_json
-from router.workers.pool import Pool
+from router.serving.models import OperatorPool
 from router.http.responses import JSONResponse
 from router.http.sse import SSEResponse, sse_event, until_disconnect
 
@@ -32,8 +32,8 @@ from router.http.sse import SSEResponse, sse_event, until_disconnect
 KEEPALIVE_S = 15.0
 
 
-def _pool(request: Request) -> Pool:
-    pool: Pool = request.app.state.pool
+def _pool(request: Request) -> OperatorPool:
+    pool: OperatorPool = request.app.state.pool
     return pool
 
 
@@ -47,7 +47,7 @@ async def list_models(request: Request) -> Response:
                          "spare": pool.launcher.describe_spare()})
 
 
-def preset_rows(pool: Pool) -> list[dict[str, Any]]:
+def preset_rows(pool: OperatorPool) -> list[dict[str, Any]]:
     """Every ``[presets.NAME]``: its model and the defaults it sets (router.serving.presets)."""
     out = []
     for name, p in pool.config.presets.items():
@@ -77,7 +77,7 @@ async def rescan(request: Request) -> Response:
     return JSONResponse({**{k: v for k, v in changes.items() if k != "server_kept"}, **found.describe()})
 
 
-async def model_rows(pool: Pool) -> list[dict[str, Any]]:
+async def model_rows(pool: OperatorPool) -> list[dict[str, Any]]:
     """``describe()`` of every model with its GGUF header facts (read in a thread: a large
     vocabulary takes a while the first time; cached after)."""
     slots = list(pool.slots.values())  # one snapshot: a config reload may change the pool meanwhile
@@ -95,9 +95,12 @@ async def load(request: Request) -> Response:
     slot = _pool(request).get(get_str(body, "model"))
     label_request(request, slot.model.name)
     t0 = time.monotonic()
-    load_ms = await until_disconnect(request.receive, slot.load())
-    return JSONResponse({"model": slot.model.name, "state": slot.state.value, "load_ms": load_ms,
-                         "wait_ms": (time.monotonic() - t0) * 1000, "pid": slot.describe()["pid"]})
+    replicas = slot.replica_set()  # replicas = N: each one loads (router.workers.replicas)
+    load_ms = await until_disconnect(request.receive, replicas.load() if replicas is not None else slot.load())
+    row = slot.describe()
+    return JSONResponse({"model": slot.model.name, "state": row["state"], "load_ms": load_ms,
+                         "wait_ms": (time.monotonic() - t0) * 1000, "pid": row["pid"],
+                         **({"replicas": row["replicas"]} if replicas is not None else {})})
 
 
 async def unload(request: Request) -> Response:
@@ -105,8 +108,10 @@ async def unload(request: Request) -> Response:
     slot = _pool(request).get(get_str(body, "model"))
     label_request(request, slot.model.name)
     t0 = time.monotonic()
-    await slot.unload()  # not cancelled by the client leaving: an unload, once asked, completes
-    return JSONResponse({"model": slot.model.name, "state": slot.state.value,
+    replicas = slot.replica_set()  # replicas = N: each one unloads
+    # not cancelled by the client leaving: an unload, once asked, completes
+    await (replicas.unload() if replicas is not None else slot.unload())
+    return JSONResponse({"model": slot.model.name, "state": slot.describe()["state"],
                          "unload_ms": (time.monotonic() - t0) * 1000})
 
 

@@ -37,10 +37,8 @@ from router.workers.gguf_meta import n_ctx_train
 from router.workers.pool import ModelSlot
 
 
-class RequestTooLarge(BadRequest):
+class RequestTooLarge(BadRequest, code="request_too_large_for_model"):
     """400: ``n`` x ``max_tokens`` beyond what one request may ask of this model."""
-
-    default_code = "request_too_large_for_model"
 
 
 def request_ceiling(slot: ModelSlot) -> tuple[int | None, str]:

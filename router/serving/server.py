@@ -33,11 +33,13 @@ from collections import deque
 from typing import Any
 
 from protocol import Accepted, Done, Error, Generate, KVChunk, PromptProgress, ProtocolError, Ready, Token, encode
-from router.http.errors import ApiError, BadGateway, ServerShuttingDown, from_worker_error, unsendable
+from router.http.errors import ApiError, BadGateway, QueueFull, ServerShuttingDown, from_worker_error, unsendable
 from router.metrics import Metrics
 from router.serving.record import RecordState, RequestRecord
+from router.serving.routing import Router
 from router.workers.pool import ModelSlot
 from router.workers.connection import Aborted, WorkerGone, WorkerUnreachable
+from router.workers.lifecycle import WorkerState
 from router.workers.process import WorkerProcess
 from router.workers.tasks import spawn
 
@@ -54,6 +56,7 @@ class ModelServer:
         self.slot = slot
         self.records: dict[str, RequestRecord] = {}  # live: admitted and not yet released
         self.recent: deque[RequestRecord] = deque(maxlen=RECENT)  # released, newest last
+        self.router = Router()  # which replica each request goes to (replicas > 1)
 
     @property
     def _model(self) -> str:
@@ -72,14 +75,65 @@ class ModelServer:
         # the request's generations, by id: how the HTTP layer names the slot whose reader stalls
         access.setdefault("generation_ids", []).append(request_id)
         rec = RequestRecord(id=request_id, model=self._model, access=access, early=early)
-        self.slot.admit(rec)  # raises before the record exists for anyone
+        if self.slot.replica_set() is None:
+            self.slot.admit(rec)  # raises before the record exists for anyone
+        else:  # replicas: routed once its Generate is known (:meth:`_route`); refused now if none has room
+            self._check_room()
         self.records[rec.id] = rec
         return Generation(self, rec)
+
+    def _slot_of(self, rec: RequestRecord) -> ModelSlot:
+        """The replica whose queue holds ``rec`` (the model's slot when it has one worker)."""
+        return rec.replica if rec.replica is not None else self.slot
+
+    def _check_room(self) -> None:
+        """With replicas: the model is open and some replica may admit one more request now. Raises
+        ServerShuttingDown, ModelUnloading, RestartBackoff / ModelFailed (every replica failed), QueueFull."""
+        rs = self.slot.replica_set()
+        assert rs is not None
+        self.slot.check_open()
+        refused: ApiError | None = None  # a failed replica's crash backoff
+        full = False
+        for s in rs.open():
+            try:
+                s.check_restart(operator=False)
+            except ApiError as e:
+                refused = refused or e
+                continue
+            if sum(s.admitted_split()) < s.capacity:
+                return
+            full = True
+        if refused is not None and not full:
+            raise refused
+        raise QueueFull(f"model '{self._model}' is busy: each of its {len(rs.slots)} replicas has "
+                        f"max_queue={self.slot.model.max_queue} waiting beyond its running requests; retry shortly")
+
+    async def _route(self, rec: RequestRecord, msg: Generate | None) -> None:
+        """With replicas: admit ``rec`` into the replica the policy picks (``router.serving.routing``),
+        or the next that has room. No-op once routed (or with one worker). Raises what the last
+        replica tried refused with (QueueFull, ModelUnloading, RestartBackoff, ...)."""
+        rs = self.slot.replica_set() if rec.replica is None else None
+        if rs is None or rec.closed:
+            return
+        order = await self.router.order(rs, msg)
+        err: ApiError | None = None
+        for s in order:
+            try:
+                s.admit(rec)
+            except ApiError as e:
+                err = err or e
+                continue
+            rec.replica = s
+            if s.state is not WorkerState.READY or s.queue_depth > 0:
+                rs.start_others(s)  # lazy start; a replica unloaded for idleness starts again once requests wait
+            return
+        raise err or QueueFull(f"model '{self._model}' has no replica to take the request; retry shortly")
 
     async def wait_worker(self, rec: RequestRecord) -> WorkerProcess:
         """Wait for ``rec``'s turn (and the model's load). Raises ApiError (ModelLoadFailed,
         ModelFailed, ModelUnloading) if it will never come."""
-        worker = await self.slot.wait_turn(rec)
+        await self._route(rec, rec.msg)
+        worker = await self._slot_of(rec).wait_turn(rec)
         if rec.queue_time_s is None:  # observed once, when its reader first sees its turn
             rec.queue_time_s = time.monotonic() - rec.admitted_at
             self._metrics.queue_time.labels(self._model).observe(rec.queue_time_s)
@@ -93,6 +147,7 @@ class ModelServer:
             frame = encode(msg)
         except ProtocolError as e:
             raise unsendable(e.reason) from None
+        await self._route(rec, msg)
         worker = await self.wait_worker(rec)
         worker.open_stream(rec.id, rec.inbox)
         rec.msg = msg
@@ -158,7 +213,7 @@ class ModelServer:
                 rec.worker.close_stream(rec.id)
                 self._release(rec, "cancelled")
             else:
-                self.slot.withdraw(rec)
+                self._slot_of(rec).withdraw(rec)
                 self._done(rec, "refused" if rec.refused else "cancelled")
             return
         if rec.released:
@@ -208,7 +263,7 @@ class ModelServer:
             return
         if rec.worker is not None:
             rec.worker.close_stream(rec.id)
-        self.slot.release(rec)
+        self._slot_of(rec).release(rec)
         self._done(rec, outcome)
 
     def _done(self, rec: RequestRecord, outcome: str | None) -> None:

@@ -29,6 +29,7 @@ from router.http.errors import ApiError
 
 if TYPE_CHECKING:
     from router.workers.process import WorkerProcess
+    from router.workers.slot import ModelSlot
 
 
 @dataclass(eq=False)
@@ -42,6 +43,9 @@ class Ticket:
         default_factory=lambda: asyncio.get_running_loop().create_future())
     worker: WorkerProcess | None = None
     started_at: float = 0.0  # when it was handed its worker (monotonic s)
+    # the replica whose queue holds it (``router.workers.replicas``; None: not yet routed, or the
+    # model's one slot); moved only while it waits, never once it runs
+    replica: ModelSlot | None = None
 
     @property
     def waiting(self) -> bool:
@@ -155,6 +159,12 @@ class Admission:
         records hear it from the worker connection)."""
         for rid in self.running_on(worker):
             del self._running[rid]
+
+    def take_waiting(self) -> list[Ticket]:
+        """Every request still waiting, removed from this line (FIFO order): another replica takes them."""
+        out = [t for t in self._waiting if t.waiting]
+        self._waiting.clear()
+        return out
 
     def forget_running(self) -> None:
         self._running.clear()

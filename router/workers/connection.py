@@ -5,7 +5,7 @@ per spawn), makes this spawn's credentials (``protocol.credentials``), accepts t
 one peer that proves the per-spawn secret and whose pid the process owns (:meth:`_is_own`),
 refuses and counts any other, and routes that peer's frames to per-request queues by request
 id (:meth:`open_stream`); frames for no open request go to :meth:`_unrouted` (Ready,
-LoadProgress, a load's Error: the process's). When the worker is gone every open queue
+LoadProgress, a load's Error, KvEvents — never a request's, whatever their id: the process's). When the worker is gone every open queue
 receives a :class:`WorkerGone` (:meth:`_end_streams`).
 """
 
@@ -24,19 +24,11 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from protocol import (
-    Cancel,
-    Error,
-    Hello,
-    Message,
-    Ping,
-    Pong,
-    ProtocolError,
-    WorkerCredentials,
-    decode,
-    encode,
+    Cancel, Error, Hello, Message, Ping, Pong, ProtocolError, WorkerCredentials, decode, encode,
     secret_matches,
 )
 from protocol.errors import ErrorCode
+from protocol.kv_events import KvEvents
 from router.workers.tasks import spawn
 
 log = logging.getLogger("modelyard.worker")
@@ -294,7 +286,7 @@ class WorkerChannel:
             log.warning("ignoring %s from an unknown peer on %s's socket", msg.TYPE, self.name)
             return
         self.last_frame_at = time.monotonic()  # liveness: any frame of the worker (router.workers.liveness judges)
-        q = self._streams.get(msg.id)
+        q = self._streams.get(msg.id) if not isinstance(msg, KvEvents) else None
         if q is not None:
             q.put_nowait(msg)
             return

@@ -72,52 +72,33 @@ def _skip(f: BinaryIO, vtype: int) -> None:
 def read_string(path: Path, key: str) -> str | None:
     """The string value of ``key`` in the GGUF header of ``path`` (None if absent,
     not a string, or the file is unreadable or not GGUF)."""
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return _read_string(str(path), st.st_size, st.st_mtime_ns, key)
+    v = _read_scalar(path, key)
+    return v if isinstance(v, str) else None
 
 
-@functools.lru_cache(maxsize=64)
-def _read_string(path: str, size: int, mtime_ns: int, key: str) -> str | None:
-    want = key.encode()
-    try:
-        with open(path, "rb") as f:
-            if _read(f, 4) != _MAGIC:
-                return None
-            version = _u32(f)
-            if version < 2:
-                return None
-            _u64(f)  # tensor count
-            n_kv = _u64(f)
-            for _ in range(n_kv):
-                k = _string(f)
-                vtype = _u32(f)
-                if k == want:
-                    return _string(f).decode("utf-8", "replace") if vtype == _STRING else None
-                _skip(f, vtype)
-    except (OSError, _Truncated, struct.error):
-        return None
-    return None
+def read_int(path: Path, key: str) -> int | None:
+    """The integer value of ``key`` in the GGUF header of ``path`` (None if absent, not an
+    integer, or the file is unreadable or not GGUF), e.g. ``llama.context_length``."""
+    v = _read_scalar(path, key)
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 #: struct formats of the integer GGUF value types (type code -> format).
 _INTS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
 
 
-def read_int(path: Path, key: str) -> int | None:
-    """The integer value of ``key`` in the GGUF header of ``path`` (None if absent, not an
-    integer, or the file is unreadable or not GGUF), e.g. ``llama.context_length``."""
+def _read_scalar(path: Path, key: str) -> str | int | None:
     try:
         st = path.stat()
     except OSError:
         return None
-    return _read_int(str(path), st.st_size, st.st_mtime_ns, key)
+    return _scalar(str(path), st.st_size, st.st_mtime_ns, key)
 
 
-@functools.lru_cache(maxsize=64)
-def _read_int(path: str, size: int, mtime_ns: int, key: str) -> int | None:
+@functools.lru_cache(maxsize=128)
+def _scalar(path: str, size: int, mtime_ns: int, key: str) -> str | int | None:
+    """``key``'s value when it is a string or an integer (else None), reading the header up to it
+    (cached per path, size, mtime and key)."""
     want = key.encode()
     try:
         with open(path, "rb") as f:
@@ -128,6 +109,8 @@ def _read_int(path: str, size: int, mtime_ns: int, key: str) -> int | None:
                 k = _string(f)
                 vtype = _u32(f)
                 if k == want:
+                    if vtype == _STRING:
+                        return _string(f).decode("utf-8", "replace")
                     fmt = _INTS.get(vtype)
                     return int(struct.unpack(fmt, _read(f, struct.calcsize(fmt)))[0]) if fmt else None
                 _skip(f, vtype)

@@ -237,6 +237,8 @@ class Loader:
         self.loaded_at = time.time()
         slot.unloader.unload_reason = None  # it is loaded again: the last unload's reason no longer describes it
         slot.last_exit_code = None
+        slot.prefix.clear()  # a new worker's cache: its own events (and requests) fill the index
+        wp.on_kv_events = slot.prefix.feed
         slot.move(WorkerState.READY)
         self.rss_after_load = slot.sample_rss(wp)
         slot.emit("loading", stage="ready", load_ms=ready.load_ms, rss_bytes=self.rss_after_load)
@@ -282,6 +284,7 @@ class Loader:
         # new worker is never blocked by a dead one's bookkeeping.
         slot.admission.forget_worker(wp)
         slot.stop_watchers()
+        slot.prefix.clear()
         if slot.state in LOADED:
             slot.worker = None
             slot.liveness.unresponsive_since = None
@@ -294,7 +297,12 @@ class Loader:
                     f"model '{slot.model.name}' worker crashed ({redact_paths(reason)}) and has failed "
                     f"{slot.failures.policy.max_crashes} times within crash_window_s; it stays failed until an "
                     f"operator loads it (POST /admin/models/load)"))
-            elif slot.queue_depth > 0:  # those only waiting run on the restarted worker
+            else:
+                replicas = slot.pool.replica_set(slot.model.name)
+                if replicas is not None:  # those waiting move to a ready replica (router.workers.replicas)
+                    replicas.rehome(slot)
+            if not slot.failures.given_up and (slot.queue_depth > 0 or slot.model.replicas > 1):
+                # placed again after the backoff: for those waiting, and a lost replica anyway
                 self._restart_task = asyncio.create_task(self._restart_for_waiting(),
                                                          name=f"restart-{slot.model.name}")
             slot.pool.place()  # its place is free
@@ -312,8 +320,11 @@ class Loader:
                      slot.model.name, slot.queue_depth, left)
             await asyncio.sleep(left)
         self._restart_task = None
-        if slot.state is WorkerState.FAILED and slot.queue_depth > 0 and not slot.pool.closing:
-            slot.placing.ask()
+        if slot.state is WorkerState.FAILED and not slot.pool.closing:
+            if slot.queue_depth > 0:
+                slot.placing.ask()
+            elif slot.model.replicas > 1:  # a replica is placed again whether or not anyone waits for it
+                slot.placing.ask(sticky=True)
 
     def forget_crash(self) -> None:
         """The failed model is unloaded: its next load is not a restart, and no restart waits."""

@@ -20,7 +20,8 @@ def assign_for(model: ModelConfig, call_id: str) -> Assign:
         weights=model.weights, n_ubatch=model.n_ubatch, threads=model.n_threads or 0,
         slot_save_path=None if model.slot_save_path is None else str(model.slot_save_path),
         kv_cache_dir=None if model.kv_cache_dir is None else str(model.kv_cache_dir / model.name),
-        kv_cache_mib=float(model.kv_cache_mib))
+        kv_cache_mib=float(model.kv_cache_mib), kv_events_endpoint=model.kv_events_endpoint,
+        kv_events_block_size=model.kv_events_block_size, kv_events_to_router=model.kv_events_to_router)
 
 
 def option_args(model: ModelConfig) -> list[str]:
@@ -44,5 +45,11 @@ def option_args(model: ModelConfig) -> list[str]:
         args += ["--slot-save-path", a.slot_save_path]
     if a.kv_cache_dir is not None:
         args += ["--kv-cache-dir", a.kv_cache_dir, "--kv-cache-mib", repr(a.kv_cache_mib)]
+    if a.kv_events_endpoint is not None:
+        args += ["--kv-events-endpoint", a.kv_events_endpoint]
+    if a.kv_events_to_router:
+        args += ["--kv-events-to-router"]
+    if a.kv_events_endpoint is not None or a.kv_events_to_router:
+        args += ["--kv-events-block-size", str(a.kv_events_block_size)]
     args += ["--max-queue", str(a.max_queue)]
     return args

@@ -71,11 +71,11 @@ class Placer:
             if not slot.placing.wanted():
                 slot.placing.cancel()  # nobody waits for it any more
                 continue
-            seats = [seat for s in self._pool.slots.values() if s is not slot and (seat := s.seat()) is not None]
+            seats = [seat for s in self._pool.every_slot() if s is not slot and (seat := s.seat()) is not None]
             d = placement.decide(slot.model.name, slot.estimate(), seats, max_loaded=self._pool.config.server.max_loaded,
                                  available=self._pool.memory.available() + self._pool.spare_bytes())
             for name in d.evict:
-                self._pool.slots[name].placing.evict(slot.model.name)
+                self._pool.slot_by_key(name).placing.evict(slot.model.name)
             if d.action == "load":
                 self._wanting.remove(slot)
                 slot.placing.granted()

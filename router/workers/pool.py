@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from router.workers.placement import MemoryProbe
 from router.workers.placing import Placer
 from router.workers.connection import CurveKeypair, new_curve_keypair
 from router.workers.process import WorkerProcess
+from router.workers.replicas import ReplicaSet, replica_model
 from router.workers.slot import ModelSlot
 
 log = logging.getLogger("modelyard.pool")
@@ -55,8 +57,12 @@ class Pool:
 
     def __init__(self, config: Config, *, worker_module: str | None = None,
                  metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic,
-                 memory: MemoryProbe | None = None, launcher: Launcher | None = None) -> None:
+                 memory: MemoryProbe | None = None, launcher: Launcher | None = None,
+                 preset_view: Callable[[ModelSlot, ModelConfig], ModelSlot] | None = None) -> None:
         self.config = config
+        # how a preset's requests see its model's slot (the serving layer's PresetSlot, given by
+        # the app); None: as the model's own slot
+        self.preset_view = preset_view
         self.clock = clock  # monotonic seconds for backoff decisions (tests inject one)
         self.events = EventHub()  # model events (GET /admin/events)
         self._retired: set[ModelSlot] = set()  # removed by a reload, still draining
@@ -80,6 +86,10 @@ class Pool:
         self.memory: MemoryProbe = memory if memory is not None else self.launcher  # placement's figures
         self.cores = self.launcher.cores()  # what CPU sharing divides
         self.slots: dict[str, ModelSlot] = {name: ModelSlot(m, self) for name, m in config.models.items()}
+        # a model's replicas beyond its first (``replicas = N``: N - 1 more slots; router.workers.replicas)
+        self.extra: dict[str, list[ModelSlot]] = {}
+        for name in self.slots:
+            self._sync_replicas(name)
         self.metrics.watch(self.gauges)
         self.launcher.begin()  # the warm spare starts now
         # the GGUF headers placement reads (tensor infos: up to ~0.5 s for a large vocabulary on a
@@ -94,9 +104,48 @@ class Pool:
             except Exception:  # noqa: BLE001 - a defect shows when the model is used
                 log.debug("reading %s's header in advance failed", m.name, exc_info=True)
 
+    # ------------------------------------------------------------------ replicas
+
+    def replica_set(self, name: str) -> ReplicaSet | None:
+        """The replicas of model ``name`` (canonical name) when it has several, else None."""
+        extra = self.extra.get(name)
+        slot = self.slots.get(name)
+        return ReplicaSet([slot, *extra]) if extra and slot is not None else None
+
+    def every_slot(self) -> list[ModelSlot]:
+        """Every model's slots, replicas included (retired ones aside)."""
+        return [*self.slots.values(), *(s for extra in self.extra.values() for s in extra)]
+
+    def slot_by_key(self, key: str) -> ModelSlot:
+        """The slot a placement seat names (``ModelSlot.key``). Raises KeyError."""
+        return next(s for s in self.every_slot() if s.key == key)
+
+    def _sync_replicas(self, name: str) -> None:
+        """Model ``name``'s extra replicas as the config says: new ones made, surplus ones retired
+        (they drain and stop), the kept ones given a changed config (applied as a reload's)."""
+        slot, model = self.slots.get(name), self.config.models.get(name)
+        want = model.replicas - 1 if slot is not None and model is not None and not slot.unloader.retiring else 0
+        have = self.extra.get(name, [])
+        for s in have[want:]:
+            self._retired.add(s)
+            s.retire().add_done_callback(functools.partial(self._retire_done, s))
+        kept = have[:want]
+        if model is not None:
+            for s in kept:
+                if s.model != replica_model(model, s.replica):
+                    s.reconfigure(replica_model(model, s.replica))
+            kept += [ModelSlot(replica_model(model, i), self, replica=i) for i in range(len(kept) + 1, want + 1)]
+        if kept:
+            self.extra[name] = kept
+        else:
+            self.extra.pop(name, None)
+
+    def _retire_done(self, slot: ModelSlot, _task: asyncio.Task[None]) -> None:
+        self._retired.discard(slot)
+
     def gauges(self) -> list[ModelGauges]:
         """Every model's figures, read at scrape time (``Metrics.watch``)."""
-        return [s.gauges() for s in self.slots.values()]
+        return [g for s in self.slots.values() for g in s.all_gauges()]
 
     def get(self, name: str) -> ModelSlot:
         """The slot for a model name or alias. Raises NotFound listing the ids."""
@@ -104,10 +153,8 @@ class Pool:
         if m is None:
             raise NotFound(f"model '{name}' not found; available models: {', '.join(self.config.ids())}",
                            param="model")
-        if m.preset is not None:  # a preset: the model's one slot, showing the preset's defaults
-            from router.serving.presets import PresetSlot
-
-            return PresetSlot(self.slots[m.name], m)  # type: ignore[return-value]
+        if m.preset is not None and self.preset_view is not None:  # the model's slot, the preset's defaults
+            return self.preset_view(self.slots[m.name], m)
         return self.slots[m.name]
 
     # ------------------------------------------------------------------ CPU sharing
@@ -115,8 +162,9 @@ class Pool:
     def share_cores(self) -> None:
         """Give every ready worker without ``n_threads`` its share of the cores
         (``router.workers.cpu_share``). Called whenever a model starts or stops being busy."""
-        n = cpu_share.share(self.slots.values(), self.cores)
-        for s in self.slots.values():
+        every = self.every_slot()
+        n = cpu_share.share(every, self.cores)
+        for s in every:
             s.set_threads(n)
 
     # ------------------------------------------------------------------ config reload
@@ -151,6 +199,8 @@ class Pool:
                 log.warning("model %s: re-added while its old worker still drains", n)
             self.slots[n] = ModelSlot(new.models[n], self)
             self.metrics.add_model(n)
+        for n in {*removed, *changed, *added}:
+            self._sync_replicas(n)
         log.info("config reloaded: added %s, removed %s, changed %s%s", added or "none", removed or "none",
                  changed or "none", f"; [server] {', '.join(kept)} need a restart (kept)" if kept else "")
         self.place()
@@ -192,20 +242,20 @@ class Pool:
         """The router is stopping (SIGTERM/SIGINT): new requests and waiting ones get 503
         server_shutting_down now; running ones may finish until :meth:`abort_running`."""
         self.closing = True
-        for slot in self.slots.values():
+        for slot in self.every_slot():
             slot.refuse_waiting(ServerShuttingDown())
         self.events.close()  # event streams end, so they do not hold the shutdown
 
     def abort_running(self, reason: str) -> int:
         """End every running generation now: each fails with ServerShuttingDown(``reason``)
         (an SSE error event if streaming) and its worker gets Cancel. Returns how many."""
-        return sum(slot.abort_running(reason) for slot in self.slots.values())
+        return sum(slot.abort_running(reason) for slot in self.every_slot())
 
     async def close(self) -> None:
         """Stop every worker (Shutdown, grace, kill) without draining. Idempotent."""
         self.closing = True
         self.events.close()
-        slots = {*self.slots.values(), *self._retired}
+        slots = {*self.every_slot(), *self._retired}
         await asyncio.gather(*(s.unload(drain=False, reason="router shutting down") for s in slots),
                              return_exceptions=True)
         await self.launcher.close()  # the warm spare; its socket directory

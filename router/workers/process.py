@@ -25,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from protocol import Error, LoadProgress, Message, ProtocolError, Ready, Shutdown
+from protocol.kv_events import KvEvents
 from router.config import ModelConfig
 from router.workers.connection import CurveKeypair, WorkerChannel, WorkerGone, WorkerUnreachable
 from router.workers.launchers import LaunchError, Launcher, WorkerHandle
@@ -68,6 +69,8 @@ class WorkerProcess(WorkerChannel):
         self.started_at = time.time()
         self.from_spare = False  # started as a warm spare, then given this model (adopt)
         self.start_ended = asyncio.Event()  # start() has returned or raised (the launcher's replacement waits for it)
+        # its KV events' reader (the replica's prefix index, router.workers.prefix_index); None: dropped
+        self.on_kv_events: Callable[[KvEvents], None] | None = None
         self._exit_callbacks: list[Callable[[WorkerProcess], None]] = []
         self._on_load_step: Callable[[LoadProgress], None] | None = None
 
@@ -284,7 +287,7 @@ class WorkerProcess(WorkerChannel):
 
     def _unrouted(self, msg: Message) -> None:
         """Its frames for no open request: LoadProgress, Ready (twice: the second carries the
-        fingerprint the worker was still computing), a load's Error."""
+        fingerprint the worker was still computing), a load's Error, KvEvents."""
         if isinstance(msg, LoadProgress):
             if not self._ready.done() and self._on_load_step is not None:
                 self._on_load_step(msg)
@@ -296,6 +299,10 @@ class WorkerProcess(WorkerChannel):
                 self._late_fingerprint = msg.fingerprint
                 if self.ready is not None and not self.ready.fingerprint:
                     self.ready = dataclasses.replace(self.ready, fingerprint=msg.fingerprint)
+            return
+        if isinstance(msg, KvEvents):
+            if self.on_kv_events is not None:
+                self.on_kv_events(msg)
             return
         if isinstance(msg, Error) and not self._ready.done():
             self._ready.set_exception(LoadFailed(f"{msg.code}: {msg.message}"))

@@ -53,6 +53,7 @@ from router.workers.lifecycle import Lifecycle, WorkerState
 from router.workers.liveness import Liveness
 from router.workers.loading import Loader
 from router.workers.placing import SlotPlacing
+from router.workers.prefix_index import PrefixIndex
 from router.workers.process import WorkerProcess
 from router.workers.unloading import Unloader
 from router.workers.views import SlotFacts
@@ -66,9 +67,11 @@ log = logging.getLogger("modelyard.pool")
 class ModelSlot(SlotFacts):
     """One configured model: its worker's state machine, queue and running requests."""
 
-    def __init__(self, model: ModelConfig, pool: Pool) -> None:
+    def __init__(self, model: ModelConfig, pool: Pool, replica: int = 0) -> None:
         self.model = model
         self.pool = pool
+        self.replica = replica  # its number among the model's replicas (router.workers.replicas); 0: the first
+        self.prefix = PrefixIndex(model.kv_events_block_size)  # what its worker's KV cache holds (router.workers.prefix_index)
         self._life = Lifecycle(model.name, self._on_state)  # moved only by this slot and its parts
         self.worker: WorkerProcess | None = None
         self.last_error: str | None = None
@@ -107,7 +110,9 @@ class ModelSlot(SlotFacts):
         self.emit("state", **{"from": old.value, "to": new.value, "reason": note, "condition": self.condition()})
 
     def emit(self, event: str, **fields: Any) -> None:
-        """A model event (``GET /admin/events``)."""
+        """A model event (``GET /admin/events``); with replicas, naming the ``replica``."""
+        if self.model.replicas > 1:
+            fields["replica"] = self.replica
         self.pool.events.emit(self.model.name, event, **fields)
 
     # ------------------------------------------------------------------ admission

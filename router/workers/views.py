@@ -27,7 +27,9 @@ if TYPE_CHECKING:
     from router.workers.loading import Loader
     from router.workers.placing import SlotPlacing
     from router.workers.pool import Pool
+    from router.workers.prefix_index import PrefixIndex
     from router.workers.process import WorkerProcess
+    from router.workers.replicas import ReplicaSet
     from router.workers.unloading import Unloader
 
 
@@ -52,8 +54,20 @@ class SlotFacts:
     last_used: float | None  # unix time a request last finished
     last_error: str | None
     last_exit_code: int | None
+    replica: int  # its number among the model's replicas (0: the first, the pool's slot of the model)
+    prefix: PrefixIndex  # what its worker's KV cache holds (the cache-aware routing's index)
     _life: Lifecycle
     _threads: ThreadShare  # the CPU share last sent to the worker
+
+    @property
+    def key(self) -> str:
+        """Its name among every slot of the pool: the model's name, ``NAME#N`` for replica N > 0."""
+        return self.model.name if self.replica == 0 else f"{self.model.name}#{self.replica}"
+
+    def replica_set(self) -> ReplicaSet | None:
+        """Its model's replicas when it has several and this is the first (the model's slot); else None."""
+        rs = self.pool.replica_set(self.model.name) if self.replica == 0 else None
+        return rs if rs is not None and rs.slots[0] is self else None
 
     @property
     def state(self) -> WorkerState:
@@ -186,7 +200,7 @@ class SlotFacts:
         """This model as placement sees it now, when it holds a worker (else None)."""
         if self.state not in (WorkerState.LOADING, *LOADED, WorkerState.DRAINING):
             return None
-        return placement.Seat(name=self.model.name, state=self.state.value,
+        return placement.Seat(name=self.key, state=self.state.value,
                               idle=(self.state is WorkerState.READY and not self.busy and self.queue_depth == 0
                                     and self.users == 0),
                               pinned=self.model.pinned, last_active=self.last_active,
@@ -196,16 +210,33 @@ class SlotFacts:
     # ------------------------------------------------------------------ the views
 
     def kv_slots(self) -> list[dict[str, Any]]:
-        """One entry per KV slot of the ready worker (:func:`kv_slots`)."""
+        """One entry per KV slot of the ready worker (:func:`kv_slots`); with replicas, every
+        replica's (``router.workers.replicas``)."""
+        rs = self.replica_set()
+        return rs.kv_slots() if rs is not None else kv_slots(self)
+
+    def own_kv_slots(self) -> list[dict[str, Any]]:
+        """This slot's worker's KV slots alone (:func:`kv_slots`)."""
         return kv_slots(self)
 
     def gauges(self) -> ModelGauges:
-        """This model's figures for ``/metrics``."""
+        """This model's figures for ``/metrics`` (with replicas: the model as a whole)."""
+        return self.all_gauges()[0]
+
+    def all_gauges(self) -> list[ModelGauges]:
+        """This model's figures; with replicas, the model's then each replica's (``replica`` set)."""
+        rs = self.replica_set()
+        return rs.gauges() if rs is not None else [gauges(self)]
+
+    def own_gauges(self) -> ModelGauges:
+        """This slot's figures alone (:func:`gauges`)."""
         return gauges(self)
 
     def describe(self) -> dict[str, Any]:
-        """The admin view of this model (:func:`describe`)."""
-        return describe(self)
+        """The admin view of this model (:func:`describe`); with replicas, the model as a whole
+        and each replica (``router.workers.replicas``)."""
+        rs = self.replica_set()
+        return rs.describe(describe(self)) if rs is not None else describe(self)
 
     def condition(self) -> str:
         """The state with its history, for operators (:func:`condition`)."""

@@ -27,6 +27,9 @@ every spawn, so a test can change behaviour between spawns), a map of model name
     max_jobs          int    KV slots: generations run at once (Ready.max_jobs, default 1)
     report_slots      bool   Pong carries its slot list (else slots=[], as today's real worker)
     cache_n           int    prompt tokens reported as reused from the cache (Done.cache_n, capped)
+    kv_events         bool   before each Done, a KvEvents frame (BlockStored of the prompt's full
+                             blocks of 4 ids, a chat's with BOS first as the real worker's) with the
+                             request's id; also with --kv-events-to-router
 
 Warm spare (``--spare``, no --model / --gguf): the switches of the key ``"(spare)"`` apply
 until Assign names the model (then the model's, as above): ``spare_delay_s`` (float: the
@@ -71,6 +74,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from protocol.kv_events import BlockStored, KvEvents, block_hashes, encode_batch
 from protocol.limits import WEIGHT_MODES
 
 from protocol import (
@@ -162,6 +166,7 @@ class FakeWorker:
         self.task: asyncio.Task[None] | None = None
         self.n_decode = 0  # "decode calls" (see the module docstring)
         self.n_busy_slots = 0
+        self.kv_seq = 0  # KvEvents frames sent
 
     async def send(self, msg: Message) -> None:
         await self.sock.send(encode(msg))
@@ -184,6 +189,7 @@ class FakeWorker:
             if isinstance(msg, Assign):
                 a = self.args
                 a.model, a.gguf, a.n_ctx, a.max_queue = msg.model, msg.gguf, msg.n_ctx, msg.max_queue
+                a.kv_events_to_router = msg.kv_events_to_router
                 self.sw = _switches(msg.model)
                 self.n_ctx = int(self.sw.get("n_ctx", a.n_ctx or 256))
                 self.max_jobs = int(self.sw.get("max_jobs", 1))
@@ -473,6 +479,14 @@ class FakeWorker:
         if stop_type != "word":
             tail = full.decode("utf-8", "replace")[sent:]
         _log("done", id=g.id, finish_reason=finish, n=n)
+        if self.sw.get("kv_events") or self.args.kv_events_to_router:
+            held = ([BOS] if g.messages is not None else []) + prompt_ids  # as the real worker holds a chat: BOS first
+            full_ids = held[:len(held) // 4 * 4]
+            payload = encode_batch(time.time(), [BlockStored(block_hashes(full_ids, 4), None, full_ids, 4)])
+            # the request's id (the real worker's is its own): KvEvents never reach a request's stream
+            await self.send(KvEvents(id=g.id, seq=self.kv_seq, payload=payload))
+            _log("kv_events", seq=self.kv_seq)
+            self.kv_seq += 1
         await self.send(Done(id=g.id, finish_reason=finish, stop_type=stop_type, stopping_word=stopping_word,
                              text=tail, prompt_tokens=len(prompt_ids), completion_tokens=n,
                              prompt_n=len(prompt_ids), prompt_ms=prompt_ms, predicted_n=n,
@@ -494,6 +508,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parallel", type=int, default=1)
     p.add_argument("--kv-budget-mib", type=float, default=None)
     p.add_argument("--weights", choices=WEIGHT_MODES, default=None)  # accepted like the real worker
+    p.add_argument("--kv-events-endpoint", default=None)  # accepted like the real worker (no PUB socket)
+    p.add_argument("--kv-events-block-size", type=int, default=16)
+    p.add_argument("--kv-events-to-router", action="store_true")
     p.add_argument("--parent-pid", type=int, required=True)
     p.add_argument("--auth-fd", type=int, default=None)
     args = p.parse_args(argv)

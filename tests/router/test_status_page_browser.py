@@ -171,3 +171,33 @@ def test_a_page_on_another_origin_cannot_read_the_status(tmp_path: Path, browser
     finally:
         page.close()
         r.stop()
+
+
+def test_a_model_with_replicas_shows_each_one(tmp_path: Path, browser: Any) -> None:
+    """``replicas = 2``: the model's row is the model as a whole, and one row per replica follows
+    it with that replica's state and slots."""
+    from playwright.sync_api import expect
+
+    _models(tmp_path)
+    r = LiveRouter(tmp_path, CONFIG.format(keys="").replace('[models.beta]', '[models.twin]\npath = "alpha.gguf"\n'
+                                                              'replicas = 2\n[models.beta]'))
+    errors: list[str] = []
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+    try:
+        page.goto(f"{r.url}/ui")
+        expect(_state(page, "twin").first).to_have_text("unloaded", timeout=15_000)
+        with httpx.Client(base_url=r.url, timeout=30) as http:
+            assert http.post("/admin/models/load", json={"model": "twin"}).status_code == 200
+        rows = page.locator('#models tr.replica-row[data-model="twin"]')
+        expect(rows).to_have_count(2, timeout=15_000)
+        for i in range(2):
+            row = page.locator(f'#models tr[data-model="twin"][data-replica="{i}"]')
+            expect(row.locator('[data-field="state"]')).to_have_text("ready", timeout=15_000)
+            expect(row).to_contain_text(f"replica {i}")
+            expect(row.locator('[data-field="slots"]')).to_have_text("0/1")
+        assert page.locator('#models tr.replica-row[data-model="alpha"]').count() == 0  # one worker: no rows
+        assert errors == [], errors
+    finally:
+        page.close()
+        r.stop()

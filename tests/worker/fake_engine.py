@@ -153,9 +153,13 @@ class FakeEngine:
 
     # ---------------------------------------------------------------- batch API (docs/ENGINE-API.md)
 
+    @property
+    def sampling_vocab(self) -> int:
+        return int(self.info.n_vocab)
+
     def prepare(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
         self.prepared += 1
-        p = params.validated(self.info.n_vocab)
+        p = params.validated(self.sampling_vocab)
         ids = self.tokenize(prompt, p.add_special, p.parse_special) if isinstance(prompt, str) else self._check(prompt)
         if not ids:
             raise EngineError("empty_prompt", "the prompt is empty")

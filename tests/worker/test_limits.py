@@ -22,10 +22,10 @@ ROUTER_ONLY_CAPS = {"max_tokens", "repeat_last_n"}
 
 def _accepts(name: str, value: float) -> bool:
     if name == "n":  # not a sampling parameter: the worker checks it on a Generate's arrival
-        from protocol import Generate
+        from protocol import Error, Generate
         from worker.frames import check_generate
 
-        return check_generate(Generate(id="x", prompt="hi", n=int(value)), n_vocab=1000) is None
+        return not isinstance(check_generate(Generate(id="x", prompt="hi", n=int(value)), n_vocab=1000), Error)
     try:
         SamplingParams(**{name: value}).validated(n_vocab=1000)
     except EngineError:

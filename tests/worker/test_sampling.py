@@ -267,3 +267,24 @@ def test_the_sampler_takes_every_field_of_the_protocols_table() -> None:
             assert getattr(p, name) == v, name
     assert p.logit_bias == {4: float("-inf"), 5: 2.0} and p.json_schema is None
     assert {f.name for f in dataclasses.fields(p)} >= set(SAMPLING_DEFAULTS)
+
+
+def test_a_generate_is_checked_once_and_the_engine_trusts_the_checked_copy() -> None:
+    """worker.frames.check_generate checks a Generate's sampling values on arrival (the model
+    loaded); its checked copy carries the vocabulary it was checked for, and validated() — what
+    Engine.prepare calls — returns it as it is instead of checking it again. A copy checked for
+    another vocabulary, or none, is checked."""
+    from unittest import mock
+
+    from protocol import Error, Generate
+    from worker.frames import check_generate
+
+    p = check_generate(Generate(id="r", prompt="hi", temperature=0.5, logit_bias=[[3, 1.0]]), n_vocab=100)
+    assert isinstance(p, SamplingParams) and p.checked_for == 100 and p.logit_bias == {3: 1.0}
+    with mock.patch.object(SamplingParams, "__post_init__", create=True, side_effect=AssertionError("copied")):
+        assert p.validated(100) is p
+    assert p.validated(50) is not p and p.validated(50).checked_for == 50
+    bad = check_generate(Generate(id="r", prompt="hi", logit_bias=[[300, 1.0]]), n_vocab=100)
+    assert isinstance(bad, Error) and bad.code == "invalid_params"
+    waiting = check_generate(Generate(id="r", prompt="hi", logit_bias=[[300, 1.0]]))  # no model yet: later
+    assert isinstance(waiting, SamplingParams) and waiting.checked_for is None

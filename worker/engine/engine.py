@@ -22,6 +22,7 @@ from .engine_load import EngineInfo, load_parts
 from .engine_text import EngineText
 from .errors import EngineError
 from .generate import GenerationResult, TokenEvent
+from .kv.blocks import KVBlockLog
 from .kv.state import KVIdentity
 from .sampling import SamplingParams
 from .scheduler import Scheduler, run_one
@@ -51,6 +52,7 @@ class Engine(EngineText, EngineKVStates):
         self._lock = threading.RLock()
         self._max_piece_chars: int | None = None  # longest token text in characters (lazy)
         self._kv_identity: KVIdentity | None = None
+        self._kv_blocks: KVBlockLog | None = None  # KV events (enable_kv_events); None: off
 
     # ------------------------------------------------------------------ load
 
@@ -119,7 +121,7 @@ class Engine(EngineText, EngineKVStates):
         """
         if not isinstance(params, SamplingParams):
             raise EngineError("invalid_params", "params must be a SamplingParams")
-        p = params.validated(min(self.info.n_vocab, self.tokenizer.n_vocab))
+        p = params.validated(self.sampling_vocab)
         if isinstance(prompt, str):
             self._check_fits(len(prompt))
             ids = self.tokenizer.tokenize(prompt, add_special=p.add_special, parse_special=p.parse_special)
@@ -174,6 +176,12 @@ class Engine(EngineText, EngineKVStates):
         prefill began, e.g. inside its first ``on_token``; 0 when unknown)."""
         with self._lock:
             return self._sched.cache_n(seq_id)
+
+    @property
+    def sampling_vocab(self) -> int:
+        """The token ids sampling parameters may name (``logit_bias`` keys): ``[0, sampling_vocab)``,
+        the smaller of the model's and the tokenizer's vocabulary."""
+        return int(min(self.info.n_vocab, self.tokenizer.n_vocab))
 
     @property
     def has_work(self) -> bool:

@@ -1,5 +1,6 @@
-"""The :class:`~.engine.Engine`'s identity and KV states: its fingerprints, and the slot actions
-(save, restore, erase) and prefix-cache reads of llama-server's ``/slots`` and the disk cache."""
+"""The :class:`~.engine.Engine`'s identity and KV states: its fingerprints, the slot actions
+(save, restore, erase) and prefix-cache reads of llama-server's ``/slots`` and the disk cache, and
+the KV events of what enters and leaves the cache (``kv.blocks``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from typing import Any
 
 import numpy as np
 
+from protocol.kv_events import KVEvent
+
 from .engine_load import EngineInfo
+from .kv.blocks import KVBlockLog
 from .kv.state import KV_LAYOUT_VERSION, KVIdentity, KVState
 from .scheduler import Scheduler
 from .text.tokenizer import Tokenizer
@@ -26,6 +30,7 @@ class EngineKVStates:
     _sched: Scheduler
     _lock: threading.RLock
     _kv_identity: KVIdentity | None
+    _kv_blocks: KVBlockLog | None
     info: EngineInfo
     tokenizer: Tokenizer
 
@@ -127,6 +132,21 @@ class EngineKVStates:
         with self._lock:
             for e in self._sched.idle_entries():
                 self._sched.pool.drop(e)
+
+    def enable_kv_events(self, block_size: int) -> None:
+        """Describe the KV cache as vLLM's KV events from now on, in blocks of ``block_size``
+        tokens (:meth:`take_kv_events`). Raises ValueError for ``block_size < 1``."""
+        with self._lock:
+            self._kv_blocks = KVBlockLog(block_size)
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The ``protocol.kv_events`` events since the last call ([] when nothing changed or events
+        are off): the first call gives AllBlocksCleared, then BlockStored for what the cache holds."""
+        blocks = self._kv_blocks
+        if blocks is None:
+            return []
+        with self._lock:
+            return blocks.collect(self._sched.pool.entries)
 
     @property
     def cached_tokens(self) -> list[int]:

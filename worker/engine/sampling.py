@@ -87,9 +87,12 @@ class SamplingParams:
     grammar: str | None = _D["grammar"]  # constraint: the output matches this Lark grammar (llguidance's dialect)
     # what the constraint could not enforce and left out (set by Engine.prepare; constraints.check)
     set_aside: tuple[str, ...] = ()
+    # the vocabulary size :meth:`validated` checked this copy against (None: not checked): a
+    # checked copy is trusted as it is (``Engine.prepare`` does not check it again)
+    checked_for: int | None = field(default=None, compare=False, repr=False)
 
     def validated(self, n_vocab: int) -> SamplingParams:
-        """A checked copy: ``logit_bias`` keys as ``int`` (decimal strings accepted,
+        """A checked copy (``self`` when it is one already, checked for ``n_vocab``): ``logit_bias`` keys as ``int`` (decimal strings accepted,
         as JSON object keys arrive), ``stop`` as a list without empty strings
         (a single string is accepted), numbers as Python ``int``/``float``.
 
@@ -100,6 +103,9 @@ class SamplingParams:
                 [0, 20], max_tokens < 0, a logit_bias id outside [0, n_vocab) or
                 a NaN/+inf bias, non-finite penalties, ...).
         """
+
+        if self.checked_for == n_vocab:
+            return self
 
         def bad(msg: str) -> EngineError:
             return EngineError("invalid_params", msg)
@@ -159,7 +165,7 @@ class SamplingParams:
             stop=[s for s in dict.fromkeys(stop) if s], n_probs=int(self.n_probs),
             ignore_eos=bool(self.ignore_eos), add_special=bool(self.add_special),
             parse_special=bool(self.parse_special), cache_prompt=bool(self.cache_prompt),
-            post_sampling_probs=bool(self.post_sampling_probs),
+            post_sampling_probs=bool(self.post_sampling_probs), checked_for=n_vocab,
         )
 
 

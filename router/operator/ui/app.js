@@ -145,6 +145,18 @@ function renderModels(models) {
       el("td", { "data-field": "expiry", text: expiry(m) }),
       file,
       el("td", {}, btn)));
+    for (const r of m.replicas || []) {  // replicas = N: each one's node, state, slots, queue, load
+      rows.push(el("tr", { "data-model": m.id, "data-replica": String(r.replica), class: "replica-row" },
+        el("td", { class: "cond", text: `↳ replica ${r.replica}` + (r.node ? ` on ${r.node}` : "") }),
+        el("td", {}, el("span", { class: "state", "data-state": r.state, "data-field": "state", text: r.state }),
+          r.condition !== r.state ? el("div", { class: "cond", text: r.condition }) : null),
+        el("td", { text: "–" }),
+        el("td", { "data-field": "slots", text: `${r.slots_busy}/${r.slots_total}` }),
+        el("td", { "data-field": "queue", text: String(r.queue_depth) }),
+        el("td", { colspan: "3", class: "cond", text: `load ${r.load} · ${r.prefix_blocks} cached blocks` +
+          (r.pid ? ` · pid ${r.pid}` : "") }),
+        el("td", {}), el("td", {})));
+    }
   }
   for (const p of lastStatus && lastStatus.presets ? lastStatus.presets : []) {  // a preset: its model's worker
     const sets = Object.entries(p.sampling).map(([k, v]) => `${k}=${v}`);

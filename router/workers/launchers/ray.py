@@ -10,6 +10,12 @@ worker connects back to the router's tcp endpoint with CURVE. Ray places and sta
 stays the data plane, and Ray's logical resources isolate nothing, so the router's placement
 still decides whether a model may load at all.
 
+Replicas (``replicas = N``, ``router.workers.replicas``): each replica's worker is asked on an
+alive node that carries the model's labels and runs none of its other workers (Ray's
+``NodeAffinitySchedulingStrategy``, soft: when every such node has one, or the one asked cannot
+take it, Ray picks); a node is reserved while a replica starts there, so replicas starting
+together spread too.
+
 Ends: the router kills a worker by killing its actor (the worker's parent watch ends it within
 ~0.2 s); a lost node or a dead actor is reported to the connection as exit code -9, as a
 SIGKILLed local child would be, and the slot's usual crash handling and backoff follow. The
@@ -83,6 +89,7 @@ class RayHandle(ExitWatchingHandle):
         self._pid = int(info["pid"])
         self.host = f"{info['host']}/{str(info['node_id'])[:12]}"
         self.node_id = str(info["node_id"])
+        self.model = ""  # the model it serves (the launcher spreads a model's replicas over nodes)
         self._waiter: asyncio.Task[None] | None = None
         self._rss: int | None = None
         self._pids: set[int] = {self._pid}
@@ -176,6 +183,7 @@ class RayLauncher(Launcher):
         self._host_cls = ray.remote(WorkerHost)
         self._probe_fn = ray.remote(node_memory_available)
         self._handles: dict[int, RayHandle] = {}  # by worker pid (pids of distinct nodes may clash: last wins)
+        self._reserved: list[tuple[str, str]] = []  # (model, node id) of replicas being started
         self._node_memory: dict[str, int] = {}
         self._probe: asyncio.Task[None] | None = None
         self._closing = False
@@ -190,8 +198,39 @@ class RayLauncher(Launcher):
     async def start(self, model: ModelConfig | None, endpoint: str, credentials: WorkerCredentials) -> Launched:
         if model is None:
             raise LaunchError("the Ray launcher keeps no warm spare")
+        node = self._spread_node(model)
+        if node is not None:  # reserved while it starts: a replica starting at the same time goes elsewhere
+            self._reserved.append((model.name, node))
+        try:
+            launched = await self._start(model, endpoint, credentials, node)
+        finally:
+            if node is not None:
+                self._reserved.remove((model.name, node))
+        assert isinstance(launched.handle, RayHandle)
+        launched.handle.model = model.name
+        return launched
+
+    def _spread_node(self, model: ModelConfig) -> str | None:
+        """For a model with replicas: the alive node (carrying its ``node_labels``, with the cores it
+        asks for) that runs none of its workers and has the most memory available; None when the
+        model has one replica or every such node has one already (Ray's own choice then)."""
+        if model.replicas < 2:
+            return None
+        taken = {h.node_id for h in self._handles.values() if h.model == model.name and h.alive()}
+        taken |= {n for m, n in self._reserved if m == model.name}
+        free = [n["NodeID"] for n in self._alive_nodes()
+                if n["NodeID"] not in taken and float(n.get("Resources", {}).get("CPU", 0)) >= (model.n_threads or 1)
+                and all(n.get("Labels", {}).get(k) == v for k, v in model.node_labels)]
+        return max(free, key=lambda n: self._node_memory.get(n, 0)) if free else None
+
+    async def _start(self, model: ModelConfig, endpoint: str, credentials: WorkerCredentials,
+                     node: str | None) -> Launched:
         opts: dict[str, Any] = {"num_cpus": model.n_threads or 1, "max_concurrency": ACTOR_THREADS,
                                 "max_restarts": 0}
+        if node is not None:  # a replica: on a node none of its model's other workers runs on (soft: else Ray's pick)
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
         try:
             opts["memory"] = placement.estimate(model.path, model.kv_budget_mib, None, weights=model.weights_mode).total
         except (OSError, ValueError):

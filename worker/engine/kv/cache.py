@@ -114,6 +114,8 @@ class KVEntry:
         self.shape = shape
         self.tokens: list[int] = []
         self.last_use = 0  # scheduler step counter at the last use (LRU)
+        #: the fewest tokens held since the KV-event log last read this entry (``kv.blocks``)
+        self.changed_from = 0
         #: sliding-window models only (the scheduler keeps them): llama-server's context
         #: checkpoints of this entry, oldest first; None when unknown (a state installed from
         #: outside, e.g. a KV state file)
@@ -208,6 +210,7 @@ class KVEntry:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= self.n_past:
             raise EngineError("invalid_params", f"truncate({n!r}) needs an integer in [0, n_past={self.n_past}]")
         del self.tokens[int(n):]
+        self.changed_from = min(self.changed_from, int(n))
         self._release(int(n))
 
     def _release(self, start: int) -> None:
