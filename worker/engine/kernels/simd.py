@@ -84,10 +84,9 @@ def claim(typingctx, taken):
 @intrinsic
 def prefetch(typingctx, arr, i):
     """Ask for the cache line holding byte offset ``i`` of a C-contiguous array to be brought into
-    the L2 cache ahead of its loads (``prefetcht1``: measured faster here than into L1 for the
-    weight streams; changes no value). A prefetch never faults, so
-    ``i`` may lie past the array's end (nothing is fetched there). For weight streams the
-    hardware prefetcher does not follow (``quant_kernels._PF_BYTES``)."""
+    the L2 cache ahead of its loads (``prefetcht1``, measured faster here than into L1 for the
+    weight streams; changes no value), for streams the hardware prefetcher does not follow
+    (``quant_kernels._PF_BYTES``). A prefetch never faults: ``i`` may lie past the array's end."""
     def cg(context, builder, sig, args):
         p = _byte_ptr(context, builder, sig.args[0], args[0], args[1])
         i8p = ir.IntType(8).as_pointer()
