@@ -465,6 +465,8 @@ def _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, dst, col, scr):
             e2 = vzero()
             e3 = vzero()
             for b in range(nb):
+                if h == 0 and t == 0:       # the first pass streams the group's weights
+                    _vl_prefetch(w, d, m, has_m, g * nb + b, wb)
                 w0, w1, w2, w3 = _vl_half(w, (g * nb + b) * wb, packed, h)
                 dw = vload_h(d, (g * nb + b) * 16)
                 l0 = 4 * h
@@ -540,7 +542,7 @@ def _vl_group(w, g, packed, d, m, x8, nxc, dx, xs, dst, col, scr):
             a3 = vzero()
             l0 = 4 * h
             for b in range(nb):
-                if h == 0:                  # the first pass streams the group's weights
+                if h == 0 and t == 0:       # the group's first pass (else it is in the caches)
                     _vl_prefetch(w, d, m, has_m, g * nb + b, wb)
                 w0, w1, w2, w3 = _vl_half(w, (g * nb + b) * wb, packed, h)
                 da = vmul_s(vload_h(d, (g * nb + b) * 16), dx[t, b])
