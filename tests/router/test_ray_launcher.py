@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 from router.config import ConfigError, parse_config
 from tests.router.conftest import LiveRouter, dummy_gguf
 from tests.router.inproc import InProc, chat
+from tests.router.ray_cluster import ray_cluster, ray_config
 
 ray = pytest.importorskip("ray", reason="the Ray launcher's tests need the [ray] extra (installed by .[dev])")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -32,34 +32,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
     """Head (0 CPUs: the router's node, runs no worker) + nodes "a" and "b" (1 CPU each, labels
     zone=a / zone=b). The fake worker's switch file is set in the environment first: Ray's
     processes (and so the workers they start) inherit it."""
-    tmp = tmp_path_factory.mktemp("ray")
-    fake = tmp / "fake.json"
+    fake = tmp_path_factory.mktemp("ray") / "fake.json"
     fake.write_text("{}")
-    keep = {k: os.environ.get(k) for k in ("MODELYARD_FAKE_FILE", "PYTHONPATH", "RAY_USAGE_STATS_ENABLED",
-                                           "RAY_raylet_start_wait_time_s")}
-    root = str(Path(__file__).resolve().parents[2])
-    # a raylet may take more than Ray's default 30 s to register on a busy 2-core machine
-    os.environ.update(MODELYARD_FAKE_FILE=str(fake), RAY_USAGE_STATS_ENABLED="0", RAY_raylet_start_wait_time_s="180",
-                      PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    nodes = {name: c.add_node(num_cpus=1, labels={"zone": name}) for name in ("a", "b")}
-    c.wait_for_nodes()
-    try:
+    with ray_cluster(("a", "b"), env={"MODELYARD_FAKE_FILE": str(fake)}) as (c, nodes):
         yield c, nodes, fake
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        c.shutdown()
-        for k, v in keep.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _config(address: str, models: str) -> str:
-    return (f'[server]\nmodels_dir = "."\n[cluster]\nbackend = "ray"\naddress = "{address}"\n'
-            f'place_timeout_s = 120\n[defaults]\nping_interval_s = 0\n' + models)
 
 
 def _lose_host(c: Cluster, node: Any, worker_pid: int) -> None:
@@ -107,7 +83,7 @@ def test_workers_run_on_the_nodes_ray_picks(cluster: tuple[Cluster, dict[str, An
     node_b = nodes["b"].node_id
 
     async def go() -> None:
-        async with env.app(_config(c.address, models)) as (pool, client):
+        async with env.app(ray_config(c.address, models)) as (pool, client):
             assert type(pool.launcher).__name__ == "RayLauncher" and pool.curve is not None
             assert pool.launcher.endpoint().startswith("tcp://")
             # labels decide the node; the answer is served over the worker's tcp socket
@@ -141,7 +117,7 @@ def test_a_lost_node_ends_its_stream_and_the_model_is_placed_again(
     fake.write_text(json.dumps({"*": {"token_delay_s": 0.2, "length": 200}}))
     models = '[models.m]\npath = "m.gguf"\nrestart_backoff_s = 0.2\n'
     try:
-        with LiveRouter(tmp_path, _config(c.address, models)) as live, live.http(timeout=120) as client:
+        with LiveRouter(tmp_path, ray_config(c.address, models)) as live, live.http(timeout=120) as client:
             r = client.post("/v1/chat/completions", json=chat("m", max_tokens=3))
             assert r.status_code == 200, r.text
             row = _row(client.get("/admin/models").json(), "m")
