@@ -14,6 +14,8 @@ asked (the slots are the state). What it decides:
   (as any worker's), and the requests still waiting in its queue move to the least loaded other
   ready replica (:meth:`ReplicaSet.rehome`) — or wait there for its restart when none is ready;
   the lost replica is placed again after its crash backoff (``router.workers.loading``);
+* a replica that becomes ready takes requests waiting on the others while that evens the load
+  (:meth:`ReplicaSet.rebalance`);
 * what ``/admin/models``, ``/slots`` and ``/metrics`` show: the model as a whole (state: the
   most available of its replicas' states; queue, running and slots summed) and each replica
   (``replica``, ``node``, ``state``, slots, load).
@@ -110,6 +112,29 @@ class ReplicaSet:
                         self.name, len(moved), lost.replica)
             lost.changed.set()
         return len(moved)
+
+    def rebalance(self, fresh: ModelSlot) -> int:
+        """``fresh`` has just become ready: requests waiting on the other replicas move to it while
+        that evens the load (from the most loaded, newest first: the oldest keep their place), so
+        that a burst queued while the replicas loaded does not stay behind the first one ready.
+        Returns how many moved."""
+        moved = 0
+        while True:
+            donors = [s for s in self.slots if s is not fresh and s.queue_depth > 0]
+            donor = max(donors, key=load_of, default=None)
+            if donor is None or load_of(donor) - load_of(fresh) < 2:
+                break
+            t = donor.admission.take_newest_waiting()
+            if t is None:
+                break
+            t.replica = fresh
+            fresh.admission.enqueue(t)
+            donor.changed.set()
+            moved += 1
+        if moved:
+            log.info("model %s: %d waiting request(s) moved to replica %d, ready now", self.name, moved, fresh.replica)
+            fresh.pump()
+        return moved
 
     # ------------------------------------------------------------------ views
 
