@@ -149,3 +149,31 @@ def test_a_lost_node_ends_its_stream_and_the_model_is_placed_again(
             assert _row(client.get("/admin/models").json(), "m")["host"].endswith(other.node_id[:12])
     finally:
         fake.write_text("{}")
+
+
+def test_an_unreachable_cluster_address_fails_at_once_in_one_line(tmp_path: Path) -> None:
+    """``modelyard serve`` with an address no cluster answers at exits 1 with one line naming it,
+    within seconds (``ray.init`` alone retries for minutes, deaf to Ctrl-C)."""
+    import socket
+    import subprocess
+    import sys
+
+    from router.workers.launchers import LaunchError
+    from router.workers.launchers.ray import check_reachable
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(LaunchError, match=f"127.0.0.1:{port}"):
+        check_reachable(f"127.0.0.1:{port}")
+    for left_to_ray in (None, "auto", "ray://example:10001"):
+        check_reachable(left_to_ray)
+    dummy_gguf(tmp_path, "m.gguf")
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f'[server]\nmodels_dir = "."\n[cluster]\nbackend = "ray"\naddress = "127.0.0.1:{port}"\n'
+                   '[models.m]\npath = "m.gguf"\n')
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "router", "serve", "--config", str(cfg), "--port", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and time.monotonic() - t0 < 30, out
+    assert out.stderr.strip().count("\n") == 0 and f"cannot reach the Ray cluster at 127.0.0.1:{port}" in out.stderr
