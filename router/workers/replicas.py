@@ -147,17 +147,20 @@ class ReplicaSet:
         """One replica as ``/admin/models`` and ``/models`` list it."""
         w = slot.worker or slot.loading_worker
         running, waiting = slot.admitted_split()
+        alive = w is not None and w.alive
         return {"replica": slot.replica, "node": node_of(slot),
-                "pid": w.pid if w is not None and w.alive else None, "state": slot.state.value,
+                "pid": w.pid if w is not None and alive else None,
+                "rss_bytes": slot.sample_rss(w) if w is not None and alive else None, "state": slot.state.value,
                 "condition": slot.condition(), "slots_total": slot.total_slots,
                 "slots_busy": slot.admission.n_running, "queue_depth": slot.queue_depth,
                 "load": running + waiting, "prefix_blocks": len(slot.prefix)}
 
     def describe(self, first: dict[str, Any]) -> dict[str, Any]:
         """The model's ``/admin/models`` row: replica 0's (``first``) with the model's state and its
-        queue, requests and slots summed, and ``replicas``: each replica's row."""
+        queue, requests, slots and workers' RSS summed, and ``replicas``: each replica's row."""
         rows = [self.replica_row(s) for s in self.slots]
-        return {**first, "state": self.state().value,
+        rss = [r["rss_bytes"] for r in rows if r["rss_bytes"] is not None]
+        return {**first, "state": self.state().value, "rss_bytes": sum(rss) if rss else None,
                 "queue_depth": sum(r["queue_depth"] for r in rows),
                 "in_flight": [rid for s in self.slots for rid in s.running_ids],
                 "slots_total": sum(r["slots_total"] for r in rows) or first["slots_total"] * len(rows),
