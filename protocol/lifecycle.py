@@ -3,6 +3,7 @@ given its model (Assign) —, answers Ping with Pong and exits on Shutdown."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -106,7 +107,39 @@ class Pong(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Assign(Message):
+class ModelOptions:
+    """The options a worker serves its model with, in one place: ``python -m worker``'s flags of
+    the same names, an :class:`Assign`'s fields, the worker's ``WorkerConfig``
+    (:func:`model_options` copies them from any of those). Units: n_ctx, n_ubatch,
+    kv_events_block_size tokens; kv_budget_mib, kv_cache_mib MiB. ``kv_events_*``: the worker's KV
+    events (``protocol.kv_events``): the PUB socket it binds (None: none), its block size, and
+    whether it also sends them to the router as KvEvents frames."""
+
+    model: str  # configured model name (echoed in Hello / Ready)
+    gguf: str  # path of the GGUF file on the worker's host
+    n_ctx: int | None = None
+    chat_template: str | None = None
+    max_queue: int = 8
+    parallel: int = 1
+    kv_budget_mib: float | None = None
+    weights: str | None = None  # one of protocol.limits.WEIGHT_MODES; None: the worker's default
+    n_ubatch: int | None = None
+    slot_save_path: str | None = None
+    kv_cache_dir: str | None = None
+    kv_cache_mib: float = 1024.0
+    kv_events_endpoint: str | None = None
+    kv_events_block_size: int = DEFAULT_BLOCK_SIZE
+    kv_events_to_router: bool = False
+
+
+def model_options(source: Any) -> dict[str, Any]:
+    """The :class:`ModelOptions` fields of ``source`` (an Assign, a WorkerConfig, the worker's
+    parsed arguments: anything with those attributes), by name."""
+    return {f.name: getattr(source, f.name) for f in dataclasses.fields(ModelOptions)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Assign(Message, ModelOptions):
     """Give a warm spare its model (id: the router's call id; the worker's frames keep their own).
 
     A spare is a worker started without a model (``python -m worker --spare``): it has
@@ -118,28 +151,11 @@ class Assign(Message):
 
     ``threads`` > 0: the worker's BLAS threads (its NumPy is already loaded, so they are
     set as a Ping's ``threads`` are, not through the environment); 0: as the spare started.
-    Units: n_ctx, n_ubatch, kv_events_block_size tokens; kv_budget_mib, kv_cache_mib MiB.
-    ``kv_events_*``: the worker's KV events (``protocol.kv_events``): the PUB socket it binds (None:
-    none), its block size, and whether it also sends them to the router as KvEvents frames.
+    Its model options are :class:`ModelOptions`'.
     """
 
     TYPE: ClassVar[str] = "assign"
-    model: str  # configured model name (echoed in Ready)
-    gguf: str  # path of the GGUF file on the worker's host
-    n_ctx: int | None = None
-    chat_template: str | None = None
-    max_queue: int = 8
-    parallel: int = 1
-    kv_budget_mib: float | None = None
-    weights: str | None = None  # one of protocol.limits.WEIGHT_MODES; None: the worker's default
-    n_ubatch: int | None = None
     threads: int = 0
-    slot_save_path: str | None = None
-    kv_cache_dir: str | None = None
-    kv_cache_mib: float = 1024.0
-    kv_events_endpoint: str | None = None
-    kv_events_block_size: int = DEFAULT_BLOCK_SIZE
-    kv_events_to_router: bool = False
 
     @classmethod
     def value_problem(cls, fields: dict[str, Any]) -> str | None:

@@ -194,6 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"modelyard: config error: {e}", file=sys.stderr)
         return 1
+    if config.cluster.backend == "ray":  # an unreachable cluster: one line now, not minutes of Ray's retries
+        from router.workers.launchers import LaunchError
+        from router.workers.launchers.ray import check_reachable
+
+        try:
+            check_reachable(config.cluster.address)
+        except LaunchError as e:
+            print(f"modelyard: {e}", file=sys.stderr)
+            return 1
     try:
         sock = bind(server.host, server.port)
     except OSError as e:

@@ -177,8 +177,9 @@ def ps_rows(models: list[dict[str, Any]], now: float) -> list[list[str]]:
         if m.get("state") not in LOADED_STATES:
             continue
         loaded = m.get("loaded_at")
+        pids = [str(r["pid"]) for r in m.get("replicas") or [] if r.get("pid")]  # replicas: every worker's
         rows.append([
-            m["id"], m["state"], str(m.get("pid") or "-"), size_text(m.get("rss_bytes")),
+            m["id"], m["state"], ",".join(pids) if pids else str(m.get("pid") or "-"), size_text(m.get("rss_bytes")),
             f"{m.get('slots_busy', 0)}/{m.get('slots_total', 0)}", f"{m.get('queue_depth', 0)}/{m.get('max_queue', 0)}",
             f"{m['load_ms'] / 1000:.1f}s" if m.get("load_ms") is not None else "-",
             f"{duration_text(now - loaded)} ago" if loaded else "-", expiry_text(m, now)])

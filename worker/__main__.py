@@ -44,6 +44,7 @@ import sys
 from protocol.credentials import WorkerCredentials
 from protocol.kv_events import DEFAULT_BLOCK_SIZE
 from protocol.limits import DEFAULT_WEIGHTS, WEIGHT_MODES
+from protocol.lifecycle import model_options
 
 #: Environment variables that set the BLAS / OpenMP thread pools (read when NumPy loads).
 THREAD_ENV_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
@@ -141,14 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.info("BLAS/OpenMP threads: %d (%s)", args.threads, ", ".join(f"{v}={os.environ[v]}"
                                                                             for v in THREAD_ENV_VARS))
     parent = args.parent_pid if args.parent_pid is not None else os.getppid()
-    server = WorkerServer(WorkerConfig(
-        model=args.model, gguf=args.gguf, endpoint=args.endpoint, n_ctx=args.n_ctx,
-        chat_template=args.chat_template, max_queue=args.max_queue, parallel=args.parallel,
-        kv_budget_mib=args.kv_budget_mib, weights=args.weights, n_ubatch=args.n_ubatch,
-        parent_pid=parent, credentials=credentials,
-        slot_save_path=args.slot_save_path, kv_cache_dir=args.kv_cache_dir, kv_cache_mib=args.kv_cache_mib,
-        kv_events_endpoint=args.kv_events_endpoint, kv_events_block_size=args.kv_events_block_size,
-        kv_events_to_router=args.kv_events_to_router))
+    server = WorkerServer(WorkerConfig(**model_options(args), endpoint=args.endpoint, parent_pid=parent,
+                                       credentials=credentials))
     signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
     signal.signal(signal.SIGINT, lambda *_: server.request_stop())
     return server.serve()
@@ -173,13 +168,8 @@ def serve_spare(args: argparse.Namespace, credentials: WorkerCredentials | None)
         return got
     ctx, sock, a = got
     try:
-        cfg = WorkerConfig(
-            model=a.model, gguf=a.gguf, endpoint=args.endpoint, n_ctx=a.n_ctx, chat_template=a.chat_template,
-            max_queue=a.max_queue, parallel=a.parallel, kv_budget_mib=a.kv_budget_mib, weights=a.weights,
-            n_ubatch=a.n_ubatch, parent_pid=parent, credentials=waiter.credentials,
-            slot_save_path=a.slot_save_path, kv_cache_dir=a.kv_cache_dir, kv_cache_mib=a.kv_cache_mib,
-            kv_events_endpoint=a.kv_events_endpoint, kv_events_block_size=a.kv_events_block_size,
-            kv_events_to_router=a.kv_events_to_router)
+        cfg = WorkerConfig(**model_options(a), endpoint=args.endpoint, parent_pid=parent,
+                           credentials=waiter.credentials)
     except ValueError as e:  # the codec checked the values; a defect here is a bug, said as a load failure
         from protocol import Error, encode
         from protocol.errors import ErrorCode

@@ -12,7 +12,7 @@ from typing import Any
 import psutil
 
 from protocol import WorkerCredentials
-from protocol.kv_events import DEFAULT_BLOCK_SIZE
+from protocol.lifecycle import ModelOptions
 from protocol.limits import DEFAULT_KV_BUDGET_MIB
 
 __all__ = ["ParentWatch", "WorkerConfig", "default_loader"]
@@ -34,9 +34,10 @@ def default_loader(gguf_path: str, n_ctx: int | None, chat_template: str | None,
                        progress=progress, **extra)
 
 
-@dataclass
-class WorkerConfig:
-    """What one worker serves and how it behaves.
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig(ModelOptions):
+    """What one worker serves and how it behaves: its model options (``protocol.ModelOptions``,
+    the same for a worker started for its model and for a spare given it) and these.
 
     model: configured model name (echoed in Hello / Ready).
     gguf: path of the GGUF file.
@@ -67,16 +68,7 @@ class WorkerConfig:
     kv_events_to_router: also send them to the router as KvEvents frames.
     """
 
-    model: str
-    gguf: str
     endpoint: str
-    n_ctx: int | None = None
-    chat_template: str | None = None
-    max_queue: int = 8
-    parallel: int = 1
-    kv_budget_mib: float | None = None
-    weights: str | None = None  # "quantized" | "f32"; None: the engine's default
-    n_ubatch: int | None = None  # tokens of a prompt's micro-batch; None: the engine's default (512)
     parent_pid: int | None = None
     shutdown_grace_s: float = 3.0
     parent_gone_grace_s: float = 0.0
@@ -84,12 +76,6 @@ class WorkerConfig:
     parent_check_s: float = 0.2
     linger_ms: int = 1000
     credentials: WorkerCredentials | None = None
-    slot_save_path: str | None = None
-    kv_cache_dir: str | None = None
-    kv_cache_mib: float = 1024.0
-    kv_events_endpoint: str | None = None
-    kv_events_block_size: int = DEFAULT_BLOCK_SIZE
-    kv_events_to_router: bool = False
 
     @property
     def kv_events(self) -> bool:

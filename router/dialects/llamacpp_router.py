@@ -54,7 +54,7 @@ from starlette.routing import Route
 from protocol import SLOT_ACTIONS, SlotAction, SlotActionResult, slot_filename_error
 from router.http.errors import ApiError, BadGateway, BadRequest, NotSupported, Unavailable, error_response, redact_paths
 from router.dialects.shared import RANDOM_SEED, build_info
-from router.serving.calls import call_worker
+from router.serving.calls import call_worker, model_ready
 from router.serving.generation import LLAMACPP_DEFAULTS
 from router.http.http_server import STALLED_READERS
 from router.workers import gguf_meta
@@ -109,12 +109,14 @@ def _autoload(request: Request) -> bool:
 
 
 async def _ready(request: Request, slot: ModelSlot) -> None:
-    """Wait until ``slot`` is ready, loading it unless ``?autoload=false``."""
-    if slot.state is WorkerState.READY:
+    """Wait until ``slot``'s model is ready (with replicas: one of them), loading it unless
+    ``?autoload=false``."""
+    replicas = slot.replica_set()
+    if slot.state is WorkerState.READY or (replicas is not None and replicas.ready()):
         return
     if not _autoload(request):
         raise ModelNotLoaded(f"model '{slot.model.name}' is not loaded ({slot.state.value})", param="model")
-    await until_disconnect(request.receive, slot.ready_worker())
+    await until_disconnect(request.receive, model_ready(slot))
 
 
 def chat_template(slot: ModelSlot) -> str:

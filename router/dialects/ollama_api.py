@@ -40,6 +40,7 @@ from router.http.responses import JSONResponse
 from router.http.sse import SSEResponse, until_disconnect
 from router.metrics import label_request
 from router.serving import keep_alive as keepalive  # the module (handlers have a keep_alive value)
+from router.serving.calls import model_ready
 from router.serving.generation import new_id
 from router.serving.models import ModelPool, ModelSlot
 
@@ -66,7 +67,7 @@ async def _load_or_unload(request: Request, slot: ModelSlot, model: str, keep_al
     else:
         slot.set_keep_alive(keepalive.apply(request.state, getattr(request.state, "json_body", None),
                                              request.app.state.pool.config.server.max_keep_alive_s))
-        await until_disconnect(request.receive, slot.ready_worker())
+        await until_disconnect(request.receive, model_ready(slot))
         reason = "load"
     out: dict[str, Any] = {"model": model, "created_at": now_iso()}
     if chat:

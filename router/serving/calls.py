@@ -25,6 +25,18 @@ from router.workers.connection import WorkerUnreachable
 CALL_TIMEOUT_S = 600.0
 
 
+async def model_ready(slot: ModelSlot) -> None:
+    """Wait until the model serves, loading it: with replicas, until one is ready, every replica
+    started (``router.workers.replicas``); else until its worker is. Raises what the load failed
+    with (ApiError)."""
+    replicas = slot.replica_set()
+    if replicas is not None:
+        if replicas.ready():
+            return
+        replicas.start_others(slot)
+    await slot.ready_worker()
+
+
 async def call_worker(request: Request, slot: ModelSlot, make: Any, timeout_s: float = CALL_TIMEOUT_S,
                 param: str | None = None) -> Message:
     """Send a one-shot request (``make(id)``: tokenize, detokenize, apply-template, a slot action)

@@ -166,5 +166,14 @@ class Admission:
         self._waiting.clear()
         return out
 
+    def take_newest_waiting(self) -> Ticket | None:
+        """The request that joined this line last and still waits, removed from it (another
+        replica takes it; the older ones keep their place), else None."""
+        while self._waiting:
+            t = self._waiting.pop()
+            if t.waiting:
+                return t
+        return None
+
     def forget_running(self) -> None:
         self._running.clear()

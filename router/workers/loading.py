@@ -252,6 +252,9 @@ class Loader:
         slot.idle.watch()
         slot.pool.share_cores()
         slot.pump()
+        replicas = slot.pool.replica_set(slot.model.name)
+        if replicas is not None:  # requests queued on the others while it loaded (router.workers.replicas)
+            replicas.rebalance(slot)
         slot.pool.place()
 
     # ------------------------------------------------------------------ failures and the restart

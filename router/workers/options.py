@@ -7,6 +7,7 @@ fields are those flags). ``router.workers.launchers.local`` builds its command l
 from __future__ import annotations
 
 from protocol import Assign
+from protocol.lifecycle import model_options
 from router.config import ModelConfig
 
 
@@ -25,31 +26,17 @@ def assign_for(model: ModelConfig, call_id: str) -> Assign:
 
 
 def option_args(model: ModelConfig) -> list[str]:
-    """``model``'s worker options as ``python -m worker`` flags (the fields of :func:`assign_for`)."""
+    """``model``'s worker options as ``python -m worker`` flags: each field of
+    ``protocol.ModelOptions`` of :func:`assign_for` as ``--the-field-name VALUE`` (a true bool as
+    the bare flag; None, false, ``kv_cache_mib`` without a cache directory and the events' block
+    size without events left out), and ``--threads`` when set."""
     a = assign_for(model, "options")
-    args = ["--model", a.model, "--gguf", a.gguf]
-    if a.n_ctx is not None:
-        args += ["--n-ctx", str(a.n_ctx)]
-    if a.chat_template is not None:
-        args += ["--chat-template", a.chat_template]
-    if a.threads:
-        args += ["--threads", str(a.threads)]
-    args += ["--parallel", str(a.parallel)]
-    if a.kv_budget_mib is not None:
-        args += ["--kv-budget-mib", repr(a.kv_budget_mib)]
-    if a.weights is not None:
-        args += ["--weights", a.weights]
-    if a.n_ubatch is not None:
-        args += ["--n-ubatch", str(a.n_ubatch)]
-    if a.slot_save_path is not None:
-        args += ["--slot-save-path", a.slot_save_path]
-    if a.kv_cache_dir is not None:
-        args += ["--kv-cache-dir", a.kv_cache_dir, "--kv-cache-mib", repr(a.kv_cache_mib)]
-    if a.kv_events_endpoint is not None:
-        args += ["--kv-events-endpoint", a.kv_events_endpoint]
-    if a.kv_events_to_router:
-        args += ["--kv-events-to-router"]
-    if a.kv_events_endpoint is not None or a.kv_events_to_router:
-        args += ["--kv-events-block-size", str(a.kv_events_block_size)]
-    args += ["--max-queue", str(a.max_queue)]
-    return args
+    events = a.kv_events_endpoint is not None or a.kv_events_to_router
+    args: list[str] = []
+    for name, v in model_options(a).items():
+        if v is None or v is False or (name == "kv_cache_mib" and a.kv_cache_dir is None) \
+                or (name == "kv_events_block_size" and not events):
+            continue
+        flag = "--" + name.replace("_", "-")
+        args += [flag] if v is True else [flag, repr(v) if isinstance(v, float) else str(v)]
+    return args + (["--threads", str(a.threads)] if a.threads else [])

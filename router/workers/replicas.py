@@ -14,6 +14,8 @@ asked (the slots are the state). What it decides:
   (as any worker's), and the requests still waiting in its queue move to the least loaded other
   ready replica (:meth:`ReplicaSet.rehome`) — or wait there for its restart when none is ready;
   the lost replica is placed again after its crash backoff (``router.workers.loading``);
+* a replica that becomes ready takes requests waiting on the others while that evens the load
+  (:meth:`ReplicaSet.rebalance`);
 * what ``/admin/models``, ``/slots`` and ``/metrics`` show: the model as a whole (state: the
   most available of its replicas' states; queue, running and slots summed) and each replica
   (``replica``, ``node``, ``state``, slots, load).
@@ -111,6 +113,29 @@ class ReplicaSet:
             lost.changed.set()
         return len(moved)
 
+    def rebalance(self, fresh: ModelSlot) -> int:
+        """``fresh`` has just become ready: requests waiting on the other replicas move to it while
+        that evens the load (from the most loaded, newest first: the oldest keep their place), so
+        that a burst queued while the replicas loaded does not stay behind the first one ready.
+        Returns how many moved."""
+        moved = 0
+        while True:
+            donors = [s for s in self.slots if s is not fresh and s.queue_depth > 0]
+            donor = max(donors, key=load_of, default=None)
+            if donor is None or load_of(donor) - load_of(fresh) < 2:
+                break
+            t = donor.admission.take_newest_waiting()
+            if t is None:
+                break
+            t.replica = fresh
+            fresh.admission.enqueue(t)
+            donor.changed.set()
+            moved += 1
+        if moved:
+            log.info("model %s: %d waiting request(s) moved to replica %d, ready now", self.name, moved, fresh.replica)
+            fresh.pump()
+        return moved
+
     # ------------------------------------------------------------------ views
 
     def state(self) -> WorkerState:
@@ -122,17 +147,20 @@ class ReplicaSet:
         """One replica as ``/admin/models`` and ``/models`` list it."""
         w = slot.worker or slot.loading_worker
         running, waiting = slot.admitted_split()
+        alive = w is not None and w.alive
         return {"replica": slot.replica, "node": node_of(slot),
-                "pid": w.pid if w is not None and w.alive else None, "state": slot.state.value,
+                "pid": w.pid if w is not None and alive else None,
+                "rss_bytes": slot.sample_rss(w) if w is not None and alive else None, "state": slot.state.value,
                 "condition": slot.condition(), "slots_total": slot.total_slots,
                 "slots_busy": slot.admission.n_running, "queue_depth": slot.queue_depth,
                 "load": running + waiting, "prefix_blocks": len(slot.prefix)}
 
     def describe(self, first: dict[str, Any]) -> dict[str, Any]:
         """The model's ``/admin/models`` row: replica 0's (``first``) with the model's state and its
-        queue, requests and slots summed, and ``replicas``: each replica's row."""
+        queue, requests, slots and workers' RSS summed, and ``replicas``: each replica's row."""
         rows = [self.replica_row(s) for s in self.slots]
-        return {**first, "state": self.state().value,
+        rss = [r["rss_bytes"] for r in rows if r["rss_bytes"] is not None]
+        return {**first, "state": self.state().value, "rss_bytes": sum(rss) if rss else None,
                 "queue_depth": sum(r["queue_depth"] for r in rows),
                 "in_flight": [rid for s in self.slots for rid in s.running_ids],
                 "slots_total": sum(r["slots_total"] for r in rows) or first["slots_total"] * len(rows),

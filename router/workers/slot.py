@@ -72,7 +72,8 @@ class ModelSlot(SlotFacts):
         self.pool = pool
         self.replica = replica  # its number among the model's replicas (router.workers.replicas); 0: the first
         self.prefix = PrefixIndex(model.kv_events_block_size)  # what its worker's KV cache holds (router.workers.prefix_index)
-        self._life = Lifecycle(model.name, self._on_state)  # moved only by this slot and its parts
+        # moved only by this slot and its parts; its log lines name the replica when there are several
+        self._life = Lifecycle(model.name if model.replicas == 1 else f"{model.name} replica {replica}", self._on_state)
         self.worker: WorkerProcess | None = None
         self.last_error: str | None = None
         self.last_exit_code: int | None = None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 from router.config import ConfigError, parse_config
 from tests.router.conftest import LiveRouter, dummy_gguf
 from tests.router.inproc import InProc, chat
+from tests.router.ray_cluster import ray_cluster, ray_config
 
 ray = pytest.importorskip("ray", reason="the Ray launcher's tests need the [ray] extra (installed by .[dev])")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -32,34 +32,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
     """Head (0 CPUs: the router's node, runs no worker) + nodes "a" and "b" (1 CPU each, labels
     zone=a / zone=b). The fake worker's switch file is set in the environment first: Ray's
     processes (and so the workers they start) inherit it."""
-    tmp = tmp_path_factory.mktemp("ray")
-    fake = tmp / "fake.json"
+    fake = tmp_path_factory.mktemp("ray") / "fake.json"
     fake.write_text("{}")
-    keep = {k: os.environ.get(k) for k in ("MODELYARD_FAKE_FILE", "PYTHONPATH", "RAY_USAGE_STATS_ENABLED",
-                                           "RAY_raylet_start_wait_time_s")}
-    root = str(Path(__file__).resolve().parents[2])
-    # a raylet may take more than Ray's default 30 s to register on a busy 2-core machine
-    os.environ.update(MODELYARD_FAKE_FILE=str(fake), RAY_USAGE_STATS_ENABLED="0", RAY_raylet_start_wait_time_s="180",
-                      PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    nodes = {name: c.add_node(num_cpus=1, labels={"zone": name}) for name in ("a", "b")}
-    c.wait_for_nodes()
-    try:
+    with ray_cluster(("a", "b"), env={"MODELYARD_FAKE_FILE": str(fake)}) as (c, nodes):
         yield c, nodes, fake
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        c.shutdown()
-        for k, v in keep.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _config(address: str, models: str) -> str:
-    return (f'[server]\nmodels_dir = "."\n[cluster]\nbackend = "ray"\naddress = "{address}"\n'
-            f'place_timeout_s = 120\n[defaults]\nping_interval_s = 0\n' + models)
 
 
 def _lose_host(c: Cluster, node: Any, worker_pid: int) -> None:
@@ -107,7 +83,7 @@ def test_workers_run_on_the_nodes_ray_picks(cluster: tuple[Cluster, dict[str, An
     node_b = nodes["b"].node_id
 
     async def go() -> None:
-        async with env.app(_config(c.address, models)) as (pool, client):
+        async with env.app(ray_config(c.address, models)) as (pool, client):
             assert type(pool.launcher).__name__ == "RayLauncher" and pool.curve is not None
             assert pool.launcher.endpoint().startswith("tcp://")
             # labels decide the node; the answer is served over the worker's tcp socket
@@ -141,7 +117,7 @@ def test_a_lost_node_ends_its_stream_and_the_model_is_placed_again(
     fake.write_text(json.dumps({"*": {"token_delay_s": 0.2, "length": 200}}))
     models = '[models.m]\npath = "m.gguf"\nrestart_backoff_s = 0.2\n'
     try:
-        with LiveRouter(tmp_path, _config(c.address, models)) as live, live.http(timeout=120) as client:
+        with LiveRouter(tmp_path, ray_config(c.address, models)) as live, live.http(timeout=120) as client:
             r = client.post("/v1/chat/completions", json=chat("m", max_tokens=3))
             assert r.status_code == 200, r.text
             row = _row(client.get("/admin/models").json(), "m")
@@ -173,3 +149,31 @@ def test_a_lost_node_ends_its_stream_and_the_model_is_placed_again(
             assert _row(client.get("/admin/models").json(), "m")["host"].endswith(other.node_id[:12])
     finally:
         fake.write_text("{}")
+
+
+def test_an_unreachable_cluster_address_fails_at_once_in_one_line(tmp_path: Path) -> None:
+    """``modelyard serve`` with an address no cluster answers at exits 1 with one line naming it,
+    within seconds (``ray.init`` alone retries for minutes, deaf to Ctrl-C)."""
+    import socket
+    import subprocess
+    import sys
+
+    from router.workers.launchers import LaunchError
+    from router.workers.launchers.ray import check_reachable
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(LaunchError, match=f"127.0.0.1:{port}"):
+        check_reachable(f"127.0.0.1:{port}")
+    for left_to_ray in (None, "auto", "ray://example:10001"):
+        check_reachable(left_to_ray)
+    dummy_gguf(tmp_path, "m.gguf")
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f'[server]\nmodels_dir = "."\n[cluster]\nbackend = "ray"\naddress = "127.0.0.1:{port}"\n'
+                   '[models.m]\npath = "m.gguf"\n')
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "router", "serve", "--config", str(cfg), "--port", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and time.monotonic() - t0 < 30, out
+    assert out.stderr.strip().count("\n") == 0 and f"cannot reach the Ray cluster at 127.0.0.1:{port}" in out.stderr

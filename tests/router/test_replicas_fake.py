@@ -60,6 +60,13 @@ def test_both_replicas_start_and_every_view_shows_them(tmp_path: Path, monkeypat
             assert [x["replica"] for x in row["replicas"]] == [0, 1]
             assert all(x["state"] == "ready" and x["node"] == "localhost" and x["pid"] for x in row["replicas"])
             assert row["replicas"][0]["pid"] != row["replicas"][1]["pid"]
+            # each worker's memory, and the model's as the sum of its replicas'
+            rss = [x["rss_bytes"] for x in row["replicas"]]
+            assert all(rss) and row["rss_bytes"] == sum(rss)
+            from router.cli_client import ps_rows
+
+            ps = ps_rows((await c.get("/admin/models")).json()["data"], 0.0)
+            assert ps[1][2] == f'{row["replicas"][0]["pid"]},{row["replicas"][1]["pid"]}'  # modelyard ps: both pids
             listed = next(m for m in (await c.get("/models")).json()["data"] if m["id"] == "m")
             assert [x["replica"] for x in listed["status"]["replicas"]] == [0, 1]
             slots = (await c.get("/slots", params={"model": "m"})).json()
@@ -248,5 +255,55 @@ def test_a_replica_unloaded_for_idleness_starts_again_when_requests_wait(
                 waiting = asyncio.create_task(c.post("/v1/chat/completions", json=convo("y", "hi")))
                 await until(lambda: r1.state in (WorkerState.LOADING, WorkerState.READY), "replica 1 started again")
             assert [r.status_code for r in await asyncio.gather(running, waiting)] == [200, 200]
+
+    asyncio.run(go())
+
+
+def test_a_replica_that_becomes_ready_takes_requests_queued_on_the_other(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replica 1 loads again while replica 0 serves: the burst queues on replica 0 (the only one
+    ready); once replica 1 is ready, the newest waiting move to it until the loads are even."""
+    env = InProc(tmp_path, monkeypatch)
+    env.set_fake({"*": {"max_jobs": 1}})
+
+    async def go() -> None:
+        async with env.app(config(routing="least_loaded")) as (pool, c):
+            assert (await c.post("/admin/models/load", json={"model": "m"})).status_code == 200
+            rs = pool.replica_set("m")
+            assert rs is not None
+            r0, r1 = rs.slots
+            await r1.begin_unload(reason="test")
+            await until(lambda: r1.state is WorkerState.UNLOADED, "replica 1 unloaded")
+            env.set_fake({"*": {"max_jobs": 1, "hold_load": True}})
+            with env.hold():
+                burst = [asyncio.create_task(c.post("/v1/chat/completions", json=convo(t, "[slow=0.2] [len=3] hi")))
+                         for t in "abcd"]
+                await until(lambda: r0.admission.n_running == 1 and r0.queue_depth == 3, "the burst on replica 0")
+                await until(lambda: r1.state is WorkerState.LOADING, "replica 1 loading (held)")
+            await until(lambda: r1.state is WorkerState.READY, "replica 1 ready")
+            answers = await asyncio.gather(*burst)
+            assert [a.status_code for a in answers] == [200] * 4
+            served = served_by(pool)[-4:]
+            assert served.count(1) == 2 and served.count(0) == 2, served  # 4 on replica 0 -> 2 + 2
+
+    asyncio.run(go())
+
+
+def test_slots_autoload_starts_every_replica(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A llama.cpp client's ``GET /slots?model=`` (and Ollama's empty load request) loads the
+    model as a whole: every replica starts, as for a generation."""
+    env = InProc(tmp_path, monkeypatch)
+
+    async def go() -> None:
+        async with env.app(config()) as (pool, c):
+            rs = pool.replica_set("m")
+            assert rs is not None
+            r = await c.get("/slots", params={"model": "m"})
+            assert r.status_code == 200, r.text
+            await until(lambda: all(s.state is WorkerState.READY for s in rs.slots), "both replicas ready")
+            assert (await c.post("/admin/models/unload", json={"model": "m"})).status_code == 200
+            r = await c.post("/api/generate", json={"model": "m"})  # Ollama: load
+            assert r.status_code == 200, r.text
+            await until(lambda: all(s.state is WorkerState.READY for s in rs.slots), "both replicas ready again")
 
     asyncio.run(go())

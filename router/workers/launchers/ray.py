@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 from typing import Any
 
 from protocol import WorkerCredentials
@@ -156,6 +157,22 @@ class RayHandle(ExitWatchingHandle):
         return pid in self._pids
 
 
+def check_reachable(address: str | None, timeout_s: float = 3.0) -> None:
+    """Fail at once, in one line, when ``address`` (``HOST:PORT`` of a cluster's GCS) does not answer:
+    ``ray.init`` would retry for minutes without a word, deaf to Ctrl-C. ``auto``, ``ray://`` and
+    no address (a new local instance) are left to Ray. Raises LaunchError."""
+    if not address or address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise LaunchError(f"cannot reach the Ray cluster at {address} ({e}): is `ray start --head` running "
+                          "there, and is [cluster] address its GCS address (HOST:6379 by default)?") from None
+
+
 class RayLauncher(Launcher):
     """Workers on the nodes of a Ray cluster (see the module docstring).
 
@@ -174,6 +191,7 @@ class RayLauncher(Launcher):
         self.module = module or os.environ.get(WORKER_MODULE_ENV) or "worker"
         self._own_ray = not ray.is_initialized()
         if self._own_ray:
+            check_reachable(cluster.address)
             try:
                 ray.init(address=cluster.address, namespace="modelyard", include_dashboard=False,
                          log_to_driver=False, configure_logging=False)
