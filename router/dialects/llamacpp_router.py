@@ -139,7 +139,7 @@ def generation_params(slot: ModelSlot) -> dict[str, Any]:
 
 
 def _n_ctx(slot: ModelSlot) -> int:
-    ready = slot.worker.ready if slot.worker is not None else slot.last_ready if slot.sleeping else None
+    ready = slot.ready_info or (slot.last_ready if slot.sleeping else None)
     return ready.n_ctx if ready is not None else (slot.model.n_ctx or 0)
 
 

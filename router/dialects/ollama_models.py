@@ -103,7 +103,7 @@ def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
 async def digest(slot: ModelSlot) -> str:
     """The GGUF file's SHA-256 (what Ollama's digests are): its worker's fingerprint when it
     has one, else hashed here once per file version (in a thread; cached)."""
-    ready = slot.worker.ready if slot.worker is not None else None
+    ready = slot.ready_info
     if ready is not None and ready.fingerprint:
         return ready.fingerprint
     try:
@@ -179,10 +179,10 @@ async def ps(request: Request) -> Response:
     pool: ModelPool = request.app.state.pool
     out = []
     for slot in pool.slots.values():
-        if slot.state not in LOADED or slot.worker is None or slot.worker.ready is None:
+        ready = slot.ready_info
+        if slot.state not in LOADED or ready is None:
             continue
         info = slot.describe()
-        ready = slot.worker.ready
         since = slot.last_used or slot.loaded_at or time.time()
         due, ttl = slot.expires_at(), slot.idle_ttl()  # idle_ttl_s, or the last request's keep_alive
         expires = (_iso(due) if due is not None else _iso_forever(since) if ttl is None

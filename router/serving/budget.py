@@ -45,7 +45,7 @@ def request_ceiling(slot: ModelSlot) -> tuple[int | None, str]:
     """``(tokens, what bounds it)`` one request of ``slot``'s model may ask for in all,
     or ``(None, ...)`` when nothing is known yet (no configured n_ctx, no worker)."""
     m = slot.model
-    ready = slot.worker.ready if slot.worker is not None else None
+    ready = slot.ready_info
     n_ctx = ready.n_ctx if ready is not None else m.n_ctx
     if m.max_request_tokens > 0:
         ceiling, why = m.max_request_tokens, f"max_request_tokens={m.max_request_tokens}"
@@ -90,7 +90,7 @@ def context_size(slot: ModelSlot) -> tuple[int | None, int | None]:
     the configured ``n_ctx`` or the worker's default (``min(n_ctx_train, DEFAULT_MAX_CTX)``),
     with ``n_ctx_train`` from the GGUF header (None when unreadable)."""
     m = slot.model
-    ready = slot.worker.ready if slot.worker is not None else None
+    ready = slot.ready_info
     train = ready.n_ctx_train if ready is not None else n_ctx_train(m.path)
     if ready is not None:
         return ready.n_ctx, train

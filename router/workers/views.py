@@ -111,6 +111,12 @@ class SlotFacts:
         return self.admission.busy
 
     @property
+    def ready_info(self) -> Ready | None:
+        """What the current worker said when it became ready (n_ctx, KV budget, template, ...), or
+        None while no worker is ready: the one way the layers above read the worker's Ready."""
+        return self.worker.ready if self.worker is not None else None
+
+    @property
     def total_slots(self) -> int:
         """The ready worker's KV slots (``Ready.max_jobs``); 0 when no worker is ready."""
         return self.worker.max_jobs if self.worker is not None and self.worker.ready is not None else 0

@@ -413,7 +413,7 @@ def test_the_request_ceiling_rules() -> None:
     def slot(n_ctx: int | None, cap: int = 0, budget: int = 0) -> Any:
         ready = SimpleNamespace(n_ctx=n_ctx, kv_budget_tokens=budget) if budget else None
         return SimpleNamespace(model=SimpleNamespace(name="x", n_ctx=n_ctx, max_request_tokens=cap),
-                               worker=SimpleNamespace(ready=ready) if ready else None)
+                               ready_info=ready)
 
     g = Generate(id="g", prompt="hi")
     assert check_request_budget(slot(8192), replace(g, n=4)).max_tokens == 2048  # each choice its share
