@@ -252,6 +252,16 @@ max_queue = 4
 """
 
 
+async def finished(c: Any, job_id: str) -> dict[str, Any]:
+    """The job's object once it has ended (a job records its end just after its slot is free)."""
+    for _ in range(200):
+        st: dict[str, Any] = (await c.get(f"/v1/decode/{job_id}", params={"stream": "false"})).json()
+        if st["status"] not in ("queued", "in_progress"):
+            return st
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"job {job_id} still {st['status']}")
+
+
 def test_queued_while_loading_then_runs_and_a_queued_delete_leaves_the_queue(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     env = InProc(tmp_path, monkeypatch)
@@ -265,7 +275,7 @@ def test_queued_while_loading_then_runs_and_a_queued_delete_leaves_the_queue(
                 st = (await c.get(f"/v1/decode/{first['id']}", params={"stream": "false"})).json()
                 assert st["status"] == "queued" and st["worker"] is None
             await until(lambda: not pool.get("a").busy and pool.get("a").worker is not None, "first done")
-            done = (await c.get(f"/v1/decode/{first['id']}")).json()
+            done = await finished(c, first["id"])
             assert done["status"] == "completed" and done["worker"]["fingerprint"] == "f" * 64
             assert done["result"]["choices"][0]["text"] == " w100 w101 w102"
             with env.hold():  # one slot: a held generation runs, the next one waits in the queue
@@ -278,7 +288,7 @@ def test_queued_while_loading_then_runs_and_a_queued_delete_leaves_the_queue(
                 await until(lambda: pool.get("a").queue_depth == 0, "the queue emptied")
                 assert pool.get("a").busy  # the other one goes on
             await until(lambda: not pool.get("a").busy, "the held one finished")
-            assert (await c.get(f"/v1/decode/{running['id']}")).json()["status"] == "completed"
+            assert (await finished(c, running["id"]))["status"] == "completed"
             assert (await c.get(f"/v1/decode/{queued['id']}")).status_code == 404
             log = [json.loads(line) for line in env.fake_log.read_text().splitlines()]
             assert sum(e["event"] == "generate" for e in log) == 2  # the deleted one never reached the worker

@@ -132,7 +132,9 @@ def test_a_lost_node_fails_its_stream_and_its_waiting_request_moves(
 
         def stream() -> None:
             nonlocal t_end
-            with http.stream("POST", "/v1/chat/completions", json=chat("smol", conv, 400, stream=True)) as s:
+            # ignore_eos: the answer asked for is one short sentence; the stream must outlast the host
+            with http.stream("POST", "/v1/chat/completions",
+                             json=chat("smol", conv, 600, stream=True, ignore_eos=True)) as s:
                 for line in s.iter_lines():
                     if line.startswith("data: {"):
                         events.append(json.loads(line[6:]))
