@@ -6,7 +6,11 @@ events are not held back: a client's first-byte timeout sees what it would see
 without the proxy), and writes each exchange to ``out_dir`` as one JSON file
 (``NNN-METHOD-path.json``: the request's method, path, headers, body; the
 response's status, headers, body text; ``consumed``: the whole upstream answer was
-handed to the harness before the connection ended). Authorization-like headers are
+handed to the harness before the connection ended — or the harness left right after
+it was handed the stream's own end event (:func:`ends_answer`: ``[DONE]``,
+``message_stop``, ``response.completed|incomplete|failed``, Ollama's ``"done": true``),
+before the proxy had read the body's closing chunk: a client may close once it has
+the whole answer, and Codex does). Authorization-like headers are
 masked. The files are the suite's artifacts: what a harness sends, kept per run,
 never committed.
 """
@@ -32,6 +36,23 @@ from starlette.routing import Route
 _HOP = {"host", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "content-length",
         "proxy-connection", "accept-encoding"}
 _SECRET = {"authorization", "x-api-key", "api-key", "cookie"}
+
+
+_END_EVENTS = (b"data: [DONE]", b'"type":"message_stop"', b'"type":"response.completed"',
+               b'"type":"response.incomplete"', b'"type":"response.failed"', b'"done":true')
+
+
+def ends_answer(tail: bytes) -> bool:
+    """True if ``tail`` (the last bytes handed to the harness) ends with a stream's own end
+    event: the last non-empty line (SSE ``data:`` or NDJSON) is one of :data:`_END_EVENTS`
+    (spaces ignored). A stream cut before it (a client that gave up) is never taken for one."""
+    lines = [ln for ln in tail.replace(b" ", b"").splitlines() if ln.strip()]
+    if not lines:
+        return False
+    last = lines[-1]
+    if last.startswith(b"event:") and len(lines) > 1:  # a closing event line split from its data
+        last = lines[-2]
+    return any(e.replace(b" ", b"") in last for e in _END_EVENTS)
 
 
 def _free_port() -> int:
@@ -118,7 +139,7 @@ class Recorder:
         out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP
                        and k.lower() != "content-encoding"}
         chunks: list[bytes] = []
-        state = {"done": False}
+        state = {"done": False, "end_delivered": False}
 
         async def body() -> AsyncIterator[bytes]:
             try:
@@ -126,7 +147,8 @@ class Recorder:
                     chunks.append(chunk)
                     if "first_byte_s" not in rec:
                         rec["first_byte_s"] = round(time.time() - rec["started"], 3)
-                    yield chunk
+                    yield chunk  # resumes once the chunk was sent to the harness
+                    state["end_delivered"] = ends_answer(b"".join(chunks[-2:]))
                 state["done"] = True
             except (httpx.HTTPError, asyncio.CancelledError) as e:
                 rec["response"]["error"] = repr(e)
@@ -140,7 +162,9 @@ class Recorder:
             if "consumed" in rec:  # once: the end of the stream or the client's leaving
                 return
             rec["response"]["body"] = _body(b"".join(chunks))
-            rec["consumed"] = state["done"]
+            rec["consumed"] = state["done"] or state["end_delivered"]
+            if not state["done"] and state["end_delivered"]:
+                rec["response"]["left_after_end_event"] = True
             rec["duration_s"] = round(time.time() - rec["started"], 3)
             self._save(rec)
 
