@@ -8,7 +8,7 @@ A worker holds a model's weights in one of the modes of :data:`~protocol.limits.
   engine's kernels read (``worker/engine/kernels/quant.py``, ``QWeight``), every other tensor (1-D
   norms, F32/F16/BF16 and the types without a kernel: Q2_K, Q3_K, Q5_K, IQ*) as float32.
 
-The router's placement turns a GGUF's tensor infos (``router.workers.gguf_meta.tensor_infos``) into the
+The router's placement turns a GGUF's tensor infos (``router.gguf_meta.tensor_infos``) into the
 bytes the worker will hold with :func:`held_bytes`, without loading anything.
 ``tests/protocol/test_weight_bytes.py`` holds this table to the forms ``quant.py`` builds (type
 by type) and the sum to the arrays of both shipped models as loaded, in both modes.

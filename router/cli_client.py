@@ -10,7 +10,7 @@ key is known), as ``router.http.auth`` checks them.
 * ``ps`` — ``GET /admin/models``, the models holding a worker (loading, ready, unresponsive,
   draining): state, pid, memory (RSS), slots busy/total, queue, load time, when it unloads.
 * ``models`` — ``GET /admin/models``, every model with its GGUF header facts
-  (``router.workers.gguf_meta.ModelInfo``); an invalid file shows its reason.
+  (``router.gguf_meta.ModelInfo``); an invalid file shows its reason.
 * ``load NAME`` / ``unload NAME`` — ``POST /admin/models/load`` / ``unload``; waits for the answer.
 * ``events`` — ``GET /admin/events?recent=N``: one line per event (``--follow``: until Ctrl-C).
 

@@ -55,7 +55,7 @@ from router.dialects.field_policy import refuse_ignored
 from router.serving.generation import OPENAI_DEFAULTS, begin, collect, new_id, read_sampling, stream
 from router.metrics import label_request
 from router.http.params import INT32_MAX, get_bool, get_float, get_int, get_str, model_of, read_json
-from router.serving.models import ModelPool, ModelSlot
+from router.serving.models import ModelPool, ServedModel
 from router.http.responses import JSONResponse
 from router.serving.server import Generation
 from router.http.set_aside import set_aside
@@ -72,7 +72,7 @@ class _Request:
     """An Anthropic request, parsed: what the Generate and the answer need."""
 
     model: str
-    slot: ModelSlot
+    slot: ServedModel
     prep: Prepared
 
 

@@ -118,17 +118,17 @@ class Job:
     # -- set by router.serving.generation.begin through request.state.run_hook
 
     def on_run(self, run: Generation, stage: str) -> None:
-        """``stage`` ``admitted`` (the run has its place in the queue; ``run.worker`` is
+        """``stage`` ``admitted`` (the run has its place in the queue; ``run.ready`` is
         set when it got its worker at once) or ``started`` (its Generate was sent)."""
         if stage == "admitted" and self._gate is not None:
-            self.model_name = run.slot.model.name
+            self.model_name = run.model_name
             gate, self._gate = self._gate, None
             gate()  # the bounds of running background work: raises before the job is admitted
         self._run = run
-        self.model = run.slot.model.name
-        w = run.worker
-        if w is not None and w.ready is not None:
-            self.worker = {"pid": w.pid, "fingerprint": w.ready.fingerprint}
+        self.model = run.model_name
+        ready = run.ready
+        if ready is not None:
+            self.worker = {"pid": run.worker_pid, "fingerprint": ready.fingerprint}
             if self.status == "queued":
                 self.status = "in_progress"
         if not self._admitted.done():

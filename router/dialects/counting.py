@@ -8,40 +8,24 @@ counting. A count is bounded by what the router lets in at all, the request body
 limit (``router.http.params.MAX_BODY_BYTES``), like ``/tokenize``. So when the generation
 path refuses the prompt for its length, :func:`count_beyond_context` answers the count:
 the worker's own figure when its refusal carries one (it tokenized the prompt), else the
-prompt rendered (``ApplyTemplate``, with the template's tools) and tokenized
-(``Tokenize``, BOS as for a generation) on the worker's text thread — never its engine.
+prompt rendered and tokenized on the worker's text thread (``router.serving.calls.prompt_ids``).
 """
 
 from __future__ import annotations
 
 from starlette.requests import Request
 
-from protocol import ApplyTemplate, ApplyTemplateResult, Generate, Tokenize, TokenizeResult
-from router.http.errors import ApiError, BadGateway, ContextLengthExceeded
-from router.serving.calls import call_worker
-from router.serving.models import ModelSlot
+from protocol import Generate
+from router.http.errors import ApiError, ContextLengthExceeded
+from router.serving.calls import call_worker, prompt_ids
+from router.serving.models import ServedModel
 
 
-async def count_prompt_tokens(request: Request, slot: ModelSlot, msg: Generate) -> int:
+async def count_prompt_tokens(request: Request, slot: ServedModel, msg: Generate) -> int:
     """The prompt tokens of ``msg`` (messages rendered with the model's template, or its
     prompt), counted on the worker's text thread; any length the body limit admits."""
-    if isinstance(msg.prompt, list):
-        return len(msg.prompt)
-    text = msg.prompt or ""
-    if msg.messages is not None:
-        ans = await call_worker(request, slot, lambda i: ApplyTemplate(id=i, messages=msg.messages or [],
-                                                                       tools=msg.tools,
-                                                                       template_kwargs=msg.template_kwargs,
-                                                                       chat_template=msg.chat_template),
-                                param="messages")
-        if not isinstance(ans, ApplyTemplateResult):
-            raise BadGateway(f"unexpected {ans.TYPE} answer to apply_template")
-        text = ans.prompt
-    tok = await call_worker(request, slot, lambda i: Tokenize(id=i, content=text, add_special=msg.add_special,
-                                                              parse_special=True), param="messages")
-    if not isinstance(tok, TokenizeResult):
-        raise BadGateway(f"unexpected {tok.TYPE} answer to tokenize")
-    return tok.tokens.count  # TokenIds: len() is its byte length
+    ids = await prompt_ids(msg, lambda make: call_worker(request, slot, make, param="messages"))
+    return ids.count  # TokenIds: len() is its byte length
 
 
 def refused_for_length(e: ApiError) -> bool:
@@ -49,7 +33,7 @@ def refused_for_length(e: ApiError) -> bool:
     return isinstance(e, ContextLengthExceeded) or e.code in ("context_length_exceeded", "kv_budget_exceeded")
 
 
-async def count_beyond_context(request: Request, slot: ModelSlot, msg: Generate, e: ApiError) -> int:
+async def count_beyond_context(request: Request, slot: ServedModel, msg: Generate, e: ApiError) -> int:
     """The count of a prompt the generation path refused for its length (``e``): the
     worker's figure when its refusal gave one, else :func:`count_prompt_tokens`."""
     n = getattr(e, "n_prompt_tokens", 0)

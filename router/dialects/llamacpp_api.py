@@ -42,10 +42,10 @@ from router.metrics import label_request
 from router.serving.calls import call_worker
 from router.serving.generation import begin, collect, error_event, stream
 from router.serving.presets import preset_template
-from router.serving.models import ModelPool, ModelSlot
+from router.serving.models import ModelPool, ServedModel
 
 
-def _slot(request: Request, body: dict[str, Any]) -> tuple[str, ModelSlot]:
+def _slot(request: Request, body: dict[str, Any]) -> tuple[str, ServedModel]:
     pool: ModelPool = request.app.state.pool
     name = model_of(body, pool.config.default_name(), pool.config.ids())
     slot = pool.get(name)
@@ -74,7 +74,7 @@ async def completion(request: Request) -> Response | SSEResponse:
     return await _stream_several(request, slot, req, answers)
 
 
-async def _stream_several(request: Request, slot: ModelSlot, req: Completion,
+async def _stream_several(request: Request, slot: ServedModel, req: Completion,
                           answers: CompletionAnswers) -> SSEResponse:
     """Several prompts, streamed: each its own run, their chunks interleaved as they come (each
     names its prompt's index), as llama-server streams the tasks of one request. The stream opens

@@ -27,9 +27,9 @@ from router.http.params import (
 )
 from router.http.sse import until_disconnect
 from router.serving.budget import RequestTooLarge, request_ceiling
-from router.serving.calls import call_worker
+from router.serving.calls import call_worker, worker_ready
 from router.serving.generation import LLAMACPP_DEFAULTS, new_id, read_sampling
-from router.serving.models import ModelSlot
+from router.serving.models import ServedModel
 
 PromptPart = str | int
 Prompt = str | list[int] | list[PromptPart]
@@ -51,7 +51,7 @@ class Completion:
     grammar_param: str | None
 
 
-async def read_completion(request: Request, slot: ModelSlot, body: dict[str, Any]) -> Completion:
+async def read_completion(request: Request, slot: ServedModel, body: dict[str, Any]) -> Completion:
     """``body`` of /completion for ``slot``'s model. Raises BadRequest naming the field at fault,
     RequestTooLarge for several prompts beyond the request's ceiling; tokenizes a mixed prompt and
     text-keyed logit_bias with the model's worker (loading it)."""
@@ -138,7 +138,7 @@ def _prompt(raw: Any, param: str) -> Prompt:
                      "{\"prompt_string\": ...} or a list of these (several prompts)", param=param)
 
 
-async def _tokenize(request: Request, slot: ModelSlot, text: str, add_special: bool, parse_special: bool,
+async def _tokenize(request: Request, slot: ServedModel, text: str, add_special: bool, parse_special: bool,
                     param: str) -> list[int]:
     ans = await call_worker(request, slot, lambda i: Tokenize(id=i, content=text, add_special=add_special,
                                                          parse_special=parse_special), param=param)
@@ -147,7 +147,7 @@ async def _tokenize(request: Request, slot: ModelSlot, text: str, add_special: b
     return list(ans.tokens.view())
 
 
-async def _mixed_ids(request: Request, slot: ModelSlot, parts: Sequence[PromptPart]) -> list[int]:
+async def _mixed_ids(request: Request, slot: ServedModel, parts: Sequence[PromptPart]) -> list[int]:
     """A mixed prompt's token ids, as llama-server's ``tokenize_mixed``: each string tokenized
     with special tokens parsed, the first element (only) with the model's BOS when it is a string;
     ids kept as they are."""
@@ -160,7 +160,7 @@ async def _mixed_ids(request: Request, slot: ModelSlot, parts: Sequence[PromptPa
     return out
 
 
-async def _text_logit_bias(request: Request, slot: ModelSlot, body: dict[str, Any]) -> dict[str, Any]:
+async def _text_logit_bias(request: Request, slot: ServedModel, body: dict[str, Any]) -> dict[str, Any]:
     """``body`` with llama-server's text-keyed ``logit_bias`` entries (``{"Hello": -1}``,
     ``[["Hello", false]]``) turned into one entry per token of the text (tokenized without
     special tokens, as llama-server does); entries keyed by token id are left as they are."""
@@ -182,7 +182,7 @@ async def _text_logit_bias(request: Request, slot: ModelSlot, body: dict[str, An
     return {**body, "logit_bias": out}
 
 
-async def _shared_n_predict(request: Request, slot: ModelSlot, k: int, max_tokens: int | None) -> int | None:
+async def _shared_n_predict(request: Request, slot: ServedModel, k: int, max_tokens: int | None) -> int | None:
     """The ``n_predict`` each of ``k`` prompts of one request gets: its total work is bounded
     as ``n`` choices' is (``router.serving.budget``): without ``n_predict`` each takes an equal share
     of the model's request ceiling; with one, ``k`` x ``n_predict`` beyond it is a 400 naming
@@ -190,8 +190,7 @@ async def _shared_n_predict(request: Request, slot: ModelSlot, k: int, max_token
     first then (as a tokenize call would load it)."""
     ceiling, why = request_ceiling(slot)
     if ceiling is None:
-        with slot.holding():
-            await until_disconnect(request.receive, slot.ready_worker())
+        await until_disconnect(request.receive, worker_ready(slot))
         ceiling, why = request_ceiling(slot)
         if ceiling is None:
             return max_tokens

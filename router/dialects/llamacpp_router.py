@@ -57,11 +57,19 @@ from router.dialects.shared import RANDOM_SEED, build_info
 from router.serving.calls import call_worker, model_ready
 from router.serving.generation import LLAMACPP_DEFAULTS
 from router.http.http_server import STALLED_READERS
-from router.workers import gguf_meta
+from router import gguf_meta
 from router.metrics import label_request
 from router.http.params import get_str, read_json
-from router.serving.models import ModelPool, ModelSlot
-from router.workers.lifecycle import WorkerState
+from router.serving.models import (
+    ModelPool,
+    ServedModel,
+    WorkerState,
+    begin_load,
+    begin_unload,
+    model_state,
+    replica_rows,
+    serves_now,
+)
 from router.http.responses import JSONResponse
 from router.http.security import may_load_on_get
 from router.http.sse import until_disconnect
@@ -81,7 +89,7 @@ def _pool(request: Request) -> ModelPool:
     return pool
 
 
-def _named_slot(request: Request, name: str | None) -> ModelSlot | None:
+def _named_slot(request: Request, name: str | None) -> ServedModel | None:
     """The slot of ``name``; without a name, the only model (None when there are several)."""
     pool = _pool(request)
     if name is None:
@@ -93,7 +101,7 @@ def _named_slot(request: Request, name: str | None) -> ModelSlot | None:
     return slot
 
 
-def _query_slot(request: Request) -> ModelSlot:
+def _query_slot(request: Request) -> ServedModel:
     slot = _named_slot(request, request.query_params.get("model"))
     if slot is None:
         raise BadRequest(f"the 'model' query parameter is required; available models: "
@@ -108,23 +116,22 @@ def _autoload(request: Request) -> bool:
     return v in ("1", "true", "yes", "") and may_load_on_get(request.headers)
 
 
-async def _ready(request: Request, slot: ModelSlot) -> None:
+async def _ready(request: Request, slot: ServedModel) -> None:
     """Wait until ``slot``'s model is ready (with replicas: one of them), loading it unless
     ``?autoload=false``."""
-    replicas = slot.replica_set()
-    if slot.state is WorkerState.READY or (replicas is not None and replicas.ready()):
+    if serves_now(slot):
         return
     if not _autoload(request):
         raise ModelNotLoaded(f"model '{slot.model.name}' is not loaded ({slot.state.value})", param="model")
     await until_disconnect(request.receive, model_ready(slot))
 
 
-def chat_template(slot: ModelSlot) -> str:
+def chat_template(slot: ServedModel) -> str:
     """The configured template (text or built-in name), else the GGUF's own, else ""."""
     return gguf_meta.chat_template(slot.model.chat_template, slot.model.path)
 
 
-def generation_params(slot: ModelSlot) -> dict[str, Any]:
+def generation_params(slot: ServedModel) -> dict[str, Any]:
     """``/completion``'s defaults for this model, in llama.cpp's ``params`` names."""
     d = {**LLAMACPP_DEFAULTS, **slot.model.sampling}
     seed = d["seed"]
@@ -138,7 +145,7 @@ def generation_params(slot: ModelSlot) -> dict[str, Any]:
     }
 
 
-def _n_ctx(slot: ModelSlot) -> int:
+def _n_ctx(slot: ServedModel) -> int:
     ready = slot.ready_info or (slot.last_ready if slot.sleeping else None)
     return ready.n_ctx if ready is not None else (slot.model.n_ctx or 0)
 
@@ -239,18 +246,17 @@ async def slot_action(request: Request) -> Response:
 # ----------------------------------------------------------------------------- /models
 
 
-def _status(slot: ModelSlot) -> dict[str, Any]:
-    replicas = slot.replica_set()
-    state = replicas.state() if replicas is not None else slot.state  # replicas: the model as a whole
+def _status(slot: ServedModel) -> dict[str, Any]:
+    state = model_state(slot)  # replicas: the model as a whole
     value = {WorkerState.UNLOADED: "unloaded", WorkerState.LOADING: "loading", WorkerState.READY: "loaded",
              WorkerState.UNRESPONSIVE: "loaded", WorkerState.DRAINING: "loaded",
              WorkerState.FAILED: "unloaded"}[state]
     status: dict[str, Any] = {"value": value, "state": state.value}
-    if replicas is not None:  # each replica: its node, state, slots, load (router.workers.replicas)
-        status["replicas"] = [replicas.replica_row(r) for r in replicas.slots]
-    w = slot.worker
-    if w is not None and w.command:
-        status["args"] = [redact_paths(a) for a in w.command]  # a client's view: no paths, no endpoints
+    rows = replica_rows(slot)
+    if rows is not None:  # each replica: its node, state, slots, load
+        status["replicas"] = rows
+    if slot.worker_command:
+        status["args"] = [redact_paths(a) for a in slot.worker_command]  # a client's view: no paths, no endpoints
     if slot.state is WorkerState.FAILED:
         status["failed"] = True
         status["exit_code"] = slot.last_exit_code
@@ -260,7 +266,7 @@ def _status(slot: ModelSlot) -> dict[str, Any]:
     return status
 
 
-def model_entry(slot: ModelSlot) -> dict[str, Any]:
+def model_entry(slot: ServedModel) -> dict[str, Any]:
     """One ``/models`` entry in llama.cpp router shape."""
     m = slot.model
     return {
@@ -280,7 +286,7 @@ async def list_models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [model_entry(s) for s in _pool(request).slots.values()]})
 
 
-async def _body_slot(request: Request) -> ModelSlot:
+async def _body_slot(request: Request) -> ServedModel:
     body = await read_json(request)
     slot = _named_slot(request, get_str(body, "model", None))
     if slot is None:
@@ -291,8 +297,7 @@ async def _body_slot(request: Request) -> ModelSlot:
 
 async def load(request: Request) -> Response:
     slot = await _body_slot(request)
-    replicas = slot.replica_set()  # replicas = N: each one loads
-    if not (replicas.begin_load() if replicas is not None else slot.begin_load()):
+    if not begin_load(slot):  # replicas = N: each one loads
         raise BadRequest(f"model '{slot.model.name}' is already running ({slot.state.value})",
                          code="model_already_loaded", param="model")
     return JSONResponse({"success": True})
@@ -304,11 +309,7 @@ async def unload(request: Request) -> Response:
                           WorkerState.DRAINING):
         raise BadRequest(f"model '{slot.model.name}' is not running ({slot.state.value})",
                          code="model_not_running", param="model")
-    replicas = slot.replica_set()
-    if replicas is not None:
-        replicas.begin_unload()
-    else:
-        slot.begin_unload()
+    begin_unload(slot)  # replicas = N: each one unloads
     return JSONResponse({"success": True})
 
 
@@ -320,8 +321,7 @@ async def model_health(request: Request, name: str) -> Response:
     load unless autoload=false)."""
     slot = _pool(request).get(name)
     label_request(request, slot.model.name)
-    replicas = slot.replica_set()
-    state = replicas.state() if replicas is not None else slot.state  # replicas: the model as a whole
+    state = model_state(slot)  # replicas: the model as a whole
     if state is WorkerState.READY:
         return JSONResponse({"status": "ok", "model": slot.model.name})
     if slot.sleeping:  # llama-server's sleeping server is healthy; its next generation wakes it
@@ -330,7 +330,7 @@ async def model_health(request: Request, name: str) -> Response:
     if state in (WorkerState.UNLOADED, WorkerState.FAILED) and _autoload(request):
         failed = state is WorkerState.FAILED
         try:  # a client's autoload waits out a crash backoff
-            replicas.begin_load(operator=False) if replicas is not None else slot.begin_load(operator=False)
+            begin_load(slot, operator=False)
         except ApiError as e:
             return error_response(e)
         err = Unavailable("Loading model" + (f" (the last load failed: {slot.last_error})" if failed else ""),

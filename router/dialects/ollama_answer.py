@@ -36,9 +36,9 @@ from router.http.params import get_bool
 from router.http.responses import JSONResponse, dumps
 from router.http.sse import SSEResponse
 from router.serving.generation import begin, collect, openai_logprob, stream, token_probs
-from router.serving.models import ModelSlot
+from router.serving.models import ServedModel
 from router.serving.server import Generation
-from router.workers.lifecycle import LOADED
+from router.serving.models import LOADED
 
 _NS_PER_MS = 1_000_000
 
@@ -100,7 +100,7 @@ class Job:
     """A parsed generation request: what to run and how to answer."""
 
     model: str  # the name the client used (echoed back)
-    slot: ModelSlot
+    slot: ServedModel
     msg: Generate
     prep: Prepared | None  # chat: tools and the parser
     constraint_param: str | None

@@ -42,7 +42,7 @@ from router.metrics import label_request
 from router.serving import keep_alive as keepalive  # the module (handlers have a keep_alive value)
 from router.serving.calls import model_ready
 from router.serving.generation import new_id
-from router.serving.models import ModelPool, ModelSlot
+from router.serving.models import ModelPool, ServedModel
 
 def _is_operator(request: Request) -> bool:
     """The request may unload a model: no ``admin_key`` is configured, or it bears that key."""
@@ -54,7 +54,7 @@ def _is_operator(request: Request) -> bool:
     return hmac.compare_digest(given.encode(), admin_key.encode())
 
 
-async def _load_or_unload(request: Request, slot: ModelSlot, model: str, keep_alive: float | None,
+async def _load_or_unload(request: Request, slot: ServedModel, model: str, keep_alive: float | None,
                           *, chat: bool) -> Response:
     """Ollama's empty request: load the model (``done_reason: "load"``), or with
     ``keep_alive: 0`` unload it (``"unload"``)."""
@@ -84,7 +84,7 @@ async def _load_or_unload(request: Request, slot: ModelSlot, model: str, keep_al
 # ----------------------------------------------------------------------------- routes: generation
 
 
-async def _open(request: Request, route: str) -> tuple[dict[str, Any], str, ModelSlot]:
+async def _open(request: Request, route: str) -> tuple[dict[str, Any], str, ServedModel]:
     """The request's body, the model's name as the client gave it and its slot, after the checks
     every generation route makes first (other dialects' fields, ``think``)."""
     body = await read_body(request)

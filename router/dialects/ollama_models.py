@@ -22,9 +22,9 @@ from router.http.errors import NotFound
 from router.http.params import get_bool, read_json
 from router.http.responses import JSONResponse
 from router.metrics import label_request
-from router.serving.models import ModelPool, ModelSlot
-from router.workers.gguf_meta import chat_template, metadata, tensor_infos
-from router.workers.lifecycle import LOADED
+from router.serving.models import ModelPool, ServedModel
+from router.gguf_meta import chat_template, metadata, tensor_infos
+from router.serving.models import LOADED
 
 #: The Ollama version ``/api/version`` reports: the API level whose fields router.dialects.ollama_api serves
 #: (tool-call ids and indexes, ``logprobs``, ``prompt_eval_cached_count``, ``capabilities`` in
@@ -100,7 +100,7 @@ def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
     return h.hexdigest()
 
 
-async def digest(slot: ModelSlot) -> str:
+async def digest(slot: ServedModel) -> str:
     """The GGUF file's SHA-256 (what Ollama's digests are): its worker's fingerprint when it
     has one, else hashed here once per file version (in a thread; cached)."""
     ready = slot.ready_info
@@ -130,7 +130,7 @@ async def tags(request: Request) -> Response:
     return JSONResponse({"models": out})
 
 
-def _parameters(slot: ModelSlot) -> str:
+def _parameters(slot: ServedModel) -> str:
     """The model's configured generation parameters, one ``name value`` a line (Ollama's
     ``parameters``): its sampling defaults, num_ctx and num_predict (config's ``n_predict``)."""
     params: list[tuple[str, Any]] = sorted(slot.model.sampling.items())
@@ -182,14 +182,13 @@ async def ps(request: Request) -> Response:
         ready = slot.ready_info
         if slot.state not in LOADED or ready is None:
             continue
-        info = slot.describe()
         since = slot.last_used or slot.loaded_at or time.time()
         due, ttl = slot.expires_at(), slot.idle_ttl()  # idle_ttl_s, or the last request's keep_alive
         expires = (_iso(due) if due is not None else _iso_forever(since) if ttl is None
                    else _iso(time.time() + ttl))  # busy: the TTL starts when it is idle
         details, _ = model_facts(slot.model.path)
         out.append({"name": tagged(slot.model.name), "model": tagged(slot.model.name),
-                    "size": info.get("rss_bytes") or slot.estimate().total,
+                    "size": slot.resident_bytes(),
                     "digest": await digest(slot), "details": details,
                     "expires_at": expires,
                     "size_vram": 0, "context_length": ready.n_ctx})

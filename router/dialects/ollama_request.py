@@ -60,7 +60,7 @@ from router.http.set_aside import set_aside
 from router.serving import keep_alive as keepalive  # the module (handlers have a keep_alive value)
 from router.serving.budget import context_size
 from router.serving.generation import read_sampling
-from router.serving.models import ModelPool, ModelSlot
+from router.serving.models import ModelPool, ServedModel
 
 #: Ollama's sampling defaults (``api.DefaultOptions``), under the model's configured ones.
 OLLAMA_DEFAULTS: dict[str, Any] = {
@@ -89,7 +89,7 @@ def tagged(name: str) -> str:
     return name if ":" in name else f"{name}:latest"
 
 
-def resolve(pool: ModelPool, name: Any) -> ModelSlot:
+def resolve(pool: ModelPool, name: Any) -> ServedModel:
     """The slot of ``name`` (a configured name or alias; ``NAME:latest`` is ``NAME``).
     Raises BadRequest for a missing name, NotFound (404) for an unknown one."""
     if not isinstance(name, str) or not name:
@@ -147,7 +147,7 @@ def read_format(body: dict[str, Any]) -> str | None:
     raise BadRequest(f"'format' must be \"json\" or a JSON Schema object, got {json.dumps(fmt)[:60]}", param="format")
 
 
-def read_options(request: Request, body: dict[str, Any], slot: ModelSlot) -> dict[str, Any]:
+def read_options(request: Request, body: dict[str, Any], slot: ServedModel) -> dict[str, Any]:
     """``options`` as the Generate's sampling fields and ``max_tokens``. Raises BadRequest
     naming ``options.<name>``."""
     opts = body.get("options")

@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from protocol import Accepted, Done, Generate, PromptProgress, Token
 from protocol.limits import MAX_N, MAX_N_PROBS
-from router.workers import gguf_meta
+from router import gguf_meta
 from router.dialects.constraints import llamacpp_constraint
 from router.dialects.shared import Prepared, prepare, read_template_kwargs
 from router.http.errors import BadRequest, NotFound
@@ -46,7 +46,7 @@ from router.serving.generation import (
 )
 from router.metrics import label_request
 from router.http.params import INT32_MAX, N_PREDICT_MIN, get_bool, get_int, model_of, get_prompt, get_str, read_json
-from router.serving.models import ModelPool, ModelSlot
+from router.serving.models import ModelPool, ServedModel
 from router.http.responses import JSONResponse
 from router.http.sse import SSEResponse, sse_event
 from router.dialects.tools import ToolCall
@@ -109,7 +109,7 @@ async def get_model(request: Request) -> Response:
 # ----------------------------------------------------------------------------- shared parsing
 
 
-def _common(body: dict[str, Any], slot: ModelSlot, prefix: str) -> dict[str, Any]:
+def _common(body: dict[str, Any], slot: ServedModel, prefix: str) -> dict[str, Any]:
     n = get_int(body, "n", 1, 1, MAX_N)  # choices: n sequences from one prefilled prompt
     max_tokens = get_int(body, "max_completion_tokens", None, 1, INT32_MAX)
     if max_tokens is None:
@@ -149,7 +149,7 @@ def _chat_finish(finish: str, calls: list[ToolCall]) -> str:
 class _Chat:
     """A validated chat request: its model, its Generate, and how to write the answer."""
 
-    slot: ModelSlot
+    slot: ServedModel
     model_name: str
     msg: Generate
     prep: Prepared
@@ -198,7 +198,7 @@ async def chat_completions(request: Request) -> Response | SSEResponse:
     chat = _read_chat(request, await read_json(request))
     run, first = await begin(request, chat.slot, chat.msg, grammar_param=chat.constraint_param,
                              early=chat.streaming)
-    assert run.worker is not None
+    assert run.granted
     created, fp = now_s(), fingerprint(run.ready)
     if not chat.streaming:
         tokens, done = await collect(request, run, first)
@@ -414,7 +414,7 @@ async def completions(request: Request) -> Response | SSEResponse:
                    grammar=grammar, return_progress=streaming and get_bool(body, "return_progress", False), **common)
 
     run, first = await begin(request, slot, msg, grammar_param=cparam, early=streaming)
-    assert run.worker is not None
+    assert run.granted
     rid, created, fp = msg.id, now_s(), fingerprint(run.ready)
     top_n = n_lp or 0
 

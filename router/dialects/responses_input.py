@@ -22,7 +22,7 @@ from router.http.params import get_bool, get_int, get_str, model_of
 from router.http.set_aside import set_aside
 from router.metrics import label_request
 from router.serving.generation import OPENAI_DEFAULTS, read_sampling
-from router.serving.models import ModelPool, ModelSlot
+from router.serving.models import ModelPool, ServedModel
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -39,7 +39,7 @@ class ResponsesRequest:
     what the response object echoes."""
 
     model: str
-    slot: ModelSlot
+    slot: ServedModel
     history: list[ChatTurn]  # conversation without the instructions (what is stored)
     prep: Prepared  # the prompt, the template's tools, the constraint, the answer's parser
     echo: dict[str, Any] = field(default_factory=dict)

@@ -16,8 +16,8 @@ from typing import Any
 
 from router.dialects.constraints import tool_constraint
 from router.http.errors import BadRequest
-from router.workers.gguf_meta import chat_template as model_chat_template
-from router.serving.models import ModelSlot
+from router.gguf_meta import chat_template as model_chat_template
+from router.serving.models import ServedModel
 from router.dialects.call_parser import CallParser
 from router.dialects.tools import (
     ChatTurn,
@@ -49,7 +49,7 @@ def _syntax_of_text(template: str) -> ToolSyntax:
     return detect_syntax(template)
 
 
-def template_syntax(slot: ModelSlot) -> ToolSyntax:
+def template_syntax(slot: ServedModel) -> ToolSyntax:
     """The tool syntax of ``slot``'s chat template (the configured one, else the GGUF's)."""
     return _syntax_of_text(model_chat_template(slot.model.chat_template, slot.model.path))
 
@@ -197,7 +197,7 @@ class Prepared:
                 "json_schema": self.json_schema, "template_kwargs": self.template_kwargs}
 
 
-def prepare(slot: ModelSlot, turns: list[ChatTurn], tools: list[Tool], choice: ToolChoice,
+def prepare(slot: ServedModel, turns: list[ChatTurn], tools: list[Tool], choice: ToolChoice,
             text_schema: str | None, format_param: str | None, tools_param: str = "tools",
             messages_param: str = "messages", allow_empty: bool = False,
             chat_template_kwargs: dict[str, Any] | None = None) -> Prepared:
@@ -248,7 +248,7 @@ def read_template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
     return dict(raw)
 
 
-def template_kwargs(slot: ModelSlot, requested: dict[str, Any] | None) -> dict[str, Any]:
+def template_kwargs(slot: ServedModel, requested: dict[str, Any] | None) -> dict[str, Any]:
     """The template variables of a chat request on ``slot``: ``enable_thinking`` from the model's
     ``reasoning`` (true unless "off", as llama.cpp's default), then the request's
     ``chat_template_kwargs`` over it (a preset's ``chat_template_kwargs`` in between, router.serving.presets)."""

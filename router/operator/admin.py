@@ -19,7 +19,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from router.workers import discovery, gguf_meta
+from router import gguf_meta
+from router.workers import discovery
 from router.http.errors import BadRequest, redact_paths
 from router.workers.events import HISTORY
 from router.metrics import label_request
@@ -39,7 +40,7 @@ def _pool(request: Request) -> OperatorPool:
 
 async def list_models(request: Request) -> Response:
     """Every configured model: state, pid, queue depth, in-flight ids, load time, last use, last error,
-    idle expiry (``expires_at``), and what its GGUF header says (``gguf``: ``router.workers.gguf_meta.ModelInfo``);
+    idle expiry (``expires_at``), and what its GGUF header says (``gguf``: ``router.gguf_meta.ModelInfo``);
     and the launcher's warm spare (``spare``: ``router.workers.launchers.Launcher.describe_spare``)."""
     pool = _pool(request)
     return JSONResponse({"object": "list", "data": await model_rows(pool),

@@ -33,15 +33,15 @@ import dataclasses
 from protocol import Generate
 from protocol.limits import DEFAULT_MAX_CTX
 from router.http.errors import BadRequest
-from router.workers.gguf_meta import n_ctx_train
-from router.workers.pool import ModelSlot
+from router.gguf_meta import n_ctx_train
+from router.serving.models import ServedModel
 
 
 class RequestTooLarge(BadRequest, code="request_too_large_for_model"):
     """400: ``n`` x ``max_tokens`` beyond what one request may ask of this model."""
 
 
-def request_ceiling(slot: ModelSlot) -> tuple[int | None, str]:
+def request_ceiling(slot: ServedModel) -> tuple[int | None, str]:
     """``(tokens, what bounds it)`` one request of ``slot``'s model may ask for in all,
     or ``(None, ...)`` when nothing is known yet (no configured n_ctx, no worker)."""
     m = slot.model
@@ -58,7 +58,7 @@ def request_ceiling(slot: ModelSlot) -> tuple[int | None, str]:
     return ceiling, why
 
 
-def check_request_budget(slot: ModelSlot, msg: Generate) -> Generate:
+def check_request_budget(slot: ServedModel, msg: Generate) -> Generate:
     """``msg`` within its model's request ceiling (see the module docstring). Raises
     RequestTooLarge (400, ``param`` ``n``)."""
     n = max(1, int(msg.n))
@@ -85,7 +85,7 @@ def check_request_budget(slot: ModelSlot, msg: Generate) -> Generate:
     return msg
 
 
-def context_size(slot: ModelSlot) -> tuple[int | None, int | None]:
+def context_size(slot: ServedModel) -> tuple[int | None, int | None]:
     """``(n_ctx, n_ctx_train)`` of a model, without loading it: its worker's when ready, else
     the configured ``n_ctx`` or the worker's default (``min(n_ctx_train, DEFAULT_MAX_CTX)``),
     with ``n_ctx_train`` from the GGUF header (None when unreadable)."""

@@ -138,9 +138,9 @@ async def _by_wire(pre: ModelSlot, slot: ModelSlot, pmsg: Generate) -> dict[str,
         nonlocal acked, result
         if isinstance(item, KVAck):
             acked = max(acked, item.seq)
-            if p_done is None and run.worker is not None:  # P's credit: it may run KV_WINDOW ahead of this
+            if p_done is None:  # P's credit: it may run KV_WINDOW ahead of this
                 try:
-                    await run.worker.send(KVAck(id=pmsg.id, seq=item.seq))
+                    await run.ack_state(item.seq)
                 except WorkerUnreachable:
                     pass  # P is gone: its stream says so
         elif isinstance(item, SlotActionResult):

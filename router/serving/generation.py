@@ -44,7 +44,7 @@ from router.http.params import (
     get_logit_bias,
     get_stop,
 )
-from router.workers.pool import ModelSlot
+from router.serving.models import ServedModel, slot_of
 from router.serving import keep_alive
 from router.serving.presets import preset_template
 from router.serving.server import Generation, submit
@@ -70,7 +70,7 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def read_sampling(body: dict[str, Any], api_defaults: dict[str, Any], slot: ModelSlot,
+def read_sampling(body: dict[str, Any], api_defaults: dict[str, Any], slot: ServedModel,
                   *, openai: bool) -> dict[str, Any]:
     """Sampling fields for Generate (llama.cpp names). Raises BadRequest naming the field.
 
@@ -102,7 +102,7 @@ def read_sampling(body: dict[str, Any], api_defaults: dict[str, Any], slot: Mode
     }
 
 
-async def begin(request: Request, slot: ModelSlot, msg: Generate, grammar_param: str | None = None, *,
+async def begin(request: Request, served: ServedModel, msg: Generate, grammar_param: str | None = None, *,
                 early: bool = False) -> tuple[Generation, Token | Done | Accepted]:
     """Admit ``msg``'s request (503 if full), wait its turn, send it, and return the
     run with its first frame: with ``early`` (a stream), the worker's Accepted — the prompt
@@ -113,6 +113,7 @@ async def begin(request: Request, slot: ModelSlot, msg: Generate, grammar_param:
     constraint (``invalid_grammar``) names ``grammar_param``, the request field it came from.
     A background job's request (``router.dialects.background``) has ``state.run_hook(run, stage)``,
     called once admitted (``"admitted"``) and once its Generate is sent (``"started"``)."""
+    slot = slot_of(served)
     rid = getattr(request.state, "request_id", "")
     if rid:
         msg = dataclasses.replace(msg, trace_id=rid)  # the worker logs it with the generation
@@ -284,7 +285,7 @@ async def stream(run: Generation, first: Token | Done | Accepted, on_frame: Form
     An ApiError mid-stream becomes one error event (``on_error``, default
     :func:`error_event`: OpenAI's shape) and ends the stream."""
     on_error = on_error or error_event
-    keepalive_s = run.slot.sse_keepalive_s
+    keepalive_s = run.server.slot.sse_keepalive_s
     getter: asyncio.Future[Token | Done | Accepted | KVChunk | PromptProgress] | None = None
     try:
         item: Token | Done | Accepted | PromptProgress = first

@@ -1,18 +1,165 @@
 """What the dialects and the operator's routes see of the models, as serving-layer types, so that
-they never import ``router.workers.pool``: the pool as a :class:`ModelPool` (its configuration, a
-model's slot by name, every slot) or, for the operator, an :class:`OperatorPool` (also its events,
-its launcher, a config reload), which ``router.workers.pool.Pool`` satisfies, and a model's slot
-as ``ModelSlot``."""
+they never import ``router.workers``.
+
+* :class:`ServedModel` — one model as a dialect sees it: its configuration, its state and
+  what its worker said when ready (facts), its KV slots, and the few actions a dialect's route
+  takes on it (keep-alive, an Ollama unload, a ``/slots`` probe). A generation goes through
+  ``router.serving.generation.begin`` (the serving layer's door: submit, iterate events,
+  cancel), one-shot worker calls through ``router.serving.calls``; neither needs more of the
+  model than this. ``router.workers.slot.ModelSlot`` satisfies it (and so does a preset's view,
+  ``router.serving.presets.PresetSlot``); only the serving layer turns it back into the slot
+  (:func:`slot_of`).
+* The model as a whole when it has replicas (``router.workers.replicas``): :func:`model_state`,
+  :func:`serves_now`, :func:`replica_rows`, :func:`begin_load`, :func:`begin_unload` — one
+  replica-aware answer for llama.cpp's routes and the operator's.
+* :class:`ModelPool` — the configured models (``request.app.state.pool``: a model by name,
+  every model); :class:`OperatorPool` — the pool as the operator's routes drive it (also its
+  events, its launcher, a config reload, the concrete slots). ``router.workers.pool.Pool``
+  satisfies both.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Any, Protocol, cast
 
-from router.config import Config
+from protocol import Ready
+from router.config import Config, ModelConfig
 from router.workers.events import EventHub
 from router.workers.launchers import Launcher
-from router.workers.slot import ModelSlot as ModelSlot  # re-exported: the dialects' type of a model
+from router.workers.lifecycle import LOADED as LOADED  # re-exported: the states a dialect reads
+from router.workers.lifecycle import WorkerState as WorkerState  # re-exported
+from router.workers.slot import ModelSlot
+
+
+class ServedModel(Protocol):
+    """One configured model as a dialect sees it (a preset's: its model's, with the preset's
+    ``model``). Read-only facts, plus the actions named; nothing of its pool, worker or process."""
+
+    @property
+    def model(self) -> ModelConfig:
+        """Its configuration (a preset's: the preset's defaults over its model's)."""
+        ...
+
+    @property
+    def state(self) -> WorkerState:
+        """Its worker's state (this slot's; the model as a whole with replicas: :func:`model_state`)."""
+        ...
+
+    @property
+    def ready_info(self) -> Ready | None:
+        """What the current worker said when ready (n_ctx, slots, template, ...); None while none is."""
+        ...
+
+    @property
+    def last_ready(self) -> Ready | None:
+        """The last worker's Ready, kept while the model sleeps (unloaded for idleness)."""
+        ...
+
+    @property
+    def sleeping(self) -> bool:
+        """Unloaded for idleness and not woken since (llama-server's ``is_sleeping``)."""
+        ...
+
+    @property
+    def total_slots(self) -> int:
+        """The ready worker's KV slots; 0 when no worker is ready."""
+        ...
+
+    @property
+    def worker_command(self) -> list[str]:
+        """The current worker's command line (the arguments it was started with, as a worker
+        started for this model); [] when no worker runs."""
+        ...
+
+    @property
+    def last_error(self) -> str | None:
+        """Why the last load failed or the worker stopped, when it did."""
+        ...
+
+    @property
+    def last_exit_code(self) -> int | None:
+        """The last worker's exit code (None: none exited)."""
+        ...
+
+    @property
+    def last_used(self) -> float | None:
+        """Unix time (s) a request last finished."""
+        ...
+
+    @property
+    def loaded_at(self) -> float | None:
+        """Unix time (s) the last worker was ready."""
+        ...
+
+    def expires_at(self) -> float | None:
+        """Unix time (s) the idle unload is due; None: not idle, or no time-to-live."""
+        ...
+
+    def idle_ttl(self) -> float | None:
+        """The idle time-to-live in force, s (``idle_ttl_s``, or the last request's keep_alive)."""
+        ...
+
+    def resident_bytes(self) -> int:
+        """Its memory: the worker's RSS when one runs, else placement's estimate once loaded, bytes."""
+        ...
+
+    def kv_slots(self) -> list[dict[str, Any]]:
+        """One entry per KV slot of the ready worker (``id``, ``id_task``, ``is_processing``,
+        ``n_past``; with replicas every replica's, also ``replica`` and ``node``)."""
+        ...
+
+    async def probe(self, timeout_s: float = 2.0) -> object:
+        """Ask the ready worker for a fresh view of its slots now (at most ``timeout_s`` s)."""
+        ...
+
+    def set_keep_alive(self, seconds: float | None) -> None:
+        """A request's keep_alive (s; inf: until unloaded; None: the config's ``idle_ttl_s``)."""
+        ...
+
+    async def unload(self, *, drain: bool = True, reason: str = "unloaded by request") -> None:
+        """Stop its worker (``drain``: running requests finish first); ends unloaded."""
+        ...
+
+
+def slot_of(model: ServedModel) -> ModelSlot:
+    """The slot behind ``model`` — the serving layer's own step from the dialects' view to the
+    workers' (a preset's view passes as its model's slot, showing the preset's ``model``)."""
+    return cast(ModelSlot, model)
+
+
+def model_state(model: ServedModel) -> WorkerState:
+    """The model's state as a whole: with replicas, theirs together (``ReplicaSet.state``)."""
+    replicas = slot_of(model).replica_set()
+    return replicas.state() if replicas is not None else model.state
+
+
+def serves_now(model: ServedModel) -> bool:
+    """Whether the model is ready now (with replicas: any of them)."""
+    replicas = slot_of(model).replica_set()
+    return model.state is WorkerState.READY or (replicas is not None and bool(replicas.ready()))
+
+
+def replica_rows(model: ServedModel) -> list[dict[str, Any]] | None:
+    """Each replica's row (node, state, slots, load: ``ReplicaSet.replica_row``); None without replicas."""
+    replicas = slot_of(model).replica_set()
+    return [replicas.replica_row(r) for r in replicas.slots] if replicas is not None else None
+
+
+def begin_load(model: ServedModel, *, operator: bool = True) -> bool:
+    """Start loading without waiting (with replicas: each one); False when already loading or
+    loaded. Raises as ``ModelSlot.begin_load`` (Conflict, ServerShuttingDown, crash backoff)."""
+    slot = slot_of(model)
+    replicas = slot.replica_set()
+    return replicas.begin_load(operator=operator) if replicas is not None else slot.begin_load(operator=operator)
+
+
+def begin_unload(model: ServedModel) -> asyncio.Task[None]:
+    """Start draining and stopping (with replicas: each one); the task that finishes it."""
+    slot = slot_of(model)
+    replicas = slot.replica_set()
+    return replicas.begin_unload() if replicas is not None else slot.begin_unload()
 
 
 class ModelPool(Protocol):
@@ -24,18 +171,27 @@ class ModelPool(Protocol):
         ...
 
     @property
-    def slots(self) -> Mapping[str, ModelSlot]:
-        """Every configured model's slot, by model name (presets have none of their own)."""
+    def slots(self) -> Mapping[str, ServedModel]:
+        """Every configured model, by model name (presets have none of their own)."""
         ...
 
-    def get(self, name: str) -> ModelSlot:
-        """The slot of a model name or alias (a preset's: its model's slot showing the preset's
+    def get(self, name: str) -> ServedModel:
+        """The model of a name or alias (a preset's: its model's slot showing the preset's
         defaults). Raises NotFound listing the ids."""
         ...
 
 
 class OperatorPool(ModelPool, Protocol):
-    """The pool as the operator's routes drive it (``router.operator``)."""
+    """The pool as the operator's routes drive it (``router.operator``): the concrete slots too."""
+
+    @property
+    def slots(self) -> Mapping[str, ModelSlot]:
+        """Every configured model's slot, by model name."""
+        ...
+
+    def get(self, name: str) -> ModelSlot:
+        """The slot of a model name or alias. Raises NotFound listing the ids."""
+        ...
 
     @property
     def events(self) -> EventHub:

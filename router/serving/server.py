@@ -32,7 +32,8 @@ import weakref
 from collections import deque
 from typing import Any
 
-from protocol import Accepted, Done, Error, Generate, KVChunk, PromptProgress, ProtocolError, Ready, Token, encode
+from protocol import Accepted, Done, Error, Generate, KVAck, KVChunk, PromptProgress, ProtocolError, Ready, Token
+from protocol import encode
 from router.http.errors import ApiError, BadGateway, QueueFull, ServerShuttingDown, from_worker_error, unsendable
 from router.metrics import Metrics
 from router.serving.record import RecordState, RequestRecord
@@ -299,7 +300,8 @@ class ModelServer:
 class Generation:
     """A dialect's handle on one generation request (its record, through its owner).
 
-    ``await start(msg)``, ``await next()`` until a Done, ``close()`` always."""
+    ``await start(msg)``, ``await next()`` until a Done, ``close()`` always. What a dialect reads
+    of it: its id, its model's name, the granted worker's Ready and pid, the Accepted frame."""
 
     def __init__(self, server: ModelServer, record: RequestRecord) -> None:
         self.server = server
@@ -310,13 +312,19 @@ class Generation:
         return self.record.id
 
     @property
-    def slot(self) -> ModelSlot:
-        return self.server.slot
+    def model_name(self) -> str:
+        """The model's name (a preset's request: its model's)."""
+        return self.server.slot.model.name
 
     @property
-    def worker(self) -> WorkerProcess | None:
-        """The worker it was granted (None while it waits)."""
-        return self.record.worker
+    def granted(self) -> bool:
+        """It has its worker (its turn came); False while it waits."""
+        return self.record.worker is not None
+
+    @property
+    def worker_pid(self) -> int | None:
+        """The granted worker's process id (None while it waits)."""
+        return self.record.worker.pid if self.record.worker is not None else None
 
     @property
     def ready(self) -> Ready | None:
@@ -331,14 +339,21 @@ class Generation:
     def finished(self) -> bool:
         return self.record.closed
 
-    async def wait_worker(self) -> WorkerProcess:
-        return await self.server.wait_worker(self.record)
+    async def wait_worker(self) -> None:
+        """Wait for its turn (and the model's load). Raises ApiError if it will never come."""
+        await self.server.wait_worker(self.record)
 
     async def start(self, msg: Generate) -> None:
         await self.server.start(self.record, msg)
 
     async def next(self) -> Token | Done | KVChunk | Accepted | PromptProgress:
         return await self.server.next(self.record)
+
+    async def ack_state(self, seq: int) -> None:
+        """Credit its worker's state stream (a Generate with ``stream_state``): the chunks up to
+        ``seq`` were taken (``KVAck``). No-op while it waits. Raises WorkerUnreachable."""
+        if self.record.worker is not None:
+            await self.record.worker.send(KVAck(id=self.record.id, seq=seq))
 
     def close(self) -> None:
         self.server.cancel(self.record)

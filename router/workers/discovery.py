@@ -5,7 +5,7 @@ config. Config entries win: a file a table serves is not discovered again, and a
 that a table (or an alias) already uses is skipped (and said so). A file that is not a valid
 GGUF is never served; it is listed with the reason (``/admin/models``'s ``invalid``).
 
-:func:`scan` reads the directory and the files' headers (``router.workers.gguf_meta``; call it off the
+:func:`scan` reads the directory and the files' headers (``router.gguf_meta``; call it off the
 event loop), :func:`apply` makes the config the pool then serves. The router scans at start,
 on SIGHUP (with the re-read config) and on ``POST /admin/models/rescan``.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from router.workers import gguf_meta
+from router import gguf_meta
 from router.config import Config, ConfigError, ModelConfig, parse_config
 
 log = logging.getLogger("modelyard.discovery")

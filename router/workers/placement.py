@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from router.workers.gguf_meta import TensorInfo, tensor_infos
+from router.gguf_meta import TensorInfo, tensor_infos
 
 MiB = 1024 * 1024
 
@@ -75,7 +75,7 @@ def held_weight_bytes(path: Path, weights: str) -> int | None:
     sum of ``protocol.weight_bytes.held_bytes``), or None without readable tensor infos.
     Raises: ValueError for an unknown mode. Computed once per file version (size, mtime) and
     mode: placement asks on every decision, in the event loop."""
-    infos = tensor_infos(path)  # cached by the file's version (router.workers.gguf_meta)
+    infos = tensor_infos(path)  # cached by the file's version (router.gguf_meta)
     if not infos:
         return None
     return _held_sum(infos, weights)

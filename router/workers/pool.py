@@ -29,7 +29,8 @@ from router.workers import cpu_share
 from router.workers.admission import Ticket
 from router.workers.events import EventHub
 from router.workers.lifecycle import WorkerState
-from router.workers import gguf_meta, placement
+from router import gguf_meta
+from router.workers import placement
 from router.workers.launchers import Launcher
 from router.workers.launchers.local import SPARE_NAME, LocalLauncher
 from router.workers.placement import MemoryProbe

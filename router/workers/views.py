@@ -117,6 +117,12 @@ class SlotFacts:
         return self.worker.ready if self.worker is not None else None
 
     @property
+    def worker_command(self) -> list[str]:
+        """The current worker's command line (its launcher's arguments and the model's options,
+        as a worker started for this model); [] when no worker is ready."""
+        return list(self.worker.command) if self.worker is not None else []
+
+    @property
     def total_slots(self) -> int:
         """The ready worker's KV slots (``Ready.max_jobs``); 0 when no worker is ready."""
         return self.worker.max_jobs if self.worker is not None and self.worker.ready is not None else 0
@@ -201,6 +207,11 @@ class SlotFacts:
         """What this model will take once loaded (router.workers.placement.estimate)."""
         return placement.estimate(self.model.path, self.model.kv_budget_mib, self.rss_peak,
                                   weights=self.model.weights_mode)
+
+    def resident_bytes(self) -> int:
+        """Its memory, bytes: its worker's RSS (:meth:`describe`'s ``rss_bytes``; with replicas,
+        their sum) when known, else what it will take once loaded (:meth:`estimate`)."""
+        return int(self.describe().get("rss_bytes") or self.estimate().total)
 
     def seat(self) -> placement.Seat | None:
         """This model as placement sees it now, when it holds a worker (else None)."""

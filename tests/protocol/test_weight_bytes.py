@@ -1,6 +1,6 @@
 """protocol.weight_bytes — the one table of what a worker holds per weights mode and GGUF
 tensor type — against both sides: the router's reading of a GGUF's tensor infos
-(router.workers.gguf_meta) and the in-memory forms the engine builds (worker.engine.kernels.quant), type by
+(router.gguf_meta) and the in-memory forms the engine builds (worker.engine.kernels.quant), type by
 type and summed over both shipped models as loaded, in both modes."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from protocol.limits import DEFAULT_WEIGHTS, WEIGHT_MODES
 from protocol.weight_bytes import (FLOAT32_BYTES, GGML_TYPE_NAMES, LANE_ROWS, QUANTIZED_FORMS, VNNI_ENV, VNNI_FORMS,
                                    held_bytes, host_has_vnni)
-from router.workers.gguf_meta import tensor_infos
+from router.gguf_meta import tensor_infos
 from router.workers.placement import held_weight_bytes
 from tests.paths import GEMMA3_PATH, SMOLLM2_PATH
 from worker.engine.kernels import quant

@@ -94,7 +94,9 @@ def setup(monkeypatch: pytest.MonkeyPatch, chunks: list[bytes], **kw: Any) -> tu
     class FakeRun:
         def __init__(self, slot: Any, rid: str) -> None:
             pre_w.rid = rid
-            self.worker = pre_w
+
+        async def ack_state(self, seq: int) -> None:
+            await pre_w.send(KVAck(id=pre_w.rid, seq=seq))
 
         async def start(self, msg: Generate) -> None:
             assert msg.stream_state and msg.max_tokens == 1 and not msg.save_slot_to

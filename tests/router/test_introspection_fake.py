@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from protocol.limits import DEFAULT_WEIGHTS
-from router.workers.gguf_meta import read_string
+from router.gguf_meta import read_string
 from tests.router.conftest import LiveRouter, dummy_gguf
 
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"

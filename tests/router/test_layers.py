@@ -7,15 +7,18 @@ never one above)::
     dialects   router.dialects.*  (request in, events out)  |  router.operator.* (admin, status page)
     serving    router.serving.*   (the request record, admission's door, generation)
     workers    router.workers.*   (the state machine, liveness, placement, the worker connection)
-    base       router.config (its readers, its presets), router.cli_args, router.metrics, router.http.*
-               (usable by all)
+    base       router.config (its readers, its presets), router.gguf_meta (a GGUF file's header),
+               router.cli_args, router.metrics, router.http.* (usable by all)
     protocol   protocol.*          (the wire; imports neither side)
 
 Further rules: the dialect modules (one per API) import no other dialect module — what two
 share lives in ``router.dialects.shared`` (or a helper module, or lower); a dialect helper
 imports no dialect module; the dialects and the operator pages never reach past the serving
 layer into ``router.workers.pool`` / ``router.workers.process`` / ``router.workers.connection``
-(the pool and the worker connection); nothing in the router imports numpy, gguf or the ``worker`` package.
+(the pool and the worker connection); the dialects import nothing of ``router.workers`` at all, and
+no serving-layer name that is the workers' own (:data:`WORKER_NAMES`): a model is a
+``router.serving.models.ServedModel`` to them (mypy holds them to its members), a generation a
+``router.serving.server.Generation``; nothing in the router imports numpy, gguf or the ``worker`` package.
 
 An edge that breaks a rule and could not be removed yet is listed in :data:`DEBT` with the
 reason: the test fails for an unlisted edge, and also for a listed one that is gone (so the
@@ -30,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 ENTRY = {"router", "router.app", "router.cli", "router.cli_client", "router.__main__"}
-BASE = {"router.config", "router.config_readers", "router.config_presets", "router.config_cluster", "router.cli_args", "router.metrics"}
+BASE = {"router.config", "router.gguf_meta", "router.config_readers", "router.config_presets", "router.config_cluster", "router.cli_args", "router.metrics"}
 
 #: One module per API dialect (the others in router.dialects are their shared helpers).
 DIALECT_MODULES = {
@@ -42,9 +45,13 @@ DIALECT_MODULES = {
 #: What the dialects and the operator pages may not import: the pool and the worker connection.
 PAST_THE_DOOR = {"router.workers.pool", "router.workers.process", "router.workers.connection"}
 
+#: Names a dialect module never imports, from anywhere: the workers' own types, and the serving
+#: layer's step from a ServedModel back to the slot (``router.serving.models.slot_of``).
+WORKER_NAMES = {"ModelSlot", "SlotFacts", "PresetSlot", "Pool", "ReplicaSet", "WorkerProcess", "slot_of",
+                "server_of", "ModelServer", "RequestRecord"}
+
 #: Edges that break a rule today, each with why it is still here. (importer, imported).
 DEBT: dict[tuple[str, str], str] = {
-    # the other dialects type the model and the pool with router.serving.models' ModelSlot / ModelPool
 }
 
 
@@ -79,7 +86,7 @@ def _is_module(name: str) -> bool:
 
 def imports_of(path: Path) -> set[str]:
     """Every module ``path`` imports, at any depth of its code (lazy imports too), resolved
-    to module names (``from router.workers import gguf_meta`` is ``router.workers.gguf_meta``)."""
+    to module names (``from router.workers import placement`` is ``router.workers.placement``)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     me = _module_name(path)
     pkg = me if path.name == "__init__.py" else me.rpartition(".")[0]
@@ -121,6 +128,8 @@ def violations() -> dict[tuple[str, str], str]:
             elif mod.startswith("router.dialects.") and dep in DIALECT_MODULES and dep != mod:
                 who = "a dialect module" if mod in DIALECT_MODULES else "a dialect helper"
                 found[(mod, dep)] = f"{who} imports a dialect module"
+            elif mod.startswith("router.dialects") and dep.startswith("router.workers"):
+                found[(mod, dep)] = "a dialect reaches into the workers (its model is a ServedModel)"
             elif me == 4 and dep in PAST_THE_DOOR:
                 found[(mod, dep)] = "reaches past the serving layer's door"
     return found
@@ -136,6 +145,19 @@ def test_the_router_keeps_its_layers() -> None:
 def test_every_listed_debt_still_exists() -> None:
     gone = sorted(set(DEBT) - set(violations()))
     assert not gone, f"paid debt still listed in DEBT (remove it): {gone}"
+
+
+def names_imported(path: Path) -> set[str]:
+    """Every name ``path`` imports with ``from ... import NAME`` (at any depth of its code)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return {a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for a in node.names}
+
+
+def test_the_dialects_see_a_model_as_the_serving_layer_shows_it() -> None:
+    bad = {f"{_module_name(p)} imports {name}"
+           for p in sorted((ROOT / "router" / "dialects").rglob("*.py"))
+           for name in names_imported(p) & WORKER_NAMES}
+    assert not bad, "dialect modules reaching past router.serving.models.ServedModel:\n  " + "\n  ".join(sorted(bad))
 
 
 def test_protocol_imports_neither_side() -> None:

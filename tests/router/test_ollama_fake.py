@@ -24,7 +24,7 @@ import httpx
 import ollama
 import pytest
 
-from router.workers.gguf_meta import tensor_infos
+from router.gguf_meta import tensor_infos
 from tests.router.conftest import LiveRouter, dummy_gguf
 from tests.worker.tiny_gguf import write_tiny_llama
 
