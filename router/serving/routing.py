@@ -25,11 +25,12 @@ that will be ready soonest (one loading, else the least loaded) and the others s
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from protocol import ApplyTemplate, ApplyTemplateResult, Generate, Tokenize, TokenizeResult
+from protocol import Generate, Message
 from protocol.kv_events import block_hashes
+from router.serving.calls import prompt_ids
 from router.workers.lifecycle import WorkerState
 from router.workers.replicas import ReplicaSet, load_of
 from router.workers.slot import ModelSlot
@@ -75,32 +76,25 @@ def choose(loads: Sequence[int], matched: Sequence[int], n_blocks: int, *, polic
 
 
 async def prompt_tokens(slot: ModelSlot, msg: Generate) -> list[int] | None:
-    """``msg``'s prompt as token ids: given, or rendered and tokenized on ``slot``'s ready worker's
-    text thread. None when that fails (routing then goes by load)."""
+    """``msg``'s prompt as token ids (``router.serving.calls.prompt_ids``) on ``slot``'s ready worker's
+    text thread, each call within :data:`TOKENIZE_TIMEOUT_S`. None when that fails (routing then goes by load)."""
     if isinstance(msg.prompt, list):
         return list(msg.prompt)
     worker = slot.worker
     if worker is None:
         return None
+
+    async def call(make: Callable[[str], Message]) -> Message:
+        return await worker.call(make(worker.new_call_id("route")), TOKENIZE_TIMEOUT_S)
+
     try:
         with slot.holding():
-            text = msg.prompt or ""
-            if msg.messages is not None:
-                ans = await worker.call(ApplyTemplate(id=worker.new_call_id("route"), messages=msg.messages,
-                                                      tools=msg.tools, template_kwargs=msg.template_kwargs,
-                                                      chat_template=msg.chat_template), TOKENIZE_TIMEOUT_S)
-                if not isinstance(ans, ApplyTemplateResult):
-                    return None
-                text = ans.prompt
-            # as the worker tokenizes a Generate: a chat with BOS (its template markup special), a prompt as asked
-            tok = await worker.call(Tokenize(id=worker.new_call_id("route"), content=text, parse_special=True,
-                                             add_special=msg.add_special or msg.messages is not None),
-                                    TOKENIZE_TIMEOUT_S)
+            ids = await prompt_ids(msg, call)
     except Exception as e:  # noqa: BLE001 - routing by load is always a correct answer
         log.info("model %s: the prompt could not be tokenized for routing (%s: %s); routing by load",
                  slot.model.name, type(e).__name__, e)
         return None
-    return tok.tokens.tolist() if isinstance(tok, TokenizeResult) else None
+    return ids.tolist()
 
 
 @dataclass
