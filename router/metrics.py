@@ -305,47 +305,43 @@ class _LlamacppCollector:
     def collect(self) -> Iterator[Metric]:
         rows = {r.model: r for r in self._snapshot() if r.replica is None}
 
-        def counter(name: str, doc: str) -> CounterMetricFamily:
-            return CounterMetricFamily(f"llamacpp:{name}", doc, labels=["model"])
-
-        def gauge(name: str, doc: str) -> GaugeMetricFamily:
-            return GaugeMetricFamily(f"llamacpp:{name}", doc, labels=["model"])
-
-        prompt_tokens = counter("prompt_tokens", "Number of prompt tokens processed.")
-        prompt_seconds = counter("prompt_seconds", "Prompt process time")
-        predicted = counter("tokens_predicted", "Number of generation tokens processed.")
-        predicted_seconds = counter("tokens_predicted_seconds", "Predict process time")
-        n_tokens_max = gauge("n_tokens_max", "Largest observed n_tokens.")
-        prompt_tps = gauge("prompt_tokens_seconds", "Average prompt throughput in tokens/s.")
-        predicted_tps = gauge("predicted_tokens_seconds", "Average generation throughput in tokens/s.")
-        processing = gauge("requests_processing", "Number of requests processing.")
-        deferred = gauge("requests_deferred", "Number of requests deferred.")
-        kv_ratio = gauge("kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage.")
-        kv_tokens = gauge("kv_cache_tokens", "KV-cache tokens.")
-        n_decode = counter("n_decode", "Total number of llama_decode() calls")
-        busy_per_decode = gauge("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call")
+        families = [((CounterMetricFamily if counter else GaugeMetricFamily)(f"llamacpp:{name}", doc, labels=["model"]),
+                     value) for name, counter, doc, value in _LLAMACPP_FAMILIES]
         for model, t in self._totals.items():
-            prompt_tokens.add_metric([model], t.prompt_tokens)
-            prompt_seconds.add_metric([model], t.prompt_seconds)
-            predicted.add_metric([model], t.tokens_predicted)
-            predicted_seconds.add_metric([model], t.predicted_seconds)
-            n_tokens_max.add_metric([model], t.n_tokens_max)
-            prompt_tps.add_metric([model], t.window_prompt_tokens / t.window_prompt_seconds
-                                  if t.window_prompt_seconds > 0 else 0.0)
-            predicted_tps.add_metric([model], t.window_predicted_tokens / t.window_predicted_seconds
-                                     if t.window_predicted_seconds > 0 else 0.0)
+            row = rows.get(model)
+            for family, value in families:
+                family.add_metric([model], value(t, row))
             t.window_prompt_tokens = t.window_predicted_tokens = 0
             t.window_prompt_seconds = t.window_predicted_seconds = 0.0
-            row = rows.get(model)
-            processing.add_metric([model], row.running if row else 0)
-            deferred.add_metric([model], row.waiting if row else 0)
-            kv_ratio.add_metric([model], row.kv_tokens / row.kv_budget_tokens
-                                if row and row.kv_budget_tokens else 0.0)
-            kv_tokens.add_metric([model], row.kv_tokens if row else 0)
-            n_decode.add_metric([model], t.n_decode_total)
-            busy_per_decode.add_metric([model], t.n_busy_slots_total / max(t.n_decode_total, 1))
-        yield from (prompt_tokens, prompt_seconds, predicted, predicted_seconds, n_tokens_max, prompt_tps,
-                    predicted_tps, processing, deferred, kv_ratio, kv_tokens, n_decode, busy_per_decode)
+        yield from (family for family, _ in families)
+
+
+def _per_s(tokens: int, seconds: float) -> float:
+    """A throughput over a window, tokens/s (0 for an empty window)."""
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+#: llama-server's ``llamacpp:*`` families in its order: (name, a counter (else a gauge), its help, its
+#: value from a model's totals ``t`` and its gauges ``r`` (None: no row for it)).
+_LLAMACPP_FAMILIES: tuple[tuple[str, bool, str, Callable[[LlamacppTotals, ModelGauges | None], float]], ...] = (
+    ("prompt_tokens", True, "Number of prompt tokens processed.", lambda t, r: t.prompt_tokens),
+    ("prompt_seconds", True, "Prompt process time", lambda t, r: t.prompt_seconds),
+    ("tokens_predicted", True, "Number of generation tokens processed.", lambda t, r: t.tokens_predicted),
+    ("tokens_predicted_seconds", True, "Predict process time", lambda t, r: t.predicted_seconds),
+    ("n_tokens_max", False, "Largest observed n_tokens.", lambda t, r: t.n_tokens_max),
+    ("prompt_tokens_seconds", False, "Average prompt throughput in tokens/s.",
+     lambda t, r: _per_s(t.window_prompt_tokens, t.window_prompt_seconds)),
+    ("predicted_tokens_seconds", False, "Average generation throughput in tokens/s.",
+     lambda t, r: _per_s(t.window_predicted_tokens, t.window_predicted_seconds)),
+    ("requests_processing", False, "Number of requests processing.", lambda t, r: r.running if r else 0),
+    ("requests_deferred", False, "Number of requests deferred.", lambda t, r: r.waiting if r else 0),
+    ("kv_cache_usage_ratio", False, "KV-cache usage. 1 means 100 percent usage.",
+     lambda t, r: r.kv_tokens / r.kv_budget_tokens if r and r.kv_budget_tokens else 0.0),
+    ("kv_cache_tokens", False, "KV-cache tokens.", lambda t, r: r.kv_tokens if r else 0),
+    ("n_decode", True, "Total number of llama_decode() calls", lambda t, r: t.n_decode_total),
+    ("n_busy_slots_per_decode", False, "Average number of busy slots per llama_decode() call",
+     lambda t, r: t.n_busy_slots_total / max(t.n_decode_total, 1)),
+)
 
 
 def label_request(request: Request, model: str) -> None:
