@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from protocol import Ready
 from router.config import Config, ModelConfig
@@ -206,3 +206,10 @@ class OperatorPool(ModelPool, Protocol):
     def reload(self, new: Config) -> dict[str, list[str]]:
         """Apply a re-read config in one step; what was added, removed, changed."""
         ...
+
+
+if TYPE_CHECKING:  # mypy holds the workers' types to what the dialects and the operator are given
+    from router.workers.pool import Pool
+
+    def _conforms(slot: ModelSlot, pool: Pool) -> tuple[ServedModel, ModelPool, OperatorPool]:
+        return slot, pool, pool
