@@ -114,7 +114,7 @@ async def run(request: Request, job: Job, t0: float) -> Response | SSEResponse:
     was_loaded = job.slot.state in LOADED
     streaming = get_bool(await read_body(request), "stream", True)
     gen, first = await begin(request, job.slot, job.msg, grammar_param=job.constraint_param, early=streaming)
-    load_ns = 0 if was_loaded else max(0, int((gen.record.started_at - gen.record.admitted_at) * 1e9))
+    load_ns = 0 if was_loaded else max(0, int(gen.waited_s * 1e9))
     if not streaming:
         return await _whole(request, job, gen, first, t0, load_ns)
     return _stream(job, gen, first, t0, load_ns)

@@ -285,7 +285,7 @@ async def stream(run: Generation, first: Token | Done | Accepted, on_frame: Form
     An ApiError mid-stream becomes one error event (``on_error``, default
     :func:`error_event`: OpenAI's shape) and ends the stream."""
     on_error = on_error or error_event
-    keepalive_s = run.server.slot.sse_keepalive_s
+    keepalive_s = run.sse_keepalive_s
     getter: asyncio.Future[Token | Done | Accepted | KVChunk | PromptProgress] | None = None
     try:
         item: Token | Done | Accepted | PromptProgress = first

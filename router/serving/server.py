@@ -304,59 +304,71 @@ class Generation:
     of it: its id, its model's name, the granted worker's Ready and pid, the Accepted frame."""
 
     def __init__(self, server: ModelServer, record: RequestRecord) -> None:
-        self.server = server
-        self.record = record
+        self._server = server  # the record's owner; a dialect reads the record only through this handle
+        self._record = record
 
     @property
     def id(self) -> str:
-        return self.record.id
+        return self._record.id
 
     @property
     def model_name(self) -> str:
         """The model's name (a preset's request: its model's)."""
-        return self.server.slot.model.name
+        return self._server.slot.model.name
+
+    @property
+    def sse_keepalive_s(self) -> float:
+        """How long its stream may be silent before it sends a keep-alive, s."""
+        return self._server.slot.sse_keepalive_s
+
+    @property
+    def waited_s(self) -> float:
+        """From its admission to its worker granted (its wait in the queue and for the model's
+        load), s; 0 while it waits."""
+        r = self._record
+        return r.started_at - r.admitted_at if r.worker is not None else 0.0
 
     @property
     def granted(self) -> bool:
         """It has its worker (its turn came); False while it waits."""
-        return self.record.worker is not None
+        return self._record.worker is not None
 
     @property
     def worker_pid(self) -> int | None:
         """The granted worker's process id (None while it waits)."""
-        return self.record.worker.pid if self.record.worker is not None else None
+        return self._record.worker.pid if self._record.worker is not None else None
 
     @property
     def ready(self) -> Ready | None:
         """The granted worker's Ready (its model identity: fingerprint, n_ctx, ...); None while it waits."""
-        return self.record.worker.ready if self.record.worker is not None else None
+        return self._record.worker.ready if self._record.worker is not None else None
 
     @property
     def accepted(self) -> Accepted | None:
-        return self.record.accepted
+        return self._record.accepted
 
     @property
     def finished(self) -> bool:
-        return self.record.closed
+        return self._record.closed
 
     async def wait_worker(self) -> None:
         """Wait for its turn (and the model's load). Raises ApiError if it will never come."""
-        await self.server.wait_worker(self.record)
+        await self._server.wait_worker(self._record)
 
     async def start(self, msg: Generate) -> None:
-        await self.server.start(self.record, msg)
+        await self._server.start(self._record, msg)
 
     async def next(self) -> Token | Done | KVChunk | Accepted | PromptProgress:
-        return await self.server.next(self.record)
+        return await self._server.next(self._record)
 
     async def ack_state(self, seq: int) -> None:
         """Credit its worker's state stream (a Generate with ``stream_state``): the chunks up to
         ``seq`` were taken (``KVAck``). No-op while it waits. Raises WorkerUnreachable."""
-        if self.record.worker is not None:
-            await self.record.worker.send(KVAck(id=self.record.id, seq=seq))
+        if self._record.worker is not None:
+            await self._record.worker.send(KVAck(id=self._record.id, seq=seq))
 
     def close(self) -> None:
-        self.server.cancel(self.record)
+        self._server.cancel(self._record)
 
 
 _servers: weakref.WeakKeyDictionary[ModelSlot, ModelServer] = weakref.WeakKeyDictionary()
