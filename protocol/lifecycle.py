@@ -132,6 +132,13 @@ class ModelOptions:
     kv_events_to_router: bool = False
 
 
+def option_defaults() -> dict[str, Any]:
+    """Each :class:`ModelOptions` default (every field but ``model`` and ``gguf``), by name: what a
+    worker does when it is not told (``python -m worker`` without the flag). The one table of them:
+    the worker's flags and ``router.config.ModelConfig`` (config.toml's defaults) take theirs from it."""
+    return {f.name: f.default for f in dataclasses.fields(ModelOptions) if f.default is not dataclasses.MISSING}
+
+
 def model_options(source: Any) -> dict[str, Any]:
     """The :class:`ModelOptions` fields of ``source`` (an Assign, a WorkerConfig, the worker's
     parsed arguments: anything with those attributes), by name."""

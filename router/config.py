@@ -34,19 +34,25 @@ import ipaddress
 import os
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from protocol.kv_events import DEFAULT_BLOCK_SIZE
+from protocol.lifecycle import option_defaults
 from protocol.limits import DEFAULT_WEIGHTS, WEIGHT_MODES
 from router.config_cluster import REPLICA_KEYS, ClusterConfig, node_labels, one_worker_each, parse_cluster, replica_fields
 from router.config_presets import parse_presets
 from router.config_readers import ConfigError as ConfigError  # re-exported: every caller's name for it
 from router.config_readers import (
-    REASONING_MODES, SAMPLING_KEYS, check_id, no_unknown, read_aliases, read_bool, read_choice, read_float, read_int,
-    read_endpoint, read_n_predict, read_opt_dir, read_opt_str, read_sampling, read_str, replica_endpoint, table_of,
+    REASONING_MODES, SAMPLING_KEYS, TableReader, check_id, no_unknown, read_aliases, read_bool, read_choice, read_float,
+    read_int, read_endpoint, read_n_predict, read_opt_dir, read_opt_str, read_sampling, read_str, replica_endpoint,
+    table_of,
 )
+
+#: config.toml's defaults of the worker options (ModelConfig's fields named as protocol.ModelOptions'): the
+#: worker's (protocol.lifecycle.option_defaults) but ``parallel``: a served model decodes 4 sequences at once
+#: unless told (docs/configuration.md), a bare ``python -m worker`` 1. The fields below take theirs from here.
+_W: dict[str, Any] = {**option_defaults(), "parallel": 4}
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
@@ -61,13 +67,13 @@ class ModelConfig:
     name: str
     path: Path  # absolute
     aliases: tuple[str, ...] = ()
-    n_ctx: int | None = None
-    chat_template: str | None = None
+    n_ctx: int | None = _W["n_ctx"]
+    chat_template: str | None = _W["chat_template"]
     # llama.cpp's --reasoning: "auto" / "on" render the template with enable_thinking true (a reasoning
     # template opens its think block; others ignore it), "off" with enable_thinking false (it is closed);
     # a request's chat_template_kwargs.enable_thinking wins
     reasoning: str = "auto"
-    max_queue: int = 8
+    max_queue: int = _W["max_queue"]
     load_timeout_s: float = 120.0
     cancel_timeout_s: float = 10.0  # Cancel sent -> no Done within this: the worker is killed
     drain_timeout_s: float = 600.0  # unload waits this long for running requests, then cancels them
@@ -79,10 +85,10 @@ class ModelConfig:
     unresponsive_after_s: float = 3.0
     idle_ttl_s: float = 0.0  # nothing running or waiting this long: unload the worker; 0 = never
     n_threads: int | None = None  # the worker's BLAS threads (python -m worker --threads); None: environment's
-    parallel: int = 4  # KV slots: sequences the worker decodes at once (python -m worker --parallel)
-    kv_budget_mib: float | None = None  # KV memory of the worker's sequences + prefix cache; None: the worker's
-    weights: str | None = None  # "quantized" | "f32" (python -m worker --weights); None: the worker's ("f32")
-    n_ubatch: int | None = None  # tokens of a prompt's micro-batch (python -m worker --n-ubatch); None: the worker's (512)
+    parallel: int = _W["parallel"]  # KV slots: sequences the worker decodes at once (python -m worker --parallel)
+    kv_budget_mib: float | None = _W["kv_budget_mib"]  # KV memory of the worker's sequences + prefix cache; None: the worker's
+    weights: str | None = _W["weights"]  # "quantized" | "f32" (python -m worker --weights); None: the worker's ("f32")
+    n_ubatch: int | None = _W["n_ubatch"]  # tokens of a prompt's micro-batch (python -m worker --n-ubatch); None: the worker's (512)
     # crash backoff (router.workers.backoff): the n-th failure within crash_window_s waits
     # min(restart_backoff_s * 2**(n-1), restart_backoff_max_s) before the next start;
     # the max_crashes-th makes the model failed until an operator loads it
@@ -98,14 +104,14 @@ class ModelConfig:
     # slot_save_path (None: slot actions are a 501); kv_cache_dir/<model name> keeps the idle KV
     # caches across unload / eviction / stop, restored lazily on a prefix match (None: off),
     # within kv_cache_mib of disk per model
-    slot_save_path: Path | None = None
-    kv_cache_dir: Path | None = None
-    kv_cache_mib: float = 1024.0
+    slot_save_path: Path | None = _W["slot_save_path"]
+    kv_cache_dir: Path | None = _W["kv_cache_dir"]
+    kv_cache_mib: float = _W["kv_cache_mib"]
     # KV events (worker.kvevents; docs/operations.md#kv-events): the PUB endpoint its worker binds (None:
     # none) and their block size; kv_events_to_router is no key: set when the router routes by them
-    kv_events_endpoint: str | None = None
-    kv_events_block_size: int = DEFAULT_BLOCK_SIZE
-    kv_events_to_router: bool = False
+    kv_events_endpoint: str | None = _W["kv_events_endpoint"]
+    kv_events_block_size: int = _W["kv_events_block_size"]
+    kv_events_to_router: bool = _W["kv_events_to_router"]
     # disaggregated prefill/decode (router.serving.disaggregate): another configured model (same GGUF)
     # whose worker prefills this model's prompts; this model's worker decodes. None: this worker
     # does both. kv_transfer: how the KV state moves between them: "wire" (KVChunk frames
@@ -226,6 +232,8 @@ _MODEL_KEYS = {
     "kv_cache_dir", "kv_cache_mib", "prefill_model", "kv_transfer", "n_predict", "max_request_tokens", *REPLICA_KEYS,
     "background_slots", "system_prompt", "node_labels", "kv_events_endpoint", "kv_events_block_size", *SAMPLING_KEYS,
 }
+#: Each ModelConfig field's default (those without a default_factory): what a key left out of config.toml gives.
+_MODEL_DEFAULTS = {f.name: f.default for f in fields(ModelConfig) if f.default is not MISSING}
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases", "prefill_model", "kv_transfer"}
 #: ``kv_transfer`` values (router.serving.disaggregate).
 KV_TRANSFERS = ("wire", "file")
@@ -347,53 +355,45 @@ def _model(name: str, table: Any, defaults: dict[str, Any], models_dir: Path, ba
     if not gguf.is_file():
         raise ConfigError(f"{where}.path", f"no such file: {gguf}")
     aliases_raw = read_aliases(table, name, where, seen_ids, "model ")
-    n_ctx_raw = merged.get("n_ctx")
-    n_ctx = None if n_ctx_raw is None else read_int(merged, "n_ctx", src("n_ctx"), 0, 16, 1 << 20)
-    sampling = read_sampling(merged, src)
-    ping_interval = read_float(merged, "ping_interval_s", src("ping_interval_s"), 5.0, 0.0)
-    ping_timeout = read_float(merged, "ping_timeout_s", src("ping_timeout_s"), 30.0, 0.001)
+    r = TableReader(merged, src, _MODEL_DEFAULTS)
+    ping_timeout = r.real("ping_timeout_s", 0.001)
     return ModelConfig(
         name=name,
         path=gguf.resolve(),
         aliases=tuple(aliases_raw),
-        n_ctx=n_ctx,
+        n_ctx=r.opt_integer("n_ctx", 16, 1 << 20),
         chat_template=read_opt_str(merged, "chat_template", src("chat_template")),
         reasoning=read_choice(merged, "reasoning", src("reasoning"), REASONING_MODES),
-        max_queue=read_int(merged, "max_queue", src("max_queue"), 8, 0, 100_000),
-        load_timeout_s=read_float(merged, "load_timeout_s", src("load_timeout_s"), 120.0, 0.001),
-        cancel_timeout_s=read_float(merged, "cancel_timeout_s", src("cancel_timeout_s"), 10.0, 0.001),
-        drain_timeout_s=read_float(merged, "drain_timeout_s", src("drain_timeout_s"), 600.0, 0.0),
-        shutdown_grace_s=read_float(merged, "shutdown_grace_s", src("shutdown_grace_s"), 5.0, 0.0),
-        ping_interval_s=ping_interval,
+        max_queue=r.integer("max_queue", 0, 100_000),
+        load_timeout_s=r.real("load_timeout_s", 0.001),
+        cancel_timeout_s=r.real("cancel_timeout_s", 0.001),
+        drain_timeout_s=r.real("drain_timeout_s", 0.0),
+        shutdown_grace_s=r.real("shutdown_grace_s", 0.0),
+        ping_interval_s=r.real("ping_interval_s", 0.0),
         ping_timeout_s=ping_timeout,
-        unresponsive_after_s=min(ping_timeout, read_float(merged, "unresponsive_after_s",
-                                                      src("unresponsive_after_s"), 3.0, 0.001)),
-        idle_ttl_s=read_float(merged, "idle_ttl_s", src("idle_ttl_s"), 0.0, 0.0),
-        n_threads=(None if merged.get("n_threads") is None
-                   else read_int(merged, "n_threads", src("n_threads"), 1, 1, 1024)),
-        parallel=read_int(merged, "parallel", src("parallel"), 4, 1, 256),
-        kv_budget_mib=(None if merged.get("kv_budget_mib") is None
-                       else read_float(merged, "kv_budget_mib", src("kv_budget_mib"), 2048.0, 1.0, float(1 << 24))),
+        unresponsive_after_s=min(ping_timeout, r.real("unresponsive_after_s", 0.001)),
+        idle_ttl_s=r.real("idle_ttl_s", 0.0),
+        n_threads=r.opt_integer("n_threads", 1, 1024),
+        parallel=r.integer("parallel", 1, 256),
+        kv_budget_mib=r.opt_real("kv_budget_mib", 1.0, float(1 << 24)),
         weights=_weights(merged, src("weights")),
-        n_ubatch=(None if merged.get("n_ubatch") is None
-                  else read_int(merged, "n_ubatch", src("n_ubatch"), 512, 1, 65536)),
-        restart_backoff_s=read_float(merged, "restart_backoff_s", src("restart_backoff_s"), 1.0, 0.0),
-        restart_backoff_max_s=read_float(merged, "restart_backoff_max_s", src("restart_backoff_max_s"), 60.0, 0.0),
-        max_crashes=read_int(merged, "max_crashes", src("max_crashes"), 5, 1, 1_000_000),
-        crash_window_s=read_float(merged, "crash_window_s", src("crash_window_s"), 300.0, 0.0),
-        pinned=read_bool(merged, "pinned", src("pinned"), False),
+        n_ubatch=r.opt_integer("n_ubatch", 1, 65536),
+        restart_backoff_s=r.real("restart_backoff_s", 0.0),
+        restart_backoff_max_s=r.real("restart_backoff_max_s", 0.0),
+        max_crashes=r.integer("max_crashes", 1, 1_000_000),
+        crash_window_s=r.real("crash_window_s", 0.0),
+        pinned=r.flag("pinned"),
         slot_save_path=read_opt_dir(merged, "slot_save_path", src("slot_save_path"), base_dir),
         kv_cache_dir=read_opt_dir(merged, "kv_cache_dir", src("kv_cache_dir"), base_dir),
-        kv_cache_mib=read_float(merged, "kv_cache_mib", src("kv_cache_mib"), 1024.0, 0.0, float(1 << 30)),
+        kv_cache_mib=r.real("kv_cache_mib", 0.0, float(1 << 30)),
         kv_events_endpoint=read_endpoint(merged, "kv_events_endpoint", src("kv_events_endpoint"), base_dir, name),
-        kv_events_block_size=read_int(merged, "kv_events_block_size", src("kv_events_block_size"),
-                                      DEFAULT_BLOCK_SIZE, 1, 65536),
+        kv_events_block_size=r.integer("kv_events_block_size", 1, 65536),
         prefill_model=read_opt_str(table, "prefill_model", where),
         kv_transfer=_kv_transfer(table, where),
         n_predict=read_n_predict(merged, src("n_predict")),
-        max_request_tokens=read_int(merged, "max_request_tokens", src("max_request_tokens"), 0, 0, 1 << 30),
-        background_slots=read_int(merged, "background_slots", src("background_slots"), 0, 0, 100_000),
-        sampling=sampling,
+        max_request_tokens=r.integer("max_request_tokens", 0, 1 << 30),
+        background_slots=r.integer("background_slots", 0, 100_000),
+        sampling=read_sampling(merged, src),
         system_prompt=read_opt_str(merged, "system_prompt", src("system_prompt")),
         node_labels=node_labels(merged, src("node_labels")),
         **replica_fields(merged, src),

@@ -146,6 +146,33 @@ def read_float(t: dict[str, Any], key: str, where: str, default: float, lo: floa
     return float(v)
 
 
+class TableReader:
+    """Reads one model's keys: ``merged`` is its table over ``[defaults]``, ``where_of(key)`` the
+    path of the table that gave ``key``, ``defaults`` each key's value when it is absent (a
+    ModelConfig field's default: that default is written once, there). The ``opt_`` readers also
+    take an explicit absent value (TOML has no null, but a merged dict may) as absent."""
+
+    def __init__(self, merged: dict[str, Any], where_of: Callable[[str], str], defaults: dict[str, Any]) -> None:
+        self.merged, self.where_of, self.defaults = merged, where_of, defaults
+
+    def integer(self, key: str, lo: float | None = None, hi: float | None = None) -> int:
+        return read_int(self.merged, key, self.where_of(key), self.defaults[key], lo, hi)
+
+    def real(self, key: str, lo: float | None = None, hi: float | None = None) -> float:
+        return read_float(self.merged, key, self.where_of(key), self.defaults[key], lo, hi)
+
+    def flag(self, key: str) -> bool:
+        return read_bool(self.merged, key, self.where_of(key), self.defaults[key])
+
+    def opt_integer(self, key: str, lo: float, hi: float) -> int | None:
+        absent: int | None = self.defaults[key]
+        return absent if self.merged.get(key) is None else self.integer(key, lo, hi)
+
+    def opt_real(self, key: str, lo: float, hi: float) -> float | None:
+        absent: float | None = self.defaults[key]
+        return absent if self.merged.get(key) is None else self.real(key, lo, hi)
+
+
 def _range(v: float, path: str, lo: float | None, hi: float | None) -> None:
     if lo is not None and v < lo:
         raise ConfigError(path, f"must be >= {lo}, got {v}")

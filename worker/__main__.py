@@ -42,9 +42,8 @@ import signal
 import sys
 
 from protocol.credentials import WorkerCredentials
-from protocol.kv_events import DEFAULT_BLOCK_SIZE
 from protocol.limits import DEFAULT_WEIGHTS, WEIGHT_MODES
-from protocol.lifecycle import model_options
+from protocol.lifecycle import model_options, option_defaults
 
 #: Environment variables that set the BLAS / OpenMP thread pools (read when NumPy loads).
 THREAD_ENV_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
@@ -66,6 +65,7 @@ def _non_negative(s: str) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m worker", description="Serve one GGUF model to the modelyard router.")
+    d = option_defaults()  # each model option's default: protocol.ModelOptions'
     p.add_argument("--model", default=None, help="configured model name (echoed in Hello/Ready)")
     p.add_argument("--gguf", default=None, help="path of the GGUF file")
     p.add_argument("--spare", action="store_true",
@@ -73,10 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--endpoint", required=True, help="router ROUTER endpoint: ipc://PATH or tcp://HOST:PORT")
     p.add_argument("--n-ctx", type=_positive, default=None, help="KV cache size in tokens (default: engine's)")
     p.add_argument("--chat-template", default=None, help="chat template text or known name (chatml, gemma)")
-    p.add_argument("--max-queue", type=_non_negative, default=8,
-                   help="Generate requests that may wait behind the running one (default 8)")
-    p.add_argument("--parallel", type=_positive, default=1,
-                   help="KV slots: sequences decoded at once (default 1)")
+    p.add_argument("--max-queue", type=_non_negative, default=d["max_queue"],
+                   help=f"Generate requests that may wait behind the running ones (default {d['max_queue']})")
+    p.add_argument("--parallel", type=_positive, default=d["parallel"],
+                   help=f"KV slots: sequences decoded at once (default {d['parallel']})")
     p.add_argument("--kv-budget-mib", type=float, default=None,
                    help="KV memory of all sequences and cached prefixes, MiB (default: the engine's, 2048)")
     p.add_argument("--weights", choices=WEIGHT_MODES, default=None,
@@ -91,13 +91,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="directory of slot save/restore files (POST /slots/{id}?action=...); default: off")
     p.add_argument("--kv-cache-dir", default=None,
                    help="directory where idle KV caches are saved on stop and restored lazily after a load")
-    p.add_argument("--kv-cache-mib", type=float, default=1024.0,
-                   help="disk budget of --kv-cache-dir, MiB (default 1024)")
+    p.add_argument("--kv-cache-mib", type=float, default=d["kv_cache_mib"],
+                   help=f"disk budget of --kv-cache-dir, MiB (default {d['kv_cache_mib']:g})")
     p.add_argument("--kv-events-endpoint", default=None,
                    help="publish KV events (vLLM's format) on a ZeroMQ PUB socket bound here: tcp://HOST:PORT or "
                         "ipc://PATH (default: off); plaintext, unauthenticated: bind it to localhost or ipc")
-    p.add_argument("--kv-events-block-size", type=_positive, default=DEFAULT_BLOCK_SIZE,
-                   help=f"tokens per block of the KV events (default {DEFAULT_BLOCK_SIZE})")
+    p.add_argument("--kv-events-block-size", type=_positive, default=d["kv_events_block_size"],
+                   help=f"tokens per block of the KV events (default {d['kv_events_block_size']})")
     p.add_argument("--kv-events-to-router", action="store_true",
                    help="also send the KV events to the router (KvEvents frames)")
     p.add_argument("--auth-fd", type=_non_negative, default=None,
