@@ -42,6 +42,7 @@ from router.metrics import label_request
 from router.serving import keep_alive as keepalive  # the module (handlers have a keep_alive value)
 from router.serving.calls import model_ready
 from router.serving.generation import new_id
+from router.serving import models
 from router.serving.models import ModelPool, ServedModel
 
 def _is_operator(request: Request) -> bool:
@@ -62,7 +63,8 @@ async def _load_or_unload(request: Request, slot: ServedModel, model: str, keep_
         if not _is_operator(request):
             raise Forbidden("unloading a model (keep_alive 0 with an empty request) needs the admin key "
                             "(server.admin_key)", code="admin_key_required")
-        await slot.unload(reason="unloaded by an Ollama request (keep_alive 0)")
+        # the model as a whole: with replicas, every one (as /admin/models/unload)
+        await models.unload(slot, reason="unloaded by an Ollama request (keep_alive 0)")
         reason = "unload"
     else:
         slot.set_keep_alive(keepalive.apply(request.state, getattr(request.state, "json_body", None),

@@ -25,6 +25,7 @@ from router.http.errors import BadRequest, redact_paths
 from router.workers.events import HISTORY
 from router.metrics import label_request
 from router.http.params import get_str, read_json
+from router.serving import models
 from router.serving.models import OperatorPool
 from router.http.responses import JSONResponse
 from router.http.sse import SSEResponse, sse_event, until_disconnect
@@ -96,12 +97,11 @@ async def load(request: Request) -> Response:
     slot = _pool(request).get(get_str(body, "model"))
     label_request(request, slot.model.name)
     t0 = time.monotonic()
-    replicas = slot.replica_set()  # replicas = N: each one loads (router.workers.replicas)
-    load_ms = await until_disconnect(request.receive, replicas.load() if replicas is not None else slot.load())
+    load_ms = await until_disconnect(request.receive, models.load(slot))  # replicas = N: each one loads
     row = slot.describe()
     return JSONResponse({"model": slot.model.name, "state": row["state"], "load_ms": load_ms,
                          "wait_ms": (time.monotonic() - t0) * 1000, "pid": row["pid"],
-                         **({"replicas": row["replicas"]} if replicas is not None else {})})
+                         **({"replicas": row["replicas"]} if "replicas" in row else {})})
 
 
 async def unload(request: Request) -> Response:
@@ -109,9 +109,8 @@ async def unload(request: Request) -> Response:
     slot = _pool(request).get(get_str(body, "model"))
     label_request(request, slot.model.name)
     t0 = time.monotonic()
-    replicas = slot.replica_set()  # replicas = N: each one unloads
-    # not cancelled by the client leaving: an unload, once asked, completes
-    await (replicas.unload() if replicas is not None else slot.unload())
+    # replicas = N: each one unloads; not cancelled by the client leaving: an unload, once asked, completes
+    await models.unload(slot)
     return JSONResponse({"model": slot.model.name, "state": slot.describe()["state"],
                          "unload_ms": (time.monotonic() - t0) * 1000})
 

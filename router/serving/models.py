@@ -3,15 +3,15 @@ they never import ``router.workers``.
 
 * :class:`ServedModel` — one model as a dialect sees it: its configuration, its state and
   what its worker said when ready (facts), its KV slots, and the few actions a dialect's route
-  takes on it (keep-alive, an Ollama unload, a ``/slots`` probe). A generation goes through
+  takes on it (keep-alive, a ``/slots`` probe). A generation goes through
   ``router.serving.generation.begin`` (the serving layer's door: submit, iterate events,
   cancel), one-shot worker calls through ``router.serving.calls``; neither needs more of the
   model than this. ``router.workers.slot.ModelSlot`` satisfies it (and so does a preset's view,
   ``router.serving.presets.PresetSlot``); only the serving layer turns it back into the slot
   (:func:`slot_of`).
 * The model as a whole when it has replicas (``router.workers.replicas``): :func:`model_state`,
-  :func:`serves_now`, :func:`replica_rows`, :func:`begin_load`, :func:`begin_unload` — one
-  replica-aware answer for llama.cpp's routes and the operator's.
+  :func:`serves_now`, :func:`replica_rows`, :func:`begin_load`, :func:`begin_unload`, :func:`load`,
+  :func:`unload` — one replica-aware answer for llama.cpp's and Ollama's routes and the operator's.
 * :class:`ModelPool` — the configured models (``request.app.state.pool``: a model by name,
   every model); :class:`OperatorPool` — the pool as the operator's routes drive it (also its
   events, its launcher, a config reload, the concrete slots). ``router.workers.pool.Pool``
@@ -118,10 +118,6 @@ class ServedModel(Protocol):
         """A request's keep_alive (s; inf: until unloaded; None: the config's ``idle_ttl_s``)."""
         ...
 
-    async def unload(self, *, drain: bool = True, reason: str = "unloaded by request") -> None:
-        """Stop its worker (``drain``: running requests finish first); ends unloaded."""
-        ...
-
 
 def slot_of(model: ServedModel) -> ModelSlot:
     """The slot behind ``model`` — the serving layer's own step from the dialects' view to the
@@ -155,11 +151,28 @@ def begin_load(model: ServedModel, *, operator: bool = True) -> bool:
     return replicas.begin_load(operator=operator) if replicas is not None else slot.begin_load(operator=operator)
 
 
-def begin_unload(model: ServedModel) -> asyncio.Task[None]:
-    """Start draining and stopping (with replicas: each one); the task that finishes it."""
+def begin_unload(model: ServedModel, *, drain: bool = True, reason: str = "unloaded by request") -> asyncio.Task[None]:
+    """Start stopping the model's worker (with replicas: each one's; ``drain``: running requests
+    finish first, as ``ModelSlot.unload``); the task that finishes it, which runs whether or not
+    anyone awaits it."""
     slot = slot_of(model)
     replicas = slot.replica_set()
-    return replicas.begin_unload() if replicas is not None else slot.begin_unload()
+    return (replicas.begin_unload(drain=drain, reason=reason) if replicas is not None
+            else slot.begin_unload(drain=drain, reason=reason))
+
+
+async def load(model: ServedModel) -> float:
+    """Load the model and wait until it is ready (with replicas: each one); its load time, ms (with
+    replicas: the longest). Raises as ``ModelSlot.load`` (ModelLoadFailed, Conflict while draining)."""
+    slot = slot_of(model)
+    replicas = slot.replica_set()
+    return await (replicas.load() if replicas is not None else slot.load())
+
+
+async def unload(model: ServedModel, *, drain: bool = True, reason: str = "unloaded by request") -> None:
+    """:func:`begin_unload` and wait until it has ended (every replica unloaded); the unload runs
+    on if the caller is cancelled."""
+    await asyncio.shield(begin_unload(model, drain=drain, reason=reason))
 
 
 class ModelPool(Protocol):

@@ -2,7 +2,8 @@
 workers on this host: both replicas start with the first request, /admin/models, /models,
 /slots and /metrics show each replica and the model as a whole, a conversation's next turn goes
 to the replica that ran its first, a lost replica's waiting requests move to the other and the
-lost one is placed again, and /admin load / unload act on every replica."""
+lost one is placed again, /admin load / unload and Ollama's
+keep_alive 0 act on every replica."""
 
 from __future__ import annotations
 
@@ -172,6 +173,21 @@ def test_admin_unload_and_load_act_on_every_replica(tmp_path: Path, monkeypatch:
             r = await c.post("/admin/models/unload", json={"model": "m"})
             assert r.status_code == 200 and r.json()["state"] == "unloaded"
             assert all(s.state is WorkerState.UNLOADED for s in pool.every_slot())
+
+    asyncio.run(go())
+
+
+def test_an_ollama_keep_alive_0_unloads_every_replica(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ollama's empty request with ``keep_alive: 0`` unloads the model as a whole, as /admin does."""
+    env = InProc(tmp_path, monkeypatch)
+
+    async def go() -> None:
+        async with env.app(config(replicas=3)) as (pool, c):
+            assert (await c.post("/admin/models/load", json={"model": "m"})).status_code == 200
+            assert all(s.state is WorkerState.READY for s in pool.every_slot())
+            r = await c.post("/api/generate", json={"model": "m", "prompt": "", "keep_alive": 0})
+            assert r.status_code == 200 and r.json()["done_reason"] == "unload", r.text
+            assert [s.state for s in pool.every_slot()] == [WorkerState.UNLOADED] * 3
 
     asyncio.run(go())
 
