@@ -14,8 +14,8 @@ from protocol.limits import GENERATE_LIMITS
 from protocol.sampling import SAMPLING_FIELDS
 from worker.engine import EngineError, SamplingParams
 
-__all__ = ["INTERNAL_ERROR", "cancelled_done", "check_generate", "done_frame", "error_frame", "job_problem",
-           "merged_done", "sampling_params"]
+__all__ = ["INTERNAL_ERROR", "cancelled_done", "check_generate", "done_frame", "error_frame", "internal_error",
+           "job_problem", "merged_done", "sampling_params"]
 
 log = logging.getLogger("modelyard.worker")
 
@@ -27,6 +27,12 @@ def error_frame(request_id: str, e: EngineError) -> Error:
     """The Error frame of an engine failure: its code and message, and for a context overflow the
     prompt's tokens and the context size (``n_prompt_tokens`` / ``n_ctx``, as llama-server gives them)."""
     return Error(id=request_id, code=e.code, message=e.message, n_prompt_tokens=e.n_prompt_tokens, n_ctx=e.n_ctx)
+
+
+def internal_error(request_id: str, e: BaseException, doing: str = "") -> Error:
+    """The Error frame of an unexpected exception (a bug, never bad input): :data:`INTERNAL_ERROR`,
+    the exception's type and text after ``doing`` (e.g. ``"generation failed: "``), at most 1000 chars."""
+    return Error(id=request_id, code=INTERNAL_ERROR, message=f"{doing}{type(e).__name__}: {e}"[:1000])
 
 
 def check_generate(g: Generate, n_vocab: int | None = None, sampling_vocab: int | None = None) -> SamplingParams | Error:
@@ -111,7 +117,7 @@ def done_frame(f: Any, job_id: str, token_bytes: Any) -> Done | Error:
         if isinstance(e, EngineError):
             return error_frame(job_id, e)
         log.error("generation %s failed: %s: %s", f.id, type(e).__name__, e)
-        return Error(id=job_id, code=INTERNAL_ERROR, message=f"generation failed: {type(e).__name__}: {e}"[:1000])
+        return internal_error(job_id, e, "generation failed: ")
     res = f.result
     eog: dict[str, Any] = {}
     if res.eog is not None:

@@ -24,7 +24,7 @@ from protocol import Done, Error, Message, SlotAction, SlotActionResult, slot_fi
 from protocol.errors import ErrorCode
 from worker.engine import EngineError
 from worker.events import FrameOut, JobFinished, KvBatch, Persisted, RunnerEvent
-from worker.frames import INTERNAL_ERROR, error_frame
+from worker.frames import INTERNAL_ERROR, error_frame, internal_error
 
 __all__ = ["KVStates"]
 
@@ -206,7 +206,7 @@ class KVStates:
                                 message=f"cannot write {msg.filename!r}: {e.strerror or e}"[:1000])
                 else:
                     log.error("slot action %s failed:\n%s", msg.id, traceback.format_exc())
-                    err = Error(id=msg.id, code=INTERNAL_ERROR, message=f"{type(e).__name__}: {e}"[:1000])
+                    err = internal_error(msg.id, e)
                 self._post(JobFinished(msg.id, err) if op.final is not None else FrameOut(err))
 
     def _open_disk(self, engine: Any) -> None:
@@ -258,7 +258,7 @@ class KVStates:
                 answers.append(error_frame(msg.id, e))
             except Exception as e:  # noqa: BLE001 - a request never kills the worker
                 log.error("slot action %s failed:\n%s", msg.id, traceback.format_exc())
-                answers.append(Error(id=msg.id, code=INTERNAL_ERROR, message=f"{type(e).__name__}: {e}"[:1000]))
+                answers.append(internal_error(msg.id, e))
         self._deferred = waiting
         self._publish()
         for a in answers:

@@ -16,9 +16,9 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
-from protocol import Error
 from worker.engine import EngineError
-from worker.frames import INTERNAL_ERROR, error_frame
+from worker.frames import error_frame, internal_error
+from worker.inbox import InboxThread
 from worker.jobs import Job
 from worker.kvops import KVStates
 
@@ -30,28 +30,19 @@ log = logging.getLogger("modelyard.worker")
 Prepared = tuple[Job, list[int] | None, Any, Any]
 
 
-class Prep:
-    """The prep thread of one loaded engine; ``wake`` wakes the engine thread when a job is ready."""
+class Prep(InboxThread[Job]):
+    """The prep thread of one loaded engine; ``wake`` wakes the engine thread when a job is ready.
+    ``submit(job)``: prepare it (in submission order; before :meth:`start` they wait)."""
 
     def __init__(self, kv: KVStates, wake: threading.Event) -> None:
+        super().__init__("prep")
         self._kv = kv
         self._wake = wake
-        self._engine: Any = None
-        self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._ready: queue.SimpleQueue[Prepared | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._main, name="prep", daemon=True)
-
-    def start(self, engine: Any) -> None:
-        self._engine = engine
-        self._thread.start()
-
-    def submit(self, job: Job) -> None:
-        """Prepare ``job`` (in submission order; before :meth:`start` they wait)."""
-        self._inbox.put(job)
 
     def stop(self) -> None:
         """End the thread; :meth:`take_ready` then yields None (the engine thread's signal to end)."""
-        self._inbox.put(None)
+        super().stop()
         self._ready.put(None)
 
     def take_ready(self) -> Iterator[Prepared | None]:
@@ -62,19 +53,14 @@ class Prep:
             except queue.Empty:
                 return
 
-    def _main(self) -> None:
-        while True:
-            job = self._inbox.get()
-            if job is None:
-                return
-            try:
-                item = self._prepare(job)
-            except Exception as e:  # noqa: BLE001 - a bug here must still end the job with a frame
-                log.error("preparing %s crashed:\n%s", job.id, traceback.format_exc())
-                item = (job, None, Error(id=job.id, code=INTERNAL_ERROR, message=f"{type(e).__name__}: {e}"[:1000]),
-                        None)
-            self._ready.put(item)
-            self._wake.set()
+    def _handle(self, job: Job) -> None:
+        try:
+            item = self._prepare(job)
+        except Exception as e:  # noqa: BLE001 - a bug here must still end the job with a frame
+            log.error("preparing %s crashed:\n%s", job.id, traceback.format_exc())
+            item = (job, None, internal_error(job.id, e), None)
+        self._ready.put(item)
+        self._wake.set()
 
     def _prepare(self, job: Job) -> Prepared:
         g = job.msg

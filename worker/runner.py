@@ -42,7 +42,7 @@ from typing import Any
 from protocol import Accepted, Done, Error, Generate, Token
 from worker.engine import EngineError
 from worker.events import FrameOut, JobFinished, LoadFailed, LoadStep, Loaded, RunnerEvent, StateOut
-from worker.frames import INTERNAL_ERROR, cancelled_done, check_generate, done_frame, error_frame, job_problem, merged_done
+from worker.frames import cancelled_done, check_generate, done_frame, error_frame, internal_error, job_problem, merged_done
 from worker.jobs import Job, JobTable
 from worker.kvops import KVStates
 from worker.prep import Prep
@@ -274,8 +274,7 @@ class BatchRunner:
             except Exception as e:  # noqa: BLE001 - the scheduler itself failed: end every live job
                 log.error("engine step crashed:\n%s", traceback.format_exc())
                 for run in list(self._runs.values()):
-                    self._end(run.job.id, Error(id=run.job.id, code=INTERNAL_ERROR,
-                                                message=f"{type(e).__name__}: {e}"[:1000]))
+                    self._end(run.job.id, internal_error(run.job.id, e))
                 self._seq.clear()
                 reset_cache(engine)
                 continue

@@ -64,7 +64,7 @@ from worker.channel import Channel
 from worker.config import ParentWatch, WorkerConfig, default_loader
 from worker.events import (FrameOut, JobFinished, KvBatch, LoadFailed, LoadStep, Loaded, Persisted, RunnerEvent,
                            StateOut)
-from worker.frames import cancelled_done
+from worker.frames import cancelled_done, internal_error
 from worker.jobs import Job
 from worker.kvevents import KvEventSinks
 from worker.kvstream import KVStreams
@@ -250,7 +250,7 @@ class WorkerServer:
             self._dispatch(msg)
         except Exception as e:  # noqa: BLE001 - no request kills the worker
             log.error("handling %s %s failed:\n%s", msg.TYPE, msg.id, traceback.format_exc())
-            self._send(Error(id=msg.id, code=ErrorCode.INTERNAL_ERROR, message=f"{type(e).__name__}: {e}"[:1000]))
+            self._send(internal_error(msg.id, e))
 
     def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, Ping):

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import queue
-import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -21,14 +19,14 @@ from protocol import (
     ApplyTemplateResult,
     Detokenize,
     DetokenizeResult,
-    Error,
     Message,
     Tokenize,
     TokenizeResult,
 )
 from worker.engine import EngineError
 from worker.events import FrameOut, RunnerEvent
-from worker.frames import INTERNAL_ERROR, error_frame
+from worker.frames import error_frame, internal_error
+from worker.inbox import InboxThread
 
 __all__ = ["LARGE_TEXT_CHARS", "TextOps", "give_back_memory"]
 
@@ -40,37 +38,21 @@ TextOp = Tokenize | Detokenize | ApplyTemplate
 LARGE_TEXT_CHARS = 1 << 20
 
 
-class TextOps:
-    """The text thread of one loaded engine. ``submit`` after :meth:`start`; ``stop`` ends it."""
+class TextOps(InboxThread[TextOp]):
+    """The text thread of one loaded engine. ``submit(msg)`` (after :meth:`start`): answer ``msg``
+    (a FrameOut with its result or Error), after the ones submitted before; ``stop`` ends it."""
 
     def __init__(self, post: Callable[[RunnerEvent], None]) -> None:
+        super().__init__("text")
         self._post = post
-        self._inbox: queue.SimpleQueue[TextOp | None] = queue.SimpleQueue()
-        self._engine: Any = None
-        self._thread = threading.Thread(target=self._main, name="text", daemon=True)
 
-    def start(self, engine: Any) -> None:
-        self._engine = engine
-        self._thread.start()
-
-    def submit(self, msg: TextOp) -> None:
-        """Answer ``msg`` (a FrameOut with its result or Error), after the ones submitted before."""
-        self._inbox.put(msg)
-
-    def stop(self) -> None:
-        self._inbox.put(None)
-
-    def _main(self) -> None:
-        while True:
-            msg = self._inbox.get()
-            if msg is None:
-                return
-            answer = self._answer(msg)
-            large = isinstance(msg, Tokenize) and len(msg.content) >= LARGE_TEXT_CHARS
-            self._post(FrameOut(answer))
-            del answer
-            if large:
-                give_back_memory()
+    def _handle(self, msg: TextOp) -> None:
+        answer = self._answer(msg)
+        large = isinstance(msg, Tokenize) and len(msg.content) >= LARGE_TEXT_CHARS
+        self._post(FrameOut(answer))
+        del answer
+        if large:
+            give_back_memory()
 
     def _answer(self, msg: TextOp) -> Message:
         eng = self._engine
@@ -88,7 +70,7 @@ class TextOps:
             return error_frame(msg.id, e)
         except Exception as e:  # noqa: BLE001 - a request never kills the worker
             log.error("%s %s failed:\n%s", msg.TYPE, msg.id, traceback.format_exc())
-            return Error(id=msg.id, code=INTERNAL_ERROR, message=f"{type(e).__name__}: {e}"[:1000])
+            return internal_error(msg.id, e)
 
 
 def give_back_memory() -> None:
