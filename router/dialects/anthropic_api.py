@@ -43,7 +43,6 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from protocol import Accepted, Done, Generate, Token
 from router.dialects.anthropic_answer import PING, MessageStream, error_event, message
@@ -60,6 +59,7 @@ from router.http.responses import JSONResponse
 from router.serving.server import Generation
 from router.http.set_aside import set_aside
 from router.http.sse import SSEResponse
+from router.http.routes import route_table
 from router.dialects.tools import ChatTurn, Tool, ToolCall, ToolChoice
 
 #: Content block types of earlier assistant turns that carry no text for the prompt (a ``thinking``
@@ -356,7 +356,6 @@ async def count_tokens(request: Request) -> Response:
     return JSONResponse({"input_tokens": done.prompt_tokens})
 
 
-routes = [
-    Route("/v1/messages", messages, methods=["POST"]),
-    Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
-]
+routes = route_table({
+    "POST /v1/messages": messages, "POST /v1/messages/count_tokens": count_tokens
+})

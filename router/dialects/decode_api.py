@@ -33,6 +33,7 @@ from router.http.errors import BadRequest, NotFound
 from router.http.params import get_bool, read_json
 from router.http.responses import JSONResponse
 from router.http.sse import SSEResponse
+from router.http.routes import route_table
 
 #: The two bodies /v1/decode takes: (the field that tells them apart, route, kind). The handler is
 #: the one the app serves that route with (no dialect imports another).
@@ -97,8 +98,6 @@ async def delete(request: Request) -> Response:
     return JSONResponse({"id": job.id, "object": "decode.deleted", "deleted": True, "status": job.status})
 
 
-routes = [
-    Route("/v1/decode", create, methods=["POST"]),
-    Route("/v1/decode/{decode_id}", retrieve, methods=["GET"]),
-    Route("/v1/decode/{decode_id}", delete, methods=["DELETE"]),
-]
+routes = route_table({
+    "POST /v1/decode": create, "GET /v1/decode/{decode_id}": retrieve, "DELETE /v1/decode/{decode_id}": delete
+})

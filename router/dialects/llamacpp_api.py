@@ -17,7 +17,6 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from protocol import (
     ApplyTemplate,
@@ -38,6 +37,7 @@ from router.http.errors import ApiError, BadGateway, BadRequest
 from router.http.params import get_bool, get_str, get_token_list, model_of, read_json
 from router.http.responses import JSONResponse, dumps
 from router.http.sse import SSEResponse
+from router.http.routes import route_table
 from router.metrics import label_request
 from router.serving.calls import call_worker
 from router.serving.generation import begin, collect, error_event, stream
@@ -205,10 +205,7 @@ async def apply_template(request: Request) -> Response:
     return JSONResponse({"prompt": ans.prompt})
 
 
-routes = [
-    Route("/completion", completion, methods=["POST"]),
-    Route("/completions", completion, methods=["POST"]),
-    Route("/tokenize", tokenize, methods=["POST"]),
-    Route("/detokenize", detokenize, methods=["POST"]),
-    Route("/apply-template", apply_template, methods=["POST"]),
-]
+routes = route_table({
+    "POST /completion": completion, "POST /completions": completion, "POST /tokenize": tokenize,
+    "POST /detokenize": detokenize, "POST /apply-template": apply_template
+})

@@ -49,7 +49,6 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from protocol import SLOT_ACTIONS, SlotAction, SlotActionResult, slot_filename_error
 from router.http.errors import ApiError, BadGateway, BadRequest, NotSupported, Unavailable, error_response, redact_paths
@@ -73,6 +72,7 @@ from router.serving.models import (
 from router.http.responses import JSONResponse
 from router.http.security import may_load_on_get
 from router.http.sse import until_disconnect
+from router.http.routes import route_table
 
 #: How long /slots waits for the worker's Pong before using the router's own view, s.
 PROBE_TIMEOUT_S = 2.0
@@ -348,11 +348,7 @@ async def model_health(request: Request, name: str) -> Response:
     return error_response(err)
 
 
-routes = [
-    Route("/props", props, methods=["GET"]),
-    Route("/slots", slots, methods=["GET"]),
-    Route("/slots/{id_slot}", slot_action, methods=["POST"]),
-    Route("/models", list_models, methods=["GET"]),
-    Route("/models/load", load, methods=["POST"]),
-    Route("/models/unload", unload, methods=["POST"]),
-]
+routes = route_table({
+    "GET /props": props, "GET /slots": slots, "POST /slots/{id_slot}": slot_action, "GET /models": list_models,
+    "POST /models/load": load, "POST /models/unload": unload
+})

@@ -23,7 +23,6 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from protocol import Generate
 from router.dialects.ollama_answer import Job, now_iso, run
@@ -38,6 +37,7 @@ from router.http.errors import BadRequest, Forbidden
 from router.http.params import get_bool, get_str
 from router.http.responses import JSONResponse
 from router.http.sse import SSEResponse, until_disconnect
+from router.http.routes import route_table
 from router.metrics import label_request
 from router.serving import keep_alive as keepalive  # the module (handlers have a keep_alive value)
 from router.serving.calls import model_ready
@@ -158,11 +158,7 @@ async def generate(request: Request) -> Response | SSEResponse:
     return await run(request, Job(model, slot, msg, None, cparam, top, chat=False), t0)
 
 
-routes = [
-    Route("/api/chat", chat, methods=["POST"]),
-    Route("/api/generate", generate, methods=["POST"]),
-    Route("/api/tags", tags, methods=["GET"]),
-    Route("/api/show", show, methods=["POST"]),
-    Route("/api/ps", ps, methods=["GET"]),
-    Route("/api/version", version, methods=["GET"]),
-]
+routes = route_table({
+    "POST /api/chat": chat, "POST /api/generate": generate, "GET /api/tags": tags, "POST /api/show": show,
+    "GET /api/ps": ps, "GET /api/version": version
+})

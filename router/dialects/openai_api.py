@@ -17,7 +17,6 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from protocol import Accepted, Done, Generate, PromptProgress, Token
 from protocol.limits import MAX_N, MAX_N_PROBS
@@ -49,6 +48,7 @@ from router.http.params import INT32_MAX, N_PREDICT_MIN, get_bool, get_int, mode
 from router.serving.models import ModelPool, ServedModel
 from router.http.responses import JSONResponse
 from router.http.sse import SSEResponse, sse_event
+from router.http.routes import route_table
 from router.dialects.tools import ToolCall
 
 MAX_TOP_LOGPROBS = MAX_N_PROBS  # they become Generate.n_probs
@@ -470,14 +470,11 @@ async def completions(request: Request) -> Response | SSEResponse:
         sse_event({**chunk(""), "prompt_progress": prompt_progress_of(p)})]), run.close)
 
 
-routes = [
-    Route("/v1/models", list_models, methods=["GET"]),
-    Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
-    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    Route("/v1/completions", completions, methods=["POST"]),
+routes = route_table({
+    "GET /v1/models": list_models, "GET /v1/models/{model_id:path}": get_model,
+    "POST /v1/chat/completions": chat_completions, "POST /v1/completions": completions,
     # llama-server serves its OpenAI routes without the /v1 prefix too (an SDK whose base URL has no
     # /v1 reaches them), and counts a chat request's prompt tokens: the same handlers as under /v1
-    Route("/chat/completions", chat_completions, methods=["POST"]),
-    Route("/chat/completions/input_tokens", chat_input_tokens, methods=["POST"]),
-    Route("/v1/chat/completions/input_tokens", chat_input_tokens, methods=["POST"]),
-]
+    "POST /chat/completions": chat_completions, "POST /chat/completions/input_tokens": chat_input_tokens,
+    "POST /v1/chat/completions/input_tokens": chat_input_tokens
+})

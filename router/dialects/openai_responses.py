@@ -68,7 +68,6 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from router.dialects.background import Job, new_job_id
 from router.dialects.background import store_of as background_of
@@ -82,6 +81,7 @@ from router.http.errors import BadRequest, NotFound
 from router.http.params import INT32_MAX, get_bool, get_int, read_json
 from router.http.responses import JSONResponse
 from router.http.sse import SSEResponse
+from router.http.routes import route_table
 from router.serving.generation import begin, collect, stream
 
 
@@ -194,13 +194,10 @@ async def delete(request: Request) -> Response:
     return JSONResponse({"id": rid, "object": "response", "deleted": True})
 
 
-routes = [
-    Route("/v1/responses", create, methods=["POST"]),
-    Route("/v1/responses/input_tokens", input_tokens, methods=["POST"]),
-    Route("/v1/responses/{response_id}", retrieve, methods=["GET"]),
-    Route("/v1/responses/{response_id}", delete, methods=["DELETE"]),
-    Route("/v1/responses/{response_id}/cancel", cancel, methods=["POST"]),
+routes = route_table({
+    "POST /v1/responses": create, "POST /v1/responses/input_tokens": input_tokens,
+    "GET /v1/responses/{response_id}": retrieve, "DELETE /v1/responses/{response_id}": delete,
+    "POST /v1/responses/{response_id}/cancel": cancel,
     # llama-server's un-versioned aliases (see router.dialects.openai_api.routes)
-    Route("/responses", create, methods=["POST"]),
-    Route("/responses/input_tokens", input_tokens, methods=["POST"]),
-]
+    "POST /responses": create, "POST /responses/input_tokens": input_tokens
+})

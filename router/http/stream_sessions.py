@@ -32,12 +32,12 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from router.http.errors import BadRequest, NotFound
 from router.http.params import read_json
 from router.http.responses import JSONResponse
+from router.http.routes import route_table
 
 log = logging.getLogger("modelyard.streams")
 
@@ -290,8 +290,6 @@ async def delete_stream(request: Request) -> Response:
     return Response(status_code=204)
 
 
-routes = [
-    Route("/v1/stream", get_stream, methods=["GET"]),
-    Route("/v1/stream", delete_stream, methods=["DELETE"]),
-    Route("/v1/streams/lookup", lookup, methods=["POST"]),
-]
+routes = route_table({
+    "GET /v1/stream": get_stream, "DELETE /v1/stream": delete_stream, "POST /v1/streams/lookup": lookup
+})

@@ -17,7 +17,6 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from router import gguf_meta
 from router.workers import discovery
@@ -29,6 +28,7 @@ from router.serving import models
 from router.serving.models import OperatorPool
 from router.http.responses import JSONResponse
 from router.http.sse import SSEResponse, sse_event, until_disconnect
+from router.http.routes import route_table
 
 #: Seconds of silence on /admin/events before a keep-alive comment.
 KEEPALIVE_S = 15.0
@@ -180,10 +180,7 @@ def _query_int(request: Request, key: str, default: int, lo: int, hi: int) -> in
     return v
 
 
-routes = [
-    Route("/admin/events", events, methods=["GET"]),
-    Route("/admin/models", list_models, methods=["GET"]),
-    Route("/admin/models/load", load, methods=["POST"]),
-    Route("/admin/models/unload", unload, methods=["POST"]),
-    Route("/admin/models/rescan", rescan, methods=["POST"]),
-]
+routes = route_table({
+    "GET /admin/events": events, "GET /admin/models": list_models, "POST /admin/models/load": load,
+    "POST /admin/models/unload": unload, "POST /admin/models/rescan": rescan
+})

@@ -28,13 +28,13 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import FileResponse, RedirectResponse, Response
-from starlette.routing import Route
 
 from router.operator import admin
 from router.http.access_log import recent_requests
 from router.cli_args import version
 from router.http.errors import NotFound
 from router.http.responses import JSONResponse
+from router.http.routes import route_table
 
 UI_DIR = Path(__file__).resolve().parent / "ui"
 #: The page's files and their media types (nothing else is served from UI_DIR).
@@ -178,10 +178,7 @@ async def events(request: Request) -> Response:
     return await admin.events(request)
 
 
-routes = [
-    Route("/ui", page, methods=["GET"]),
-    Route("/ui/", redirect, methods=["GET"]),
-    Route("/ui/static/{name}", static, methods=["GET"]),
-    Route("/ui/api/status", status, methods=["GET"]),
-    Route("/ui/api/events", events, methods=["GET"]),
-]
+routes = route_table({
+    "GET /ui": page, "GET /ui/": redirect, "GET /ui/static/{name}": static, "GET /ui/api/status": status,
+    "GET /ui/api/events": events
+})

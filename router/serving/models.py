@@ -35,63 +35,45 @@ from router.workers.slot import ModelSlot
 
 class ServedModel(Protocol):
     """One configured model as a dialect sees it (a preset's: its model's, with the preset's
-    ``model``). Read-only facts, plus the actions named; nothing of its pool, worker or process."""
+    ``model``). Read-only facts, plus the actions named; nothing of its pool, worker or process.
+
+    Its facts (properties; times are unix seconds):
+
+    * ``model``: its configuration (a preset's: the preset's defaults over its model's);
+    * ``state``: its worker's state (this slot's; the model as a whole with replicas: :func:`model_state`);
+    * ``ready_info``: what the current worker said when ready (n_ctx, slots, template, ...); None while none is;
+    * ``last_ready``: the last worker's Ready, kept while the model sleeps (unloaded for idleness);
+    * ``sleeping``: unloaded for idleness and not woken since (llama-server's ``is_sleeping``);
+    * ``total_slots``: the ready worker's KV slots; 0 when no worker is ready;
+    * ``worker_command``: the current worker's command line (the arguments it was started with, as a
+      worker started for this model); [] when no worker runs;
+    * ``last_error``: why the last load failed or the worker stopped, when it did;
+    * ``last_exit_code``: the last worker's exit code (None: none exited);
+    * ``last_used``: when a request last finished; ``loaded_at``: when the last worker was ready.
+    """
 
     @property
-    def model(self) -> ModelConfig:
-        """Its configuration (a preset's: the preset's defaults over its model's)."""
-        ...
-
+    def model(self) -> ModelConfig: ...
     @property
-    def state(self) -> WorkerState:
-        """Its worker's state (this slot's; the model as a whole with replicas: :func:`model_state`)."""
-        ...
-
+    def state(self) -> WorkerState: ...
     @property
-    def ready_info(self) -> Ready | None:
-        """What the current worker said when ready (n_ctx, slots, template, ...); None while none is."""
-        ...
-
+    def ready_info(self) -> Ready | None: ...
     @property
-    def last_ready(self) -> Ready | None:
-        """The last worker's Ready, kept while the model sleeps (unloaded for idleness)."""
-        ...
-
+    def last_ready(self) -> Ready | None: ...
     @property
-    def sleeping(self) -> bool:
-        """Unloaded for idleness and not woken since (llama-server's ``is_sleeping``)."""
-        ...
-
+    def sleeping(self) -> bool: ...
     @property
-    def total_slots(self) -> int:
-        """The ready worker's KV slots; 0 when no worker is ready."""
-        ...
-
+    def total_slots(self) -> int: ...
     @property
-    def worker_command(self) -> list[str]:
-        """The current worker's command line (the arguments it was started with, as a worker
-        started for this model); [] when no worker runs."""
-        ...
-
+    def worker_command(self) -> list[str]: ...
     @property
-    def last_error(self) -> str | None:
-        """Why the last load failed or the worker stopped, when it did."""
-        ...
-
+    def last_error(self) -> str | None: ...
     @property
-    def last_exit_code(self) -> int | None:
-        """The last worker's exit code (None: none exited)."""
-        ...
-
+    def last_exit_code(self) -> int | None: ...
     @property
-    def last_used(self) -> float | None:
-        """Unix time (s) a request last finished."""
-        ...
-
+    def last_used(self) -> float | None: ...
     @property
-    def loaded_at(self) -> float | None:
-        """Unix time (s) the last worker was ready."""
-        ...
+    def loaded_at(self) -> float | None: ...
 
     def expires_at(self) -> float | None:
         """Unix time (s) the idle unload is due; None: not idle, or no time-to-live."""
