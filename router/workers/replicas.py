@@ -63,7 +63,7 @@ def load_of(slot: ModelSlot) -> int:
 
 def node_of(slot: ModelSlot) -> str | None:
     """Where a replica's worker runs (its launcher's host: ``HOST/NODE-ID`` on Ray); None without a worker."""
-    w = slot.worker or slot.loading_worker
+    w = slot.worker or slot.loader.worker
     return w.host if w is not None else None
 
 
@@ -145,7 +145,7 @@ class ReplicaSet:
 
     def replica_row(self, slot: ModelSlot) -> dict[str, Any]:
         """One replica as ``/admin/models`` and ``/models`` list it."""
-        w = slot.worker or slot.loading_worker
+        w = slot.worker or slot.loader.worker
         running, waiting = slot.admitted_split()
         alive = w is not None and w.alive
         return {"replica": slot.replica, "node": node_of(slot),

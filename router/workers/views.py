@@ -134,26 +134,6 @@ class SlotFacts:
         return self.liveness.last_pong()
 
     @property
-    def unresponsive_since(self) -> float | None:
-        """Unix time the worker went unresponsive (None: it is not)."""
-        return self.liveness.unresponsive_since
-
-    @property
-    def loading_worker(self) -> WorkerProcess | None:
-        """The worker being started (None once it is ready, or when none is)."""
-        return self.loader.worker
-
-    @property
-    def spawn_count(self) -> int:
-        """Workers started (or spares taken) for this model."""
-        return self.loader.spawn_count
-
-    @property
-    def load_ms(self) -> float | None:
-        """The last worker's reported model load time, ms."""
-        return self.loader.load_ms
-
-    @property
     def loaded_at(self) -> float | None:
         """Unix time the last worker was ready."""
         return self.loader.loaded_at
@@ -164,19 +144,9 @@ class SlotFacts:
         return self.loader.last_ready
 
     @property
-    def unload_reason(self) -> str | None:
-        """Why the worker was last unloaded (admin, idle, evicted, reload); None once loaded again."""
-        return self.unloader.unload_reason
-
-    @property
     def sleeping(self) -> bool:
         """Unloaded for idleness and not woken since (llama-server's ``is_sleeping``)."""
         return self.asleep and self.state is WorkerState.UNLOADED
-
-    @property
-    def waiting_for(self) -> str | None:
-        """Why the wanted load has not started (placement)."""
-        return self.placing.waiting_for
 
     def expires_at(self) -> float | None:
         """Unix time the idle unload is due (``router.workers.idle``); None: not idle or no TTL."""
@@ -295,7 +265,7 @@ def gauges(slot: SlotFacts) -> ModelGauges:
 
 def describe(slot: SlotFacts) -> dict[str, Any]:
     """The admin view of this model (times: unix seconds; load_ms: ms)."""
-    w = slot.worker or slot.loading_worker
+    w = slot.worker or slot.loader.worker
     ready = slot.worker.ready if slot.worker is not None else None
     return {
         "id": slot.model.name,
@@ -307,25 +277,25 @@ def describe(slot: SlotFacts) -> dict[str, Any]:
         "slots_total": ready.max_jobs if ready else slot.model.parallel,
         "slots_busy": len(slot.running_ids),
         "max_queue": slot.model.max_queue,
-        "load_ms": slot.load_ms,
+        "load_ms": slot.loader.load_ms,
         "loaded_at": slot.loaded_at,
         "last_used": slot.last_used,
         "last_error": slot.last_error,
-        "unload_reason": slot.unload_reason,
+        "unload_reason": slot.unloader.unload_reason,
         "idle_ttl_s": slot.model.idle_ttl_s,
         "keep_alive_s": slot.idle.keep_alive_s(),
         "expires_at": slot.expires_at(),
         "blas_threads": slot.blas_threads,
         "last_exit_code": slot.last_exit_code,
         "condition": condition(slot),
-        "unresponsive_since": slot.unresponsive_since,
+        "unresponsive_since": slot.liveness.unresponsive_since,
         "failures": slot.failures.describe(slot.clock()),
-        "spawn_count": slot.spawn_count,
+        "spawn_count": slot.loader.spawn_count,
         "refused_peers": w.refused_peers if w is not None else 0,
         "host": w.host if w is not None else None,  # where its worker runs (its launcher's host)
         "from_spare": w.from_spare if w is not None else None,  # the worker was the warm spare
         "rss_bytes": slot.sample_rss(w) if w is not None and w.alive else None,
-        "placement": {"pinned": slot.model.pinned, "waiting_for": slot.waiting_for,
+        "placement": {"pinned": slot.model.pinned, "waiting_for": slot.placing.waiting_for,
                       "estimate": slot.estimate().describe(), "rss_after_load_bytes": slot.loader.rss_after_load,
                       "rss_peak_bytes": slot.rss_peak},
         "n_ctx": ready.n_ctx if ready else slot.model.n_ctx,
@@ -346,6 +316,6 @@ def condition(slot: SlotFacts) -> str:
             return "failed"
         last = slot.failures.last
         return last.kind if last is not None else "load_failed"
-    if slot.state is WorkerState.UNLOADED and slot.spawn_count == 0:
+    if slot.state is WorkerState.UNLOADED and slot.loader.spawn_count == 0:
         return "never_loaded"
     return slot.state.value

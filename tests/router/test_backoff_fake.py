@@ -105,12 +105,12 @@ def test_backoff_retry_after_doubling_cap_and_giving_up(tmp_path: Path, monkeypa
             r = await c.post("/v1/chat/completions", json=chat("m"))
             assert r.status_code == 503 and r.headers["retry-after"] == "6"
             assert (await c.get("/health", params={"model": "m"})).headers["retry-after"] == "6"
-            assert pool.get("m").spawn_count == 1  # nothing was started during the backoff
+            assert pool.get("m").loader.spawn_count == 1  # nothing was started during the backoff
             assert (await c.post("/v1/chat/completions", json=chat("other"))).status_code == 200  # others unaffected
             clock.advance(6)
             r = await c.post("/v1/chat/completions", json=chat("m"))
             assert r.status_code == 200
-            assert pool.get("m").worker.pid != pid and pool.get("m").spawn_count == 2
+            assert pool.get("m").worker.pid != pid and pool.get("m").loader.spawn_count == 2
 
             await _crash(pool, "m")  # second within the window: 20 s
             r = await c.post("/v1/chat/completions", json=chat("m"))
@@ -130,7 +130,7 @@ def test_backoff_retry_after_doubling_cap_and_giving_up(tmp_path: Path, monkeypa
             r = await c.post("/v1/chat/completions", json=chat("m"))
             assert r.status_code == 503 and r.json()["error"]["code"] == "model_failed"
             assert "retry-after" not in r.headers and "operator" in r.json()["error"]["message"]
-            assert pool.get("m").spawn_count == 4
+            assert pool.get("m").loader.spawn_count == 4
             r = await c.post("/admin/models/load", json={"model": "m"})
             assert r.status_code == 200 and pool.get("m").state is WorkerState.READY
             st = await _admin(c, "m")
@@ -176,7 +176,7 @@ def test_failed_loads_back_off_too_and_unloaded_is_not_crashed(
             st = await _admin(c, "m")
             assert st["condition"] == "load_failed" and st["failures"]["last"]["exit_code"] == 3
             r = await c.post("/v1/chat/completions", json=chat("m"))
-            assert r.json()["error"]["code"] == "restart_backoff" and pool.get("m").spawn_count == 1
+            assert r.json()["error"]["code"] == "restart_backoff" and pool.get("m").loader.spawn_count == 1
             env.set_fake({})
             clock.advance(10)
             assert (await c.post("/v1/chat/completions", json=chat("m"))).status_code == 200

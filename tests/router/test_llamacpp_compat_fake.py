@@ -506,8 +506,8 @@ def test_waiters_for_a_load_are_served_before_a_later_request_evicts_it(
                 bs = [asyncio.create_task(ask_b()) for _ in range(2)]
                 await until(lambda: pool.get("b").state is WorkerState.LOADING, "b loading")
                 later = asyncio.create_task(c.post("/v1/chat/completions", json=chat("c")))
-                await until(lambda: pool.get("c").waiting_for, "c waiting for room")
-                assert "b to become idle" in (pool.get("c").waiting_for or "")
+                await until(lambda: pool.get("c").placing.waiting_for, "c waiting for room")
+                assert "b to become idle" in (pool.get("c").placing.waiting_for or "")
             rs = await asyncio.gather(*bs)
             assert [r.status_code for r in rs] == [200, 200], [r.text for r in rs]
             r = await later

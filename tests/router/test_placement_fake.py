@@ -202,13 +202,13 @@ def test_burst_waits_for_busy_models_drains_then_swaps_and_loads_once(
                 burst = [asyncio.create_task(ask(c, "c")) for _ in range(6)]
                 await until(lambda: pool.get("c").queue_depth == 6, "the burst queued")
                 c_st = pool.get("c")
-                assert c_st.state is WorkerState.UNLOADED and "become idle" in (c_st.waiting_for or "")
+                assert c_st.state is WorkerState.UNLOADED and "become idle" in (c_st.placing.waiting_for or "")
                 assert pool.get("a").state is WorkerState.READY and pool.get("b").state is WorkerState.READY
             rs = await asyncio.gather(*running, *burst)
             assert [r.status_code for r in rs] == [200] * 8
             for r in rs[:2]:  # never cut: the running generations finished in full
                 assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
-            assert spawns(env, "c") == 1 and pool.get("c").spawn_count == 1
+            assert spawns(env, "c") == 1 and pool.get("c").loader.spawn_count == 1
             assert pool.get("c").state is WorkerState.READY
             assert [pool.get(m).state for m in "ab"].count(WorkerState.UNLOADED) == 1
 
@@ -229,7 +229,7 @@ def test_a_request_for_an_evicted_model_waits_and_reloads(tmp_path: Path, monkey
                 ar = asyncio.create_task(ask(c, "a"))  # not refused: waits, then loads a again
                 await until(lambda: pool.get("a").queue_depth == 1, "a's request waiting")
             assert (await cr).status_code == 200 and (await ar).status_code == 200
-            assert pool.get("a").spawn_count == 2 and pool.get("b").state is WorkerState.UNLOADED
+            assert pool.get("a").loader.spawn_count == 2 and pool.get("b").state is WorkerState.UNLOADED
 
     asyncio.run(go())
 
@@ -262,7 +262,7 @@ def test_all_pinned_refuses_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPa
             assert (await ask(c, "a")).status_code == 200
             r = await ask(c, "b")
             assert r.status_code == 503 and r.json()["error"]["code"] == "max_loaded_reached"
-            assert "retry-after" in r.headers and pool.get("b").spawn_count == 0
+            assert "retry-after" in r.headers and pool.get("b").loader.spawn_count == 0
 
     asyncio.run(go())
 
@@ -280,7 +280,7 @@ def test_memory_evicts_lru_idle_then_refuses_with_figures(tmp_path: Path, monkey
             assert (await ask(c, "a")).status_code == 200
             assert (await ask(c, "b")).status_code == 200  # 3000 - 1200 = 1800 >= ~1096
             assert (await ask(c, "c")).status_code == 200  # 600 available: a (LRU, idle) goes
-            assert pool.get("a").state is WorkerState.UNLOADED and "evicted" in (pool.get("a").unload_reason or "")
+            assert pool.get("a").state is WorkerState.UNLOADED and "evicted" in (pool.get("a").unloader.unload_reason or "")
             st = next(m for m in (await c.get("/admin/models")).json()["data"] if m["id"] == "b")
             pl = st["placement"]
             assert pl["rss_after_load_bytes"] == 1200 * MiB and pl["rss_peak_bytes"] == 1200 * MiB
@@ -291,7 +291,7 @@ def test_memory_evicts_lru_idle_then_refuses_with_figures(tmp_path: Path, monkey
             assert r.status_code == 503 and r.json()["error"]["code"] == "insufficient_memory"
             msg = r.json()["error"]["message"]
             assert "KV budget 100000 MiB" in msg and "600 MiB is available" in msg and "2400 MiB" in msg
-            assert pool.get("huge").spawn_count == 0
+            assert pool.get("huge").loader.spawn_count == 0
             assert pool.get("b").state is WorkerState.READY and pool.get("c").state is WorkerState.READY
             metrics = (await c.get("/metrics")).text
             assert 'modelyard_rejections_total{model="huge",reason="insufficient_memory"} 1.0' in metrics
@@ -318,7 +318,7 @@ def test_a_quantized_model_is_placed_by_what_its_worker_holds(tmp_path: Path, mo
             assert r.status_code == 503 and r.json()["error"]["code"] == "insufficient_memory"
             msg = r.json()["error"]["message"]
             assert "weights 609 MiB [gguf]" in msg and "400 MiB is available" in msg, msg
-            assert pool.get("f").spawn_count == 0 and pool.get("q").state is WorkerState.READY
+            assert pool.get("f").loader.spawn_count == 0 and pool.get("q").state is WorkerState.READY
 
     asyncio.run(go())
 
@@ -333,16 +333,16 @@ def test_operator_load_and_unload_while_waiting_for_room(tmp_path: Path, monkeyp
                 await until(lambda: len(pool.get("a").running_ids) == 1, "a running")
                 assert (await c.post("/models/load", json={"model": "b"})).json() == {"success": True}
                 assert (await c.post("/models/load", json={"model": "b"})).status_code == 400  # asked already
-                assert pool.get("b").waiting_for is not None and pool.get("b").spawn_count == 0
+                assert pool.get("b").placing.waiting_for is not None and pool.get("b").loader.spawn_count == 0
                 br = asyncio.create_task(ask(c, "b"))
                 await until(lambda: pool.get("b").queue_depth == 1, "b's request waiting")
                 # an operator unload of b cancels the wanted load: its waiting request gets 503
                 assert (await c.post("/admin/models/unload", json={"model": "b"})).status_code == 200
                 r = await br
                 assert r.status_code == 503 and r.json()["error"]["code"] == "model_unloading"
-                assert pool.get("b").waiting_for is None
+                assert pool.get("b").placing.waiting_for is None
             assert (await ar).status_code == 200
-            assert pool.get("b").spawn_count == 0 and pool.get("a").state is WorkerState.READY
+            assert pool.get("b").loader.spawn_count == 0 and pool.get("a").state is WorkerState.READY
 
     asyncio.run(go())
 
@@ -371,6 +371,6 @@ def test_never_more_than_max_loaded_under_concurrent_bursts(tmp_path: Path, monk
                     holding.discard(ev["model"])
                 peak = max(peak, len(holding))
             assert peak == 1
-            assert [pool.get(m).spawn_count for m in "abc"] == [1, 1, 1]  # each burst loaded its model once
+            assert [pool.get(m).loader.spawn_count for m in "abc"] == [1, 1, 1]  # each burst loaded its model once
 
     asyncio.run(go())

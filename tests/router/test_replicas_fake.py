@@ -158,7 +158,7 @@ def test_a_lost_replicas_waiting_requests_move_and_it_is_placed_again(
             assert h.status_code == 200 and r1.state is WorkerState.READY, (h.text, r0_down)
             assert pool.metrics.crashes.labels("m")._value.get() == 1
             await until(lambda: r0.state is WorkerState.READY, "replica 0 placed again", timeout=30)
-            assert r0.spawn_count == 2
+            assert r0.loader.spawn_count == 2
 
     asyncio.run(go())
 
