@@ -40,7 +40,7 @@ import numpy as np
 
 from protocol.limits import GENERATE_LIMITS as _B
 from protocol.limits import MAX_N_PROBS
-from protocol.sampling import SAMPLING_DEFAULTS as _D
+from protocol.sampling import SamplingFields
 
 from .errors import EngineError
 
@@ -55,36 +55,17 @@ def _is_real(x: Any) -> bool:
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
 
 
-@dataclass
-class SamplingParams:
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams(SamplingFields):
     """Per-request sampling and generation parameters (see docs/ENGINE-API.md).
 
-    The fields and defaults are the protocol's (``protocol.sampling.SAMPLING_FIELDS``: llama-server's),
-    the bounds ``protocol.limits.GENERATE_LIMITS``. Call :meth:`validated` to check and normalise.
+    Its fields and defaults are the protocol's sampling fields (it is a
+    ``protocol.sampling.SamplingFields``: llama-server's names and defaults), ``logit_bias`` as a
+    map; the bounds are ``protocol.limits.GENERATE_LIMITS``. Call :meth:`validated` to check and
+    normalise (a changed copy: ``dataclasses.replace``).
     """
 
-    max_tokens: int | None = _D["max_tokens"]
-    temperature: float = _D["temperature"]
-    top_k: int = _D["top_k"]
-    top_p: float = _D["top_p"]
-    min_p: float = _D["min_p"]
-    repeat_penalty: float = _D["repeat_penalty"]
-    repeat_last_n: int = _D["repeat_last_n"]
-    presence_penalty: float = _D["presence_penalty"]
-    frequency_penalty: float = _D["frequency_penalty"]
-    seed: int | None = _D["seed"]
-    logit_bias: dict[int, float] = field(default_factory=dict)  # the wire's [id, bias] pairs as a map
-    stop: list[str] = field(default_factory=list)
-    n_probs: int = _D["n_probs"]
-    # llama.cpp's post_sampling_probs: report the probabilities after the sampler chain (top-k,
-    # top-p, min-p, temperature) instead of the model's log-softmax (Sampler.last_candidates)
-    post_sampling_probs: bool = _D["post_sampling_probs"]
-    ignore_eos: bool = _D["ignore_eos"]
-    add_special: bool = _D["add_special"]
-    parse_special: bool = _D["parse_special"]
-    cache_prompt: bool = _D["cache_prompt"]
-    json_schema: str | None = _D["json_schema"]  # constraint: the output matches this JSON Schema (its text)
-    grammar: str | None = _D["grammar"]  # constraint: the output matches this Lark grammar (llguidance's dialect)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # type: ignore[assignment]  # the wire's [id, bias] pairs as a map
     # what the constraint could not enforce and left out (set by Engine.prepare; constraints.check)
     set_aside: tuple[str, ...] = ()
     # the vocabulary size :meth:`validated` checked this copy against (None: not checked): a
