@@ -44,9 +44,8 @@ from router.config_cluster import REPLICA_KEYS, ClusterConfig, node_labels, one_
 from router.config_presets import parse_presets
 from router.config_readers import ConfigError as ConfigError  # re-exported: every caller's name for it
 from router.config_readers import (
-    REASONING_MODES, SAMPLING_KEYS, TableReader, check_id, no_unknown, read_aliases, read_bool, read_choice, read_float,
-    read_int, read_endpoint, read_n_predict, read_opt_dir, read_opt_str, read_sampling, read_str, replica_endpoint,
-    table_of,
+    REASONING_MODES, SAMPLING_KEYS, TableReader, check_id, no_unknown, read_aliases, read_choice, read_endpoint,
+    read_n_predict, read_opt_dir, read_opt_str, read_sampling, read_str, replica_endpoint, table_of,
 )
 
 #: config.toml's defaults of the worker options (ModelConfig's fields named as protocol.ModelOptions'): the
@@ -232,6 +231,8 @@ _MODEL_KEYS = {
     "kv_cache_dir", "kv_cache_mib", "prefill_model", "kv_transfer", "n_predict", "max_request_tokens", *REPLICA_KEYS,
     "background_slots", "system_prompt", "node_labels", "kv_events_endpoint", "kv_events_block_size", *SAMPLING_KEYS,
 }
+#: Each ServerConfig field's default: what a key left out of [server] gives.
+_SERVER_DEFAULTS = {f.name: f.default for f in fields(ServerConfig) if f.default is not MISSING}
 #: Each ModelConfig field's default (those without a default_factory): what a key left out of config.toml gives.
 _MODEL_DEFAULTS = {f.name: f.default for f in fields(ModelConfig) if f.default is not MISSING}
 _DEFAULTS_KEYS = _MODEL_KEYS - {"path", "aliases", "prefill_model", "kv_transfer"}
@@ -297,40 +298,36 @@ def parse_config(data: dict[str, Any], *, base_dir: Path, source: Path | None = 
 def _server(server_raw: dict[str, Any], base_dir: Path) -> ServerConfig:
     """``[server]``. Raises ConfigError naming the key."""
     no_unknown(server_raw, _SERVER_KEYS, "server")
-    host = read_str(server_raw, "host", "server", "127.0.0.1")
-    port = read_int(server_raw, "port", "server", 8080, 0, 65535)
-    api_key = read_opt_str(server_raw, "api_key", "server")
-    admin_key = read_opt_str(server_raw, "admin_key", "server")
-    models_dir = resolve_models_dir(server_raw, base_dir)
-    transport = read_str(server_raw, "transport", "server", "ipc")
+    r = TableReader(server_raw, lambda key: "server", _SERVER_DEFAULTS)
+    transport = read_str(server_raw, "transport", "server", _SERVER_DEFAULTS["transport"])
     if transport not in ("ipc", "tcp"):
         raise ConfigError("server.transport", f'expected "ipc" or "tcp", got {transport!r}')
     return ServerConfig(
-        host=host, port=port, api_key=api_key, admin_key=admin_key, models_dir=models_dir,
-        transport=transport,
-        shutdown_timeout_s=read_float(server_raw, "shutdown_timeout_s", "server", 10.0, 0.0),
+        host=read_str(server_raw, "host", "server", _SERVER_DEFAULTS["host"]), port=r.integer("port", 0, 65535),
+        api_key=read_opt_str(server_raw, "api_key", "server"), admin_key=read_opt_str(server_raw, "admin_key", "server"),
+        models_dir=resolve_models_dir(server_raw, base_dir), transport=transport,
+        shutdown_timeout_s=r.real("shutdown_timeout_s", 0.0),
         allowed_hosts=_hosts(server_raw),
         cors_origins=_origins(server_raw),
-        header_timeout_s=read_float(server_raw, "header_timeout_s", "server", 10.0, 0.1),
-        body_timeout_s=read_float(server_raw, "body_timeout_s", "server", 30.0, 0.1),
-        keep_alive_timeout_s=read_float(server_raw, "keep_alive_timeout_s", "server", 5.0, 0.1),
-        max_connections=read_int(server_raw, "max_connections", "server", 256, 1, 1_000_000),
-        max_header_bytes=read_int(server_raw, "max_header_bytes", "server", 16 * 1024, 1024, 1024 * 1024),
-        stream_stall_timeout_s=read_float(server_raw, "stream_stall_timeout_s", "server", 30.0, 0.1),
-        sse_keepalive_s=read_float(server_raw, "sse_keepalive_s", "server", 5.0, 0.05, 3600.0),
-        max_loaded=read_int(server_raw, "max_loaded", "server", 0, 0, 100_000),
-        responses_store_max=read_int(server_raw, "responses_store_max", "server", 256, 0, 1_000_000),
-        responses_store_ttl_s=read_float(server_raw, "responses_store_ttl_s", "server", 3600.0, 0.0),
-        background_max=read_int(server_raw, "background_max", "server", 256, 1, 1_000_000),
-        background_ttl_s=read_float(server_raw, "background_ttl_s", "server", 3600.0, 0.0),
-        background_max_mib=read_float(server_raw, "background_max_mib", "server", 64.0, 0.01),
-        discover_models=read_bool(server_raw, "discover_models", "server", False),
-        max_keep_alive_s=(None if server_raw.get("max_keep_alive_s") is None
-                          else read_float(server_raw, "max_keep_alive_s", "server", 0.0, 0.0)),
-        background_per_key=read_int(server_raw, "background_per_key", "server", 8, 1, 1_000_000),
-        background_unread_s=read_float(server_raw, "background_unread_s", "server", 600.0, 0.0),
+        header_timeout_s=r.real("header_timeout_s", 0.1),
+        body_timeout_s=r.real("body_timeout_s", 0.1),
+        keep_alive_timeout_s=r.real("keep_alive_timeout_s", 0.1),
+        max_connections=r.integer("max_connections", 1, 1_000_000),
+        max_header_bytes=r.integer("max_header_bytes", 1024, 1024 * 1024),
+        stream_stall_timeout_s=r.real("stream_stall_timeout_s", 0.1),
+        sse_keepalive_s=r.real("sse_keepalive_s", 0.05, 3600.0),
+        max_loaded=r.integer("max_loaded", 0, 100_000),
+        responses_store_max=r.integer("responses_store_max", 0, 1_000_000),
+        responses_store_ttl_s=r.real("responses_store_ttl_s", 0.0),
+        background_max=r.integer("background_max", 1, 1_000_000),
+        background_ttl_s=r.real("background_ttl_s", 0.0),
+        background_max_mib=r.real("background_max_mib", 0.01),
+        discover_models=r.flag("discover_models"),
+        max_keep_alive_s=r.opt_real("max_keep_alive_s", 0.0),
+        background_per_key=r.integer("background_per_key", 1, 1_000_000),
+        background_unread_s=r.real("background_unread_s", 0.0),
         default_model=read_opt_str(server_raw, "default_model", "server"),
-        warm_spare=read_bool(server_raw, "warm_spare", "server", True),
+        warm_spare=r.flag("warm_spare"),
     )
 
 

@@ -164,11 +164,11 @@ class TableReader:
     def flag(self, key: str) -> bool:
         return read_bool(self.merged, key, self.where_of(key), self.defaults[key])
 
-    def opt_integer(self, key: str, lo: float, hi: float) -> int | None:
+    def opt_integer(self, key: str, lo: float | None = None, hi: float | None = None) -> int | None:
         absent: int | None = self.defaults[key]
         return absent if self.merged.get(key) is None else self.integer(key, lo, hi)
 
-    def opt_real(self, key: str, lo: float, hi: float) -> float | None:
+    def opt_real(self, key: str, lo: float | None = None, hi: float | None = None) -> float | None:
         absent: float | None = self.defaults[key]
         return absent if self.merged.get(key) is None else self.real(key, lo, hi)
 

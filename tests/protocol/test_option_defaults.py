@@ -1,6 +1,6 @@
 """``protocol.lifecycle.option_defaults``: the one table of the worker options' defaults, and what
 takes its defaults from it: the worker's flags (``python -m worker``), ``router.config.ModelConfig``
-and config.toml's reader (a model table that leaves every key out)."""
+and config.toml's reader (a model table that leaves every key out; ``[server]`` likewise)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from protocol.lifecycle import ModelOptions, option_defaults
-from router.config import ModelConfig, parse_config
+from router.config import ModelConfig, ServerConfig, parse_config
 from worker.__main__ import parse_args
 
 
@@ -42,3 +42,11 @@ def test_a_model_table_without_keys_reads_as_model_config_defaults(tmp_path: Pat
     built = ModelConfig(name="m", path=m.path)
     assert m == built
     assert m.parallel == 4 and m.max_queue == 8
+
+
+def test_an_empty_server_table_reads_as_server_config_defaults(tmp_path: Path) -> None:
+    (tmp_path / "m.gguf").write_bytes(b"GGUF fake")
+    data = {"server": {"models_dir": str(tmp_path)}, "models": {"m": {"path": "m.gguf"}}}
+    server = parse_config(data, base_dir=tmp_path).server
+    assert server == ServerConfig(models_dir=server.models_dir)
+    assert server.port == 8080 and server.warm_spare is True and server.max_keep_alive_s is None
