@@ -67,7 +67,7 @@ async def _load_or_unload(request: Request, slot: ServedModel, model: str, keep_
         await models.unload(slot, reason="unloaded by an Ollama request (keep_alive 0)")
         reason = "unload"
     else:
-        slot.set_keep_alive(keepalive.apply(request.state, getattr(request.state, "json_body", None),
+        models.set_keep_alive(slot, keepalive.apply(request.state, getattr(request.state, "json_body", None),
                                              request.app.state.pool.config.server.max_keep_alive_s))
         await until_disconnect(request.receive, model_ready(slot))
         reason = "load"

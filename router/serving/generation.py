@@ -44,6 +44,7 @@ from router.http.params import (
     get_logit_bias,
     get_stop,
 )
+from router.serving import models
 from router.serving.models import ServedModel, slot_of
 from router.serving import keep_alive
 from router.serving.presets import preset_template
@@ -140,7 +141,7 @@ async def begin(request: Request, served: ServedModel, msg: Generate, grammar_pa
     keep = keep_alive.apply(request.state, getattr(request.state, "json_body", None),
                             request.app.state.pool.config.server.max_keep_alive_s)  # 400 before admission
     run = submit(slot, msg.id, access_record(request.state), early=early)  # its record: queued (or 503 now)
-    slot.set_keep_alive(keep)
+    models.set_keep_alive(slot, keep)  # the model as a whole: with replicas, each one
     hook = getattr(request.state, "run_hook", None)
     try:
         if hook is not None:

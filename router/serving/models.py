@@ -3,7 +3,7 @@ they never import ``router.workers``.
 
 * :class:`ServedModel` — one model as a dialect sees it: its configuration, its state and
   what its worker said when ready (facts), its KV slots, and the few actions a dialect's route
-  takes on it (keep-alive, a ``/slots`` probe). A generation goes through
+  takes on it (a ``/slots`` probe). A generation goes through
   ``router.serving.generation.begin`` (the serving layer's door: submit, iterate events,
   cancel), one-shot worker calls through ``router.serving.calls``; neither needs more of the
   model than this. ``router.workers.slot.ModelSlot`` satisfies it (and so does a preset's view,
@@ -11,7 +11,8 @@ they never import ``router.workers``.
   (:func:`slot_of`).
 * The model as a whole when it has replicas (``router.workers.replicas``): :func:`model_state`,
   :func:`serves_now`, :func:`replica_rows`, :func:`begin_load`, :func:`begin_unload`, :func:`load`,
-  :func:`unload` — one replica-aware answer for llama.cpp's and Ollama's routes and the operator's.
+  :func:`unload`, :func:`set_keep_alive` — one replica-aware answer for llama.cpp's and Ollama's
+  routes, a generation's keep-alive and the operator's routes.
 * :class:`ModelPool` — the configured models (``request.app.state.pool``: a model by name,
   every model); :class:`OperatorPool` — the pool as the operator's routes drive it (also its
   events, its launcher, a config reload, the concrete slots). ``router.workers.pool.Pool``
@@ -96,10 +97,6 @@ class ServedModel(Protocol):
         """Ask the ready worker for a fresh view of its slots now (at most ``timeout_s`` s)."""
         ...
 
-    def set_keep_alive(self, seconds: float | None) -> None:
-        """A request's keep_alive (s; inf: until unloaded; None: the config's ``idle_ttl_s``)."""
-        ...
-
 
 def slot_of(model: ServedModel) -> ModelSlot:
     """The slot behind ``model`` — the serving layer's own step from the dialects' view to the
@@ -141,6 +138,14 @@ def begin_unload(model: ServedModel, *, drain: bool = True, reason: str = "unloa
     replicas = slot.replica_set()
     return (replicas.begin_unload(drain=drain, reason=reason) if replicas is not None
             else slot.begin_unload(drain=drain, reason=reason))
+
+
+def set_keep_alive(model: ServedModel, seconds: float | None) -> None:
+    """A request's keep_alive for the model as a whole (with replicas: each one's idle timer): s;
+    inf: until unloaded; None: the config's ``idle_ttl_s``; 0: unload once nothing runs or waits."""
+    replicas = slot_of(model).replica_set()
+    for s in replicas.slots if replicas is not None else [slot_of(model)]:
+        s.set_keep_alive(seconds)
 
 
 async def load(model: ServedModel) -> float:

@@ -192,6 +192,20 @@ def test_an_ollama_keep_alive_0_unloads_every_replica(tmp_path: Path, monkeypatc
     asyncio.run(go())
 
 
+def test_a_generations_keep_alive_0_unloads_every_replica(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A generation's ``keep_alive: 0`` is the model's: every replica unloads once idle."""
+    env = InProc(tmp_path, monkeypatch)
+
+    async def go() -> None:
+        async with env.app(config()) as (pool, c):
+            assert (await c.post("/admin/models/load", json={"model": "m"})).status_code == 200
+            r = await c.post("/api/generate", json={"model": "m", "prompt": "hi", "stream": False, "keep_alive": 0})
+            assert r.status_code == 200, r.text
+            await until(lambda: all(s.state is WorkerState.UNLOADED for s in pool.every_slot()), "every replica unloaded")
+
+    asyncio.run(go())
+
+
 def test_one_replica_changes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     env = InProc(tmp_path, monkeypatch)
 
