@@ -306,7 +306,10 @@ def test_a_replica_that_becomes_ready_takes_requests_queued_on_the_other(
             await until(lambda: r1.state is WorkerState.UNLOADED, "replica 1 unloaded")
             env.set_fake({"*": {"max_jobs": 1, "hold_load": True}})
             with env.hold():
-                burst = [asyncio.create_task(c.post("/v1/chat/completions", json=convo(t, "[slow=0.2] [len=3] hi")))
+                # the first runs ~5 s (2 tokens): still running on replica 0 when replica 1 is ready, however busy
+                # the machine (with 0.6 s it could end first, and then only one waiting request moves)
+                burst = [asyncio.create_task(c.post("/v1/chat/completions",
+                                                    json=convo(t, f"[slow={2.5 if t == 'a' else 0.2}] [len=3] hi")))
                          for t in "abcd"]
                 await until(lambda: r0.admission.n_running == 1 and r0.queue_depth == 3, "the burst on replica 0")
                 await until(lambda: r1.state is WorkerState.LOADING, "replica 1 loading (held)")
