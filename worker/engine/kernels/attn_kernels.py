@@ -187,6 +187,27 @@ def dot_f16(keys, g, i, y, acc):
     return f32(sumf)
 
 
+@njit(cache=True, inline="always")
+def _online_step(s, M):
+    # one key of one_chunk's online softmax at score s with maximum M so far: -> (new maximum, ms,
+    # vs, whether s is a new maximum); VKQ becomes f16(VKQ * ms) on a new maximum, then f16(fma(v, vs, VKQ))
+    if s > M:
+        return s, _expf(M - s), f32(1.0), True
+    return M, f32(1.0), _expf(s - M), False
+
+
+@njit(cache=True, inline="always")
+def _merge_chunk(acc, part, po, mf, sf, mc, sc):
+    # ggml_flash_attn_ext_reduce_partials' step: chunk (mc, sc != 0, VKQ part[po .. po+dv-1]) folded into
+    # (mf, sf, acc [dv]) in f32; -> the new (mf, sf)
+    mn = max(mf, mc)
+    so = _expf(mf - mn)
+    sn = _expf(mc - mn)
+    for d in range(acc.shape[0]):
+        acc[d] = fma32(acc[d], so, part[po + d] * sn)
+    return mn, fma32(sf, so, sc * sn)
+
+
 @njit(cache=True)
 def _vec_chunk(q16, keys, values, g, i0, i1, scale, softcap, vkq, dacc, sbuf):
     # one_chunk over key indices i0 .. i1-1 (all visible): vkq f16-valued [DV] (reset here); -> (M, S).
@@ -202,17 +223,10 @@ def _vec_chunk(q16, keys, values, g, i0, i1, scale, softcap, vkq, dacc, sbuf):
     S = f32(0.0)
     M = f32(-np.inf)
     for i in range(i0, i1):
-        s = sbuf[i - i0]
-        ms = f32(1.0)
-        vs = f32(1.0)
-        if s > M:
-            mold = M
-            M = s
-            ms = _expf(mold - M)
+        M, ms, vs, new_max = _online_step(sbuf[i - i0], M)
+        if new_max:
             for d in range(dv):
                 vkq[d] = f16r(vkq[d] * ms)
-        else:
-            vs = _expf(s - M)
         for d in range(dv):
             vkq[d] = f16r(fma32(values[g, i, d], vs, vkq[d]))
         S = fma32(S, ms, vs)
@@ -245,13 +259,7 @@ def _vec_rowhead(q, keys, values, t, h, g, qpos0, kpos0, window, scale, softcap,
             mc, sc = _vec_chunk(q16, keys, values, g, a - kpos0, b - kpos0, scale, softcap, vkq, dacc, sbuf)
             if sc == f32(0.0):
                 continue
-            mn = max(mf, mc)
-            so = _expf(mf - mn)
-            sn = _expf(mc - mn)
-            for d in range(dv):
-                acc[d] = fma32(acc[d], so, vkq[d] * sn)
-            sf = fma32(sf, so, sc * sn)
-            mf = mn
+            mf, sf = _merge_chunk(acc, vkq, 0, mf, sf, mc, sc)
         inv = f32(1.0) / sf if sf != f32(0.0) else f32(0.0)
         for d in range(dv):
             out[t, o0 + d] = acc[d] * inv
@@ -363,17 +371,7 @@ def _group_softmax(sc, n, wv, wm, nm):
         S = f32(0.0)
         M = f32(-np.inf)
         for i in range(n):
-            s = sc[j, i]
-            ms = f32(1.0)
-            vs = f32(1.0)
-            if s > M:
-                mold = M
-                M = s
-                ms = _expf(mold - M)
-                nm[j, i] = True
-            else:
-                vs = _expf(s - M)
-                nm[j, i] = False
+            M, ms, vs, nm[j, i] = _online_step(sc[j, i], M)
             wv[j, i] = vs
             wm[j, i] = ms
             S = fma32(S, ms, vs)
@@ -538,17 +536,8 @@ def fa_vec(q, keys, values, qpos0, kpos0, window, scale, softcap, mode, n_cells,
                 sf = f32(0.0)
                 acc = np.zeros(dv, np.float32)
                 for c in range(nch):
-                    sc = ps[t, h, c]
-                    if sc == f32(0.0):
-                        continue
-                    mc = pm[t, h, c]
-                    mn = max(mf, mc)
-                    so = _expf(mf - mn)
-                    sn = _expf(mc - mn)
-                    for d in range(dv):
-                        acc[d] = fma32(acc[d], so, pv[vo + c * dv + d] * sn)
-                    sf = fma32(sf, so, sc * sn)
-                    mf = mn
+                    if ps[t, h, c] != f32(0.0):
+                        mf, sf = _merge_chunk(acc, pv, vo + c * dv, mf, sf, pm[t, h, c], ps[t, h, c])
                 inv = f32(1.0) / sf if sf != f32(0.0) else f32(0.0)
                 for d in range(dv):
                     out[t, o0 + d] = acc[d] * inv
