@@ -5,7 +5,8 @@ processes on the cores.
 
     .venv/bin/python scripts/bench_side_by_side.py [--model smollm2|gemma3|llama-1b-Q4_K_M|...]
         [--gguf PATH] [--servers llama-t2,ours] [--rounds 3] [--prompt-tokens 512]
-        [--decode-tokens 64] [--busy 0] [--bandwidth] [--llama-server PATH] [--port 8301]
+        [--decode-tokens 64] [--decode-after-prompt] [--busy 0] [--bandwidth] [--llama-server PATH]
+        [--port 8301]
 
 Every server of ``--servers`` is started at once (each on its own port, all loaded before the
 first measurement) and the measurements alternate between them, one at a time, round after
@@ -21,7 +22,9 @@ server's figures alike and the ratios stay meaningful on a shared machine. Serve
 
 Per round and server: ``prefill_tok_s`` (``timings.prompt_per_second`` of a ~``--prompt-tokens``
 prompt, ``cache_prompt: false``) and ``decode_tok_s`` (``timings.predicted_per_second`` of
-``--decode-tokens`` greedy tokens, ``ignore_eos``), with ``weights_gb_s``: decode tok/s times the
+``--decode-tokens`` greedy tokens, ``ignore_eos``, after a short prompt; with
+``--decode-after-prompt`` after the ~``--prompt-tokens`` prompt instead, in the same request as the
+prefill figure: decode at long context, where the KV attention weighs), with ``weights_gb_s``: decode tok/s times the
 GGUF's tensor bytes (every weight is read once per token; tied embeddings are the output
 projection). One JSON line per measurement with the load average, then a summary: each
 server's median, and the median over rounds of each round's ratio to the first server.
@@ -113,7 +116,12 @@ def start_server(label: str, gguf: Path, port: int, srv: str | None, tmp: Path) 
     return p
 
 
-def measure(port: int, prompt: str, n_decode: int) -> dict:
+def measure(port: int, prompt: str, n_decode: int, after_prompt: bool = False) -> dict:
+    if after_prompt:      # one request: the prompt's prefill, then n_decode tokens after it
+        t = post(port, "/completion", {"model": "m", "prompt": prompt, "n_predict": n_decode, "ignore_eos": True,
+                                       "cache_prompt": False, "temperature": 0})["timings"]
+        return {"prefill_tok_s": round(t["prompt_per_second"], 1), "decode_tok_s": round(t["predicted_per_second"], 2),
+                "prompt_n": t.get("prompt_n")}
     t = post(port, "/completion", {"model": "m", "prompt": prompt, "n_predict": 1, "cache_prompt": False,
                                    "temperature": 0})["timings"]
     prefill = t["prompt_per_second"]
@@ -130,6 +138,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--decode-after-prompt", action="store_true")
     ap.add_argument("--busy", type=int, default=0)
     ap.add_argument("--bandwidth", action="store_true")
     ap.add_argument("--llama-server", default=None)
@@ -143,7 +152,7 @@ def main() -> int:
                              text=True, check=True).stdout.strip().splitlines()[-1]
     wbytes = gguf_tensor_bytes(gguf)
     head = {"model": gguf.name, "file_mib": round(gguf.stat().st_size / 2**20), "tensor_mib": round(wbytes / 2**20),
-            "servers": labels, "busy": a.busy}
+            "servers": labels, "busy": a.busy, "decode_after_prompt": a.decode_after_prompt}
     if a.bandwidth:
         head["machine_read_gb_s"] = bandwidth_gb_s()
     head["loadavg"] = [round(x, 2) for x in os.getloadavg()]
@@ -163,7 +172,7 @@ def main() -> int:
             order = labels[r % len(labels):] + labels[:r % len(labels)]
             for s in order:
                 try:
-                    row = measure(ports[s], prompt, a.decode_tokens)
+                    row = measure(ports[s], prompt, a.decode_tokens, a.decode_after_prompt)
                 except (OSError, RuntimeError) as e:
                     row = {"error": f"{type(e).__name__}: {e}"}
                 row = {"round": r, "server": s, **row}

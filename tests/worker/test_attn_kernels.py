@@ -124,6 +124,131 @@ def test_tiled_kernel_gives_the_reference_bits(dims: tuple[int, int, int, int]) 
             assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (T, qpos0, window, softcap)
 
 
+def _f16_round_inputs() -> np.ndarray:
+    """float32 values covering binary16 rounding: every f16 value (both zeros, subnormals, the largest
+    finite, inf, the quiet NaNs: arithmetic makes no signalling ones, which the hardware conversion
+    would quiet and numpy's would not), the halfway points between neighbours (ties, normal and subnormal) and the
+    float32 values just below and above each, the overflow edge (65504 .. 65520 .. f32 max), values
+    below half the smallest subnormal, and random finite bit patterns at every magnitude."""
+    hb = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    hb = hb[((hb & 0x7C00) != 0x7C00) | ((hb & 0x3FF) == 0) | ((hb & 0x200) != 0)]   # no signalling NaN
+    f16s = hb.view(np.float16).astype(np.float32)
+    fin = np.sort(np.unique(f16s[np.isfinite(f16s)]))
+    mids = ((fin[:-1].astype(np.float64) + fin[1:]) / 2).astype(np.float32)      # exact in float32
+    assert np.array_equal(mids.astype(np.float64), (fin[:-1].astype(np.float64) + fin[1:]) / 2)
+    near = np.concatenate([np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf))])
+    edge = np.array([65504.0, 65519.99, 65520.0, 65535.0, 65536.0, 1e6, 3.4028235e38, 2.0**-25, 2.0**-26,
+                     1.5 * 2.0**-25, 1e-30, 1e-45, 6.1e-05, 6.0975552e-05], np.float32)
+    edge = np.concatenate([edge, -edge])
+    rng = np.random.default_rng(1)
+    bits = rng.integers(0, 2**32, 400_000, dtype=np.uint64).astype(np.uint32)
+    rnd = bits.view(np.float32)
+    rnd = rnd[np.isfinite(rnd)]
+    x = np.concatenate([f16s, mids, near, edge, rnd, rnd * np.float32(2.0**-100), rnd * np.float32(2.0**-120)])
+    return x[: x.size - x.size % 16]
+
+
+def test_vector_f16_round_matches_numpy() -> None:
+    """The decode kernel's whole-vector binary16 rounding (``vf16r``, 16 lanes at a time) and the
+    scalar one (``f16r``) give numpy's ``astype(float16).astype(float32)`` bit for bit: ties to even
+    (normal and subnormal), subnormals, overflow to inf, inf, signed zeros, quiet NaNs."""
+    import numba
+
+    from worker.engine.kernels.attn_kernels import f16r, vf16r
+    from worker.engine.kernels.simd import vload, vstore
+
+    @numba.njit
+    def rnd(x, out, out1):
+        for i in range(0, x.shape[0], 16):
+            vstore(out, i, vf16r(vload(x, i)))
+        for i in range(x.shape[0]):
+            out1[i] = f16r(x[i])
+
+    x = _f16_round_inputs()
+    out, out1 = np.empty_like(x), np.empty_like(x)
+    rnd(x, out, out1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = x.astype(np.float16).astype(np.float32)
+    assert np.isnan(want).any() and np.isinf(want).any() and (want.view(np.uint32) == 0x80000000).any()
+    bad = np.flatnonzero(out.view(np.uint32) != want.view(np.uint32))
+    assert bad.size == 0, [(float(x[i]), float(out[i]), float(want[i])) for i in bad[:5]]
+    assert np.array_equal(out1.view(np.uint32), want.view(np.uint32))
+
+
+def test_vector_lane_sum_is_ggmls_order() -> None:
+    """``vsum16`` adds 16 lanes in ``_sum16``'s order (GCC's ``_mm512_reduce_add_ps``), which differs
+    from other orders in float32: the same bits on values where the order shows."""
+    import numba
+
+    from worker.engine.kernels.attn_kernels import _sum16, vsum16
+    from worker.engine.kernels.simd import vload
+
+    @numba.njit
+    def sums(x, a, b):
+        for r in range(x.shape[0] // 16):
+            a[r] = vsum16(vload(x, r * 16))
+            b[r] = _sum16(x, r * 16)
+
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(16 * 4000) * 10.0 ** rng.integers(-8, 8, 16 * 4000)).astype(np.float32)
+    a, b = np.empty(4000, np.float32), np.empty(4000, np.float32)
+    sums(x, a, b)
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert not np.array_equal(a, x.reshape(-1, 16).sum(axis=1, dtype=np.float32))   # the order matters here
+
+
+@pytest.mark.parametrize("dims", [(9, 3, 64, 64), (4, 1, 256, 256), (4, 4, 96, 96), (4, 2, 128, 128),
+                                  (2, 1, 40, 40), (4, 2, 32, 16), (3, 3, 16, 48)],
+                         ids=["smollm2", "gemma-256", "d96", "d128", "d40", "d32-16", "d16-48"])
+def test_vec_kernel_gives_the_reference_bits(dims: tuple[int, int, int, int]) -> None:
+    """``fa_vec`` (a work item per (row, KV head, chunk), vectors, the f16 V sum in registers) ==
+    ``fa_vec_ref`` (one (row, head) at a time, scalar: the form the llama.cpp fixture was first matched
+    with) on the raw bits, on one thread and on all: both paths (one-row and split-KV over 1-4 chunks,
+    chunks past the visible keys), row counts, sliding windows, a KV slice starting past position 0,
+    softcap, and the numerics' corners: scores rising key after key (a new maximum, so a rescale of
+    the f16 sum, at every key), V large enough to overflow the f16 sum to inf, and inf in V (NaN)."""
+    import numba
+
+    from worker.engine.kernels import attn_kernels as ak
+
+    nh, nkv, dk, dv = dims
+    rng = np.random.default_rng(sum(dims))
+    cases = [(1, 300, 0, 0.0, 0, ak.MODE_SPLIT, 512, 2), (1, 700, 0, 30.0, 0, ak.MODE_SPLIT, 768, 3),
+             (1, 600, 100, 0.0, 501, ak.MODE_SPLIT, 768, 2), (1, 200, 0, 0.0, 0, ak.MODE_SPLIT, 256, 4),
+             (1, 100, 0, 0.0, 0, ak.MODE_SPLIT, 512, 2), (1, 1100, 0, 0.0, 0, ak.MODE_SPLIT, 1280, 1),
+             (1, 40, 0, 0.0, 0, ak.MODE_VEC, 256, 2), (5, 37, 0, 30.0, 0, ak.MODE_VEC, 256, 2),
+             (3, 300, 50, 0.0, 251, ak.MODE_VEC, 512, 2), (63, 10, 0, 0.0, 0, ak.MODE_VEC, 256, 2)]
+    for T, qpos0, window, softcap, kstart, mode, n_cells, n_chunks in cases:
+        for kind in ("random", "rising", "overflow", "inf"):
+            S = qpos0 + T - kstart
+            q = (rng.standard_normal((T, nh, dk)) * 0.5).astype(np.float32)
+            k = rng.standard_normal((nkv, S, dk)).astype(np.float16).astype(np.float32)
+            v = rng.standard_normal((nkv, S, dv)).astype(np.float16).astype(np.float32)
+            if kind == "rising":       # key i along q's direction with a growing weight: scores rise
+                k = (np.abs(q[0, :: nh // nkv])[:, None, :] * np.linspace(0.01, 3.0, S)[None, :, None]
+                     ).astype(np.float16).astype(np.float32)
+                q = np.abs(q)
+            elif kind == "overflow":   # finite f16 values whose weighted sum passes 65504
+                v = np.full_like(v, 60000.0)
+            elif kind == "inf":
+                v[:, S // 3] = np.inf
+                v[:, S // 2] = -np.inf
+            sc, cap = np.float32(1 / np.sqrt(dk)), np.float32(softcap)
+            if cap:
+                sc = np.float32(sc / cap)
+            want = np.empty((T, nh * dv), np.float32)
+            ak.fa_vec_ref(q, k, v, qpos0, kstart, window, sc, cap, mode, n_cells, n_chunks, want)
+            assert {"random": np.isfinite(want).all(), "rising": np.isfinite(want).all(),
+                    "overflow": np.isinf(want).any(), "inf": np.isnan(want).any()}[kind], kind
+            for threads in (1, numba.config.NUMBA_NUM_THREADS):
+                numba.set_num_threads(threads)
+                got = np.empty((T, nh * dv), np.float32)
+                ak.fa_vec(q, k, v, qpos0, kstart, window, sc, cap, mode, n_cells, n_chunks, got)
+                assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
+                    (T, qpos0, window, softcap, mode, n_chunks, kind, threads)
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+
 def test_rms_norm_and_glu_kernels_give_numpys_bits() -> None:
     """``rms_norm(kernel=True)`` (numba, numpy's pairwise float64 sum reproduced) and ``glu_ggml``
     (SiLU / GELU of the gate times the up half in one pass) == the NumPy forms on the raw bits:

@@ -42,8 +42,9 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
+from numba.np.ufunc.parallel import _iget_num_threads  # numba's get_num_threads by symbol (cacheable)
 
-from .simd import vfma_s, vload, vstore, vzero
+from .simd import claim, f32x16, vadd, vfma, vfma_s, vload, vmul, vmul_s, vstore, vzero
 
 #: the row-wise kernels (here and in quant_kernels) run their rows in parallel, in blocks of PAR_ROWS,
 #: from PAR_MIN input elements on, below it on the calling thread (a decode step's few rows are
@@ -186,6 +187,27 @@ def dot_f16(keys, g, i, y, acc):
     return f32(sumf)
 
 
+@njit(cache=True, inline="always")
+def _online_step(s, M):
+    # one key of one_chunk's online softmax at score s with maximum M so far: -> (new maximum, ms,
+    # vs, whether s is a new maximum); VKQ becomes f16(VKQ * ms) on a new maximum, then f16(fma(v, vs, VKQ))
+    if s > M:
+        return s, _expf(M - s), f32(1.0), True
+    return M, f32(1.0), _expf(s - M), False
+
+
+@njit(cache=True, inline="always")
+def _merge_chunk(acc, part, po, mf, sf, mc, sc):
+    # ggml_flash_attn_ext_reduce_partials' step: chunk (mc, sc != 0, VKQ part[po .. po+dv-1]) folded into
+    # (mf, sf, acc [dv]) in f32; -> the new (mf, sf)
+    mn = max(mf, mc)
+    so = _expf(mf - mn)
+    sn = _expf(mc - mn)
+    for d in range(acc.shape[0]):
+        acc[d] = fma32(acc[d], so, part[po + d] * sn)
+    return mn, fma32(sf, so, sc * sn)
+
+
 @njit(cache=True)
 def _vec_chunk(q16, keys, values, g, i0, i1, scale, softcap, vkq, dacc, sbuf):
     # one_chunk over key indices i0 .. i1-1 (all visible): vkq f16-valued [DV] (reset here); -> (M, S).
@@ -201,17 +223,10 @@ def _vec_chunk(q16, keys, values, g, i0, i1, scale, softcap, vkq, dacc, sbuf):
     S = f32(0.0)
     M = f32(-np.inf)
     for i in range(i0, i1):
-        s = sbuf[i - i0]
-        ms = f32(1.0)
-        vs = f32(1.0)
-        if s > M:
-            mold = M
-            M = s
-            ms = _expf(mold - M)
+        M, ms, vs, new_max = _online_step(sbuf[i - i0], M)
+        if new_max:
             for d in range(dv):
                 vkq[d] = f16r(vkq[d] * ms)
-        else:
-            vs = _expf(s - M)
         for d in range(dv):
             vkq[d] = f16r(fma32(values[g, i, d], vs, vkq[d]))
         S = fma32(S, ms, vs)
@@ -244,13 +259,7 @@ def _vec_rowhead(q, keys, values, t, h, g, qpos0, kpos0, window, scale, softcap,
             mc, sc = _vec_chunk(q16, keys, values, g, a - kpos0, b - kpos0, scale, softcap, vkq, dacc, sbuf)
             if sc == f32(0.0):
                 continue
-            mn = max(mf, mc)
-            so = _expf(mf - mn)
-            sn = _expf(mc - mn)
-            for d in range(dv):
-                acc[d] = fma32(acc[d], so, vkq[d] * sn)
-            sf = fma32(sf, so, sc * sn)
-            mf = mn
+            mf, sf = _merge_chunk(acc, vkq, 0, mf, sf, mc, sc)
         inv = f32(1.0) / sf if sf != f32(0.0) else f32(0.0)
         for d in range(dv):
             out[t, o0 + d] = acc[d] * inv
@@ -262,9 +271,10 @@ def _vec_rowhead(q, keys, values, t, h, g, qpos0, kpos0, window, scale, softcap,
 
 
 @njit(cache=True, parallel=True)
-def fa_vec(q, keys, values, qpos0, kpos0, window, scale, softcap, mode, n_cells, n_chunks, out):
-    """MODE_VEC / MODE_SPLIT over every (row, head) of ``q``; see the module docstring.
-    window 0: none; n_cells / n_chunks: llama.cpp's KV view length and thread count (split)."""
+def fa_vec_ref(q, keys, values, qpos0, kpos0, window, scale, softcap, mode, n_cells, n_chunks, out):
+    """The reference of :func:`fa_vec` (one (row, head) at a time, scalar code; the same bits,
+    tested ``==``): MODE_VEC / MODE_SPLIT over every (row, head) of ``q``, the form the llama.cpp
+    fixture was first matched with."""
     T, n_head, dk = q.shape
     grp = n_head // values.shape[0]
     for item in prange(T * n_head):
@@ -272,6 +282,270 @@ def fa_vec(q, keys, values, qpos0, kpos0, window, scale, softcap, mode, n_cells,
         h = item % n_head
         _vec_rowhead(q, keys, values, t, h, h // grp, qpos0, kpos0, window, scale, softcap, mode, n_cells,
                      n_chunks, out)
+
+
+def _shuffle(builder, v, idx):
+    return builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined),
+                                  ir.Constant(ir.VectorType(ir.IntType(32), len(idx)), idx))
+
+
+@intrinsic
+def vsum16(typingctx, v):
+    """The sum of the 16 lanes of ``v`` as :func:`_sum16` adds them (``_mm512_reduce_add_ps`` as GCC
+    builds it: lanes 8..15 + 0..7, then 4..7 + 0..3, then (l0 + l2) + (l1 + l3)), as a float32."""
+    if v != f32x16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        x = args[0]
+        t = builder.fadd(_shuffle(builder, x, list(range(8, 16))), _shuffle(builder, x, list(range(8))))
+        u = builder.fadd(_shuffle(builder, t, [4, 5, 6, 7]), _shuffle(builder, t, [0, 1, 2, 3]))
+        w = builder.fadd(_shuffle(builder, u, [0, 1]), _shuffle(builder, u, [2, 3]))
+        i32 = ir.IntType(32)
+        return builder.fadd(builder.extract_element(w, ir.Constant(i32, 0)),
+                            builder.extract_element(w, ir.Constant(i32, 1)))
+
+    return types.float32(v), codegen
+
+
+@intrinsic
+def vf16r(typingctx, v):
+    """:func:`f16r` of every lane of ``v`` (LLVM ``fptrunc <16 x float>`` to half and back: F16C's
+    ``vcvtps2ph`` / ``vcvtph2ps`` on whole vectors where the CPU has them)."""
+    if v != f32x16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        v16 = ir.VectorType(ir.FloatType(), 16)
+        return builder.fpext(builder.fptrunc(args[0], ir.VectorType(ir.HalfType(), 16)), v16)
+
+    return f32x16(v), codegen
+
+
+@njit(cache=True, inline="always")
+def _dot_f16_vec(keys, kb, q16, qb, np_):
+    # dot_f16's first np_ (a multiple of 64, > 0) elements of keys.flat[kb:] and q16.flat[qb:] on
+    # explicit vectors: the same 4 x 16 lanes (products, then FMAs), x0+x2, x1+x3, then x0+x1, _sum16
+    x0 = vmul(vload(keys, kb), vload(q16, qb))
+    x1 = vmul(vload(keys, kb + 16), vload(q16, qb + 16))
+    x2 = vmul(vload(keys, kb + 32), vload(q16, qb + 32))
+    x3 = vmul(vload(keys, kb + 48), vload(q16, qb + 48))
+    for st in range(1, np_ // 64):
+        j = st * 64
+        x0 = vfma(vload(keys, kb + j), vload(q16, qb + j), x0)
+        x1 = vfma(vload(keys, kb + j + 16), vload(q16, qb + j + 16), x1)
+        x2 = vfma(vload(keys, kb + j + 32), vload(q16, qb + j + 32), x2)
+        x3 = vfma(vload(keys, kb + j + 48), vload(q16, qb + j + 48), x3)
+    return vsum16(vadd(vadd(x0, x2), vadd(x1, x3)))
+
+
+@njit(cache=True)
+def _group_scores(q16, keys, g, i0, i1, scale, softcap, sc):
+    # sc[j, i - i0] = the score of query head j (q16 [grp, dk], f16-valued) against key i of KV head g,
+    # for i in i0 .. i1-1: dot_f16 (its 64-element blocks on vectors), * scale, softcap
+    n_kv, S_len, dk = keys.shape
+    grp = q16.shape[0]
+    np_ = dk & ~63
+    for i in range(i0, i1):
+        kb = (g * S_len + i) * dk
+        for j in range(grp):
+            sumf = 0.0
+            if np_ > 0:
+                sumf = np.float64(_dot_f16_vec(keys, kb, q16, j * dk, np_))
+            for d in range(np_, dk):
+                sumf += np.float64(keys[g, i, d] * q16[j, d])
+            s = f32(sumf) * scale
+            if softcap != f32(0.0):
+                s = softcap * f32(math.tanh(s))
+            sc[j, i - i0] = s
+
+
+@njit(cache=True)
+def _group_softmax(sc, n, wv, wm, nm):
+    # _vec_chunk's online softmax over the scores sc [grp, >= n] of each head, without the V sum:
+    # per key i, wv[j, i] = vs, wm[j, i] = ms, nm[j, i] = whether it is a new maximum (the V sum is
+    # then rescaled by ms first); -> (M, S) per head in the first two rows of a [2, grp] result
+    grp = sc.shape[0]
+    res = np.empty((2, grp), np.float32)
+    for j in range(grp):
+        S = f32(0.0)
+        M = f32(-np.inf)
+        for i in range(n):
+            M, ms, vs, nm[j, i] = _online_step(sc[j, i], M)
+            wv[j, i] = vs
+            wm[j, i] = ms
+            S = fma32(S, ms, vs)
+        res[0, j] = M
+        res[1, j] = S
+    return res
+
+
+@njit(cache=True)
+def _vkq64(values, g, i0, n, d0, wv, wm, nm, j, vkq, vo):
+    # _vec_chunk's f16 softmax.V sum of head j over the keys i0 .. i0+n-1 of KV head g, lanes
+    # d0 .. d0+63, in registers (4 x 16 lanes): per key, on a new maximum f16(vkq * ms), then
+    # f16(fma(v, vs, vkq)); stored to vkq.flat[vo + d0 ..]
+    n_kv, S_len, dv = values.shape
+    a0 = vzero()
+    a1 = vzero()
+    a2 = vzero()
+    a3 = vzero()
+    for i in range(n):
+        if nm[j, i]:
+            ms = wm[j, i]
+            a0 = vf16r(vmul_s(a0, ms))
+            a1 = vf16r(vmul_s(a1, ms))
+            a2 = vf16r(vmul_s(a2, ms))
+            a3 = vf16r(vmul_s(a3, ms))
+        vs = wv[j, i]
+        vb = (g * S_len + i0 + i) * dv + d0
+        a0 = vf16r(vfma_s(vload(values, vb), vs, a0))
+        a1 = vf16r(vfma_s(vload(values, vb + 16), vs, a1))
+        a2 = vf16r(vfma_s(vload(values, vb + 32), vs, a2))
+        a3 = vf16r(vfma_s(vload(values, vb + 48), vs, a3))
+    vstore(vkq, vo + d0, a0)
+    vstore(vkq, vo + d0 + 16, a1)
+    vstore(vkq, vo + d0 + 32, a2)
+    vstore(vkq, vo + d0 + 48, a3)
+
+
+@njit(cache=True)
+def _vkq16(values, g, i0, n, d0, wv, wm, nm, j, vkq, vo):
+    # _vkq64 for the 16 lanes d0 .. d0+15
+    n_kv, S_len, dv = values.shape
+    a0 = vzero()
+    for i in range(n):
+        if nm[j, i]:
+            a0 = vf16r(vmul_s(a0, wm[j, i]))
+        a0 = vf16r(vfma_s(vload(values, (g * S_len + i0 + i) * dv + d0), wv[j, i], a0))
+    vstore(vkq, vo + d0, a0)
+
+
+@njit(cache=True)
+def _vkq_tail(values, g, i0, n, d0, wv, wm, nm, j, vkq, vo):
+    # _vkq64 for the lanes d0 .. dv-1 (fewer than 16), one at a time
+    n_kv, S_len, dv = values.shape
+    for d in range(d0, dv):
+        vkq[vo + d] = f32(0.0)
+    for i in range(n):
+        if nm[j, i]:
+            ms = wm[j, i]
+            for d in range(d0, dv):
+                vkq[vo + d] = f16r(vkq[vo + d] * ms)
+        vs = wv[j, i]
+        for d in range(d0, dv):
+            vkq[vo + d] = f16r(fma32(values[g, i0 + i, d], vs, vkq[vo + d]))
+
+
+@njit(cache=True)
+def _vec_group_chunk(q, keys, values, t, g, i0, i1, scale, softcap, q16, vkq, vo, pm, ps, c):
+    # _vec_chunk for the query heads g*grp .. g*grp+grp-1 (those of KV head g) of row t over the key
+    # indices i0 .. i1-1 (all visible, i0 < i1), each K and V row loaded once for the group: the
+    # scores, then the online softmax, then the f16 V sums (vectors) into vkq.flat[vo(j) ..] with
+    # vo(j) = vo + j * dv * (chunks); (M, S) of head h into pm / ps [t, h, c]. q16 scratch [grp, dk].
+    n_head = q.shape[1]
+    grp, dk = q16.shape
+    dv = values.shape[2]
+    nch = pm.shape[2]
+    h0 = g * grp
+    n = i1 - i0
+    for j in range(grp):
+        for d in range(dk):
+            q16[j, d] = f16r(q[t, h0 + j, d])
+    sc = np.empty((grp, n), np.float32)
+    wv = np.empty((grp, n), np.float32)
+    wm = np.empty((grp, n), np.float32)
+    nm = np.empty((grp, n), np.bool_)
+    _group_scores(q16, keys, g, i0, i1, scale, softcap, sc)
+    res = _group_softmax(sc, n, wv, wm, nm)
+    for j in range(grp):
+        pm[t, h0 + j, c] = res[0, j]
+        ps[t, h0 + j, c] = res[1, j]
+        voj = vo + j * nch * dv
+        d0 = 0
+        while d0 + 64 <= dv:
+            _vkq64(values, g, i0, n, d0, wv, wm, nm, j, vkq, voj)
+            d0 += 64
+        while d0 + 16 <= dv:
+            _vkq16(values, g, i0, n, d0, wv, wm, nm, j, vkq, voj)
+            d0 += 16
+        if d0 < dv:
+            _vkq_tail(values, g, i0, n, d0, wv, wm, nm, j, vkq, voj)
+
+
+@njit(cache=True)
+def n_workers(n_items):
+    """Iterations of a parallel loop whose threads take its ``n_items`` work items as they come
+    (:func:`.simd.claim`): one per thread, at most one per item. A thread another process keeps off
+    its core then holds at most the item it took; each item is computed whole by one thread, so
+    the bits do not depend on which."""
+    return min(_iget_num_threads(), n_items)
+
+
+@njit(cache=True, parallel=True)
+def fa_vec(q, keys, values, qpos0, kpos0, window, scale, softcap, mode, n_cells, n_chunks, out):
+    """MODE_VEC / MODE_SPLIT over every (row, head) of ``q``; see the module docstring.
+    window 0: none; n_cells / n_chunks: llama.cpp's KV view length and thread count (split).
+    ``q``, ``keys``, ``values`` C-contiguous float32.
+
+    The same operations per (row, head) as :func:`fa_vec_ref` (tested ``==``), organised for speed:
+    a work item is (row, KV head, chunk), taken by the threads as they come; it computes the
+    scores of the KV head's query heads (each K row loaded once for them, ggml's 4 x 16-lane dot
+    on explicit vectors), then each head's online softmax (libm ``expf``), then each head's f16
+    softmax.V sum with the accumulator in registers (whole-vector f16 rounding, :func:`vf16r`). The
+    chunks' partial (M, S, VKQ) are merged per (row, head) afterwards, in chunk order, as
+    ``ggml_flash_attn_ext_reduce_partials`` does."""
+    T, n_head, dk = q.shape
+    n_kv, S_len, dv = values.shape
+    grp = n_head // n_kv
+    nch = n_chunks if mode == MODE_SPLIT else 1
+    cs = (n_cells + n_chunks - 1) // n_chunks
+    pm = np.empty((T, n_head, nch), np.float32)
+    ps = np.empty((T, n_head, nch), np.float32)
+    pv = np.empty(T * n_head * nch * dv, np.float32)     # [T, n_head, nch, dv]: each chunk's VKQ
+    n_items = T * n_kv * nch
+    taken = np.zeros(1, np.int64)
+    for _ in prange(n_workers(n_items)):
+        q16 = np.empty((grp, dk), np.float32)
+        it = claim(taken)
+        while it < n_items:
+            c = it % nch
+            g = (it // nch) % n_kv
+            t = it // (nch * n_kv)
+            qp = qpos0 + t
+            lo = 0 if window == 0 else max(0, qp - window + 1)   # visible positions lo .. qp
+            a = lo
+            b = qp + 1
+            if mode == MODE_SPLIT:
+                a = max(c * cs, lo)
+                b = min((c + 1) * cs, n_cells, qp + 1)
+            if a >= b:
+                for j in range(grp):
+                    pm[t, g * grp + j, c] = f32(-np.inf)
+                    ps[t, g * grp + j, c] = f32(0.0)            # an empty chunk: skipped by the merge
+            else:
+                _vec_group_chunk(q, keys, values, t, g, a - kpos0, b - kpos0, scale, softcap, q16, pv,
+                                 ((t * n_head + g * grp) * nch + c) * dv, pm, ps, c)
+            it = claim(taken)
+    for t in range(T):
+        for h in range(n_head):
+            o0 = h * dv
+            vo = (t * n_head + h) * nch * dv
+            if mode == MODE_SPLIT:
+                mf = f32(-np.inf)
+                sf = f32(0.0)
+                acc = np.zeros(dv, np.float32)
+                for c in range(nch):
+                    if ps[t, h, c] != f32(0.0):
+                        mf, sf = _merge_chunk(acc, pv, vo + c * dv, mf, sf, pm[t, h, c], ps[t, h, c])
+                inv = f32(1.0) / sf if sf != f32(0.0) else f32(0.0)
+                for d in range(dv):
+                    out[t, o0 + d] = acc[d] * inv
+            else:
+                sc = ps[t, h, 0]
+                inv = f32(1.0) / sc if sc != f32(0.0) else f32(0.0)
+                for d in range(dv):
+                    out[t, o0 + d] = pv[vo + d] * inv
 
 
 @njit(cache=True, parallel=True)
