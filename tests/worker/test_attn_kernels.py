@@ -282,6 +282,22 @@ def test_rms_norm_and_glu_kernels_give_numpys_bits() -> None:
         assert got.shape == view.shape and np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+def test_pairwise_sum_is_numpys_at_every_length() -> None:
+    """``attn_kernels._pairwise_sum`` (numpy's recursive pairwise float64 sum as a loop over an
+    explicit stack) == ``0.0 + a.sum()`` on the raw bits at every length 1 .. PAIRWISE_MAX, on
+    values whose sum shows the order (magnitudes e^+-30, both signs)."""
+    from worker.engine.kernels import attn_kernels as ak
+
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal(ak.PAIRWISE_MAX) * np.exp(rng.uniform(-30, 30, ak.PAIRWISE_MAX))
+    sn = np.empty((ak._PW_DEPTH, 2), np.int64)
+    sv = np.empty(ak._PW_DEPTH, np.float64)
+    got = np.array([ak._pairwise_sum(a, 0, n, sn, sv) for n in range(1, ak.PAIRWISE_MAX + 1)])
+    want = np.array([0.0 + a[:n].sum() for n in range(1, ak.PAIRWISE_MAX + 1)])
+    assert np.array_equal(got.view(np.uint64), want.view(np.uint64))
+    assert not np.array_equal(want, np.cumsum(a))     # a sum in order differs: the order is tested
+
+
 def test_rope_kernel_gives_numpys_bits() -> None:
     """``RopeTable`` on the libm tables rotates float32 heads by ``attn_kernels.rope_rows``: the
     same bits as its NumPy rotation (``_rotate``), NEOX and adjacent pairs, a partial rotary

@@ -991,57 +991,43 @@ def _pw_leaf(a, o, n):
     return res
 
 
-# above 128, numpy sums the two halves (the first rounded down to a multiple of 8) and adds them;
-# numba's cache cannot hold a recursive function, so the levels are spelled out (each halves)
 @njit(cache=True)
-def _pw1(a, o, n):
-    if n <= 128:
-        return _pw_leaf(a, o, n)
-    n2 = n // 2 - (n // 2) % 8
-    return _pw_leaf(a, o, n2) + _pw_leaf(a, o + n2, n - n2)
+def _pairwise_sum(a, o, n, sn, sv):
+    # numpy's pairwise sum of a[o .. o+n-1] for n <= PAIRWISE_MAX (what ``a.sum()`` of a contiguous
+    # float64 row adds): up to 128 elements _pw_leaf, above it the pairwise sum of the first half
+    # (rounded down to a multiple of 8) plus that of the second. numba's cache cannot hold a
+    # recursive function (a cached caller of one crashes on load), so the recursion is a loop over
+    # an explicit stack of the nodes under way: sn int64 [>= _PW_DEPTH, 2] (offset, length), sv
+    # float64 [>= _PW_DEPTH] (the first half's sum, once done). The same additions of the same
+    # operands as numpy's recursion: the same bits.
+    sp = 0
+    while True:
+        while n > 128:                            # down the first halves
+            sn[sp, 0] = o
+            sn[sp, 1] = n
+            sp += 1
+            n = n // 2 - (n // 2) % 8
+        v = _pw_leaf(a, o, n)
+        down = False
+        while sp > 0 and not down:                # up to the first node whose second half is left
+            po = sn[sp - 1, 0]
+            pn = sn[sp - 1, 1]
+            n2 = pn // 2 - (pn // 2) % 8
+            if o == po:                           # v: its first half's sum; then its second half
+                sv[sp - 1] = v
+                o = po + n2
+                n = pn - n2
+                down = True
+            else:                                 # v: its second half's sum
+                v = sv[sp - 1] + v
+                o = po
+                sp -= 1
+        if not down:
+            return v
 
 
-@njit(cache=True)
-def _pw2(a, o, n):
-    if n <= 128:
-        return _pw_leaf(a, o, n)
-    n2 = n // 2 - (n // 2) % 8
-    return _pw1(a, o, n2) + _pw1(a, o + n2, n - n2)
-
-
-@njit(cache=True)
-def _pw3(a, o, n):
-    if n <= 128:
-        return _pw_leaf(a, o, n)
-    n2 = n // 2 - (n // 2) % 8
-    return _pw2(a, o, n2) + _pw2(a, o + n2, n - n2)
-
-
-@njit(cache=True)
-def _pw4(a, o, n):
-    if n <= 128:
-        return _pw_leaf(a, o, n)
-    n2 = n // 2 - (n // 2) % 8
-    return _pw3(a, o, n2) + _pw3(a, o + n2, n - n2)
-
-
-@njit(cache=True)
-def _pw5(a, o, n):
-    if n <= 128:
-        return _pw_leaf(a, o, n)
-    n2 = n // 2 - (n // 2) % 8
-    return _pw4(a, o, n2) + _pw4(a, o + n2, n - n2)
-
-
-@njit(cache=True)
-def _pairwise_sum(a, o, n):
-    # numpy's pairwise sum of a[o .. o+n-1] for n <= PAIRWISE_MAX (what ``a.sum()`` of a
-    # contiguous float64 row adds)
-    if n <= 128:
-        return _pw_leaf(a, o, n)
-    n2 = n // 2 - (n // 2) % 8
-    return _pw5(a, o, n2) + _pw5(a, o + n2, n - n2)
-
+#: the most nodes :func:`_pairwise_sum` has under way at once (6 for PAIRWISE_MAX elements)
+_PW_DEPTH = 8
 
 #: the longest row :func:`_pairwise_sum` sums as numpy does (six levels of halving)
 PAIRWISE_MAX = 6144
@@ -1055,12 +1041,14 @@ def _rms_norm_part(x, w, eps, out, t0, t1):
     # in float32; out = (x * scale) * w
     R, n = x.shape
     sq = np.empty(n, np.float64)
+    sn = np.empty((_PW_DEPTH, 2), np.int64)
+    sv = np.empty(_PW_DEPTH, np.float64)
     one = f32(1.0)
     for r in range(t0, t1):
         for i in range(n):
             v = x[r, i]
             sq[i] = np.float64(v * v)
-        mean = f32((0.0 + _pairwise_sum(sq, 0, n)) / np.float64(n))
+        mean = f32((0.0 + _pairwise_sum(sq, 0, n, sn, sv)) / np.float64(n))
         scale = one / np.sqrt(mean + eps)
         for i in range(n):
             out[r, i] = (x[r, i] * scale) * w[i]
