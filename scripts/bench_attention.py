@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Decode attention of the quantized path alone, in-process: one query row over ``n_past`` keys as
 llama.cpp's CPU flash attention computes it (``attention.ggml_attention``: split-KV from 512 cells),
-the kernel (``attn_kernels.fa_vec``) against its scalar reference (``fa_vec_ref``, the same bits),
+the kernel (``attn_kernels.fa_vec``) against its scalar reference (``tests/worker/attn_reference.py``'s
+``fa_vec_ref``, the same bits),
 measured alternately so that a change of the machine's load shows in both.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/bench_attention.py [--n-past 256,1024,4096]
@@ -38,6 +39,7 @@ def main() -> int:
     import numba
     import numpy as np
 
+    from tests.worker.attn_reference import fa_vec_ref
     from worker.engine import attention as A
     from worker.engine.kernels import attn_kernels as ak
 
@@ -57,7 +59,7 @@ def main() -> int:
             outs = {}
             reps = max(3, 40000 // S)
             for _ in range(a.rounds):
-                for name, fn in (("kernel", ak.fa_vec), ("ref", ak.fa_vec_ref)):
+                for name, fn in (("kernel", ak.fa_vec), ("ref", fa_vec_ref)):
                     out = np.empty((1, n_head * hd), np.float32)
                     fn(*args, out)
                     t0 = time.perf_counter()

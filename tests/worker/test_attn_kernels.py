@@ -104,6 +104,7 @@ def test_tiled_kernel_gives_the_reference_bits(dims: tuple[int, int, int, int]) 
     a time, the form the llama.cpp fixture was first matched with) on the raw bits: every row count
     around the 4-row and 64-row blocks, positions inside a tile, sliding windows narrower than a
     tile and a KV slice that starts past position 0 (at the first visible key), softcap."""
+    from tests.worker import attn_reference as ref
     from worker.engine.kernels import attn_kernels as ak
 
     nh, nkv, dk, dv = dims
@@ -120,7 +121,7 @@ def test_tiled_kernel_gives_the_reference_bits(dims: tuple[int, int, int, int]) 
                 sc = np.float32(sc / cap)
             got, want = (np.empty((T, nh * dv), np.float32) for _ in range(2))
             ak.fa_tiled(q, k, v, qpos0, kstart, window, sc, cap, got)
-            ak.fa_tiled_ref(q, k, v, qpos0, kstart, window, sc, cap, want)
+            ref.fa_tiled_ref(q, k, v, qpos0, kstart, window, sc, cap, want)
             assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (T, qpos0, window, softcap)
 
 
@@ -209,6 +210,7 @@ def test_vec_kernel_gives_the_reference_bits(dims: tuple[int, int, int, int]) ->
     the f16 sum, at every key), V large enough to overflow the f16 sum to inf, and inf in V (NaN)."""
     import numba
 
+    from tests.worker import attn_reference as ref
     from worker.engine.kernels import attn_kernels as ak
 
     nh, nkv, dk, dv = dims
@@ -237,7 +239,7 @@ def test_vec_kernel_gives_the_reference_bits(dims: tuple[int, int, int, int]) ->
             if cap:
                 sc = np.float32(sc / cap)
             want = np.empty((T, nh * dv), np.float32)
-            ak.fa_vec_ref(q, k, v, qpos0, kstart, window, sc, cap, mode, n_cells, n_chunks, want)
+            ref.fa_vec_ref(q, k, v, qpos0, kstart, window, sc, cap, mode, n_cells, n_chunks, want)
             assert {"random": np.isfinite(want).all(), "rising": np.isfinite(want).all(),
                     "overflow": np.isinf(want).any(), "inf": np.isnan(want).any()}[kind], kind
             for threads in (1, numba.config.NUMBA_NUM_THREADS):

@@ -165,29 +165,6 @@ def _sum16(v, o):
 
 
 @njit(cache=True, inline="always")
-def dot_f16(keys, g, i, y, acc):
-    """``ggml_vec_dot_f16`` (AVX-512F, no FP16) of key ``keys[g, i]`` and the f16-valued ``y``:
-    per 64 elements 4 x 16 FMA lanes, ``GGML_F32x16_REDUCE``, the leftovers summed in double;
-    ``acc`` a float32 scratch of 64."""
-    n = y.shape[0]
-    np_ = n & ~63
-    sumf = 0.0
-    if np_ > 0:
-        for t in range(64):
-            acc[t] = keys[g, i, t] * y[t]             # fma(x, y, 0): the product, exact for f16 inputs
-        for st in range(1, np_ // 64):            # (a stepped range does not vectorize in numba)
-            j = st * 64
-            for t in range(64):
-                acc[t] = fma32(keys[g, i, j + t], y[j + t], acc[t])
-        for t in range(16):                       # x0+x2, x1+x3, then x0+x1
-            acc[t] = (acc[t] + acc[32 + t]) + (acc[16 + t] + acc[48 + t])
-        sumf = np.float64(_sum16(acc, 0))
-    for j in range(np_, n):
-        sumf += np.float64(keys[g, i, j] * y[j])
-    return f32(sumf)
-
-
-@njit(cache=True, inline="always")
 def _online_step(s, M):
     # one key of one_chunk's online softmax at score s with maximum M so far: -> (new maximum, ms,
     # vs, whether s is a new maximum); VKQ becomes f16(VKQ * ms) on a new maximum, then f16(fma(v, vs, VKQ))
@@ -206,82 +183,6 @@ def _merge_chunk(acc, part, po, mf, sf, mc, sc):
     for d in range(acc.shape[0]):
         acc[d] = fma32(acc[d], so, part[po + d] * sn)
     return mn, fma32(sf, so, sc * sn)
-
-
-@njit(cache=True)
-def _vec_chunk(q16, keys, values, g, i0, i1, scale, softcap, vkq, dacc, sbuf):
-    # one_chunk over key indices i0 .. i1-1 (all visible): vkq f16-valued [DV] (reset here); -> (M, S).
-    # The scores do not depend on the softmax state: all computed first (sbuf), then the online softmax.
-    dv = vkq.shape[0]
-    for i in range(i0, i1):
-        s = dot_f16(keys, g, i, q16, dacc) * scale
-        if softcap != f32(0.0):
-            s = softcap * f32(math.tanh(s))
-        sbuf[i - i0] = s
-    for d in range(dv):
-        vkq[d] = f32(0.0)
-    S = f32(0.0)
-    M = f32(-np.inf)
-    for i in range(i0, i1):
-        M, ms, vs, new_max = _online_step(sbuf[i - i0], M)
-        if new_max:
-            for d in range(dv):
-                vkq[d] = f16r(vkq[d] * ms)
-        for d in range(dv):
-            vkq[d] = f16r(fma32(values[g, i, d], vs, vkq[d]))
-        S = fma32(S, ms, vs)
-    return M, S
-
-
-@njit(cache=True)
-def _vec_rowhead(q, keys, values, t, h, g, qpos0, kpos0, window, scale, softcap, mode, n_cells, n_chunks, out):
-    dk = q.shape[2]
-    dv = values.shape[2]
-    q16 = np.empty(dk, np.float32)
-    for d in range(dk):
-        q16[d] = f16r(q[t, h, d])
-    vkq = np.empty(dv, np.float32)
-    dacc = np.empty(64, np.float32)
-    qp = qpos0 + t
-    sbuf = np.empty(qp + 1, np.float32)
-    lo = 0 if window == 0 else max(0, qp - window + 1)   # visible positions lo .. qp
-    o0 = h * dv
-    if mode == MODE_SPLIT:
-        cs = (n_cells + n_chunks - 1) // n_chunks
-        mf = f32(-np.inf)
-        sf = f32(0.0)
-        acc = np.zeros(dv, np.float32)
-        for c in range(n_chunks):
-            a = max(c * cs, lo)
-            b = min((c + 1) * cs, n_cells, qp + 1)
-            if a >= b:
-                continue
-            mc, sc = _vec_chunk(q16, keys, values, g, a - kpos0, b - kpos0, scale, softcap, vkq, dacc, sbuf)
-            if sc == f32(0.0):
-                continue
-            mf, sf = _merge_chunk(acc, vkq, 0, mf, sf, mc, sc)
-        inv = f32(1.0) / sf if sf != f32(0.0) else f32(0.0)
-        for d in range(dv):
-            out[t, o0 + d] = acc[d] * inv
-    else:
-        mc, sc = _vec_chunk(q16, keys, values, g, lo - kpos0, qp + 1 - kpos0, scale, softcap, vkq, dacc, sbuf)
-        inv = f32(1.0) / sc if sc != f32(0.0) else f32(0.0)
-        for d in range(dv):
-            out[t, o0 + d] = vkq[d] * inv
-
-
-@njit(cache=True, parallel=True)
-def fa_vec_ref(q, keys, values, qpos0, kpos0, window, scale, softcap, mode, n_cells, n_chunks, out):
-    """The reference of :func:`fa_vec` (one (row, head) at a time, scalar code; the same bits,
-    tested ``==``): MODE_VEC / MODE_SPLIT over every (row, head) of ``q``, the form the llama.cpp
-    fixture was first matched with."""
-    T, n_head, dk = q.shape
-    grp = n_head // values.shape[0]
-    for item in prange(T * n_head):
-        t = item // n_head
-        h = item % n_head
-        _vec_rowhead(q, keys, values, t, h, h // grp, qpos0, kpos0, window, scale, softcap, mode, n_cells,
-                     n_chunks, out)
 
 
 def _shuffle(builder, v, idx):
@@ -488,7 +389,8 @@ def fa_vec(q, keys, values, qpos0, kpos0, window, scale, softcap, mode, n_cells,
     window 0: none; n_cells / n_chunks: llama.cpp's KV view length and thread count (split).
     ``q``, ``keys``, ``values`` C-contiguous float32.
 
-    The same operations per (row, head) as :func:`fa_vec_ref` (tested ``==``), organised for speed:
+    The same operations per (row, head) as the scalar reference ``fa_vec_ref`` (tests/worker/
+    attn_reference.py; tested ``==``), organised for speed:
     a work item is (row, KV head, chunk), taken by the threads as they come; it computes the
     scores of the KV head's query heads (each K row loaded once for them, ggml's 4 x 16-lane dot
     on explicit vectors), then each head's online softmax (libm ``expf``), then each head's f16
@@ -548,95 +450,36 @@ def fa_vec(q, keys, values, qpos0, kpos0, window, scale, softcap, mode, n_cells,
                     out[t, o0 + d] = pv[vo + d] * inv
 
 
-@njit(cache=True, parallel=True)
-def fa_tiled_ref(q, keys, values, qpos0, kpos0, window, scale, softcap, out):
-    """The reference of :func:`fa_tiled` (one query row at a time; the same bits, tested ``==``):
-    MODE_TILED over every (row, head) of ``q``. Work items are (head, block of TILE_Q rows):
-    the K tile is packed transposed once per block."""
-    T, n_head, dk = q.shape
-    n_kv, S_len, dv = values.shape
-    grp = n_head // n_kv
-    nqb = (T + TILE_Q - 1) // TILE_Q
-    for item in prange(n_head * nqb):
-        h = item // nqb
-        t0 = (item % nqb) * TILE_Q
-        t1 = min(T, t0 + TILE_Q)
-        g = h // grp
-        kt = np.empty((dk, TILE_KV), np.float32)      # K tile transposed
-        kq = np.empty(TILE_KV, np.float32)
-        vkq = np.zeros((t1 - t0, dv), np.float32)
-        M = np.full(t1 - t0, -np.inf, np.float32)
-        S = np.zeros(t1 - t0, np.float32)
-        qlo = qpos0 + t0
-        qhi = qpos0 + t1 - 1
-        first = 0 if window == 0 else max(0, qlo - window + 1)
-        c_start = (first // TILE_KV) * TILE_KV
-        for c0 in range(c_start, qhi + 1, TILE_KV):
-            for tk in range(TILE_KV):
-                p = c0 + tk
-                if p >= kpos0 and p <= qhi:
-                    for d in range(dk):
-                        kt[d, tk] = keys[g, p - kpos0, d]
-                else:
-                    for d in range(dk):
-                        kt[d, tk] = f32(0.0)
-            for r in range(t1 - t0):
-                qp = qlo + r
-                lo = 0 if window == 0 else max(0, qp - window + 1)
-                a = max(c0, lo)
-                b = min(c0 + TILE_KV, qp + 1)
-                if a >= b:
-                    continue
-                for tk in range(TILE_KV):
-                    kq[tk] = f32(0.0)
-                for d in range(dk):
-                    qd = q[t0 + r, h, d]
-                    for tk in range(TILE_KV):
-                        kq[tk] = fma32(kt[d, tk], qd, kq[tk])
-                for tk in range(TILE_KV):
-                    p = c0 + tk
-                    if p < a or p >= b:
-                        kq[tk] = f32(-np.inf)
-                    else:
-                        s = kq[tk] * scale
-                        if softcap != f32(0.0):
-                            s = softcap * f32(math.tanh(s))
-                        kq[tk] = s
-                tmax = f32(-np.inf)
-                for tk in range(TILE_KV):
-                    if kq[tk] > tmax:
-                        tmax = kq[tk]
-                mold = M[r]
-                mnew = max(mold, tmax)
-                if mnew > mold:
-                    ms = _expf(mold - mnew)
-                    for d in range(dv):
-                        vkq[r, d] = vkq[r, d] * ms
-                    S[r] = S[r] * ms
-                M[r] = mnew
-                tsum = 0.0
-                for bi in range(TILE_KV // 16):
-                    blk = bi * 16
-                    for tk in range(blk, blk + 16):
-                        kq[tk] = v_expf(kq[tk] - mnew)
-                    tsum += np.float64(_sum16(kq, blk))
-                S[r] = f32(np.float64(S[r]) + tsum)
-                for tk in range(a - c0, b - c0):
-                    w = kq[tk]
-                    i = c0 + tk - kpos0
-                    for d in range(dv):
-                        vkq[r, d] = fma32(w, values[g, i, d], vkq[r, d])
-        for r in range(t1 - t0):
-            inv = f32(1.0) / S[r] if S[r] != f32(0.0) else f32(0.0)
-            for d in range(dv):
-                out[t0 + r, h * dv + d] = vkq[r, d] * inv
+@njit(cache=True, inline="always")
+def _first_cell(qp, window):
+    # the first cell of the tile holding the first cell query position qp sees (window 0: none)
+    return ((0 if window == 0 else max(0, qp - window + 1)) // TILE_KV) * TILE_KV
+
+
+@njit(cache=True, inline="always")
+def _visible(qp, window, c0):
+    # the cells of the tile at c0 that query position qp sees: a .. b-1 (none where a >= b)
+    lo = 0 if window == 0 else max(0, qp - window + 1)
+    return max(c0, lo), min(c0 + TILE_KV, qp + 1)
+
+
+@njit(cache=True, inline="always")
+def _tile_kq_row(kt, q, t, h, kq):
+    # raw scores of query row t against the packed tile kt [dk, TILE_KV]: kq[tk] = the FMA chain
+    # over d in order of kt[d, tk] * q[t, h, d]
+    for tk in range(TILE_KV):
+        kq[tk] = f32(0.0)
+    for d in range(kt.shape[0]):
+        qd = q[t, h, d]
+        for tk in range(TILE_KV):
+            kq[tk] = fma32(kt[d, tk], qd, kq[tk])
 
 
 @njit(cache=True)
 def _tile_softmax(kq, c0, a, b, scale, softcap, r, M, S, vkq):
     # one row's step of the tiled path over the tile at c0 whose visible cells are a .. b-1 (kq
     # [TILE_KV]: the raw scores, replaced by the softmax weights): mask, scale (softcap), the tile
-    # maximum, the f32 accumulator's expf rescaling, ggml_v_expf and the tile sum (as fa_tiled_ref)
+    # maximum, the f32 accumulator's expf rescaling, ggml_v_expf and the tile sum (as the reference fa_tiled_ref)
     dv = vkq.shape[1]
     for tk in range(TILE_KV):
         p = c0 + tk
@@ -831,7 +674,8 @@ def _tile_kq4(kt, q, t, h, dk, kq4):
 def fa_tiled(q, keys, values, qpos0, kpos0, window, scale, softcap, out):
     """MODE_TILED over every (row, head) of ``q``; see the module docstring. Work items are
     (head, block of TILE_Q rows): the K tile is packed transposed once per block. The same
-    operations in the same order per (row, head) as :func:`fa_tiled_ref` (tested ``==``), four
+    operations in the same order per (row, head) as the scalar reference ``fa_tiled_ref``
+    (tests/worker/attn_reference.py; tested ``==``), four
     query rows at a time where all four see some cell of the tile: their scores share each K
     load, and over the cells all four see, each V load (explicit 16-lane vectors, :mod:`.simd`).
     ``q`` C-contiguous; ``keys`` / ``values`` C-contiguous (every array float32)."""
@@ -843,7 +687,7 @@ def fa_tiled(q, keys, values, qpos0, kpos0, window, scale, softcap, out):
     # every K tile transposed once per call (kp[g, c0 // TILE_KV - tile0] = the tile at c0), not once per
     # (head, row block): cells outside the given keys are zeros, as fa_tiled_ref packs them; cells
     # after a row block's last query hold their keys here (zeros there), and are masked either way
-    tile0 = (0 if window == 0 else max(0, qpos0 - window + 1)) // TILE_KV   # the first any query sees
+    tile0 = _first_cell(qpos0, window) // TILE_KV   # the first any query sees
     n_tiles = (qpos0 + T - 1) // TILE_KV + 1 - tile0
     kp = np.empty((n_kv, n_tiles, dk, TILE_KV), np.float32)
     for gi in prange(n_kv * n_tiles):
@@ -869,19 +713,13 @@ def fa_tiled(q, keys, values, qpos0, kpos0, window, scale, softcap, out):
         M = np.full(t1 - t0, -np.inf, np.float32)
         S = np.zeros(t1 - t0, np.float32)
         qlo = qpos0 + t0
-        qhi = qpos0 + t1 - 1
-        first = 0 if window == 0 else max(0, qlo - window + 1)
-        c_start = (first // TILE_KV) * TILE_KV
-        for c0 in range(c_start, qhi + 1, TILE_KV):
+        for c0 in range(_first_cell(qlo, window), qpos0 + t1, TILE_KV):
             kt = kp[g, c0 // TILE_KV - tile0]         # [dk, TILE_KV] the K tile transposed
             r = 0
             while r < t1 - t0:
                 n4 = 4 if r + 4 <= t1 - t0 else 1
                 for j in range(n4):
-                    qp = qlo + r + j
-                    lo = 0 if window == 0 else max(0, qp - window + 1)
-                    va[j] = max(c0, lo)
-                    vb[j] = min(c0 + TILE_KV, qp + 1)
+                    va[j], vb[j] = _visible(qlo + r + j, window, c0)
                     if va[j] >= vb[j]:
                         n4 = 1
                 if n4 == 4:
@@ -901,18 +739,10 @@ def fa_tiled(q, keys, values, qpos0, kpos0, window, scale, softcap, out):
                             _tile_vkq_row(kq4[j], values, g, c0 - kpos0, va[j] - c0, vb[j] - c0, r + j, vkq)
                     r += 4
                     continue
-                qp = qlo + r
-                lo = 0 if window == 0 else max(0, qp - window + 1)
-                a = max(c0, lo)
-                b = min(c0 + TILE_KV, qp + 1)
+                a, b = _visible(qlo + r, window, c0)
                 if a < b:
                     kq = kq4[0]
-                    for tk in range(TILE_KV):
-                        kq[tk] = f32(0.0)
-                    for d in range(dk):
-                        qd = q[t0 + r, h, d]
-                        for tk in range(TILE_KV):
-                            kq[tk] = fma32(kt[d, tk], qd, kq[tk])
+                    _tile_kq_row(kt, q, t0 + r, h, kq)
                     _tile_softmax(kq, c0, a, b, scale, softcap, r, M, S, vkq)
                     _tile_vkq_row(kq, values, g, c0 - kpos0, a - c0, b - c0, r, vkq)
                 r += 1
