@@ -522,6 +522,27 @@ def _tile_vkq_row(kq, values, g, i0, tk0, tk1, r, vkq):
             vkq[r, d] = fma32(w, values[g, i, d], vkq[r, d])
 
 
+@njit(cache=True, inline="always")
+def _load4(arr, o):
+    # the 64 float32 arr.flat[o .. o+63] as 4 x 16 lanes
+    return vload(arr, o), vload(arr, o + 16), vload(arr, o + 32), vload(arr, o + 48)
+
+
+@njit(cache=True, inline="always")
+def _store4(arr, o, x0, x1, x2, x3):
+    # 4 x 16 lanes to arr.flat[o .. o+63]
+    vstore(arr, o, x0)
+    vstore(arr, o + 16, x1)
+    vstore(arr, o + 32, x2)
+    vstore(arr, o + 48, x3)
+
+
+@njit(cache=True, inline="always")
+def _fma4(x0, x1, x2, x3, w, a0, a1, a2, a3):
+    # (x_i * w + a_i rounded once, lane by lane) for the 4 x 16 lanes of one 64-wide accumulator row
+    return vfma_s(x0, w, a0), vfma_s(x1, w, a1), vfma_s(x2, w, a2), vfma_s(x3, w, a3)
+
+
 @njit(cache=True)
 def _tile_vkq4(kq4, values, g, i0, tk0, tk1, r, vkq):
     # _tile_vkq_row for the 4 rows r .. r+3 over the same cells, the accumulators in registers
@@ -531,64 +552,20 @@ def _tile_vkq4(kq4, values, g, i0, tk0, tk1, r, vkq):
     step = 64 if dv % 64 == 0 else 16
     for d0 in range(0, dv, step):
         if step == 64:
-            a0 = vload(vkq, r * dv + d0)
-            a1 = vload(vkq, r * dv + d0 + 16)
-            a2 = vload(vkq, r * dv + d0 + 32)
-            a3 = vload(vkq, r * dv + d0 + 48)
-            b0 = vload(vkq, (r + 1) * dv + d0)
-            b1 = vload(vkq, (r + 1) * dv + d0 + 16)
-            b2 = vload(vkq, (r + 1) * dv + d0 + 32)
-            b3 = vload(vkq, (r + 1) * dv + d0 + 48)
-            c0 = vload(vkq, (r + 2) * dv + d0)
-            c1 = vload(vkq, (r + 2) * dv + d0 + 16)
-            c2 = vload(vkq, (r + 2) * dv + d0 + 32)
-            c3 = vload(vkq, (r + 2) * dv + d0 + 48)
-            e0 = vload(vkq, (r + 3) * dv + d0)
-            e1 = vload(vkq, (r + 3) * dv + d0 + 16)
-            e2 = vload(vkq, (r + 3) * dv + d0 + 32)
-            e3 = vload(vkq, (r + 3) * dv + d0 + 48)
+            a0, a1, a2, a3 = _load4(vkq, r * dv + d0)
+            b0, b1, b2, b3 = _load4(vkq, (r + 1) * dv + d0)
+            c0, c1, c2, c3 = _load4(vkq, (r + 2) * dv + d0)
+            e0, e1, e2, e3 = _load4(vkq, (r + 3) * dv + d0)
             for tk in range(tk0, tk1):
-                vo = (g * S_len + i0 + tk) * dv + d0
-                v0 = vload(values, vo)
-                v1 = vload(values, vo + 16)
-                v2 = vload(values, vo + 32)
-                v3 = vload(values, vo + 48)
-                w = kq4[0, tk]
-                a0 = vfma_s(v0, w, a0)
-                a1 = vfma_s(v1, w, a1)
-                a2 = vfma_s(v2, w, a2)
-                a3 = vfma_s(v3, w, a3)
-                w = kq4[1, tk]
-                b0 = vfma_s(v0, w, b0)
-                b1 = vfma_s(v1, w, b1)
-                b2 = vfma_s(v2, w, b2)
-                b3 = vfma_s(v3, w, b3)
-                w = kq4[2, tk]
-                c0 = vfma_s(v0, w, c0)
-                c1 = vfma_s(v1, w, c1)
-                c2 = vfma_s(v2, w, c2)
-                c3 = vfma_s(v3, w, c3)
-                w = kq4[3, tk]
-                e0 = vfma_s(v0, w, e0)
-                e1 = vfma_s(v1, w, e1)
-                e2 = vfma_s(v2, w, e2)
-                e3 = vfma_s(v3, w, e3)
-            vstore(vkq, r * dv + d0, a0)
-            vstore(vkq, r * dv + d0 + 16, a1)
-            vstore(vkq, r * dv + d0 + 32, a2)
-            vstore(vkq, r * dv + d0 + 48, a3)
-            vstore(vkq, (r + 1) * dv + d0, b0)
-            vstore(vkq, (r + 1) * dv + d0 + 16, b1)
-            vstore(vkq, (r + 1) * dv + d0 + 32, b2)
-            vstore(vkq, (r + 1) * dv + d0 + 48, b3)
-            vstore(vkq, (r + 2) * dv + d0, c0)
-            vstore(vkq, (r + 2) * dv + d0 + 16, c1)
-            vstore(vkq, (r + 2) * dv + d0 + 32, c2)
-            vstore(vkq, (r + 2) * dv + d0 + 48, c3)
-            vstore(vkq, (r + 3) * dv + d0, e0)
-            vstore(vkq, (r + 3) * dv + d0 + 16, e1)
-            vstore(vkq, (r + 3) * dv + d0 + 32, e2)
-            vstore(vkq, (r + 3) * dv + d0 + 48, e3)
+                v0, v1, v2, v3 = _load4(values, (g * S_len + i0 + tk) * dv + d0)
+                a0, a1, a2, a3 = _fma4(v0, v1, v2, v3, kq4[0, tk], a0, a1, a2, a3)
+                b0, b1, b2, b3 = _fma4(v0, v1, v2, v3, kq4[1, tk], b0, b1, b2, b3)
+                c0, c1, c2, c3 = _fma4(v0, v1, v2, v3, kq4[2, tk], c0, c1, c2, c3)
+                e0, e1, e2, e3 = _fma4(v0, v1, v2, v3, kq4[3, tk], e0, e1, e2, e3)
+            _store4(vkq, r * dv + d0, a0, a1, a2, a3)
+            _store4(vkq, (r + 1) * dv + d0, b0, b1, b2, b3)
+            _store4(vkq, (r + 2) * dv + d0, c0, c1, c2, c3)
+            _store4(vkq, (r + 3) * dv + d0, e0, e1, e2, e3)
         else:
             a0 = vload(vkq, r * dv + d0)
             b0 = vload(vkq, (r + 1) * dv + d0)
@@ -609,65 +586,22 @@ def _tile_vkq4(kq4, values, g, i0, tk0, tk1, r, vkq):
 @njit(cache=True)
 def _tile_kq4(kt, q, t, h, dk, kq4):
     # raw scores of the 4 query rows t .. t+3 against the packed tile kt [dk, TILE_KV]: kq4[j, tk] =
-    # the FMA chain over d in order of kt[d, tk] * q[t+j, h, d] (as fa_tiled_ref), each K load
+    # the FMA chain over d in order of kt[d, tk] * q[t+j, h, d] (as _tile_kq_row), each K load
     # shared by the 4 rows
-    a0 = vzero()
-    a1 = vzero()
-    a2 = vzero()
-    a3 = vzero()
-    b0 = vzero()
-    b1 = vzero()
-    b2 = vzero()
-    b3 = vzero()
-    c0 = vzero()
-    c1 = vzero()
-    c2 = vzero()
-    c3 = vzero()
-    e0 = vzero()
-    e1 = vzero()
-    e2 = vzero()
-    e3 = vzero()
+    a0 = a1 = a2 = a3 = vzero()
+    b0 = b1 = b2 = b3 = vzero()
+    c0 = c1 = c2 = c3 = vzero()
+    e0 = e1 = e2 = e3 = vzero()
     for d in range(dk):
-        k0 = vload(kt, d * TILE_KV)
-        k1 = vload(kt, d * TILE_KV + 16)
-        k2 = vload(kt, d * TILE_KV + 32)
-        k3 = vload(kt, d * TILE_KV + 48)
-        qd = q[t, h, d]
-        a0 = vfma_s(k0, qd, a0)
-        a1 = vfma_s(k1, qd, a1)
-        a2 = vfma_s(k2, qd, a2)
-        a3 = vfma_s(k3, qd, a3)
-        qd = q[t + 1, h, d]
-        b0 = vfma_s(k0, qd, b0)
-        b1 = vfma_s(k1, qd, b1)
-        b2 = vfma_s(k2, qd, b2)
-        b3 = vfma_s(k3, qd, b3)
-        qd = q[t + 2, h, d]
-        c0 = vfma_s(k0, qd, c0)
-        c1 = vfma_s(k1, qd, c1)
-        c2 = vfma_s(k2, qd, c2)
-        c3 = vfma_s(k3, qd, c3)
-        qd = q[t + 3, h, d]
-        e0 = vfma_s(k0, qd, e0)
-        e1 = vfma_s(k1, qd, e1)
-        e2 = vfma_s(k2, qd, e2)
-        e3 = vfma_s(k3, qd, e3)
-    vstore(kq4, 0, a0)
-    vstore(kq4, 16, a1)
-    vstore(kq4, 32, a2)
-    vstore(kq4, 48, a3)
-    vstore(kq4, 64, b0)
-    vstore(kq4, 80, b1)
-    vstore(kq4, 96, b2)
-    vstore(kq4, 112, b3)
-    vstore(kq4, 128, c0)
-    vstore(kq4, 144, c1)
-    vstore(kq4, 160, c2)
-    vstore(kq4, 176, c3)
-    vstore(kq4, 192, e0)
-    vstore(kq4, 208, e1)
-    vstore(kq4, 224, e2)
-    vstore(kq4, 240, e3)
+        k0, k1, k2, k3 = _load4(kt, d * TILE_KV)
+        a0, a1, a2, a3 = _fma4(k0, k1, k2, k3, q[t, h, d], a0, a1, a2, a3)
+        b0, b1, b2, b3 = _fma4(k0, k1, k2, k3, q[t + 1, h, d], b0, b1, b2, b3)
+        c0, c1, c2, c3 = _fma4(k0, k1, k2, k3, q[t + 2, h, d], c0, c1, c2, c3)
+        e0, e1, e2, e3 = _fma4(k0, k1, k2, k3, q[t + 3, h, d], e0, e1, e2, e3)
+    _store4(kq4, 0, a0, a1, a2, a3)
+    _store4(kq4, 64, b0, b1, b2, b3)
+    _store4(kq4, 128, c0, c1, c2, c3)
+    _store4(kq4, 192, e0, e1, e2, e3)
 
 
 @njit(cache=True, parallel=True)
