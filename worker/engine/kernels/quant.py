@@ -876,9 +876,9 @@ def _kq_empty(kind: str) -> tuple[np.ndarray, ...]:
     if kind not in _KQ_EMPTY:
         name = "Q4_K" if kind == "vq4k" else "Q6_K"
         w = QWeight.from_raw(name, np.zeros((16, 144 if kind == "vq4k" else 210), np.uint8), 16, 256)
-        arrs = (w.q, w.sc, w.mn, w.d, w.m) if kind == "vq4k" else (w.q, w.sc, w.d)
+        have = w.arrays()
         out = []
-        for a in arrs:
+        for a in (have[k] for k in (("q", "sc", "mn", "d", "m") if kind == "vq4k" else ("q", "sc", "d"))):
             e = np.zeros((0,) * a.ndim, a.dtype)
             e.flags.writeable = False
             out.append(e)
