@@ -18,9 +18,46 @@ float32 ``[n_kv, n_alloc, head_dim]`` (C-contiguous, position = cell).
 
 from __future__ import annotations
 
+import os
+
 import numba
 import numpy as np
 from numba import njit
+from numba.core import caching
+
+#: the sources whose kernels this module's compile into its own (numba's cache of a function is keyed
+#: by its own file's stamp alone: a changed callee in another file would leave a stale compiled block)
+_DEPS = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
+              for f in ("decode_kernels.py", "quant_kernels.py", "attn_kernels.py", "simd.py", "quant.py"))
+
+
+class _DepsStamp:
+    """numba cache locator part: this file's functions are stale when any of :data:`_DEPS` changed
+    (the stamp: their latest mtime and their total size)."""
+
+    _py_file: str
+
+    def get_source_stamp(self):  # type: ignore[no-untyped-def]
+        st = [os.stat(f) for f in _DEPS]
+        return max(s.st_mtime for s in st), sum(s.st_size for s in st)
+
+    @classmethod
+    def from_function(cls, py_func, py_file):  # type: ignore[no-untyped-def]
+        if os.path.abspath(py_file) != _DEPS[0]:
+            return None
+        return super().from_function(py_func, py_file)  # type: ignore[misc]
+
+
+class _UserDirLocator(_DepsStamp, caching.UserProvidedCacheLocator):
+    pass
+
+
+class _InTreeLocator(_DepsStamp, caching.InTreeCacheLocator):
+    pass
+
+
+if _UserDirLocator not in caching.CacheImpl._locator_classes:
+    caching.CacheImpl._locator_classes[:0] = [_UserDirLocator, _InTreeLocator]
 
 from .attn_kernels import _rms_norm_part, _swiglu_part, f16r, fa_vec, rope_rows
 from .quant_kernels import kq_levels, matmul_q4k_vnni, matmul_q6k_vnni
