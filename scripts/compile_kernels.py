@@ -48,7 +48,8 @@ def _ticker(t0: float, done: threading.Event) -> None:
     """A line every PROGRESS_S while compiling: a silent minute looks like a hang."""
     while not done.wait(PROGRESS_S):
         mods = tuple(m for m in (sys.modules.get("worker.engine.kernels.quant_kernels"),
-                                 sys.modules.get("worker.engine.kernels.attn_kernels")) if m is not None)
+                                 sys.modules.get("worker.engine.kernels.attn_kernels"),
+                                 sys.modules.get("worker.engine.kernels.decode_kernels")) if m is not None)
         misses, hits = _counts(mods)
         print(f"[setup]   still compiling kernels: {time.perf_counter() - t0:.0f} s, {misses} signatures "
               f"compiled and {hits} loaded so far", flush=True)
@@ -60,7 +61,7 @@ def main() -> int:
     done = threading.Event()
     threading.Thread(target=_ticker, args=(t0, done), daemon=True).start()
     try:
-        from worker.engine.kernels import attn_kernels, quant_kernels
+        from worker.engine.kernels import attn_kernels, decode_kernels, quant_kernels
         from worker.engine import compile_kernels
 
         compile_kernels()
@@ -70,7 +71,7 @@ def main() -> int:
         return 1
     finally:
         done.set()
-    misses, hits = _counts((quant_kernels, attn_kernels))
+    misses, hits = _counts((quant_kernels, attn_kernels, decode_kernels))
     print(f"[setup] quantized kernels ready in {time.perf_counter() - t0:.1f} s "
           f"({misses} signatures compiled, {hits} loaded from numba's cache)")
     return 0

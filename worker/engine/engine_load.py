@@ -90,7 +90,7 @@ def load_parts(gguf_path: str, n_ctx: int | None = None, chat_template: str | No
     if warm is not None:  # kernels from numba's cache (~0.3 s), or compiled into an empty one (tens of s)
         report("loading_kernels", 0, 1)
         warm.join()  # before any kernel runs on this thread (one numba parallel launch at a time)
-        warm_up_slices(column_slice_types(model.w.values()))
+        warm_up_slices(column_slice_types(model.w.values()), getattr(model, "decode_blocks", None) is not None)
         report("loading_kernels", 1, 1)
     resident.trim_heap()  # the load's freed temporaries (dequantization, metadata parsing) back to the OS
     token_bytes = model.kv_shape.token_bytes

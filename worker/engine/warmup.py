@@ -66,6 +66,42 @@ def compile_kernels(type_names: Iterable[str] | None = None) -> None:
     for act in FFN_ACTS:
         _load_ffn_kernels(act)
     _load_matmul_kernels(set(quant.ACT_TYPE) if type_names is None else set(type_names))
+    if type_names is None or KQUANTS & set(type_names):
+        _load_decode_kernels()
+
+
+#: the weight types of the compiled one-token llama block (``LlamaModel._decode_one``)
+KQUANTS = {"Q4_K", "Q6_K"}
+
+
+def _load_decode_kernels() -> None:
+    """The compiled one-token llama block (``kernels.decode_kernels.llama_block_t1``) and embedding
+    row (``kq_row``), which a llama model of Q4_K / Q6_K weights (in their vector forms:
+    ``quant.host_has_vnni``) decodes with: one call on zero weights of the production types (a Q4_K + Q6_K ``QConcat`` QKV, as Q4_K_M gives).
+    Nothing on a host without the vector forms (the model then decodes by the NumPy path)."""
+    from .arch.layers import RopeTable
+    from .attention import GGML_DECODE_THREADS, ggml_fa_mode
+    from .kernels import decode_kernels, quant
+
+    if not quant.host_has_vnni():
+        return
+
+    def w(name: str, rows: int, cols: int = 256) -> quant.QWeight:
+        return quant.QWeight.from_raw(name, np.zeros((rows, cols // 256 * (144 if name == "Q4_K" else 210)), np.uint8),
+                                      rows, cols)
+
+    E, nh, nkv, hd, n_ff = 256, 16, 8, 16, 256
+    mats = [quant.kquant_matvec_parts(m) for m in (quant.fuse([w("Q4_K", 384), w("Q6_K", 128)]), w("Q4_K", E),
+                                                   w("Q4_K", 2 * n_ff), w("Q6_K", E))]
+    norm = np.ones(E, np.float32)
+    norm.flags.writeable = False
+    rope = RopeTable(2, hd, 10000.0, libm=True)
+    kc, vc = np.zeros((nkv, 2, hd), np.float32), np.zeros((nkv, 2, hd), np.float32)
+    mode, n_cells = ggml_fa_mode(1, 1)
+    decode_kernels.llama_block_t1(np.zeros((1, E), np.float32), np.zeros(1, np.int64), np.float32(1e-5), norm, norm,
+                                  *mats, rope.cos, rope.sin, hd, nh, nkv, hd, kc, vc, np.float32(0.25), mode, n_cells,
+                                  GGML_DECODE_THREADS, quant.gemm_rows(1), quant.tiled_rows(1), n_ff)
+    decode_kernels.kq_row(mats[0], 0, np.zeros((1, E), np.float32)[0])    # the token's embedding row
 
 
 def _load_common_kernels() -> None:
@@ -174,12 +210,15 @@ def column_slice_types(weights: Iterable[Any]) -> set[str]:
     return {t for w in weights if isinstance(w, QConcat) for p in w.parts if isinstance(p, QWeight) for t in p.types}
 
 
-def warm_up_slices(type_names: set[str]) -> None:
+def warm_up_slices(type_names: set[str], decode: bool = False) -> None:
     """The second part of the warm-up, once the model is built (after :func:`warm_up_kernels`):
     the column-slice matmuls of ``type_names`` (:func:`column_slice_types`; a model with no
-    ``QConcat`` needs none), then LLVM's pages off the resident set. Failures are logged."""
+    ``QConcat`` needs none), the compiled one-token llama block when ``decode`` (the model decodes
+    with it: ``LlamaModel.decode_blocks``), then LLVM's pages off the resident set. Failures are logged."""
     try:
         _load_matmul_kernels(type_names, whole=False)
+        if decode:
+            _load_decode_kernels()
         # LLVM's code and tables are not run by the loaded kernels: off the resident set (~90 MiB)
         resident.drop_clean_file_pages("libllvmlite")
     except Exception:  # noqa: BLE001 - only a warm-up

@@ -867,6 +867,43 @@ class QConcat:
         return out
 
 
+_KQ_EMPTY: dict[str, tuple[np.ndarray, ...]] = {}
+
+
+def _kq_empty(kind: str) -> tuple[np.ndarray, ...]:
+    """Zero-size read-only arrays of the types of a ``kind`` ("vq4k" / "vq6k") form's arrays (its
+    ``q, sc, mn, d, m`` / ``q, sc, d``): an absent part of :func:`kquant_matvec_parts`."""
+    if kind not in _KQ_EMPTY:
+        name = "Q4_K" if kind == "vq4k" else "Q6_K"
+        w = QWeight.from_raw(name, np.zeros((16, 144 if kind == "vq4k" else 210), np.uint8), 16, 256)
+        have = w.arrays()
+        out = []
+        for a in (have[k] for k in (("q", "sc", "mn", "d", "m") if kind == "vq4k" else ("q", "sc", "d"))):
+            e = np.zeros((0,) * a.ndim, a.dtype)
+            e.flags.writeable = False
+            out.append(e)
+        _KQ_EMPTY[kind] = tuple(out)
+    return _KQ_EMPTY[kind]
+
+
+def kquant_matvec_parts(w: QWeight | QConcat | np.ndarray) -> tuple[Any, ...] | None:
+    """The arguments ``decode_kernels.kq_matvec`` takes for ``w``: ``(q4, sc4, mn4, d4, m4, n4, q6, sc6,
+    d6, n6)``, its rows as a VNNI-form Q4_K part of ``n4`` rows followed by a VNNI-form Q6_K part of
+    ``n6`` (an absent part: :func:`_kq_empty` arrays, 0 rows). None for any other matrix (another
+    form, a float32 part, or parts in another order): the compiled decode step does not take it."""
+    parts = list(w.parts) if isinstance(w, QConcat) else [w]
+    if not all(isinstance(p, QWeight) and p.kind in ("vq4k", "vq6k") for p in parts):
+        return None
+    kinds = [p.kind for p in parts if isinstance(p, QWeight)]
+    if kinds not in (["vq4k"], ["vq6k"], ["vq4k", "vq6k"]):
+        return None
+    by = {p.kind: p for p in parts if isinstance(p, QWeight)}
+    p4, p6 = by.get("vq4k"), by.get("vq6k")
+    a4 = (p4.q, p4.sc, p4.mn, p4.d, p4.m) if p4 is not None else _kq_empty("vq4k")
+    a6 = (p6.q, p6.sc, p6.d) if p6 is not None else _kq_empty("vq6k")
+    return (*a4, p4.n_rows if p4 is not None else 0, *a6, p6.n_rows if p6 is not None else 0)
+
+
 def fuse(parts: Sequence[QWeight | np.ndarray]) -> QWeight | QConcat | np.ndarray:
     """Stack ``[out_i, in]`` weights row-wise: float32 arrays concatenated; runs of adjacent
     QWeights of the same form, block and activation type merged into one QWeight; one QWeight
@@ -903,5 +940,5 @@ def fuse(parts: Sequence[QWeight | np.ndarray]) -> QWeight | QConcat | np.ndarra
 
 
 __all__ = ["ACT_TYPE", "AVX2_ENV", "FORMAT_VERSION", "LANE_ROWS", "LANE_TYPES", "PACKED_TYPES", "VNNI_ENV", "QConcat", "QWeight", "cos_sin_libm",
-           "format_tag", "fuse", "gemm_rows", "host_has_vnni", "kquant_parts", "row_groups", "tiled_rows", "quantize_activations", "quantize_q8_K_int", "set_num_threads", "supports",
+           "format_tag", "fuse", "gemm_rows", "host_has_vnni", "kquant_matvec_parts", "kquant_parts", "row_groups", "tiled_rows", "quantize_activations", "quantize_q8_K_int", "set_num_threads", "supports",
            "thread_ceiling", "unpack", "use_threads"]

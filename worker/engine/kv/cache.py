@@ -187,11 +187,19 @@ class KVEntry:
         Does not change ``tokens`` (the caller appends them once the pass returned).
         """
         t = k.shape[0]
+        self.claim(pos0, t)
+        self.k[layer, :, pos0:pos0 + t] = k.transpose(1, 0, 2)  # [n_kv, T, hd_k]
+        self.v[layer, :, pos0:pos0 + t] = v.transpose(1, 0, 2)  # [n_kv, T, hd_v]
+
+    def claim(self, pos0: int, t: int) -> None:
+        """Check that positions ``pos0 .. pos0+t-1`` fit the capacity and count them as written:
+        :meth:`store`'s bookkeeping, for a kernel that writes ``k`` / ``v[layer, :, pos0:pos0+t]`` itself.
+
+        Raises: EngineError("context_length_exceeded"): beyond the capacity.
+        """
         if pos0 + t > self.capacity:
             raise EngineError("context_length_exceeded",
                               f"KV entry holds {self.capacity} positions; cannot write {t} at {pos0}")
-        self.k[layer, :, pos0:pos0 + t] = k.transpose(1, 0, 2)  # [n_kv, T, hd_k]
-        self.v[layer, :, pos0:pos0 + t] = v.transpose(1, 0, 2)  # [n_kv, T, hd_v]
         self._written = max(self._written, pos0 + t)
 
     def keys(self, layer: int, start: int, end: int) -> np.ndarray:
