@@ -107,6 +107,11 @@ class StalledReaders:
 STALLED_READERS = StalledReaders()
 
 
+#: Seconds a connection answered before its request's body was read (a 413) keeps dropping what
+#: the client still sends before it is closed (see ``GuardedH11Protocol._close_or_linger``).
+LINGER_S = 2.0
+
+
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol plus a request-head timeout (``header_timeout_s``), idle-socket
     eviction beyond ``max_connections``, a bounded send queue with the stall timeout, and
@@ -121,6 +126,9 @@ class GuardedH11Protocol(H11Protocol):
         self._stall_timer: asyncio.TimerHandle | None = None
         self._stalled_ids: list[str] = []
         self._idle_since = self.loop.time()
+        self._linger_timer: asyncio.TimerHandle | None = None
+        self._close_now = transport.close
+        setattr(transport, "close", self._close_or_linger)  # every close of uvicorn's goes through it
         super().connection_made(transport)
         self._bound_send_queue(transport)
         self._arm_head_timer()
@@ -152,7 +160,36 @@ class GuardedH11Protocol(H11Protocol):
                      "%s:%d" % p.client if p.client else "a client", len(self.connections), self.max_connections)
             p.transport.close()
 
+    def _close_or_linger(self) -> None:
+        """Close the connection; but while the client is still sending the request's body (an
+        answer given before it was read: a 413 on its Content-Length), first send the answer and
+        a FIN, and read and drop what the client still sends for up to :data:`LINGER_S` (or
+        until it closes): closing with unread bytes resets the connection, and the client's
+        kernel then drops the answer it had not yet read (nginx's lingering close)."""
+        t = self.transport
+        if self._linger_timer is not None:
+            return  # already lingering: it ends by its timer or the client's close
+        if self.conn.their_state is not h11.SEND_BODY or t.is_closing() or not t.can_write_eof():
+            self._close_now()
+            return
+        t.write_eof()  # after the queued answer
+        self._linger_timer = self.loop.call_later(LINGER_S, self._close_now)
+        t.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        if self._linger_timer is not None:
+            return  # the rest of a body already answered: dropped
+        super().data_received(data)
+
+    def eof_received(self) -> None:
+        if self._linger_timer is not None:
+            self._close_now()
+            return
+        super().eof_received()
+
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         self._disarm_head_timer()
         self._disarm_stall_timer()
         super().connection_lost(exc)

@@ -402,6 +402,34 @@ def test_a_body_over_the_limit_is_413(router: LiveRouter) -> None:
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
+def test_a_413_reaches_a_client_still_sending_its_body(router: LiveRouter) -> None:
+    """The router answers 413 on the head; a client that goes on sending its body still reads
+    the whole answer (the connection drops the rest of the body before it closes: closing with
+    unread bytes would reset it, and the client's kernel would drop the 413)."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    from router.http.params import MAX_BODY_BYTES
+
+    u = urlsplit(router.url)
+    with socket.create_connection((u.hostname, u.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n{" % (MAX_BODY_BYTES + 2))
+        time.sleep(0.3)  # the answer is given (and the close begun) while the body is still to come
+        try:
+            for _ in range(64):
+                s.sendall(b" " * 65536)
+        except OSError as e:  # a reset: the connection was closed under the client's body
+            raise AssertionError(f"the router reset the connection under the body: {e!r}") from e
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.split(b"\r\n")[0].startswith(b"HTTP/1.1 413"), data[:300]
+    assert json.loads(body)["error"]["code"] == "request_too_large"
+
+
 def test_type_errors_name_json_types(router: LiveRouter) -> None:
     r = httpx.post(router.url + "/v1/completions", content=b"null", headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["message"].endswith("got null")
